@@ -1,0 +1,59 @@
+"""Backend selection: NumPy (always) or CuPy (optional, NVIDIA GPUs).
+
+Every op and the engine take their array module from here (`xp`), never
+`numpy.` directly on activation data, so one code base runs on both.
+
+    LOWMEM_BACKEND=numpy|cupy|auto   (environment, read at import)
+    lowmem.set_backend("numpy"|"cupy"|"auto")
+
+"auto" picks CuPy only when it imports *and* sees at least one GPU.
+"""
+import os
+
+import numpy
+
+_BACKENDS = ("numpy", "cupy", "auto")
+xp = numpy          # the active array module
+name = "numpy"      # its name
+
+
+def _cupy_usable():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:   # not installed, no driver, no device: all mean "no"
+        return False
+
+
+def set_backend(choice="auto"):
+    """Select the array module; returns its name ("numpy" or "cupy")."""
+    global xp, name
+    if choice not in _BACKENDS:
+        raise ValueError(f"unknown backend {choice!r}; expected one of {_BACKENDS}")
+    if choice == "cupy" and not _cupy_usable():
+        raise ValueError("backend 'cupy' requested but CuPy is not installed or sees no GPU "
+                         "(install lowmem[gpu] on a machine with an NVIDIA GPU, or use 'numpy')")
+    if choice == "cupy" or (choice == "auto" and _cupy_usable()):
+        import cupy
+        xp, name = cupy, "cupy"
+    else:
+        xp, name = numpy, "numpy"
+    return name
+
+
+def get_backend():
+    """The active array module (numpy or cupy)."""
+    return xp
+
+
+def array_module(a):
+    """numpy or cupy, whichever owns array `a` (Chainer's get_array_module)."""
+    return xp if name == "cupy" and isinstance(a, xp.ndarray) else numpy
+
+
+def to_numpy(a):
+    """A host NumPy array for `a` (a no-op on the NumPy backend)."""
+    return a.get() if hasattr(a, "get") else numpy.asarray(a)
+
+
+set_backend(os.environ.get("LOWMEM_BACKEND", "auto").strip().lower() or "auto")
