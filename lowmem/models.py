@@ -1,0 +1,101 @@
+"""Pre-activation ResNets (He et al. 2016, "Identity Mappings in Deep Residual Networks").
+
+Every block starts with BN -> ReLU on its input; where the shape changes, a
+1x1 projection shortcut reads that pre-activated input. Convs have no bias.
+Buffers: a block reads its input from "res", runs its branch through the
+ping-pong buffers "act0"/"act1", and adds the branch back into "res".
+"""
+from .network import Network
+
+CIFAR_WIDTHS = (16, 32, 64)
+IMAGENET_WIDTHS = (64, 128, 256, 512)
+IMAGENET_BLOCKS = {18: ("basic", (2, 2, 2, 2)), 34: ("basic", (3, 4, 6, 3)),
+                   50: ("bottleneck", (3, 4, 6, 3)), 101: ("bottleneck", (3, 4, 23, 3)),
+                   152: ("bottleneck", (3, 8, 36, 3))}
+
+
+def _basic_block(net, name, cin, width, stride):
+    """bn1-relu -> 3x3 conv (stride) -> bn2-relu -> 3x3 conv; output width channels."""
+    net.bnrelu(name + ".bn1", "res", "act0", cin)
+    if stride != 1 or cin != width:
+        net.conv(name + ".shortcut", "act0", "res", cin, width, 1, stride, 0)
+    net.conv(name + ".conv1", "act0", "act1", cin, width, 3, stride)
+    net.bnrelu(name + ".bn2", "act1", "act1", width)
+    net.conv(name + ".conv2", "act1", "act0", width, width, 3)
+    net.add(name + ".add", "act0")
+    return width
+
+
+def _bottleneck_block(net, name, cin, width, stride):
+    """bn1-relu -> 1x1 -> bn2-relu -> 3x3 (stride) -> bn3-relu -> 1x1 (x4); output 4*width."""
+    cout = 4 * width
+    net.bnrelu(name + ".bn1", "res", "act0", cin)
+    if stride != 1 or cin != cout:
+        net.conv(name + ".shortcut", "act0", "res", cin, cout, 1, stride, 0)
+    net.conv(name + ".conv1", "act0", "act1", cin, width, 1)
+    net.bnrelu(name + ".bn2", "act1", "act1", width)
+    net.conv(name + ".conv2", "act1", "act0", width, width, 3, stride)
+    net.bnrelu(name + ".bn3", "act0", "act0", width)
+    net.conv(name + ".conv3", "act0", "act1", width, cout, 1)
+    net.add(name + ".add", "act1")
+    return cout
+
+
+def _stages(net, kind, blocks_per_stage, widths, cin, first_stride=1):
+    block = _basic_block if kind == "basic" else _bottleneck_block
+    for s, (n, width) in enumerate(zip(blocks_per_stage, widths)):
+        for b in range(n):
+            stride = (first_stride if s == 0 else 2) if b == 0 else 1
+            cin = block(net, f"layer{s + 1}.{b}", cin, width, stride)
+    return cin
+
+
+def preact_resnet_cifar(depth, num_classes=10, in_channels=3, seed=0, block=None):
+    """CIFAR pre-act ResNet: depth 6n+2 (basic blocks) or 9n+2 (bottleneck blocks).
+
+    Some depths are both (56, 110, 164: depth-2 divisible by 18). By default,
+    as in He et al., depths >= 164 that are 9n+2 use bottlenecks (ResNet-164,
+    -1001) and smaller 6n+2 depths use basic blocks (ResNet-20, -56, -110);
+    `block="basic"|"bottleneck"` overrides."""
+    basic_ok = isinstance(depth, int) and depth >= 8 and (depth - 2) % 6 == 0
+    bottle_ok = isinstance(depth, int) and depth >= 11 and (depth - 2) % 9 == 0
+    if block is None:
+        block = "bottleneck" if bottle_ok and (depth >= 164 or not basic_ok) else "basic"
+    if block not in ("basic", "bottleneck"):
+        raise ValueError(f"unknown block {block!r}: expected 'basic' or 'bottleneck'")
+    if not (basic_ok if block == "basic" else bottle_ok):
+        raise ValueError(f"unsupported depth {depth!r} for {block} blocks: expected 6n+2 "
+                         f"(basic: 20, 56, 110, ...) or 9n+2 (bottleneck: 164, 1001, ...) with n >= 1")
+    kind = block
+    n = (depth - 2) // (6 if block == "basic" else 9)
+    _check_classes(num_classes, in_channels)
+    net = Network(f"preact-resnet{depth}-cifar", in_channels, num_classes, seed)
+    net.conv("conv1", "input", "res", in_channels, 16, 3)
+    c = _stages(net, kind, (n, n, n), CIFAR_WIDTHS, 16)
+    net.bnrelu("bn_final", "res", "act0", c)
+    net.head("act0", c)
+    return net
+
+
+def preact_resnet_imagenet(depth, num_classes=1000, in_channels=3, seed=0):
+    """ImageNet pre-act ResNet-18/34/50/101/152: 7x7/2 conv, BN-ReLU, 3x3/2 max-pool, 4 stages."""
+    if depth not in IMAGENET_BLOCKS:
+        raise ValueError(f"unsupported depth {depth!r} for preact_resnet_imagenet: "
+                         f"expected one of {sorted(IMAGENET_BLOCKS)}")
+    _check_classes(num_classes, in_channels)
+    kind, blocks = IMAGENET_BLOCKS[depth]
+    net = Network(f"preact-resnet{depth}-imagenet", in_channels, num_classes, seed)
+    net.conv("conv1", "input", "act0", in_channels, 64, 7, 2, 3)
+    net.bnrelu("bn1", "act0", "act0", 64)
+    net.maxpool("maxpool", "act0", "res")
+    c = _stages(net, kind, blocks, IMAGENET_WIDTHS, 64)
+    net.bnrelu("bn_final", "res", "act0", c)
+    net.head("act0", c)
+    return net
+
+
+def _check_classes(num_classes, in_channels):
+    if not isinstance(num_classes, int) or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+    if not isinstance(in_channels, int) or in_channels < 1:
+        raise ValueError(f"in_channels must be a positive int, got {in_channels!r}")

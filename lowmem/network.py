@@ -1,0 +1,136 @@
+"""The network description: parameters, BN statistics and an ordered layer list.
+
+A `Network` is data, not code: a list of `Layer` records in forward order,
+each naming the buffer it reads (`src`) and writes (`dst`) — "input",
+"act0", "act1" (ping-pong) or "res" (the residual stream) — plus the
+parameters it owns. It holds no activations and no saved state: the engine
+(lowmem/engine.py) turns it into a schedule and a memory plan.
+
+Layer ops: conv, bnrelu, add (res += src), maxpool, avgpool, linear.
+"""
+from dataclasses import dataclass, field
+
+import numpy
+
+from .backend import to_numpy
+
+
+@dataclass(eq=False)
+class Parameter:
+    """A trainable tensor: `.data`, `.grad` (same shape) and optimizer `.state`.
+
+    `decay` says whether weight decay applies by default (conv and linear
+    weights: yes; BN gamma/beta and biases: no)."""
+    name: str
+    data: object
+    grad: object = None
+    decay: bool = True
+    state: dict = field(default_factory=dict)
+
+    @property
+    def shape(self):
+        return tuple(self.data.shape)
+
+    def __repr__(self):
+        return f"Parameter({self.name!r}, shape={self.shape})"
+
+
+@dataclass
+class Layer:
+    op: str            # conv | bnrelu | add | maxpool | avgpool | linear
+    name: str
+    src: str
+    dst: str
+    k: int = 1         # kernel size (conv, maxpool)
+    stride: int = 1
+    pad: int = 0
+    cin: int = 0
+    cout: int = 0
+
+
+class Network:
+    """Layers in forward order plus their parameters (forward order, stable names)."""
+
+    def __init__(self, name, in_channels, num_classes, seed=0):
+        self.name = name
+        self.in_channels = in_channels
+        self.num_classes = num_classes
+        self.layers = []
+        self.params = {}       # name -> Parameter, in forward order
+        self.stats = {}        # name -> array: BN running mean / var
+        self._rng = numpy.random.default_rng(seed)
+
+    # -- building ---------------------------------------------------------
+    def _param(self, name, data, decay):
+        self.params[name] = Parameter(name, data, decay=decay)
+
+    def conv(self, name, src, dst, cin, cout, k, stride=1, pad=None):
+        pad = (k - 1) // 2 if pad is None else pad
+        std = numpy.sqrt(2.0 / (cin * k * k))          # He et al. (fan-in, ReLU)
+        self._param(name + ".weight", (self._rng.standard_normal((cout, cin, k, k)) * std).astype(numpy.float32), True)
+        self.layers.append(Layer("conv", name, src, dst, k, stride, pad, cin, cout))
+
+    def bnrelu(self, name, src, dst, c):
+        self._param(name + ".weight", numpy.ones(c, numpy.float32), False)   # gamma
+        self._param(name + ".bias", numpy.zeros(c, numpy.float32), False)    # beta
+        self.stats[name + ".running_mean"] = numpy.zeros(c, numpy.float32)
+        self.stats[name + ".running_var"] = numpy.ones(c, numpy.float32)
+        self.layers.append(Layer("bnrelu", name, src, dst, cin=c, cout=c))
+
+    def add(self, name, src):
+        self.layers.append(Layer("add", name, src, "res"))
+
+    def maxpool(self, name, src, dst, k=3, stride=2, pad=1):
+        self.layers.append(Layer("maxpool", name, src, dst, k, stride, pad))
+
+    def head(self, src, c):
+        """Global average pool, then the fully connected classifier (PyTorch's init)."""
+        bound = 1.0 / numpy.sqrt(c)
+        self.layers.append(Layer("avgpool", "pool", src, "feat", cin=c, cout=c))
+        self._param("fc.weight", self._rng.uniform(-bound, bound, (self.num_classes, c)).astype(numpy.float32), True)
+        self._param("fc.bias", self._rng.uniform(-bound, bound, self.num_classes).astype(numpy.float32), False)
+        self.layers.append(Layer("linear", "fc", "feat", "logits", cin=c, cout=self.num_classes))
+
+    # -- using ------------------------------------------------------------
+    def parameters(self):
+        """All Parameters in forward order."""
+        return list(self.params.values())
+
+    def num_params(self):
+        return sum(int(numpy.prod(p.shape)) for p in self.params.values())
+
+    def state_dict(self):
+        """name -> host NumPy copy, for parameters and BN running statistics."""
+        d = {n: to_numpy(p.data).copy() for n, p in self.params.items()}
+        d.update({n: to_numpy(a).copy() for n, a in self.stats.items()})
+        return d
+
+    def load_state_dict(self, d):
+        """Copy values in place; names and shapes must match exactly."""
+        expected = {n: p.shape for n, p in self.params.items()}
+        expected.update({n: tuple(a.shape) for n, a in self.stats.items()})
+        missing = [n for n in expected if n not in d]
+        extra = [n for n in d if n not in expected]
+        if missing or extra:
+            raise ValueError(f"state_dict does not match network {self.name!r}: "
+                             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                             f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}")
+        for n, shape in expected.items():
+            if tuple(numpy.shape(d[n])) != shape:
+                raise ValueError(f"state_dict entry {n!r} has shape {tuple(numpy.shape(d[n]))}, "
+                                 f"network {self.name!r} expects {shape}")
+        for n, p in self.params.items():
+            p.data[...] = _like(p.data, d[n])
+        for n, a in self.stats.items():
+            a[...] = _like(a, d[n])
+
+    def __repr__(self):
+        return f"Network({self.name!r}, layers={len(self.layers)}, params={self.num_params():,})"
+
+
+def _like(target, value):
+    """`value` as an array of target's module and dtype (host -> device when needed)."""
+    if hasattr(target, "device") and not isinstance(target, numpy.ndarray):
+        import cupy
+        return cupy.asarray(value, dtype=target.dtype)
+    return numpy.asarray(to_numpy(value), dtype=target.dtype)

@@ -1,0 +1,18 @@
+"""Pure op functions: `<op>_forward` / `<op>_backward`, outputs first.
+
+Layout: activations are channels-major, (C, N, H, W), C-contiguous unless a
+docstring says otherwise. One conv is then one GEMM over all N*H*W columns,
+and batch-norm's per-channel reductions run over contiguous rows (see
+docs/engine.md for the measurement that chose this layout).
+
+Gradient semantics, written once for every op here:
+  * activation gradients (dx) OVERWRITE their output buffer, unless the op
+    takes `accumulate=True` (residual adds, a tensor with two consumers);
+  * parameter gradients (dw, dgamma, dbeta, db) ACCUMULATE (+=).
+"""
+from .conv import conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size
+from .batchnorm import (bn_normalize_forward, bn_relu_apply_forward,
+                        relu_mask, bn_relu_backward, update_running_stats, bn_eval_relu_forward)
+from .pool import (maxpool_forward, maxpool_backward, avgpool_forward, avgpool_backward)
+from .linear import linear_forward, linear_backward
+from .loss import softmax_xent_forward, softmax_xent_backward

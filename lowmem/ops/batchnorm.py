@@ -1,0 +1,120 @@
+"""Batch-norm -> ReLU, the pre-activation unit's first half.
+
+Dimensions: C channels; M = N*H*W elements per channel.
+Layout: every array here is a (C, M) view, one contiguous row per channel.
+
+Training forward, per channel c (biased batch variance, as PyTorch):
+    mean = sum(x)/M,  var = sum((x-mean)^2)/M,  rstd = 1/sqrt(var + eps)
+    xhat = (x - mean) * rstd          <- the one tensor backward needs
+    r    = relu(gamma*xhat + beta)    <- the conv's input
+The ReLU mask is `(xhat*gamma) + beta > 0`, multiply then add, in xhat's
+dtype; the quantizer recomputes it with the same expression so the mask a
+K-bit code carries is bit-identical to the one the forward pass used.
+
+Row blocks: work that needs a temporary (squares, masks, products) runs over
+blocks of whole channel rows of at most ROW_BLOCK elements, so temporaries
+are bounded and never activation-sized.
+"""
+from ..backend import array_module
+
+ROW_BLOCK = 1 << 16
+
+
+def row_blocks(C, M, max_elems=None):
+    """Slices of channel rows, each at most max(M, max_elems) elements."""
+    rows = max(1, (max_elems or ROW_BLOCK) // max(M, 1))
+    for c0 in range(0, C, rows):
+        yield slice(c0, min(C, c0 + rows))
+
+
+def bn_normalize_forward(xhat, mean, var, rstd, x, eps):
+    """xhat (C, M), mean/var/rstd (C,) <- batch statistics of x (C, M). xhat may alias x."""
+    xp = array_module(x)
+    C, M = x.shape
+    xp.sum(x, axis=1, out=mean)
+    mean /= M
+    for r in row_blocks(C, M):
+        xr = xhat[r]
+        xp.subtract(x[r], mean[r, None], out=xr)
+        t = xp.square(xr)                       # bounded temporary (one row block)
+        xp.sum(t, axis=1, out=var[r])
+    var /= M
+    xp.add(var, eps, out=rstd)
+    xp.sqrt(rstd, out=rstd)
+    xp.reciprocal(rstd, out=rstd)
+    xhat *= rstd[:, None]
+
+
+def update_running_stats(running_mean, running_var, mean, var, M, momentum):
+    """PyTorch's rule: running = (1-m)*running + m*batch, with the UNBIASED batch variance."""
+    running_mean *= 1 - momentum
+    running_mean += momentum * mean
+    running_var *= 1 - momentum
+    running_var += (momentum * M / max(M - 1, 1)) * var
+
+
+def bn_relu_apply_forward(out, xhat, gamma, beta):
+    """out (C, M) = relu(gamma*xhat + beta); out may alias xhat."""
+    xp = array_module(out)
+    xp.multiply(xhat, gamma[:, None], out=out)
+    xp.add(out, beta[:, None], out=out)
+    xp.maximum(out, 0, out=out)
+
+
+def bn_eval_relu_forward(out, x, running_mean, running_var, gamma, beta, eps):
+    """Eval mode: out = relu(gamma*(x - running_mean)/sqrt(running_var + eps) + beta)."""
+    xp = array_module(out)
+    scale = gamma / xp.sqrt(running_var + eps)
+    xp.subtract(x, running_mean[:, None], out=out)
+    out *= scale[:, None]
+    out += beta[:, None]
+    xp.maximum(out, 0, out=out)
+
+
+def relu_mask(mask, xhat, gamma, beta):
+    """mask (C, M) bool = (xhat*gamma) + beta > 0, exactly as the forward pass decided it."""
+    xp = array_module(xhat)
+    C, M = xhat.shape
+    for r in row_blocks(C, M):
+        t = xp.multiply(xhat[r], gamma[r, None])
+        t += beta[r, None]
+        xp.greater(t, 0, out=mask[r])
+
+
+def bn_relu_backward(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, mask=None, accumulate=False):
+    """Backward through r = relu(gamma*xhat + beta), xhat = batch-normalised x.
+
+    # saved: xhat (C, M) — exact float, or decoded from a K-bit code — and rstd (C,) exact.
+    dr (C, M) is the gradient w.r.t. r and is used as scratch; dx (C, M) may alias dr.
+    mask: bool (C, M) ReLU mask; None recomputes it exactly from xhat, gamma, beta.
+    accumulate: dx += instead of dx = (a tensor whose gradient already has another contribution).
+        dy = dr * mask
+        dgamma += sum(dy * xhat),  dbeta += sum(dy)
+        dx = gamma*rstd * (dy - mean(dy) - xhat * mean(dy*xhat))
+    """
+    xp = array_module(dr)
+    C, M = dr.shape
+    for r in row_blocks(C, M):
+        dy = dr[r]
+        t = xp.multiply(xhat[r], gamma[r, None])            # bounded temporary
+        if mask is None:
+            t += beta[r, None]                              # the forward's exact expression
+            xp.multiply(dy, t > 0, out=dy)
+        else:
+            xp.multiply(dy, mask[r], out=dy)
+        sum_dy = dy.sum(axis=1)
+        xp.multiply(dy, xhat[r], out=t)
+        sum_dyx = t.sum(axis=1)
+        dgamma[r] += sum_dyx
+        dbeta[r] += sum_dy
+        # dx = a*(dy - sum_dy/M - xhat*sum_dyx/M),  a = gamma*rstd
+        xp.multiply(xhat[r], (sum_dyx / M)[:, None], out=t)
+        t += (sum_dy / M)[:, None]
+        a = (gamma[r] * rstd[r])[:, None]
+        if accumulate:
+            xp.subtract(dy, t, out=t)
+            t *= a
+            dx[r] += t
+        else:
+            xp.subtract(dy, t, out=dx[r])
+            dx[r] *= a

@@ -1,0 +1,62 @@
+"""Pooling: 3x3/2 max-pool (ImageNet stem) and global average pool (head).
+
+Dimensions: C channels, N batch, H, W input, Ho, Wo output.
+Layout: x (C, N, H, W); max-pool out (C, N, Ho, Wo); avg-pool out (N, C).
+"""
+from ..backend import array_module
+from .conv import _ranges
+
+
+def maxpool_forward(out, argmax, x, k=3, stride=2, pad=1):
+    """out (C, N, Ho, Wo) = max over each k x k window of x; argmax (uint8, same shape)
+    = index i*k + j of the first maximum in the window (row-major, as PyTorch).
+
+    Temporaries: one bool comparison per window offset, the size of `out`."""
+    xp = array_module(out)
+    H, W = x.shape[2:]
+    Ho, Wo = out.shape[2:]
+    out.fill(-xp.inf)
+    argmax.fill(0)
+    for i in range(k):
+        h0, h1 = _ranges(H, Ho, i, stride, pad)
+        for j in range(k):
+            w0, w1 = _ranges(W, Wo, j, stride, pad)
+            hs, ws = i - pad + stride * h0, j - pad + stride * w0
+            xv = x[:, :, hs:hs + stride * (h1 - h0):stride, ws:ws + stride * (w1 - w0):stride]
+            ov, av = out[:, :, h0:h1, w0:w1], argmax[:, :, h0:h1, w0:w1]
+            better = xv > ov                     # strict: the first maximum wins ties
+            xp.copyto(ov, xv, where=better)
+            xp.copyto(av, i * k + j, where=better)
+
+
+def maxpool_backward(dx, dout, argmax, k=3, stride=2, pad=1):
+    """dx (C, N, H, W) = scatter of dout (C, N, Ho, Wo) to each window's argmax.
+
+    # saved: argmax (exact window index per output)."""
+    xp = array_module(dx)
+    H, W = dx.shape[2:]
+    Ho, Wo = dout.shape[2:]
+    dx.fill(0)
+    for i in range(k):
+        h0, h1 = _ranges(H, Ho, i, stride, pad)
+        for j in range(k):
+            w0, w1 = _ranges(W, Wo, j, stride, pad)
+            hs, ws = i - pad + stride * h0, j - pad + stride * w0
+            dv = dx[:, :, hs:hs + stride * (h1 - h0):stride, ws:ws + stride * (w1 - w0):stride]
+            hit = argmax[:, :, h0:h1, w0:w1] == i * k + j
+            dv += xp.where(hit, dout[:, :, h0:h1, w0:w1], 0)
+
+
+def avgpool_forward(out, x):
+    """out (N, C) = mean of x (C, N, H, W) over H, W."""
+    xp = array_module(out)
+    xp.mean(x, axis=(2, 3), out=out.T)
+
+
+def avgpool_backward(dx, dout):
+    """dx (C, N, H, W) = dout (N, C) / (H*W), broadcast over H, W.
+
+    # saved: nothing."""
+    xp = array_module(dx)
+    H, W = dx.shape[2:]
+    xp.multiply(dout.T[:, :, None, None], 1.0 / (H * W), out=dx)

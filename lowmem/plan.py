@@ -1,0 +1,89 @@
+"""The memory plan: every array the engine allocates, listed before it exists.
+
+Each entry has a name, a kind, a shape and a dtype; its bytes are
+`prod(shape) * itemsize`, exactly what `.nbytes` of the allocated array will
+report (uint8 codes count 1 byte per element, never 0). The engine allocates
+everything from the plan in one place (`Plan.allocate`), so the plan total is
+the memory a training step holds, and a test checks the two are equal.
+
+Kinds:
+  params     trainable weights            grads      their gradients
+  optimizer  SGD momentum                 stats      BN running statistics, batch-stat scratch
+  buffers    the shared activation / gradient buffers (act0, act1, res) and tiny head buffers
+  saved      what each layer keeps for backward (x-hat or its K-bit code, rstd, argmax, FC input)
+  workspace  bounded scratch: conv im2col columns, decoded ReLU mask, max-pool indices
+"""
+from dataclasses import dataclass
+
+import numpy
+
+KINDS = ("params", "grads", "optimizer", "stats", "buffers", "saved", "workspace")
+
+
+@dataclass(frozen=True)
+class Alloc:
+    name: str
+    kind: str
+    shape: tuple
+    dtype: str
+
+    @property
+    def nbytes(self):
+        return int(numpy.prod(self.shape, dtype=numpy.int64)) * numpy.dtype(self.dtype).itemsize
+
+
+def fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+class Plan:
+    def __init__(self):
+        self.entries = []
+        self._names = set()
+
+    def add(self, name, kind, shape, dtype):
+        if kind not in KINDS:
+            raise ValueError(f"unknown plan kind {kind!r}; expected one of {KINDS}")
+        if name in self._names:
+            raise ValueError(f"duplicate plan entry {name!r}")
+        self._names.add(name)
+        self.entries.append(Alloc(name, kind, tuple(int(s) for s in shape), str(numpy.dtype(dtype))))
+
+    @property
+    def total_bytes(self):
+        return sum(e.nbytes for e in self.entries)
+
+    def bytes_by_kind(self):
+        """{kind: bytes} for every kind in KINDS (0 where the plan has none)."""
+        out = dict.fromkeys(KINDS, 0)
+        for e in self.entries:
+            out[e.kind] += e.nbytes
+        return out
+
+    def allocate(self, xp):
+        """Allocate every entry (zero-filled) on array module xp; returns {name: array}."""
+        return {e.name: xp.zeros(e.shape, dtype=e.dtype) for e in self.entries}
+
+    def report(self, max_rows=40):
+        """The table (largest entries first when long) and totals by kind."""
+        rows = self.entries
+        lines = [f"{'name':<44} {'kind':<10} {'shape':<24} {'dtype':<8} {'bytes':>12}"]
+        shown = rows if len(rows) <= max_rows else sorted(rows, key=lambda e: -e.nbytes)[:max_rows]
+        for e in shown:
+            lines.append(f"{e.name:<44} {e.kind:<10} {str(e.shape):<24} {e.dtype:<8} {e.nbytes:>12,}")
+        if len(shown) < len(rows):
+            lines.append(f"... {len(rows) - len(shown)} smaller entries not shown (largest {max_rows} above)")
+        lines.append("")
+        lines.append(f"{'kind':<10} {'entries':>8} {'bytes':>16} {'':>12}")
+        counts = {k: sum(1 for e in rows if e.kind == k) for k in KINDS}
+        for k, b in self.bytes_by_kind().items():
+            if counts[k]:
+                lines.append(f"{k:<10} {counts[k]:>8} {b:>16,} {fmt_bytes(b):>12}")
+        lines.append(f"{'total':<10} {len(rows):>8} {self.total_bytes:>16,} {fmt_bytes(self.total_bytes):>12}")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return f"Plan({len(self.entries)} entries, {fmt_bytes(self.total_bytes)})"

@@ -1,0 +1,355 @@
+"""The quantizer ladder: exact definitions -> simulated (float) -> packed.
+
+Each DESIGN §2 property is checked against its definition written out here
+(the exact mask is the engine's expression), then the packed, chunked path
+is checked to equal the simulated one bit for bit.
+"""
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from lowmem import quant as q
+
+DTYPES = (np.float64, np.float32)
+
+# (gamma, beta) per channel: signs, zero (incl. -0.0), tiny, and thresholds
+# t = -beta/gamma inside, at the edge of, and far outside the ±3 window.
+CASES = [
+    (1.0, 0.0), (1.0, 0.5), (2.0, -1.0), (0.7, 2.1), (3.0, 0.1), (-1.0, 0.3),
+    (-0.5, -0.2), (-2.0, 5.0), (-3.0, 0.1),
+    (0.0, 1.0), (0.0, -1.0), (0.0, 0.0), (-0.0, 0.5),
+    (1e-30, 1.0), (1e-30, -1.0), (-1e-30, 1.0), (-1e-30, -1.0), (1e-30, 0.0),
+    (1e-30, 1e-30), (-1e-30, 2e-30), (1e-30, -2.9e-30),
+    (1.0, 10.0), (1.0, -10.0), (-1.0, 10.0), (-1.0, -10.0),
+    (1.0, 3.0), (1.0, -3.0), (1.0, 2.99), (1.0, -2.99), (-1.0, 2.9), (-1.0, -2.9),
+    (0.01, 5.0), (0.01, -5.0), (-0.01, 5.0), (-0.01, -5.0), (1e-3, 1.0),
+    (1.0, 1e6), (1.0, -1e6),
+]
+
+
+def make_case(dtype, seed=0, m_random=200):
+    """gamma, beta (C,) and xhat (C, M): random values, values within a few
+    ulps of each channel's threshold, and fixed far/edge values."""
+    rng = np.random.default_rng(seed)
+    g = [c[0] for c in CASES] + list(rng.normal(size=8) * 2)
+    b = [c[1] for c in CASES] + list(rng.normal(size=8) * 3)
+    gamma, beta = np.array(g, dtype), np.array(b, dtype)
+    C = gamma.size
+    fixed = np.array([0.0, -0.0, 3.0, -3.0, 2.99, -2.99, 3.5, -3.5, 10.0, -10.0, 1e6, -1e6], dtype)
+    near = np.zeros((C, 9), dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        thr = -beta / gamma                       # the threshold in x̂ units
+    for c in range(C):
+        t = thr[c] if np.isfinite(thr[c]) else dtype(0)
+        lo = hi = t
+        near[c, 4] = t
+        for j in range(1, 5):                     # t ± 1..4 ulps
+            lo, hi = np.nextafter(lo, dtype(-np.inf)), np.nextafter(hi, dtype(np.inf))
+            near[c, 4 - j], near[c, 4 + j] = lo, hi
+    x = np.concatenate([(rng.normal(size=(C, m_random)) * 2).astype(dtype),
+                        np.broadcast_to(fixed, (C, fixed.size)), near], axis=1)
+    return gamma, beta, np.ascontiguousarray(x)
+
+
+def exact_mask(xhat, gamma, beta):
+    return (xhat * gamma[:, None]) + beta[:, None] > 0
+
+
+def packed_roundtrip(xhat, gamma, beta, bits):
+    qp = q.quant_params(gamma, beta, bits)
+    packed = np.empty(q.packed_nbytes(xhat.size, bits), np.uint8)
+    q.quantize_pack(packed, xhat, qp)
+    xt = np.empty_like(xhat)
+    mask = np.empty(xhat.shape, bool)
+    q.unpack_decode(xt, packed, qp, mask_out=mask)
+    return packed, xt, mask, qp
+
+
+# ---- property 1: the ReLU mask is exact -----------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", q.BITS)
+def test_mask_exact_every_element(dtype, bits):
+    gamma, beta, x = make_case(dtype)
+    want = exact_mask(x, gamma, beta)
+    _, _, mask, qp = packed_roundtrip(x, gamma, beta, bits)
+    np.testing.assert_array_equal(mask, want)
+    # the mask really is carried by the codes: code >= k
+    packed = np.empty(q.packed_nbytes(x.size, bits), np.uint8)
+    q.quantize_pack(packed, x, qp)
+    codes = np.empty(x.shape, np.uint8)
+    q.unpack_codes(codes, packed, bits)
+    np.testing.assert_array_equal(codes >= qp.k[:, None], want)
+    assert codes.max() < 2 ** bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_threshold_neighbourhood_is_really_tested(dtype):
+    # guard on make_case: the ±ulp columns straddle the threshold, so the
+    # mask flips inside them for ordinary channels
+    gamma, beta, x = make_case(dtype)
+    near = exact_mask(x, gamma, beta)[:, -9:]
+    for c, (g, b) in enumerate(CASES[:9]):
+        assert near[c].any() and not near[c].all(), (g, b)
+
+
+@pytest.mark.parametrize("bits", q.BITS)
+def test_one_sided_clamp_would_fail(bits):
+    # why both sides are clamped: with beta/gamma far outside the window the
+    # raw bin index alone puts elements on the wrong side of k
+    gamma, beta = np.array([1.0, 1.0]), np.array([10.0, -10.0])
+    x = np.array([[-5.0, 0.0, 2.0], [12.0, 2.0, -1.0]])
+    qp = q.quant_params(gamma, beta, bits)
+    raw = np.clip(np.floor((x * qp.s[:, None] - qp.lo[:, None]) / qp.w), 0, 2 ** bits - 1)
+    assert ((raw >= qp.k[:, None]) != exact_mask(x, gamma, beta)).any()
+    _, _, mask, _ = packed_roundtrip(x, gamma, beta, bits)
+    np.testing.assert_array_equal(mask, exact_mask(x, gamma, beta))
+
+
+# ---- property 2: bounded error, saturation ---------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", q.BITS)
+def test_error_bounded_inside_window(dtype, bits):
+    gamma, beta, x = make_case(dtype)
+    _, xt, _, qp = packed_roundtrip(x, gamma, beta, bits)
+    w = qp.w
+    tol = 64 * np.finfo(dtype).eps           # rounding of (u - lo)/w and of the decode
+    inside = np.abs(x) <= 3 - w / 2           # covered for every gamma, beta
+    err = np.abs(xt.astype(np.float64) - x.astype(np.float64))
+    assert inside.sum() > x.size // 2
+    assert err[inside].max() <= w / 2 + tol
+    # decoded values never leave [-3, 3]: outside the window codes saturate
+    assert np.abs(xt).max() <= 3 + tol
+
+
+@pytest.mark.parametrize("bits", q.BITS)
+def test_saturation_at_end_bins(bits):
+    gamma, beta = np.array([1.0, -1.0]), np.array([0.0, 0.0])
+    x = np.array([[-1e6, -10.0, 10.0, 1e6], [-1e6, -10.0, 10.0, 1e6]])
+    _, xt, _, qp = packed_roundtrip(x, gamma, beta, bits)
+    L, w = 2 ** bits, qp.w
+    first, last = qp.lo + 0.5 * w, qp.lo + (L - 0.5) * w   # end-bin midpoints, in u
+    np.testing.assert_array_equal(xt[0], [first[0], first[0], last[0], last[0]])
+    np.testing.assert_array_equal(xt[1], [-last[1], -last[1], -first[1], -first[1]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", q.BITS)
+def test_grid_edge_on_threshold_and_centred(dtype, bits):
+    gamma, beta, _ = make_case(dtype)
+    qp = q.quant_params(gamma, beta, bits)
+    L, w = 2 ** bits, qp.w
+    nz = gamma != 0
+    # gamma != 0: both sides keep a code; the window stays within w/2 of centred
+    assert np.all((qp.k[nz] >= 1) & (qp.k[nz] <= L - 1))
+    assert np.all(np.abs(qp.lo[nz] + 3) <= w / 2 + 8 * np.finfo(dtype).eps)
+    np.testing.assert_array_equal(qp.s, np.where(gamma < 0, -1, 1))
+    # a threshold inside the window gets a bin edge on it (up to rounding)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        t = -beta.astype(np.float64) / np.abs(gamma.astype(np.float64))
+    on = nz & (np.abs(t) < 3 - w / 2)
+    assert on.sum() > 10
+    np.testing.assert_allclose(qp.lo[on] + qp.k[on] * w, t[on], rtol=0, atol=16 * np.finfo(dtype).eps)
+    # gamma == 0: plain centred grid, k says "always" (0) or "never" (L)
+    np.testing.assert_array_equal(qp.lo[~nz], -3)
+    np.testing.assert_array_equal(qp.k[~nz], np.where(beta[~nz] > 0, 0, L))
+
+
+@pytest.mark.parametrize("bits", q.BITS)
+def test_gamma_zero_plain_grid(bits):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2, 300)) * 2
+    gamma, beta = np.array([0.0, 0.0]), np.array([0.7, -0.7])
+    _, xt, mask, qp = packed_roundtrip(x, gamma, beta, bits)
+    L, w = 2 ** bits, 6 / 2 ** bits
+    want = -3 + (np.clip(np.floor((x + 3) / w), 0, L - 1) + 0.5) * w
+    np.testing.assert_array_equal(xt, want)
+    assert mask[0].all() and not mask[1].any()
+
+
+# ---- property 3: deterministic, gamma/beta only ----------------------------
+
+@pytest.mark.parametrize("bits", q.BITS)
+def test_deterministic_and_data_independent_grid(bits):
+    gamma, beta, x = make_case(np.float32)
+    p1, x1, m1, _ = packed_roundtrip(x, gamma, beta, bits)
+    p2, x2, m2, _ = packed_roundtrip(x.copy(), gamma.copy(), beta.copy(), bits)
+    np.testing.assert_array_equal(p1, p2)
+    np.testing.assert_array_equal(x1, x2)
+    # the grid depends on gamma, beta only: a column's code does not change
+    # when the rest of the data is scaled
+    x3 = x.copy()
+    x3[:, 1:] *= 100
+    p3, xt3, _, _ = packed_roundtrip(x3, gamma, beta, bits)
+    np.testing.assert_array_equal(xt3[:, 0], x1[:, 0])
+
+
+# ---- property 4: packing -----------------------------------------------------
+
+@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 1001])
+@pytest.mark.parametrize("chunk", [8, 64, 1 << 16])
+def test_pack_unpack_bit_exact(bits, n, chunk, monkeypatch):
+    monkeypatch.setattr(q, "CHUNK", chunk)
+    rng = np.random.default_rng(n)
+    codes = rng.integers(0, 2 ** bits, size=n, dtype=np.uint8)
+    packed = np.empty(q.packed_nbytes(n, bits), np.uint8)
+    assert packed.size == -(-n * bits // 8)
+    q.pack_codes(packed, codes, bits)
+    back = np.empty(n, np.uint8)
+    q.unpack_codes(back, packed, bits)
+    np.testing.assert_array_equal(back, codes)
+    # the layout itself: element i at bit (i % (8/K))*K of byte i // (8/K)
+    per = 8 // bits
+    i = np.arange(n)
+    bit_of = (packed[i // per] >> ((i % per) * bits)) & (2 ** bits - 1)
+    np.testing.assert_array_equal(bit_of, codes)
+    # unused high bits of the last byte stay zero
+    used = (n % per) * bits
+    if used:
+        assert packed[-1] >> used == 0
+
+
+def test_pack_layout_examples():
+    out = np.empty(2, np.uint8)
+    q.pack_codes(out, np.array([1, 2, 3, 0, 1], np.uint8), 2)
+    assert out.tolist() == [1 | 2 << 2 | 3 << 4, 1]
+    out = np.empty(1, np.uint8)
+    q.pack_codes(out, np.array([0xA, 0x5], np.uint8), 4)
+    assert out.tolist() == [0x5A]
+    bits1 = np.array([1, 0, 1, 1, 0, 0, 0, 1, 1, 1], np.uint8)
+    out = np.empty(2, np.uint8)
+    q.pack_codes(out, bits1, 1)
+    np.testing.assert_array_equal(out, np.packbits(bits1, bitorder="little"))
+
+
+# ---- the ladder: packed == simulated, bit for bit ----------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", q.BITS)
+def test_packed_equals_simulated(dtype, bits):
+    gamma, beta, x = make_case(dtype, seed=2)
+    xs, ms = q.quantize_simulated(x, gamma, beta, bits)
+    _, xt, mask, _ = packed_roundtrip(x, gamma, beta, bits)
+    assert xs.dtype == dtype and xt.dtype == dtype
+    np.testing.assert_array_equal(xt, xs)
+    np.testing.assert_array_equal(mask, ms)
+    np.testing.assert_array_equal(ms, exact_mask(x, gamma, beta))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (7, 13), (5, 1001), (1, 100)])
+def test_chunk_size_does_not_change_results(dtype, bits, shape, monkeypatch):
+    # small CHUNKs split rows (M > CHUNK) and span several short rows
+    rng = np.random.default_rng(3)
+    C, M = shape
+    x = (rng.normal(size=shape) * 2).astype(dtype)
+    gamma = (rng.normal(size=C) * np.where(np.arange(C) % 3 == 2, 0, 1)).astype(dtype)
+    beta = (rng.normal(size=C) * 4).astype(dtype)
+    ref = packed_roundtrip(x, gamma, beta, bits)
+    xs, ms = q.quantize_simulated(x, gamma, beta, bits)
+    for chunk in (8, 64, 24):
+        monkeypatch.setattr(q, "CHUNK", chunk)
+        got = packed_roundtrip(x, gamma, beta, bits)
+        for a, b in zip(got[:3], ref[:3]):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(ref[1], xs)
+    np.testing.assert_array_equal(ref[2], ms)
+
+
+def test_accepts_channels_major_4d():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(3, 2, 5, 5))
+    gamma, beta = np.array([1.0, -2.0, 0.0]), np.array([0.1, 0.2, 0.3])
+    qp = q.quant_params(gamma, beta, 4)
+    packed = np.empty(q.packed_nbytes(x.size, 4), np.uint8)
+    q.quantize_pack(packed, x, qp)
+    xt = np.empty_like(x)
+    q.unpack_decode(xt, packed, qp)
+    xs, _ = q.quantize_simulated(x.reshape(3, -1), gamma, beta, 4)
+    np.testing.assert_array_equal(xt.reshape(3, -1), xs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", (4, 1))
+def test_decode_relu(dtype, bits, monkeypatch):
+    monkeypatch.setattr(q, "CHUNK", 64)
+    gamma, beta, x = make_case(dtype)
+    packed, _, _, qp = packed_roundtrip(x, gamma, beta, bits)
+    out = np.full_like(x, np.nan)
+    q.decode_relu(out, packed, qp, gamma, beta)
+    xs, ms = q.quantize_simulated(x, gamma, beta, bits)
+    want = np.where(ms, (xs * gamma[:, None]) + beta[:, None], 0)
+    np.testing.assert_array_equal(out, want)
+    assert not np.signbit(out[~ms]).any()      # masked entries are +0, not -0
+
+
+# ---- memory: scratch bounded by CHUNK, not by the array ---------------------
+
+def test_scratch_bounded_by_chunk():
+    C, M = 16, 1 << 16                              # 8 MiB of float64
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(C, M))
+    gamma, beta = rng.normal(size=C), rng.normal(size=C)
+    bits = 4
+    qp = q.quant_params(gamma, beta, bits)
+    packed = np.empty(q.packed_nbytes(x.size, bits), np.uint8)
+    xt = np.empty_like(x)
+    mask = np.empty(x.shape, bool)
+    bound = 24 * q.CHUNK + (1 << 16)               # ~20 B per chunk element + slack
+    assert bound < x.nbytes / 4
+    tracemalloc.start()
+    try:
+        for call in (lambda: q.quantize_pack(packed, x, qp),
+                     lambda: q.unpack_decode(xt, packed, qp, mask_out=mask),
+                     lambda: q.decode_relu(xt, packed, qp, gamma, beta)):
+            base = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            call()
+            peak = tracemalloc.get_traced_memory()[1] - base
+            assert peak < bound, (peak, bound)
+    finally:
+        tracemalloc.stop()
+
+
+# ---- bad input -----------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [0, 3, 16, -1, "4", 4.0, None, True])
+def test_check_bits_rejects(bad):
+    with pytest.raises(ValueError, match=r"bits must be one of \{1, 2, 4, 8\}") as e:
+        q.check_bits(bad)
+    assert repr(bad) in str(e.value)
+
+
+def test_check_bits_accepts_ints():
+    for b in (1, 2, 4, 8, np.int64(4), np.uint8(2)):
+        assert q.check_bits(b) == int(b) and type(q.check_bits(b)) is int
+    assert q.packed_nbytes(13, 1) == 2 and q.packed_nbytes(13, 8) == 13
+    assert q.packed_nbytes(0, 4) == 0
+
+
+def test_bad_shapes_and_dtypes():
+    g, b = np.ones(3), np.zeros(3)
+    with pytest.raises(ValueError, match="share dtype"):
+        q.quant_params(g, b.astype(np.float32), 4)
+    with pytest.raises(ValueError, match="equal shape"):
+        q.quant_params(g, np.zeros(4), 4)
+    qp = q.quant_params(g, b, 4)
+    x = np.zeros((3, 10))
+    with pytest.raises(ValueError, match="packed_out must be uint8 of shape \\(15,\\)"):
+        q.quantize_pack(np.empty(14, np.uint8), x, qp)
+    packed = np.empty(15, np.uint8)
+    with pytest.raises(ValueError, match="dtype float64"):
+        q.quantize_pack(packed, x.astype(np.float32), qp)
+    with pytest.raises(ValueError, match="C=3"):
+        q.quantize_pack(packed, np.zeros((5, 6)), qp)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        q.quantize_pack(packed, np.zeros((10, 3)).T, qp)
+    q.quantize_pack(packed, x, qp)
+    with pytest.raises(ValueError, match="float"):
+        q.unpack_decode(np.zeros((3, 10), np.int32), packed, qp)
+    with pytest.raises(ValueError, match="mask_out"):
+        q.unpack_decode(np.zeros((3, 10)), packed, qp, mask_out=np.zeros((3, 10), np.uint8))
