@@ -37,7 +37,7 @@ DTYPES = ("float32", "float64")
 BUFFERS = ("act0", "act1", "res")
 BN_EPS = 1e-5
 BN_MOMENTUM = 0.1
-DEFAULT_WORKSPACE_BYTES = 32 << 20
+DEFAULT_WORKSPACE_BYTES = 16 << 20
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Step:
 
     def __str__(self):
         name = self.layer.name if self.layer is not None else "loss"
-        saved = f"{self.saved} ({self.saved_bytes:,} B)" if self.saved else ""
+        saved = f"{self.saved} ({self.saved_bytes:,} B)" if self.saved_bytes else self.saved
         return (f"{self.index:>5} {self.phase:<4} {self.op:<8} {name:<24} "
                 f"{self.reads:<22} {self.writes:<16} {saved}")
 
@@ -77,7 +77,10 @@ class Schedule(list):
 
 class Engine:
     def __init__(self, net, batch_size, input_shape, mode="exact", bits=4, dtype="float32",
-                 workspace_bytes=DEFAULT_WORKSPACE_BYTES):
+                 workspace_bytes=DEFAULT_WORKSPACE_BYTES, allocate=True):
+        """allocate=False builds only the plan and the schedule (no arrays, the
+        network's parameters stay where they are): for printing what a
+        configuration would cost. Such an engine cannot train."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: expected one of {MODES}")
         quant.check_bits(bits)
@@ -95,8 +98,10 @@ class Engine:
         self.xp = backend.xp
         self._infer_shapes()
         self.plan = self._make_plan(workspace_bytes)
-        self.arrays = self.plan.allocate(self.xp)
-        self._bind_parameters()
+        self.arrays = None
+        if allocate:
+            self.arrays = self.plan.allocate(self.xp)
+            self._bind_parameters()
         self.schedule = Schedule(self._forward_steps() + self._plan_backward())
         self._x = self._labels = None
         self._n = 0
@@ -200,6 +205,9 @@ class Engine:
             self.net.stats[name] = a[name]
 
     def _check_ownership(self):
+        if self.arrays is None:
+            raise RuntimeError("this Engine was built with allocate=False: it has a plan and a "
+                               "schedule but no arrays; build it with allocate=True to run it")
         for p in self.net.parameters():
             if p.data is not self.arrays[p.name]:
                 raise RuntimeError(f"the parameters of {self.net.name} now belong to another Engine "
@@ -227,7 +235,9 @@ class Engine:
         return steps
 
     def plan_bytes(self, name):
-        return next(e.nbytes for e in self.plan.entries if e.name == name)
+        if getattr(self, "_plan_nbytes", None) is None:     # a dict: a linear scan is O(layers^2)
+            self._plan_nbytes = {e.name: e.nbytes for e in self.plan.entries}
+        return self._plan_nbytes[name]
 
     def _plan_backward(self):
         """Decide, once, which buffer holds which gradient at every backward step.
