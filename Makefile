@@ -12,10 +12,10 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 install: $(PY)
-	$(PIP) install -e .
+	$(PIP) install -e ".[fast]"
 
 install-test: $(PY)
-	$(PIP) install -e ".[test,compare]"
+	$(PIP) install -e ".[test,compare,fast]"
 
 demo: install
 	$(PY) demos/main_job.py

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from . import backend, quant
+from . import backend, fast, quant
 from .ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size,
                   bn_normalize_forward, bn_relu_apply_forward, bn_eval_relu_forward,
                   bn_relu_backward, update_running_stats, maxpool_forward, maxpool_backward,
@@ -77,10 +77,13 @@ class Schedule(list):
 
 class Engine:
     def __init__(self, net, batch_size, input_shape, mode="exact", bits=4, dtype="float32",
-                 workspace_bytes=DEFAULT_WORKSPACE_BYTES, allocate=True):
+                 workspace_bytes=DEFAULT_WORKSPACE_BYTES, allocate=True, use_fast=None):
         """allocate=False builds only the plan and the schedule (no arrays, the
         network's parameters stay where they are): for printing what a
-        configuration would cost. Such an engine cannot train."""
+        configuration would cost. Such an engine cannot train.
+
+        use_fast: the fused numba kernels of lowmem/fast.py for the BN-ReLU
+        units (None: whenever they apply; False: the NumPy reference ops)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: expected one of {MODES}")
         quant.check_bits(bits)
@@ -97,6 +100,10 @@ class Engine:
         self.N, self.input_shape = int(batch_size), input_shape
         self.xp = backend.xp
         self._infer_shapes()
+        self.use_fast = self._fast_ok(self.N) if use_fast is None else bool(use_fast)
+        if self.use_fast and not self._fast_ok(self.N):
+            raise ValueError("use_fast=True needs numba (pip install lowmem[fast]), the NumPy backend, "
+                             "float32, and N*H*W*bits divisible by 8 for every unit")
         self.plan = self._make_plan(workspace_bytes)
         self.arrays = None
         if allocate:
@@ -104,7 +111,7 @@ class Engine:
             self._bind_parameters()
         self.schedule = Schedule(self._forward_steps() + self._plan_backward())
         self._x = self._labels = None
-        self._n = 0
+        self._n, self._fast = 0, False
 
     # ------------------------------------------------------------------ shapes
     def _infer_shapes(self):
@@ -134,6 +141,13 @@ class Engine:
                                  f"would produce shape {out}")
             self.in_shape[L.name], self.out_shape[L.name] = (c, h, w), out
             shape[L.dst] = out
+
+    def _fast_ok(self, n):
+        """Whether the fused numba kernels (lowmem/fast.py) apply to every unit at batch n."""
+        bits = 8 if self.mode == "exact" else self.bits
+        return all(fast.supports(self.xp, self.dtype, n * h * w, bits)
+                   for L in self.net.layers if L.op == "bnrelu"
+                   for (_, h, w) in [self.in_shape[L.name]])
 
     # ------------------------------------------------------------------- plan
     def _slot_name(self, L):
@@ -189,7 +203,7 @@ class Engine:
                 plan.add("fc.input", "saved", (N, L.cin), dt)
         plan.add("loss.probs", "saved", (N, head.cout), dt)
         plan.add("conv.cols", "workspace", (conv_ws,), dt)
-        if self.mode != "exact":
+        if self.mode != "exact" and not self.use_fast:   # fused kernels decode the mask inline
             plan.add("relu.mask", "workspace", (max_unit,), "bool")
         return plan
 
@@ -384,6 +398,10 @@ class Engine:
         self._check_labels(labels, x.shape[0])
         self._n, self._x, self._labels = x.shape[0], x.transpose(1, 0, 2, 3), labels
         self._training = True
+        self._fast = self.use_fast and (self._n == self.N or self._fast_ok(self._n))
+        if self.use_fast and not self._fast and self.mode != "exact":
+            raise ValueError(f"batch of {self._n}: the fused {self.bits}-bit kernels need N*H*W*bits "
+                             f"divisible by 8 in every unit; use a batch that is a multiple of 8")
         for step in self.schedule:
             if step.phase == "fwd" and step.op != "loss":
                 getattr(self, "_fwd_" + step.op)(step.layer)
@@ -420,7 +438,14 @@ class Engine:
             return
         mean, var = a["bn.batch_mean"][:c], a["bn.batch_var"][:c]
         rstd = a[L.name + ".rstd"]
-        if self.mode == "exact":
+        if self._fast:                                   # one fused pass (lowmem/fast.py)
+            fast.bn_stats(mean, var, rstd, x, BN_EPS)
+            if self.mode == "exact":
+                fast.unit_forward_exact(out, self._saved_xhat(L), x, mean, rstd, g, b)
+            else:
+                fast.unit_forward_code(out, self._code(L), x, mean, rstd, g, b,
+                                       quant.quant_params(g, b, self.bits), self.mode == "naive")
+        elif self.mode == "exact":
             xhat = self._saved_xhat(L)                   # normalise straight into the saved slot
             bn_normalize_forward(xhat, mean, var, rstd, x, BN_EPS)
             bn_relu_apply_forward(out, xhat, g, b)
@@ -503,9 +528,16 @@ class Engine:
     def _bwd_bnrelu(self, step):
         L = step.layer
         g, b = self._unit_params(L)
-        xhat, mask = self._decode_xhat(L, step.scratch)
         dr = self._rows(self._view(step.dout, self.out_shape[L.name]))
         dx = self._rows(self._view(step.dest, self.in_shape[L.name]))
+        if self._fast:                                   # decodes inline: the scratch buffer stays unused
+            exact = self.mode == "exact"
+            fast.unit_backward(dx, g.grad, b.grad, dr, self._saved_xhat(L) if exact else None,
+                               None if exact else self._code(L),
+                               None if exact else quant.quant_params(g.data, b.data, self.bits),
+                               g.data, b.data, self.arrays[L.name + ".rstd"], step.accumulate)
+            return
+        xhat, mask = self._decode_xhat(L, step.scratch)
         bn_relu_backward(dx, g.grad, b.grad, dr, xhat, g.data, b.data, self.arrays[L.name + ".rstd"],
                          mask=mask, accumulate=step.accumulate)
 
@@ -514,7 +546,11 @@ class Engine:
         unit = self._conv_unit[L.name]
         g, b = (p.data for p in self._unit_params(unit))
         u = self._rows(self._view(into, self.in_shape[L.name]))
-        if self.mode == "exact":
+        if self._fast:
+            exact = self.mode == "exact"
+            fast.conv_input(u, self._saved_xhat(unit) if exact else None, None if exact else self._code(unit),
+                            None if exact else quant.quant_params(g, b, self.bits), g, b)
+        elif self.mode == "exact":
             bn_relu_apply_forward(u, self._saved_xhat(unit), g, b)
         else:
             quant.decode_relu(u, self._code(unit), quant.quant_params(g, b, self.bits), g, b)

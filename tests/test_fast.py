@@ -1,0 +1,118 @@
+"""The numba kernels (lowmem/fast.py) against the NumPy reference ops and quantizer."""
+import numpy as np
+import pytest
+
+from lowmem import fast, quant
+from lowmem.ops import bn_normalize_forward, bn_relu_apply_forward, bn_relu_backward
+
+pytestmark = pytest.mark.skipif(not fast.AVAILABLE, reason="numba not installed")
+
+F = np.float32
+
+
+def unit(C=6, M=1024, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(F)
+    gamma = rng.standard_normal(C).astype(F)
+    gamma[0], gamma[1] = 0, -1e-30             # zero and tiny gamma
+    beta = (rng.standard_normal(C) * 2).astype(F)
+    beta[2] = 10 * abs(gamma[2])               # threshold far outside the window
+    return x, gamma, beta
+
+
+def stats(x):
+    C = x.shape[0]
+    mean, var, rstd = (np.empty(C, F) for _ in range(3))
+    fast.bn_stats(mean, var, rstd, x, 1e-5)
+    return mean, var, rstd
+
+
+def test_stats_match_numpy():
+    x, _, _ = unit()
+    mean, var, rstd = stats(x)
+    ref = [np.empty(x.shape[0], F) for _ in range(3)]
+    bn_normalize_forward(np.empty_like(x), *ref, x, 1e-5)
+    for a, b in zip((mean, var, rstd), ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_exact_matches_numpy_given_same_stats():
+    x, g, b = unit()
+    mean, var, rstd = stats(x)
+    xhat, out = np.empty_like(x), np.empty_like(x)
+    fast.unit_forward_exact(out, xhat, x, mean, rstd, g, b)
+    ref_xhat = (x - mean[:, None]) * rstd[:, None]
+    ref_out = np.empty_like(x)
+    bn_relu_apply_forward(ref_out, ref_xhat, g, b)
+    assert np.array_equal(xhat, ref_xhat) and np.array_equal(out, ref_out)
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("naive", [False, True])
+def test_forward_code_equals_numpy_quantizer(bits, naive):
+    x, g, b = unit(seed=bits)
+    mean, var, rstd = stats(x)
+    xhat = (x - mean[:, None]) * rstd[:, None]
+    qp = quant.quant_params(g, b, bits)
+    packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
+    out = x.copy()
+    fast.unit_forward_code(out, packed, out, mean, rstd, g, b, qp, naive)   # in place, like the engine
+    ref = np.empty_like(packed)
+    quant.quantize_pack(ref, xhat, qp)
+    assert np.array_equal(packed, ref)
+    ref_out = np.empty_like(x)
+    if naive:
+        quant.decode_relu(ref_out, ref, qp, g, b)
+    else:
+        bn_relu_apply_forward(ref_out, xhat, g, b)
+    assert np.array_equal(out, ref_out)
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_conv_input_equals_decode_relu(bits):
+    x, g, b = unit(seed=10 + bits)
+    mean, var, rstd = stats(x)
+    xhat = (x - mean[:, None]) * rstd[:, None]
+    qp = quant.quant_params(g, b, bits)
+    packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
+    quant.quantize_pack(packed, xhat, qp)
+    u, ref = np.empty_like(x), np.empty_like(x)
+    fast.conv_input(u, None, packed, qp, g, b)
+    quant.decode_relu(ref, packed, qp, g, b)
+    assert np.array_equal(u, ref)
+    fast.conv_input(u, xhat, None, None, g, b)
+    bn_relu_apply_forward(ref, xhat, g, b)
+    assert np.array_equal(u, ref)
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4, 1])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_backward_matches_numpy(bits, accumulate):
+    x, g, b = unit(seed=20)
+    rng = np.random.default_rng(1)
+    mean, var, rstd = stats(x)
+    xhat = (x - mean[:, None]) * rstd[:, None]
+    dr = rng.standard_normal(x.shape).astype(F)
+    base = rng.standard_normal(x.shape).astype(F)
+    C = x.shape[0]
+    if bits is None:
+        qp, packed, xt, mask = None, None, xhat, None
+    else:
+        qp = quant.quant_params(g, b, bits)
+        packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
+        quant.quantize_pack(packed, xhat, qp)
+        xt, mask = np.empty_like(x), np.empty(x.shape, bool)
+        quant.unpack_decode(xt, packed, qp, mask_out=mask)
+    dx, dg, db = base.copy(), np.zeros(C, F), np.zeros(C, F)
+    fast.unit_backward(dx, dg, db, dr.copy(), xhat, packed, qp, g, b, rstd, accumulate)
+    rdx, rdg, rdb = base.copy(), np.zeros(C, F), np.zeros(C, F)
+    bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, mask=mask, accumulate=accumulate)
+    np.testing.assert_allclose(dg, rdg, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(db, rdb, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(dx, rdx, rtol=1e-4, atol=1e-4 * np.abs(rdx).max())
+
+
+def test_supports():
+    assert fast.supports(np, "float32", 1024, 4)
+    assert not fast.supports(np, "float64", 1024, 4)
+    assert not fast.supports(np, "float32", 3, 4)      # 12 bits: rows not byte-aligned
