@@ -466,7 +466,9 @@ class Engine:
 
     def _fwd_maxpool(self, L):
         co, ho, wo = self.out_shape[L.name]
-        idx = self.arrays[L.name + ".index"][:, :self._n]
+        # contiguous (co, n, ho, wo) view at the start of the workspace (not [:, :n], which is
+        # strided when n < N: reshape(-1) of it is a copy, so backward's unpack never filled idx)
+        idx = self.arrays[L.name + ".index"].reshape(-1)[:co * self._n * ho * wo].reshape(co, self._n, ho, wo)
         maxpool_forward(self._view(L.dst, self.out_shape[L.name]), idx,
                         self._view(L.src, self.in_shape[L.name]), L.k, L.stride, L.pad)
         if self._training:
@@ -574,7 +576,9 @@ class Engine:
 
     def _bwd_maxpool(self, step):
         L = step.layer
-        idx = self.arrays[L.name + ".index"][:, :self._n]
+        co, ho, wo = self.out_shape[L.name]
+        # same contiguous view as _fwd_maxpool, so unpack_codes writes idx itself (n < N too)
+        idx = self.arrays[L.name + ".index"].reshape(-1)[:co * self._n * ho * wo].reshape(co, self._n, ho, wo)
         quant.unpack_codes(idx.reshape(-1), self.arrays[L.name + ".argmax"][:quant.packed_nbytes(idx.size, 4)], 4)
         maxpool_backward(self._view(step.dest, self.in_shape[L.name]),
                          self._view(step.dout, self.out_shape[L.name]), idx, L.k, L.stride, L.pad)

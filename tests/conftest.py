@@ -1,0 +1,54 @@
+"""Shared test setup.
+
+The tests build their inputs as NumPy arrays, so they run on the NumPy
+backend whatever LOWMEM_BACKEND says (GPU checks live in benchmarks/ and
+their own scripts). Helpers shared by several test modules are fixtures here.
+
+BLAS runs single-threaded unless the environment says otherwise: the tests'
+matrices are tiny, and on a busy 2-core machine OpenBLAS's spinning threads
+made the suite 2-3x slower (timing belongs in benchmarks/, which do not set this).
+"""
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # must precede the first numpy import
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import lowmem  # noqa: E402
+from lowmem.network import Parameter  # noqa: E402
+
+lowmem.set_backend("numpy")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def central_difference(f, x, d, eps):
+    """(f(x + eps*d) - f(x - eps*d)) / (2*eps), perturbing the array x in place and restoring it."""
+    x0 = x.copy()
+    try:
+        x[...] = x0 + eps * d
+        fp = f()
+        x[...] = x0 - eps * d
+        fm = f()
+    finally:
+        x[...] = x0
+    return (fp - fm) / (2 * eps)
+
+
+@pytest.fixture
+def fd():
+    """The central-difference helper, as a fixture (test modules are not importable packages)."""
+    return central_difference
+
+
+@pytest.fixture
+def make_param():
+    """Parameter(name, float64 data, zero grad) factory for optimizer tests."""
+    def make(name, data, decay):
+        data = np.array(data, dtype=np.float64)
+        return Parameter(name, data, np.zeros_like(data), decay=decay)
+    return make

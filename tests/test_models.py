@@ -1,0 +1,200 @@
+"""Model definitions: parameter counts, depth rules, names and order, state dicts."""
+import copy
+
+import numpy as np
+import pytest
+
+from lowmem.engine import Engine
+from lowmem.models import preact_resnet_cifar, preact_resnet_imagenet
+from lowmem.optim import SGD
+
+
+def weighted_layers(net):
+    """He et al.'s depth: convs and the FC layer, projection shortcuts not counted."""
+    return sum(1 for L in net.layers if L.op in ("conv", "linear") and not L.name.endswith(".shortcut"))
+
+
+def count_params_by_hand(depth, num_classes, in_channels=3):
+    """ResNet-164-style bottleneck count written out from the architecture (He et al. 2016)."""
+    n = (depth - 2) // 9
+    total = in_channels * 16 * 9                                # stem 3x3 conv
+    cin = 16
+    for width in (16, 32, 64):
+        for b in range(n):
+            cout = 4 * width
+            total += 2 * cin                                    # bn1
+            total += cin * width                                # 1x1
+            total += 2 * width + width * width * 9              # bn2, 3x3
+            total += 2 * width + width * cout                   # bn3, 1x1
+            if b == 0:
+                total += cin * cout                             # projection shortcut
+            cin = cout
+    return total + 2 * cin + cin * num_classes + num_classes    # bn_final, fc
+
+
+def test_resnet164_parameter_count():
+    net = preact_resnet_cifar(164, num_classes=10)
+    assert net.num_params() == 1_703_258
+    assert count_params_by_hand(164, 10) == 1_703_258
+    assert sum(p.data.size for p in net.parameters()) == 1_703_258
+    assert preact_resnet_cifar(164, num_classes=100).num_params() == count_params_by_hand(164, 100)
+
+
+@pytest.mark.parametrize("depth,block,n", [(8, "basic", 1), (20, "basic", 3), (56, "basic", 9),
+                                           (110, "basic", 18), (11, "bottleneck", 1),
+                                           (29, "bottleneck", 3), (164, "bottleneck", 18)])
+def test_cifar_depth_rules(depth, block, n):
+    """6n+2 -> n basic blocks per stage; 9n+2 -> n bottlenecks; He et al.'s defaults where both fit."""
+    net = preact_resnet_cifar(depth)
+    assert weighted_layers(net) == depth
+    per_block = {"basic": 2, "bottleneck": 3}[block]
+    assert sum(1 for L in net.layers if L.op == "add") == 3 * n
+    assert sum(1 for L in net.layers if L.op == "bnrelu") == 3 * n * per_block + 1
+    assert net.params["fc.weight"].shape == (10, 64 * (4 if block == "bottleneck" else 1))
+    strided = [L.name for L in net.layers if L.op == "conv" and L.stride == 2]
+    assert strided == [f"layer{s}.0.{c}" for s in (2, 3) for c in
+                       (("shortcut", "conv1") if block == "basic" else ("shortcut", "conv2"))]
+
+
+def test_cifar_depth_1001_and_block_override():
+    net = preact_resnet_cifar(1001)
+    assert weighted_layers(net) == 1001
+    assert sum(1 for L in net.layers if L.op == "add") == 3 * 111
+    # 20, 56 and 110 are 6n+2 and 9n+2: basic by default, bottleneck on request
+    assert weighted_layers(preact_resnet_cifar(56, block="bottleneck")) == 56
+    assert any(L.name.endswith("bn3") for L in preact_resnet_cifar(56, block="bottleneck").layers)
+    assert not any(L.name.endswith("bn3") for L in preact_resnet_cifar(56).layers)
+    assert weighted_layers(preact_resnet_cifar(20, block="bottleneck")) == 20
+    with pytest.raises(ValueError, match="unsupported depth 26 for bottleneck"):
+        preact_resnet_cifar(26, block="bottleneck")
+    with pytest.raises(ValueError, match="unsupported depth 11 for basic"):
+        preact_resnet_cifar(11, block="basic")
+    with pytest.raises(ValueError, match="unknown block 'wide'"):
+        preact_resnet_cifar(20, block="wide")
+
+
+@pytest.mark.parametrize("depth", [7, 9, 10, 12, 21, 0, -4, 2, 8.0, "20", None])
+def test_unsupported_depths_raise(depth):
+    with pytest.raises(ValueError) as info:
+        preact_resnet_cifar(depth)
+    msg = str(info.value)
+    assert f"unsupported depth {depth!r}" in msg and "6n+2" in msg and "9n+2" in msg
+
+
+@pytest.mark.parametrize("depth", [18, 34, 50])
+def test_imagenet_depths(depth):
+    net = preact_resnet_imagenet(depth, num_classes=7)
+    assert weighted_layers(net) == depth
+    first = [L.op for L in net.layers[:3]]
+    assert first == ["conv", "bnrelu", "maxpool"]
+    assert (net.layers[0].k, net.layers[0].stride, net.layers[0].pad) == (7, 2, 3)
+    assert (net.layers[2].k, net.layers[2].stride, net.layers[2].pad) == (3, 2, 1)
+    assert net.params["fc.weight"].shape == (7, 512 * (4 if depth >= 50 else 1))
+
+
+@pytest.mark.parametrize("kw,words", [(dict(depth=19), ["unsupported depth 19", "18, 34, 50, 101, 152"]),
+                                      (dict(depth=18, num_classes=0), ["num_classes", "0"]),
+                                      (dict(depth=18, in_channels=0), ["in_channels", "0"])])
+def test_imagenet_bad_arguments(kw, words):
+    with pytest.raises(ValueError) as info:
+        preact_resnet_imagenet(**kw)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_cifar_bad_classes_and_channels():
+    with pytest.raises(ValueError, match="num_classes must be a positive int, got -1"):
+        preact_resnet_cifar(20, num_classes=-1)
+    with pytest.raises(ValueError, match="in_channels must be a positive int, got 2.5"):
+        preact_resnet_cifar(20, in_channels=2.5)
+    net = preact_resnet_cifar(20, num_classes=3, in_channels=1)
+    assert net.params["conv1.weight"].shape == (16, 1, 3, 3) and net.params["fc.bias"].shape == (3,)
+
+
+@pytest.mark.parametrize("build", [lambda: preact_resnet_cifar(20), lambda: preact_resnet_cifar(29),
+                                   lambda: preact_resnet_imagenet(18)])
+def test_parameters_in_forward_order_with_stable_unique_names(build):
+    net = build()
+    params = net.parameters()
+    names = [p.name for p in params]
+    assert len(set(names)) == len(names)
+    assert names == [p.name for p in build().parameters()]            # stable across builds
+    assert all(p.name == n for n, p in net.params.items())
+    # forward order: exactly the layers' parameters, layer by layer
+    expected = []
+    for L in net.layers:
+        if L.op == "conv":
+            expected.append(L.name + ".weight")
+        elif L.op in ("bnrelu", "linear"):
+            expected += [L.name + ".weight", L.name + ".bias"]
+    assert names == expected
+    assert names[0] == "conv1.weight" and names[-2:] == ["fc.weight", "fc.bias"]
+    # every BN unit has running statistics, with stable names
+    bns = [L.name for L in net.layers if L.op == "bnrelu"]
+    assert list(net.stats) == [f"{b}.{s}" for b in bns for s in ("running_mean", "running_var")]
+    # the same seed gives the same weights; another seed does not
+    np.testing.assert_array_equal(params[0].data, build().parameters()[0].data)
+
+
+def test_seed_changes_weights():
+    a, b = preact_resnet_cifar(20, seed=0), preact_resnet_cifar(20, seed=1)
+    assert not np.array_equal(a.params["conv1.weight"].data, b.params["conv1.weight"].data)
+
+
+def test_state_dict_round_trip_after_a_training_step():
+    rng = np.random.default_rng(0)
+    net = preact_resnet_cifar(8, num_classes=4)
+    eng = Engine(net, batch_size=4, input_shape=(3, 8, 8), mode="approx", bits=4)
+    opt = SGD(net.parameters(), lr=0.1)
+    x = rng.standard_normal((4, 3, 8, 8)).astype(np.float32)
+    y = np.array([0, 1, 2, 3])
+    eng.train_step(x, y, opt)
+    d = net.state_dict()
+    assert set(d) == set(net.params) | set(net.stats)
+    assert not np.array_equal(d["conv1.weight"], preact_resnet_cifar(8, num_classes=4).params["conv1.weight"].data)
+    assert not np.all(d["bn_final.running_mean"] == 0)               # the step moved the statistics
+    # the dict is a copy: training on does not change it
+    eng.train_step(x, y, opt)
+    assert not np.array_equal(d["conv1.weight"], net.params["conv1.weight"].data)
+    # load into a fresh network / engine: identical eval outputs and identical state
+    fresh = preact_resnet_cifar(8, num_classes=4, seed=5)
+    eng2 = Engine(fresh, batch_size=4, input_shape=(3, 8, 8), mode="approx", bits=4)
+    fresh.load_state_dict(d)
+    for k, v in fresh.state_dict().items():
+        np.testing.assert_array_equal(v, d[k], err_msg=k)
+    assert fresh.params["conv1.weight"].data is eng2.arrays["conv1.weight"]   # loaded in place
+    net.load_state_dict(d)
+    np.testing.assert_array_equal(eng2.predict(x), eng.predict(x))
+    # float64 values load into a float32 network
+    net.load_state_dict({k: v.astype(np.float64) for k, v in d.items()})
+    np.testing.assert_array_equal(net.state_dict()["fc.weight"], d["fc.weight"])
+
+
+def test_load_state_dict_rejects_wrong_names_and_shapes():
+    net = preact_resnet_cifar(8)
+    good = net.state_dict()
+    before = copy.deepcopy(good)
+    bad = dict(good)
+    bad["conv1.weight"] = np.zeros((16, 3, 5, 5), np.float32)
+    with pytest.raises(ValueError, match=r"'conv1.weight' has shape \(16, 3, 5, 5\).*expects \(16, 3, 3, 3\)"):
+        net.load_state_dict(bad)
+    bad = dict(good)
+    del bad["layer1.0.bn1.running_var"]
+    with pytest.raises(ValueError, match=r"missing \['layer1.0.bn1.running_var'\]"):
+        net.load_state_dict(bad)
+    bad = dict(good)
+    bad["fc.wieght"] = bad.pop("fc.weight")
+    with pytest.raises(ValueError) as info:
+        net.load_state_dict(bad)
+    assert "missing ['fc.weight']" in str(info.value) and "unexpected ['fc.wieght']" in str(info.value)
+    bad = dict(good)
+    bad["extra.weight"] = np.zeros(3)
+    with pytest.raises(ValueError, match=r"unexpected \['extra.weight'\]"):
+        net.load_state_dict(bad)
+    # a rejected load changes nothing
+    bad = dict(good)
+    bad = {k: v + 1 for k, v in bad.items()}
+    bad["fc.bias"] = np.zeros(11)
+    with pytest.raises(ValueError, match="fc.bias"):
+        net.load_state_dict(bad)
+    for k, v in net.state_dict().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
