@@ -3,8 +3,20 @@
 Backprop with Approximate Activations (Chakrabarti & Moseley, NeurIPS 2019):
 an exact forward pass through a few shared buffers, a packed K-bit copy of
 each unit's normalised activation for the backward sweep.
+
+    import lowmem as lm
+    net = lm.models.preact_resnet_cifar(depth=164)
+    eng = lm.Engine(net, batch_size=128, input_shape=(3, 32, 32), mode="approx", bits=4)
+    opt = lm.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    loss = eng.train_step(x, labels, opt)
 """
-from . import backend
+from . import backend, models
 from .backend import set_backend, get_backend
+from .engine import Engine
+from .network import Network, Parameter
+from .optim import SGD
+from .plan import Plan
 
 __version__ = "0.1.0"
+__all__ = ["backend", "models", "set_backend", "get_backend", "Engine", "Network", "Parameter",
+           "SGD", "Plan"]
