@@ -10,7 +10,7 @@ each unit's normalised activation for the backward sweep.
     opt = lm.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     loss = eng.train_step(x, labels, opt)
 """
-from . import backend, models
+from . import backend, diagnostics, models
 from .backend import set_backend, get_backend
 from .engine import Engine
 from .network import Network, Parameter
