@@ -223,6 +223,15 @@ register("diagnose", "gradient error of approx and naive modes against SGD noise
          diagnose_arguments, diagnose_command)
 
 
+# ---- train, maxbatch: they live with their concern ------------------------------
+
+from .trainer import add_train_arguments, run_train          # noqa: E402
+from .maxbatch import add_maxbatch_arguments, run_maxbatch    # noqa: E402
+
+register("train", "train a network (datasets, schedules, checkpoints, resume)", add_train_arguments, run_train)
+register("maxbatch", "the largest batch whose memory plan fits a budget", add_maxbatch_arguments, run_maxbatch)
+
+
 # ---- main ---------------------------------------------------------------------------
 
 def make_parser():

@@ -1,0 +1,212 @@
+"""The largest batch that fits a memory budget, from the memory plan alone.
+
+    max_batch(lambda: preact_resnet_cifar(164), (3, 32, 32), parse_bytes("2GiB"), "approx", 4)
+    max_batch(("preact-cifar", 164, 10), (3, 32, 32), 2 << 30, "exact")
+    lowmem maxbatch --model preact-cifar --depth 164 --budget 2GiB --mode approx --bits 4 [--verify]
+
+Nothing is allocated: each candidate batch builds `Engine(..., allocate=False)`
+and reads `plan.total_bytes`. The plan is affine in the batch size N except
+for two small kinks (the conv workspace stops growing once it reaches its
+bound; packed codes round up to whole bytes), so a few secant steps land
+next to the answer and a short bisection makes it exact: the returned N
+fits and N + 1 does not.
+
+`--verify` then allocates the engine at that batch and runs two real
+training steps on random data (diagnostics.measure_peak: tracemalloc on the
+CPU, CuPy's pool on a GPU), and checks the measured steady-state peak is
+within the budget. The input batch is the caller's array and is reported
+beside it, not counted (it is not in the plan either).
+
+What is not counted: the interpreter, imported libraries and their caches
+(NumPy, numba's compiled kernels), which a process pays once whatever the
+batch (benchmarks/compare_torch.py measures resident memory as a whole).
+"""
+import argparse
+import re
+
+from . import models, quant
+from .engine import DEFAULT_WORKSPACE_BYTES, DTYPES, MODES, Engine
+from .plan import KINDS, fmt_bytes
+
+NETS = {"preact-cifar": (models.preact_resnet_cifar, (3, 32, 32)),
+        "preact-imagenet": (models.preact_resnet_imagenet, (3, 224, 224))}
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text):
+    """'2GiB' -> 2147483648. Units: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB
+    (powers of 1024), case-insensitive; a bare number is bytes. ValueError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m:
+        raise ValueError(f"cannot read a byte count from {text!r}: expected a number and a unit, "
+                         f"e.g. 2GiB, 512MiB, 1.5GB or 1000000 (bytes)")
+    number, unit = m.group(1), m.group(2).lower()
+    if unit not in _UNITS:
+        hint = (f" ({unit.upper()} is ambiguous: say {unit[0].upper()}iB for powers of 1024 "
+                f"or {unit[0].upper()}B for powers of 1000)" if unit in ("k", "m", "g", "t") else "")
+        raise ValueError(f"unknown unit {m.group(2)!r} in {text!r}{hint}; "
+                         f"expected one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    if unit in ("", "b") and "." in number:
+        raise ValueError(f"{text!r}: a byte count must be a whole number")
+    n = int(float(number) * _UNITS[unit]) if "." in number else int(number) * _UNITS[unit]
+    if n < 1:
+        raise ValueError(f"{text!r}: the budget must be at least 1 byte")
+    return n
+
+
+def _factory(net):
+    """A callable returning the Network: `net` itself if callable, else (model, depth, classes)."""
+    if callable(net):
+        return net
+    try:
+        model, depth, classes = net
+        make = NETS[model][0]
+    except (TypeError, ValueError, KeyError):
+        raise ValueError(f"expected a network factory or (model, depth, classes) with model in "
+                         f"{sorted(NETS)}, got {net!r}") from None
+    return lambda: make(depth, num_classes=classes)
+
+
+def planned_engine(net, batch_size, input_shape, mode="approx", bits=4, dtype="float32",
+                   workspace_bytes=DEFAULT_WORKSPACE_BYTES, use_fast=None):
+    """Engine(..., allocate=False) for a network or a factory / (model, depth, classes)."""
+    if callable(net) or isinstance(net, tuple):
+        net = _factory(net)()
+    return Engine(net, batch_size, input_shape, mode, bits, dtype, workspace_bytes,
+                  allocate=False, use_fast=use_fast)
+
+
+def max_batch(net, input_shape, budget_bytes, mode="approx", bits=4, dtype="float32",
+              workspace_bytes=DEFAULT_WORKSPACE_BYTES, use_fast=None, limit=1 << 24):
+    """The largest batch N <= limit whose plan total is <= budget_bytes (N + 1 does not fit).
+
+    net: a Network factory (called once), or (model, depth, classes) with model in NETS.
+    ValueError when not even a batch of 1 fits."""
+    if not isinstance(budget_bytes, int) or budget_bytes < 1:
+        raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+    network = _factory(net)()        # an engine that does not allocate leaves the network alone
+    cache = {}
+
+    def total(n):
+        if n not in cache:
+            cache[n] = Engine(network, n, input_shape, mode, bits, dtype, workspace_bytes,
+                              allocate=False, use_fast=use_fast).plan.total_bytes
+        return cache[n]
+
+    if total(1) > budget_bytes:
+        raise ValueError(f"even a batch of 1 needs {fmt_bytes(total(1))} ({total(1):,} B), more than "
+                         f"the budget of {fmt_bytes(budget_bytes)} ({budget_bytes:,} B)")
+    # secant steps on the (nearly) affine total(N)
+    a, b = 1, 2
+    for _ in range(3):
+        slope = max(1, (total(b) - total(a)) / (b - a))
+        a, b = b, min(limit, max(1, a + int((budget_bytes - total(a)) / slope)))
+        if a == b:
+            break
+    # bracket: total(lo) <= budget < total(hi), then bisect
+    lo, hi, step = (b, None, 1) if total(b) <= budget_bytes else (None, b, 1)
+    while lo is None:
+        lo = max(1, hi - step)
+        if total(lo) > budget_bytes:
+            hi, lo, step = lo, None, step * 2
+    while hi is None:
+        nxt = min(limit, lo + step)
+        if nxt == lo:                # the limit itself fits
+            return lo
+        if total(nxt) <= budget_bytes:
+            lo, step = nxt, step * 2
+        else:
+            hi = nxt
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if total(mid) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+# ---- lowmem maxbatch ------------------------------------------------------------------
+
+def _budget(text):
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text):
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def _shape(text):
+    try:
+        shape = tuple(int(s) for s in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected CxHxW with positive integers, e.g. 3x32x32, got {text!r}")
+    return shape
+
+
+def add_maxbatch_arguments(p):
+    """Options of `lowmem maxbatch`."""
+    p.add_argument("--model", choices=sorted(NETS), default="preact-cifar", help="default: %(default)s")
+    p.add_argument("--depth", type=_positive, default=164, help="default: %(default)s")
+    p.add_argument("--classes", type=_positive, default=None,
+                   help="default: 10 for preact-cifar, 1000 for preact-imagenet")
+    p.add_argument("--input", type=_shape, default=None, metavar="CxHxW",
+                   help="one sample (default: 3x32x32 for preact-cifar, 3x224x224 for preact-imagenet)")
+    p.add_argument("--budget", type=_budget, required=True,
+                   help="memory budget, e.g. 2GiB, 512MiB, 1.5GB or 1000000 (bytes)")
+    p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
+    p.add_argument("--bits", type=int, choices=quant.BITS[::-1], default=4, help="default: %(default)s")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="default: %(default)s")
+    p.add_argument("--workspace-mib", type=_positive, default=DEFAULT_WORKSPACE_BYTES >> 20,
+                   help="bound on the conv workspace, MiB (default: %(default)s)")
+    p.add_argument("--verify", action="store_true",
+                   help="allocate at that batch, run two training steps on random data and check "
+                        "the measured peak is within the budget")
+
+
+def run_maxbatch(args):
+    """`lowmem maxbatch`: print the batch and its plan by kind; 0, or 1 when --verify fails."""
+    make, default_shape = NETS[args.model]
+    shape = args.input or default_shape
+    classes = args.classes or (10 if args.model == "preact-cifar" else 1000)
+    factory = lambda: make(args.depth, num_classes=classes, in_channels=shape[0])   # noqa: E731
+    ws = args.workspace_mib << 20
+    n = max_batch(factory, shape, args.budget, args.mode, args.bits, args.dtype, ws)
+    eng = planned_engine(factory, n, shape, args.mode, args.bits, args.dtype, ws)
+    over = planned_engine(factory, n + 1, shape, args.mode, args.bits, args.dtype, ws).plan.total_bytes
+    label = args.mode if args.mode == "exact" else f"{args.mode} {args.bits}-bit"
+    print(f"{eng.net.name}: {eng.net.num_params():,} parameters; input {'x'.join(map(str, shape))}, "
+          f"mode {label}, {args.dtype}")
+    print(f"budget {fmt_bytes(args.budget)} ({args.budget:,} B): largest batch {n} "
+          f"(batch {n + 1} would plan {fmt_bytes(over)})")
+    print(f"\nplanned at batch {n}:")
+    by = eng.plan.bytes_by_kind()
+    for k in KINDS:
+        if by[k]:
+            print(f"  {k:<10} {by[k]:>16,} {fmt_bytes(by[k]):>12}")
+    total = eng.plan.total_bytes
+    print(f"  {'total':<10} {total:>16,} {fmt_bytes(total):>12}  ({total / args.budget:.1%} of the budget)")
+    if not args.verify:
+        return 0
+    from .diagnostics import measure_peak
+    m = measure_peak(factory(), n, shape, args.mode, args.bits, args.dtype, steps=2, workspace_bytes=ws)
+    print()
+    print(m.report())
+    ok = m.peak_bytes <= args.budget
+    print(f"verify: measured steady-state peak {fmt_bytes(m.peak_bytes)} ({m.peak_bytes:,} B) is "
+          f"{'within' if ok else 'OVER'} the budget of {fmt_bytes(args.budget)} "
+          f"({m.peak_bytes / args.budget:.1%}); the input batch ({fmt_bytes(m.input_bytes)}) is not counted")
+    return 0 if ok else 1

@@ -1,0 +1,645 @@
+"""The training loop: epochs, learning-rate schedule, evaluation, metrics, checkpoints, resume.
+
+    cfg = TrainConfig(dataset="cifar10", depth=164, mode="approx", bits=4, epochs=164, out="runs/c10")
+    result = Trainer(cfg).fit()                    # a fresh run into runs/c10
+    result = Trainer(cfg, resume=True).fit()       # continue it after a stop
+
+One training step: the next shuffled batch (BatchIterator, drop_last=True, so
+every batch has the planned size) is augmented (random crop from the 4-px
+zero-padded image + horizontal flip) into a preallocated uint8 array, then
+normalised into a preallocated float array (N, C, H, W); the learning rate
+is set from the iteration count (`lr_at`); then engine.forward, a check that
+the loss is finite, engine.backward and opt.step. After every epoch the
+whole test split is evaluated with BN running statistics (engine.predict,
+last partial batch included), one line is appended to metrics.jsonl and a
+checkpoint is written atomically (lowmem.checkpoint).
+
+The run directory (`out`):
+  config.json      the run's configuration (the checkpoint holds the same)
+  plan.txt         the memory plan and the schedule of the engine
+  metrics.jsonl    one JSON object per line: an "epoch" record after every
+                   epoch, a "stop" record whenever the process stops
+  checkpoint.ckpt  the latest checkpoint: parameters, BN statistics, momentum
+                   buffers, SGD state, iteration, the augmentation RNG and the
+                   BatchIterator position, the configuration; SHA-256 checked
+
+Resume is exact: everything a step depends on is in the checkpoint and the
+learning rate is a function of the iteration, so on NumPy a run stopped at
+any step boundary (end of an epoch, SIGTERM, Ctrl-C, --time-limit) and
+resumed ends with bitwise the parameters of an uninterrupted run.
+
+Never a bad checkpoint: a non-finite loss stops the run (TrainingDiverged)
+without writing one, and every save first checks that parameters and BN
+statistics are finite, so the file on disk is always the last good state.
+A save that fails part-way leaves the previous file untouched.
+
+What it does not do: no data loading threads, no mixed precision, no
+multi-GPU, no keeping of older checkpoints (one file, replaced atomically).
+"""
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy
+from tqdm import tqdm
+
+from . import __version__, backend
+from .checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
+from .data import BatchIterator, DataError, augment, load_dataset, normalize
+from .engine import Engine
+from .models import preact_resnet_cifar
+from .optim import SGD
+from .plan import KINDS, fmt_bytes
+
+CHECKPOINT, METRICS, CONFIG, PLAN = "checkpoint.ckpt", "metrics.jsonl", "config.json", "plan.txt"
+FORMAT = "lowmem-train/1"                     # meta["format"] of a training checkpoint
+MODELS = {"preact-cifar": preact_resnet_cifar}
+SCHEDULES = ("step", "cosine", "constant")
+WARMUP_DIVISOR = 10                           # warm-up lr = lr / 10 (He et al.: 0.01 for lr 0.1)
+PAPER_WARMUP_ITERS = 400
+
+# Exit codes of `lowmem train` (run_train).
+EXIT_OK, EXIT_ERROR, EXIT_DIVERGED, EXIT_TIME_LIMIT = 0, 1, 3, 4
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}     # 128 + signal number
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything that defines a run. The FIXED fields must match when resuming."""
+    dataset: str = "cifar10"        # cifar10 | cifar100 | fashion-mnist | synthetic
+    data_dir: str = None            # where the data lives (None: the defaults of lowmem.data)
+    download: bool = True           # CIFAR only: fetch the archive when it is missing
+    pad_to: int = 32                # Fashion-MNIST only: pad 28x28 to this size (0 keeps 28)
+    limit_train: int = None         # first N training samples (synthetic: split size)
+    limit_test: int = None
+    model: str = "preact-cifar"
+    depth: int = 20
+    mode: str = "approx"            # exact | approx | naive
+    bits: int = 4
+    dtype: str = "float32"
+    batch: int = 128
+    epochs: int = 10
+    lr: float = 0.1
+    schedule: str = "step"          # step | cosine | constant
+    warmup_iters: int = None        # None: 400 (the paper), at most 5% of the run
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    nesterov: bool = False
+    augment: bool = True
+    seed: int = 0                   # network init, batch order and augmentation
+    out: str = None                 # run directory (None: write nothing)
+    time_limit: float = None        # seconds; stop with a checkpoint after this long
+    progress: bool = True           # tqdm bar (only on a terminal)
+
+    FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "dtype",
+             "batch", "augment", "seed")
+
+    def validate(self):
+        def bad(field, want):
+            raise ValueError(f"{field}={getattr(self, field)!r}: expected {want}")
+        if self.model not in MODELS:
+            bad("model", f"one of {', '.join(MODELS)}")
+        if self.schedule not in SCHEDULES:
+            bad("schedule", f"one of {', '.join(SCHEDULES)}")
+        for f in ("depth", "batch", "epochs"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                bad(f, "a positive integer")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            bad("lr", "a positive number")
+        if self.warmup_iters is not None and (not isinstance(self.warmup_iters, int) or self.warmup_iters < 0):
+            bad("warmup_iters", "an integer >= 0")
+        if self.time_limit is not None and not self.time_limit > 0:
+            bad("time_limit", "a positive number of seconds")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            bad("seed", "a non-negative integer")
+        self.out = None if self.out is None else os.fspath(self.out)
+        self.data_dir = None if self.data_dir is None else os.fspath(self.data_dir)
+        return self
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+def warmup_iters(config, total):
+    """Warm-up length: config.warmup_iters, or 400 (the paper) capped at 5% of `total` iterations."""
+    if config.warmup_iters is not None:
+        return min(config.warmup_iters, total)
+    return min(PAPER_WARMUP_ITERS, total // 20)
+
+
+def lr_at(it, total, config):
+    """Learning rate of step `it` (0-based) of a run of `total` steps.
+
+    Warm-up: lr/10 for the first warmup_iters steps. Then "step": lr, divided
+    by 10 at 50% and again at 75% of `total` (He et al.'s CIFAR recipe: 0.01
+    for 400 iterations, 0.1, 0.01 from 32k, 0.001 from 48k of 64k); "cosine":
+    lr * (1 + cos(pi * t)) / 2 with t from 0 to 1 over the steps after warm-up;
+    "constant": lr. A pure function of the step, so a resumed run continues it."""
+    w = warmup_iters(config, total)
+    if it < w:
+        return config.lr / WARMUP_DIVISOR
+    if config.schedule == "step":
+        return config.lr / 10 ** ((it >= total // 2) + (it >= (3 * total) // 4))
+    if config.schedule == "cosine":
+        return config.lr * 0.5 * (1 + math.cos(math.pi * (it - w) / max(1, total - w)))
+    return config.lr
+
+
+class TrainingDiverged(FloatingPointError):
+    """A non-finite loss or parameter: the run stopped and no checkpoint was written."""
+
+
+class ResumeError(ValueError):
+    """A checkpoint that cannot continue this run (other architecture, data or settings)."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    status: str             # "finished" | "time-limit" | "signal" | "stopped"
+    epoch: float            # epochs done (fractional after a mid-epoch stop)
+    iteration: int
+    test_acc: float         # last evaluation (None before the first)
+    test_loss: float
+    checkpoint: str         # path of the latest checkpoint (None without a run directory)
+    history: list           # this process's epoch records
+    signal: int = None
+
+
+class Trainer:
+    """One run: data, network, engine, optimizer, iterators; `fit()` trains it.
+
+    dataset: a lowmem.data.Dataset to use instead of loading config.dataset
+      (e.g. synthetic images of another size); config.dataset still names it.
+    resume: continue from out/checkpoint.ckpt (fields in TrainConfig.FIXED must match).
+    on_step(trainer, loss) after every step; on_epoch(trainer, record) after
+      every epoch. Either may call trainer.request_stop(reason).
+    log: where messages go (default: tqdm.write, which keeps bars intact)."""
+
+    def __init__(self, config, dataset=None, resume=False, on_step=None, on_epoch=None, log=None):
+        self.config = config.validate()
+        self.on_step, self.on_epoch = on_step, on_epoch
+        self.log = log or tqdm.write
+        self.out = os.fspath(config.out) if config.out is not None else None
+        self.ckpt_path = os.path.join(self.out, CHECKPOINT) if self.out else None
+        if resume and not self.out:
+            raise ResumeError("resume needs a run directory (out)")
+        if self.out and not resume and os.path.exists(self.ckpt_path):
+            raise ResumeError(f"{self.ckpt_path} already exists: pass --resume (resume=True) to continue "
+                              f"that run, or choose another --out")
+        if resume and not os.path.exists(self.ckpt_path):
+            raise ResumeError(f"nothing to resume: {self.ckpt_path} does not exist")
+        saved = load_checkpoint(self.ckpt_path) if resume else None
+        if saved is not None:
+            self._check_resumable(saved[1], self.ckpt_path)
+
+        c = config
+        self.data = dataset if dataset is not None else load_dataset(
+            c.dataset, c.data_dir, download=c.download, pad_to=c.pad_to or None,
+            limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed)
+        self.net = MODELS[c.model](c.depth, num_classes=self.data.num_classes,
+                                   in_channels=self.data.input_shape[0], seed=c.seed)
+        self.engine = Engine(self.net, c.batch, self.data.input_shape, mode=c.mode, bits=c.bits, dtype=c.dtype)
+        self.opt = SGD(self.net.parameters(), lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
+                       nesterov=c.nesterov)
+        self.batches = BatchIterator(self.data.x_train, self.data.y_train, c.batch, shuffle=True,
+                                     seed=c.seed, drop_last=True)
+        self.test_batches = BatchIterator(self.data.x_test, self.data.y_test, c.batch)
+        self.rng = numpy.random.default_rng([c.seed, 1])          # augmentation only
+        self.steps_per_epoch = len(self.batches)
+        self.total_iters = self.steps_per_epoch * c.epochs
+        # the batch pipeline's preallocated arrays: uint8 after augmentation, then the engine's dtype
+        xp, shape = self.engine.xp, (c.batch,) + self.data.input_shape
+        self._x_u8 = numpy.empty(shape, numpy.uint8)
+        self._x_u8_dev = xp.empty(shape, numpy.uint8) if xp is not numpy else self._x_u8
+        self._x = xp.empty(shape, self.engine.dtype)
+        self.iteration = 0
+        self._sums = {"loss": 0.0, "correct": 0, "seen": 0, "time": 0.0}    # of the current epoch
+        self.last_eval = None
+        self.history = []
+        self._stop = None
+        self._signal = None
+        if saved is not None:
+            self._restore(*saved)
+
+    # ----------------------------------------------------------------- info
+    def describe(self):
+        """The memory plan summary (engine.summary() and totals by kind) and the run's shape."""
+        by = self.engine.plan.bytes_by_kind()
+        c = self.config
+        lines = [self.engine.summary(), "planned memory by kind:"]
+        lines += [f"  {k:<10} {fmt_bytes(by[k]):>12}" for k in KINDS if by[k]]
+        lines.append(f"  {'total':<10} {fmt_bytes(self.engine.plan.total_bytes):>12}")
+        w = warmup_iters(c, self.total_iters)
+        lines.append(f"data: {self.data!r}")
+        lines.append(f"training: {c.epochs} epochs x {self.steps_per_epoch} steps = {self.total_iters} "
+                     f"iterations, lr {c.lr:g} ({c.schedule}"
+                     + (f", warm-up {c.lr / WARMUP_DIVISOR:g} for {w} iterations" if w else "") + ")"
+                     + (f", resuming at iteration {self.iteration}" if self.iteration else ""))
+        return "\n".join(lines)
+
+    def request_stop(self, reason="stopped"):
+        """Stop at the next step boundary, after writing a checkpoint."""
+        self._stop = self._stop or reason
+
+    # ------------------------------------------------------------------ data
+    def _batch(self, xb, yb, train):
+        """Augment (training) and normalise a uint8 batch into the preallocated arrays."""
+        n = len(xb)
+        u8 = self._x_u8[:n]
+        if train and self.config.augment:
+            augment(u8, xb, self.rng)
+        else:
+            u8[...] = xb
+        if self._x_u8_dev is not self._x_u8:
+            self._x_u8_dev[:n].set(u8)
+        x = normalize(self._x[:n], self._x_u8_dev[:n], self.data.mean, self.data.std)
+        return x, self.engine.xp.asarray(yb)
+
+    # ------------------------------------------------------------------ train
+    def fit(self):
+        """Train up to config.epochs; returns a TrainResult. Raises TrainingDiverged on a non-finite loss."""
+        t0 = time.monotonic()
+        spe = self.steps_per_epoch
+        if self.out:
+            self._prepare_run_dir()
+        with self._signal_handlers():
+            while self.iteration < self.total_iters and not self._stop:
+                epoch, b = divmod(self.iteration, spe)
+                self.batches.set_epoch(epoch, b)
+                bar = tqdm(total=spe, initial=b, desc=f"epoch {epoch + 1}/{self.config.epochs}",
+                           disable=None if self.config.progress else True, leave=False, dynamic_ncols=True)
+                for xb, yb in self.batches:
+                    loss = self._step(xb, yb)
+                    s = self._sums
+                    bar.update()
+                    bar.set_postfix_str(f"loss {s['loss'] / s['seen']:.3f} "
+                                        f"acc {s['correct'] / s['seen']:.3f} "
+                                        f"{s['seen'] / max(s['time'], 1e-9):.0f} img/s "
+                                        f"mem {fmt_bytes(self.engine.plan.total_bytes)}", refresh=False)
+                    if self.on_step:
+                        self.on_step(self, loss)
+                    if self.config.time_limit and time.monotonic() - t0 >= self.config.time_limit:
+                        self.request_stop("time-limit")
+                    if self._stop and self.iteration % spe:
+                        break                       # mid-epoch stop; at the epoch's end finish it first
+                bar.close()
+                if self.iteration % spe == 0:
+                    self._end_epoch()
+                elif self.out:
+                    self.save()
+        return self._finish()
+
+    def _step(self, xb, yb):
+        t = time.perf_counter()
+        x, y = self._batch(xb, yb, train=True)
+        self.opt.lr = lr_at(self.iteration, self.total_iters, self.config)
+        loss, logits = self.engine.forward(x, y)
+        if not math.isfinite(loss):
+            epoch, b = divmod(self.iteration, self.steps_per_epoch)
+            self._diverged(f"non-finite loss {loss} at iteration {self.iteration + 1} (epoch {epoch + 1}, "
+                           f"step {b + 1}, lr {self.opt.lr:g})")
+        self.engine.backward()
+        self.opt.step()
+        self.iteration += 1
+        s = self._sums
+        s["loss"] += loss * len(xb)
+        s["correct"] += int((logits.argmax(axis=1) == y).sum())
+        s["seen"] += len(xb)
+        s["time"] += time.perf_counter() - t
+        return loss
+
+    def _diverged(self, what):
+        msg = f"{what}: training diverged and was stopped. "
+        if self.ckpt_path and os.path.exists(self.ckpt_path):
+            it = self._checkpoint_iteration()
+            msg += (f"The last good checkpoint {self.ckpt_path} (iteration {it}) is kept; resume from it "
+                    f"with a lower --lr (the continuation then differs from the original run).")
+        else:
+            msg += "No checkpoint was written yet; start again with a lower --lr."
+        self._metrics({"event": "stop", "reason": "diverged", "message": msg, "iteration": self.iteration})
+        raise TrainingDiverged(msg)
+
+    def _checkpoint_iteration(self):
+        try:
+            return checkpoint_info(self.ckpt_path)["meta"].get("iteration", "?")
+        except CheckpointError:
+            return "?"
+
+    def evaluate(self):
+        """(mean loss, accuracy) on the whole test split, BN running statistics, last partial batch included."""
+        loss, correct, n = 0.0, 0, 0
+        self.test_batches.set_epoch(0)
+        for xb, yb in self.test_batches:
+            x, _ = self._batch(xb, yb, train=False)
+            logits = backend.to_numpy(self.engine.predict(x)).astype(numpy.float64)
+            m = logits.max(axis=1)
+            lse = m + numpy.log(numpy.exp(logits - m[:, None]).sum(axis=1))
+            loss += float((lse - logits[numpy.arange(len(yb)), yb]).sum())
+            correct += int((logits.argmax(axis=1) == yb).sum())
+            n += len(yb)
+        return loss / n, correct / n
+
+    def _end_epoch(self):
+        s, epoch = self._sums, self.iteration // self.steps_per_epoch
+        t = time.perf_counter()
+        test_loss, test_acc = self.evaluate()
+        rec = {"event": "epoch", "epoch": epoch, "iteration": self.iteration,
+               "lr": self.opt.lr, "train_loss": s["loss"] / s["seen"], "train_acc": s["correct"] / s["seen"],
+               "test_loss": test_loss, "test_acc": test_acc,
+               "images_per_s": s["seen"] / max(s["time"], 1e-9), "train_time_s": s["time"],
+               "eval_time_s": time.perf_counter() - t, "planned_bytes": self.engine.plan.total_bytes}
+        self.last_eval = {"epoch": epoch, "test_loss": test_loss, "test_acc": test_acc}
+        self.history.append(rec)
+        self._sums = {"loss": 0.0, "correct": 0, "seen": 0, "time": 0.0}
+        self.log(f"epoch {epoch}/{self.config.epochs}: train loss {rec['train_loss']:.4f} "
+                 f"acc {rec['train_acc']:.4f} | test loss {test_loss:.4f} acc {test_acc:.4f} | "
+                 f"lr {rec['lr']:g}, {rec['images_per_s']:.0f} img/s, {s['time']:.1f} s")
+        self._metrics(rec)      # metrics first: a crash before the save only repeats this epoch
+        if self.out:
+            self.save()
+        if self.on_epoch:
+            self.on_epoch(self, rec)
+
+    def _finish(self):
+        spe = self.steps_per_epoch
+        status = "finished" if self.iteration >= self.total_iters else (self._stop or "stopped")
+        ev = self.last_eval or {}
+        result = TrainResult(status, self.iteration / spe, self.iteration, ev.get("test_acc"),
+                             ev.get("test_loss"), self.ckpt_path, self.history, self._signal)
+        self._metrics({"event": "stop", "reason": status, "epoch": result.epoch, "iteration": self.iteration,
+                       "test_acc": result.test_acc})
+        if status != "finished" and self.out:
+            why = signal.Signals(self._signal).name if status == "signal" else status
+            self.log(f"stopped ({why}) at iteration {self.iteration} (epoch {result.epoch:.2f}); "
+                     f"checkpoint {self.ckpt_path}; continue with --resume")
+        return result
+
+    # ---------------------------------------------------------------- signals
+    @contextlib.contextmanager
+    def _signal_handlers(self):
+        """SIGINT / SIGTERM ask for a stop at the next step boundary (with a checkpoint);
+        a second Ctrl-C raises KeyboardInterrupt at once (the last checkpoint stays)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self._signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self._signal = signum          # no printing here: the handler may interrupt a print
+            self.request_stop("signal")
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    # ------------------------------------------------------------- checkpoints
+    def _check_finite_state(self):
+        arrays = [(n, p.data) for n, p in self.net.params.items()] + list(self.net.stats.items())
+        arrays += [(n + " (momentum)", p.state["momentum"]) for n, p in self.net.params.items()]
+        for name, a in arrays:
+            if not (math.isfinite(float(a.min())) and math.isfinite(float(a.max()))):   # NaN propagates
+                self._diverged(f"non-finite values in {name} after iteration {self.iteration}; "
+                               f"not saving them")
+
+    def save(self):
+        """Write out/checkpoint.ckpt atomically (after checking the state is finite)."""
+        self._check_finite_state()
+        arrays = {f"net/{n}": p.data for n, p in self.net.params.items()}
+        arrays.update({f"net/{n}": a for n, a in self.net.stats.items()})
+        arrays.update({f"momentum/{p.name}": p.state["momentum"] for p in self.net.parameters()})
+        meta = {"format": FORMAT, "lowmem_version": __version__, "config": self.config.to_dict(),
+                "network": {"name": self.net.name, "num_params": self.net.num_params()},
+                "iteration": self.iteration, "epoch": self.iteration / self.steps_per_epoch,
+                "optimizer": self.opt.state_dict(), "rng": self.rng.bit_generator.state,
+                "batches": self.batches.state_dict(), "epoch_sums": self._sums, "last_eval": self.last_eval}
+        save_checkpoint(self.ckpt_path, arrays, meta)
+
+    def _check_resumable(self, meta, path):
+        if meta.get("format") != FORMAT:
+            raise ResumeError(f"{path}: not a lowmem training checkpoint (format {meta.get('format')!r})")
+        saved, mine = meta["config"], self.config.to_dict()
+        diff = [f"{k} (checkpoint {saved.get(k)!r}, this run {mine[k]!r})"
+                for k in TrainConfig.FIXED if saved.get(k) != mine[k]]
+        if diff:
+            arch = any(saved.get(k) != mine[k] for k in ("model", "depth", "dataset", "pad_to"))
+            raise ResumeError(f"cannot resume from {path}: " + ("it holds a different architecture; " if arch else "")
+                              + "it differs in " + "; ".join(diff))
+        changed = [f"{k} {mine[k]!r} (checkpoint {saved.get(k)!r})" for k in mine
+                   if k not in TrainConfig.FIXED and k not in ("out", "data_dir", "progress", "time_limit",
+                                                                "download") and saved.get(k) != mine[k]]
+        if changed:
+            self.log("note: resuming with " + ", ".join(changed) + "; the continuation will differ "
+                     "from an uninterrupted run of the original settings")
+
+    def _restore(self, arrays, meta):
+        path = self.ckpt_path
+        state = {k[4:]: v for k, v in arrays.items() if k.startswith("net/")}
+        try:
+            self.net.load_state_dict(state)
+        except ValueError as e:
+            raise ResumeError(f"cannot resume from {path}: {e}") from None
+        xp = self.engine.xp
+        for p in self.net.parameters():
+            m = arrays.get(f"momentum/{p.name}")
+            if m is None or m.shape != p.shape:
+                raise ResumeError(f"cannot resume from {path}: momentum buffer of {p.name} is "
+                                  f"{'missing' if m is None else m.shape}, expected {p.shape}")
+            p.state["momentum"][...] = xp.asarray(m)
+        self.opt.load_state_dict(meta["optimizer"])
+        self.rng.bit_generator.state = meta["rng"]
+        try:
+            self.batches.load_state_dict(meta["batches"])
+        except DataError as e:
+            raise ResumeError(f"cannot resume from {path}: {e}") from None
+        self.iteration = int(meta["iteration"])
+        if divmod(self.iteration, self.steps_per_epoch) != (self.batches.epoch, self.batches.batch):
+            raise ResumeError(f"{path}: iteration {self.iteration} and batch position "
+                              f"{self.batches.epoch}:{self.batches.batch} disagree")
+        self._sums, self.last_eval = meta["epoch_sums"], meta["last_eval"]
+        self._drop_metrics_after(self.iteration)
+
+    # ----------------------------------------------------------------- metrics
+    def _metrics(self, record):
+        if not self.out:
+            return
+        os.makedirs(self.out, exist_ok=True)
+        record = {"time": time.time(), **record}
+        with open(os.path.join(self.out, METRICS), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _drop_metrics_after(self, iteration):
+        """Epoch records past the checkpoint will be written again by the resumed run."""
+        path = os.path.join(self.out, METRICS)
+        if not os.path.exists(path):
+            return
+        keep = [r for r in read_metrics(self.out) if not (r.get("event") == "epoch" and r["iteration"] > iteration)]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+        os.replace(path + ".tmp", path)
+
+    def _prepare_run_dir(self):
+        """Create `out`; write config.json and plan.txt (a fresh run also starts metrics.jsonl anew)."""
+        os.makedirs(self.out, exist_ok=True)
+        with open(os.path.join(self.out, CONFIG), "w") as f:
+            json.dump(self.config.to_dict(), f, indent=2)
+        with open(os.path.join(self.out, PLAN), "w") as f:
+            f.write(self.engine.summary() + "\n\n" + self.engine.plan.report(max_rows=10 ** 6)
+                    + "\n\n" + self.engine.schedule.__str__(max_rows=10 ** 6) + "\n")
+        if self.iteration == 0 and os.path.exists(os.path.join(self.out, METRICS)):
+            os.remove(os.path.join(self.out, METRICS))
+
+
+def read_metrics(run_dir):
+    """The records of run_dir/metrics.jsonl as a list of dicts (a torn last line is skipped)."""
+    out = []
+    with open(os.path.join(run_dir, METRICS)) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def load_model_state(path, net):
+    """Load the parameters and BN statistics of a training checkpoint into `net`.
+
+    Raises CheckpointError for a damaged file and ResumeError (a ValueError)
+    naming the mismatch when the checkpoint holds another architecture."""
+    arrays, meta = load_checkpoint(path)
+    state = {k[4:]: v for k, v in arrays.items() if k.startswith("net/")}
+    try:
+        net.load_state_dict(state)
+    except ValueError as e:
+        name = meta.get("network", {}).get("name", "?")
+        raise ResumeError(f"{path} holds {name}, not {net.name}: {e}") from None
+    return meta
+
+
+# --------------------------------------------------------------------------- command line
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+PER_INVOCATION = ("time_limit",)        # not taken over from the checkpoint by --resume
+
+
+def add_train_arguments(parser):
+    """Add the `lowmem train` options to an argparse parser.
+
+    Options left out are absent from the namespace (default SUPPRESS), so a
+    resumed run takes them from its checkpoint; run_train fills the rest from
+    TrainConfig's defaults."""
+    S = argparse.SUPPRESS
+
+    def opt(flag, field, help, **kw):
+        default = _FIELDS[field].default
+        help += "" if default is None else f" (default: {default})"
+        parser.add_argument(flag, dest=field, default=S, help=help, **kw)
+
+    opt("--dataset", "dataset", "cifar10 | cifar100 | fashion-mnist | synthetic",
+        choices=("cifar10", "cifar100", "fashion-mnist", "synthetic"))
+    opt("--data", "data_dir", "directory holding the dataset files", metavar="DIR")
+    parser.add_argument("--no-download", dest="download", action="store_false", default=S,
+                        help="never download CIFAR; fail if the files are missing")
+    opt("--pad-to", "pad_to", "Fashion-MNIST: zero-pad the 28x28 images to this size (0 keeps 28)", type=int,
+        metavar="SIZE")
+    opt("--limit-train", "limit_train", "use the first N training images (synthetic: how many)",
+        type=int, metavar="N")
+    opt("--limit-test", "limit_test", "use the first N test images", type=int, metavar="N")
+    opt("--model", "model", "network family", choices=tuple(MODELS))
+    opt("--depth", "depth", "ResNet depth: 6n+2 (basic blocks) or 9n+2 >= 164 (bottlenecks)", type=int)
+    opt("--mode", "mode", "exact | approx (the method) | naive (the paper's baseline)",
+        choices=("exact", "approx", "naive"))
+    opt("--bits", "bits", "bits per stored activation in approx / naive mode", type=int, choices=(1, 2, 4, 8))
+    opt("--dtype", "dtype", "float32 | float64", choices=("float32", "float64"))
+    opt("--batch", "batch", "batch size (also the planned batch of the engine)", type=int)
+    opt("--epochs", "epochs", "epochs to train in total (including those already done)", type=int)
+    opt("--lr", "lr", "base learning rate", type=float)
+    opt("--schedule", "schedule", "step: /10 at 50%% and 75%%; cosine; constant", choices=SCHEDULES)
+    opt("--warmup-iters", "warmup_iters", "iterations at lr/10 first; default: 400, at most 5%% of the run",
+        type=int, metavar="N")
+    opt("--momentum", "momentum", "SGD momentum", type=float)
+    opt("--weight-decay", "weight_decay", "weight decay of conv and FC weights", type=float)
+    parser.add_argument("--nesterov", dest="nesterov", action="store_true", default=S,
+                        help="Nesterov momentum")
+    parser.add_argument("--no-augment", dest="augment", action="store_false", default=S,
+                        help="no random crop / flip")
+    opt("--seed", "seed", "seed of the initial weights, batch order and augmentation", type=int, metavar="S")
+    opt("--out", "out", "run directory: checkpoint, metrics, config (required)", metavar="RUN_DIR")
+    parser.add_argument("--resume", action="store_true", default=False,
+                        help="continue the run in RUN_DIR from its checkpoint (settings come from it)")
+    opt("--time-limit", "time_limit", "stop after this many seconds of training, with a checkpoint", type=float,
+        metavar="SECONDS")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", default=S,
+                        help="no progress bar")
+    return parser
+
+
+def config_from_args(args):
+    """TrainConfig from a namespace of add_train_arguments; with --resume the unset fields
+    come from the checkpoint in --out."""
+    given = {k: v for k, v in vars(args).items() if k in _FIELDS}
+    if given.get("out") is None:
+        raise ValueError("--out RUN_DIR is required")
+    base = {}
+    if getattr(args, "resume", False):
+        path = os.path.join(given["out"], CHECKPOINT)
+        if not os.path.exists(path):
+            raise ResumeError(f"nothing to resume: {path} does not exist")
+        meta = load_checkpoint(path)[1]
+        base = {k: v for k, v in meta.get("config", {}).items() if k in _FIELDS and k not in PER_INVOCATION}
+    return TrainConfig(**{**base, **given})
+
+
+def run_train(args):
+    """`lowmem train`: print the memory plan, train, print the final test accuracy; returns the exit code.
+
+    0 finished; 1 bad input, data or checkpoint; 3 diverged (non-finite loss);
+    4 stopped by --time-limit (resume to continue); 130 / 143 stopped by
+    SIGINT / SIGTERM (a checkpoint was written)."""
+    resume = getattr(args, "resume", False)
+    try:
+        config = config_from_args(args)
+        trainer = Trainer(config, resume=resume)
+        print(trainer.describe(), flush=True)
+        t = time.monotonic()
+        result = trainer.fit()
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except (ValueError, OSError) as e:       # DataError, CheckpointError, ResumeError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:                # a second Ctrl-C: no new checkpoint
+        print("aborted; the last checkpoint (if any) is kept", file=sys.stderr)
+        return EXIT_SIGNAL[signal.SIGINT]
+    took = time.monotonic() - t
+    acc = "n/a (no epoch finished)" if result.test_acc is None else f"{result.test_acc:.4f}"
+    if result.status == "finished":
+        print(f"final test accuracy {acc} after {config.epochs} epochs ({took:.0f} s); run in {config.out}")
+        return EXIT_OK
+    print(f"stopped ({result.status}) at epoch {result.epoch:.2f}, last test accuracy {acc} ({took:.0f} s); "
+          f"continue with: lowmem train --out {config.out} --resume")
+    if result.status == "signal":
+        return EXIT_SIGNAL.get(result.signal, 128 + (result.signal or 0))
+    return EXIT_TIME_LIMIT if result.status == "time-limit" else EXIT_OK
+
+
+def main(argv=None):
+    """`python -m lowmem.trainer ...` (the same as `lowmem train ...`)."""
+    parser = add_train_arguments(argparse.ArgumentParser(prog="lowmem train", description=__doc__.split("\n")[0]))
+    return run_train(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
