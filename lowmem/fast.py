@@ -33,7 +33,7 @@ try:
     if os.environ.get("LOWMEM_FAST", "1").strip() in ("0", "false", "no"):
         raise ImportError("disabled by LOWMEM_FAST=0")
     import numba
-    from numba import njit, prange
+    from numba import njit
     AVAILABLE = True
     F32 = numpy.float32
     F0, HALF = F32(0), F32(0.5)
@@ -49,13 +49,19 @@ def supports(xp, dtype, M, bits):
 
 
 if AVAILABLE:
-    _opts = dict(parallel=True, cache=True, nogil=True)
+    # Serial kernels: on a 2-core machine a parallel region competes with
+    # OpenBLAS's spinning threads and loses (measured: slower than NumPy).
+    # Each kernel is written as short, branch-free loops over a block of one
+    # row so LLVM vectorises them; codes go through a small L1-sized scratch.
+    _opts = dict(cache=True, nogil=True)
+    _reduce = dict(cache=True, nogil=True, fastmath={"reassoc", "nsz"})   # sums may reorder
+    BLOCK = 1024
 
-    @njit(**_opts)
+    @njit(**_reduce)
     def _stats(x, mean, var):
         """mean, var (biased) per row of x (C, M); float64 accumulation, two passes."""
         C, M = x.shape
-        for c in prange(C):
+        for c in range(C):
             s = 0.0
             for i in range(M):
                 s += x[c, i]
@@ -71,7 +77,7 @@ if AVAILABLE:
     def _forward_exact(out, xhat, x, mean, rstd, gamma, beta):
         """xhat = (x - mean)*rstd (saved, float); out = relu(xhat*gamma + beta). out may alias x."""
         C, M = x.shape
-        for c in prange(C):
+        for c in range(C):
             m, r, g, b = mean[c], rstd[c], gamma[c], beta[c]
             for i in range(M):
                 xh = (x[c, i] - m) * r
@@ -80,128 +86,166 @@ if AVAILABLE:
                 out[c, i] = y if y > 0 else F0
 
     @njit(**_opts)
+    def _pack(packed, base, codes, n, bits):
+        """packed[base + j] <- codes[j*per : (j+1)*per], little end first."""
+        per = 8 // bits
+        for j in range(n // per):
+            byte = 0
+            for q in range(per):
+                byte |= codes[j * per + q] << (q * bits)
+            packed[base + j] = byte
+
+    @njit(**_opts)
+    def _unpack(codes, packed, base, n, bits):
+        per = 8 // bits
+        top = (1 << bits) - 1
+        for j in range(n // per):
+            byte = packed[base + j]
+            for q in range(per):
+                codes[j * per + q] = (byte >> (q * bits)) & top
+
+    @njit(**_opts)
+    def _quantize_block(out, codes, x, i0, n, m, r, g, b, sc, l0, kf, km1, ftop, w, naive):
+        """One block of one row: x-hat, its clamped code, and the unit's output."""
+        for t in range(n):
+            xh = (x[i0 + t] - m) * r
+            y = xh * g + b
+            pos = y > 0
+            v = numpy.floor((xh * sc - l0) / w)
+            v = max(v, kf if pos else F0)          # the mask clamp, as quant.quantize_pack
+            v = min(v, ftop if pos else km1)
+            codes[t] = numpy.uint8(v)
+            if not naive:
+                out[i0 + t] = y if pos else F0
+        if naive:                                  # continue from the decoded value
+            for t in range(n):
+                v = F32(codes[t])
+                xt = ((v + HALF) * w + l0) * sc
+                out[i0 + t] = xt * g + b if v >= kf else F0
+
+    @njit(**_opts)
     def _forward_code(out, packed, x, mean, rstd, gamma, beta, s, lo, k, w, top, bits, naive):
         """Normalise, quantize and pack x-hat; out = relu(y) (approx) or the decoded
-        relu(x-tilde*gamma + beta) (naive). One pass over x after the statistics."""
+        relu(x-tilde*gamma + beta) (naive). The same float operations, in the same
+        order, as quant.quantize_pack and quant.decode_relu."""
         C, M = x.shape
         per = 8 // bits
-        rowbytes = M // per
-        for c in prange(C):
-            m, r, g, b = mean[c], rstd[c], gamma[c], beta[c]
-            sc, l0, kc = s[c], lo[c], k[c]
-            lower_pos, upper_neg = kc, kc - 1
-            for j in range(rowbytes):
-                byte = 0
-                for q in range(per):
-                    i = j * per + q
-                    xh = (x[c, i] - m) * r
-                    y = xh * g + b
-                    v = numpy.floor((xh * sc - l0) / w)
-                    code = 0 if v < 0 else (top if v > top else int(v))
-                    if y > 0:
-                        if code < lower_pos:
-                            code = lower_pos
-                    else:
-                        if code > upper_neg:
-                            code = upper_neg
-                    byte |= code << (q * bits)
-                    if naive:
-                        if code >= kc:
-                            xt = ((F32(code) + HALF) * w + l0) * sc
-                            out[c, i] = xt * g + b
-                        else:
-                            out[c, i] = F0
-                    else:
-                        out[c, i] = y if y > 0 else F0
-                packed[c * rowbytes + j] = byte
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        ftop = F32(top)
+        for c in range(C):
+            xr, orow = x[c], out[c]
+            kf, km1 = F32(k[c]), F32(k[c] - 1)
+            for i0 in range(0, M, BLOCK):
+                n = min(BLOCK, M - i0)
+                _quantize_block(orow, codes, xr, i0, n, mean[c], rstd[c], gamma[c], beta[c], s[c], lo[c],
+                                kf, km1, ftop, w, naive)
+                _pack(packed, (c * M + i0) // per, codes, n, bits)
 
     @njit(**_opts)
     def _conv_input_code(u, packed, s, lo, k, w, gamma, beta, bits):
         """u = x-tilde*gamma + beta where the decoded mask is set, else 0 (quant.decode_relu)."""
         C, M = u.shape
         per = 8 // bits
-        rowbytes = M // per
-        mask_bits = (1 << bits) - 1
-        for c in prange(C):
-            sc, l0, kc, g, b = s[c], lo[c], k[c], gamma[c], beta[c]
-            for j in range(rowbytes):
-                byte = packed[c * rowbytes + j]
-                for q in range(per):
-                    code = (byte >> (q * bits)) & mask_bits
-                    if code >= kc:
-                        xt = ((F32(code) + HALF) * w + l0) * sc
-                        u[c, j * per + q] = xt * g + b
-                    else:
-                        u[c, j * per + q] = F0
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        for c in range(C):
+            sc, l0, kf, g, b = s[c], lo[c], F32(k[c]), gamma[c], beta[c]
+            for i0 in range(0, M, BLOCK):
+                n = min(BLOCK, M - i0)
+                _unpack(codes, packed, (c * M + i0) // per, n, bits)
+                for t in range(n):
+                    v = F32(codes[t])
+                    xt = ((v + HALF) * w + l0) * sc
+                    u[c, i0 + t] = xt * g + b if v >= kf else F0
 
     @njit(**_opts)
     def _conv_input_exact(u, xhat, gamma, beta):
         C, M = u.shape
-        for c in prange(C):
+        for c in range(C):
             g, b = gamma[c], beta[c]
             for i in range(M):
                 y = xhat[c, i] * g + b
                 u[c, i] = y if y > 0 else F0
 
     @njit(**_opts)
+    def _decode_block(xt, dy, codes, dr_row, i0, n, sc, l0, kf, w):
+        """x-tilde and the masked gradient of one block (exact arithmetic, no reassociation)."""
+        for t in range(n):
+            v = F32(codes[t])
+            xt[t] = ((v + HALF) * w + l0) * sc
+            dy[t] = dr_row[i0 + t] if v >= kf else F0
+
+    @njit(**_reduce)
+    def _block_sums(xt, dy, n):
+        sdy = 0.0
+        sdyx = 0.0
+        for t in range(n):
+            sdy += dy[t]
+            sdyx += dy[t] * xt[t]
+        return sdy, sdyx
+
+    @njit(**_opts)
+    def _dx_block(dxr, i0, n, xt, dy, a, mdy, mdyx, accumulate):
+        """dx = gamma*rstd*(dy - mean(dy) - x-tilde*mean(dy*x-tilde)) for one block."""
+        if accumulate:
+            for t in range(n):
+                dxr[i0 + t] += a * (dy[t] - mdy - xt[t] * mdyx)
+        else:
+            for t in range(n):
+                dxr[i0 + t] = a * (dy[t] - mdy - xt[t] * mdyx)
+
+    @njit(**_opts)
     def _backward_code(dx, dgamma, dbeta, dr, packed, s, lo, k, w, gamma, rstd, bits, accumulate):
         """BN-ReLU backward from packed codes: two passes per row, no decode buffer."""
         C, M = dr.shape
         per = 8 // bits
-        rowbytes = M // per
-        mask_bits = (1 << bits) - 1
-        for c in prange(C):
-            sc, l0, kc = s[c], lo[c], k[c]
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        xt = numpy.empty(BLOCK, numpy.float32)
+        dy = numpy.empty(BLOCK, numpy.float32)
+        for c in range(C):
+            sc, l0, kf = s[c], lo[c], F32(k[c])
             sdy = 0.0
             sdyx = 0.0
-            for j in range(rowbytes):
-                byte = packed[c * rowbytes + j]
-                for q in range(per):
-                    code = (byte >> (q * bits)) & mask_bits
-                    if code >= kc:
-                        xt = ((F32(code) + HALF) * w + l0) * sc
-                        dy = dr[c, j * per + q]
-                        sdy += dy
-                        sdyx += dy * xt
+            for i0 in range(0, M, BLOCK):
+                n = min(BLOCK, M - i0)
+                _unpack(codes, packed, (c * M + i0) // per, n, bits)
+                _decode_block(xt, dy, codes, dr[c], i0, n, sc, l0, kf, w)
+                a1, a2 = _block_sums(xt, dy, n)
+                sdy += a1
+                sdyx += a2
             dgamma[c] += sdyx
             dbeta[c] += sdy
-            a = gamma[c] * rstd[c]
-            mdy = sdy / M
-            mdyx = sdyx / M
-            for j in range(rowbytes):
-                byte = packed[c * rowbytes + j]
-                for q in range(per):
-                    i = j * per + q
-                    code = (byte >> (q * bits)) & mask_bits
-                    xt = ((F32(code) + HALF) * w + l0) * sc
-                    dy = dr[c, i] if code >= kc else 0.0
-                    g = a * (dy - mdy - xt * mdyx)
-                    if accumulate:
-                        dx[c, i] += g
-                    else:
-                        dx[c, i] = g
+            a = F32(gamma[c] * rstd[c])
+            mdy, mdyx = F32(sdy / M), F32(sdyx / M)
+            for i0 in range(0, M, BLOCK):
+                n = min(BLOCK, M - i0)
+                _unpack(codes, packed, (c * M + i0) // per, n, bits)
+                _decode_block(xt, dy, codes, dr[c], i0, n, sc, l0, kf, w)
+                _dx_block(dx[c], i0, n, xt, dy, a, mdy, mdyx, accumulate)
+
+    @njit(**_reduce)
+    def _exact_sums(xhat_row, dr_row, g, b, M):
+        sdy = 0.0
+        sdyx = 0.0
+        for i in range(M):
+            xh = xhat_row[i]
+            dy = dr_row[i] if xh * g + b > 0 else F0
+            sdy += dy
+            sdyx += dy * xh
+        return sdy, sdyx
 
     @njit(**_opts)
     def _backward_exact(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, accumulate):
         C, M = dr.shape
-        for c in prange(C):
+        for c in range(C):
             g, b = gamma[c], beta[c]
-            sdy = 0.0
-            sdyx = 0.0
-            for i in range(M):
-                xh = xhat[c, i]
-                if xh * g + b > 0:
-                    dy = dr[c, i]
-                    sdy += dy
-                    sdyx += dy * xh
+            sdy, sdyx = _exact_sums(xhat[c], dr[c], g, b, M)
             dgamma[c] += sdyx
             dbeta[c] += sdy
-            a = g * rstd[c]
-            mdy = sdy / M
-            mdyx = sdyx / M
+            a = F32(g * rstd[c])
+            mdy, mdyx = F32(sdy / M), F32(sdyx / M)
             for i in range(M):
                 xh = xhat[c, i]
-                dy = dr[c, i] if xh * g + b > 0 else 0.0
+                dy = dr[c, i] if xh * g + b > 0 else F0
                 v = a * (dy - mdy - xh * mdyx)
                 if accumulate:
                     dx[c, i] += v
