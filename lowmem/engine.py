@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 import numpy
 
-from . import backend, fast, quant
+from . import backend, cuda, fast, quant
 from .ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size,
                   bn_normalize_forward, bn_relu_apply_forward, bn_eval_relu_forward,
                   bn_relu_backward, update_running_stats, maxpool_forward, maxpool_backward,
                   avgpool_forward, avgpool_backward, linear_forward, linear_backward,
                   softmax_xent_forward, softmax_xent_backward)
+from .optim import SGD
 from .plan import Plan, fmt_bytes
 
 MODES = ("exact", "approx", "naive")
@@ -82,8 +83,9 @@ class Engine:
         network's parameters stay where they are): for printing what a
         configuration would cost. Such an engine cannot train.
 
-        use_fast: the fused numba kernels of lowmem/fast.py for the BN-ReLU
-        units (None: whenever they apply; False: the NumPy reference ops)."""
+        use_fast: the fused kernels for the BN-ReLU units — numba's lowmem/fast.py
+        on NumPy, CUDA's lowmem/cuda.py on CuPy (None: whenever they apply;
+        False: the reference array ops of lowmem/ops and lowmem/quant)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: expected one of {MODES}")
         quant.check_bits(bits)
@@ -99,16 +101,21 @@ class Engine:
         self.dtype = numpy.dtype(dtype)
         self.N, self.input_shape = int(batch_size), input_shape
         self.xp = backend.xp
+        self._gpu = self.xp is not numpy        # CuPy: fused kernels from lowmem/cuda.py
         self._infer_shapes()
         self.use_fast = self._fast_ok(self.N) if use_fast is None else bool(use_fast)
         if self.use_fast and not self._fast_ok(self.N):
-            raise ValueError("use_fast=True needs numba (pip install lowmem[fast]), the NumPy backend, "
-                             "float32, and N*H*W*bits divisible by 8 for every unit")
+            raise ValueError("use_fast=True needs numba (pip install lowmem[fast]) and float32 on the "
+                             "NumPy backend, or the CuPy backend, and N*H*W*bits divisible by 8 "
+                             "for every unit")
         self.plan = self._make_plan(workspace_bytes)
         self.arrays = None
         if allocate:
             self.arrays = self.plan.allocate(self.xp)
             self._bind_parameters()
+        self.kernels = fast                      # the fused BN-ReLU kernels (used when self._fast)
+        if self._gpu and allocate and self.use_fast:
+            self.kernels = cuda.Kernels(self.arrays["bn.partials"])   # bound to this plan's workspace
         self.schedule = Schedule(self._forward_steps() + self._plan_backward())
         self._x = self._labels = None
         self._n, self._fast = 0, False
@@ -143,9 +150,9 @@ class Engine:
             shape[L.dst] = out
 
     def _fast_ok(self, n):
-        """Whether the fused numba kernels (lowmem/fast.py) apply to every unit at batch n."""
+        """Whether the fused kernels (lowmem/fast.py, lowmem/cuda.py) apply to every unit at batch n."""
         bits = 8 if self.mode == "exact" else self.bits
-        return all(fast.supports(self.xp, self.dtype, n * h * w, bits)
+        return all((cuda if self._gpu else fast).supports(self.xp, self.dtype, n * h * w, bits)
                    for L in self.net.layers if L.op == "bnrelu"
                    for (_, h, w) in [self.in_shape[L.name]])
 
@@ -166,6 +173,8 @@ class Engine:
         max_c = max((L.cin for L in self.net.layers if L.op == "bnrelu"), default=1)
         plan.add("bn.batch_mean", "stats", (max_c,), dt)
         plan.add("bn.batch_var", "stats", (max_c,), dt)
+        if self._gpu and self.use_fast:                 # per-channel partial sums of the CUDA reductions
+            plan.add("bn.partials", "workspace", (cuda.partials_size(max_c),), "float64")
 
         # the three shared buffers: each holds the largest activation of the network
         acts = [numpy.prod(self.out_shape[L.name]) for L in self.net.layers if L.op in ("conv", "bnrelu", "maxpool")]
@@ -438,13 +447,13 @@ class Engine:
             return
         mean, var = a["bn.batch_mean"][:c], a["bn.batch_var"][:c]
         rstd = a[L.name + ".rstd"]
-        if self._fast:                                   # one fused pass (lowmem/fast.py)
-            fast.bn_stats(mean, var, rstd, x, BN_EPS)
+        if self._fast:                                   # one fused pass (lowmem/fast.py, lowmem/cuda.py)
+            self.kernels.bn_stats(mean, var, rstd, x, BN_EPS)
             if self.mode == "exact":
-                fast.unit_forward_exact(out, self._saved_xhat(L), x, mean, rstd, g, b)
+                self.kernels.unit_forward_exact(out, self._saved_xhat(L), x, mean, rstd, g, b)
             else:
-                fast.unit_forward_code(out, self._code(L), x, mean, rstd, g, b,
-                                       quant.quant_params(g, b, self.bits), self.mode == "naive")
+                self.kernels.unit_forward_code(out, self._code(L), x, mean, rstd, g, b,
+                                               self._fused_grid(g, b), self.mode == "naive")
         elif self.mode == "exact":
             xhat = self._saved_xhat(L)                   # normalise straight into the saved slot
             bn_normalize_forward(xhat, mean, var, rstd, x, BN_EPS)
@@ -534,14 +543,19 @@ class Engine:
         dx = self._rows(self._view(step.dest, self.in_shape[L.name]))
         if self._fast:                                   # decodes inline: the scratch buffer stays unused
             exact = self.mode == "exact"
-            fast.unit_backward(dx, g.grad, b.grad, dr, self._saved_xhat(L) if exact else None,
-                               None if exact else self._code(L),
-                               None if exact else quant.quant_params(g.data, b.data, self.bits),
-                               g.data, b.data, self.arrays[L.name + ".rstd"], step.accumulate)
+            self.kernels.unit_backward(dx, g.grad, b.grad, dr, self._saved_xhat(L) if exact else None,
+                                       None if exact else self._code(L),
+                                       None if exact else self._fused_grid(g.data, b.data),
+                                       g.data, b.data, self.arrays[L.name + ".rstd"], step.accumulate)
             return
         xhat, mask = self._decode_xhat(L, step.scratch)
         bn_relu_backward(dx, g.grad, b.grad, dr, xhat, g.data, b.data, self.arrays[L.name + ".rstd"],
                          mask=mask, accumulate=step.accumulate)
+
+    def _fused_grid(self, g, b):
+        """The quantization grid for a fused kernel: numba's take quant_params; the CUDA ones
+        derive it in-kernel from gamma and beta and take only the bit width (no per-unit launches)."""
+        return self.bits if self._gpu else quant.quant_params(g, b, self.bits)
 
     def _conv_input(self, L, into):
         """The conv's input relu(gamma*x-hat + beta), rebuilt from its unit's saved state."""
@@ -550,8 +564,9 @@ class Engine:
         u = self._rows(self._view(into, self.in_shape[L.name]))
         if self._fast:
             exact = self.mode == "exact"
-            fast.conv_input(u, self._saved_xhat(unit) if exact else None, None if exact else self._code(unit),
-                            None if exact else quant.quant_params(g, b, self.bits), g, b)
+            self.kernels.conv_input(u, self._saved_xhat(unit) if exact else None,
+                                    None if exact else self._code(unit),
+                                    None if exact else self._fused_grid(g, b), g, b)
         elif self.mode == "exact":
             bn_relu_apply_forward(u, self._saved_xhat(unit), g, b)
         else:
@@ -590,7 +605,10 @@ class Engine:
         if not numpy.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss} (learning rate too high?)")
         self.backward()
-        opt.step()
+        if self._gpu and self.use_fast and type(opt) is SGD:
+            cuda.sgd_step(opt)                           # one fused kernel per tensor
+        else:
+            opt.step()
         return loss
 
     def summary(self):

@@ -1,0 +1,609 @@
+"""The CUDA kernels (lowmem/cuda.py) against the NumPy reference ops and quantizer.
+
+Three levels, each skipped where its tool is missing:
+
+* compile: every CUDA source cuda.sources() returns is compiled with `nvcc`
+  for sm_80 and sm_90 (--Werror all-warnings); with --fmad=false the PTX has
+  no FMA at all, and the float32 module has no float32 FMA even without the
+  flag (the kernels' round-to-nearest intrinsics alone keep NumPy's rounding).
+* device "emu": the same CUDA text compiled for the CPU with g++ against a
+  small emulation header (threadIdx/blockIdx, CUDA threads as coroutines that
+  switch at __syncthreads, the _rn intrinsics as plain IEEE operations, no
+  contraction) and launched through cuda.py's own Python launcher with NumPy
+  arrays. Each launch checks every argument against the kernel's C signature
+  (array dtype per pointer, int32/int64/real per scalar): CuPy's RawKernel
+  checks none. The engine's CuPy path also runs end to end on these kernels.
+* device "gpu": CuPy and a GPU; the same kernel tests, then whole-engine tests
+  (float64 against the NumPy engine, float32 approx-vs-exact forward, the
+  memory pool's peak against the plan).
+
+The kernel tests compare with quant.quantize_pack / unpack_decode /
+decode_relu and ops.bn_relu_backward / conv.im2col / conv.col2im_add /
+optim.SGD run by NumPy on the same inputs (the same mean and rstd): packed
+codes, forward outputs, conv inputs, im2col/col2im and SGD updates must be
+bit-identical; reductions (BN statistics, dgamma/dbeta, dx) to tolerance.
+"""
+import copy
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import types
+
+import numpy as np
+import pytest
+
+import lowmem
+from lowmem import cuda, quant
+from lowmem.network import Parameter
+from lowmem.ops import bn_normalize_forward, bn_relu_apply_forward, bn_relu_backward
+from lowmem.ops import conv as conv_ops
+from lowmem.optim import SGD
+
+DTYPES = ["float32", "float64"]
+EPS = 1e-5
+
+
+# ---------------------------------------------------------------- compile (nvcc)
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sources_compile_with_nvcc(tmp_path, arch, dtype):
+    src = tmp_path / f"lowmem_{dtype}.cu"
+    src.write_text(cuda.sources()[dtype])
+
+    def nvcc(*args):
+        r = subprocess.run([NVCC, f"-arch={arch}", "--Werror", "all-warnings", *args, str(src)],
+                           capture_output=True, text=True, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+    nvcc("-c", *cuda.OPTIONS, "-o", str(tmp_path / "k.o"))
+    nvcc("--ptx", *cuda.OPTIONS, "-o", str(tmp_path / "k.ptx"))
+    ptx = (tmp_path / "k.ptx").read_text()
+    entries = set(re.findall(r"\.visible \.entry (\w+)\(", ptx))
+    assert entries == set(kernel_signatures()), entries
+    assert "fma" not in ptx
+    nvcc("--ptx", "-o", str(tmp_path / "default.ptx"))            # nvcc's default -fmad=true
+    assert "fma.rn.f32" not in (tmp_path / "default.ptx").read_text()
+
+
+def kernel_signatures():
+    """{kernel name: [C type of each parameter]} parsed from cuda.SOURCE."""
+    out = {}
+    for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', cuda.SOURCE):
+        out[name] = [" ".join(p.split()[:-1]).replace("const ", "") for p in params.split(",")]
+    return out
+
+
+# ---------------------------------------------------------- the CPU emulator
+
+EMULATION = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <ucontext.h>
+#include <utility>
+#include <vector>
+struct uint3_ { unsigned x, y, z; };
+static uint3_ threadIdx, blockIdx, blockDim, gridDim;
+// Kernels with __syncthreads run their CUDA threads as coroutines on one OS thread: each runs
+// until its next __syncthreads (or its end), then the next one; every thread reaching the
+// barrier before any passes it is exactly CUDA's rule.
+static ucontext_t scheduler;
+static std::vector<ucontext_t> fibers;
+static bool in_fiber = false;
+static void __syncthreads() {
+    if (!in_fiber) { std::fprintf(stderr, "__syncthreads in a kernel launched without fibers\n"); std::abort(); }
+    swapcontext(&fibers[threadIdx.x], &scheduler);
+}
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+static inline float __frcp_rn(float a) { return 1.0f / a; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dsub_rn(double a, double b) { return a - b; }
+static inline double __ddiv_rn(double a, double b) { return a / b; }
+static inline double __dsqrt_rn(double a) { return std::sqrt(a); }
+static inline double __drcp_rn(double a) { return 1.0 / a; }
+"""
+
+LAUNCHER = r"""
+template <typename... A, std::size_t... I>
+static void call_(void (*f)(A...), void** args, std::index_sequence<I...>) { f(*static_cast<A*>(args[I])...); }
+
+static std::function<void()> fiber_body;
+static std::vector<char> done;
+static void fiber_main() { fiber_body(); done[threadIdx.x] = 1; }   // returns to `scheduler`
+
+template <typename... A>
+static void launch_(void (*f)(A...), const unsigned* g, unsigned bx, void** args, int fibered) {
+    gridDim = {g[0], g[1], g[2]};
+    blockDim = {bx, 1, 1};
+    static std::vector<char> stacks;           // 16 KiB per fiber, kept between launches
+    if (fibered && stacks.size() < bx * 16384) stacks.resize(bx * 16384);
+    fiber_body = [=] { call_(f, args, std::index_sequence_for<A...>{}); };
+    for (unsigned z = 0; z < g[2]; ++z) for (unsigned y = 0; y < g[1]; ++y) for (unsigned x = 0; x < g[0]; ++x) {
+        blockIdx = {x, y, z};
+        if (!fibered) {                       // no __syncthreads: threads one after another
+            for (unsigned t = 0; t < bx; ++t) { threadIdx = {t, 0, 0}; fiber_body(); }
+            continue;
+        }
+        fibers.assign(bx, ucontext_t{});
+        done.assign(bx, 0);
+        for (unsigned t = 0; t < bx; ++t) {
+            getcontext(&fibers[t]);
+            fibers[t].uc_stack.ss_sp = &stacks[t * 16384];
+            fibers[t].uc_stack.ss_size = 16384;
+            fibers[t].uc_link = &scheduler;
+            makecontext(&fibers[t], fiber_main, 0);
+        }
+        in_fiber = true;
+        for (bool running = true; running;) {  // round robin: one barrier interval per round
+            running = false;
+            for (unsigned t = 0; t < bx; ++t)
+                if (!done[t]) { threadIdx = {t, 0, 0}; swapcontext(&scheduler, &fibers[t]); running = true; }
+        }
+        in_fiber = false;
+    }
+}
+"""
+
+
+class Emulated:
+    """Stands in for cupy.RawModule: the same source compiled for the CPU (see the module doc)."""
+
+    def __init__(self, path, dtype):
+        self.lib = ctypes.CDLL(str(path))
+        self.dtype = np.dtype(dtype)
+        self.signatures = kernel_signatures()
+
+    def _ctype(self, t):
+        return {"real*": self.dtype, "double*": np.dtype(np.float64), "unsigned char*": np.dtype(np.uint8),
+                "real": self.dtype.type, "double": np.float64, "int": np.int32, "long long": np.int64}[t]
+
+    def get_function(self, name):
+        fn, sig = getattr(self.lib, "launch_" + name), self.signatures[name]
+
+        def launch(grid, block, args):
+            assert len(args) == len(sig), f"{name}: {len(args)} arguments for {len(sig)} parameters"
+            keep, ptrs = [], (ctypes.c_void_p * len(args))()
+            for i, (a, t) in enumerate(zip(args, sig)):
+                want = self._ctype(t)
+                if t.endswith("*"):
+                    assert isinstance(a, np.ndarray) and a.dtype == want, f"{name} arg {i}: {t} <- {a!r:.60}"
+                    v = ctypes.c_void_p(a.ctypes.data)
+                else:
+                    assert type(a) is want, f"{name} arg {i}: {t} <- {type(a).__name__}"
+                    v = ctypes.create_string_buffer(a.tobytes(), a.nbytes)
+                keep.append(v)
+                ptrs[i] = ctypes.addressof(v)
+            assert len(grid) <= 3 and block[0] == cuda.BLOCK, (grid, block)
+            g = (ctypes.c_uint * 3)(*(tuple(grid) + (1, 1))[:3])
+            fn(g, ctypes.c_uint(block[0]), ptrs, ctypes.c_int(name in cuda.BLOCK_SYNC))   # fibers
+        return launch
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not found (the CPU emulation of the CUDA kernels needs it)")
+    out = {}
+    for dtype, text in cuda.sources().items():
+        d = tmp_path_factory.mktemp(f"emu_{dtype}")
+        wrappers = "".join(f'extern "C" void launch_{n}(const unsigned* g, unsigned b, void** a, int t) '
+                           f'{{ launch_({n}, g, b, a, t); }}\n' for n in kernel_signatures())
+        (d / "k.cpp").write_text(EMULATION + text + LAUNCHER + wrappers)
+        r = subprocess.run([gxx, "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC",
+                            "-shared", "-o", str(d / "k.so"), str(d / "k.cpp")], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        out[dtype] = d / "k.so"
+    return out
+
+
+def _gpu():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no device")
+    except Exception as e:                                  # no driver, no device
+        pytest.skip(f"CuPy sees no GPU ({e})")
+    return cupy
+
+
+class Device:
+    """Where the kernels run: put() / get() move NumPy arrays there and back."""
+
+    def __init__(self, name, put, get, xp):
+        self.name, self.put, self.get, self.xp = name, put, get, xp
+
+
+@pytest.fixture(params=["emu", "gpu"])
+def dev(request, monkeypatch):
+    cuda._reset()
+    if request.param == "emu":
+        libs = request.getfixturevalue("emulator")
+        monkeypatch.setattr(cuda, "_build", lambda dtype: Emulated(libs[np.dtype(dtype).name], dtype))
+        yield Device("emu", lambda a: np.array(a), lambda a: np.array(a), np)
+    else:
+        cupy = _gpu()
+        yield Device("gpu", cupy.asarray, cupy.asnumpy, cupy)
+    cuda._reset()
+
+
+# ------------------------------------------------------------------ data
+
+def unit(dtype, C=7, M=1024, seed=0):
+    """x (C, M) and gamma, beta covering the quantizer's cases: gamma = 0, tiny negative gamma,
+    a threshold far outside the window, negative gammas, a threshold inside it."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(dtype)
+    gamma = rng.standard_normal(C).astype(dtype)
+    gamma[0], gamma[1] = 0, -1e-30
+    beta = (rng.standard_normal(C) * 2).astype(dtype)
+    beta[2] = 10 * abs(gamma[2])
+    beta[0] = -0.5
+    gamma[3], beta[3] = -0.7, 0.2
+    return x, gamma, beta
+
+
+def host_stats(x):
+    C = x.shape[0]
+    mean, var, rstd = (np.empty(C, x.dtype) for _ in range(3))
+    xhat = np.empty_like(x)
+    bn_normalize_forward(xhat, mean, var, rstd, x, EPS)
+    return xhat, mean, var, rstd
+
+
+# ---------------------------------------------------------------- kernels
+
+@pytest.mark.parametrize("dtype,offset", [("float32", 0), ("float64", 0), ("float64", 1000)])
+def test_bn_stats_match_numpy(dev, dtype, offset):
+    x, _, _ = unit(dtype, C=5, M=3000)          # M not a multiple of the block: ragged segments
+    x += offset                                 # a large mean: the shifted sums must not cancel
+    _, mean, var, rstd = host_stats(x)
+    out = [dev.put(np.zeros(5, dtype)) for _ in range(3)]
+    cuda.bn_stats(*out, dev.put(x), EPS)
+    tol = 1e-6 if dtype == "float32" else 1e-11
+    for got, want in zip(out, (mean, var, rstd)):
+        np.testing.assert_allclose(dev.get(got), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_exact_is_bit_identical(dev, dtype):
+    x, g, b = unit(dtype)
+    xhat_ref, mean, _, rstd = host_stats(x)
+    ref = np.empty_like(x)
+    bn_relu_apply_forward(ref, xhat_ref, g, b)
+    C, M = x.shape
+    slot = dev.put(np.zeros((C, M + 40), dtype))          # rows farther apart: a smaller batch
+    xd = dev.put(x)
+    cuda.unit_forward_exact(xd, slot[:, :M], xd, *map(dev.put, (mean, rstd, g, b)))   # in place
+    assert np.array_equal(dev.get(slot)[:, :M], xhat_ref)
+    assert np.array_equal(dev.get(xd), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("naive", [False, True])
+def test_forward_code_packs_bit_identical_codes(dev, dtype, bits, naive):
+    x, g, b = unit(dtype, seed=bits)
+    xhat, mean, _, rstd = host_stats(x)
+    qp = quant.quant_params(g, b, bits)
+    ref = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
+    quant.quantize_pack(ref, xhat, qp)
+    ref_out = np.empty_like(x)
+    if naive:
+        quant.decode_relu(ref_out, ref, qp, g, b)
+    else:
+        bn_relu_apply_forward(ref_out, xhat, g, b)
+    packed, xd = dev.put(np.zeros_like(ref)), dev.put(x)
+    cuda.unit_forward_code(xd, packed, xd, *map(dev.put, (mean, rstd, g, b)), bits, naive)
+    assert np.array_equal(dev.get(packed), ref)
+    assert np.array_equal(dev.get(xd), ref_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_conv_input_is_bit_identical(dev, dtype, bits):
+    x, g, b = unit(dtype, seed=10 + bits)
+    xhat, mean, _, rstd = host_stats(x)
+    qp = quant.quant_params(g, b, bits)
+    packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
+    quant.quantize_pack(packed, xhat, qp)
+    ref = np.empty_like(x)
+    quant.decode_relu(ref, packed, qp, g, b)
+    u, gd, bd = dev.put(np.zeros_like(x)), dev.put(g), dev.put(b)
+    cuda.conv_input(u, None, dev.put(packed), qp, gd, bd)          # a QuantParams is accepted too
+    assert np.array_equal(dev.get(u), ref)
+    bn_relu_apply_forward(ref, xhat, g, b)
+    C, M = x.shape
+    slot = np.zeros((C, M + 8), dtype)
+    slot[:, :M] = xhat
+    cuda.conv_input(u, dev.put(slot)[:, :M], None, None, gd, bd)
+    assert np.array_equal(dev.get(u), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [None, 8, 4, 2, 1])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_backward_matches_numpy(dev, dtype, bits, accumulate):
+    x, g, b = unit(dtype, seed=20)
+    rng = np.random.default_rng(1)
+    xhat, mean, _, rstd = host_stats(x)
+    dr = rng.standard_normal(x.shape).astype(dtype)
+    base = rng.standard_normal(x.shape).astype(dtype)
+    C, M = x.shape
+    if bits is None:
+        packed, xt, mask = None, xhat, None
+    else:
+        packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
+        quant.quantize_pack(packed, xhat, quant.quant_params(g, b, bits))
+        xt, mask = np.empty_like(x), np.empty(x.shape, bool)
+        quant.unpack_decode(xt, packed, quant.quant_params(g, b, bits), mask_out=mask)
+    rdx, rdg, rdb = base.copy(), np.full(C, 0.5, dtype), np.full(C, -0.25, dtype)
+    bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, mask=mask, accumulate=accumulate)
+    dgd, dbd = dev.put(np.full(C, 0.5, dtype)), dev.put(np.full(C, -0.25, dtype))
+    drd = dev.put(dr)
+    dxd = dev.put(base) if accumulate else drd                       # in place, as the engine does
+    slot = None
+    if bits is None:
+        slot = np.zeros((C, M + 24), dtype)
+        slot[:, :M] = xhat
+        slot = dev.put(slot)[:, :M]
+    cuda.unit_backward(dxd, dgd, dbd, drd, slot, None if packed is None else dev.put(packed), bits,
+                       *map(dev.put, (g, b, rstd)), accumulate)
+    tol = 1e-4 if dtype == "float32" else 1e-10
+    np.testing.assert_allclose(dev.get(dgd), rdg, rtol=tol, atol=tol * 10)
+    np.testing.assert_allclose(dev.get(dbd), rdb, rtol=tol, atol=tol * 10)
+    np.testing.assert_allclose(dev.get(dxd), rdx, rtol=tol, atol=tol * np.abs(rdx).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("momentum,nesterov,wd", [(0.9, False, 5e-4), (0.9, True, 1e-2),
+                                                   (0.0, False, 1e-2), (0.5, False, 0.0)])
+def test_sgd_update_is_bit_identical_to_optim_sgd(dev, dtype, momentum, nesterov, wd):
+    rng = np.random.default_rng(3)
+    names = [("conv1.weight", True), ("layer1.0.bn1.weight", False), ("fc.weight", True), ("fc.bias", False)]
+    shapes = [(4, 3, 3, 3), (4,), (10, 4), (10,)]
+    host = [Parameter(n, rng.standard_normal(s).astype(dtype), np.zeros(s, dtype), decay=d)
+            for (n, d), s in zip(names, shapes)]
+    devp = [Parameter(p.name, dev.put(p.data), dev.put(p.grad), decay=p.decay) for p in host]
+    for p in devp:
+        p.state["momentum"] = dev.put(np.zeros(p.data.shape, dtype))
+    opts = [SGD(ps, lr=0.1, momentum=momentum, weight_decay=wd, nesterov=nesterov) for ps in (host, devp)]
+    for step in range(3):
+        for ph, pd in zip(host, devp):
+            ph.grad[...] = rng.standard_normal(ph.grad.shape)
+            pd.grad[...] = dev.put(ph.grad)
+        opts[0].step()
+        cuda.sgd_step(opts[1])
+        opts[0].lr = opts[1].lr = 0.1 / (step + 2)
+        for ph, pd in zip(host, devp):
+            for a, b_ in ((ph.data, pd.data), (ph.grad, pd.grad),
+                          (ph.state["momentum"], pd.state["momentum"])):
+                assert np.array_equal(dev.get(b_), a), (ph.name, step)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,stride,pad", [(3, 1, 1), (3, 2, 1), (7, 2, 3), (1, 2, 0), (2, 3, 0)])
+def test_im2col_and_col2im_are_bit_identical(dev, dtype, k, stride, pad):
+    rng = np.random.default_rng(k * 10 + stride)
+    Cin, N, H, W = 3, 5, 11, 9
+    Ho, Wo = conv_ops.conv_out_size(H, k, stride, pad), conv_ops.conv_out_size(W, k, stride, pad)
+    batch = rng.standard_normal((N, Cin, H, W)).astype(dtype)        # caller's NCHW batch
+    x = batch.transpose(1, 0, 2, 3)[:, 1:4]                           # strided (Cin, 3, H, W) view
+    ref = np.full((Cin, k, k, 3, Ho, Wo), np.nan, dtype)
+    conv_ops.im2col(ref, x, k, k, stride, pad)
+    cols = dev.put(np.full_like(ref, np.nan))
+    cuda.im2col(cols, dev.put(batch).transpose(1, 0, 2, 3)[:, 1:4], k, k, stride, pad)
+    assert np.array_equal(dev.get(cols), ref)
+    grads = rng.standard_normal(ref.shape).astype(dtype)
+    dx = rng.standard_normal((Cin, N, H, W)).astype(dtype)
+    dxd = dev.put(dx)
+    conv_ops.col2im_add(dx[:, 1:4], grads, k, k, stride, pad)
+    cuda.col2im_add(dxd[:, 1:4], dev.put(grads), k, k, stride, pad)
+    assert np.array_equal(dev.get(dxd), dx)
+
+
+def test_bad_arguments_are_rejected(dev):
+    x, g, b = unit("float32")
+    xd = dev.put(x)
+    small = dev.put(np.zeros(7, np.uint8))
+    with pytest.raises(ValueError, match="packed"):
+        cuda.unit_forward_code(xd, small, xd, *map(dev.put, (g, g, g, b)), 4, False)
+    with pytest.raises(ValueError, match="bits"):
+        cuda.conv_input(xd, None, small, 3, dev.put(g), dev.put(b))
+    with pytest.raises(ValueError, match="whole bytes"):
+        cuda.conv_input(dev.put(x[:, :5]), None, small, 2, dev.put(g), dev.put(b))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cuda.bn_stats(*(dev.put(np.zeros(7, np.float32)) for _ in range(3)), xd[:, ::2], EPS)
+    with pytest.raises(ValueError, match="partials"):
+        cuda.bn_stats(*(dev.put(np.zeros(7, np.float32)) for _ in range(3)), xd, EPS,
+                      dev.put(np.zeros(10)))
+
+
+def test_supports():
+    FakeCupy = types.SimpleNamespace(__name__="cupy")
+    assert cuda.supports(FakeCupy, "float32", 1024, 4) and cuda.supports(FakeCupy, "float64", 3, 8)
+    assert not cuda.supports(FakeCupy, "float32", 3, 4)        # 12 bits: rows not byte-aligned
+    assert not cuda.supports(np, "float32", 1024, 4)           # NumPy arrays take fast.py / the ops
+
+
+# ------------------------------------------------------- the engine on the GPU
+
+@pytest.fixture
+def gpu_backend():
+    """CuPy as lowmem's backend for one test (the ops pick their array module from it)."""
+    cupy = _gpu()
+    lowmem.set_backend("cupy")
+    try:
+        yield cupy
+    finally:
+        lowmem.set_backend("numpy")
+
+
+def small_nets():
+    from lowmem.network import Network
+    net = Network("tiny-imagenet-style", in_channels=3, num_classes=5)
+    net.conv("conv1", "input", "act0", 3, 8, k=7, stride=2, pad=3)
+    net.bnrelu("bn1", "act0", "act0", 8)
+    net.maxpool("maxpool", "act0", "res")
+    net.bnrelu("layer1.0.bn1", "res", "act0", 8)
+    net.conv("layer1.0.shortcut", "act0", "res", 8, 16, k=1, stride=2, pad=0)
+    net.conv("layer1.0.conv1", "act0", "act1", 8, 16, k=3, stride=2)
+    net.bnrelu("layer1.0.bn2", "act1", "act1", 16)
+    net.conv("layer1.0.conv2", "act1", "act0", 16, 16, k=3)
+    net.add("layer1.0.add", "act0")
+    net.bnrelu("bn_final", "res", "act0", 16)
+    net.head("act0", 16)
+    return {"cifar11-bottleneck": (lowmem.models.preact_resnet_cifar(11), (3, 16, 16)),
+            "tiny-imagenet-style": (net, (3, 16, 16))}
+
+
+def randomized(net, seed=0):
+    """A copy with non-trivial gamma (some negative), beta and running statistics."""
+    net = copy.deepcopy(net)
+    rng = np.random.default_rng(seed)
+    for p in net.parameters():
+        if ".bn" in "." + p.name:
+            if p.name.endswith(".weight"):
+                p.data[...] = rng.choice([-1.0, 1.0], p.shape, p=[0.2, 0.8]) * rng.uniform(0.5, 1.5, p.shape)
+            else:
+                p.data[...] = rng.normal(0, 0.3, p.shape)
+    return net
+
+
+def run(net, shape, x, y, xp, dtype, steps=0, **kw):
+    """(loss, logits, input grad, {param: grad}, {param: value after `steps` SGD steps}) as NumPy."""
+    eng = lowmem.Engine(copy.deepcopy(net), batch_size=kw.pop("N", len(x)), input_shape=shape,
+                        dtype=dtype, **kw)
+    get = lowmem.backend.to_numpy
+    xd, yd = xp.asarray(x.astype(dtype)), xp.asarray(y)
+    loss, logits = eng.forward(xd, yd)
+    dx = eng.backward(input_grad=True)
+    grads = {p.name: get(p.grad).copy() for p in eng.net.parameters()}
+    opt = lowmem.SGD(eng.net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    for _ in range(steps):
+        eng.train_step(xd, yd, opt)
+    params = {p.name: get(p.data).copy() for p in eng.net.parameters()}
+    return loss, get(logits), get(dx), grads, params, eng
+
+
+def rel(a, b):
+    return np.linalg.norm(np.ravel(a) - np.ravel(b)) / max(np.linalg.norm(np.ravel(b)), 1e-30)
+
+
+class NumpyAsCupy(types.ModuleType):
+    """NumPy under another name: an Engine built while this is backend.xp takes its CuPy path
+    (cuda.Kernels, bn.partials, fused SGD) on NumPy arrays, i.e. on the emulated kernels."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+def compare(got, ref, tol):
+    assert abs(got[0] - ref[0]) <= tol * abs(ref[0])
+    assert rel(got[1], ref[1]) < tol and rel(got[2], ref[2]) < 10 * tol
+    for name in ref[3]:
+        assert rel(got[3][name], ref[3][name]) < 100 * tol, name
+        assert rel(got[4][name], ref[4][name]) < 100 * tol, name
+
+
+@pytest.mark.parametrize("mode,n", [("exact", 4), ("approx", 8), ("naive", 4)])
+def test_engine_gpu_path_on_emulated_kernels(emulator, monkeypatch, mode, n):
+    """The engine's CuPy wiring run on the CPU, float64: a batch of n in an engine planned for 8
+    (n = 4: the saved x-hat rows are strided) equals the NumPy engine's loss, gradients and
+    two SGD steps (the fused sgd_update); float32 approx's forward equals exact's bit for bit."""
+    cuda._reset()
+    monkeypatch.setattr(cuda, "_build", lambda dtype: Emulated(emulator[np.dtype(dtype).name], dtype))
+    net, shape = randomized(lowmem.models.preact_resnet_cifar(11), 2), (3, 8, 8)   # bottlenecks, small
+    rng = np.random.default_rng(8)
+    x, y = rng.standard_normal((n,) + shape), rng.integers(0, net.num_classes, n)
+    ref = run(net, shape, x, y, np, "float64", mode=mode, bits=2, N=8, steps=2)
+    monkeypatch.setattr(lowmem.backend, "xp", NumpyAsCupy("cupy"))
+    got = run(net, shape, x, y, np, "float64", mode=mode, bits=2, N=8, steps=2)
+    eng = got[5]
+    assert eng.use_fast and isinstance(eng.kernels, cuda.Kernels) and "bn.partials" in eng.arrays
+    compare(got, ref, 1e-10)
+    if mode == "approx":
+        e32 = run(net, shape, x, y, np, "float32", mode="exact", N=8)
+        a32 = run(net, shape, x, y, np, "float32", mode="approx", N=8)
+        assert e32[0] == a32[0] and np.array_equal(e32[1], a32[1])
+    cuda._reset()
+
+
+@pytest.mark.parametrize("which", ["cifar11-bottleneck", "tiny-imagenet-style"])
+@pytest.mark.parametrize("mode", ["exact", "approx", "naive"])
+@pytest.mark.parametrize("use_fast", [True, False])
+def test_engine_on_gpu_matches_numpy_float64(gpu_backend, which, mode, use_fast):
+    """float64: the GPU engine (fused kernels, or the array ops on CuPy with a workspace small
+    enough to chunk every conv) gives the NumPy engine's loss, gradients and SGD steps."""
+    net, shape = small_nets()[which]
+    net = randomized(net)
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((8,) + shape), rng.integers(0, net.num_classes, 8)
+    kw = dict(mode=mode, bits=4, steps=2, workspace_bytes=1 << 14)
+    lowmem.set_backend("numpy")
+    ref = run(net, shape, x, y, np, "float64", **kw)
+    lowmem.set_backend("cupy")
+    got = run(net, shape, x, y, gpu_backend, "float64", use_fast=use_fast, **kw)
+    assert got[5].use_fast == use_fast
+    compare(got, ref, 1e-10)
+
+
+@pytest.mark.parametrize("N", [16, 8])
+def test_gpu_approx_forward_is_bit_identical_to_exact(gpu_backend, N):
+    """float32 on the GPU, a full batch and a batch of 8 in an engine planned for 16:
+    approx's forward equals exact's bit for bit, naive's differs, and all gradients are close
+    to the NumPy engine's."""
+    net, shape = small_nets()["cifar11-bottleneck"]
+    net = randomized(net, 1)
+    rng = np.random.default_rng(6)
+    x, y = rng.standard_normal((8,) + shape), rng.integers(0, net.num_classes, 8)
+    out = {m: run(net, shape, x, y, gpu_backend, "float32", mode=m, bits=4, N=N)
+           for m in ("exact", "approx", "naive")}
+    assert out["approx"][0] == out["exact"][0]
+    assert np.array_equal(out["approx"][1], out["exact"][1])
+    assert not np.array_equal(out["naive"][1], out["exact"][1])
+    lowmem.set_backend("numpy")
+    ref = run(net, shape, x, y, np, "float32", mode="exact", N=N)
+    assert abs(out["exact"][0] - ref[0]) < 1e-5 * abs(ref[0])
+    for name, g in ref[3].items():
+        assert rel(out["exact"][3][name], g) < 1e-4, name
+
+
+def test_gpu_step_allocates_nothing_beyond_the_plan(gpu_backend):
+    """CuPy's pool, through a MemoryHook: building the engine holds the plan (up to the pool's
+    512-byte rounding) and a steady-state step's peak stays within 5% of it. The workspace fits a
+    whole-batch im2col, so no GEMM needs a strided-output copy."""
+    from lowmem.diagnostics import measure_peak
+    net = lowmem.models.preact_resnet_cifar(20)
+    m = measure_peak(net, 64, (3, 32, 32), "approx", 4, steps=3, workspace_bytes=64 << 20)
+    assert m.how == "cupy pool"
+    assert m.plan_bytes <= m.held_bytes <= 1.01 * m.plan_bytes, m.report()
+    assert m.peak_bytes <= 1.05 * m.plan_bytes, m.report()
+
+
+@pytest.mark.skipif(os.environ.get("CUPY_TF32", "0") == "0", reason="only under CUPY_TF32=1")
+def test_tf32_forward_stays_close(gpu_backend):
+    """With CUPY_TF32=1 float32 GEMMs round their inputs to 10-bit mantissas: logits within ~1e-2."""
+    net, shape = small_nets()["cifar11-bottleneck"]
+    rng = np.random.default_rng(7)
+    x, y = rng.standard_normal((8,) + shape), rng.integers(0, net.num_classes, 8)
+    got = run(net, shape, x, y, gpu_backend, "float32", mode="approx")
+    lowmem.set_backend("numpy")
+    ref = run(net, shape, x, y, np, "float32", mode="approx")
+    assert rel(got[1], ref[1]) < 1e-2
