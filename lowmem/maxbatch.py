@@ -137,6 +137,10 @@ def _budget(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _reserve(text):
+    return 0 if str(text).strip() == "0" else _budget(text)
+
+
 def _positive(text):
     try:
         n = int(text)
@@ -172,6 +176,9 @@ def add_maxbatch_arguments(p):
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="default: %(default)s")
     p.add_argument("--workspace-mib", type=_positive, default=DEFAULT_WORKSPACE_BYTES >> 20,
                    help="bound on the conv workspace, MiB (default: %(default)s)")
+    p.add_argument("--reserve", type=_reserve, default=0,
+                   help="bytes of the budget to keep for what the plan does not count (the engine's "
+                        "Python objects, small temporaries: ~0.1-2 MiB), e.g. 4MiB (default: 0)")
     p.add_argument("--verify", action="store_true",
                    help="allocate at that batch, run two training steps on random data and check "
                         "the measured peak is within the budget")
@@ -184,13 +191,18 @@ def run_maxbatch(args):
     classes = args.classes or (10 if args.model == "preact-cifar" else 1000)
     factory = lambda: make(args.depth, num_classes=classes, in_channels=shape[0])   # noqa: E731
     ws = args.workspace_mib << 20
-    n = max_batch(factory, shape, args.budget, args.mode, args.bits, args.dtype, ws)
+    if args.reserve >= args.budget:
+        raise ValueError(f"--reserve ({fmt_bytes(args.reserve)}) must be smaller than --budget "
+                         f"({fmt_bytes(args.budget)})")
+    planned_budget = args.budget - args.reserve
+    n = max_batch(factory, shape, planned_budget, args.mode, args.bits, args.dtype, ws)
     eng = planned_engine(factory, n, shape, args.mode, args.bits, args.dtype, ws)
     over = planned_engine(factory, n + 1, shape, args.mode, args.bits, args.dtype, ws).plan.total_bytes
     label = args.mode if args.mode == "exact" else f"{args.mode} {args.bits}-bit"
     print(f"{eng.net.name}: {eng.net.num_params():,} parameters; input {'x'.join(map(str, shape))}, "
           f"mode {label}, {args.dtype}")
-    print(f"budget {fmt_bytes(args.budget)} ({args.budget:,} B): largest batch {n} "
+    reserve = f", less a reserve of {fmt_bytes(args.reserve)}" if args.reserve else ""
+    print(f"budget {fmt_bytes(args.budget)} ({args.budget:,} B{reserve}): largest batch {n} "
           f"(batch {n + 1} would plan {fmt_bytes(over)})")
     print(f"\nplanned at batch {n}:")
     by = eng.plan.bytes_by_kind()
@@ -209,4 +221,8 @@ def run_maxbatch(args):
     print(f"verify: measured steady-state peak {fmt_bytes(m.peak_bytes)} ({m.peak_bytes:,} B) is "
           f"{'within' if ok else 'OVER'} the budget of {fmt_bytes(args.budget)} "
           f"({m.peak_bytes / args.budget:.1%}); the input batch ({fmt_bytes(m.input_bytes)}) is not counted")
+    if not ok:
+        unplanned = m.peak_bytes - m.plan_bytes
+        print(f"the step used {fmt_bytes(unplanned)} beyond its plan (Python objects, small temporaries); "
+              f"rerun with --reserve {max(1, -(-(unplanned + args.reserve) // 2**20))}MiB")
     return 0 if ok else 1

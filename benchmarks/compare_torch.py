@@ -1,0 +1,588 @@
+"""lowmem against PyTorch on the CPU: step time and peak resident memory, each configuration
+in its own fresh process.
+
+    python benchmarks/compare_torch.py                          # ResNet-164, batch 128, all configs
+    python benchmarks/compare_torch.py --depth 1001 --configs lowmem-approx4,torch-exact \\
+        --steps 1 --warmup 0 --mem-limit 21GiB
+    python benchmarks/compare_torch.py --maxbatch-budget 2GiB --configs none
+    python benchmarks/compare_torch.py --configs lowmem-approx4 --profile 10   # + cProfile of one step
+
+Configurations (the same pre-activation ResNet: tests/torch_reference.py for PyTorch):
+  torch-exact      PyTorch autograd, nn modules
+  torch-ckpt       PyTorch with torch.utils.checkpoint.checkpoint_sequential over the blocks,
+                   round(sqrt(#blocks)) segments (use_reentrant=False)
+  lowmem-exact     lowmem, x-hat saved in float32
+  lowmem-approx8/4/2   the method, 8/4/2-bit codes
+  lowmem-naive4    the paper's baseline, 4-bit
+
+A step is forward + backward + SGD (momentum 0.9, weight decay 5e-4 on conv/linear weights,
+lr 0.01) on random data. Each worker (`--worker CONFIG`, this script) imports its libraries,
+reads its baseline VmRSS from /proc/self/status, resets the high-water mark (writing 5 to
+/proc/self/clear_refs, where the kernel allows it), builds the model and data, runs
+--warmup + --steps steps and reports VmHWM - baseline: everything the model, the data, the
+step and any JIT (numba loading its cached kernels) added to the process. The parent
+watches every worker's RSS and the machine's MemAvailable and kills a worker that passes
+--mem-limit or leaves less than 1 GiB free (a PyTorch ResNet-1001 step needs ~20 GB).
+
+The machine may be shared: before each worker the parent waits (up to --max-wait s) until
+the CPUs are quiet (busy < --max-busy over 2 s, from /proc/stat); it records the load
+average before and the CPUs other processes used during every run, and reruns a run that
+others disturbed (more than --max-others CPUs; up to --retries times). On 2 cores one busy
+neighbour slows multi-threaded PyTorch and OpenBLAS/numba many times over. Thread-count environment variables and
+OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are reported, never changed silently
+(--unset-openblas-env removes the latter two in the workers).
+"""
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CONFIGS = {
+    "torch-exact": dict(impl="torch", ckpt=False),
+    "torch-ckpt": dict(impl="torch", ckpt=True),
+    "lowmem-exact": dict(impl="lowmem", mode="exact", bits=8),
+    "lowmem-approx8": dict(impl="lowmem", mode="approx", bits=8),
+    "lowmem-approx4": dict(impl="lowmem", mode="approx", bits=4),
+    "lowmem-approx2": dict(impl="lowmem", mode="approx", bits=2),
+    "lowmem-naive4": dict(impl="lowmem", mode="naive", bits=4),
+}
+OPENBLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
+              "NUMBA_THREADING_LAYER", "OMP_WAIT_POLICY")
+MiB = 1 << 20
+LR, MOMENTUM, WD = 0.01, 0.9, 5e-4
+
+
+# ---- /proc -------------------------------------------------------------------------------
+
+def proc_status(pid="self"):
+    """{'VmRSS': bytes, 'VmHWM': bytes} of a process."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(line.split()[1]) * 1024
+    return out
+
+
+def mem_available():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def cpu_times():
+    """(all jiffies, busy jiffies) summed over the machine's CPUs, from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]
+    return sum(v), sum(v) - v[3] - v[4]
+
+
+def proc_cpu(pid):
+    """utime + stime jiffies of a process and its waited-for children."""
+    with open(f"/proc/{pid}/stat") as f:
+        v = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in v[11:15])
+
+
+def cpu_busy(seconds=2.0):
+    """Fraction of all CPUs busy over `seconds` (the caller sleeps meanwhile)."""
+    t0, b0 = cpu_times()
+    time.sleep(seconds)
+    t1, b1 = cpu_times()
+    return (b1 - b0) / max(1, t1 - t0)
+
+
+def parse_bytes(text):
+    from lowmem.maxbatch import parse_bytes as parse
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# ---- the worker: one configuration in a fresh process --------------------------------------
+
+def torch_step_fn(args, torch):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import torch_reference as ref
+    from torch.nn import functional as F
+    model = ref.preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)
+    opt = torch.optim.SGD(ref.sgd_param_groups(model, WD), lr=LR, momentum=MOMENTUM)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, 3, 32, 32, generator=g)
+    y = torch.randint(0, args.classes, (args.batch,), generator=g)
+    extra = {"params": sum(p.numel() for p in model.parameters())}
+    if CONFIGS[args.worker]["ckpt"]:
+        from torch.utils.checkpoint import checkpoint_sequential
+        head = torch.nn.Sequential(model.bn_final, torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                                   torch.nn.Flatten(), model.fc)
+        blocks = [b for s in range(model.num_stages) for b in getattr(model, f"layer{s + 1}")]
+        seq = torch.nn.Sequential(model.conv1, *blocks, head)
+        segments = max(1, round(math.sqrt(len(blocks))))
+        extra.update(segments=segments, blocks=len(blocks))
+        forward = lambda: checkpoint_sequential(seq, segments, x, use_reentrant=False)  # noqa: E731
+    else:
+        forward = lambda: model(x)                                                       # noqa: E731
+    model.train()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(forward(), y)
+        loss.backward()
+        opt.step()
+        return float(loss)
+    return step, extra
+
+
+def lowmem_step_fn(args, cfg):
+    import numpy
+    import lowmem
+    net = lowmem.models.preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)
+    eng = lowmem.Engine(net, args.batch, (3, 32, 32), cfg["mode"], cfg["bits"], "float32")
+    opt = lowmem.SGD(net.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
+    rng = numpy.random.default_rng(0)
+    x = rng.standard_normal((args.batch, 3, 32, 32)).astype(numpy.float32)
+    y = rng.integers(0, args.classes, args.batch)
+    extra = {"params": net.num_params(), "planned_bytes": eng.plan.total_bytes,
+             "planned_by_kind": eng.plan.bytes_by_kind(), "use_fast": eng.use_fast}
+    return (lambda: float(eng.train_step(x, y, opt))), extra
+
+
+def blas_info():
+    """The BLAS libraries loaded in this process (threadpoolctl if installed, else numpy's build)."""
+    try:
+        import threadpoolctl
+        return [{k: d.get(k) for k in ("internal_api", "version", "architecture", "num_threads", "filepath")}
+                for d in threadpoolctl.threadpool_info()]
+    except ImportError:
+        import numpy
+        cfg = numpy.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
+        return [{"internal_api": cfg.get("name"), "version": cfg.get("version"),
+                 "architecture": "(threadpoolctl not installed)", "num_threads": None,
+                 "filepath": cfg.get("openblas configuration")}]
+
+
+def worker(args):
+    cfg = CONFIGS[args.worker]
+    import numpy  # noqa: F401
+    if cfg["impl"] == "torch":
+        import torch
+        torch.set_num_threads(args.threads)
+    else:
+        import lowmem  # noqa: F401   (imports numba when installed)
+        from lowmem import fast
+        if fast.AVAILABLE:
+            import numba
+            numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    limits = None
+    try:
+        import threadpoolctl
+        limits = threadpoolctl.threadpool_limits(args.threads, user_api="blas")
+    except ImportError:
+        pass
+    base = proc_status()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:     # VmHWM := VmRSS from here on
+            f.write("5")
+        hwm_reset = True
+    except OSError:
+        hwm_reset = False
+    t0 = time.perf_counter()
+    step, extra = torch_step_fn(args, torch) if cfg["impl"] == "torch" else lowmem_step_fn(args, cfg)
+    build_s = time.perf_counter() - t0
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        t = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t)
+    end = proc_status()
+    res = dict(source_sha=source_hash(), config=args.worker, depth=args.depth, batch=args.batch, build_s=build_s,
+               warmup_s=times[:args.warmup], step_s=times[args.warmup:], losses=losses,
+               base_rss=base["VmRSS"], base_hwm=base["VmHWM"], hwm_reset=hwm_reset,
+               peak_hwm=end["VmHWM"], end_rss=end["VmRSS"],
+               peak_above_base=end["VmHWM"] - base["VmRSS"], threads=args.threads, blas=blas_info(), **extra)
+    if cfg["impl"] == "torch":
+        res.update(torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
+    elif fast.AVAILABLE:
+        res.update(numba_threads=numba.get_num_threads(), numba_layer=_numba_layer(numba))
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+        pr = cProfile.Profile()
+        t = time.perf_counter()
+        pr.runcall(step)
+        res["profiled_step_s"] = time.perf_counter() - t
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(args.profile)
+        res["profile"] = s.getvalue()
+    if limits is not None:
+        limits.restore_original_limits()
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+def source_hash():
+    """sha256 (12 hex) of the lowmem sources this process imported: the code measured
+    (the work tree may change between runs)."""
+    import hashlib
+    h = hashlib.sha256()
+    for name in sorted(m for m in sys.modules if m == "lowmem" or m.startswith("lowmem.")):
+        path = getattr(sys.modules[name], "__file__", None)
+        if path:
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:12]
+
+
+def _numba_layer(numba):
+    try:
+        return numba.threading_layer()
+    except ValueError:                 # no parallel kernel has run
+        return None
+
+
+# ---- the parent ----------------------------------------------------------------------------
+
+def machine_info():
+    info = {"python": sys.version.split()[0], "cpus": os.cpu_count()}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for key in ("Model name", "Core(s) per socket", "Socket(s)", "Thread(s) per core", "L3 cache"):
+            m = re.search(rf"^{re.escape(key)}:\s*(.+)$", out, re.M)
+            if m:
+                info[key] = m.group(1).strip()
+        info["avx512f"] = " avx512f " in out + " "
+    except OSError:
+        pass
+    with open("/proc/meminfo") as f:
+        info["mem_total_gib"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
+    import numpy
+    info["numpy"] = numpy.__version__
+    info["blas"] = blas_info()
+    from importlib import metadata
+    for pkg in ("torch", "numba", "threadpoolctl"):
+        try:
+            info[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            info[pkg] = None
+    info["env"] = {k: os.environ.get(k) for k in OPENBLAS_ENV + THREAD_ENV}
+    return info
+
+
+def wait_quiet(args, log):
+    """Wait until the CPUs are quiet (or --max-wait has passed); return what was seen."""
+    t0 = time.time()
+    while True:
+        busy = cpu_busy()
+        load = os.getloadavg()
+        if busy < args.max_busy or time.time() - t0 > args.max_wait:
+            waited = time.time() - t0
+            quiet = busy < args.max_busy
+            if not quiet:
+                log(f"  machine still busy ({busy:.0%} CPU, load {load[0]:.2f}) after {waited:.0f} s: "
+                    f"measuring anyway (recorded)")
+            return dict(cpu_busy_before=round(busy, 3), load_before=[round(v, 2) for v in load],
+                        waited_s=round(waited, 1), quiet=quiet)
+        time.sleep(10)
+
+
+def run_worker(args, config, batch, steps, warmup, log, profile=0):
+    """run_once, repeated (up to --retries times) while other processes used more than
+    --max-others CPUs during the run; earlier attempts are kept under "disturbed_attempts"."""
+    disturbed = []
+    while True:
+        res = run_once(args, config, batch, steps, warmup, log, profile)
+        if res["other_cpus_during"] <= args.max_others or len(disturbed) >= args.retries \
+                or res["status"] != "ok":
+            break
+        log(f"  {config}: other processes used {res['other_cpus_during']:.2f} CPUs during the run; retrying")
+        res.pop("profile", None)
+        disturbed.append(res)
+    if disturbed:
+        res["disturbed_attempts"] = disturbed
+    return res
+
+
+def run_once(args, config, batch, steps, warmup, log, profile=0):
+    """Run one configuration in a fresh process under the memory watchdog; returns its result dict."""
+    env = dict(os.environ)
+    if args.unset_openblas_env:
+        for k in OPENBLAS_ENV:
+            env.pop(k, None)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--depth", str(args.depth),
+           "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup), "--threads", str(args.threads),
+           "--classes", str(args.classes), "--block", args.block, "--profile", str(profile)]
+    seen = wait_quiet(args, log) if args.max_wait > 0 else {"load_before": [round(v, 2) for v in os.getloadavg()]}
+    t0 = time.time()
+    all0, busy0 = cpu_times()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    max_rss, killed, own = 0, None, 0
+    while p.poll() is None:
+        try:
+            rss = proc_status(p.pid).get("VmRSS", 0)
+            own = proc_cpu(p.pid)
+        except (OSError, ValueError, IndexError):
+            rss = 0
+        max_rss = max(max_rss, rss)
+        avail = mem_available()
+        if rss > args.mem_limit or (avail is not None and avail < 1 << 30) or time.time() - t0 > args.timeout:
+            why = ("RSS limit" if rss > args.mem_limit else
+                   "timeout" if time.time() - t0 > args.timeout else "MemAvailable < 1 GiB")
+            killed = f"killed ({why}) at RSS {rss / MiB:.0f} MiB after {time.time() - t0:.0f} s"
+            p.kill()
+            break
+        time.sleep(0.05)
+    out, err = p.communicate()
+    all1, busy1 = cpu_times()
+    ncpu = os.cpu_count()
+    # CPUs busy on average during the run, and how many of them were not this worker (the
+    # worker's own time is its last reading, up to 50 ms short; the parent's is negligible)
+    busy_cpus = ncpu * (busy1 - busy0) / max(1, all1 - all0)
+    own_cpus = ncpu * own / max(1, all1 - all0)
+    res = {"config": config, "batch": batch}
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+    res.update(seen, load_after=[round(v, 2) for v in os.getloadavg()], watched_max_rss=max_rss,
+               cpus_busy_during=round(busy_cpus, 2), other_cpus_during=round(max(0.0, busy_cpus - own_cpus), 2),
+               wall_s=round(time.time() - t0, 1), unset_openblas_env=args.unset_openblas_env)
+    if "step_s" not in res:
+        res["status"] = killed or f"failed (exit {p.returncode}): {err.strip().splitlines()[-1:] or ''}"
+    else:
+        res["status"] = "ok"
+        st = res["step_s"]
+        res.update(step_median=statistics.median(st), step_min=min(st), step_max=max(st),
+                   images_per_s=batch / statistics.median(st))
+    return res
+
+
+def fmt_mib(b):
+    return "-" if b is None else f"{b / MiB:,.0f}"
+
+
+def table(runs):
+    head = (f"{'config':<16} {'batch':>5} {'median s':>9} {'min s':>7} {'max s':>7} {'img/s':>7} "
+            f"{'peak RSS MiB':>13} {'planned MiB':>12} {'load 1m':>8} {'others':>6}")
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        load = r.get("load_before", [float("nan")])[0]
+        others = r.get("other_cpus_during", float("nan"))
+        if r["status"] != "ok":
+            lines.append(f"{r['config']:<16} {r['batch']:>5} {r['status']}  "
+                         f"(watched max RSS {fmt_mib(r.get('watched_max_rss'))} MiB)")
+            continue
+        lines.append(f"{r['config']:<16} {r['batch']:>5} {r['step_median']:>9.2f} {r['step_min']:>7.2f} "
+                     f"{r['step_max']:>7.2f} {r['images_per_s']:>7.1f} {fmt_mib(r['peak_above_base']):>13} "
+                     f"{fmt_mib(r.get('planned_bytes')):>12} {load:>8.2f} {others:>6.2f}")
+    return "\n".join(lines)
+
+
+RATIOS = [("step time   lowmem-approx4 / torch-exact", "step_median", "lowmem-approx4", "torch-exact", "<= 1.0"),
+          ("step time   lowmem-approx4 / lowmem-exact", "step_median", "lowmem-approx4", "lowmem-exact", "<= 1.10"),
+          ("peak RSS    lowmem-approx4 / torch-exact", "peak_above_base", "lowmem-approx4", "torch-exact",
+           "<= 0.125"),
+          ("peak RSS    lowmem-approx4 / torch-ckpt", "peak_above_base", "lowmem-approx4", "torch-ckpt", "< 0.25")]
+
+
+def ratios(runs):
+    by = {r["config"]: r for r in runs if r["status"] == "ok"}
+    out = {}
+    for label, key, a, b, target in RATIOS:
+        if a in by and b in by:
+            r = by[a][key] / by[b][key]
+            ok = r <= float(target.split()[-1]) if target.startswith("<=") else r < float(target.split()[-1])
+            out[label] = dict(ratio=r, target=target, met=ok)
+    return out
+
+
+def header(info, args):
+    blas = "; ".join(f"{b['internal_api']} {b['version']} ({b['architecture']}, {b['num_threads']} threads)"
+                     for b in info["blas"])
+    env = ", ".join(f"{k}={v}" for k, v in info["env"].items() if v is not None) or "none set"
+    return "\n".join([
+        f"machine: {info.get('Model name')}, {info['cpus']} CPUs, {info['mem_total_gib']} GiB RAM; "
+        f"python {info['python']}, numpy {info['numpy']}, torch {info['torch']}, numba {info['numba']}",
+        f"numpy BLAS: {blas}",
+        f"thread / BLAS environment: {env}" + ("  (workers: OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE removed)"
+                                               if args.unset_openblas_env else ""),
+        f"pre-act ResNet-{args.depth} ({args.block} blocks), {args.classes} classes, 3x32x32 input, float32; "
+        f"threads {args.threads}; SGD momentum {MOMENTUM}, wd {WD}"])
+
+
+def torch_max_batch(args, budget, log):
+    """Largest batch whose measured torch-exact peak RSS (2 steps) is <= budget: bisection in fresh
+    processes, starting from a linear fit through two small batches; capped at --maxbatch-time s."""
+    t0, probes = time.time(), []
+
+    def fits(n):
+        r = run_worker(args, "torch-exact", n, 1, 1, log)
+        ok = r["status"] == "ok" and r["peak_above_base"] <= budget
+        probes.append(dict(batch=n, peak_above_base=r.get("peak_above_base"), fits=ok, status=r["status"],
+                           load_before=r.get("load_before"), step_s=r.get("step_median")))
+        log(f"  torch-exact batch {n}: {fmt_mib(r.get('peak_above_base'))} MiB -> {'fits' if ok else 'over'}")
+        return ok
+
+    a, b = 8, 16
+    if not fits(a):
+        return dict(batch=None, probes=probes, note=f"batch {a} does not fit")
+    fits(b)
+    pa, pb = probes[0]["peak_above_base"], probes[1]["peak_above_base"]
+    guess = max(b, int(a + (budget - pa) * (b - a) / max(1, pb - pa)))
+    lo, hi = (b, None) if probes[1]["fits"] else (a, b)
+    if hi is None:
+        lo, hi = (guess, None) if fits(guess) else (b, guess)
+        step = max(1, guess // 16)
+        while hi is None and time.time() - t0 < args.maxbatch_time:
+            if fits(lo + step):
+                lo, step = lo + step, step * 2
+            else:
+                hi = lo + step
+    while hi is not None and hi - lo > 1 and time.time() - t0 < args.maxbatch_time:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    exact = hi is not None and hi - lo == 1
+    return dict(batch=lo, exact=exact, upper=hi, probes=probes, search_s=round(time.time() - t0))
+
+
+def maxbatch_section(args, budget, log):
+    from lowmem.maxbatch import max_batch, planned_engine
+    from lowmem.models import preact_resnet_cifar
+    factory = lambda: preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)  # noqa: E731
+    rows = []
+    for name in ("lowmem-exact", "lowmem-approx8", "lowmem-approx4", "lowmem-approx2"):
+        cfg = CONFIGS[name]
+        n = max_batch(factory, (3, 32, 32), budget, cfg["mode"], cfg["bits"])
+        planned = planned_engine(factory, n, (3, 32, 32), cfg["mode"], cfg["bits"]).plan.total_bytes
+        row = dict(config=name, batch=n, how="plan", planned_bytes=planned)
+        if args.maxbatch_measure:
+            r = run_worker(args, name, n, 1, 0, log)      # one step: the first is the largest
+            row.update(measured_peak_above_base=r.get("peak_above_base"), measured_status=r["status"],
+                       load_before=r.get("load_before"))
+        rows.append(row)
+        log(f"  {name}: batch {n} (plan {fmt_mib(planned)} MiB)")
+    t = torch_max_batch(args, budget, log)
+    rows.append(dict(config="torch-exact", how="measured (2 steps, peak RSS above baseline)", **t))
+    return rows
+
+
+def maxbatch_table(rows, budget):
+    ref = next((r["batch"] for r in rows if r["config"] == "torch-exact"), None)
+    lines = [f"max batch at a budget of {budget / MiB:,.0f} MiB (pre-act ResNet, float32)",
+             f"{'config':<16} {'max batch':>9} {'x torch':>8} {'how':<46} {'measured RSS MiB':>16}"]
+    for r in rows:
+        x = f"{r['batch'] / ref:.2f}" if ref and r["batch"] else "-"
+        meas = fmt_mib(r.get("measured_peak_above_base"))
+        how = r["how"] if r["config"] != "torch-exact" or r.get("exact", True) else \
+            f"measured, search capped: {r['batch']} <= max < {r.get('upper')}"
+        lines.append(f"{r['config']:<16} {str(r['batch']):>9} {x:>8} {how:<46} {meas:>16}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--depth", type=int, default=164)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--classes", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (default: %(default)s)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: %(default)s)")
+    ap.add_argument("--configs", default="all",
+                    help=f"comma-separated subset of {', '.join(CONFIGS)}; 'none' for only --maxbatch-budget")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(),
+                    help="torch.set_num_threads, numba and BLAS threads (default: os.cpu_count() = %(default)s)")
+    ap.add_argument("--json", metavar="PATH", help="also write everything as JSON")
+    ap.add_argument("--update", action="store_true",
+                    help="with --json: keep the runs already in PATH (same depth and batch) of the configs not "
+                         "run now, e.g. to redo a disturbed one; the table and ratios cover them all")
+    ap.add_argument("--unset-openblas-env", action="store_true",
+                    help="remove OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE in the worker processes")
+    ap.add_argument("--mem-limit", type=parse_bytes, default=parse_bytes("21GiB"),
+                    help="kill a worker whose RSS passes this (default: 21GiB)")
+    ap.add_argument("--timeout", type=float, default=3600, help="kill a worker after this many s")
+    ap.add_argument("--max-busy", type=float, default=0.25,
+                    help="wait before each worker until CPU busy (all cores, 2 s sample) is below this")
+    ap.add_argument("--max-wait", type=float, default=1200, help="longest wait for a quiet machine, s (0: never wait)")
+    ap.add_argument("--max-others", type=float, default=0.3,
+                    help="rerun a config when other processes used more CPUs than this during it")
+    ap.add_argument("--retries", type=int, default=2, help="reruns of a disturbed config (default: %(default)s)")
+    ap.add_argument("--maxbatch-budget", type=parse_bytes, default=None, metavar="BYTES",
+                    help="also find the max batch at this budget (lowmem from plans, torch-exact measured)")
+    ap.add_argument("--maxbatch-time", type=float, default=1200, help="cap on the torch search, s")
+    ap.add_argument("--maxbatch-measure", action="store_true",
+                    help="also run each lowmem config at its max batch and report its measured peak RSS")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="cProfile one extra (untimed) step of each config; print the top N by tottime")
+    ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    ap.add_argument("--block", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    sys.path.insert(0, ROOT)
+    from lowmem.models import preact_resnet_cifar
+    net = preact_resnet_cifar(args.depth, num_classes=args.classes)      # lowmem's block rule
+    args.block = "bottleneck" if any(L.name.endswith(".bn3") for L in net.layers) else "basic"
+    configs = [] if args.configs == "none" else list(CONFIGS) if args.configs == "all" else args.configs.split(",")
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        ap.error(f"unknown config(s) {bad}; expected a subset of {list(CONFIGS)}")
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    info = machine_info()
+    print(header(info, args), flush=True)
+    runs = []
+    for c in configs:
+        log(f"running {c} (batch {args.batch}) ...")
+        runs.append(run_worker(args, c, args.batch, args.steps, args.warmup, log, args.profile))
+        r = runs[-1]
+        log(f"  {r['status']}" + (f": median {r['step_median']:.2f} s, peak {fmt_mib(r['peak_above_base'])} MiB"
+                                  if r["status"] == "ok" else ""))
+    if args.update and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            old = [r for r in json.load(f).get("runs", [])
+                   if r["config"] not in configs and r.get("depth") == args.depth and r.get("batch") == args.batch]
+        runs = sorted(old + runs, key=lambda r: list(CONFIGS).index(r["config"]))
+    result = {"machine": info, "args": {k: v for k, v in vars(args).items() if k != "worker"},
+              "runs": runs, "ratios": ratios(runs)}
+    if runs:
+        print(f"\none training step (median/min/max over {args.steps} steps after {args.warmup} warm-up), "
+              f"batch {args.batch}; peak RSS = VmHWM - baseline VmRSS; planned = lowmem's plan total;\n"
+              f"load 1m = load average before the run; others = CPUs used on average by other processes "
+              f"during the run (0 = a quiet machine)")
+        print(table(runs))
+        for label, r in result["ratios"].items():
+            print(f"{label}: {r['ratio']:.3f}  (target {r['target']}: {'met' if r['met'] else 'MISSED'})")
+        for r in runs:
+            if r.get("profile"):
+                print(f"\ncProfile of one {r['config']} step ({r['profiled_step_s']:.2f} s under the profiler):")
+                print(r["profile"])
+    if args.maxbatch_budget:
+        log(f"max batch at {args.maxbatch_budget / MiB:,.0f} MiB ...")
+        rows = maxbatch_section(args, args.maxbatch_budget, log)
+        result["maxbatch"] = {"budget_bytes": args.maxbatch_budget, "rows": rows}
+        print()
+        print(maxbatch_table(rows, args.maxbatch_budget))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
