@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-from . import backend, quant
+from . import argtypes, backend, quant
 from .engine import DEFAULT_WORKSPACE_BYTES, DTYPES, MODES, Engine
 from .models import preact_resnet_cifar, preact_resnet_imagenet
 from .plan import KINDS, fmt_bytes
@@ -43,50 +43,19 @@ MODELS = {"preact-cifar": (preact_resnet_cifar, 10, (3, 32, 32)),
           "preact-imagenet": (preact_resnet_imagenet, 1000, (3, 224, 224))}
 
 
-def _shape(text):
-    """'3x224x224' -> (3, 224, 224)."""
-    try:
-        shape = tuple(int(s) for s in text.lower().split("x"))
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"expected CxHxW with positive integers, e.g. 3x32x32, got {text!r}")
-    return shape
-
-
-def _positive(text):
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
-
-
-def _count(text):
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return n
-
-
 def model_arguments(p, depth, batch):
     """The model and batch options shared by subcommands (defaults: depth, batch)."""
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=sorted(MODELS), default="preact-cifar",
                    help="network family (default: %(default)s)")
-    g.add_argument("--depth", type=_positive, default=depth,
+    g.add_argument("--depth", type=argtypes.positive, default=depth,
                    help="preact-cifar: 6n+2 or 9n+2 (20, 56, 110, 164, 1001, ...); "
                         "preact-imagenet: 18, 34, 50, 101, 152 (default: %(default)s)")
-    g.add_argument("--classes", type=_positive, default=None,
+    g.add_argument("--classes", type=argtypes.positive, default=None,
                    help="number of classes (default: 10 for preact-cifar, 1000 for preact-imagenet)")
-    g.add_argument("--input", type=_shape, default=None, metavar="CxHxW",
+    g.add_argument("--input", type=argtypes.shape, default=None, metavar="CxHxW",
                    help="input shape of one sample (default: 3x32x32 for preact-cifar, 3x224x224 for preact-imagenet)")
-    g.add_argument("--batch", type=_positive, default=batch, help="batch size (default: %(default)s)")
+    g.add_argument("--batch", type=argtypes.positive, default=batch, help="batch size (default: %(default)s)")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="default: %(default)s")
     g.add_argument("--backend", choices=("numpy", "cupy", "auto"), default=None,
                    help="array backend (default: LOWMEM_BACKEND, else auto)")
@@ -119,14 +88,14 @@ def plan_arguments(p):
     p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
     p.add_argument("--bits", type=int, choices=quant.BITS[::-1], default=4,
                    help="bits per stored activation in approx/naive mode (default: %(default)s)")
-    p.add_argument("--workspace-mib", type=_positive, default=DEFAULT_WORKSPACE_BYTES >> 20,
+    p.add_argument("--workspace-mib", type=argtypes.positive, default=DEFAULT_WORKSPACE_BYTES >> 20,
                    help="bound on the conv workspace, MiB (default: %(default)s)")
     p.add_argument("--compare", action="store_true",
                    help="also plan exact mode and print both side by side, with ratios")
     p.add_argument("--measure", action="store_true",
                    help="allocate and run two training steps on random data; print the measured peak")
     p.add_argument("--no-schedule", action="store_true", help="do not print the schedule")
-    p.add_argument("--rows", type=_positive, default=40, help="plan table rows, largest first (default: %(default)s)")
+    p.add_argument("--rows", type=argtypes.positive, default=40, help="plan table rows, largest first (default: %(default)s)")
 
 
 def compare_table(plans):
@@ -190,7 +159,7 @@ def diagnose_arguments(p):
     p.add_argument("--bits", type=int, choices=quant.BITS[::-1], default=4, help="default: %(default)s")
     p.add_argument("--batches", type=int, default=4,
                    help="mini-batches to average over; >= 2, the SGD noise needs several (default: %(default)s)")
-    p.add_argument("--warmup", type=_count, default=0,
+    p.add_argument("--warmup", type=argtypes.count, default=0,
                    help="exact SGD steps on the synthetic data before measuring (default: %(default)s)")
     p.add_argument("--lr", type=float, default=0.05, help="warm-up learning rate (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="network and data seed (default: %(default)s)")

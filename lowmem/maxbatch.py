@@ -24,7 +24,7 @@ batch (benchmarks/compare_torch.py measures resident memory as a whole).
 import argparse
 import re
 
-from . import models, quant
+from . import argtypes, models, quant
 from .engine import DEFAULT_WORKSPACE_BYTES, DTYPES, MODES, Engine
 from .plan import KINDS, fmt_bytes
 
@@ -141,40 +141,20 @@ def _reserve(text):
     return 0 if str(text).strip() == "0" else _budget(text)
 
 
-def _positive(text):
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
-
-
-def _shape(text):
-    try:
-        shape = tuple(int(s) for s in text.lower().split("x"))
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"expected CxHxW with positive integers, e.g. 3x32x32, got {text!r}")
-    return shape
-
-
 def add_maxbatch_arguments(p):
     """Options of `lowmem maxbatch`."""
     p.add_argument("--model", choices=sorted(NETS), default="preact-cifar", help="default: %(default)s")
-    p.add_argument("--depth", type=_positive, default=164, help="default: %(default)s")
-    p.add_argument("--classes", type=_positive, default=None,
+    p.add_argument("--depth", type=argtypes.positive, default=164, help="default: %(default)s")
+    p.add_argument("--classes", type=argtypes.positive, default=None,
                    help="default: 10 for preact-cifar, 1000 for preact-imagenet")
-    p.add_argument("--input", type=_shape, default=None, metavar="CxHxW",
+    p.add_argument("--input", type=argtypes.shape, default=None, metavar="CxHxW",
                    help="one sample (default: 3x32x32 for preact-cifar, 3x224x224 for preact-imagenet)")
     p.add_argument("--budget", type=_budget, required=True,
                    help="memory budget, e.g. 2GiB, 512MiB, 1.5GB or 1000000 (bytes)")
     p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
     p.add_argument("--bits", type=int, choices=quant.BITS[::-1], default=4, help="default: %(default)s")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="default: %(default)s")
-    p.add_argument("--workspace-mib", type=_positive, default=DEFAULT_WORKSPACE_BYTES >> 20,
+    p.add_argument("--workspace-mib", type=argtypes.positive, default=DEFAULT_WORKSPACE_BYTES >> 20,
                    help="bound on the conv workspace, MiB (default: %(default)s)")
     p.add_argument("--reserve", type=_reserve, default=0,
                    help="bytes of the budget to keep for what the plan does not count (the engine's "
