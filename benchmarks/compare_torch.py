@@ -207,7 +207,8 @@ def worker(args):
         losses.append(step())
         times.append(time.perf_counter() - t)
     end = proc_status()
-    res = dict(source_sha=source_hash(), config=args.worker, depth=args.depth, batch=args.batch, build_s=build_s,
+    res = dict(source_sha=source_hash(), config=args.worker, depth=args.depth, block=args.block, batch=args.batch,
+               build_s=build_s,
                warmup_s=times[:args.warmup], step_s=times[args.warmup:], losses=losses,
                base_rss=base["VmRSS"], base_hwm=base["VmHWM"], hwm_reset=hwm_reset,
                peak_hwm=end["VmHWM"], end_rss=end["VmRSS"],
@@ -298,13 +299,14 @@ def wait_quiet(args, log):
         time.sleep(10)
 
 
-def run_worker(args, config, batch, steps, warmup, log, profile=0):
+def run_worker(args, config, batch, steps, warmup, log, profile=0, timed=True):
     """run_once, repeated (up to --retries times) while other processes used more than
-    --max-others CPUs during the run; earlier attempts are kept under "disturbed_attempts"."""
+    --max-others CPUs during the run; earlier attempts are kept under "disturbed_attempts".
+    timed=False (memory only): once, without waiting for a quiet machine."""
     disturbed = []
     while True:
-        res = run_once(args, config, batch, steps, warmup, log, profile)
-        if res["other_cpus_during"] <= args.max_others or len(disturbed) >= args.retries \
+        res = run_once(args, config, batch, steps, warmup, log, profile, timed)
+        if not timed or res["other_cpus_during"] <= args.max_others or len(disturbed) >= args.retries \
                 or res["status"] != "ok":
             break
         log(f"  {config}: other processes used {res['other_cpus_during']:.2f} CPUs during the run; retrying")
@@ -315,7 +317,7 @@ def run_worker(args, config, batch, steps, warmup, log, profile=0):
     return res
 
 
-def run_once(args, config, batch, steps, warmup, log, profile=0):
+def run_once(args, config, batch, steps, warmup, log, profile=0, timed=True):
     """Run one configuration in a fresh process under the memory watchdog; returns its result dict."""
     env = dict(os.environ)
     if args.unset_openblas_env:
@@ -324,7 +326,8 @@ def run_once(args, config, batch, steps, warmup, log, profile=0):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--depth", str(args.depth),
            "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup), "--threads", str(args.threads),
            "--classes", str(args.classes), "--block", args.block, "--profile", str(profile)]
-    seen = wait_quiet(args, log) if args.max_wait > 0 else {"load_before": [round(v, 2) for v in os.getloadavg()]}
+    seen = (wait_quiet(args, log) if args.max_wait > 0 and timed
+            else {"load_before": [round(v, 2) for v in os.getloadavg()]})
     t0 = time.time()
     all0, busy0 = cpu_times()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -427,7 +430,7 @@ def torch_max_batch(args, budget, log):
     t0, probes = time.time(), []
 
     def fits(n):
-        r = run_worker(args, "torch-exact", n, 1, 1, log)
+        r = run_worker(args, "torch-exact", n, 1, 1, log, timed=False)
         ok = r["status"] == "ok" and r["peak_above_base"] <= budget
         probes.append(dict(batch=n, peak_above_base=r.get("peak_above_base"), fits=ok, status=r["status"],
                            load_before=r.get("load_before"), step_s=r.get("step_median")))
@@ -470,7 +473,7 @@ def maxbatch_section(args, budget, log):
         planned = planned_engine(factory, n, (3, 32, 32), cfg["mode"], cfg["bits"]).plan.total_bytes
         row = dict(config=name, batch=n, how="plan", planned_bytes=planned)
         if args.maxbatch_measure:
-            r = run_worker(args, name, n, 1, 0, log)      # one step: the first is the largest
+            r = run_worker(args, name, n, 1, 0, log, timed=False)   # one step: the first is the largest
             row.update(measured_peak_above_base=r.get("peak_above_base"), measured_status=r["status"],
                        load_before=r.get("load_before"))
         rows.append(row)
@@ -527,15 +530,17 @@ def main(argv=None):
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="cProfile one extra (untimed) step of each config; print the top N by tottime")
     ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
-    ap.add_argument("--block", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--block", choices=("auto", "basic", "bottleneck"), default="auto",
+                    help="residual block; auto: lowmem's rule (bottleneck for 9n+2 depths >= 164 or not 6n+2)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
 
     sys.path.insert(0, ROOT)
     from lowmem.models import preact_resnet_cifar
-    net = preact_resnet_cifar(args.depth, num_classes=args.classes)      # lowmem's block rule
-    args.block = "bottleneck" if any(L.name.endswith(".bn3") for L in net.layers) else "basic"
+    if args.block == "auto":
+        net = preact_resnet_cifar(args.depth, num_classes=args.classes)      # lowmem's block rule
+        args.block = "bottleneck" if any(L.name.endswith(".bn3") for L in net.layers) else "basic"
     configs = [] if args.configs == "none" else list(CONFIGS) if args.configs == "all" else args.configs.split(",")
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
@@ -555,8 +560,8 @@ def main(argv=None):
                                   if r["status"] == "ok" else ""))
     if args.update and args.json and os.path.exists(args.json):
         with open(args.json) as f:
-            old = [r for r in json.load(f).get("runs", [])
-                   if r["config"] not in configs and r.get("depth") == args.depth and r.get("batch") == args.batch]
+            old = [r for r in json.load(f).get("runs", []) if r["config"] not in configs
+                   and (r.get("depth"), r.get("batch"), r.get("block", args.block)) == (args.depth, args.batch, args.block)]
         runs = sorted(old + runs, key=lambda r: list(CONFIGS).index(r["config"]))
     result = {"machine": info, "args": {k: v for k, v in vars(args).items() if k != "worker"},
               "runs": runs, "ratios": ratios(runs)}

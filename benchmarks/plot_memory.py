@@ -43,7 +43,9 @@ def measured(paths, batch):
         with open(p) as f:
             data = json.load(f)
         for r in data.get("runs", []):
-            if r.get("status") == "ok" and r.get("batch") == batch and r["config"] in MEASURED:
+            block = r.get("block", data.get("args", {}).get("block"))
+            if r.get("status") == "ok" and r.get("batch") == batch and r["config"] in MEASURED \
+                    and block == "bottleneck":
                 out[MEASURED[r["config"]]][r["depth"]] = r["peak_above_base"]
     return {k: v for k, v in out.items() if v}
 
