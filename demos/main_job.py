@@ -61,7 +61,7 @@ def main(argv=None):
     p.add_argument("--data", default=None, metavar="DIR")
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--steps", type=int, default=500, help="training steps (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=300, help="training steps (default: %(default)s)")
     p.add_argument("--out", default="runs/demo", metavar="RUN_DIR")
     a = p.parse_args(argv)
 
@@ -81,7 +81,8 @@ def main(argv=None):
         return 1
     acc = "n/a" if result.test_acc is None else f"{100 * result.test_acc:.2f}%"
     shape = trainer.engine.input_shape
-    print(f"\n{dataset}: pre-act ResNet-{a.depth}, approx 4-bit, {a.steps} steps of batch {a.batch} "
+    steps = len(trainer.data.x_train) // a.batch
+    print(f"\n{dataset}: pre-act ResNet-{a.depth}, approx 4-bit, {steps} steps of batch {a.batch} "
           f"in {time.time() - start:.0f} s: test accuracy {acc} ({result.status}); run directory {a.out}")
     memory_tables(a.depth, a.batch, shape, trainer.engine.net.num_classes)
     return 0 if result.status == "finished" else 2
