@@ -559,9 +559,10 @@ def main(argv=None):
         log(f"  {r['status']}" + (f": median {r['step_median']:.2f} s, peak {fmt_mib(r['peak_above_base'])} MiB"
                                   if r["status"] == "ok" else ""))
     if args.update and args.json and os.path.exists(args.json):
+        key = (args.depth, args.batch, args.block)
         with open(args.json) as f:
             old = [r for r in json.load(f).get("runs", []) if r["config"] not in configs
-                   and (r.get("depth"), r.get("batch"), r.get("block", args.block)) == (args.depth, args.batch, args.block)]
+                   and (r.get("depth"), r.get("batch"), r.get("block", args.block)) == key]
         runs = sorted(old + runs, key=lambda r: list(CONFIGS).index(r["config"]))
     result = {"machine": info, "args": {k: v for k, v in vars(args).items() if k != "worker"},
               "runs": runs, "ratios": ratios(runs)}
