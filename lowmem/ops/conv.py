@@ -35,6 +35,19 @@ def _ranges(h, ho, k_off, stride, pad):
     return lo, max(lo, hi)
 
 
+def window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
+    """For each kernel offset (i, j): the output window (h0:h1, w0:w1) that reads inside the
+    image, and the matching strided input slices. Shared by im2col, col2im and the max-pool."""
+    for i in range(kh):
+        h0, h1 = _ranges(H, Ho, i, stride, pad)
+        hs = i - pad + stride * h0
+        for j in range(kw):
+            w0, w1 = _ranges(W, Wo, j, stride, pad)
+            ws = j - pad + stride * w0
+            yield (i, j, slice(h0, h1), slice(w0, w1),
+                   slice(hs, hs + stride * (h1 - h0), stride), slice(ws, ws + stride * (w1 - w0), stride))
+
+
 def _chunk(ws, per_sample, n):
     nc = min(n, ws.size // per_sample)
     if nc < 1:
@@ -46,32 +59,22 @@ def im2col(cols, x, kh, kw, stride, pad):
     """cols (Cin, kh, kw, n, Ho, Wo) <- patches of x (Cin, n, H, W); zero outside the image."""
     H, W = x.shape[2:]
     Ho, Wo = cols.shape[4:]
-    for i in range(kh):
-        h0, h1 = _ranges(H, Ho, i, stride, pad)
-        for j in range(kw):
-            w0, w1 = _ranges(W, Wo, j, stride, pad)
-            c = cols[:, i, j]
-            # zero only the border strips the image does not cover
-            c[:, :, :h0] = 0
-            c[:, :, h1:] = 0
-            c[:, :, h0:h1, :w0] = 0
-            c[:, :, h0:h1, w1:] = 0
-            hs, ws_ = i - pad + stride * h0, j - pad + stride * w0
-            c[:, :, h0:h1, w0:w1] = x[:, :, hs:hs + stride * (h1 - h0):stride,
-                                      ws_:ws_ + stride * (w1 - w0):stride]
+    for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
+        c = cols[:, i, j]
+        # zero only the border strips the image does not cover
+        c[:, :, :oh.start] = 0
+        c[:, :, oh.stop:] = 0
+        c[:, :, oh, :ow.start] = 0
+        c[:, :, oh, ow.stop:] = 0
+        c[:, :, oh, ow] = x[:, :, ih, iw]
 
 
 def col2im_add(dx, cols, kh, kw, stride, pad):
     """dx (Cin, n, H, W) += the scatter of cols (Cin, kh, kw, n, Ho, Wo) (im2col's adjoint)."""
     H, W = dx.shape[2:]
     Ho, Wo = cols.shape[4:]
-    for i in range(kh):
-        h0, h1 = _ranges(H, Ho, i, stride, pad)
-        for j in range(kw):
-            w0, w1 = _ranges(W, Wo, j, stride, pad)
-            hs, ws_ = i - pad + stride * h0, j - pad + stride * w0
-            dx[:, :, hs:hs + stride * (h1 - h0):stride,
-               ws_:ws_ + stride * (w1 - w0):stride] += cols[:, i, j, :, h0:h1, w0:w1]
+    for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
+        dx[:, :, ih, iw] += cols[:, i, j, :, oh, ow]
 
 
 def conv2d_forward(out, x, w, stride, pad, ws):

@@ -4,7 +4,7 @@ Dimensions: C channels, N batch, H, W input, Ho, Wo output.
 Layout: x (C, N, H, W); max-pool out (C, N, Ho, Wo); avg-pool out (N, C).
 """
 from ..backend import array_module
-from .conv import _ranges
+from .conv import window_slices
 
 
 def maxpool_forward(out, argmax, x, k=3, stride=2, pad=1):
@@ -17,16 +17,12 @@ def maxpool_forward(out, argmax, x, k=3, stride=2, pad=1):
     Ho, Wo = out.shape[2:]
     out.fill(-xp.inf)
     argmax.fill(0)
-    for i in range(k):
-        h0, h1 = _ranges(H, Ho, i, stride, pad)
-        for j in range(k):
-            w0, w1 = _ranges(W, Wo, j, stride, pad)
-            hs, ws = i - pad + stride * h0, j - pad + stride * w0
-            xv = x[:, :, hs:hs + stride * (h1 - h0):stride, ws:ws + stride * (w1 - w0):stride]
-            ov, av = out[:, :, h0:h1, w0:w1], argmax[:, :, h0:h1, w0:w1]
-            better = xv > ov                     # strict: the first maximum wins ties
-            xp.copyto(ov, xv, where=better)
-            xp.copyto(av, i * k + j, where=better)
+    for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, k, k, stride, pad):
+        xv = x[:, :, ih, iw]
+        ov, av = out[:, :, oh, ow], argmax[:, :, oh, ow]
+        better = xv > ov                     # strict: the first maximum wins ties
+        xp.copyto(ov, xv, where=better)
+        xp.copyto(av, i * k + j, where=better)
 
 
 def maxpool_backward(dx, dout, argmax, k=3, stride=2, pad=1):
@@ -37,14 +33,9 @@ def maxpool_backward(dx, dout, argmax, k=3, stride=2, pad=1):
     H, W = dx.shape[2:]
     Ho, Wo = dout.shape[2:]
     dx.fill(0)
-    for i in range(k):
-        h0, h1 = _ranges(H, Ho, i, stride, pad)
-        for j in range(k):
-            w0, w1 = _ranges(W, Wo, j, stride, pad)
-            hs, ws = i - pad + stride * h0, j - pad + stride * w0
-            dv = dx[:, :, hs:hs + stride * (h1 - h0):stride, ws:ws + stride * (w1 - w0):stride]
-            hit = argmax[:, :, h0:h1, w0:w1] == i * k + j
-            dv += xp.where(hit, dout[:, :, h0:h1, w0:w1], 0)
+    for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, k, k, stride, pad):
+        hit = argmax[:, :, oh, ow] == i * k + j
+        dx[:, :, ih, iw] += xp.where(hit, dout[:, :, oh, ow], 0)
 
 
 def avgpool_forward(out, x):
