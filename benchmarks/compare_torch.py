@@ -181,7 +181,7 @@ def worker(args):
         torch.set_num_threads(args.threads)
     else:
         import lowmem  # noqa: F401   (imports numba when installed)
-        from lowmem import fast
+        from lowmem.kernels import cpu as fast
         if fast.AVAILABLE:
             import numba
             numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))

@@ -3,7 +3,7 @@
     LOWMEM_BACKEND=cupy python benchmarks/gpu_check.py --json gpu.json
     ... --skip-tests --no-torch --budget 8GiB --steps 5 --tf32
 
-1. Tests: pytest on tests/test_cuda.py (every CUDA kernel against NumPy on the GPU, the engine
+1. Tests: pytest on tests/test_kernels_gpu.py (every CUDA kernel against NumPy on the GPU, the engine
    on CuPy against the NumPy engine, the pool's peak against the plan) and tests/test_engine.py
    (it builds NumPy inputs, so conftest keeps it on NumPy: it checks the install on that machine).
 2. Benchmarks, pre-activation ResNet-164 (CIFAR, bottleneck), batch 128, float32, random data,
@@ -11,7 +11,7 @@
      lowmem exact, approx8/4/2, naive4      step time (median of --steps after --warmup),
                                             images/s, planned bytes, measured peak (CuPy's pool
                                             through a MemoryHook: diagnostics.measure_peak)
-     lowmem exact/approx4 +im2col           the same with lowmem/cuda.py's im2col/col2im_add
+     lowmem exact/approx4 +im2col           the same with lowmem/kernels/gpu.py's im2col/col2im_add
                                             patched into lowmem.ops.conv (an experiment: by
                                             default im2col is a Python loop of CuPy slice copies)
      lowmem approx4, largest batch          lowmem.maxbatch within --budget less a reserve of
@@ -77,7 +77,7 @@ def parse_args(argv=None):
 def run_tests():
     env = dict(os.environ, LOWMEM_BACKEND="cupy",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_cuda.py", "tests/test_engine.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_kernels_gpu.py", "tests/test_engine.py"]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     out = r.stdout + r.stderr
@@ -93,8 +93,8 @@ def run_tests():
 
 @contextlib.contextmanager
 def cuda_im2col(enabled):
-    """lowmem/cuda.py's im2col/col2im_add in place of lowmem.ops.conv's, while active."""
-    from lowmem import cuda
+    """lowmem/kernels/gpu.py's im2col/col2im_add in place of lowmem.ops.conv's, while active."""
+    from lowmem.kernels import gpu as cuda
     from lowmem.ops import conv
     saved = conv.im2col, conv.col2im_add
     if enabled:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy
 
-from . import backend, cuda, fast, quant
+from . import backend, quant
+from .kernels import cpu as fast, gpu as cuda
 from .ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size,
                   bn_normalize_forward, bn_relu_apply_forward, bn_eval_relu_forward,
                   bn_relu_backward, update_running_stats, maxpool_forward, maxpool_backward,
@@ -83,8 +84,8 @@ class Engine:
         network's parameters stay where they are): for printing what a
         configuration would cost. Such an engine cannot train.
 
-        use_fast: the fused kernels for the BN-ReLU units — numba's lowmem/fast.py
-        on NumPy, CUDA's lowmem/cuda.py on CuPy (None: whenever they apply;
+        use_fast: the fused kernels for the BN-ReLU units — numba's lowmem/kernels/cpu.py
+        on NumPy, CUDA's lowmem/kernels/gpu.py on CuPy (None: whenever they apply;
         False: the reference array ops of lowmem/ops and lowmem/quant)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: expected one of {MODES}")
@@ -101,7 +102,7 @@ class Engine:
         self.dtype = numpy.dtype(dtype)
         self.N, self.input_shape = int(batch_size), input_shape
         self.xp = backend.xp
-        self._gpu = self.xp is not numpy        # CuPy: fused kernels from lowmem/cuda.py
+        self._gpu = self.xp is not numpy        # CuPy: fused kernels from lowmem/kernels/gpu.py
         self._infer_shapes()
         self.use_fast = self._fast_ok(self.N) if use_fast is None else bool(use_fast)
         if self.use_fast and not self._fast_ok(self.N):
@@ -150,7 +151,7 @@ class Engine:
             shape[L.dst] = out
 
     def _fast_ok(self, n):
-        """Whether the fused kernels (lowmem/fast.py, lowmem/cuda.py) apply to every unit at batch n."""
+        """Whether the fused kernels (lowmem/kernels/cpu.py, lowmem/kernels/gpu.py) apply to every unit at batch n."""
         bits = 8 if self.mode == "exact" else self.bits
         return all((cuda if self._gpu else fast).supports(self.xp, self.dtype, n * h * w, bits)
                    for L in self.net.layers if L.op == "bnrelu"
@@ -447,7 +448,7 @@ class Engine:
             return
         mean, var = a["bn.batch_mean"][:c], a["bn.batch_var"][:c]
         rstd = a[L.name + ".rstd"]
-        if self._fast:                                   # one fused pass (lowmem/fast.py, lowmem/cuda.py)
+        if self._fast:                                   # one fused pass (lowmem/kernels/cpu.py, lowmem/kernels/gpu.py)
             self.kernels.bn_stats(mean, var, rstd, x, BN_EPS)
             if self.mode == "exact":
                 self.kernels.unit_forward_exact(out, self._saved_xhat(L), x, mean, rstd, g, b)

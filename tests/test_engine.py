@@ -18,7 +18,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from lowmem import fast
+from lowmem.kernels import cpu as fast
 from lowmem.engine import Engine
 from lowmem.models import preact_resnet_cifar, preact_resnet_imagenet
 from lowmem.network import Network

@@ -1,8 +1,9 @@
-"""The numba kernels (lowmem/fast.py) against the NumPy reference ops and quantizer."""
+"""The numba kernels (lowmem/kernels/cpu.py) against the NumPy reference ops and quantizer."""
 import numpy as np
 import pytest
 
-from lowmem import fast, quant
+from lowmem import quant
+from lowmem.kernels import cpu as fast
 from lowmem.ops import bn_normalize_forward, bn_relu_apply_forward, bn_relu_backward
 
 pytestmark = pytest.mark.skipif(not fast.AVAILABLE, reason="numba not installed")

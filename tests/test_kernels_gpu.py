@@ -1,4 +1,4 @@
-"""The CUDA kernels (lowmem/cuda.py) against the NumPy reference ops and quantizer.
+"""The CUDA kernels (lowmem/kernels/gpu.py) against the NumPy reference ops and quantizer.
 
 Three levels, each skipped where its tool is missing:
 
@@ -35,7 +35,8 @@ import numpy as np
 import pytest
 
 import lowmem
-from lowmem import cuda, quant
+from lowmem import quant
+from lowmem.kernels import gpu as cuda
 from lowmem.network import Parameter
 from lowmem.ops import bn_normalize_forward, bn_relu_apply_forward, bn_relu_backward
 from lowmem.ops import conv as conv_ops

@@ -2,7 +2,7 @@
 
 Optional: `pip install lowmem[fast]`. Without numba, or with LOWMEM_FAST=0,
 the engine runs the pure-NumPy ops of lowmem/ops and lowmem/quant, which stay
-the reference these kernels are tested against (tests/test_fast.py).
+the reference these kernels are tested against (tests/test_kernels_cpu.py).
 
 Why: in NumPy every elementwise step is a full pass over memory. One unit's
 BN -> ReLU -> quantize -> pack is about a dozen passes; its backward

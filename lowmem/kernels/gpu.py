@@ -1,8 +1,8 @@
-"""Fused GPU kernels (CuPy RawModule), the GPU analogue of lowmem/fast.py.
+"""Fused GPU kernels (CuPy RawModule), the GPU analogue of lowmem/kernels/cpu.py.
 
 Used by the engine when the backend is CuPy (`LOWMEM_BACKEND=cupy`,
 `pip install lowmem[gpu]`); the pure-array ops of lowmem/ops and
-lowmem/quant run on CuPy too and stay the reference (tests/test_cuda.py).
+lowmem/quant run on CuPy too and stay the reference (tests/test_kernels_gpu.py).
 
 What each kernel fuses (layout (C, M) rows, M = N*H*W, as everywhere):
 
@@ -45,7 +45,7 @@ Built lazily: the CUDA source is compiled once per dtype at first use
 """
 import numpy
 
-from . import quant
+from .. import quant
 
 BLOCK = 256             # threads per block; the reductions assume this power of two
 MAX_SEGMENTS = 32       # row segments (blocks) per channel in a reduction
@@ -442,7 +442,7 @@ extern "C" __global__ void col2im_add(real* dx, const real* cols, int n, int H, 
 }
 """
 
-# kernels with __syncthreads (the CPU emulator in tests/test_cuda.py runs their threads as coroutines)
+# kernels with __syncthreads (the CPU emulator in tests/test_kernels_gpu.py runs their threads as coroutines)
 BLOCK_SYNC = ("bn_stats_partial", "unit_backward_partial_exact", "unit_backward_partial_code")
 
 
