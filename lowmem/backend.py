@@ -47,8 +47,12 @@ def get_backend():
 
 
 def array_module(a):
-    """numpy or cupy, whichever owns array `a` (Chainer's get_array_module)."""
-    return xp if name == "cupy" and isinstance(a, xp.ndarray) else numpy
+    """numpy or cupy, whichever owns array `a` (Chainer's get_array_module): decided by the
+    array's own type, whatever backend is active."""
+    if type(a).__module__.split(".", 1)[0] == "cupy":
+        import cupy
+        return cupy
+    return numpy
 
 
 def to_numpy(a):

@@ -124,7 +124,7 @@ def plan_command(args):
     print(describe(net, args.batch, shape, args.dtype, "mode " + mode_label(args.mode, args.bits)))
     if not args.no_schedule:
         print(f"\nschedule ({len(eng.schedule)} steps):")
-        print(eng.schedule)
+        print(eng.schedule.format(max_rows=60))
     print("\nmemory plan:")
     print(eng.plan.report(max_rows=args.rows))
     saved = eng.plan.bytes_by_kind()["saved"]

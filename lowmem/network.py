@@ -7,6 +7,10 @@ parameters it owns. It holds no activations and no saved state: the engine
 (lowmem/engine.py) turns it into a schedule and a memory plan.
 
 Layer ops: conv, bnrelu, add (res += src), maxpool, avgpool, linear.
+
+Weights are declared with their shapes while the network is built and drawn
+(seeded, in declaration order) only when first used, so the memory plan of
+any depth can be computed without building a single weight.
 """
 from dataclasses import dataclass, field
 
@@ -56,25 +60,33 @@ class Network:
         self.in_channels = in_channels
         self.num_classes = num_classes
         self.layers = []
-        self.params = {}       # name -> Parameter, in forward order
-        self.stats = {}        # name -> array: BN running mean / var
+        # Parameters and statistics are declared (name -> shape) while building and
+        # drawn only when first used, in declaration order from one seeded generator:
+        # a plan (Engine(..., allocate=False), `lowmem plan`) never builds a weight.
+        self._param_specs = {}  # name -> (shape, decay, init(rng, shape) -> float32 array)
+        self._stat_specs = {}   # name -> (shape, fill value)
+        self._params = {}       # name -> Parameter, in forward order (as drawn)
+        self._stats = {}        # name -> array: BN running mean / var
         self._rng = numpy.random.default_rng(seed)
 
     # -- building ---------------------------------------------------------
-    def _param(self, name, data, decay):
-        self.params[name] = Parameter(name, data, decay=decay)
+    def _param(self, name, shape, decay, init):
+        if name in self._param_specs:
+            raise ValueError(f"network {self.name!r}: parameter {name!r} declared twice")
+        self._param_specs[name] = (tuple(int(s) for s in shape), decay, init)
 
     def conv(self, name, src, dst, cin, cout, k, stride=1, pad=None):
         pad = (k - 1) // 2 if pad is None else pad
         std = numpy.sqrt(2.0 / (cin * k * k))          # He et al. (fan-in, ReLU)
-        self._param(name + ".weight", (self._rng.standard_normal((cout, cin, k, k)) * std).astype(numpy.float32), True)
+        self._param(name + ".weight", (cout, cin, k, k), True,
+                    lambda rng, shape: (rng.standard_normal(shape) * std).astype(numpy.float32))
         self.layers.append(Layer("conv", name, src, dst, k, stride, pad, cin, cout))
 
     def bnrelu(self, name, src, dst, c):
-        self._param(name + ".weight", numpy.ones(c, numpy.float32), False)   # gamma
-        self._param(name + ".bias", numpy.zeros(c, numpy.float32), False)    # beta
-        self.stats[name + ".running_mean"] = numpy.zeros(c, numpy.float32)
-        self.stats[name + ".running_var"] = numpy.ones(c, numpy.float32)
+        self._param(name + ".weight", (c,), False, lambda rng, shape: numpy.ones(shape, numpy.float32))   # gamma
+        self._param(name + ".bias", (c,), False, lambda rng, shape: numpy.zeros(shape, numpy.float32))    # beta
+        self._stat_specs[name + ".running_mean"] = ((c,), 0.0)
+        self._stat_specs[name + ".running_var"] = ((c,), 1.0)
         self.layers.append(Layer("bnrelu", name, src, dst, cin=c, cout=c))
 
     def add(self, name, src):
@@ -86,18 +98,46 @@ class Network:
     def head(self, src, c):
         """Global average pool, then the fully connected classifier (PyTorch's init)."""
         bound = 1.0 / numpy.sqrt(c)
+
+        def uniform(rng, shape):
+            return rng.uniform(-bound, bound, shape).astype(numpy.float32)
+
         self.layers.append(Layer("avgpool", "pool", src, "feat", cin=c, cout=c))
-        self._param("fc.weight", self._rng.uniform(-bound, bound, (self.num_classes, c)).astype(numpy.float32), True)
-        self._param("fc.bias", self._rng.uniform(-bound, bound, self.num_classes).astype(numpy.float32), False)
+        self._param("fc.weight", (self.num_classes, c), True, uniform)
+        self._param("fc.bias", (self.num_classes,), False, uniform)
         self.layers.append(Layer("linear", "fc", "feat", "logits", cin=c, cout=self.num_classes))
 
     # -- using ------------------------------------------------------------
+    @property
+    def params(self):
+        """name -> Parameter, in forward order (draws any parameter not drawn yet)."""
+        for name, (shape, decay, init) in self._param_specs.items():
+            if name not in self._params:
+                self._params[name] = Parameter(name, init(self._rng, shape), decay=decay)
+        return self._params
+
+    @property
+    def stats(self):
+        """name -> array: the BN running statistics (mean 0, variance 1 when new)."""
+        for name, (shape, value) in self._stat_specs.items():
+            if name not in self._stats:
+                self._stats[name] = numpy.full(shape, value, numpy.float32)
+        return self._stats
+
+    def param_shapes(self):
+        """[(name, shape, decay)] in forward order, without drawing any weight."""
+        return [(n, shape, decay) for n, (shape, decay, _) in self._param_specs.items()]
+
+    def stat_shapes(self):
+        """[(name, shape)] of the BN running statistics, without building them."""
+        return [(n, shape) for n, (shape, _) in self._stat_specs.items()]
+
     def parameters(self):
         """All Parameters in forward order."""
         return list(self.params.values())
 
     def num_params(self):
-        return sum(int(numpy.prod(p.shape)) for p in self.params.values())
+        return sum(int(numpy.prod(shape)) for _, shape, _ in self.param_shapes())
 
     def state_dict(self):
         """name -> host NumPy copy, for parameters and BN running statistics."""
@@ -107,8 +147,8 @@ class Network:
 
     def load_state_dict(self, d):
         """Copy values in place; names and shapes must match exactly."""
-        expected = {n: p.shape for n, p in self.params.items()}
-        expected.update({n: tuple(a.shape) for n, a in self.stats.items()})
+        expected = {n: shape for n, shape, _ in self.param_shapes()}
+        expected.update(self.stat_shapes())
         missing = [n for n in expected if n not in d]
         extra = [n for n in d if n not in expected]
         if missing or extra:

@@ -8,8 +8,11 @@ Weight decay applies to conv and linear weights by default; BN gamma/beta and
 biases are exempt unless decay_bn / decay_bias say otherwise. `lr` may be
 changed between steps (opt.lr = ...). Momentum buffers are the engine's
 planned "optimizer" arrays when present (p.state["momentum"]), so the plan
-counts them.
+counts them. On CuPy arrays `step` runs kernels/gpu.py's fused update (one
+kernel per tensor, the same arithmetic); on NumPy the array ops below.
 """
+import numpy
+
 from .backend import array_module
 
 
@@ -33,6 +36,11 @@ class SGD:
         self._started = False
 
     def step(self):
+        """One update of every parameter from its .grad (which it may modify)."""
+        if array_module(self.params[0].data) is not numpy:
+            from .kernels import gpu           # CuPy arrays: one fused kernel per tensor
+            gpu.sgd_step(self)
+            return
         for p, decays in zip(self.params, self.decay):
             v, g = p.state["momentum"], p.grad
             if decays and self.weight_decay:

@@ -9,15 +9,17 @@ the memory a training step holds, and a test checks the two are equal.
 Kinds:
   params     trainable weights            grads      their gradients
   optimizer  SGD momentum                 stats      BN running statistics, batch-stat scratch
+  input      the engine's copy of the batch (channels-major) and its labels: the caller
+             may reuse its own arrays as soon as forward() returns
   buffers    the shared activation / gradient buffers (act0, act1, res) and tiny head buffers
-  saved      what each layer keeps for backward (x-hat or its K-bit code, rstd, argmax, FC input)
+  saved      what each layer keeps for backward (x-hat or its K-bit code, rstd, argmax, FC input, probs)
   workspace  bounded scratch: conv im2col columns, decoded ReLU mask, max-pool indices
 """
 from dataclasses import dataclass
 
 import numpy
 
-KINDS = ("params", "grads", "optimizer", "stats", "buffers", "saved", "workspace")
+KINDS = ("params", "grads", "optimizer", "stats", "input", "buffers", "saved", "workspace")
 
 
 @dataclass(frozen=True)

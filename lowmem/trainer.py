@@ -300,10 +300,15 @@ class Trainer:
         t = time.perf_counter()
         x, y = self._batch(xb, yb, train=True)
         self.opt.lr = lr_at(self.iteration, self.total_iters, self.config)
-        loss, logits = self.engine.forward(x, y)
+        try:
+            loss, logits = self.engine.forward(x, y)
+        except FloatingPointError as e:         # non-finite batch statistics: the step was refused
+            loss, why = float("nan"), f" ({e})"
+        else:
+            why = ""
         if not math.isfinite(loss):
             epoch, b = divmod(self.iteration, self.steps_per_epoch)
-            self._diverged(f"non-finite loss {loss} at iteration {self.iteration + 1} (epoch {epoch + 1}, "
+            self._diverged(f"non-finite loss {loss}{why} at iteration {self.iteration + 1} (epoch {epoch + 1}, "
                            f"step {b + 1}, lr {self.opt.lr:g})")
         self.engine.backward()
         self.opt.step()
@@ -495,7 +500,7 @@ class Trainer:
             json.dump(self.config.to_dict(), f, indent=2)
         with open(os.path.join(self.out, PLAN), "w") as f:
             f.write(self.engine.summary() + "\n\n" + self.engine.plan.report(max_rows=10 ** 6)
-                    + "\n\n" + self.engine.schedule.__str__(max_rows=10 ** 6) + "\n")
+                    + "\n\n" + str(self.engine.schedule) + "\n")
         if self.iteration == 0 and os.path.exists(os.path.join(self.out, METRICS)):
             os.remove(os.path.join(self.out, METRICS))
 

@@ -449,7 +449,7 @@ def test_input_too_small_for_the_network():
     net.conv("conv1", "input", "res", 3, 4, k=3, stride=1, pad=0)
     net.bnrelu("bn_final", "res", "act0", 4)
     net.head("act0", 4)
-    Engine(net, batch_size=1, input_shape=(3, 3, 3))
+    Engine(net, batch_size=2, input_shape=(3, 3, 3))      # (batch 1: BN over one value, refused)
     with pytest.raises(ValueError, match=r"input_shape \(3, 2, 2\) is too small: layer conv1"):
         Engine(copy.deepcopy(net), batch_size=1, input_shape=(3, 2, 2))
 
@@ -618,3 +618,102 @@ def test_training_reduces_the_loss_on_a_fixed_batch(rng):
         opt = SGD(n.parameters(), lr=0.05, momentum=0.9, weight_decay=0.0)
         losses = [eng.train_step(x, y, opt) for _ in range(6)]
         assert losses[-1] < 0.5 * losses[0], (mode, losses)
+
+
+# ------------------------------------------------- the edges a careless user reaches (issue 11)
+
+def test_batch_norm_over_one_value_per_channel_is_refused():
+    net = Network("one-pixel", in_channels=3, num_classes=2)
+    net.conv("conv1", "input", "res", 3, 4, k=3, stride=1, pad=0)
+    net.bnrelu("bn_final", "res", "act0", 4)
+    net.head("act0", 4)
+    with pytest.raises(ValueError, match=r"batch_size 1: batch norm bn_final .*\(4, 1, 1\).*N\*H\*W = 1"):
+        Engine(net, batch_size=1, input_shape=(3, 3, 3))
+    eng = Engine(copy.deepcopy(net), batch_size=2, input_shape=(3, 3, 3))
+    x = np.ones((1, 3, 3, 3), np.float32)
+    with pytest.raises(ValueError, match="batch of 1: batch norm bn_final"):
+        eng.forward(x, np.array([1]))
+    assert eng.predict(x).shape == (1, 2)           # eval mode uses running statistics: fine
+
+
+def test_the_caller_may_reuse_its_batch_between_forward_and_backward(rng):
+    net = preact_resnet_cifar(8)
+    eng = Engine(net, batch_size=4, input_shape=(3, 8, 8), dtype="float64")
+    x, y = batch(rng, net, 4, (3, 8, 8))
+    eng.forward(x.copy(), y.copy())
+    want = eng.backward(input_grad=True), [p.grad.copy() for p in net.parameters()]
+    xb, yb = x.copy(), y.copy()
+    eng.forward(xb, yb)
+    xb[...] = rng.standard_normal(xb.shape)         # prefetch the next batch into the same arrays
+    yb[...] = (yb + 1) % net.num_classes
+    got = eng.backward(input_grad=True), [p.grad.copy() for p in net.parameters()]
+    np.testing.assert_array_equal(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_huge_finite_input_is_refused_before_the_running_statistics_change():
+    net = preact_resnet_cifar(8)
+    eng = Engine(net, batch_size=4, input_shape=(3, 8, 8))
+    before = {k: v.copy() for k, v in net.stats.items()}
+    x = np.full((4, 3, 8, 8), 1e30, np.float32)
+    x[0] = -1e30
+    with pytest.raises(FloatingPointError, match="batch statistics are not finite"):
+        eng.forward(x, np.array([0, 1, 2, 3]))
+    for k, v in net.stats.items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+    with pytest.raises(RuntimeError, match="forward"):
+        eng.backward()
+
+
+@pytest.mark.parametrize("n", [4, 3])
+def test_approx_forward_equals_exact_bit_for_bit_with_default_kernels(rng, n):
+    """Units whose N*H*W is not a multiple of 8 (n = 3: 3*5*5 = 75) run the reference kernels
+    in every mode, so exact and approx still compute the same forward."""
+    net = preact_resnet_cifar(8)
+    randomize_units(net, rng)
+    x, y = batch(rng, net, n, (3, 5, 5), np.float32)
+    out = {}
+    for mode in ("exact", "approx"):
+        eng = Engine(copy.deepcopy(net), batch_size=4, input_shape=(3, 5, 5), mode=mode, bits=4)
+        out[mode] = eng.forward(x, y)
+    assert out["exact"][0] == out["approx"][0]
+    np.testing.assert_array_equal(out["exact"][1], out["approx"][1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, "f4", np.dtype("float64"), "<f8"])
+def test_any_spelling_of_a_float_dtype_is_accepted(dtype):
+    eng = Engine(preact_resnet_cifar(8), 2, (3, 8, 8), dtype=dtype, allocate=False)
+    assert eng.dtype == np.dtype(dtype)
+
+
+@pytest.mark.parametrize("args,exc,words", [
+    ((None, 8, (3, 32, 32)), TypeError, ["Network", "NoneType"]),
+    (("net", 8, (3, 32.0, 32)), ValueError, ["input_shape", "positive ints", "32.0"]),
+    (("net", 8, (3, 0, 32)), ValueError, ["input_shape", "positive ints"]),
+    (("net", True, (3, 8, 8)), ValueError, ["batch_size"]),
+])
+def test_more_bad_engine_arguments(args, exc, words):
+    args = tuple(preact_resnet_cifar(8) if a == "net" else a for a in args)
+    with pytest.raises(exc) as info:
+        Engine(*args)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_one_class_is_refused():
+    with pytest.raises(ValueError, match="num_classes=1.*at least 2 classes"):
+        Engine(preact_resnet_cifar(8, num_classes=1), 2, (3, 8, 8), allocate=False)
+
+
+def test_train_step_checks_the_optimizer_before_running(rng):
+    net = preact_resnet_cifar(8)
+    eng = Engine(net, batch_size=2, input_shape=(3, 8, 8))
+    x, y = batch(rng, net, 2, (3, 8, 8), np.float32)
+    before = net.stats["bn1.running_mean"].copy() if "bn1.running_mean" in net.stats else None
+    stats = {k: v.copy() for k, v in net.stats.items()}
+    with pytest.raises(TypeError, match="optimizer.*NoneType"):
+        eng.train_step(x, y, None)
+    for k, v in net.stats.items():                  # nothing ran: the running statistics are untouched
+        np.testing.assert_array_equal(v, stats[k])
+    del before

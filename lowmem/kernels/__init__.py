@@ -1,1 +1,69 @@
-"""Kernel sets for the BN-ReLU units: the NumPy reference, numba (cpu.py), CUDA (gpu.py)."""
+"""Kernel sets for the BN->ReLU units, chosen once per engine.
+
+A unit kernel set does everything mode-, bit- and backend-specific about a
+BN->ReLU unit; the engine calls it and never asks which one it has:
+
+    units.saved_entry(C, M, dtype) -> (shape, dtype)   the unit's saved slot in the plan
+    units.saved_view(slot, C, M)                       that slot for the current batch
+    units.stats(mean, var, rstd, x)                    batch statistics of x (C, M)
+    units.forward(out, saved, x, mean, rstd, gamma, beta)
+        saved <- x-hat (exact) or its K-bit code; out = relu(gamma*x-hat + beta)
+        (naive: relu(gamma*x-tilde + beta)); out may alias x
+    units.conv_input(u, saved, gamma, beta)            u = the following conv's input, rebuilt
+    units.backward(dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch)
+        dgamma, dbeta += ; dx = (or +=) the input gradient; scratch: a free (C, M)
+        buffer the set may decode x-tilde into
+
+The sets:
+    kernels/reference.py  ExactUnits, CodeUnits(bits, naive)   array ops (NumPy or CuPy)
+    kernels/fused.py      the same over kernels/cpu.py (numba) or kernels/gpu.py (CUDA)
+
+`select` picks one; `reference` is the array-op twin of any set, used by the
+engine for a batch the fused kernels cannot take (a unit whose N*H*W is not
+a multiple of 8), in every mode alike.
+"""
+import numpy
+
+from . import fused
+from .reference import BN_EPS, CodeUnits, ExactUnits
+
+MODES = ("exact", "approx", "naive")
+
+
+def reference(mode, bits):
+    """The array-op set for a mode and bit width."""
+    return ExactUnits() if mode == "exact" else CodeUnits(bits, naive=(mode == "naive"))
+
+
+def fused_applies(xp, dtype, sizes):
+    """Whether the fused kernels can run units of these M = N*H*W sizes on xp in dtype."""
+    return fused.applies(xp, dtype, sizes)
+
+
+def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None):
+    """The kernel set for an engine: fused when use_fast (None: whenever they apply), else reference.
+
+    sizes: every unit's M at the planned batch. partials: the plan's `bn.partials` workspace
+    (the CUDA set's reductions; None on the CPU, or when only planning)."""
+    ok = fused.applies(xp, dtype, sizes)
+    if use_fast is None:
+        use_fast = ok
+    if use_fast and not ok:
+        raise ValueError("use_fast=True needs numba (pip install lowmem[fast]) and float32 on the "
+                         "NumPy backend, or the CuPy backend, and N*H*W a multiple of 8 in every unit")
+    if not use_fast:
+        return reference(mode, bits)
+    module = fused.module_for(xp)
+    if mode == "exact":
+        return fused.FusedExactUnits(module, partials)
+    return fused.FusedCodeUnits(module, bits, naive=(mode == "naive"), partials=partials)
+
+
+def partials_size(xp, max_channels, use_fused):
+    """float64 elements of `bn.partials` the CUDA set needs (0 elsewhere)."""
+    if use_fused and xp is not numpy:
+        return fused.gpu.partials_size(max_channels)
+    return 0
+
+
+__all__ = ["BN_EPS", "MODES", "reference", "select", "fused_applies", "partials_size"]

@@ -27,22 +27,35 @@ def row_blocks(C, M, max_elems=None):
         yield slice(c0, min(C, c0 + rows))
 
 
-def bn_normalize_forward(xhat, mean, var, rstd, x, eps):
-    """xhat (C, M), mean/var/rstd (C,) <- batch statistics of x (C, M). xhat may alias x."""
+def bn_stats(mean, var, rstd, x, eps):
+    """mean, var (biased), rstd = 1/sqrt(var + eps), each (C,), of x (C, M).
+
+    Two passes per row block; the squares are a bounded temporary (one row block)."""
     xp = array_module(x)
     C, M = x.shape
     xp.sum(x, axis=1, out=mean)
     mean /= M
     for r in row_blocks(C, M):
-        xr = xhat[r]
-        xp.subtract(x[r], mean[r, None], out=xr)
-        t = xp.square(xr)                       # bounded temporary (one row block)
+        t = xp.subtract(x[r], mean[r, None])    # bounded temporary (one row block)
+        xp.square(t, out=t)
         xp.sum(t, axis=1, out=var[r])
     var /= M
     xp.add(var, eps, out=rstd)
     xp.sqrt(rstd, out=rstd)
     xp.reciprocal(rstd, out=rstd)
+
+
+def bn_normalize(xhat, x, mean, rstd):
+    """xhat (C, M) = (x - mean) * rstd: subtract, then multiply. xhat may alias x."""
+    xp = array_module(x)
+    xp.subtract(x, mean[:, None], out=xhat)
     xhat *= rstd[:, None]
+
+
+def bn_normalize_forward(xhat, mean, var, rstd, x, eps):
+    """xhat (C, M), mean/var/rstd (C,) <- batch statistics of x (C, M). xhat may alias x."""
+    bn_stats(mean, var, rstd, x, eps)
+    bn_normalize(xhat, x, mean, rstd)
 
 
 def update_running_stats(running_mean, running_var, mean, var, M, momentum):
@@ -81,12 +94,14 @@ def relu_mask(mask, xhat, gamma, beta):
         xp.greater(t, 0, out=mask[r])
 
 
-def bn_relu_backward(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, mask=None, accumulate=False):
+def bn_relu_backward(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, mask=None, accumulate=False,
+                     masked=False):
     """Backward through r = relu(gamma*xhat + beta), xhat = batch-normalised x.
 
     # saved: xhat (C, M) — exact float, or decoded from a K-bit code — and rstd (C,) exact.
     dr (C, M) is the gradient w.r.t. r and is used as scratch; dx (C, M) may alias dr.
-    mask: bool (C, M) ReLU mask; None recomputes it exactly from xhat, gamma, beta.
+    mask: bool (C, M) ReLU mask; None recomputes it exactly from xhat, gamma, beta;
+        masked=True: dr is already masked (the caller applied the exact mask).
     accumulate: dx += instead of dx = (a tensor whose gradient already has another contribution).
         dy = dr * mask
         dgamma += sum(dy * xhat),  dbeta += sum(dy)
@@ -97,7 +112,9 @@ def bn_relu_backward(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, mask=None, 
     for r in row_blocks(C, M):
         dy = dr[r]
         t = xp.multiply(xhat[r], gamma[r, None])            # bounded temporary
-        if mask is None:
+        if masked:
+            pass
+        elif mask is None:
             t += beta[r, None]                              # the forward's exact expression
             xp.multiply(dy, t > 0, out=dy)
         else:
