@@ -31,7 +31,7 @@ import numbers
 
 import numpy
 
-from . import backend, kernels, quant
+from . import backend, kernels, layers, quant
 from .layers import OPS, BatchStatisticsError
 from .network import Network
 from .ops import softmax_xent_forward, softmax_xent_backward
@@ -160,7 +160,20 @@ class Engine:
                 conv_ws = max(conv_ws, per_sample * min(N, max(1, budget // per_sample)))
         plan.add("loss.probs", "saved", (N, head.cout), dt)
         plan.add("conv.cols", "workspace", (conv_ws,), dt)
+        self._plan_temporaries(plan)
         return plan, views
+
+    def _plan_temporaries(self, plan):
+        """Bounds on the NumPy temporaries a step allocates (see lowmem/ops, lowmem/quant)."""
+        it = self.dtype.itemsize
+        weights = [int(numpy.prod(shape)) for _, shape, _ in self.net.param_shapes()]
+        plan.add_temporary("a weight-sized GEMM result", max(weights) * it)
+        units = [c * self.N * h * w for (c, h, w) in self._unit_sizes.values()] or [0]
+        row_block = min(max(units), max(layers.ROW_BLOCK, max(self.N * h * w for (_, h, w) in
+                                                               self._unit_sizes.values())))
+        plan.add_temporary("a BN row block (x2)", 2 * row_block * it)
+        if self.mode != "exact":
+            plan.add_temporary("quantizer chunks", (2 * it + 4) * min(quant.CHUNK, max(units)))
 
     def _make_schedule(self):
         io = resolve(self.net)

@@ -25,6 +25,7 @@ from .ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight,
                   bn_eval_relu_forward, update_running_stats, maxpool_forward, maxpool_backward,
                   avgpool_forward, avgpool_backward, linear_forward, linear_backward)
 from .kernels import BN_EPS
+from .ops.batchnorm import ROW_BLOCK
 
 BN_MOMENTUM = 0.1
 

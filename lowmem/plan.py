@@ -45,6 +45,18 @@ class Plan:
     def __init__(self):
         self.entries = []
         self._names = set()
+        self.temporaries = []     # (what, bytes): bounded scratch a step allocates, not held
+
+    def add_temporary(self, what, nbytes):
+        """Record a bound on short-lived scratch a step allocates outside the plan (NumPy
+        temporaries: row blocks, quantizer chunks, weight-sized GEMM results). Not allocated,
+        not in total_bytes; `report()` lists them so the bound is visible."""
+        self.temporaries.append((what, int(nbytes)))
+
+    @property
+    def temporary_bytes(self):
+        """The most the listed temporaries can add on top of the plan at once (their sum)."""
+        return sum(b for _, b in self.temporaries)
 
     def add(self, name, kind, shape, dtype):
         if kind not in KINDS:
@@ -85,6 +97,10 @@ class Plan:
             if counts[k]:
                 lines.append(f"{k:<10} {counts[k]:>8} {b:>16,} {fmt_bytes(b):>12}")
         lines.append(f"{'total':<10} {len(rows):>8} {self.total_bytes:>16,} {fmt_bytes(self.total_bytes):>12}")
+        if self.temporaries:
+            lines.append(f"not held, at most {self.temporary_bytes:,} B ({fmt_bytes(self.temporary_bytes)}) "
+                         f"of temporaries during a step: "
+                         + "; ".join(f"{what} {fmt_bytes(b)}" for what, b in self.temporaries))
         return "\n".join(lines)
 
     def __repr__(self):

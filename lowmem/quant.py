@@ -73,11 +73,12 @@ def packed_nbytes(n, bits):
     return (int(n) * check_bits(bits) + 7) // 8
 
 
-def _chunk():
-    """The current CHUNK, checked (tests set it small)."""
+def _chunk(n=None):
+    """The current CHUNK, checked (tests set it small); with n, no more than n rounded up to
+    a multiple of 8, so a small array gets small scratch."""
     if CHUNK <= 0 or CHUNK % 8:
         raise ValueError(f"quant.CHUNK must be a positive multiple of 8, got {CHUNK}")
-    return CHUNK
+    return CHUNK if n is None else min(CHUNK, max(8, (int(n) + 7) // 8 * 8))
 
 
 class QuantParams:
@@ -261,7 +262,7 @@ def pack_codes(packed_out, codes, bits):
     xp = array_module(codes)
     codes = codes.reshape(-1)
     _check_packed(packed_out, codes.size, bits, "packed_out")
-    step = _chunk()
+    step = _chunk(codes.size)
     tmp = xp.empty(step * bits // 8, numpy.uint8)
     for a in range(0, codes.size, step):
         b = min(a + step, codes.size)
@@ -302,7 +303,7 @@ def quantize_pack(packed_out, xhat, qp):
     kf = qp.k.astype(qp.dtype)
     span = (L - qp.k).astype(qp.dtype)
     km1 = (qp.k - 1).astype(qp.dtype)
-    step = _chunk()
+    step = _chunk(n)
     v = xp.empty(step, qp.dtype)        # the code, as a float, while it is built
     bound = xp.empty(step, qp.dtype)    # lower, then upper clamp
     mask = xp.empty(step, bool)
@@ -346,7 +347,7 @@ def _decode(out, packed, qp, extra=None):
         raise ValueError(f"out must be a float array, got {o2.dtype}")
     n, M = o2.size, o2.shape[1]
     _check_packed(packed, n, bits)
-    codes = xp.empty(_chunk(), numpy.uint8)
+    codes = xp.empty(_chunk(n), numpy.uint8)
     for a, b, pieces in _chunks(n, M):
         _unpack_block(codes[:b - a], packed[a * bits // 8:(b * bits + 7) // 8], bits)
         for r0, r1, c0, c1, off in pieces:
@@ -392,7 +393,7 @@ def decode_relu(out, packed, qp, gamma, beta):
     Scratch: 2·CHUNK bytes.
     """
     xp = array_module(packed)
-    off_mask = xp.empty(_chunk(), bool)
+    off_mask = xp.empty(_chunk(out.size), bool)
 
     def affine_relu(ob, cb, r0, r1, c0, c1):
         xp.multiply(ob, gamma[r0:r1, None], out=ob)

@@ -717,3 +717,27 @@ def test_train_step_checks_the_optimizer_before_running(rng):
     for k, v in net.stats.items():                  # nothing ran: the running statistics are untouched
         np.testing.assert_array_equal(v, stats[k])
     del before
+
+
+@pytest.mark.parametrize("depth,N,shape,mode,use_fast", [
+    (8, 2, (3, 2, 2), "approx", None), (8, 16, (3, 32, 32), "approx", False),
+    (20, 16, (3, 16, 16), "exact", False), (8, 4, (3, 5, 5), "naive", None)])
+def test_step_temporaries_stay_within_the_bound_the_plan_states(rng, depth, N, shape, mode, use_fast):
+    """What a steady step allocates beyond the plan (NumPy temporaries) is at most the plan's
+    stated bound (plus 16 KiB of interpreter bookkeeping), even where the plan itself is tiny."""
+    net = preact_resnet_cifar(depth)
+    eng = Engine(net, N, shape, mode, 4, use_fast=use_fast)
+    opt = SGD(net.parameters(), lr=0.01)
+    x, y = batch(rng, net, N, shape, np.float32)
+    eng.train_step(x, y, opt)
+    tracemalloc.start()
+    try:
+        eng.train_step(x, y, opt)
+        tracemalloc.reset_peak()
+        start = tracemalloc.get_traced_memory()[0]
+        eng.train_step(x, y, opt)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak - start <= eng.plan.temporary_bytes + (16 << 10), (peak - start, eng.plan.temporary_bytes)
+    assert "of temporaries during a step" in eng.plan.report()
