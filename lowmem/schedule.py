@@ -154,7 +154,7 @@ def plan_backward(net, io, in_shape, out_shape, saved, nbytes, decodes, start):
     def add(op, L, **kw):
         steps.append(Step(start + len(steps), "bwd", op, L, **kw))
 
-    add("loss", None, dout="loss.probs", dest="dlogits", saved=("loss.probs",), saved_bytes=nbytes["loss.probs"])
+    add("loss", None, dest="dlogits", saved=("loss.probs",), saved_bytes=nbytes["loss.probs"])
     for L in reversed(net.layers):
         src, dst = io[L.name]
         shapes = dict(src=src, in_shape=in_shape[L.name], out_shape=out_shape[L.name], params=_params(net, L))

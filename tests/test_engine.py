@@ -609,7 +609,7 @@ def test_train_step_is_forward_backward_step_with_planned_momentum(rng):
 
 def test_training_reduces_the_loss_on_a_fixed_batch(rng):
     """Sanity: a few steps on one batch lower its loss, in every mode (NumPy path: the fused
-    kernels are checked against it in test_fast.py and above)."""
+    kernels are checked against it in test_kernels_cpu.py, test_kernels.py and above)."""
     net = preact_resnet_cifar(8, num_classes=4)
     x, y = batch(rng, net, 8, (3, 8, 8), np.float32)
     for mode in ("exact", "approx", "naive"):

@@ -9,7 +9,7 @@ Three levels, each skipped where its tool is missing:
 * device "emu": the same CUDA text compiled for the CPU with g++ against a
   small emulation header (threadIdx/blockIdx, CUDA threads as coroutines that
   switch at __syncthreads, the _rn intrinsics as plain IEEE operations, no
-  contraction) and launched through cuda.py's own Python launcher with NumPy
+  contraction) and launched through kernels/gpu.py's own Python launcher with NumPy
   arrays. Each launch checks every argument against the kernel's C signature
   (array dtype per pointer, int32/int64/real per scalar): CuPy's RawKernel
   checks none. The engine's CuPy path also runs end to end on these kernels.
@@ -440,7 +440,7 @@ def test_supports():
     FakeCupy = types.SimpleNamespace(__name__="cupy")
     assert cuda.supports(FakeCupy, "float32", 1024, 4) and cuda.supports(FakeCupy, "float64", 3, 8)
     assert not cuda.supports(FakeCupy, "float32", 3, 4)        # 12 bits: rows not byte-aligned
-    assert not cuda.supports(np, "float32", 1024, 4)           # NumPy arrays take fast.py / the ops
+    assert not cuda.supports(np, "float32", 1024, 4)           # NumPy arrays take kernels/cpu.py / the ops
 
 
 # ------------------------------------------------------- the engine on the GPU
@@ -509,7 +509,9 @@ def rel(a, b):
 
 class NumpyAsCupy(types.ModuleType):
     """NumPy under another name: an Engine built while this is backend.xp takes its CuPy path
-    (cuda.Kernels, bn.partials, fused SGD) on NumPy arrays, i.e. on the emulated kernels."""
+    (kernels/fused.py's CUDA set with its bn.partials workspace) on NumPy arrays, i.e. on the
+    emulated kernels. (SGD picks its fused update by the arrays' own module: NumPy here; the
+    fused sgd_update is checked on its own above.)"""
 
     def __getattr__(self, name):
         return getattr(np, name)
@@ -527,7 +529,7 @@ def compare(got, ref, tol):
 def test_engine_gpu_path_on_emulated_kernels(emulator, monkeypatch, mode, n):
     """The engine's CuPy wiring run on the CPU, float64: a batch of n in an engine planned for 8
     (n = 4: the saved x-hat rows are strided) equals the NumPy engine's loss, gradients and
-    two SGD steps (the fused sgd_update); float32 approx's forward equals exact's bit for bit."""
+    two SGD steps; float32 approx's forward equals exact's bit for bit."""
     cuda._reset()
     monkeypatch.setattr(cuda, "_build", lambda dtype: Emulated(emulator[np.dtype(dtype).name], dtype))
     net, shape = randomized(lowmem.models.preact_resnet_cifar(11), 2), (3, 8, 8)   # bottlenecks, small

@@ -1,4 +1,4 @@
-"""Fused GPU kernels (CuPy RawModule), the GPU analogue of lowmem/kernels/cpu.py.
+"""Fused GPU kernels (CuPy RawModule), the GPU twin of lowmem/kernels/cpu.py.
 
 Used by the engine when the backend is CuPy (`LOWMEM_BACKEND=cupy`,
 `pip install lowmem[gpu]`); the pure-array ops of lowmem/ops and
@@ -569,7 +569,7 @@ def _check_code(packed, C, M, bits):
     quant._check_packed(packed, C * M, bits)
 
 
-# ---- the engine-facing functions (fast.py's signatures) --------------------------------
+# ---- the unit functions (kernels/cpu.py's signatures; kernels/fused.py wraps both) ------
 
 def bn_stats(mean, var, rstd, x, eps, partials=None):
     """mean, var (biased), rstd (C,) of x (C, M)."""
@@ -650,24 +650,6 @@ def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, ac
     else:
         _launch("unit_backward_apply_code", dt, (_blocks(M * bits // 8), C),
                 (dx, dr, packed, coef, gamma, beta, _i64(M), *_grid_args(bits, dt), acc))
-
-
-class Kernels:
-    """fast.py's interface for the engine, bound to one engine's `bn.partials` workspace."""
-
-    def __init__(self, partials):
-        self.partials = partials
-
-    def bn_stats(self, mean, var, rstd, x, eps):
-        bn_stats(mean, var, rstd, x, eps, self.partials)
-
-    def unit_backward(self, dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, accumulate):
-        unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, accumulate,
-                      self.partials)
-
-    unit_forward_exact = staticmethod(unit_forward_exact)
-    unit_forward_code = staticmethod(unit_forward_code)
-    conv_input = staticmethod(conv_input)
 
 
 # ---- SGD ---------------------------------------------------------------------------------
