@@ -31,7 +31,7 @@ import numbers
 
 import numpy
 
-from . import backend, kernels, layers, quant
+from . import backend, distributed, kernels, layers, quant
 from .layers import OPS, BatchStatisticsError
 from .network import Network
 from .ops import softmax_xent_forward, softmax_xent_backward
@@ -47,14 +47,21 @@ __all__ = ["Engine", "MODES", "DTYPES", "DEFAULT_WORKSPACE_BYTES", "BatchStatist
 
 class Engine:
     def __init__(self, net, batch_size, input_shape, mode="exact", bits=4, dtype="float32",
-                 workspace_bytes=DEFAULT_WORKSPACE_BYTES, allocate=True, use_fast=None):
+                 workspace_bytes=DEFAULT_WORKSPACE_BYTES, allocate=True, use_fast=None,
+                 comm=None, sync_bn=False):
         """allocate=False builds only the plan and the schedule (no arrays, no weights drawn):
         for printing what a configuration would cost. Such an engine cannot train.
 
         use_fast: the fused BN-ReLU kernels (numba on NumPy, CUDA on CuPy; see
-        lowmem/kernels). None: whenever they apply; False: the reference array ops."""
+        lowmem/kernels). None: whenever they apply; False: the reference array ops.
+
+        comm: a lowmem.distributed communicator for data-parallel training (batch_size is then
+        the per-rank batch; gradients are averaged over ranks after backward). sync_bn: batch
+        statistics over all ranks' batches (kernels/sync.py) instead of per replica."""
         self.mode, self.bits, self.dtype = _check_args(net, batch_size, mode, bits, dtype)
         self.net, self.N = net, int(batch_size)
+        self.comm = comm if comm is not None else distributed.SingleProcess()
+        self.sync_bn = bool(sync_bn)
         self.input_shape = _check_shape(input_shape, net.in_channels)
         self.xp = backend.xp
         self.in_shape, self.out_shape = self._infer_shapes()
@@ -74,6 +81,10 @@ class Engine:
                 self.selected = self.units = kernels.select(self.xp, mode, bits, self.dtype, self._sizes(self.N),
                                                             True, partials=self.arrays["bn.partials"])
         self.reference_units = kernels.reference(mode, bits)
+        if self.sync_bn:
+            buf = self.arrays["sync.bn"] if allocate else None
+            self.selected = self.units = kernels.synchronized(self.selected, self.comm, buf)
+            self.reference_units = kernels.synchronized(self.reference_units, self.comm, buf)
         self.schedule = self._make_schedule()
         self.n, self.training, self.input_grad = 0, False, False
         self._ready = False                       # saved state holds a training forward
@@ -117,17 +128,21 @@ class Engine:
         """The memory plan, from shapes alone, and how each saved slot is viewed for a batch n."""
         N, dt, plan, views = self.N, self.dtype, Plan(), {}
         specs = self.net.param_shapes()
-        for kind, suffix in (("params", ""), ("grads", ".grad"), ("optimizer", ".momentum")):
+        for kind, suffix in (("params", ""), ("optimizer", ".momentum")):
             for name, shape, _ in specs:
                 plan.add(name + suffix, kind, shape, dt)
-        for name, shape in self.net.stat_shapes():
-            plan.add(name, "stats", shape, dt)
+        # one flat buffer each for the gradients and the running statistics: p.grad and the
+        # statistics are views into them, and a data-parallel step sums each in one allreduce
+        plan.add("grads", "grads", (sum(int(numpy.prod(sh)) for _, sh, _ in specs),), dt)
+        plan.add("bn.running", "stats", (sum(int(numpy.prod(sh)) for _, sh in self.net.stat_shapes()),), dt)
         max_c = max((c for (c, _, _) in self._unit_sizes.values()), default=1)
         plan.add("bn.batch_mean", "stats", (max_c,), dt)
         plan.add("bn.batch_var", "stats", (max_c,), dt)
         partials = kernels.partials_size(self.xp, max_c, self.selected.fused)
         if partials:
             plan.add("bn.partials", "workspace", (partials,), "float64")
+        if self.sync_bn:                          # the 2C sums each unit exchanges
+            plan.add("sync.bn", "workspace", (2, max_c), "float64")
 
         # the three shared buffers: each holds the largest activation of the network
         acts = [numpy.prod(self.out_shape[L.name]) for L in self.net.layers if L.op in ("conv", "bnrelu", "maxpool")]
@@ -186,15 +201,18 @@ class Engine:
         return stems[-1].dest if stems else None
 
     def _bind_parameters(self):
-        """Move parameter values and BN statistics into the plan's arrays (the engine owns them)."""
+        """Move parameter values and BN statistics into the plan's arrays (the engine owns them);
+        each p.grad and each running statistic is a view into its flat buffer."""
         a, xp = self.arrays, self.xp
+        grads, running = _views(a["grads"]), _views(a["bn.running"])
         for p in self.net.parameters():
             a[p.name][...] = xp.asarray(backend.to_numpy(p.data) if xp is not numpy else p.data)
-            p.data, p.grad = a[p.name], a[p.name + ".grad"]
+            p.data, p.grad = a[p.name], grads(p.shape)
             p.state["momentum"] = a[p.name + ".momentum"]
         for name, s in self.net.stats.items():
-            a[name][...] = xp.asarray(backend.to_numpy(s) if xp is not numpy else s)
-            self.net.stats[name] = a[name]
+            view = running(s.shape)
+            view[...] = xp.asarray(backend.to_numpy(s) if xp is not numpy else s)
+            self.net.stats[name] = view
         self.stats = self.net.stats
 
     # ------------------------------------------------------------ views (for the handlers)
@@ -229,6 +247,9 @@ class Engine:
         self._start(x, training=True)
         self.arrays["labels"][:self.n] = labels
         self._sweep("fwd")
+        if self.comm.size > 1 and not self.sync_bn:   # per-replica statistics: keep their average
+            self.comm.allreduce(self.arrays["bn.running"])
+            self.arrays["bn.running"] /= self.comm.size
         loss = softmax_xent_forward(self.slot("loss.probs"), self.slot("logits"), self.slot("labels"))
         self._ready = True
         return loss, self.slot("logits").copy()
@@ -265,11 +286,13 @@ class Engine:
                                "(predict() and a previous backward() consume the saved state)")
         self._check_ownership()
         self._ready = False
-        for p in self.net.parameters():
-            p.grad.fill(0)
+        self.arrays["grads"].fill(0)
         self.input_grad = bool(input_grad)
         softmax_xent_backward(self.slot("dlogits"), self.slot("loss.probs"), self.slot("labels"))
         self._sweep("bwd")                         # self.units: the set that wrote the saved state
+        if self.comm.size > 1:                     # data parallel: the mean over ranks, one allreduce
+            self.comm.allreduce(self.arrays["grads"])
+            self.arrays["grads"] /= self.comm.size
         if input_grad:
             return self.act(self._input_grad_buffer, self.input_shape).transpose(1, 0, 2, 3).copy()
         return None
@@ -309,6 +332,18 @@ class Engine:
                 + (f" ({self.bits}-bit)" if self.mode != "exact" else "")
                 + f", {self.dtype}; planned {fmt_bytes(self.plan.total_bytes)} "
                   f"(saved {fmt_bytes(by['saved'])}, buffers {fmt_bytes(by['buffers'])})")
+
+
+def _views(flat):
+    """shape -> the next view of that shape into the flat array, in call order."""
+    offset = [0]
+
+    def take(shape):
+        n = int(numpy.prod(shape))
+        view = flat[offset[0]:offset[0] + n].reshape(shape)
+        offset[0] += n
+        return view
+    return take
 
 
 # ---------------------------------------------------------------- argument checks

@@ -101,7 +101,7 @@ class BNReLU:
                 f"{step.layer.name}: the batch statistics are not finite (the input has values too "
                 f"large for {x.dtype}?); the step was refused, running statistics unchanged")
         run.units.forward(out, run.slot(step.saved[0]), x, mean, rstd, g, b)
-        update_running_stats(running_mean, running_var, mean, var, M, BN_MOMENTUM)
+        update_running_stats(running_mean, running_var, mean, var, run.units.count(M), BN_MOMENTUM)
 
     @staticmethod
     def backward(run, step):

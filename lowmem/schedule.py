@@ -171,8 +171,13 @@ def plan_backward(net, io, in_shape, out_shape, saved, nbytes, decodes, start):
         dout = live.pop(tout[L.name])
         rule = OPS[L.op].grad
         if rule == "shared":
+            skip = tin[L.name + "/skip"]
+            if t in live or skip in live:       # sharing would overwrite that other gradient
+                raise ValueError(f"{L.name}: an input of this residual add is also read by a layer "
+                                 f"after it; the engine shares the add's gradient storage and cannot "
+                                 f"plan that network (copy the tensor through a conv or unit first)")
             live[t] = dout                      # branch gradient = output gradient
-            live[tin[L.name + "/skip"]] = dout  # skip gradient: same storage
+            live[skip] = dout                   # skip gradient: same storage
             add(L.op, L, dout=dout, dest=dout, **shapes)
         elif rule == "same":
             assert not [k for k, b in live.items() if b == dout], f"{L.name}: output gradient buffer still shared"

@@ -306,9 +306,17 @@ def test_arrays_are_exactly_the_plan():
         if mode != "exact":         # codes are uint8 and counted at 1 byte each
             codes = [e for e in eng.plan.entries if e.name.endswith(".code")]
             assert codes and all(e.dtype == "uint8" and e.nbytes > 0 for e in codes)
-        # the engine owns the parameters: they are the plan's arrays
+        # the engine owns the parameters: they are the plan's arrays, and the gradients (the
+        # running statistics) are consecutive views into one flat buffer, in forward order
+        offset = 0
         for p in eng.net.parameters():
-            assert p.data is eng.arrays[p.name] and p.grad is eng.arrays[p.name + ".grad"]
+            assert p.data is eng.arrays[p.name] and p.grad.base is eng.arrays["grads"]
+            assert p.grad.shape == p.shape and p.grad.flags.c_contiguous
+            assert np.shares_memory(p.grad, eng.arrays["grads"][offset:offset + p.grad.size])
+            offset += p.grad.size
+        assert offset == eng.arrays["grads"].size
+        for a in eng.net.stats.values():
+            assert a.base is eng.arrays["bn.running"]
 
 
 @pytest.mark.parametrize("use_fast", PATHS)

@@ -5,6 +5,7 @@ BN->ReLU unit; the engine calls it and never asks which one it has:
 
     units.saved_entry(C, M, dtype) -> (shape, dtype)   the unit's saved slot in the plan
     units.saved_view(slot, C, M)                       that slot for the current batch
+    units.count(M)                                     elements the statistics are over
     units.stats(mean, var, rstd, x)                    batch statistics of x (C, M)
     units.forward(out, saved, x, mean, rstd, gamma, beta)
         saved <- x-hat (exact) or its K-bit code; out = relu(gamma*x-hat + beta)
@@ -17,6 +18,7 @@ BN->ReLU unit; the engine calls it and never asks which one it has:
 The sets:
     kernels/reference.py  ExactUnits, CodeUnits(bits, naive)   array ops (NumPy or CuPy)
     kernels/fused.py      the same over kernels/cpu.py (numba) or kernels/gpu.py (CUDA)
+    kernels/sync.py       SyncUnits(set, comm): any set with batch statistics over all ranks
 
 `select` picks one; `reference` is the array-op twin of any set, used by the
 engine for a batch the fused kernels cannot take (a unit whose N*H*W is not
@@ -38,6 +40,12 @@ def reference(mode, bits):
 def fused_applies(xp, dtype, sizes):
     """Whether the fused kernels can run units of these M = N*H*W sizes on xp in dtype."""
     return fused.applies(xp, dtype, sizes)
+
+
+def synchronized(units, comm, buf):
+    """`units` with batch norm over the global batch of all of comm's ranks (kernels/sync.py)."""
+    from .sync import SyncUnits
+    return SyncUnits(units, comm, buf)
 
 
 def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None):
@@ -66,4 +74,4 @@ def partials_size(xp, max_channels, use_fused):
     return 0
 
 
-__all__ = ["BN_EPS", "MODES", "reference", "select", "fused_applies", "partials_size"]
+__all__ = ["BN_EPS", "MODES", "reference", "select", "synchronized", "fused_applies", "partials_size"]

@@ -33,6 +33,10 @@ class ExactUnits:
         """The slot's part for the current batch: (C, M) rows (strided when M < planned)."""
         return slot[:, :M]
 
+    def count(self, M):
+        """Elements per channel the batch statistics are over (kernels/sync.py: all ranks')."""
+        return M
+
     def stats(self, mean, var, rstd, x):
         bn_stats(mean, var, rstd, x, BN_EPS)
 

@@ -106,9 +106,21 @@ def bn_relu_backward(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, mask=None, 
         dy = dr * mask
         dgamma += sum(dy * xhat),  dbeta += sum(dy)
         dx = gamma*rstd * (dy - mean(dy) - xhat * mean(dy*xhat))
+    Two passes (sums, then dx), so synchronized batch norm can sum the sums over ranks between
+    them (kernels/sync.py).
     """
+    sum_dy, sum_dyx = bn_relu_backward_sums(dr, xhat, gamma, beta, mask, masked)
+    dgamma += sum_dyx
+    dbeta += sum_dy
+    bn_relu_backward_apply(dx, dr, xhat, sum_dy, sum_dyx, dr.shape[1], gamma, rstd, accumulate)
+
+
+def bn_relu_backward_sums(dr, xhat, gamma, beta, mask=None, masked=False):
+    """Mask dr (C, M) in place (dy = dr * mask, as bn_relu_backward) and return the (C,)
+    sums (sum(dy), sum(dy * xhat)) in dr's dtype."""
     xp = array_module(dr)
     C, M = dr.shape
+    sum_dy, sum_dyx = xp.empty(C, dr.dtype), xp.empty(C, dr.dtype)
     for r in row_blocks(C, M):
         dy = dr[r]
         t = xp.multiply(xhat[r], gamma[r, None])            # bounded temporary
@@ -119,19 +131,25 @@ def bn_relu_backward(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, mask=None, 
             xp.multiply(dy, t > 0, out=dy)
         else:
             xp.multiply(dy, mask[r], out=dy)
-        sum_dy = dy.sum(axis=1)
+        dy.sum(axis=1, out=sum_dy[r])
         xp.multiply(dy, xhat[r], out=t)
-        sum_dyx = t.sum(axis=1)
-        dgamma[r] += sum_dyx
-        dbeta[r] += sum_dy
-        # dx = a*(dy - sum_dy/M - xhat*sum_dyx/M),  a = gamma*rstd
-        xp.multiply(xhat[r], (sum_dyx / M)[:, None], out=t)
-        t += (sum_dy / M)[:, None]
+        t.sum(axis=1, out=sum_dyx[r])
+    return sum_dy, sum_dyx
+
+
+def bn_relu_backward_apply(dx, dy, xhat, sum_dy, sum_dyx, M, gamma, rstd, accumulate=False):
+    """dx (C, m) = (or +=) gamma*rstd * (dy - sum_dy/M - xhat*sum_dyx/M), dy already masked;
+    M: the batch-norm count (the global one under synchronized batch norm). dx may alias dy."""
+    xp = array_module(dy)
+    C, m = dy.shape
+    for r in row_blocks(C, m):
+        t = xp.multiply(xhat[r], (sum_dyx[r] / M)[:, None])  # bounded temporary
+        t += (sum_dy[r] / M)[:, None]
         a = (gamma[r] * rstd[r])[:, None]
         if accumulate:
-            xp.subtract(dy, t, out=t)
+            xp.subtract(dy[r], t, out=t)
             t *= a
             dx[r] += t
         else:
-            xp.subtract(dy, t, out=dx[r])
+            xp.subtract(dy[r], t, out=dx[r])
             dx[r] *= a

@@ -1,0 +1,168 @@
+"""Data-parallel training over processes: one small communicator interface, three engines.
+
+    comm = lm.distributed.get_communicator()     # from the launcher and the backend
+    eng = lm.Engine(net, batch_size=64, input_shape=(3, 32, 32), comm=comm)   # per-rank batch
+    loss = eng.train_step(x_shard, y_shard, opt)  # gradients summed over ranks, then averaged
+
+Every rank holds a full replica of the network and runs the same schedule on
+its shard of the global batch. After backward, the engine sums the one flat
+gradient buffer of its plan over the ranks (a single allreduce) and divides
+by the number of ranks, so every rank takes the same SGD step. Batch norm
+uses per-replica statistics by default (the paper's multi-GPU code, PyTorch
+DDP); its running statistics are averaged over the ranks with the gradients,
+so they too are equal everywhere. With `sync_bn=True` the statistics are
+those of the global batch (kernels/sync.py).
+
+Communicators (ChainerMN's shape: the same calls whatever carries them):
+
+  SingleProcess   one process: every call is a no-op
+  MPI             mpi4py (`pip install lowmem[mpi]`); NumPy arrays in place, CuPy arrays
+                  staged through host memory (the MPICH wheel is not CUDA-aware)
+  NCCL            CuPy's NCCL bindings for GPU arrays, bootstrapped over MPI
+
+`get_communicator()` chooses: one process unless a launcher (mpiexec, srun,
+Open MPI's mpirun) started several; then NCCL when the backend is CuPy, MPI
+otherwise. `--batch` in `lowmem train` stays the global batch.
+
+What it does not do: no model parallelism, no overlap of the allreduce with
+the backward sweep (one allreduce per step, measured in docs/distributed.md),
+no elastic membership. A failing rank ends the job: under mpiexec an
+exception reaching the top calls MPI_Abort (lowmem's CLI does it; for your
+own script run it as `python -m mpi4py script.py`).
+"""
+import os
+
+import numpy
+
+_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS", "MPI_LOCALNRANKS")
+
+
+def launched_size():
+    """How many processes the launcher started (1 when not launched by one)."""
+    for var in _SIZE_VARIABLES:
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+class Communicator:
+    """The interface: rank, size, allreduce (sum, in place), bcast, barrier, abort."""
+    rank, size, name = 0, 1, "single process"
+
+    def allreduce(self, a):
+        """Sum `a` over all ranks, in place; every rank gets the same bits."""
+
+    def bcast(self, a, root=0):
+        """Overwrite `a` with root's `a`, in place."""
+
+    def barrier(self):
+        pass
+
+    def abort(self, code=1):
+        raise SystemExit(code)
+
+    def describe(self):
+        return f"world {self.size} rank{'s' if self.size != 1 else ''}, {self.name}"
+
+
+class SingleProcess(Communicator):
+    pass
+
+
+class MPI(Communicator):
+    """mpi4py's COMM_WORLD. CuPy arrays go through a host copy (the wheel is not CUDA-aware)."""
+
+    def __init__(self):
+        try:
+            from mpi4py import MPI as mpi
+        except ImportError as e:                       # pragma: no cover - depends on the extra
+            raise RuntimeError(f"{launched_size()} processes were launched but mpi4py is missing: "
+                               f"pip install lowmem[mpi]") from e
+        self._mpi, self._comm = mpi, mpi.COMM_WORLD
+        self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
+        version = mpi.Get_library_version().splitlines()[0].strip()
+        self.name = "MPI (" + " ".join(version.replace("Version:", "").split()[:2]) + ")"
+
+    def allreduce(self, a):
+        if self.size == 1:
+            return
+        if isinstance(a, numpy.ndarray):
+            self._comm.Allreduce(self._mpi.IN_PLACE, a, op=self._mpi.SUM)
+        else:                                          # CuPy: stage through the host
+            host = a.get()
+            self._comm.Allreduce(self._mpi.IN_PLACE, host, op=self._mpi.SUM)
+            a.set(host)
+
+    def bcast(self, a, root=0):
+        if self.size == 1:
+            return
+        if isinstance(a, numpy.ndarray):
+            self._comm.Bcast(a, root=root)
+        else:
+            host = a.get()
+            self._comm.Bcast(host, root=root)
+            a.set(host)
+
+    def barrier(self):
+        self._comm.Barrier()
+
+    def abort(self, code=1):
+        self._comm.Abort(code)
+
+
+class NCCL(Communicator):
+    """cupy.cuda.nccl for CuPy arrays; the unique id travels over MPI (or nowhere for 1 rank)."""
+
+    def __init__(self, mpi=None):
+        from cupy.cuda import nccl
+        self._nccl, self._mpi = nccl, mpi
+        self.rank, self.size = (mpi.rank, mpi.size) if mpi else (0, 1)
+        uid = nccl.get_unique_id() if self.rank == 0 else None
+        if mpi is not None and mpi.size > 1:
+            uid = mpi._comm.bcast(uid, root=0)
+        self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        self.name = f"NCCL {nccl.get_version()}"
+
+    def _dtype(self, a):
+        n = self._nccl
+        return {"float32": n.NCCL_FLOAT32, "float64": n.NCCL_FLOAT64}[a.dtype.name]
+
+    def allreduce(self, a):
+        import cupy
+        self._comm.allReduce(a.data.ptr, a.data.ptr, a.size, self._dtype(a), self._nccl.NCCL_SUM,
+                             cupy.cuda.get_current_stream().ptr)
+
+    def bcast(self, a, root=0):
+        import cupy
+        self._comm.bcast(a.data.ptr, a.size, self._dtype(a), root, cupy.cuda.get_current_stream().ptr)
+
+    def barrier(self):
+        if self._mpi is not None:
+            self._mpi.barrier()
+
+    def abort(self, code=1):
+        if self._mpi is not None:
+            self._mpi.abort(code)
+        raise SystemExit(code)
+
+
+def get_communicator(kind="auto", xp=numpy):
+    """kind: "auto" (launcher and backend decide), "single", "mpi" or "nccl"."""
+    if kind not in ("auto", "single", "mpi", "nccl"):
+        raise ValueError(f"unknown communicator {kind!r}: expected auto, single, mpi or nccl")
+    if kind == "single" or (kind == "auto" and launched_size() == 1):
+        return SingleProcess()
+    mpi = MPI()
+    if kind == "nccl" or (kind == "auto" and xp is not numpy):
+        return NCCL(mpi)
+    return mpi
+
+
+def shard(n_global, comm):
+    """The slice of a global batch of n_global samples this rank takes; refuses an uneven split."""
+    if n_global % comm.size:
+        raise ValueError(f"batch {n_global} does not split evenly over {comm.size} ranks "
+                         f"(use a multiple of {comm.size})")
+    per = n_global // comm.size
+    return slice(comm.rank * per, (comm.rank + 1) * per)
