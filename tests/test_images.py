@@ -281,3 +281,27 @@ def test_a_network_trains_on_an_image_folder(tmp_path):
     assert losses[-1] < 0.5 * losses[0], losses
     correct = sum(int((eng.predict(x).argmax(1) == y).sum()) for x, y in d.loader("val", 12))
     assert correct >= 10                                   # of 12 validation images
+
+
+def test_the_trainer_loop_runs_on_folder_loaders(tmp_path):
+    """The interface the trainer uses (len, set_epoch, iteration, state_dict; uint8 batches it
+    normalises itself): Trainer.fit runs two epochs with the loaders in place of its
+    BatchIterators and checkpoints the loader's position. (Until `--dataset folder` is wired in,
+    the trainer is built on a same-sized stand-in Dataset whose iterators are then replaced.)"""
+    from lowmem.checkpoint import load_checkpoint
+    from lowmem.trainer import Trainer, TrainConfig
+    root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
+    d = images.load_image_folders(root, 16)
+    u8 = np.zeros((48,) + d.input_shape, np.uint8)
+    stand_in = data.Dataset("folder", u8, np.zeros(48, np.int64), u8[:12], np.zeros(12, np.int64),
+                            d.num_classes, d.mean, d.std)
+    cfg = TrainConfig(dataset="synthetic", depth=8, batch=12, epochs=2, augment=False, lr=0.05,
+                      out=str(tmp_path / "run"), progress=False)
+    t = Trainer(cfg, dataset=stand_in, log=lambda *a: None)
+    t.batches = d.loader("train", 12, seed=cfg.seed, dtype="uint8")
+    t.test_batches = d.loader("val", 12, dtype="uint8")
+    result = t.fit()
+    assert result.status == "finished" and t.iteration == 8
+    assert t.history[-1]["test_acc"] > 0.5
+    meta = load_checkpoint(os.path.join(cfg.out, "checkpoint.ckpt"))[1]
+    assert meta["batches"] == t.batches.state_dict() and (meta["batches"]["epoch"], meta["batches"]["batch"]) == (2, 0)
