@@ -226,3 +226,14 @@ def test_export_command_errors(run_dir, tmp_path, capsys):
     assert export.run(parse(str(broken), str(tmp_path / "m.onnx"))) == 1
     assert "broken.ckpt" in capsys.readouterr().err
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_a_missing_extra_names_the_pip_install(run_dir, tmp_path, monkeypatch, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    with pytest.raises(ImportError, match=r"pip install 'lowmem\[safetensors\]'"):
+        export.export_safetensors(models.preact_resnet_cifar(8), tmp_path / "m.safetensors")
+    assert export.run(parse(str(run_dir), str(tmp_path / "m.onnx"))) == 2
+    assert "lowmem[onnx]" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
