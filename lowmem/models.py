@@ -99,3 +99,79 @@ def _check_classes(num_classes, in_channels):
         raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
     if not isinstance(in_channels, int) or in_channels < 1:
         raise ValueError(f"in_channels must be a positive int, got {in_channels!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Built with lowmem.nn.Graph (buffers assigned by the builder): WideResNets and VGG with BN.
+
+WRN_WIDTHS = (16, 32, 64)        # times the widening factor k
+VGG_CONFIGS = {11: (1, 1, 2, 2, 2), 13: (2, 2, 2, 2, 2), 16: (2, 2, 3, 3, 3), 19: (2, 2, 4, 4, 4)}
+VGG_WIDTHS = (64, 128, 256, 512, 512)
+
+
+def preact_block(g, x, name, width, stride):
+    """The pre-activation basic block on a lowmem.nn.Graph: bn1-relu -> 3x3 conv (stride) ->
+    bn2-relu -> 3x3 conv, plus x (or a 1x1 projection of the pre-activated x when the shape
+    changes). Names as in _basic_block, so weights load into PyTorch's module names."""
+    a = g.bn_relu(x, name + ".bn1")
+    skip = x
+    if stride != 1 or x.shape[0] != width:
+        skip = g.conv(a, width, 1, stride, 0, name=name + ".shortcut")
+    h = g.conv(a, width, 3, stride, name=name + ".conv1")
+    h = g.conv(g.bn_relu(h, name + ".bn2"), width, 3, name=name + ".conv2")
+    return g.add(skip, h, name + ".add")
+
+
+def wide_resnet(depth, widen_factor=10, num_classes=10, in_channels=3, seed=0, input_size=32):
+    """Pre-activation WideResNet WRN-depth-k (Zagoruyko & Komodakis 2016, "Wide Residual Networks").
+
+    depth = 6n + 4: a 3x3 conv to 16 channels, three groups of n basic blocks
+    of widths 16k, 32k, 64k (stride 1, 2, 2 on each group's first block; a 1x1
+    projection shortcut on the pre-activated input where the shape changes),
+    final BN-ReLU, global average pool, FC with bias. No dropout (the paper's
+    dropout variant is not built). WRN-28-10: 36.5M parameters for 10
+    classes, WRN-16-4: 2.7M (the paper's Table; tests/test_models.py checks
+    the exact counts). input_size only sets the Graph's planning shape."""
+    if not isinstance(depth, int) or depth < 10 or (depth - 4) % 6:
+        raise ValueError(f"unsupported depth {depth!r} for wide_resnet: expected 6n+4 with n >= 1 "
+                         f"(10, 16, 22, 28, 40, ...)")
+    if not isinstance(widen_factor, int) or widen_factor < 1:
+        raise ValueError(f"widen_factor must be a positive int, got {widen_factor!r}")
+    _check_classes(num_classes, in_channels)
+    from .nn import Graph
+    n = (depth - 4) // 6
+    g = Graph(f"wrn-{depth}-{widen_factor}", (in_channels, input_size, input_size), num_classes, seed)
+    x = g.conv(g.input, 16, 3, name="conv1")
+    for s, width in enumerate(WRN_WIDTHS):
+        for b in range(n):
+            stride = (1 if s == 0 else 2) if b == 0 else 1
+            x = preact_block(g, x, f"layer{s + 1}.{b}", width * widen_factor, stride)
+    return g.head(g.bn_relu(x, "bn_final"))
+
+
+def vgg_bn(depth=16, num_classes=10, in_channels=3, seed=0, input_size=32):
+    """VGG-11/13/16/19 with batch norm (Simonyan & Zisserman 2015; BN as in torchvision's vgg*_bn),
+    CIFAR-style head: global average pool + one FC (on 32x32 inputs the pool sees 1x1).
+
+    Five stages of 3x3 convs (64, 128, 256, 512, 512 channels), each ending in
+    a 2x2/2 max-pool. One change from torchvision's order, forced by the
+    method: a conv must read a BN->ReLU output (backward rebuilds the conv's
+    input from that unit's saved x-hat), so each stage's pool sits between its
+    last conv and that conv's BN-ReLU: conv -> max-pool -> bn-relu -> conv.
+    (max commutes with ReLU, not with BN's batch statistics: the network is a
+    slightly different one, with the same parameter count.) Names:
+    features.{stage}.{i}.conv / .bn, then fc."""
+    if depth not in VGG_CONFIGS:
+        raise ValueError(f"unsupported depth {depth!r} for vgg_bn: expected one of {sorted(VGG_CONFIGS)}")
+    _check_classes(num_classes, in_channels)
+    from .nn import Graph
+    g = Graph(f"vgg{depth}-bn", (in_channels, input_size, input_size), num_classes, seed)
+    x = g.input
+    for s, (convs, width) in enumerate(zip(VGG_CONFIGS[depth], VGG_WIDTHS)):
+        for i in range(convs):
+            name = f"features.{s}.{i}"
+            x = g.conv(x, width, 3, name=name + ".conv")
+            if i == convs - 1:
+                x = g.max_pool(x, 2, 2, name=f"features.{s}.pool")
+            x = g.bn_relu(x, name + ".bn")
+    return g.head(x)

@@ -198,3 +198,184 @@ def test_load_state_dict_rejects_wrong_names_and_shapes():
         net.load_state_dict(bad)
     for k, v in net.state_dict().items():
         np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
+# ---------------------------------------------------------------- WideResNet and VGG-BN
+
+from lowmem.models import vgg_bn, wide_resnet          # noqa: E402
+from lowmem import nn as lnn                            # noqa: E402
+
+
+def count_wrn_by_hand(depth, k, num_classes, in_channels=3):
+    """WRN-d-k written out from Zagoruyko & Komodakis 2016 (Table 1): conv1 3x3 to 16; groups
+    of n = (d-4)/6 basic blocks of widths 16k, 32k, 64k; a 1x1 projection where the shape
+    changes; BN (gamma, beta) before every conv and at the end; FC with bias."""
+    n = (depth - 4) // 6
+    total, cin = in_channels * 16 * 9, 16
+    for width in (16 * k, 32 * k, 64 * k):
+        for b in range(n):
+            total += 2 * cin + cin * width * 9 + 2 * width + width * width * 9
+            if cin != width or b == 0 and width != 16 * k:
+                total += cin * width
+            cin = width
+    return total + 2 * cin + cin * num_classes + num_classes
+
+
+@pytest.mark.parametrize("depth, k, paper_millions", [(28, 10, 36.5), (16, 4, 2.7), (40, 4, 8.9),
+                                                       (16, 8, 11.0), (22, 8, 17.2)])
+def test_wide_resnet_parameter_counts_match_the_paper(depth, k, paper_millions):
+    """The paper's Table 4 (CIFAR-10) rounds to 0.1M; the exact count is the hand formula."""
+    net = wide_resnet(depth, k, num_classes=10)
+    assert net.num_params() == count_wrn_by_hand(depth, k, 10)
+    assert round(net.num_params() / 1e6, 1) == paper_millions
+    assert net.name == f"wrn-{depth}-{k}"
+
+
+def test_wide_resnet_exact_counts():
+    assert wide_resnet(28, 10).num_params() == 36_479_194
+    assert wide_resnet(16, 4).num_params() == 2_748_890
+    assert wide_resnet(16, 4, num_classes=100).num_params() == count_wrn_by_hand(16, 4, 100)
+
+
+def test_wide_resnet_structure():
+    net = wide_resnet(16, 2)
+    assert weighted_layers(net) == 16 - 2                # 12 block convs + stem + fc; shortcuts not counted
+    shortcuts = [L.name for L in net.layers if L.name.endswith(".shortcut")]
+    assert shortcuts == ["layer1.0.shortcut", "layer2.0.shortcut", "layer3.0.shortcut"]  # 16 -> 32 too
+    assert [L.stride for L in net.layers if L.name.endswith(".shortcut")] == [1, 2, 2]
+    assert net.params["fc.weight"].shape == (10, 128)
+    lnn.check(net, (3, 32, 32))
+
+
+@pytest.mark.parametrize("depth", [10, 16, 28])
+def test_wide_resnet_width_1_is_the_preact_resnet_layout(depth):
+    """WRN-d-1 has He et al.'s pre-act layout with 6n+4 layers: same records as a hand-built block."""
+    net = wide_resnet(depth, 1)
+    assert net.layers[1].name == "layer1.0.bn1" and net.layers[-1].op == "linear"
+    assert sum(1 for L in net.layers if L.op == "add") == 3 * ((depth - 4) // 6)
+
+
+@pytest.mark.parametrize("kw, words", [(dict(depth=20), r"6n\+4"), (dict(depth=28, widen_factor=0), "widen_factor"),
+                                       (dict(depth=28, num_classes=0), "num_classes")])
+def test_wide_resnet_bad_arguments(kw, words):
+    with pytest.raises(ValueError, match=words):
+        wide_resnet(**kw)
+
+
+def count_vgg_by_hand(depth, num_classes, in_channels=3):
+    """3x3 convs without bias (BN follows), each with BN (gamma, beta); FC 512 -> classes."""
+    convs = {11: [64, 128, 256, 256, 512, 512, 512, 512],
+             13: [64, 64, 128, 128, 256, 256, 512, 512, 512, 512],
+             16: [64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512],
+             19: [64, 64, 128, 128] + [256] * 4 + [512] * 8}[depth]
+    total, cin = 0, in_channels
+    for c in convs:
+        total += cin * c * 9 + 2 * c
+        cin = c
+    return total + 512 * num_classes + num_classes
+
+
+@pytest.mark.parametrize("depth", [11, 13, 16, 19])
+def test_vgg_bn_parameter_counts_and_layout(depth):
+    net = vgg_bn(depth, num_classes=10)
+    assert net.num_params() == count_vgg_by_hand(depth, 10)
+    assert weighted_layers(net) == depth - 2          # the classifier is one FC, not three
+    assert sum(1 for L in net.layers if L.op == "maxpool") == 5
+    ops = [L.op for L in net.layers]
+    for i, op in enumerate(ops):                       # pool sits between a conv and its BN-ReLU
+        if op == "maxpool":
+            assert ops[i - 1] == "conv" and ops[i + 1] == "bnrelu"
+    lnn.check(net, (3, 32, 32))
+
+
+def test_vgg_matches_a_pytorch_implementation():
+    """VGG-11-BN written the ordinary PyTorch way (pool between conv and BN): names, count,
+    loss, logits and every gradient in float64."""
+    torch = pytest.importorskip("torch")
+    from torch import nn as tnn
+    import torch_reference as ref
+    from test_torch_compare import rel
+
+    class Unit(tnn.Module):
+        def __init__(self, cin, c):
+            super().__init__()
+            self.conv, self.bn = tnn.Conv2d(cin, c, 3, padding=1, bias=False), ref.BatchNorm2d(c)
+
+    class VGG(tnn.Module):
+        def __init__(self, cfg, widths, classes):
+            super().__init__()
+            stages, cin = [], 3
+            for convs, c in zip(cfg, widths):
+                stages.append(tnn.ModuleList([Unit(cin if i == 0 else c, c) for i in range(convs)]))
+                cin = c
+            self.features, self.fc = tnn.ModuleList(stages), tnn.Linear(cin, classes)
+
+        def forward(self, x):
+            for stage in self.features:
+                for i, u in enumerate(stage):
+                    x = u.conv(x)
+                    if i == len(stage) - 1:
+                        x = torch.nn.functional.max_pool2d(x, 2)
+                    x = torch.relu(u.bn(x))
+            return self.fc(x.mean(dim=(2, 3)))
+
+    net = vgg_bn(11, num_classes=10)
+    model = ref.load_lowmem_state(VGG((1, 1, 2, 2, 2), (64, 128, 256, 512, 512), 10),
+                                  net.state_dict()).double().train()
+    assert sum(p.numel() for p in model.parameters()) == net.num_params()
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((2, 3, 32, 32)), rng.integers(0, 10, 2)
+    eng = Engine(net, 2, (3, 32, 32), mode="exact", dtype="float64")
+    loss, logits = eng.forward(x, y)
+    eng.backward()
+    tl = model(torch.from_numpy(x))
+    tloss = torch.nn.functional.cross_entropy(tl, torch.from_numpy(y))
+    tloss.backward()
+    assert rel(loss, tloss.item()) < 1e-9 and rel(logits, tl.detach().numpy()) < 1e-9
+    for n, p in model.named_parameters():
+        assert rel(net.params[n].grad, p.grad.numpy()) < 1e-8, n
+
+
+def test_vgg_bad_depth():
+    with pytest.raises(ValueError, match="11, 13, 16, 19"):
+        vgg_bn(12)
+
+
+@pytest.mark.parametrize("build, shape", [(lambda: wide_resnet(10, 2, num_classes=5), (3, 8, 8)),
+                                          (lambda: vgg_bn(11, num_classes=5, input_size=32), (3, 32, 32))])
+def test_new_models_pass_finite_differences(build, shape):
+    """Float64 gradients of a few tensors against central differences (exact mode)."""
+    from test_engine import batch, check_directional, randomize_units
+    rng = np.random.default_rng(7)
+    net = build()
+    eng = Engine(net, 2 if shape[1] == 32 else 3, shape, mode="exact", dtype="float64")
+    randomize_units(net, rng)
+    x, y = batch(rng, net, eng.N, shape)
+    eng.forward(x, y)
+    eng.backward()
+    names = [n for n in net.params if n.endswith(("conv1.weight", ".0.0.conv.weight", "bn.bias", "fc.weight"))][:4]
+    assert names
+    for name in names:
+        check_directional(lambda: eng.forward(x, y)[0], [net.params[name].data],
+                          [net.params[name].grad.copy()], rng, name)
+
+
+def test_wide_resnet_matches_the_pytorch_reference():
+    """WRN-10-2 is torch_reference's PreActResNet with widths 32/64/128: loss, logits, gradients."""
+    torch = pytest.importorskip("torch")
+    import torch_reference as ref
+    from test_torch_compare import rel
+    net = wide_resnet(10, 2, num_classes=10)
+    model = ref.load_lowmem_state(ref.PreActResNet("basic", (1, 1, 1), (32, 64, 128), 10, 3),
+                                  net.state_dict()).double().train()
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 3, 16, 16)), rng.integers(0, 10, 4)
+    eng = Engine(net, 4, (3, 16, 16), mode="exact", dtype="float64")
+    loss, logits = eng.forward(x, y)
+    eng.backward()
+    tl = model(torch.from_numpy(x))
+    tloss = torch.nn.functional.cross_entropy(tl, torch.from_numpy(y))
+    tloss.backward()
+    assert rel(loss, tloss.item()) < 1e-9 and rel(logits, tl.detach().numpy()) < 1e-9
+    for n, p in model.named_parameters():
+        assert rel(net.params[n].grad, p.grad.numpy()) < 1e-9, n

@@ -1,0 +1,416 @@
+"""Image folders: DIR/train/<class>/*.jpg|png and DIR/val/<class>/* (torchvision's ImageFolder layout).
+
+    from lowmem import images
+    data = images.load_image_folders("photos", size=64)         # scans, checks, computes mean/std
+    train = data.loader("train", batch_size=64, seed=0)         # random-resized-crop + flip
+    for x, y in train:          # x float32 (N, 3, 64, 64), normalised; y int64 (N,)
+        loss = eng.train_step(x, y, opt)
+    val = data.loader("val", batch_size=64)                     # resize + centre crop, in order
+
+Pillow is an optional extra: pip install 'lowmem[images]'.
+
+Classes are the sub-folder names in sorted order (label = index), the same
+in both splits: a class missing from one split, an empty class folder, or
+no classes at all is a DataError naming it. Files: .jpg .jpeg .png .bmp
+.gif .webp .tif .tiff (any case); other files are ignored. Grey and palette
+images are converted to RGB (or RGB to grey for channels=1).
+
+Per sample, on decode:
+  train  random-resized-crop (torchvision's RandomResizedCrop: area scale
+         0.08..1, aspect 3/4..4/3, 10 tries then a centre crop) to size x size,
+         bilinear, then a horizontal flip with probability 1/2;
+  eval   resize the shorter side to size / 0.875 (256 for 224), centre crop.
+Crop and resize are one Pillow call (Image.resize with a box); for eval,
+JPEGs decode at a reduced scale when that still covers the resize (draft).
+
+Normalisation: per-channel mean/std in units of pixel / 255, as
+lowmem.data.normalize uses; computed from up to 1000 training images
+(eval transform, exact 256-bin histograms) or given.
+
+Loading runs on `workers` threads (Pillow releases the GIL while it
+decodes and resizes) with a bounded prefetch: at most `prefetch` batches
+are decoded ahead of the consumer, so memory stays at prefetch + 1 batches
+and the engine's step overlaps decoding. The order and augmentation depend
+only on (seed, epoch, position): the same for any number of workers, and a
+loader's position (epoch, batch) resumes exactly (state_dict /
+load_state_dict, like lowmem.data.BatchIterator).
+
+An unreadable file raises a DataError naming it; with skip_bad=True it is
+replaced by the next readable sample of the split, and counted in
+`loader.skipped` (the paths). `ImageFolder(..., verify=True)` checks every
+file up front instead (Pillow's verify: headers and PNG checksums).
+"""
+import os
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from .data import DataError, normalize
+
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+SPLITS = ("train", "val")
+EVAL_CROP_FRACTION = 0.875         # centre crop 224 of 256
+RRC_SCALE = (0.08, 1.0)
+RRC_RATIO = (3 / 4, 4 / 3)
+STATS_IMAGES = 1000
+
+
+def _pil():
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ImportError("image folders need Pillow: pip install 'lowmem[images]'") from None
+    return Image
+
+
+# --------------------------------------------------------------------------- scanning
+
+class ImageFolder:
+    """One split: root/<class>/<file>, classes sorted, samples [(path, label)] sorted by path.
+
+    classes: force this class list (the other split's); verify: open every
+    file with Pillow now; skip_bad (with verify): drop unreadable files and
+    list them in `skipped` instead of raising."""
+
+    def __init__(self, root, classes=None, verify=False, skip_bad=False):
+        self.root = os.fspath(root)
+        if not os.path.isdir(self.root):
+            raise DataError(f"image folder {self.root} does not exist (expected {self.root}/<class>/<images>)")
+        found = sorted(d.name for d in os.scandir(self.root) if d.is_dir() and not d.name.startswith("."))
+        if not found:
+            raise DataError(f"{self.root} has no class folders (expected {self.root}/<class>/<images>)")
+        if classes is not None and found != list(classes):
+            only_here = sorted(set(found) - set(classes))
+            only_there = sorted(set(classes) - set(found))
+            raise DataError(f"{self.root}: classes differ from the training split's: "
+                            f"only here {only_here or 'none'}, missing here {only_there or 'none'}")
+        self.classes = found
+        self.samples = []
+        for label, c in enumerate(found):
+            folder = os.path.join(self.root, c)
+            files = sorted(f for f in os.listdir(folder) if f.lower().endswith(EXTENSIONS)
+                           and os.path.isfile(os.path.join(folder, f)))
+            if not files:
+                raise DataError(f"class {c!r} is empty: no image files ({', '.join(EXTENSIONS)}) "
+                                f"in {folder}")
+            self.samples += [(os.path.join(folder, f), label) for f in files]
+        self.skipped = []
+        if verify:
+            self._verify(skip_bad)
+
+    def _verify(self, skip_bad):
+        Image = _pil()
+        good = []
+        for path, label in self.samples:
+            try:
+                with Image.open(path) as im:
+                    im.verify()
+                good.append((path, label))
+            except Exception as e:
+                if not skip_bad:
+                    raise DataError(f"unreadable image {path}: {e}") from None
+                self.skipped.append(path)
+        for label, c in enumerate(self.classes):
+            if not any(lab == label for _, lab in good):
+                raise DataError(f"class {c!r} has no readable images in {os.path.join(self.root, c)}")
+        self.samples = good
+
+    @property
+    def labels(self):
+        return np.array([lab for _, lab in self.samples], np.int64)
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __repr__(self):
+        return f"ImageFolder({self.root!r}, classes={len(self.classes)}, images={len(self)})"
+
+
+# ---------------------------------------------------------------------- transforms
+
+def random_resized_crop_box(w, h, rng, scale=RRC_SCALE, ratio=RRC_RATIO):
+    """(left, top, right, bottom) of a random crop of a w x h image, as torchvision's
+    RandomResizedCrop.get_params: area fraction in `scale`, log-uniform aspect in `ratio`,
+    10 tries, then the largest centre crop of aspect within `ratio`."""
+    area = w * h
+    log_ratio = np.log(ratio)
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = np.exp(rng.uniform(*log_ratio))
+        cw = int(round(np.sqrt(target * aspect)))
+        ch = int(round(np.sqrt(target / aspect)))
+        if 0 < cw <= w and 0 < ch <= h:
+            x0 = int(rng.integers(0, w - cw + 1))
+            y0 = int(rng.integers(0, h - ch + 1))
+            return x0, y0, x0 + cw, y0 + ch
+    in_ratio = w / h
+    if in_ratio < ratio[0]:
+        cw, ch = w, int(round(w / ratio[0]))
+    elif in_ratio > ratio[1]:
+        cw, ch = int(round(h * ratio[1])), h
+    else:
+        cw, ch = w, h
+    x0, y0 = (w - cw) // 2, (h - ch) // 2
+    return x0, y0, x0 + cw, y0 + ch
+
+
+def centre_crop_box(w, h, size, resize):
+    """The box of the source image that `resize shorter side to resize, centre crop size`
+    keeps, in source pixels (so one resize call does both)."""
+    s = min(w, h) / resize                     # source pixels per resized pixel
+    cw = ch = size * s
+    x0, y0 = (w - cw) / 2, (h - ch) / 2
+    return x0, y0, x0 + cw, y0 + ch
+
+
+def decode(out, path, size, train, rng, mode="RGB", resize=None):
+    """Decode one file into out (C, size, size) uint8: train or eval transform (module docstring)."""
+    Image = _pil()
+    with Image.open(path) as im:
+        if not train and im.format == "JPEG":
+            w, h = im.size
+            need = resize / min(w, h)          # the resize factor; draft keeps at least that much
+            im.draft(mode, (int(np.ceil(w * need)), int(np.ceil(h * need))))
+        im = im.convert(mode)
+        w, h = im.size
+        if train:
+            box = random_resized_crop_box(w, h, rng)
+            flip = rng.random() < 0.5
+        else:
+            box, flip = centre_crop_box(w, h, size, resize), False
+        im = im.resize((size, size), Image.BILINEAR, box=box)
+        if flip:
+            im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        a = np.asarray(im)
+    out[...] = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+
+
+# -------------------------------------------------------------------------- loading
+
+class ImageLoader:
+    """Batches (x, y) of an ImageFolder, decoded on worker threads with a bounded prefetch.
+
+    size: output height = width; train: the random transform (else eval);
+    shuffle (default: train) and drop_last (default: train) as
+    lowmem.data.BatchIterator; dtype: "float32"/"float64" normalised with
+    (mean, std), or "uint8" raw pixels (mean, std unused); channels: 3 (RGB) or 1.
+    Iterating yields x (N, C, size, size) and y int64 (N,), fresh arrays."""
+
+    def __init__(self, folder, batch_size, size, train=True, mean=None, std=None, shuffle=None,
+                 drop_last=None, seed=0, workers=4, prefetch=None, dtype="float32", channels=3,
+                 resize=None, skip_bad=False):
+        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise DataError(f"ImageLoader: batch_size must be a positive integer, got {batch_size!r}")
+        if not isinstance(size, (int, np.integer)) or size < 1:
+            raise DataError(f"ImageLoader: size must be a positive integer, got {size!r}")
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise DataError(f"ImageLoader: seed must be a non-negative integer, got {seed!r}")
+        if not isinstance(workers, (int, np.integer)) or workers < 1:
+            raise DataError(f"ImageLoader: workers must be a positive integer, got {workers!r}")
+        if channels not in (1, 3):
+            raise DataError(f"ImageLoader: channels must be 1 or 3, got {channels!r}")
+        if str(dtype) not in ("float32", "float64", "uint8"):
+            raise DataError(f"ImageLoader: dtype must be float32, float64 or uint8, got {dtype!r}")
+        self.dtype = np.dtype(dtype)
+        if self.dtype != np.uint8:
+            if mean is None or std is None:
+                raise DataError("ImageLoader: a float dtype needs mean and std (per channel, pixel / 255); "
+                                "compute them with channel_stats(folder, size)")
+            mean, std = np.asarray(mean, np.float32).reshape(-1), np.asarray(std, np.float32).reshape(-1)
+            if mean.shape != (channels,) or std.shape != (channels,) or not (std > 0).all():
+                raise DataError(f"ImageLoader: mean and std need {channels} values (std > 0), "
+                                f"got {mean.tolist()}, {std.tolist()}")
+        _pil()
+        self.folder, self.batch_size, self.size, self.train = folder, int(batch_size), int(size), bool(train)
+        self.shuffle = self.train if shuffle is None else bool(shuffle)
+        self.drop_last = self.train if drop_last is None else bool(drop_last)
+        self.seed, self.workers = int(seed), int(workers)
+        self.prefetch = 2 * self.workers if prefetch is None else max(1, int(prefetch))
+        self.mean, self.std, self.channels = mean, std, channels
+        self.mode = "RGB" if channels == 3 else "L"
+        self.resize = int(round(self.size / EVAL_CROP_FRACTION)) if resize is None else int(resize)
+        self.skip_bad = bool(skip_bad)
+        self.skipped = []
+        self._lock = threading.Lock()
+        if len(self) == 0:
+            raise DataError(f"ImageLoader: {len(folder)} images in {folder.root} give no batch of "
+                            f"{batch_size}" + (" with drop_last=True" if self.drop_last else ""))
+        self.epoch = 0
+        self.batch = 0
+
+    @property
+    def input_shape(self):
+        return (self.channels, self.size, self.size)
+
+    def __len__(self):
+        n, b = len(self.folder), self.batch_size
+        return n // b if self.drop_last else -(-n // b)
+
+    def order(self, epoch):
+        """Sample indices of an epoch: a function of (seed, epoch) only (as BatchIterator)."""
+        n = len(self.folder)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, int(epoch)]).permutation(n)
+
+    def set_epoch(self, epoch, batch=0):
+        if not 0 <= batch <= len(self):
+            raise DataError(f"ImageLoader: batch {batch} outside 0..{len(self)}")
+        self.epoch, self.batch = int(epoch), int(batch)
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed, "num_samples": len(self.folder),
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "size": self.size, "train": self.train}
+
+    def load_state_dict(self, state):
+        mine = self.state_dict()
+        for k in ("seed", "num_samples", "batch_size", "shuffle", "drop_last", "size", "train"):
+            if state.get(k) != mine[k]:
+                raise DataError(f"ImageLoader: saved state has {k}={state.get(k)!r}, this loader has "
+                                f"{mine[k]!r}; cannot resume the same order")
+        self.set_epoch(state["epoch"], state["batch"])
+
+    # ------------------------------------------------------------------ work
+    def _sample(self, out, index, epoch, position):
+        """Decode sample `index` (at `position` of the epoch's order) into out (C, H, W) uint8."""
+        n = len(self.folder)
+        for k in range(n):
+            path = self.folder.samples[(index + k) % n][0]
+            rng = np.random.default_rng([self.seed, int(epoch), int(position), 1])   # per-sample stream
+            try:
+                decode(out, path, self.size, self.train, rng, self.mode, self.resize)
+                return self.folder.samples[(index + k) % n][1]
+            except Exception as e:
+                if not self.skip_bad:
+                    raise DataError(f"unreadable image {path}: {e} (skip_bad=True replaces it with "
+                                    f"the next readable image and counts it)") from None
+                with self._lock:
+                    if path not in self.skipped:
+                        self.skipped.append(path)
+        raise DataError(f"no readable image in {self.folder.root}")
+
+    def _chunk(self, x, y, indices, epoch, start):
+        for j, index in enumerate(indices):
+            y[j] = self._sample(x[j], int(index), epoch, start + j)
+
+    def _submit(self, pool, order, epoch, i):
+        """Start decoding batch i of the epoch: (x uint8, y, [futures])."""
+        b, n = self.batch_size, len(self.folder)
+        s, e = i * b, min((i + 1) * b, n)
+        x = np.empty((e - s,) + self.input_shape, np.uint8)
+        y = np.empty(e - s, np.int64)
+        step = -(-(e - s) // self.workers)
+        futures = [pool.submit(self._chunk, x[k:k + step], y[k:k + step], order[s + k:s + k + step], epoch, s + k)
+                   for k in range(0, e - s, step)]
+        return x, y, futures
+
+    def _finish(self, x):
+        if self.dtype == np.uint8:
+            return x
+        return normalize(np.empty(x.shape, self.dtype), x, self.mean, self.std)
+
+    def __iter__(self):
+        epoch, order = self.epoch, self.order(self.epoch)
+        pending = deque()
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="lowmem-images") as pool:
+            try:
+                nxt = self.batch
+                while self.batch < len(self):
+                    while nxt < len(self) and len(pending) < self.prefetch:
+                        pending.append(self._submit(pool, order, epoch, nxt))
+                        nxt += 1
+                    x, y, futures = pending.popleft()
+                    for f in futures:
+                        f.result()                       # re-raises a worker's DataError here
+                    self.batch += 1                      # a checkpoint after this step resumes at the next
+                    yield self._finish(x), y
+            finally:
+                for _, _, futures in pending:            # stopping early: drop what was queued
+                    for f in futures:
+                        f.cancel()
+        self.epoch, self.batch = epoch + 1, 0
+
+
+# ----------------------------------------------------------------------- statistics
+
+def channel_stats(folder, size, limit=STATS_IMAGES, channels=3, workers=4, seed=0):
+    """Per-channel mean and std (pixel / 255, float32 (C,)) of up to `limit` images of `folder`
+    (a seeded random subset when there are more), after the eval transform; exact from 256-bin
+    histograms. A constant channel gets std 1."""
+    loader = ImageLoader(folder, batch_size=min(64, len(folder)), size=size, train=False, shuffle=True,
+                         drop_last=False, seed=seed, workers=workers, dtype="uint8", channels=channels)
+    counts, seen = np.zeros((channels, 256), np.int64), 0
+    for x, _ in loader:
+        x = x[:max(0, limit - seen)]
+        for c in range(channels):
+            counts[c] += np.bincount(x[:, c].ravel(), minlength=256)
+        seen += len(x)
+        if seen >= limit:
+            break
+    values = np.arange(256) / 255.0
+    p = counts / counts.sum(axis=1, keepdims=True)
+    mean = p @ values
+    std = np.sqrt(np.maximum((p * (values[None] - mean[:, None]) ** 2).sum(axis=1), 0))
+    std[std == 0] = 1
+    return mean.astype(np.float32), std.astype(np.float32)
+
+
+@dataclass
+class ImageFolders:
+    """Both splits of DIR, their shared classes and the normalisation of the training split."""
+    root: str
+    train: ImageFolder
+    val: ImageFolder
+    size: int
+    mean: np.ndarray
+    std: np.ndarray
+    channels: int = 3
+
+    @property
+    def classes(self):
+        return self.train.classes
+
+    @property
+    def num_classes(self):
+        return len(self.train.classes)
+
+    @property
+    def input_shape(self):
+        return (self.channels, self.size, self.size)
+
+    def loader(self, split, batch_size, **kw):
+        """An ImageLoader of "train" (random transform, shuffled, drop_last) or "val" (eval, in order)."""
+        if split not in SPLITS:
+            raise DataError(f"split must be one of {SPLITS}, got {split!r}")
+        kw.setdefault("train", split == "train")
+        return ImageLoader(getattr(self, split), batch_size, self.size, mean=self.mean, std=self.std,
+                           channels=self.channels, **kw)
+
+    def __repr__(self):
+        return (f"ImageFolders({self.root!r}, train={len(self.train)}, val={len(self.val)}, "
+                f"classes={self.num_classes}, input_shape={self.input_shape})")
+
+
+def load_image_folders(data_dir, size, mean=None, std=None, channels=3, verify=False, skip_bad=False,
+                       stats_images=STATS_IMAGES, workers=4):
+    """Scan DIR/train and DIR/val (same classes), and compute mean/std when not given -> ImageFolders."""
+    root = os.fspath(data_dir)
+    if not os.path.isdir(root):
+        raise DataError(f"--data {root}: no such directory (expected {root}/train/<class>/*.jpg and "
+                        f"{root}/val/<class>/*)")
+    for split in SPLITS:
+        if not os.path.isdir(os.path.join(root, split)):
+            raise DataError(f"{root} has no {split}/ folder (expected {root}/train/<class>/* and "
+                            f"{root}/val/<class>/*, the torchvision ImageFolder layout)")
+    train = ImageFolder(os.path.join(root, "train"), verify=verify, skip_bad=skip_bad)
+    val = ImageFolder(os.path.join(root, "val"), classes=train.classes, verify=verify, skip_bad=skip_bad)
+    if (mean is None) != (std is None):
+        raise DataError("give both mean and std, or neither (then they are computed)")
+    if mean is None:
+        mean, std = channel_stats(train, size, stats_images, channels, workers)
+    return ImageFolders(root, train, val, int(size), np.asarray(mean, np.float32), np.asarray(std, np.float32),
+                        channels)

@@ -1,0 +1,494 @@
+"""Write your own network: a small layer vocabulary over tensor handles, checked as you build.
+
+    from lowmem import nn
+    g = nn.Graph("my-net", input_shape=(3, 32, 32), num_classes=10)
+    x = g.conv(g.input, 16, 3)                 # Tensor handles, like a PyTorch forward()
+    h = g.conv(g.bn_relu(x), 16, 3)
+    h = g.conv(g.bn_relu(h), 16, 3)
+    x = g.add(x, h)                            # a residual connection
+    net = g.head(g.bn_relu(x))                 # global average pool + linear -> lowmem.Network
+
+The vocabulary is what the engine runs (lowmem/engine.py):
+
+  conv(x, cout, k, stride=1, pad=(k-1)//2)   k x k convolution, no bias
+  bn_relu(x)                                 batch norm (affine) then ReLU: one "unit"
+  max_pool(x, k=2, stride=k, pad=0)          max over k x k windows (k <= 4)
+  add(a, b)                                  a + b, same shape: the residual add
+  head(x)                                    global average pool, then the linear classifier
+
+`head` returns a `lowmem.network.Network`: the same Layer records the
+model builders of lowmem/models.py write by hand, with the engine's three
+shared buffers (act0 / act1 ping-pong, res for the residual stream) assigned
+here, so you never name a buffer. A global average pool exists only inside
+`head`: the engine has no strided average pool.
+
+The method's rules are checked when a layer is added (or, for rules about
+how a tensor is used later, at `head`), and a broken rule raises
+NetworkError (a ValueError) saying which layer and why:
+
+* A conv reads the network input or a bn_relu output. Backward needs the
+  conv's input to form its weight gradient, and the engine does not keep it:
+  it rebuilds it as relu(gamma * x-hat + beta) from the unit's saved x-hat
+  (a K-bit code in approx mode). So conv -> conv or max_pool -> conv is
+  impossible; write the pre-activation order conv -> bn_relu -> conv, and pool
+  before the unit: conv -> max_pool -> bn_relu -> conv.
+* The network input feeds convs only (it sits in its own planned slot).
+* add(a, b) needs equal shapes. The operand computed first ("the skip") waits
+  in the one residual buffer until the add, so residual connections may
+  follow each other but not nest or overlap. Both operands share one gradient
+  buffer in backward (no copy), so the later operand (the branch output) may
+  feed nothing but the add.
+* A max_pool's input may feed other layers only before the pool (its backward
+  writes the input gradient instead of adding to it).
+* Every output must be used: the backward sweep needs a gradient for it.
+* At most three tensors may be alive at once (act0, act1, res).
+
+`check(net, input_shape)` applies the same rules to a Network written with
+the low-level methods of lowmem/network.py (named buffers), where it also
+catches a buffer read before it is written and a layer overwriting its own
+input.
+"""
+from dataclasses import dataclass
+
+from .network import Network
+from .ops import conv_out_size
+
+BUFFERS = ("act0", "act1", "res")     # the engine's shared buffers (lowmem/engine.py)
+ROLES = ("input",) + BUFFERS
+RESERVED = ("input", "pool", "fc")    # "pool" and "fc" are the head's layer names
+MAX_POOL_WINDOW = 16                  # the max-pool argmax is saved as a 4-bit index
+
+
+class NetworkError(ValueError):
+    """A network the engine cannot run (or would run wrongly); the message says which layer and why."""
+
+
+@dataclass(frozen=True, eq=False)
+class Tensor:
+    """A handle on one activation of a Graph: (C, H, W) per sample, and the layer that made it."""
+    graph: object
+    index: int
+    shape: tuple
+    op: str          # "input" | "conv" | "bnrelu" | "maxpool" | "add"
+    name: str        # the producing layer ("input" for the network input)
+
+    def __repr__(self):
+        return f"Tensor({self.name!r} ({self.op}), shape={self.shape})"
+
+
+@dataclass
+class _Node:
+    op: str
+    name: str
+    inputs: tuple    # Tensor indices
+    out: int         # Tensor index
+    args: dict
+
+
+class Graph:
+    """Build a Network from tensor handles; buffers are assigned and rules checked for you.
+
+    name: the network's name; input_shape: (C, H, W) of one sample;
+    num_classes: outputs of the head; seed: parameter initialisation (layers
+    initialise in the order they are added, as Network's methods do)."""
+
+    def __init__(self, name, input_shape, num_classes, seed=0):
+        input_shape = tuple(input_shape)
+        if len(input_shape) != 3 or not all(_posint(v) for v in input_shape):
+            raise NetworkError(f"input_shape must be (C, H, W) of positive ints, got {input_shape!r}")
+        if not _posint(num_classes):
+            raise NetworkError(f"num_classes must be a positive int, got {num_classes!r}")
+        self.name, self.input_shape, self.num_classes, self.seed = name, input_shape, num_classes, seed
+        self.tensors = []
+        self.nodes = []
+        self._names = set()
+        self.network = None           # set by head()
+        self.input = self._tensor(input_shape, "input", "input")
+
+    # ----------------------------------------------------------- vocabulary
+    def conv(self, x, cout, k, stride=1, pad=None, name=None):
+        """k x k convolution of x (C, H, W) to cout channels (no bias); He-normal init."""
+        name = self._name(name, "conv")
+        self._own(x, name)
+        for what, v, lo in (("cout", cout, 1), ("k", k, 1), ("stride", stride, 1)):
+            if not _int(v) or v < lo:
+                raise NetworkError(f"conv {name!r}: {what} must be an int >= {lo}, got {v!r}")
+        pad = (k - 1) // 2 if pad is None else pad
+        if not _int(pad) or pad < 0:
+            raise NetworkError(f"conv {name!r}: pad must be an int >= 0, got {pad!r}")
+        if x.op not in ("input", "bnrelu"):
+            raise NetworkError(
+                f"conv {name!r} reads the output of {x.op} {x.name!r}, but a conv must read the network "
+                f"input or a bn_relu output: backward rebuilds a conv's input as relu(gamma*x-hat + beta) "
+                f"from the BN->ReLU unit that produced it (the unit keeps only x-hat, a K-bit code in "
+                f"approx mode), so nothing else can be rebuilt. Put a bn_relu in between (pre-activation "
+                f"order), and pool before the unit: conv -> max_pool -> bn_relu -> conv")
+        c, h, w = x.shape
+        out = (cout, conv_out_size(h, k, stride, pad), conv_out_size(w, k, stride, pad))
+        self._check_size(name, x, out)
+        return self._node("conv", name, (x,), out, dict(cin=c, cout=cout, k=k, stride=stride, pad=pad))
+
+    def bn_relu(self, x, name=None):
+        """Batch norm (gamma=1, beta=0 at init; running statistics) then ReLU: one BN->ReLU unit."""
+        name = self._name(name, "bn")
+        self._own(x, name)
+        self._not_input(x, "bn_relu", name)
+        return self._node("bnrelu", name, (x,), x.shape, dict(c=x.shape[0]))
+
+    def max_pool(self, x, k=2, stride=None, pad=0, name=None):
+        """Max over k x k windows (stride defaults to k), -inf padding; k*k <= 16."""
+        name = self._name(name, "pool")
+        self._own(x, name)
+        self._not_input(x, "max_pool", name)
+        stride = k if stride is None else stride
+        for what, v, lo in (("k", k, 1), ("stride", stride, 1), ("pad", pad, 0)):
+            if not _int(v) or v < lo:
+                raise NetworkError(f"max_pool {name!r}: {what} must be an int >= {lo}, got {v!r}")
+        if k * k > MAX_POOL_WINDOW:
+            raise NetworkError(f"max_pool {name!r}: a {k}x{k} window is too large: the engine saves "
+                               f"the argmax as a 4-bit index, so k*k must be <= {MAX_POOL_WINDOW} (k <= 4)")
+        if pad > k // 2:
+            raise NetworkError(f"max_pool {name!r}: pad {pad} must be at most k // 2 = {k // 2} "
+                               f"(a larger pad makes windows of padding only)")
+        c, h, w = x.shape
+        out = (c, conv_out_size(h, k, stride, pad), conv_out_size(w, k, stride, pad))
+        self._check_size(name, x, out)
+        return self._node("maxpool", name, (x,), out, dict(k=k, stride=stride, pad=pad))
+
+    def add(self, a, b, name=None):
+        """a + b (same shape): a residual connection. The operand computed first is the skip."""
+        name = self._name(name, "add")
+        self._own(a, name)
+        self._own(b, name)
+        if a is b:
+            raise NetworkError(f"add {name!r}: both operands are {a!r}; to double a tensor, "
+                               f"scale a conv's weights instead")
+        for t in (a, b):
+            self._not_input(t, "add", name)
+        if a.shape != b.shape:
+            raise NetworkError(f"add {name!r}: operand shapes differ: {a.name!r} is {a.shape}, "
+                               f"{b.name!r} is {b.shape} (C, H, W); a residual add needs equal shapes "
+                               f"(use a strided 1x1 conv as a projection shortcut)")
+        skip, branch = (a, b) if a.index < b.index else (b, a)
+        return self._node("add", name, (skip, branch), a.shape, {})
+
+    def head(self, x):
+        """Finish: global average pool of x, then the linear classifier. Returns the Network."""
+        self._own(x, "head")
+        self._not_input(x, "head", "head")
+        self._check_uses(x)
+        buf = self._assign_buffers(x)
+        net = Network(self.name, self.input_shape[0], self.num_classes, self.seed)
+        for n in self.nodes:
+            src = [buf[i] for i in n.inputs]
+            dst = buf[n.out]
+            a = n.args
+            if n.op == "conv":
+                net.conv(n.name, src[0], dst, a["cin"], a["cout"], a["k"], a["stride"], a["pad"])
+            elif n.op == "bnrelu":
+                net.bnrelu(n.name, src[0], dst, a["c"])
+            elif n.op == "maxpool":
+                net.maxpool(n.name, src[0], dst, a["k"], a["stride"], a["pad"])
+            else:
+                net.add(n.name, src[1])                  # res += branch (the skip is in res)
+        net.head(buf[x.index], x.shape[0])
+        check(net, self.input_shape)                     # the engine's rules, once more, on the records
+        self.network = net
+        return net
+
+    # -------------------------------------------------------------- helpers
+    def _tensor(self, shape, op, name):
+        t = Tensor(self, len(self.tensors), tuple(int(v) for v in shape), op, name)
+        self.tensors.append(t)
+        return t
+
+    def _node(self, op, name, inputs, out_shape, args):
+        t = self._tensor(out_shape, op, name)
+        self.nodes.append(_Node(op, name, tuple(i.index for i in inputs), t.index, args))
+        self._names.add(name)
+        return t
+
+    def _name(self, name, prefix):
+        if self.network is not None:
+            raise NetworkError(f"graph {self.name!r} is finished (head() was called); start a new Graph")
+        if name is None:
+            i = 1
+            while f"{prefix}{i}" in self._names:
+                i += 1
+            return f"{prefix}{i}"
+        if not isinstance(name, str) or not name or name.startswith(".") or name.endswith("."):
+            raise NetworkError(f"layer name must be a non-empty string without leading or trailing "
+                               f"dots, got {name!r}")
+        if name in RESERVED:
+            raise NetworkError(f"layer name {name!r} is reserved ({', '.join(RESERVED)}: the input and the head)")
+        if name in self._names:
+            raise NetworkError(f"layer name {name!r} is used twice; names key the parameters "
+                               f"({name}.weight, ...) and must be unique")
+        return name
+
+    def _own(self, t, where):
+        if not isinstance(t, Tensor):
+            raise NetworkError(f"{where}: expected a Tensor of this graph (g.input or a layer's result), "
+                               f"got {type(t).__name__}")
+        if t.graph is not self:
+            raise NetworkError(f"{where}: {t!r} belongs to another Graph ({t.graph.name!r})")
+
+    def _not_input(self, t, what, name):
+        if t.op == "input":
+            raise NetworkError(f"{what} {name!r} reads the network input, which may feed convs only "
+                               f"(the engine keeps the input in its own slot; BN->ReLU, pools and adds "
+                               f"run in the shared buffers): start the network with a conv")
+
+    def _check_size(self, name, x, out):
+        if min(out) < 1:
+            raise NetworkError(f"{name!r}: input {x.shape} is too small, the output would be {out} "
+                               f"(input_shape {self.input_shape})")
+
+    def _consumers(self):
+        """Tensor index -> [node positions reading it]."""
+        uses = {t.index: [] for t in self.tensors}
+        for i, n in enumerate(self.nodes):
+            for j in n.inputs:
+                uses[j].append(i)
+        return uses
+
+    def _check_uses(self, x):
+        """The rules about how a tensor is used later (explained in the module docstring)."""
+        uses = self._consumers()
+        uses[x.index].append(len(self.nodes))            # the head reads x
+        for t in self.tensors:
+            if not uses[t.index]:
+                raise NetworkError(f"the output of {t.op} {t.name!r} {t.shape} is never used: every "
+                                   f"layer's output must feed a later layer or the head (backward "
+                                   f"needs its gradient)")
+        for i, n in enumerate(self.nodes):
+            if n.op == "add":
+                skip, branch = (self.tensors[j] for j in n.inputs)
+                others = [self._label(k) for k in uses[branch.index] if k != i]
+                if others:
+                    raise NetworkError(
+                        f"add {n.name!r}: its operand {branch.name!r} also feeds {', '.join(others)}. The "
+                        f"two operands of an add share one gradient buffer in backward (no copy), so the "
+                        f"operand computed last may feed only the add; feed the others from a tensor "
+                        f"before it, or swap the roles")
+                later = [self._label(k) for k in uses[skip.index] if k > i]
+                if later:
+                    raise NetworkError(f"add {n.name!r} adds into {skip.name!r} in place (the residual "
+                                       f"buffer), but {', '.join(later)} reads {skip.name!r} after it; "
+                                       f"use the add's result instead")
+            if n.op == "maxpool":
+                later = [self._label(k) for k in uses[n.inputs[0]] if k > i]
+                if later:
+                    src = self.tensors[n.inputs[0]].name
+                    raise NetworkError(f"max_pool {n.name!r}: its input {src!r} also feeds "
+                                       f"{', '.join(later)} after the pool; a max-pool's backward writes "
+                                       f"its input gradient instead of adding to it, so its input may "
+                                       f"feed other layers only before the pool")
+
+    def _label(self, pos):
+        return "the head" if pos == len(self.nodes) else f"{self.nodes[pos].op} {self.nodes[pos].name!r}"
+
+    def _assign_buffers(self, x):
+        """Tensor index -> buffer name: skips (and add results) in res, the rest ping-pong act0/act1.
+
+        Greedy in forward order: a tensor takes a buffer whose tensor is no
+        longer needed; a BN->ReLU unit runs in place when its input dies there."""
+        uses = self._consumers()
+        uses[x.index].append(len(self.nodes))
+        last = {t: max(u) if u else -1 for t, u in uses.items()}
+        needs_res = set()
+        for n in self.nodes:
+            if n.op == "add":
+                needs_res.update((n.inputs[0], n.out))
+        buf, holder = {0: "input"}, dict.fromkeys(BUFFERS)
+
+        def busy(b, i, reads):
+            t = holder[b]
+            return t is not None and (last[t] > i or t in reads)
+
+        for i, n in enumerate(self.nodes):
+            t, reads = n.out, n.inputs
+            if n.op == "add":
+                dst = "res"
+            elif t in needs_res:
+                if busy("res", i, reads if n.op != "bnrelu" else ()):
+                    held = self.tensors[holder["res"]]
+                    if held.index in reads:
+                        raise NetworkError(
+                            f"{n.op} {n.name!r} reads the residual buffer and its output must go back "
+                            f"there (it is the skip of a residual add), but a {n.op} cannot run in "
+                            f"place: downsample the stream with a strided 1x1 projection conv on a "
+                            f"bn_relu output instead")
+                    raise NetworkError(
+                        f"{n.op} {n.name!r}: its output is the skip of a residual add, so it must wait "
+                        f"in the residual buffer, but that still holds {held.name!r} until "
+                        f"{self._label(last[held.index])}: lowmem has one residual buffer, so residual "
+                        f"connections may follow each other but not nest or overlap")
+                dst = "res"
+            else:
+                src = buf[reads[0]]
+                if n.op == "bnrelu" and src in ("act0", "act1") and last[reads[0]] == i:
+                    dst = src                                # in place: its input dies here
+                else:
+                    free = [b for b in ("act0", "act1") if not busy(b, i, reads)]
+                    # res too, unless a skip must move in while this tensor is alive
+                    if not busy("res", i, reads) and not any(
+                            m.out in needs_res for m in self.nodes[i + 1:last[t] + 1]):
+                        free.append("res")
+                    if not free:
+                        alive = [self.tensors[holder[b]].name for b in BUFFERS]
+                        raise NetworkError(f"{n.op} {n.name!r}: no buffer left for its output; "
+                                           f"{', '.join(map(repr, alive))} are all still needed. lowmem "
+                                           f"runs every network through three shared buffers, so at most "
+                                           f"three tensors may be alive at once")
+                    dst = free[0]
+            buf[t], holder[dst] = dst, t
+        return buf
+
+
+# --------------------------------------------------------------------------- check
+
+def check(net, input_shape):
+    """Raise NetworkError unless the engine can plan and run `net` on (C, H, W) inputs correctly.
+
+    Checks the layer records themselves (lowmem/network.py's named buffers):
+    known ops and buffers, unique names, the head last; each layer reads a
+    buffer that was written and does not overwrite its own input; channels
+    and shapes; a conv reads the input or a BN->ReLU output; then walks the
+    backward sweep the way the engine plans it (lowmem/engine.py
+    `_plan_backward`: one gradient buffer per live tensor, an add's two
+    operands sharing one) and rejects what it cannot plan or would compute
+    wrongly: an output nobody reads, a gradient written in place or summed
+    into a buffer another tensor's gradient shares, a max-pool input that
+    already has a gradient, more than three gradients alive."""
+    shape = {"input": tuple(input_shape)}
+    version = dict.fromkeys(ROLES, 0)
+    tin, tout, producer, skip_of = {}, {}, {}, {}
+    names = set()
+    body, head = _split_head(net)
+    for L in body:
+        _check_record(L, names, version)
+        c, h, w = shape[L.src]
+        if L.op in ("conv", "bnrelu") and c != L.cin:
+            raise NetworkError(f"layer {L.name!r}: expects {L.cin} input channels, {L.src} holds {c}")
+        t = (L.src, version[L.src])
+        if L.op == "conv" and L.src != "input" and producer[t].op != "bnrelu":
+            raise NetworkError(f"conv {L.name!r} reads {L.src} as written by {producer[t].op} "
+                               f"{producer[t].name!r}; a conv must read the input or a BN->ReLU output "
+                               f"(backward rebuilds its input from that unit's saved x-hat)")
+        if L.op == "conv":
+            out = (L.cout, conv_out_size(h, L.k, L.stride, L.pad), conv_out_size(w, L.k, L.stride, L.pad))
+        elif L.op == "maxpool":
+            if L.k * L.k > MAX_POOL_WINDOW:
+                raise NetworkError(f"maxpool {L.name!r}: k*k = {L.k * L.k} > {MAX_POOL_WINDOW} "
+                                   f"(the argmax is saved as a 4-bit index)")
+            out = (c, conv_out_size(h, L.k, L.stride, L.pad), conv_out_size(w, L.k, L.stride, L.pad))
+        else:
+            out = (c, h, w)
+        if L.op == "add":
+            if version["res"] == 0:
+                raise NetworkError(f"add {L.name!r} adds into res before any layer wrote res")
+            if shape["res"] != (c, h, w):
+                raise NetworkError(f"add {L.name!r}: adds {L.src} of shape {(c, h, w)} to res of "
+                                   f"shape {shape['res']}; a residual add needs equal shapes")
+            skip_of[L.name] = ("res", version["res"])
+        if min(out) < 1:
+            raise NetworkError(f"input_shape {tuple(input_shape)} is too small: layer {L.name!r} "
+                               f"would produce {out}")
+        tin[L.name] = t
+        version[L.dst] += 1
+        shape[L.dst] = out
+        tout[L.name] = (L.dst, version[L.dst])
+        producer[tout[L.name]] = L
+    src = head[0].src
+    if src == "input" or version[src] == 0:
+        raise NetworkError(f"the head reads {src}, which no layer wrote")
+    if shape[src][0] != head[0].cin:
+        raise NetworkError(f"the head expects {head[0].cin} channels, {src} holds {shape[src][0]}")
+    _walk_backward(body, tin, tout, producer, skip_of, (src, version[src]))
+
+
+def _split_head(net):
+    layers = list(net.layers)
+    ops = [L.op for L in layers]
+    if ops[-2:] != ["avgpool", "linear"] or "avgpool" in ops[:-2] or "linear" in ops[:-2]:
+        raise NetworkError(f"network {net.name!r} must end with exactly one head (Network.head: "
+                           f"global average pool, then linear), and have no other avgpool/linear layer")
+    return layers[:-2], layers[-2:]
+
+
+def _check_record(L, names, version):
+    if L.op not in ("conv", "bnrelu", "add", "maxpool"):
+        raise NetworkError(f"layer {L.name!r}: unknown op {L.op!r}")
+    if L.name in names or L.name in RESERVED:
+        raise NetworkError(f"layer name {L.name!r} is used twice or reserved; names must be unique")
+    names.add(L.name)
+    if L.src not in ROLES or L.dst not in BUFFERS:
+        raise NetworkError(f"layer {L.name!r}: reads {L.src!r} and writes {L.dst!r}; layers read "
+                           f"{', '.join(ROLES)} and write {', '.join(BUFFERS)} (never the input)")
+    if L.src != "input" and version[L.src] == 0:
+        raise NetworkError(f"layer {L.name!r} reads {L.src} before any layer wrote it")
+    if L.op != "conv" and L.src == "input":
+        raise NetworkError(f"{L.op} {L.name!r} reads the network input, which may feed convs only")
+    if L.op in ("conv", "maxpool") and L.src == L.dst:
+        raise NetworkError(f"{L.op} {L.name!r} reads and writes {L.src}: it cannot run in place "
+                           f"(its output has another shape and is written while the input is read)")
+    if L.op == "add" and L.src == "res":
+        raise NetworkError(f"add {L.name!r}: res += res is not a residual add; add another buffer into res")
+
+
+def _walk_backward(body, tin, tout, producer, skip_of, head_input):
+    """The engine's backward buffer bookkeeping (approx mode: every unit needs a scratch buffer)."""
+    live, shared_by = {head_input: "act0"}, {}     # tensor -> gradient buffer; buffer -> add sharing it
+
+    def free(L, *busy):
+        taken = set(live.values()) | set(busy)
+        for b in BUFFERS:
+            if b not in taken:
+                return b
+        raise NetworkError(f"backward of {L.op} {L.name!r} needs a fourth buffer: three gradients "
+                           f"are alive there; restructure so fewer branches are open at once")
+
+    def sharing(buf, me):
+        return [t for t, b in live.items() if b == buf and t != me]
+
+    for L in reversed(body):
+        if tout[L.name] not in live:
+            raise NetworkError(f"the output of {L.op} {L.name!r} ({L.dst}) is never read before being "
+                               f"overwritten or the network ends; every output must feed a later layer")
+        dout = live.pop(tout[L.name])
+        t = tin[L.name]
+        if L.op == "add":
+            if t in live:
+                raise NetworkError(f"add {L.name!r}: {L.src} also feeds a layer after the add; the add's "
+                                   f"operands share one gradient buffer, so that gradient would be lost")
+            live[t] = live[skip_of[L.name]] = dout
+            shared_by[dout] = L.name
+            continue
+        if L.op == "bnrelu" and sharing(dout, None):
+            raise NetworkError(f"bnrelu {L.name!r} feeds add {shared_by[dout]!r} whose other operand is "
+                               f"still open in backward: the unit writes its input gradient in place "
+                               f"over a gradient buffer the two operands share. End the branch with a "
+                               f"conv, or compute the skip before the branch")
+        if t in live and sharing(live[t], t):
+            raise NetworkError(f"{L.op} {L.name!r}: its input also feeds add {shared_by[live[t]]!r} "
+                               f"while the add's other operand is still open in backward; summing its "
+                               f"gradient into the shared buffer would corrupt that operand's gradient. "
+                               f"Read the skip only before the branch starts")
+        if L.op == "maxpool" and t in live:
+            raise NetworkError(f"maxpool {L.name!r}: its input also feeds a later layer; a max-pool's "
+                               f"backward writes its input gradient, so that gradient would be lost")
+        if L.op == "conv" and L.src == "input":
+            free(L, dout)
+            continue
+        scratch = free(L, dout)
+        if t not in live:
+            live[t] = dout if L.op == "bnrelu" else scratch
+
+
+def _int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _posint(v):
+    return _int(v) and v > 0

@@ -1,0 +1,482 @@
+"""lowmem.nn: networks written with the Graph builder.
+
+* The builder reproduces lowmem/models.py's hand-written ResNets (layer
+  records, buffers and initial weights; the bottleneck layout differs only
+  in where the stem writes, with equal losses and gradients).
+* Two custom networks (a small VGG-style BN net, a residual net with a
+  pooling block) pass float64 finite differences, train (the loss falls on
+  a small synthetic set, approx 4-bit) and, where torch is installed, match
+  an independent PyTorch implementation (tests/torch_reference.py's
+  conventions: loss, logits, every gradient, eval logits).
+* Every rule of the method is enforced at build time with an explaining
+  NetworkError; `check` rejects hand-built Networks the engine would plan
+  wrongly (including one it plans silently, with wrong gradients).
+"""
+import numpy as np
+import pytest
+
+from lowmem import data, models, nn
+from lowmem.engine import Engine
+from lowmem.network import Network
+from lowmem.optim import SGD
+from test_engine import batch, check_directional, randomize_units
+
+
+# ------------------------------------------------------------------ networks
+
+def block(g, x, name, width, stride, bottleneck=False):
+    """The pre-activation block of lowmem/models.py, written with the builder."""
+    a = g.bn_relu(x, name + ".bn1")
+    cout = 4 * width if bottleneck else width
+    skip = g.conv(a, cout, 1, stride, 0, name + ".shortcut") if stride != 1 or x.shape[0] != cout else x
+    if bottleneck:
+        h = g.conv(a, width, 1, name=name + ".conv1")
+        h = g.conv(g.bn_relu(h, name + ".bn2"), width, 3, stride, name=name + ".conv2")
+        h = g.conv(g.bn_relu(h, name + ".bn3"), cout, 1, name=name + ".conv3")
+    else:
+        h = g.conv(a, width, 3, stride, name=name + ".conv1")
+        h = g.conv(g.bn_relu(h, name + ".bn2"), width, 3, name=name + ".conv2")
+    return g.add(skip, h, name + ".add")
+
+
+def resnet_cifar(depth, bottleneck=False):
+    n = (depth - 2) // (9 if bottleneck else 6)
+    g = nn.Graph(f"preact-resnet{depth}-cifar", (3, 32, 32), 10)
+    x = g.conv(g.input, 16, 3, name="conv1")
+    for s, width in enumerate((16, 32, 64)):
+        for b in range(n):
+            x = block(g, x, f"layer{s + 1}.{b}", width, (2 if s else 1) if b == 0 else 1, bottleneck)
+    return g.head(g.bn_relu(x, "bn_final"))
+
+
+def resnet18_imagenet():
+    g = nn.Graph("preact-resnet18-imagenet", (3, 64, 64), 10)
+    x = g.conv(g.input, 64, 7, 2, 3, name="conv1")
+    x = g.max_pool(g.bn_relu(x, "bn1"), 3, 2, 1, name="maxpool")
+    for s, width in enumerate((64, 128, 256, 512)):
+        for b in range(2):
+            x = block(g, x, f"layer{s + 1}.{b}", width, (2 if s else 1) if b == 0 else 1)
+    return g.head(g.bn_relu(x, "bn_final"))
+
+
+def small_vgg(num_classes=4, in_channels=3, size=16, w=8, seed=0):
+    """conv-bn-relu x2, pool, conv-bn-relu x2, pool, head; the pool before each stage's last unit."""
+    g = nn.Graph("small-vgg", (in_channels, size, size), num_classes, seed)
+    x = g.bn_relu(g.conv(g.input, w, 3, name="conv1"), "bn1")
+    x = g.conv(x, w, 3, name="conv2")
+    x = g.bn_relu(g.max_pool(x, 2, name="pool1"), "bn2")
+    x = g.bn_relu(g.conv(x, 2 * w, 3, name="conv3"), "bn3")
+    x = g.conv(x, 2 * w, 3, name="conv4")
+    x = g.bn_relu(g.max_pool(x, 2, name="pool2"), "bn4")
+    return g.head(x)
+
+
+def pooled_resnet(num_classes=4, in_channels=3, size=16, w=8, seed=0):
+    """stem; an identity block; a block whose branch max-pools (skip: strided 1x1 projection);
+    an identity block; final unit; head."""
+    g = nn.Graph("pooled-resnet", (in_channels, size, size), num_classes, seed)
+    x = g.conv(g.input, w, 3, name="stem")
+    x = block(g, x, "block1", w, 1)
+    a = g.bn_relu(x, "block2.bn1")
+    skip = g.conv(a, 2 * w, 1, 2, 0, name="block2.shortcut")
+    h = g.max_pool(g.conv(a, 2 * w, 3, name="block2.conv1"), 2, name="block2.pool")
+    h = g.conv(g.bn_relu(h, "block2.bn2"), 2 * w, 3, name="block2.conv2")
+    x = g.add(skip, h, "block2.add")
+    x = block(g, x, "block3", 2 * w, 1)
+    return g.head(g.bn_relu(x, "bn_final"))
+
+
+CUSTOM = {"small-vgg": small_vgg, "pooled-resnet": pooled_resnet}
+
+
+# ----------------------------------------------------- same records as models.py
+
+@pytest.mark.parametrize("built, handwritten", [
+    (lambda: resnet_cifar(20), lambda: models.preact_resnet_cifar(20)),
+    (lambda: resnet_cifar(56), lambda: models.preact_resnet_cifar(56)),
+    (resnet18_imagenet, lambda: models.preact_resnet_imagenet(18, num_classes=10))])
+def test_builder_reproduces_the_handwritten_resnets(built, handwritten):
+    a, b = built(), handwritten()
+    assert a.layers == b.layers
+    assert list(a.params) == list(b.params) and list(a.stats) == list(b.stats)
+    assert all(np.array_equal(a.params[k].data, b.params[k].data) for k in b.params)
+
+
+def test_builder_bottleneck_resnet_computes_the_same(rng):
+    """The builder keeps the stem's output in act0 (models.py writes res): same numbers."""
+    a, b = resnet_cifar(29, bottleneck=True), models.preact_resnet_cifar(29, block="bottleneck")
+    assert [(L.op, L.name) for L in a.layers] == [(L.op, L.name) for L in b.layers]
+    x, y = batch(rng, a, 4, (3, 16, 16), np.float32)
+    results = []
+    for net in (a, b):
+        eng = Engine(net, 4, (3, 16, 16), mode="approx", bits=4)
+        results.append((eng.forward(x, y)[0], eng.backward(input_grad=True),
+                        {p.name: p.grad.copy() for p in net.parameters()}))
+    assert results[0][0] == results[1][0]
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    for k, v in results[0][2].items():
+        np.testing.assert_array_equal(v, results[1][2][k])
+
+
+# ------------------------------------------------------------ custom networks
+
+@pytest.mark.parametrize("which", list(CUSTOM))
+def test_custom_network_gradients_match_finite_differences(rng, which):
+    net = CUSTOM[which]()
+    N, shape = 3, (3, 16, 16)
+    eng = Engine(net, batch_size=N, input_shape=shape, mode="exact", dtype="float64")
+    randomize_units(net, rng)
+    x, y = batch(rng, net, N, shape)
+    eng.forward(x, y)
+    dx = eng.backward(input_grad=True)
+    grads = {p.name: p.grad.copy() for p in net.parameters()}
+
+    def loss():
+        return eng.forward(x, y)[0]
+
+    for name, g in grads.items():
+        assert np.any(g != 0), f"{which}: {name} got no gradient"
+        check_directional(loss, [net.params[name].data], [g], rng, f"{which} {name}")
+    check_directional(loss, [x], [dx], rng, f"{which} input")
+
+
+@pytest.mark.parametrize("which", list(CUSTOM))
+def test_custom_network_trains_in_approx_mode(which):
+    """SGD on 64 synthetic images (4 classes): the mean loss of the last epoch is well below the first."""
+    x_u8, y = data.synthetic(64, 16, num_classes=4, shape=(3, 16, 16), seed=3)[:2]
+    net = CUSTOM[which]()
+    eng = Engine(net, 16, (3, 16, 16), mode="approx", bits=4)
+    opt = SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    x = np.empty((64, 3, 16, 16), np.float32)
+    data.normalize(x, x_u8, *data.channel_mean_std(x_u8))
+    epochs = []
+    for epoch in range(8):
+        losses = [eng.train_step(x[i:i + 16], y[i:i + 16], opt) for i in range(0, 64, 16)]
+        epochs.append(float(np.mean(losses)))
+    assert np.isfinite(epochs).all()
+    assert epochs[-1] < 0.5 * epochs[0], f"{which}: epoch losses {epochs}"
+
+
+@pytest.mark.parametrize("which", list(CUSTOM))
+def test_custom_network_plans_like_any_other(which):
+    """Three shared buffers whatever the layout; the schedule names every layer."""
+    eng = Engine(CUSTOM[which](), 8, (3, 16, 16), mode="approx", bits=4, allocate=False)
+    assert {e.name for e in eng.plan.entries if e.kind == "buffers"} >= {"act0", "act1", "res"}
+    names = {s.layer.name for s in eng.schedule if s.layer is not None}
+    assert names == {L.name for L in eng.net.layers}
+
+
+# ------------------------------------------------------ against PyTorch
+
+def torch_models():
+    torch = pytest.importorskip("torch")
+    from torch import nn as tnn
+    from torch.nn import functional as F
+    from torch_reference import BatchNorm2d
+
+    def conv(cin, cout, k, stride=1, pad=None):
+        return tnn.Conv2d(cin, cout, k, stride, (k - 1) // 2 if pad is None else pad, bias=False)
+
+    class SmallVGG(tnn.Module):
+        def __init__(self, w=8, classes=4):
+            super().__init__()
+            self.conv1, self.bn1, self.conv2, self.bn2 = conv(3, w, 3), BatchNorm2d(w), conv(w, w, 3), BatchNorm2d(w)
+            self.conv3, self.bn3 = conv(w, 2 * w, 3), BatchNorm2d(2 * w)
+            self.conv4, self.bn4 = conv(2 * w, 2 * w, 3), BatchNorm2d(2 * w)
+            self.fc = tnn.Linear(2 * w, classes)
+
+        def forward(self, x):
+            x = F.relu(self.bn1(self.conv1(x)))
+            x = F.relu(self.bn2(F.max_pool2d(self.conv2(x), 2)))
+            x = F.relu(self.bn3(self.conv3(x)))
+            x = F.relu(self.bn4(F.max_pool2d(self.conv4(x), 2)))
+            return self.fc(x.mean(dim=(2, 3)))
+
+    class Block(tnn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.bn1, self.conv1, self.bn2, self.conv2 = BatchNorm2d(c), conv(c, c, 3), BatchNorm2d(c), conv(c, c, 3)
+
+        def forward(self, x):
+            return x + self.conv2(F.relu(self.bn2(self.conv1(F.relu(self.bn1(x))))))
+
+    class PoolBlock(tnn.Module):
+        def __init__(self, cin, cout):
+            super().__init__()
+            self.bn1, self.shortcut = BatchNorm2d(cin), conv(cin, cout, 1, 2, 0)
+            self.conv1, self.bn2, self.conv2 = conv(cin, cout, 3), BatchNorm2d(cout), conv(cout, cout, 3)
+
+        def forward(self, x):
+            a = F.relu(self.bn1(x))
+            h = F.relu(self.bn2(F.max_pool2d(self.conv1(a), 2)))
+            return self.shortcut(a) + self.conv2(h)
+
+    class PooledResNet(tnn.Module):
+        def __init__(self, w=8, classes=4):
+            super().__init__()
+            self.stem, self.block1 = conv(3, w, 3), Block(w)
+            self.block2, self.block3 = PoolBlock(w, 2 * w), Block(2 * w)
+            self.bn_final, self.fc = BatchNorm2d(2 * w), tnn.Linear(2 * w, classes)
+
+        def forward(self, x):
+            x = self.block3(self.block2(self.block1(self.stem(x))))
+            return self.fc(F.relu(self.bn_final(x)).mean(dim=(2, 3)))
+
+    return torch, {"small-vgg": SmallVGG, "pooled-resnet": PooledResNet}
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("float64", 1e-9)])
+@pytest.mark.parametrize("which", list(CUSTOM))
+def test_custom_network_matches_pytorch(which, dtype, tol):
+    torch, refs = torch_models()
+    from torch_reference import dodge_relu_kinks, load_lowmem_state
+    from test_torch_compare import rel
+    net = CUSTOM[which]()
+    model = load_lowmem_state(refs[which](), net.state_dict()).to(getattr(torch, dtype)).train()
+    eng = Engine(net, 8, (3, 16, 16), mode="exact", dtype=dtype)
+    r = np.random.default_rng(5)
+    x, y = r.standard_normal((8, 3, 16, 16)).astype(dtype), r.integers(0, 4, 8)
+    deltas, margin = dodge_relu_kinks(model, x)
+    assert margin > 1e-5
+    with torch.no_grad():
+        for name, d in deltas.items():
+            net.params[name].data += d.astype(dtype)
+            model.get_parameter(name).add_(torch.from_numpy(d.astype(dtype)))
+    loss, logits = eng.forward(x, y)
+    dx = eng.backward(input_grad=True)
+    xt = torch.from_numpy(x).requires_grad_(True)
+    tlogits = model(xt)
+    tloss = torch.nn.functional.cross_entropy(tlogits, torch.from_numpy(y))
+    tloss.backward()
+    assert rel(loss, tloss.item()) <= tol and rel(logits, tlogits.detach().numpy()) <= tol
+    assert rel(dx, xt.grad.numpy()) <= tol
+    tgrads = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    assert set(tgrads) == {p.name for p in net.parameters()}
+    errors = {p.name: rel(p.grad, tgrads[p.name]) for p in net.parameters()}
+    assert max(errors.values()) <= tol, errors
+    model.eval()
+    with torch.no_grad():
+        assert rel(eng.predict(x), model(torch.from_numpy(x)).numpy()) <= tol
+
+
+# ------------------------------------------------------- rules, with reasons
+
+def graph(shape=(3, 8, 8)):
+    return nn.Graph("t", shape, 3)
+
+
+def raises(words, f, *args, **kw):
+    with pytest.raises(nn.NetworkError) as e:
+        f(*args, **kw)
+    for w in words:
+        assert w in str(e.value), f"{w!r} not in: {e.value}"
+    return e.value
+
+
+def test_conv_must_read_a_bn_relu_output_or_the_input():
+    g = graph()
+    x = g.conv(g.input, 4, 3, name="c1")
+    raises(["conv 'c2'", "conv 'c1'", "bn_relu", "x-hat", "approx"], g.conv, x, 4, 3, name="c2")
+    p = g.max_pool(g.bn_relu(x), 2, name="p")
+    raises(["maxpool 'p'", "conv -> max_pool -> bn_relu -> conv"], g.conv, p, 4, 3)
+
+
+def test_input_feeds_convs_only():
+    g = graph()
+    for f in (g.bn_relu, g.max_pool):
+        raises(["network input", "convs only"], f, g.input)
+    x = g.conv(g.input, 3, 3)
+    raises(["network input"], g.add, g.input, x)
+
+
+def test_residual_add_needs_equal_shapes():
+    g = graph()
+    a = g.bn_relu(g.conv(g.input, 4, 3, name="c1"))
+    b = g.conv(a, 8, 3, name="c2")
+    e = raises(["add 'add1'", "(4, 8, 8)", "(8, 8, 8)", "projection"], g.add, a, b)
+    assert "'c2'" in str(e)
+    c = g.conv(a, 4, 3, stride=2, name="c3")
+    raises(["(4, 4, 4)"], g.add, a, c)
+    raises(["both operands"], g.add, a, a)
+
+
+def test_bad_arguments_are_named():
+    g = graph()
+    raises(["cout", "0"], g.conv, g.input, 0, 3)
+    raises(["stride"], g.conv, g.input, 4, 3, stride=0)
+    raises(["pad"], g.conv, g.input, 4, 3, pad=-1)
+    raises(["too small", "(4, 0, 0)"], g.conv, g.input, 4, 9, pad=0)
+    x = g.bn_relu(g.conv(g.input, 4, 3))
+    raises(["5x5", "4-bit", "k <= 4"], g.max_pool, x, 5)
+    raises(["pad 2", "k // 2 = 1"], g.max_pool, x, 2, pad=2)
+    raises(["Tensor"], g.bn_relu, np.zeros(3))
+    raises(["another Graph"], g.bn_relu, graph().input)
+    raises(["input_shape"], nn.Graph, "t", (3, 8), 3)
+    raises(["num_classes"], nn.Graph, "t", (3, 8, 8), 0)
+
+
+def test_layer_names_are_unique_and_not_reserved():
+    g = graph()
+    x = g.conv(g.input, 4, 3, name="conv1")
+    raises(["'conv1'", "twice"], g.bn_relu, x, name="conv1")
+    raises(["reserved"], g.bn_relu, x, name="fc")
+    raises(["non-empty"], g.bn_relu, x, name="")
+    assert g.bn_relu(x).name == "bn1" and g.conv(g.input, 4, 3).name == "conv2"   # auto names skip used ones
+
+
+def test_every_output_must_be_used():
+    g = graph()
+    x = g.bn_relu(g.conv(g.input, 4, 3, name="c1"), name="b1")
+    g.conv(x, 4, 3, name="dead")
+    raises(["'dead'", "never used"], g.head, x)
+
+
+def test_branch_of_an_add_feeds_only_the_add():
+    g = graph()
+    x = g.conv(g.input, 4, 3, name="stem")
+    a = g.bn_relu(x, "b1")
+    h = g.conv(a, 4, 3, name="c1")
+    y = g.add(x, h, "add1")
+    z = g.add(y, g.conv(g.bn_relu(h, "b2"), 4, 3, name="c2"), "add2")
+    raises(["add 'add1'", "'c1'", "bnrelu 'b2'", "share one gradient buffer"], g.head, g.bn_relu(z))
+
+
+def test_skip_is_not_readable_after_its_add():
+    g = graph()
+    x = g.conv(g.input, 4, 3, name="stem")
+    y = g.add(x, g.conv(g.bn_relu(x, "b1"), 4, 3, name="c1"), "add1")
+    late = g.bn_relu(x, "late")                  # reads x after add1 overwrote it
+    z = g.add(y, g.conv(late, 4, 3, name="c2"), "add2")
+    raises(["add 'add1'", "in place", "bnrelu 'late'"], g.head, g.bn_relu(z))
+
+
+def test_max_pool_input_feeds_nothing_after_the_pool():
+    g = graph()
+    x = g.bn_relu(g.conv(g.input, 4, 3, name="c1"), "b1")
+    p = g.max_pool(x, 2, name="p")
+    q = g.conv(x, 4, 3, stride=2, name="after")
+    s = g.add(g.conv(g.bn_relu(p, "b2"), 4, 3, name="c2"), q)
+    raises(["max_pool 'p'", "conv 'after'", "only before the pool"], g.head, g.bn_relu(s))
+
+
+def test_residual_connections_cannot_nest():
+    g = graph()
+    x = g.conv(g.input, 4, 3, name="stem")
+    a = g.bn_relu(x, "b1")
+    inner_skip = g.conv(a, 4, 3, name="c1")            # skip of the inner add, while x waits for the outer
+    inner = g.add(inner_skip, g.conv(g.bn_relu(inner_skip, "b2"), 4, 3, name="c2"), "inner")
+    outer = g.add(x, g.conv(g.bn_relu(inner, "b3"), 4, 3, name="c3"), "outer")
+    raises(["conv 'c1'", "one residual buffer", "'stem'", "nest"], g.head, g.bn_relu(outer))
+
+
+def test_pooling_the_residual_stream_is_explained():
+    """A pooled add result that is itself a skip would have to be pooled in place in res."""
+    g = graph()
+    x = g.conv(g.input, 4, 3, name="stem")
+    y = g.add(x, g.conv(g.bn_relu(x), 4, 3), "add1")
+    p = g.max_pool(y, 2, name="p")
+    z = g.add(p, g.conv(g.bn_relu(p), 4, 3), "add2")
+    raises(["maxpool 'p'", "cannot run in place", "projection"], g.head, g.bn_relu(z))
+
+
+def test_finished_graph_cannot_grow():
+    g = graph()
+    x = g.bn_relu(g.conv(g.input, 4, 3))
+    net = g.head(x)
+    assert g.network is net and isinstance(net, Network)
+    raises(["finished"], g.conv, x, 4, 3)
+
+
+# --------------------------------------------- check() on hand-built Networks
+
+def tiny(changes=None):
+    """A valid hand-built block network; `changes` replace layer fields by layer name."""
+    net = Network("hand", 3, 3)
+    net.conv("conv1", "input", "res", 3, 4, 3)
+    net.bnrelu("bn1", "res", "act0", 4)
+    net.conv("conv2", "act0", "act1", 4, 4, 3)
+    net.bnrelu("bn2", "act1", "act1", 4)
+    net.conv("conv3", "act1", "act0", 4, 4, 3)
+    net.add("add", "act0")
+    net.bnrelu("bn_final", "res", "act0", 4)
+    net.head("act0", 4)
+    for L in net.layers:
+        for k, v in (changes or {}).get(L.name, {}).items():
+            setattr(L, k, v)
+    return net
+
+
+def test_check_accepts_the_models_and_a_valid_hand_built_net():
+    nn.check(tiny(), (3, 8, 8))
+    nn.check(models.preact_resnet_cifar(20), (3, 32, 32))
+    nn.check(models.preact_resnet_cifar(164), (3, 32, 32))
+    nn.check(models.preact_resnet_imagenet(50), (3, 224, 224))
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"bn1": {"src": "act1"}}, ["'bn1'", "act1 before any layer wrote it"]),
+    ({"conv2": {"dst": "act0"}}, ["conv 'conv2'", "in place"]),
+    ({"conv2": {"dst": "input"}}, ["never the input"]),
+    ({"bn2": {"dst": "act0"}}, ["conv 'conv3'", "conv 'conv2'", "BN->ReLU"]),
+    ({"add": {"src": "res"}}, ["res += res"]),
+    ({"bn2": {"cin": 5}}, ["'bn2'", "5 input channels", "holds 4"]),
+    ({"conv3": {"stride": 2}}, ["add 'add'", "(4, 4, 4)", "(4, 8, 8)"]),
+    ({"conv3": {"dst": "act1"}}, ["in place"]),
+    ({"bn2": {"op": "relu"}}, ["unknown op 'relu'"]),
+    ({"conv2": {"name": "conv3"}}, ["'conv3'", "twice"]),
+])
+def test_check_rejects_broken_records(changes, words):
+    raises(words, nn.check, tiny(changes), (3, 8, 8))
+
+
+def test_check_rejects_an_output_overwritten_before_it_is_read():
+    net = Network("dead", 3, 3)
+    net.conv("conv1", "input", "res", 3, 4, 3)
+    net.bnrelu("bn1", "res", "act0", 4)
+    net.bnrelu("unread", "res", "act1", 4)            # act1 is overwritten by conv2 before any read
+    net.conv("conv2", "act0", "act1", 4, 4, 3)
+    net.add("add", "act1")
+    net.bnrelu("bn_final", "res", "act0", 4)
+    net.head("act0", 4)
+    raises(["bnrelu 'unread'", "never read"], nn.check, net, (3, 6, 6))
+
+
+def test_check_rejects_a_net_the_engine_plans_with_wrong_gradients(rng):
+    """An add whose branch also feeds a layer after it: today's engine plans it and returns a
+    gradient that misses that path (shown against finite differences); check() refuses it."""
+    net = Network("hazard", 3, 3)
+    net.conv("conv1", "input", "res", 3, 4, 3)
+    net.bnrelu("bn1", "res", "act0", 4)
+    net.conv("conv2", "act0", "act1", 4, 4, 3)
+    net.add("add1", "act1")
+    net.bnrelu("bnx", "act1", "act0", 4)              # reads the branch after the add
+    net.conv("conv3", "act0", "act1", 4, 4, 3)
+    net.add("add2", "act1")
+    net.bnrelu("bn_final", "res", "act0", 4)
+    net.head("act0", 4)
+    raises(["add 'add1'", "gradient would be lost"], nn.check, net, (3, 6, 6))
+    from test_engine import central_multi
+    eng = Engine(net, 3, (3, 6, 6), mode="exact", dtype="float64")
+    randomize_units(net, rng)
+    x, y = batch(rng, net, 3, (3, 6, 6))
+    eng.forward(x, y)
+    eng.backward()
+    p = net.params["conv2.weight"]
+    d = rng.standard_normal(p.shape)
+    numeric = central_multi(lambda: eng.forward(x, y)[0], [p.data], [d], 1e-6)
+    assert abs(numeric - float(np.sum(p.grad * d))) > 1e-3 * abs(numeric)
+
+
+def test_check_rejects_a_unit_writing_over_a_shared_gradient():
+    """A branch that ends in BN-ReLU while the skip is still open: the engine's in-place
+    unit backward would overwrite the gradient both operands share."""
+    net = Network("ends-in-unit", 3, 3)
+    net.conv("conv1", "input", "res", 3, 4, 3)
+    net.bnrelu("bn1", "res", "act0", 4)
+    net.add("add", "act0")
+    net.bnrelu("bn_final", "res", "act0", 4)
+    net.head("act0", 4)
+    raises(["bnrelu 'bn1'", "in place"], nn.check, net, (3, 6, 6))
+    g = graph()                                           # the builder says the same
+    x = g.conv(g.input, 4, 3)
+    raises(["in place"], g.head, g.bn_relu(g.add(x, g.bn_relu(x))))
