@@ -15,7 +15,7 @@ install: $(PY)
 	$(PIP) install -e ".[fast]"
 
 install-test: $(PY)
-	$(PIP) install -e ".[test,compare,fast,images,safetensors,onnx]"
+	$(PIP) install -e ".[test,compare,fast,images,safetensors,onnx,mpi]"
 
 demo: install
 	$(PY) demos/main_job.py

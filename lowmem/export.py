@@ -35,7 +35,7 @@ import sys
 import numpy
 
 from . import __version__
-from .engine import BN_EPS
+from .kernels import BN_EPS
 
 OPSET = 17
 FORMATS = {".safetensors": "safetensors", ".onnx": "onnx"}

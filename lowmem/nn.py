@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from .network import Network
 from .ops import conv_out_size
 
-BUFFERS = ("act0", "act1", "res")     # the engine's shared buffers (lowmem/engine.py)
+BUFFERS = ("act0", "act1", "res")     # the engine's shared buffers (lowmem/schedule.py)
 ROLES = ("input",) + BUFFERS
 RESERVED = ("input", "pool", "fc")    # "pool" and "fc" are the head's layer names
 MAX_POOL_WINDOW = 16                  # the max-pool argmax is saved as a 4-bit index
@@ -355,8 +355,8 @@ def check(net, input_shape):
     known ops and buffers, unique names, the head last; each layer reads a
     buffer that was written and does not overwrite its own input; channels
     and shapes; a conv reads the input or a BN->ReLU output; then walks the
-    backward sweep the way the engine plans it (lowmem/engine.py
-    `_plan_backward`: one gradient buffer per live tensor, an add's two
+    backward sweep the way the engine plans it (lowmem/schedule.py
+    `plan_backward`: one gradient buffer per live tensor, an add's two
     operands sharing one) and rejects what it cannot plan or would compute
     wrongly: an output nobody reads, a gradient written in place or summed
     into a buffer another tensor's gradient shares, a max-pool input that

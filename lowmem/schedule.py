@@ -180,7 +180,10 @@ def plan_backward(net, io, in_shape, out_shape, saved, nbytes, decodes, start):
             live[skip] = dout                   # skip gradient: same storage
             add(L.op, L, dout=dout, dest=dout, **shapes)
         elif rule == "same":
-            assert not [k for k, b in live.items() if b == dout], f"{L.name}: output gradient buffer still shared"
+            if [k for k, b in live.items() if b == dout]:
+                raise ValueError(f"{L.name}: its output gradient is shared with a residual add's other "
+                                 f"input, and a BN-ReLU computes its input gradient in place; the engine "
+                                 f"cannot plan a branch that is only a BN-ReLU unit")
             scratch = free(dout) if decodes else ""
             acc = t in live
             dest = live[t] if acc else dout     # in place unless the input already has a gradient
