@@ -142,7 +142,7 @@ class Engine:
         if partials:
             plan.add("bn.partials", "workspace", (partials,), "float64")
         if self.sync_bn:                          # the 2C sums each unit exchanges
-            plan.add("sync.bn", "workspace", (2, max_c), "float64")
+            plan.add("sync.bn", "workspace", (2 * max_c,), "float64")
 
         # the three shared buffers: each holds the largest activation of the network
         acts = [numpy.prod(self.out_shape[L.name]) for L in self.net.layers if L.op in ("conv", "bnrelu", "maxpool")]

@@ -16,7 +16,7 @@ the engine's gradient allreduce adds the ranks' parts afterwards. These two
 passes are array ops on every backend (the fused kernels join them in one
 call), so synchronized batch norm runs its backward on the reference path.
 
-Communication buffer: the plan's `sync.bn` workspace, (2, C) float64.
+Communication buffer: the plan's `sync.bn` workspace, 2 * C float64.
 """
 from .. import quant
 from ..backend import array_module
@@ -42,7 +42,7 @@ class SyncUnits:
         xp = array_module(x)
         self.inner.stats(mean, var, rstd, x)
         C, M = x.shape
-        s = self.buf[:, :C]
+        s = self.buf[:2 * C].reshape(2, C)          # contiguous: one message
         s[0] = mean
         s[0] *= M
         s[1] = var
@@ -76,7 +76,7 @@ class SyncUnits:
         sum_dy, sum_dyx = bn_relu_backward_sums(dr, xhat, gamma, beta, masked=masked)
         dgamma += sum_dyx                                         # local parts: summed later
         dbeta += sum_dy
-        s = self.buf[:, :C]
+        s = self.buf[:2 * C].reshape(2, C)          # contiguous: one message
         s[0], s[1] = sum_dy, sum_dyx
         self.comm.allreduce(s)
         bn_relu_backward_apply(dx, dr, xhat, s[0].astype(dr.dtype), s[1].astype(dr.dtype), self.count(M),
