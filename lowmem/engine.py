@@ -27,19 +27,15 @@ Modes:
 The mode, the bit width and the backend are fixed once, in `kernels.select`;
 nothing below branches on them.
 """
-import numbers
-
 import numpy
 
-from . import backend, distributed, kernels, layers, quant
+from . import backend, checks, distributed, kernels, layers, quant
 from .layers import OPS, BatchStatisticsError
-from .network import Network
 from .ops import softmax_xent_forward, softmax_xent_backward
 from .plan import Plan, fmt_bytes
 from .schedule import BUFFERS, Schedule, forward_steps, plan_backward, resolve
 
-MODES = kernels.MODES
-DTYPES = ("float32", "float64")
+MODES, DTYPES = checks.MODES, checks.DTYPES
 DEFAULT_WORKSPACE_BYTES = 16 << 20
 
 __all__ = ["Engine", "MODES", "DTYPES", "DEFAULT_WORKSPACE_BYTES", "BatchStatisticsError"]
@@ -58,11 +54,11 @@ class Engine:
         comm: a lowmem.distributed communicator for data-parallel training (batch_size is then
         the per-rank batch; gradients are averaged over ranks after backward). sync_bn: batch
         statistics over all ranks' batches (kernels/sync.py) instead of per replica."""
-        self.mode, self.bits, self.dtype = _check_args(net, batch_size, mode, bits, dtype)
+        self.mode, self.bits, self.dtype = checks.engine_args(net, batch_size, mode, bits, dtype)
         self.net, self.N = net, int(batch_size)
         self.comm = comm if comm is not None else distributed.SingleProcess()
         self.sync_bn = bool(sync_bn)
-        self.input_shape = _check_shape(input_shape, net.in_channels)
+        self.input_shape = checks.input_shape(input_shape, net.in_channels)
         self.xp = backend.xp
         self.in_shape, self.out_shape = self._infer_shapes()
         self._unit_sizes = {L.name: self.in_shape[L.name] for L in net.layers if L.op == "bnrelu"}
@@ -240,8 +236,8 @@ class Engine:
 
         x and labels are copied into the plan: the caller may reuse them at once."""
         self._check_ownership()
-        _check_input(x, self.xp, self.dtype, self.input_shape, self.N, "forward")
-        _check_labels(labels, self.xp, x.shape[0], self.net.num_classes)
+        checks.batch(x, self.xp, self.dtype, self.input_shape, self.N, "forward")
+        checks.labels(labels, self.xp, x.shape[0], self.net.num_classes)
         self._check_batch_norm(x.shape[0], "forward: batch of")
         self._ready = False
         self._start(x, training=True)
@@ -257,7 +253,7 @@ class Engine:
     def predict(self, x):
         """Eval-mode logits (N, K) for any batch N <= batch_size (BN running statistics)."""
         self._check_ownership()
-        _check_input(x, self.xp, self.dtype, self.input_shape, self.N, "predict")
+        checks.batch(x, self.xp, self.dtype, self.input_shape, self.N, "predict")
         self._ready = False                       # the saved state is overwritten
         self._start(x, training=False)
         self._sweep("fwd")
@@ -344,68 +340,3 @@ def _views(flat):
         offset[0] += n
         return view
     return take
-
-
-# ---------------------------------------------------------------- argument checks
-
-def _check_args(net, batch_size, mode, bits, dtype):
-    if not isinstance(net, Network):
-        raise TypeError(f"Engine needs a lowmem Network (e.g. lowmem.models.preact_resnet_cifar(20)), "
-                        f"got {type(net).__name__}")
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: expected one of {MODES}")
-    bits = quant.check_bits(bits)
-    try:
-        dt = numpy.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or dt.name not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}: expected one of {DTYPES}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if net.num_classes < 2:
-        raise ValueError(f"network {net.name!r} has num_classes={net.num_classes}: a classifier needs "
-                         f"at least 2 classes (with one, the loss is 0 and every gradient vanishes)")
-    return mode, bits, dt
-
-
-def _check_shape(input_shape, in_channels):
-    try:
-        shape = tuple(input_shape)
-    except TypeError:
-        shape = None
-    if shape is None or len(shape) != 3 or shape[0] != in_channels:
-        raise ValueError(f"input_shape must be (C, H, W) with C = {in_channels} "
-                         f"(the network's in_channels), got {input_shape}")
-    if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s > 0 for s in shape):
-        raise ValueError(f"input_shape must be (C, H, W) of positive ints, got {shape}")
-    return tuple(int(s) for s in shape)
-
-
-def _check_input(x, xp, dtype, input_shape, N, what):
-    dims = ", ".join(map(str, input_shape))
-    if not isinstance(x, xp.ndarray):
-        raise TypeError(f"{what}: expected a {xp.__name__} array of shape (N, {dims}), got {type(x).__name__}")
-    if x.dtype != dtype:
-        raise TypeError(f"{what}: input dtype is {x.dtype}, this engine expects {dtype} "
-                        f"(convert with x.astype('{dtype}'))")
-    if x.ndim != 4 or tuple(x.shape[1:]) != input_shape:
-        raise ValueError(f"{what}: input shape is {tuple(x.shape)}, expected (N, {dims}) with N <= {N}")
-    if not 1 <= x.shape[0] <= N:
-        raise ValueError(f"{what}: batch of {x.shape[0]} is larger than the planned batch_size "
-                         f"{N} (build the Engine with a larger batch_size)" if x.shape[0] > N
-                         else f"{what}: empty batch")
-    lo, hi = float(x.min()), float(x.max())       # NaN propagates through min/max: no temporary
-    if not (numpy.isfinite(lo) and numpy.isfinite(hi)):
-        raise ValueError(f"{what}: the input batch contains NaN or Inf")
-
-
-def _check_labels(labels, xp, n, K):
-    if not isinstance(labels, xp.ndarray) or labels.dtype.kind not in "iu":
-        raise TypeError(f"labels must be an integer {xp.__name__} array of shape ({n},), "
-                        f"got {getattr(labels, 'dtype', type(labels).__name__)}")
-    if labels.shape != (n,):
-        raise ValueError(f"labels shape is {labels.shape}, expected ({n},) to match the batch")
-    if int(labels.min()) < 0 or int(labels.max()) >= K:
-        raise ValueError(f"labels out of range: found [{int(labels.min())}, {int(labels.max())}], "
-                         f"expected 0 <= label < {K} (num_classes)")
