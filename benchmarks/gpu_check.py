@@ -326,6 +326,33 @@ def targets(res):
     return out
 
 
+def nccl_smoke():
+    """1-rank NCCL: the communicator lowmem picks for CuPy arrays sums a buffer (NCCL refuses
+    two ranks on one GPU, so one rank is all a single-GPU machine can check), and a data-parallel
+    engine step over it equals a plain one."""
+    import cupy
+    import numpy
+    import lowmem as lm
+    from lowmem import distributed
+    try:
+        comm = distributed.NCCL()
+        a = cupy.arange(1000, dtype=cupy.float32)
+        comm.allreduce(a)
+        ok_sum = bool((a == cupy.arange(1000, dtype=cupy.float32)).all())
+        out = []
+        for c in (None, comm):
+            net = lm.models.preact_resnet_cifar(20, seed=0)
+            eng = lm.Engine(net, 32, (3, 32, 32), "approx", 4, comm=c)
+            opt = lm.SGD(net.parameters(), lr=0.1)
+            x, y = batch(cupy, 32)
+            eng.train_step(x, y, opt)
+            out.append(net.state_dict())
+        same = all(numpy.array_equal(out[0][k], out[1][k]) for k in out[0])
+        return {"communicator": comm.describe(), "allreduce_ok": ok_sum, "engine_step_equal": same}
+    except Exception as e:                      # report, do not stop the other checks
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def main():
     args = parse_args()
     if args.tf32:
@@ -340,6 +367,8 @@ def main():
     print(json.dumps(res["device"]))
     if not args.skip_tests:
         res["tests"] = run_tests()
+    res["nccl"] = nccl_smoke()
+    print("nccl:", json.dumps(res["nccl"]))
     res["lowmem"] = [lowmem_config(name, args.depth, args.batch, mode, bits, args)
                      for name, mode, bits in LOWMEM]
     res["lowmem"] += [lowmem_config(f"{name}+im2col", args.depth, args.batch, mode, bits, args, im2col=True)
