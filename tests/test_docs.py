@@ -1,0 +1,106 @@
+"""Every example in docs/ and the README marked runnable is run, and its printed output checked.
+
+Markup (docs/README.md explains it to writers):
+
+    <!-- runnable -->
+    ```console
+    $ lowmem plan --depth 20 --batch 8 --no-schedule --rows 3
+    ...expected output...
+    ```
+
+or a ```python block followed by an ```output block with what it prints. In expected
+output a line that is only `...` (any indentation) matches any number of lines, so long
+listings can be elided; trailing spaces are ignored. Commands run from the repository root
+with this interpreter's bin directory first on PATH (`lowmem`, `python`).
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+FENCE = re.compile(r"^```(\w*)\s*$")
+
+
+def examples(path):
+    """[(line number, kind, code, expected output)] of the runnable blocks of one page."""
+    lines = path.read_text().splitlines()
+    found, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() == "<!-- runnable -->":
+            kind, body, i = _block(lines, i + 1)
+            start = i
+            if kind == "console":
+                cmds = [ln[2:] for ln in body if ln.startswith("$ ")]
+                out = [ln for ln in body if not ln.startswith("$ ")]
+                found.append((start, "console", cmds, out))
+            elif kind == "python":
+                out = []
+                if i < len(lines) and FENCE.match(lines[i]) and FENCE.match(lines[i]).group(1) == "output":
+                    _, out, i = _block(lines, i)
+                found.append((start, "python", body, out))
+            else:
+                raise AssertionError(f"{path.name}:{start}: a runnable block must be console or python")
+        else:
+            i += 1
+    return found
+
+
+def _block(lines, i):
+    while i < len(lines) and not lines[i].strip():
+        i += 1
+    m = FENCE.match(lines[i]) if i < len(lines) else None
+    assert m, f"line {i + 1}: '<!-- runnable -->' must be followed by a fenced block"
+    j = i + 1
+    while not lines[j].startswith("```"):
+        j += 1
+    return m.group(1), lines[i + 1:j], j + 1
+
+
+def matches(expected, got):
+    """Does `got` (list of lines) match `expected`, where a '...' line matches any lines?"""
+    exp = [e.rstrip() for e in expected]
+    got = [g.rstrip() for g in got]
+    while got and not got[-1]:
+        got.pop()
+    while exp and not exp[-1]:
+        exp.pop()
+
+    def walk(a, b):
+        if a == len(exp):
+            return b == len(got)
+        if exp[a].strip() == "...":
+            return any(walk(a + 1, k) for k in range(b, len(got) + 1))
+        return b < len(got) and exp[a] == got[b] and walk(a + 1, b + 1)
+    return walk(0, 0)
+
+
+CASES = [pytest.param(page, ex, id=f"{page.name}:{ex[0]}") for page in PAGES for ex in examples(page)]
+
+
+@pytest.mark.parametrize("page,example", CASES)
+def test_runnable_example(page, example):
+    line, kind, code, expected = example
+    env = dict(os.environ, PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+               OPENBLAS_NUM_THREADS="1", COLUMNS="200")
+    if kind == "console":
+        got = []
+        for cmd in code:
+            r = subprocess.run(cmd, shell=True, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+            assert r.returncode == 0, f"{page.name}:{line}: `{cmd}` exited {r.returncode}:\n{r.stderr[-2000:]}"
+            got += r.stdout.splitlines()
+    else:
+        r = subprocess.run([sys.executable, "-c", "\n".join(code)], capture_output=True, text=True, cwd=ROOT,
+                           env=env, timeout=300)
+        assert r.returncode == 0, f"{page.name}:{line}: exited {r.returncode}:\n{r.stderr[-2000:]}"
+        got = r.stdout.splitlines()
+    assert matches(expected, got), (f"{page.name}:{line}: output changed; now:\n" + "\n".join(got))
+
+
+def test_the_matcher():
+    assert matches(["a", "...", "d"], ["a", "b", "c", "d"]) and matches(["a", "  ...", "b"], ["a", "b"])
+    assert not matches(["a", "d"], ["a", "b", "d"]) and not matches(["a"], ["b"])
