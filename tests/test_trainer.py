@@ -3,7 +3,6 @@
 Most tests train preact_resnet_cifar(8) on 16x16 synthetic images (8 steps an
 epoch, well under a second); the last one trains on real Fashion-MNIST.
 """
-import argparse
 import json
 import os
 import signal
@@ -15,11 +14,13 @@ from lowmem import checkpoint
 from lowmem.checkpoint import CheckpointError, load_checkpoint
 from lowmem.data import Dataset, channel_mean_std, synthetic
 from lowmem.models import preact_resnet_cifar
-from lowmem.trainer import (CHECKPOINT, EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_TIME_LIMIT, ResumeError,
-                            TrainConfig, Trainer, TrainingDiverged, add_train_arguments, load_model_state,
-                            lr_at, read_metrics, run_train)
+from lowmem import cli
+from lowmem.cli import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_TIME_LIMIT, EXIT_USAGE
+from lowmem.trainer import (CHECKPOINT, ResumeError, TrainConfig, Trainer, TrainingDiverged, load_model_state,
+                            lr_at, read_metrics)
 
 STEPS = 8       # per epoch: 128 training images, batch 16
+RUN_FILES = ["checkpoint.ckpt", "config.json", "lowmem-run.json", "lowmem-run.lock", "metrics.jsonl", "plan.txt"]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +58,9 @@ def assert_bitwise(a, b):
         assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
 
 
-def parse(argv):
-    return add_train_arguments(argparse.ArgumentParser()).parse_args(argv)
+def run_train(argv):
+    """`lowmem train argv...` in-process; returns the exit status."""
+    return cli.main(["train", *argv])
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -86,7 +88,7 @@ def test_cosine_schedule_and_default_warmup():
 def test_run_directory_metrics_and_checkpoint(tiny_data, tmp_path):
     trainer, result = train(tiny_data, tmp_path)
     assert result.status == "finished" and result.iteration == 2 * STEPS
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint.ckpt", "config.json", "metrics.jsonl", "plan.txt"]
+    assert sorted(os.listdir(tmp_path)) == RUN_FILES
     assert json.loads((tmp_path / "config.json").read_text())["depth"] == 8
     epochs = [r for r in read_metrics(tmp_path) if r["event"] == "epoch"]
     assert [r["epoch"] for r in epochs] == [1, 2] and [r["iteration"] for r in epochs] == [8, 16]
@@ -179,7 +181,7 @@ def test_resume_into_another_architecture_is_refused(tiny_data, tmp_path):
     other = preact_resnet_cifar(14, num_classes=10, in_channels=3)
     with pytest.raises(ResumeError, match=r"preact-resnet8-cifar, not preact-resnet14-cifar.*missing \['layer1.1"):
         load_model_state(tmp_path / CHECKPOINT, other)
-    assert run_train(parse(["--out", str(tmp_path), "--resume", "--depth", "14"])) == EXIT_ERROR
+    assert run_train(["--out", str(tmp_path), "--resume", "--depth", "14"]) == EXIT_ERROR
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
@@ -195,7 +197,7 @@ def test_a_damaged_checkpoint_is_refused(tiny_data, tmp_path, damage, capsys):
     message = "truncated" if damage == "truncate" else "checksum mismatch"
     with pytest.raises(CheckpointError, match=message):
         Trainer(tiny_config(tmp_path), dataset=tiny_data, resume=True, log=quiet)
-    assert run_train(parse(["--out", str(tmp_path), "--resume"])) == EXIT_ERROR
+    assert run_train(["--out", str(tmp_path), "--resume"]) == EXIT_ERROR
     assert message in capsys.readouterr().err
 
 
@@ -230,7 +232,7 @@ def test_a_crash_while_writing_keeps_the_last_checkpoint(tiny_data, tmp_path, mo
     with pytest.raises(OSError, match="simulated"):
         train(tiny_data, tmp_path, on_epoch=crash_from_now_on)
     monkeypatch.undo()
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint.ckpt", "config.json", "metrics.jsonl", "plan.txt"]
+    assert sorted(os.listdir(tmp_path)) == RUN_FILES
     assert load_checkpoint(path)[1]["iteration"] == STEPS            # epoch 1's, intact
     trainer, result = train(tiny_data, tmp_path, resume=True)
     assert result.status == "finished"
@@ -241,10 +243,10 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, ca
     out = tmp_path / "run"
     args = ["--dataset", "synthetic", "--limit-train", "128", "--limit-test", "16", "--depth", "8",
             "--batch", "16", "--out", str(out), "--no-progress"]
-    assert run_train(parse(args + ["--epochs", "1", "--lr", "0.05"])) == EXIT_OK
+    assert run_train(args + ["--epochs", "1", "--lr", "0.05"]) == EXIT_OK
     good = (out / CHECKPOINT).read_bytes()
     capsys.readouterr()
-    code = run_train(parse(["--out", str(out), "--resume", "--epochs", "4", "--lr", "1e6"]))
+    code = run_train(["--out", str(out), "--resume", "--epochs", "4", "--lr", "1e6"])
     assert code == EXIT_DIVERGED
     err = capsys.readouterr().err
     assert "non-finite" in err and "last good checkpoint" in err and str(out / CHECKPOINT) in err
@@ -268,18 +270,18 @@ def test_cli_prints_the_plan_trains_and_resumes(tmp_path, capsys):
     out = str(tmp_path / "run")
     args = ["--dataset", "synthetic", "--limit-train", "64", "--limit-test", "20", "--depth", "8",
             "--batch", "16", "--epochs", "1", "--mode", "exact", "--out", out, "--no-progress"]
-    assert run_train(parse(args + ["--time-limit", "1e-9"])) == EXIT_TIME_LIMIT      # one step, then stop
+    assert run_train(args + ["--time-limit", "1e-9"]) == EXIT_TIME_LIMIT      # one step, then stop
     text = capsys.readouterr().out
     assert "preact-resnet8-cifar: 77,850 params, batch 16" in text
     assert "planned memory by kind" in text and "saved" in text and "total" in text
     assert "stopped (time-limit) at epoch 0.25" in text and "--resume" in text
     # --resume takes the settings from the checkpoint; --epochs may grow
-    assert run_train(parse(["--out", out, "--resume", "--epochs", "2"])) == EXIT_OK
+    assert run_train(["--out", out, "--resume", "--epochs", "2"]) == EXIT_OK
     text = capsys.readouterr().out
     assert "note: resuming with epochs 2 (checkpoint 1)" in text and "resuming at iteration 1" in text
     assert "final test accuracy" in text
     assert [r["epoch"] for r in read_metrics(out) if r["event"] == "epoch"] == [1, 2]
-    assert run_train(parse(args[:-3])) == EXIT_ERROR               # no --out
+    assert run_train(args[:-3]) == EXIT_USAGE               # no --out: a bad command line
 
 
 # ----------------------------------------------------------------------------- a real run
@@ -295,6 +297,6 @@ def test_fashion_mnist_approx_4bit_learns(tmp_path, capsys):
     args = ["--dataset", "fashion-mnist", "--pad-to", "0", "--limit-train", "6400", "--limit-test", "2000",
             "--depth", "8", "--mode", "approx", "--bits", "4", "--batch", "32", "--epochs", "2",
             "--lr", "0.1", "--schedule", "cosine", "--no-augment", "--out", str(tmp_path), "--no-progress"]
-    assert run_train(parse(args)) == EXIT_OK
+    assert run_train(args) == EXIT_OK
     final = [r for r in read_metrics(tmp_path) if r["event"] == "epoch"][-1]
     assert final["iteration"] == 400 and final["test_acc"] >= 0.75, final
