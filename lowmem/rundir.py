@@ -63,8 +63,8 @@ def _listing(names, limit=5):
 class RunDir:
     """A run folder this process holds the lock of (from `claim`)."""
 
-    def __init__(self, path, lock_file, overwrite):
-        self.path, self._lock, self.overwrite = path, lock_file, overwrite
+    def __init__(self, path, lock_file, overwrite, created):
+        self.path, self._lock, self.overwrite, self.created = path, lock_file, overwrite, created
 
     @property
     def held(self):
@@ -85,11 +85,22 @@ class RunDir:
                                    "continues it"}, f, indent=2)
                 f.write("\n")
 
-    def release(self):
-        """Drop the lock (idempotent)."""
-        if self._lock is not None:
-            self._lock.close()          # closing the file releases the flock
+    def release(self, discard=False):
+        """Drop the lock (idempotent). discard=True (a run that failed before writing anything):
+        also remove the folder if `claim` created it and it holds nothing but the lock file."""
+        if self._lock is None:
+            return
+        if discard and self.created and os.listdir(self.path) == [LOCK]:
+            os.remove(os.path.join(self.path, LOCK))        # while still holding the lock
+            self._lock.close()
             self._lock = None
+            try:
+                os.rmdir(self.path)
+            except OSError:             # someone put something there meanwhile: leave it
+                pass
+            return
+        self._lock.close()              # closing the file releases the flock
+        self._lock = None
 
 
 def _lock(path):
@@ -129,14 +140,15 @@ def claim(path, resume=False, overwrite=False):
                           f"{path}, overwrite starts it again")
     if os.path.exists(path) and not os.path.isdir(path):
         raise RunDirError(f"{path} exists and is not a folder")
+    created = not os.path.exists(path)
     os.makedirs(path, exist_ok=True)
-    lock = _lock(path)
+    run = RunDir(path, _lock(path), overwrite, created)
     try:
         _check(path, resume, overwrite)
     except BaseException:
-        lock.close()
+        run.release(discard=True)
         raise
-    return RunDir(path, lock, overwrite)
+    return run
 
 
 def _check(path, resume, overwrite):
@@ -161,4 +173,4 @@ def _check(path, resume, overwrite):
     raise RunDirError(f"{path} is not empty and is not a lowmem run folder (it holds {_listing(rest)}); "
                       f"choose a new or empty folder, or pass --overwrite (overwrite=True) to write the "
                       f"run there anyway" + (f" (it replaces only {', '.join(OWN_FILES)}; "
-                                             f"{_listing(foreign)} stay)" if foreign else ""))
+                                             f"and leaves {_listing(foreign)} alone)" if foreign else ""))

@@ -226,7 +226,8 @@ class Trainer:
         try:
             self._build(config, dataset, resume)
         except BaseException:
-            self.close()
+            if self._run is not None:
+                self._run.release(discard=True)     # a folder made just now goes again
             raise
 
     def _build(self, c, dataset, resume):

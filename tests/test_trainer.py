@@ -4,6 +4,7 @@ Most tests train preact_resnet_cifar(8) on 16x16 synthetic images (8 steps an
 epoch, well under a second); the last one trains on real Fashion-MNIST.
 """
 import json
+import math
 import os
 import signal
 
@@ -16,8 +17,9 @@ from lowmem.data import Dataset, channel_mean_std, synthetic
 from lowmem.models import preact_resnet_cifar
 from lowmem import cli
 from lowmem.cli import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_TIME_LIMIT, EXIT_USAGE
-from lowmem.trainer import (CHECKPOINT, ResumeError, TrainConfig, Trainer, TrainingDiverged, load_model_state,
-                            lr_at, read_metrics)
+from lowmem.checkpoint import save_checkpoint
+from lowmem.trainer import (CHECKPOINT, METRICS, ConfigError, ResumeError, TrainConfig, Trainer, TrainingDiverged,
+                            load_model_state, lr_at, read_metrics)
 
 STEPS = 8       # per epoch: 128 training images, batch 16
 RUN_FILES = ["checkpoint.ckpt", "config.json", "lowmem-run.json", "lowmem-run.lock", "metrics.jsonl", "plan.txt"]
@@ -229,8 +231,9 @@ def test_a_crash_while_writing_keeps_the_last_checkpoint(tiny_data, tmp_path, mo
     def crash_from_now_on(trainer, record):
         monkeypatch.setattr(checkpoint, "open", lambda *a: Dies(open(*a)), raising=False)
 
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(OSError, match="simulated") as info:
         train(tiny_data, tmp_path, on_epoch=crash_from_now_on)
+    assert f"cannot write checkpoint {str(path)!r}" in str(info.value)    # the message names the file
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == RUN_FILES
     assert load_checkpoint(path)[1]["iteration"] == STEPS            # epoch 1's, intact
@@ -282,6 +285,124 @@ def test_cli_prints_the_plan_trains_and_resumes(tmp_path, capsys):
     assert "final test accuracy" in text
     assert [r["epoch"] for r in read_metrics(out) if r["event"] == "epoch"] == [1, 2]
     assert run_train(args[:-3]) == EXIT_USAGE               # no --out: a bad command line
+
+
+# ----------------------------------------------------------------------------- the step, the edges
+
+def test_the_step_is_engine_train_step_and_its_error_is_a_divergence(tiny_data, tmp_path, monkeypatch):
+    trainer = Trainer(tiny_config(tmp_path), dataset=tiny_data, log=quiet)
+    calls, real = [], trainer.engine.train_step
+
+    def train_step(x, labels, opt):
+        calls.append(len(x))
+        if len(calls) == STEPS + 3:
+            raise FloatingPointError("non-finite loss nan (learning rate too high?)")
+        return real(x, labels, opt)
+    monkeypatch.setattr(trainer.engine, "train_step", train_step)
+    with pytest.raises(TrainingDiverged, match=r"non-finite loss nan .* at iteration 11 \(epoch 2, step 3"):
+        trainer.fit()
+    assert calls == [16] * (STEPS + 3)
+    assert load_checkpoint(tmp_path / CHECKPOINT)[1]["iteration"] == STEPS        # the last good one
+    assert read_metrics(tmp_path)[-1]["reason"] == "diverged"
+
+
+def strict_records(run_dir):
+    """metrics.jsonl parsed as strict JSON: NaN / Infinity are not JSON."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} in metrics.jsonl")
+    return [json.loads(line, parse_constant=refuse) for line in (run_dir / METRICS).read_text().splitlines()]
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid:RuntimeWarning")
+def test_a_non_finite_test_loss_stops_the_run_and_metrics_stay_strict_json(tiny_data, tmp_path):
+    def overflow_the_logits(trainer, loss):         # finite weights, but logits of inf on every image
+        if trainer.iteration == STEPS:
+            trainer.net.params["fc.weight"].data[0] = 3e38
+    with pytest.raises(TrainingDiverged, match="non-finite test loss"):
+        train(tiny_data, tmp_path, on_step=overflow_the_logits)
+    records = strict_records(tmp_path)
+    epoch = [r for r in records if r["event"] == "epoch"]
+    assert len(epoch) == 1 and epoch[0]["test_loss"] is None and math.isfinite(epoch[0]["train_loss"])
+    assert records[-1]["reason"] == "diverged"
+    assert not (tmp_path / CHECKPOINT).exists()                  # that state was never saved
+
+
+def test_resuming_a_finished_run_says_so_and_writes_nothing(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8", "--depth", "8", "--batch", "16",
+            "--out", str(out), "--no-progress"]
+    assert run_train(args + ["--epochs", "2"]) == EXIT_OK
+    before = {n: (out / n).read_bytes() for n in (CHECKPOINT, METRICS)}
+    capsys.readouterr()
+    assert run_train(["--out", str(out), "--resume"]) == EXIT_OK              # the same --epochs
+    assert "already finished" in capsys.readouterr().out
+    assert run_train(["--out", str(out), "--resume", "--epochs", "1"]) == EXIT_ERROR   # fewer
+    assert "has already trained 2 epochs (iteration 4), more than epochs=1" in capsys.readouterr().err
+    assert {n: (out / n).read_bytes() for n in (CHECKPOINT, METRICS)} == before       # no second record
+    assert [r["reason"] for r in strict_records(out) if r["event"] == "stop"] == ["finished"]
+
+
+def test_a_second_ctrl_c_while_stopping_exits_130_with_a_message(tmp_path, capsys, monkeypatch):
+    """The first Ctrl-C stopped the run; the second lands as the stop is reported."""
+    def print_(*a, **k):
+        if a and str(a[0]).startswith("stopped ("):
+            raise KeyboardInterrupt
+        print(*a, **k)
+    monkeypatch.setattr(cli, "print", print_, raising=False)
+    args = ["--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8", "--depth", "8", "--batch", "16",
+            "--out", str(tmp_path / "run"), "--no-progress", "--time-limit", "1e-9"]
+    assert run_train(args) == 130
+    assert "aborted by a second Ctrl-C; the last checkpoint (if any) is kept" in capsys.readouterr().err
+    assert load_checkpoint(tmp_path / "run" / CHECKPOINT)[1]["iteration"] == 1
+
+
+def test_a_full_disk_names_the_checkpoint(tmp_path, capsys, monkeypatch):
+    real = checkpoint.open if hasattr(checkpoint, "open") else open
+
+    def full(path, mode="r", *a):
+        f = real(path, mode, *a)
+        if "x" in mode:
+            f.write = lambda b: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+        return f
+    monkeypatch.setattr(checkpoint, "open", full, raising=False)
+    out = tmp_path / "run"
+    args = ["--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8", "--depth", "8", "--batch", "16",
+            "--out", str(out), "--no-progress", "--epochs", "1"]
+    assert run_train(args) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert f"cannot write checkpoint {str(out / CHECKPOINT)!r}: No space left on device" in err
+    assert not [n for n in os.listdir(out) if n.startswith(CHECKPOINT)]    # no half-written file
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda m: m.pop("config"), "'config' is missing"),
+    (lambda m: m.pop("optimizer"), "'optimizer' is missing"),
+    (lambda m: m.pop("epoch_sums"), "'epoch_sums' is missing"),
+    (lambda m: m.update(epoch_sums=[1, 2]), "'epoch_sums' is a list, expected a dict"),
+    (lambda m: m.update(iteration="8"), "'iteration' is a str"),
+    (lambda m: m.update(optimizer={"lr": float("nan"), "started": True}), "SGD lr must be a finite number"),
+    (lambda m: m.update(rng={"bit_generator": "nonsense"}), "malformed training metadata"),
+])
+def test_malformed_checkpoint_metadata_is_a_clear_error(tiny_data, tmp_path, capsys, damage, words):
+    train(tiny_data, tmp_path, epochs=1)
+    path = tmp_path / CHECKPOINT
+    arrays, meta = load_checkpoint(path)
+    damage(meta)
+    save_checkpoint(path, arrays, meta)                          # a well-formed file with bad contents
+    with pytest.raises(CheckpointError, match=words):
+        Trainer(tiny_config(tmp_path), dataset=tiny_data, resume=True, log=quiet)
+    assert run_train(["--out", str(tmp_path), "--resume"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and (words in err or "malformed training metadata" in err), err
+
+
+def test_config_refuses_what_sgd_and_the_run_folder_would(tmp_path):
+    for kw, words in [({"momentum": float("nan")}, "momentum=nan"), ({"momentum": 1.0}, "in \\[0, 1\\)"),
+                      ({"weight_decay": float("inf")}, "weight_decay=inf"), ({"lr": float("nan")}, "lr=nan"),
+                      ({"out": ""}, "out='': expected a folder name"), ({"model": "vgg"}, "model='vgg'"),
+                      ({"bits": 3}, "bits=3"), ({"limit_train": 8}, "limit_train=8: expected at least batch=16")]:
+        with pytest.raises(ConfigError, match=words):
+            tiny_config(**kw).validate()
 
 
 # ----------------------------------------------------------------------------- a real run
