@@ -37,7 +37,9 @@ import signal
 import sys
 import time
 
-from . import argtypes, backend, models, quant
+import numpy
+
+from . import argtypes, backend, models, quant, sysmem
 from .engine import DEFAULT_WORKSPACE_BYTES, DTYPES, MODES, Engine
 from .maxbatch import MAX_BATCH, max_batch, parse_bytes, planned_engine
 from .plan import KINDS, fmt_bytes
@@ -197,7 +199,7 @@ def diagnose_arguments(p):
                    help="exact SGD steps on the synthetic data before measuring (default: %(default)s)")
     p.add_argument("--lr", type=argtypes.positive_number, default=0.05,
                    help="warm-up learning rate (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="network and data seed (default: %(default)s)")
+    p.add_argument("--seed", type=argtypes.count, default=0, help="network and data seed (default: %(default)s)")
     p.add_argument("--no-table", action="store_true", help="print only the summary")
 
 
@@ -206,6 +208,12 @@ def diagnose_command(args):
     if args.batches < 2:
         raise ValueError(f"--batches must be at least 2 (the SGD noise compares batches), got {args.batches}")
     net, shape = build_network(args)
+    # one engine lives at a time, beside the batches (host) and the gradients of each mode
+    plan = Engine(net, args.batch, shape, "exact", args.bits, args.dtype, allocate=False).plan.total_bytes
+    samples = (args.batches + min(args.warmup, 8)) * args.batch
+    data = samples * int(numpy.prod(shape)) * numpy.dtype(args.dtype).itemsize
+    sysmem.require(plan + data + 2 * args.batches * net.num_params() * 8,
+                   f"diagnosing {net.name} at batch {args.batch} over {args.batches} batches", backend.xp)
     print(describe(net, args.batch, shape, args.dtype, f"modes approx and naive ({args.bits}-bit) vs exact"))
     print(f"data: lowmem.data.synthetic (learnable), {args.batches} batches, seed {args.seed}; "
           f"warm-up: {args.warmup} exact SGD steps (lr {args.lr})")

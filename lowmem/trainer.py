@@ -146,6 +146,8 @@ class TrainConfig:
             bad("momentum", "a number in [0, 1)")
         if not (real("weight_decay") and 0 <= self.weight_decay < math.inf):
             bad("weight_decay", "a finite number >= 0")
+        if self.nesterov and self.momentum == 0:
+            bad("nesterov", "False when momentum is 0 (Nesterov momentum needs momentum > 0)")
         if self.time_limit is not None and not (real("time_limit") and self.time_limit > 0):
             bad("time_limit", "a positive number of seconds")
         self.out = None if self.out is None else os.fspath(self.out)
@@ -206,6 +208,9 @@ class Trainer:
     dataset: a lowmem.data.Dataset to use instead of loading config.dataset
       (e.g. synthetic images of another size); config.dataset still names it.
     resume: continue from out/checkpoint.ckpt (fields in TrainConfig.FIXED must match).
+    overwrite: start afresh in `out` even though it is not empty (lowmem's own files
+      there are replaced when fit() starts; lowmem/rundir.py).
+    The run folder is locked from construction to the end of fit() (or close()).
     on_step(trainer, loss) after every step; on_epoch(trainer, record) after
       every epoch. Either may call trainer.request_stop(reason).
     log: where messages go (default: tqdm.write, which keeps bars intact)."""
