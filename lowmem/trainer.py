@@ -133,6 +133,8 @@ class TrainConfig:
         for f in ("depth", "batch", "epochs"):
             integer(f, 1)
         integer("pad_to", 0)
+        if str(self.dataset).lower() in ("fashion-mnist", "fashion_mnist", "fashionmnist") and 0 < self.pad_to < 28:
+            bad("pad_to", "0 (keep 28x28) or at least 28 for Fashion-MNIST's 28x28 images")
         integer("seed", 0)
         integer("warmup_iters", 0, optional=True)
         integer("limit_train", 1, optional=True)

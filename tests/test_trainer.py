@@ -400,7 +400,9 @@ def test_config_refuses_what_sgd_and_the_run_folder_would(tmp_path):
     for kw, words in [({"momentum": float("nan")}, "momentum=nan"), ({"momentum": 1.0}, "in \\[0, 1\\)"),
                       ({"weight_decay": float("inf")}, "weight_decay=inf"), ({"lr": float("nan")}, "lr=nan"),
                       ({"out": ""}, "out='': expected a folder name"), ({"model": "vgg"}, "model='vgg'"),
-                      ({"bits": 3}, "bits=3"), ({"limit_train": 8}, "limit_train=8: expected at least batch=16")]:
+                      ({"bits": 3}, "bits=3"), ({"limit_train": 8}, "limit_train=8: expected at least batch=16"),
+                      ({"dataset": "fashion-mnist", "pad_to": 20}, "pad_to=20: expected 0 .* or at least 28"),
+                      ({"nesterov": True, "momentum": 0}, "nesterov=True")]:
         with pytest.raises(ConfigError, match=words):
             tiny_config(**kw).validate()
 
