@@ -33,6 +33,7 @@ def main(argv=None):
     p.add_argument("--data", default=None, metavar="DIR", help="directory holding CIFAR-10")
     p.add_argument("--out", default=None, metavar="RUN_DIR", help="default: runs/cifar10-r<depth>-<mode>")
     p.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR")
+    p.add_argument("--overwrite", action="store_true", help="start again in RUN_DIR (replaces lowmem's files)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS")
     p.add_argument("--limit-train", type=int, default=None, metavar="N", help="first N images (a quick try)")
@@ -43,7 +44,7 @@ def main(argv=None):
                          lr=0.1, schedule="step", warmup_iters=400, momentum=0.9, weight_decay=1e-4,
                          seed=a.seed, out=out, time_limit=a.time_limit, limit_train=a.limit_train)
     try:
-        trainer = Trainer(config, resume=a.resume)
+        trainer = Trainer(config, resume=a.resume, overwrite=a.overwrite)
         print(trainer.describe(), flush=True)
         result = trainer.fit()
     except (ValueError, OSError, TrainingDiverged) as e:

@@ -28,6 +28,7 @@ def main(argv=None):
     p.add_argument("--data", default=None, metavar="DIR", help="directory holding the IDX files")
     p.add_argument("--out", default=None, metavar="RUN_DIR", help="default: runs/fashion-r<depth>-<mode>")
     p.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR")
+    p.add_argument("--overwrite", action="store_true", help="start again in RUN_DIR (replaces lowmem's files)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit-train", type=int, default=None, metavar="N", help="first N images (a quick try)")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS")
@@ -38,7 +39,7 @@ def main(argv=None):
                          weight_decay=5e-4, seed=a.seed, out=out, limit_train=a.limit_train,
                          time_limit=a.time_limit)
     try:
-        trainer = Trainer(config, resume=a.resume)
+        trainer = Trainer(config, resume=a.resume, overwrite=a.overwrite)
         print(trainer.describe(), flush=True)
         result = trainer.fit()
     except (ValueError, OSError, TrainingDiverged) as e:

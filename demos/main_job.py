@@ -67,13 +67,12 @@ def main(argv=None):
 
     dataset = find_data(a.data)
     pad = 32 if dataset == "cifar10" else 0
-    shutil.rmtree(a.out, ignore_errors=True)               # the demo always starts fresh
     config = TrainConfig(dataset=dataset, data_dir=a.data, pad_to=pad, depth=a.depth, mode="approx",
                          bits=4, batch=a.batch, epochs=1, limit_train=a.steps * a.batch, lr=0.1,
                          schedule="cosine", warmup_iters=50, out=a.out, time_limit=600)
     start = time.time()
     try:
-        trainer = Trainer(config)
+        trainer = Trainer(config, overwrite=True)          # the demo always starts fresh (lowmem's files only)
         print(trainer.describe(), flush=True)
         result = trainer.fit()
     except (ValueError, OSError, TrainingDiverged) as e:

@@ -1,5 +1,6 @@
 """argparse value types shared by the `lowmem` subcommands (clear errors for bad values)."""
 import argparse
+import math
 
 
 def shape(text):
@@ -31,3 +32,53 @@ def count(text):
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
     return n
+
+
+def classes(text):
+    """A number of classes: an integer >= 2 (with one class the loss is 0 and nothing trains)."""
+    n = positive(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"expected at least 2 classes (with one the loss is always 0 "
+                                         f"and nothing trains), got {text!r}")
+    return n
+
+
+def _finite(text):
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return x
+
+
+def positive_number(text):
+    """A finite number > 0 (a learning rate, seconds)."""
+    x = _finite(text)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return x
+
+
+def nonnegative_number(text):
+    """A finite number >= 0 (weight decay)."""
+    x = _finite(text)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return x
+
+
+def momentum(text):
+    """A momentum in [0, 1): at 1 or more the velocity never decays."""
+    x = _finite(text)
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(f"expected a momentum in [0, 1), got {text!r}")
+    return x
+
+
+def folder(text):
+    """A non-empty path."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder name, got an empty string")
+    return text

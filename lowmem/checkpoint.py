@@ -74,6 +74,8 @@ def save_checkpoint(path, arrays, meta=None):
     the exception propagates.
     """
     path = os.fspath(path)
+    if meta is not None and not isinstance(meta, dict):
+        raise TypeError(f"checkpoint meta must be a dict (JSON object), got {type(meta).__name__}")
     # Pass 1: dtypes, shapes and the header; CuPy arrays stay on the device.
     arrays = {name: a if hasattr(a, "get") else numpy.asarray(a) for name, a in arrays.items()}
     entries, offset = [], 0
@@ -115,11 +117,14 @@ def save_checkpoint(path, arrays, meta=None):
             f.flush()
             os.fsync(f.fileno())            # data on disk before the name points at it
         os.replace(tmp, path)
-    except BaseException:                   # includes KeyboardInterrupt
+    except BaseException as e:              # includes KeyboardInterrupt
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError):          # a full disk says which file it was writing
+            what = f"cannot write checkpoint {path!r}: {e.strerror or e}"
+            raise (OSError(e.errno, what) if e.errno is not None else OSError(what)) from e
         raise
     _fsync_directory(os.path.dirname(os.path.abspath(path)))
 
@@ -177,6 +182,8 @@ def _parse_header(raw, path, payload_nbytes):
     try:
         header = json.loads(raw.decode("ascii"))
         meta, entries = header["meta"], header["arrays"]
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta is a JSON {type(meta).__name__}, not an object")
         for e in entries:
             dtype = numpy.dtype(e["dtype"])
             shape = tuple(int(d) for d in e["shape"])

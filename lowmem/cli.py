@@ -1,31 +1,53 @@
-"""The `lowmem` command line.
+"""The `lowmem` command line (also `python -m lowmem`): every subcommand lives here.
 
     lowmem plan --model preact-cifar --depth 164 --batch 128 --mode approx --bits 4 [--compare] [--measure]
     lowmem plan --model preact-imagenet --depth 152 --input 3x224x224 --classes 1000
     lowmem diagnose --depth 20 --batch 32 --bits 4 [--batches 4] [--warmup 0]
+    lowmem train --dataset fashion-mnist --depth 20 --epochs 3 --out runs/fm [--resume | --overwrite]
+    lowmem maxbatch --model preact-cifar --depth 164 --budget 2GiB --mode approx --bits 4 [--verify]
 
 Subcommands live in one registry, `COMMANDS`: each is a pair of small
 functions, `<name>_arguments(parser)` declaring its options and
 `<name>_command(args) -> exit code` doing the work, added with `register`.
-`model_arguments` / `build_network` are the shared model options (model,
-depth, classes, input, batch, dtype) any subcommand may use.
+`network_arguments` / `model_arguments` / `build_network` are the shared
+model options (model, depth, classes, input, batch, dtype); the models come
+from the one registry, lowmem.models.MODELS. The library code these
+commands call stays in its modules (trainer.Trainer, maxbatch.max_batch,
+diagnostics, the Engine).
 
-Bad arguments are usage errors (exit status 2, a message naming the
-problem): argparse checks choices (mode, bits in {1, 2, 4, 8}, model,
-dtype); the model builders and the Engine check the rest, and `main`
-turns their ValueError into the same kind of message.
+Exit status, the same for every subcommand:
 
+    0    done
+    1    the data, a checkpoint, a run folder, the disk, or --verify failed
+         (missing or damaged files, a folder lowmem may not use, a full disk)
+    2    a bad command line: an option's value, a combination the model, the
+         engine or the optimizer refuses, or more memory than the machine has
+    3    training diverged (a non-finite loss)
+    4    `lowmem train` stopped by --time-limit (resume to continue)
+    130  interrupted by Ctrl-C (SIGINT); 143 by SIGTERM (train: after a checkpoint)
+
+Every error is one line on stderr, `lowmem <command>: error: <what>`.
 `main(argv)` returns the exit status instead of exiting, so tests call it
-in-process; the console script wraps it in sys.exit.
+in-process; the console script and `python -m lowmem` wrap it in sys.exit.
 """
 import argparse
+import dataclasses
 import os
+import signal
 import sys
+import time
 
-from . import argtypes, backend, quant
+import numpy
+
+from . import argtypes, backend, export, models, quant, sysmem
 from .engine import DEFAULT_WORKSPACE_BYTES, DTYPES, MODES, Engine
-from .models import preact_resnet_cifar, preact_resnet_imagenet
+from .maxbatch import MAX_BATCH, max_batch, parse_bytes, planned_engine
 from .plan import KINDS, fmt_bytes
+from .sysmem import NotEnoughMemory
+from .trainer import SCHEDULES, ConfigError, TrainConfig, Trainer, TrainingDiverged, saved_config
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DIVERGED, EXIT_TIME_LIMIT = 0, 1, 2, 3, 4
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}     # 128 + signal number
 
 COMMANDS = {}       # name -> (help, add_arguments(parser), run(args) -> int)
 
@@ -39,33 +61,47 @@ def register(name, help, add_arguments, run):
 
 # ---- shared options -----------------------------------------------------------
 
-MODELS = {"preact-cifar": (preact_resnet_cifar, 10, (3, 32, 32)),
-          "preact-imagenet": (preact_resnet_imagenet, 1000, (3, 224, 224))}
+def network_arguments(p, depth):
+    """--model, --depth, --classes, --input (default depth: `depth`); returns the group."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=sorted(models.MODELS), default="preact-cifar",
+                   help="network family (default: %(default)s)")
+    g.add_argument("--depth", type=argtypes.positive, default=depth,
+                   help="; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items())
+                   + " (default: %(default)s)")
+    g.add_argument("--classes", type=argtypes.classes, default=None,
+                   help="number of classes, >= 2 (default: " + ", ".join(
+                       f"{spec.num_classes} for {name}" for name, spec in models.MODELS.items()) + ")")
+    g.add_argument("--input", type=argtypes.shape, default=None, metavar="CxHxW",
+                   help="input shape of one sample (default: " + ", ".join(
+                       f"{'x'.join(map(str, spec.input_shape))} for {name}"
+                       for name, spec in models.MODELS.items()) + ")")
+    return g
+
+
+def backend_argument(p):
+    p.add_argument("--backend", choices=("numpy", "cupy", "auto"), default=None,
+                   help="array backend (default: LOWMEM_BACKEND, else auto)")
 
 
 def model_arguments(p, depth, batch):
     """The model and batch options shared by subcommands (defaults: depth, batch)."""
-    g = p.add_argument_group("model")
-    g.add_argument("--model", choices=sorted(MODELS), default="preact-cifar",
-                   help="network family (default: %(default)s)")
-    g.add_argument("--depth", type=argtypes.positive, default=depth,
-                   help="preact-cifar: 6n+2 or 9n+2 (20, 56, 110, 164, 1001, ...); "
-                        "preact-imagenet: 18, 34, 50, 101, 152 (default: %(default)s)")
-    g.add_argument("--classes", type=argtypes.positive, default=None,
-                   help="number of classes (default: 10 for preact-cifar, 1000 for preact-imagenet)")
-    g.add_argument("--input", type=argtypes.shape, default=None, metavar="CxHxW",
-                   help="input shape of one sample (default: 3x32x32 for preact-cifar, 3x224x224 for preact-imagenet)")
+    g = network_arguments(p, depth)
     g.add_argument("--batch", type=argtypes.positive, default=batch, help="batch size (default: %(default)s)")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="default: %(default)s")
-    g.add_argument("--backend", choices=("numpy", "cupy", "auto"), default=None,
-                   help="array backend (default: LOWMEM_BACKEND, else auto)")
+    backend_argument(g)
+
+
+def input_shape(args):
+    """--input, or the model's default input shape."""
+    return args.input or models.MODELS[args.model].input_shape
 
 
 def build_network(args):
     """(network, input_shape) from the model options; ValueError on a bad combination."""
-    make, classes, shape = MODELS[args.model]
-    shape = args.input or shape
-    net = make(args.depth, num_classes=args.classes or classes, in_channels=shape[0], seed=getattr(args, "seed", 0))
+    shape = input_shape(args)
+    net = models.build_model(args.model, args.depth, num_classes=args.classes, in_channels=shape[0],
+                             seed=getattr(args, "seed", 0))
     return net, shape
 
 
@@ -161,8 +197,9 @@ def diagnose_arguments(p):
                    help="mini-batches to average over; >= 2, the SGD noise needs several (default: %(default)s)")
     p.add_argument("--warmup", type=argtypes.count, default=0,
                    help="exact SGD steps on the synthetic data before measuring (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=0.05, help="warm-up learning rate (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="network and data seed (default: %(default)s)")
+    p.add_argument("--lr", type=argtypes.positive_number, default=0.05,
+                   help="warm-up learning rate (default: %(default)s)")
+    p.add_argument("--seed", type=argtypes.count, default=0, help="network and data seed (default: %(default)s)")
     p.add_argument("--no-table", action="store_true", help="print only the summary")
 
 
@@ -171,6 +208,12 @@ def diagnose_command(args):
     if args.batches < 2:
         raise ValueError(f"--batches must be at least 2 (the SGD noise compares batches), got {args.batches}")
     net, shape = build_network(args)
+    # one engine lives at a time, beside the batches (host) and the gradients of each mode
+    plan = Engine(net, args.batch, shape, "exact", args.bits, args.dtype, allocate=False).plan.total_bytes
+    samples = (args.batches + min(args.warmup, 8)) * args.batch
+    data = samples * int(numpy.prod(shape)) * numpy.dtype(args.dtype).itemsize
+    sysmem.require(plan + data + 2 * args.batches * net.num_params() * 8,
+                   f"diagnosing {net.name} at batch {args.batch} over {args.batches} batches", backend.xp)
     print(describe(net, args.batch, shape, args.dtype, f"modes approx and naive ({args.bits}-bit) vs exact"))
     print(f"data: lowmem.data.synthetic (learnable), {args.batches} batches, seed {args.seed}; "
           f"warm-up: {args.warmup} exact SGD steps (lr {args.lr})")
@@ -192,13 +235,214 @@ register("diagnose", "gradient error of approx and naive modes against SGD noise
          diagnose_arguments, diagnose_command)
 
 
-# ---- train, maxbatch: they live with their concern ------------------------------
+# ---- lowmem train ----------------------------------------------------------------
 
-from .trainer import add_train_arguments, run_train          # noqa: E402
-from .maxbatch import add_maxbatch_arguments, run_maxbatch    # noqa: E402
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+PER_INVOCATION = ("time_limit",)        # not taken over from the checkpoint by --resume
 
-register("train", "train a network (datasets, schedules, checkpoints, resume)", add_train_arguments, run_train)
-register("maxbatch", "the largest batch whose memory plan fits a budget", add_maxbatch_arguments, run_maxbatch)
+
+def train_arguments(parser):
+    """Add the `lowmem train` options to an argparse parser.
+
+    Options left out are absent from the namespace (default SUPPRESS), so a
+    resumed run takes them from its checkpoint; config_from_args fills the
+    rest from TrainConfig's defaults."""
+    S = argparse.SUPPRESS
+
+    def opt(flag, field, help, **kw):
+        default = _FIELDS[field].default
+        help += "" if default is None else f" (default: {default})"
+        parser.add_argument(flag, dest=field, default=S, help=help, **kw)
+
+    opt("--dataset", "dataset", "cifar10 | cifar100 | fashion-mnist | synthetic",
+        choices=("cifar10", "cifar100", "fashion-mnist", "synthetic"))
+    opt("--data", "data_dir", "directory holding the dataset files", metavar="DIR")
+    parser.add_argument("--no-download", dest="download", action="store_false", default=S,
+                        help="never download CIFAR; fail if the files are missing")
+    opt("--pad-to", "pad_to", "Fashion-MNIST: zero-pad the 28x28 images to this size (0 keeps 28)",
+        type=argtypes.count, metavar="SIZE")
+    opt("--limit-train", "limit_train", "use the first N training images (synthetic: how many)",
+        type=argtypes.positive, metavar="N")
+    opt("--limit-test", "limit_test", "use the first N test images", type=argtypes.positive, metavar="N")
+    opt("--model", "model", "network family", choices=sorted(models.MODELS))
+    opt("--depth", "depth", "; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items()),
+        type=argtypes.positive)
+    opt("--mode", "mode", "exact | approx (the method) | naive (the paper's baseline)", choices=MODES)
+    opt("--bits", "bits", "bits per stored activation in approx / naive mode", type=int,
+        choices=quant.BITS[::-1])
+    opt("--dtype", "dtype", "float32 | float64", choices=DTYPES)
+    opt("--batch", "batch", "batch size (also the planned batch of the engine)", type=argtypes.positive)
+    opt("--epochs", "epochs", "epochs to train in total (including those already done)", type=argtypes.positive)
+    opt("--lr", "lr", "base learning rate", type=argtypes.positive_number)
+    opt("--schedule", "schedule", "step: /10 at 50%% and 75%%; cosine; constant", choices=SCHEDULES)
+    opt("--warmup-iters", "warmup_iters", "iterations at lr/10 first; default: 400, at most 5%% of the run",
+        type=argtypes.count, metavar="N")
+    opt("--momentum", "momentum", "SGD momentum, in [0, 1)", type=argtypes.momentum)
+    opt("--weight-decay", "weight_decay", "weight decay of conv and FC weights", type=argtypes.nonnegative_number)
+    parser.add_argument("--nesterov", dest="nesterov", action="store_true", default=S,
+                        help="Nesterov momentum")
+    parser.add_argument("--no-augment", dest="augment", action="store_false", default=S,
+                        help="no random crop / flip")
+    opt("--seed", "seed", "seed of the initial weights, batch order and augmentation", type=argtypes.count,
+        metavar="S")
+    opt("--out", "out", "run folder: checkpoint, metrics, config; new or empty unless --resume or "
+        "--overwrite (required)", metavar="RUN_DIR", type=argtypes.folder, required=True)
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--resume", action="store_true", default=False,
+                     help="continue the run in RUN_DIR from its checkpoint (settings come from it)")
+    how.add_argument("--overwrite", action="store_true", default=False,
+                     help="start a new run in RUN_DIR even though it is not empty: replaces lowmem's "
+                          "files there (checkpoint, metrics, config, plan), leaves all others")
+    opt("--time-limit", "time_limit", "stop after this many seconds of training, with a checkpoint",
+        type=argtypes.positive_number, metavar="SECONDS")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", default=S,
+                        help="no progress bar")
+    return parser
+
+
+def config_from_args(args):
+    """TrainConfig from a namespace of train_arguments; with --resume the unset fields
+    come from the checkpoint in --out."""
+    given = {k: v for k, v in vars(args).items() if k in _FIELDS}
+    if not given.get("out"):
+        raise ConfigError("--out RUN_DIR is required")
+    base = {}
+    if getattr(args, "resume", False):
+        base = {k: v for k, v in saved_config(given["out"]).items()
+                if k in _FIELDS and k not in PER_INVOCATION}
+    return TrainConfig(**{**base, **given})
+
+
+def train_command(args):
+    """`lowmem train`: print the memory plan, train, print the final test accuracy; returns the
+    exit code (the module docstring's table; a second Ctrl-C while stopping also gives 130)."""
+    try:
+        return _train(args)
+    except KeyboardInterrupt:                # a second Ctrl-C, wherever it lands: no new checkpoint
+        print("lowmem train: aborted by a second Ctrl-C; the last checkpoint (if any) is kept",
+              file=sys.stderr)
+        return EXIT_SIGNAL[signal.SIGINT]
+
+
+def _train(args):
+    def error(e, code):
+        print(f"lowmem train: error: {e}", file=sys.stderr)
+        return code
+
+    try:
+        config = config_from_args(args)
+        trainer = Trainer(config, resume=args.resume, overwrite=args.overwrite)
+        print(trainer.describe(), flush=True)
+        t = time.monotonic()
+        result = trainer.fit()
+    except TrainingDiverged as e:
+        return error(e, EXIT_DIVERGED)
+    except (ConfigError, NotEnoughMemory) as e:     # settings this run cannot have
+        return error(e, EXIT_USAGE)
+    except (ValueError, OSError) as e:       # DataError, CheckpointError, RunDirError, ResumeError; disk
+        return error(e, EXIT_ERROR)
+    took = time.monotonic() - t
+    acc = "n/a (no epoch finished)" if result.test_acc is None else f"{result.test_acc:.4f}"
+    if result.already_finished:
+        print(f"already finished: {result.checkpoint} has done {result.epoch:g} epochs (--epochs "
+              f"{config.epochs}), last test accuracy {acc}; nothing to train (pass a larger --epochs "
+              f"to train longer)")
+        return EXIT_OK
+    if result.status == "finished":
+        print(f"final test accuracy {acc} after {config.epochs} epochs ({took:.0f} s); run in {config.out}")
+        return EXIT_OK
+    print(f"stopped ({result.status}) at epoch {result.epoch:.2f}, last test accuracy {acc} ({took:.0f} s); "
+          f"continue with: lowmem train --out {config.out} --resume")
+    if result.status == "signal":
+        return EXIT_SIGNAL.get(result.signal, 128 + (result.signal or 0))
+    return EXIT_TIME_LIMIT if result.status == "time-limit" else EXIT_OK
+
+
+register("train", "train a network (datasets, schedules, checkpoints, resume)", train_arguments, train_command)
+
+
+# ---- lowmem maxbatch ----------------------------------------------------------------
+
+def _budget(text):
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _reserve(text):
+    return 0 if str(text).strip() == "0" else _budget(text)
+
+
+def maxbatch_arguments(p):
+    """Options of `lowmem maxbatch`."""
+    g = network_arguments(p, depth=164)
+    g.add_argument("--dtype", choices=DTYPES, default="float32", help="default: %(default)s")
+    backend_argument(g)
+    p.add_argument("--budget", type=_budget, required=True,
+                   help="memory budget, e.g. 2GiB, 512MiB, 1.5GB or 1000000 (bytes)")
+    p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
+    p.add_argument("--bits", type=int, choices=quant.BITS[::-1], default=4, help="default: %(default)s")
+    p.add_argument("--workspace-mib", type=argtypes.positive, default=DEFAULT_WORKSPACE_BYTES >> 20,
+                   help="bound on the conv workspace, MiB (default: %(default)s)")
+    p.add_argument("--reserve", type=_reserve, default=0,
+                   help="bytes of the budget to keep for what the plan does not count (the engine's "
+                        "Python objects, small temporaries: ~0.1-2 MiB), e.g. 4MiB (default: 0)")
+    p.add_argument("--verify", action="store_true",
+                   help="allocate at that batch, run two training steps on random data and check "
+                        "the measured peak is within the budget")
+
+
+def maxbatch_command(args):
+    """`lowmem maxbatch`: print the batch and its plan by kind; 0, or 1 when --verify fails."""
+    shape = input_shape(args)
+    factory = lambda: models.build_model(args.model, args.depth, num_classes=args.classes,  # noqa: E731
+                                         in_channels=shape[0])
+    ws = args.workspace_mib << 20
+    if args.reserve >= args.budget:
+        raise ValueError(f"--reserve ({fmt_bytes(args.reserve)}) must be smaller than --budget "
+                         f"({fmt_bytes(args.budget)})")
+    planned_budget = args.budget - args.reserve
+    n = max_batch(factory, shape, planned_budget, args.mode, args.bits, args.dtype, ws)
+    eng = planned_engine(factory, n, shape, args.mode, args.bits, args.dtype, ws)
+    over = planned_engine(factory, n + 1, shape, args.mode, args.bits, args.dtype, ws).plan.total_bytes
+    total = eng.plan.total_bytes
+    print(f"{eng.net.name}: {eng.net.num_params():,} parameters; input {'x'.join(map(str, shape))}, "
+          f"mode {mode_label(args.mode, args.bits)}, {args.dtype}")
+    reserve = f", less a reserve of {fmt_bytes(args.reserve)}" if args.reserve else ""
+    if n == MAX_BATCH and over <= planned_budget:      # the search's cap bound the answer, not the budget
+        print(f"budget {fmt_bytes(args.budget)} ({args.budget:,} B{reserve}): largest batch searched "
+              f"{n:,} = 2^{MAX_BATCH.bit_length() - 1}, the search's cap, not the budget: batch {n:,} "
+              f"plans only {fmt_bytes(total)} ({total / args.budget:.1%} of the budget)")
+    else:
+        print(f"budget {fmt_bytes(args.budget)} ({args.budget:,} B{reserve}): largest batch {n} "
+              f"(batch {n + 1} would plan {fmt_bytes(over)})")
+    print(f"\nplanned at batch {n}:")
+    by = eng.plan.bytes_by_kind()
+    for k in KINDS:
+        if by[k]:
+            print(f"  {k:<10} {by[k]:>16,} {fmt_bytes(by[k]):>12}")
+    print(f"  {'total':<10} {total:>16,} {fmt_bytes(total):>12}  ({total / args.budget:.1%} of the budget)")
+    if not args.verify:
+        return EXIT_OK
+    from .diagnostics import measure_peak
+    m = measure_peak(factory(), n, shape, args.mode, args.bits, args.dtype, steps=2, workspace_bytes=ws)
+    print()
+    print(m.report())
+    ok = m.peak_bytes <= args.budget
+    print(f"verify: measured steady-state peak {fmt_bytes(m.peak_bytes)} ({m.peak_bytes:,} B) is "
+          f"{'within' if ok else 'OVER'} the budget of {fmt_bytes(args.budget)} "
+          f"({m.peak_bytes / args.budget:.1%}); the input batch ({fmt_bytes(m.input_bytes)}) is not counted")
+    if not ok:
+        unplanned = m.peak_bytes - m.plan_bytes
+        print(f"the step used {fmt_bytes(unplanned)} beyond its plan (Python objects, small temporaries); "
+              f"rerun with --reserve {max(1, -(-(unplanned + args.reserve) // 2**20))}MiB")
+    return EXIT_OK if ok else EXIT_ERROR
+
+
+register("maxbatch", "the largest batch whose memory plan fits a budget", maxbatch_arguments, maxbatch_command)
+register("export", "write a run's model as .safetensors or .onnx (lowmem export RUN_DIR model.onnx)",
+         export.add_arguments, export.run)
 
 
 # ---- main ---------------------------------------------------------------------------
@@ -221,18 +465,28 @@ def main(argv=None):
         return e.code
     if args.command is None:
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     run = COMMANDS[args.command][2]
+
+    def error(what, code):
+        print(f"lowmem {args.command}: error: {what}", file=sys.stderr)
+        return code
+
     try:
         if getattr(args, "backend", None):
             backend.set_backend(args.backend)
         return run(args)
-    except ValueError as e:                  # a bad value the builders or the Engine rejected
-        print(f"lowmem {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:                  # a bad value the builders, the Engine or a memory check rejected
+        return error(e, EXIT_USAGE)
+    except FloatingPointError as e:          # diagnose's warm-up diverged
+        return error(f"training diverged: {e}; try a lower --lr", EXIT_DIVERGED)
+    except MemoryError as e:                 # what the checks before allocating did not foresee
+        return error(f"out of memory ({e or 'no detail'})", EXIT_ERROR)
+    except KeyboardInterrupt:
+        return error("interrupted", EXIT_SIGNAL[signal.SIGINT])
     except BrokenPipeError:                  # `lowmem plan | head`: the reader has gone
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from . import sysmem
 from .backend import array_module
 
 DATASETS = ("cifar10", "cifar100", "fashion-mnist", "synthetic")
@@ -341,18 +342,21 @@ def pad_images(x, size):
     n, c, h, w = x.shape
     if size < h or size < w:
         raise DataError(f"pad_to={size} is smaller than the {h}x{w} images")
+    sysmem.require(n * c * size * size * x.dtype.itemsize, f"padding {n:,} images to {size}x{size}")
     top, left = (size - h) // 2, (size - w) // 2
     out = np.zeros((n, c, size, size), x.dtype)
     out[:, :, top:top + h, left:left + w] = x
     return out
 
 
-def load_fashion_mnist(data_dir=None, pad_to=32):
+def load_fashion_mnist(data_dir=None, pad_to=32, limit_train=None, limit_test=None):
     """Fashion-MNIST -> (x_train, y_train, x_test, y_test).
 
     x: uint8 (N, 1, pad_to, pad_to), the 28x28 images zero-padded by
     (pad_to - 28) / 2 pixels on each side (pad_to=None keeps 28x28);
-    y: int64 (N,) in 0..9; N = 60000 / 10000 for the real files.
+    y: int64 (N,) in 0..9; N = 60000 / 10000 for the real files, or the
+    first limit_train / limit_test of them (taken before padding, so only
+    those are padded).
     Reads the four IDX files (each plain or .gz) from the first directory
     that holds all of them (module docstring). DataError if none does.
     """
@@ -366,7 +370,7 @@ def load_fashion_mnist(data_dir=None, pad_to=32):
             f"or put them into a directory and point `--data DIR` or LOWMEM_DATA at it.\n"
             f"Alternative that needs no files: `--dataset synthetic`.")
     out = []
-    for split in ("train", "t10k"):
+    for split, limit in (("train", limit_train), ("t10k", limit_test)):
         x = read_idx(paths[f"{split}-images-idx3-ubyte"], IDX_IMAGES_MAGIC)
         y = read_idx(paths[f"{split}-labels-idx1-ubyte"], IDX_LABELS_MAGIC)
         if len(x) != len(y):
@@ -374,7 +378,7 @@ def load_fashion_mnist(data_dir=None, pad_to=32):
                             f"for {len(x)} images in {paths[f'{split}-images-idx3-ubyte']}")
         if len(y) and y.max() > 9:
             raise DataError(f"{paths[f'{split}-labels-idx1-ubyte']}: label {y.max()} outside 0..9")
-        x = x[:, None]
+        x, y = _first(x, limit)[:, None], _first(y, limit)
         out += [pad_images(x, pad_to) if pad_to is not None else x, y.astype(np.int64)]
     return tuple(out)
 
@@ -486,7 +490,7 @@ def load_dataset(name, data_dir=None, download=True, pad_to=32, limit_train=None
         arrays = load_cifar(key, data_dir, download)
         num_classes = _CIFAR[key].num_classes
     elif key == "fashion-mnist":
-        arrays = load_fashion_mnist(data_dir, pad_to)
+        arrays = load_fashion_mnist(data_dir, pad_to, limit_train, limit_test)   # limits before padding
         num_classes = 10
     elif key == "synthetic":
         arrays = synthetic(limit_train or 2048, limit_test or 512, seed=seed)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy
 
-from . import backend
+from . import backend, sysmem
 from .data import channel_mean_std, normalize, synthetic
 from .engine import Engine, MODES
 from .optim import SGD
@@ -150,17 +150,17 @@ class GradientDiagnosis:
     def summary(self):
         """{"noise": {median, total}, mode: {median_error, total_error, median_ratio,
         worst_ratio, worst_tensor, total_ratio}}; medians and worst skip nan tensors."""
-        t = self.total
-        out = {"noise": {"median": float(numpy.nanmedian(self.noise)),
-                         "total": t["noise_norm"] / t["mean_norm"]}}
+        t, div = self.total, lambda a, b: float(self._div(numpy.float64(a), numpy.float64(b)))
+        out = {"noise": {"median": _nanmedian(self.noise), "total": div(t["noise_norm"], t["mean_norm"])}}
         for m in self.modes:
             r = self.ratio(m)
-            worst = int(numpy.nanargmax(r))
-            out[m] = {"median_error": float(numpy.nanmedian(self.error[m])),
-                      "total_error": t["error_norm"][m] / t["grad_norm"],
-                      "median_ratio": float(numpy.nanmedian(r)),
-                      "worst_ratio": float(r[worst]), "worst_tensor": self.names[worst],
-                      "total_ratio": t["error_norm"][m] / t["noise_norm"]}
+            worst = int(numpy.nanargmax(r)) if not numpy.isnan(r).all() else None   # all nan: no gradient
+            out[m] = {"median_error": _nanmedian(self.error[m]),
+                      "total_error": div(t["error_norm"][m], t["grad_norm"]),
+                      "median_ratio": _nanmedian(r),
+                      "worst_ratio": float("nan") if worst is None else float(r[worst]),
+                      "worst_tensor": None if worst is None else self.names[worst],
+                      "total_ratio": div(t["error_norm"][m], t["noise_norm"])}
         return out
 
     def table(self):
@@ -187,9 +187,15 @@ class GradientDiagnosis:
             d = s[m]
             lines.append(f"{m:<7} relative error: median {d['median_error']:.3g}, all parameters "
                          f"{d['total_error']:.3g} | error/noise: median {d['median_ratio']:.3g}, "
-                         f"worst {d['worst_ratio']:.3g} ({d['worst_tensor']}), "
+                         f"worst {d['worst_ratio']:.3g} ({d['worst_tensor'] or 'no gradient'}), "
                          f"all parameters {d['total_ratio']:.3g}")
         return "\n".join(lines)
+
+
+def _nanmedian(a):
+    """numpy.nanmedian without its warning: nan when every entry is nan (all gradients zero)."""
+    a = a[~numpy.isnan(a)]
+    return float(numpy.median(a)) if a.size else float("nan")
 
 
 def gradient_errors(net, batches, bits=4, modes=("approx", "naive"), dtype="float32"):
@@ -298,8 +304,14 @@ def measure_peak(net, batch_size, input_shape, mode="approx", bits=4, dtype="flo
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     xp = backend.xp
+    # refuse before allocating anything: the plan and the input batch must fit in free memory
+    planned = Engine(net, batch_size, input_shape, mode, bits, dtype, allocate=False, **engine_kw)
+    input_bytes = batch_size * int(numpy.prod(input_shape)) * planned.dtype.itemsize
+    sysmem.require(planned.plan.total_bytes + input_bytes,
+                   f"measuring {steps} training steps at batch {batch_size} (the plan "
+                   f"{fmt_bytes(planned.plan.total_bytes)} and the input batch {fmt_bytes(input_bytes)})", xp)
     rng = numpy.random.default_rng(seed)
-    x = xp.asarray(rng.standard_normal((batch_size,) + tuple(input_shape)).astype(dtype))
+    x = xp.asarray(rng.standard_normal((batch_size,) + tuple(input_shape), dtype=planned.dtype))
     labels = xp.asarray(rng.integers(0, net.num_classes, batch_size))
     gpu = backend.name == "cupy"
     if gpu:

@@ -217,7 +217,8 @@ def network_from_checkpoint(path):
     The architecture is rebuilt from the run's configuration (model, depth,
     seed) with the class and channel counts read off the stored weights."""
     from .checkpoint import load_checkpoint
-    from .trainer import MODELS, load_model_state
+    from .models import MODELS
+    from .trainer import load_model_state
     arrays, meta = load_checkpoint(path)
     config = meta.get("config") or {}
     model = config.get("model")
@@ -228,8 +229,8 @@ def network_from_checkpoint(path):
                                                    if k.startswith("net/") and a.ndim == 4), None)
     if fc is None or first is None:
         raise ExportError(f"{path}: no network weights (net/fc.weight, a conv) in this checkpoint")
-    net = MODELS[model](config["depth"], num_classes=int(fc.shape[0]), in_channels=int(first.shape[1]),
-                        seed=config.get("seed", 0))
+    net = MODELS[model].build(config["depth"], num_classes=int(fc.shape[0]), in_channels=int(first.shape[1]),
+                              seed=config.get("seed", 0))
     load_model_state(path, net)
     return net, meta
 

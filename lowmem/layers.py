@@ -98,7 +98,7 @@ class BNReLU:
         run.units.stats(mean, var, rstd, x)
         if not bool(run.xp.isfinite(var).all() & run.xp.isfinite(mean).all()):   # (C,): cheap
             raise BatchStatisticsError(
-                f"{step.layer.name}: the batch statistics are not finite (the input has values too "
+                f"{step.layer.name}: non-finite batch statistics (the input has values too "
                 f"large for {x.dtype}?); the step was refused, running statistics unchanged")
         run.units.forward(out, run.slot(step.saved[0]), x, mean, rstd, g, b)
         update_running_stats(running_mean, running_var, mean, var, run.units.count(M), BN_MOMENTUM)

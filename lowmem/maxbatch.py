@@ -3,13 +3,15 @@
     max_batch(lambda: preact_resnet_cifar(164), (3, 32, 32), parse_bytes("2GiB"), "approx", 4)
     max_batch(("preact-cifar", 164, 10), (3, 32, 32), 2 << 30, "exact")
     lowmem maxbatch --model preact-cifar --depth 164 --budget 2GiB --mode approx --bits 4 [--verify]
+                                                     (the command line: lowmem/cli.py)
 
 Nothing is allocated: each candidate batch builds `Engine(..., allocate=False)`
 and reads `plan.total_bytes`. The plan is affine in the batch size N except
 for two small kinks (the conv workspace stops growing once it reaches its
 bound; packed codes round up to whole bytes), so a few secant steps land
 next to the answer and a short bisection makes it exact: the returned N
-fits and N + 1 does not.
+fits and N + 1 does not. The search stops at MAX_BATCH = 2^24 (`limit`): a
+budget that allows more returns the cap, which the command line says.
 
 `--verify` then allocates the engine at that batch and runs two real
 training steps on random data (diagnostics.measure_peak: tracemalloc on the
@@ -21,15 +23,13 @@ What is not counted: the interpreter, imported libraries and their caches
 (NumPy, numba's compiled kernels), which a process pays once whatever the
 batch (benchmarks/compare_torch.py measures resident memory as a whole).
 """
-import argparse
 import re
 
-from . import argtypes, models, quant
-from .engine import DEFAULT_WORKSPACE_BYTES, DTYPES, MODES, Engine
-from .plan import KINDS, fmt_bytes
+from . import models
+from .engine import DEFAULT_WORKSPACE_BYTES, Engine
+from .plan import fmt_bytes
 
-NETS = {"preact-cifar": (models.preact_resnet_cifar, (3, 32, 32)),
-        "preact-imagenet": (models.preact_resnet_imagenet, (3, 224, 224))}
+MAX_BATCH = 1 << 24         # where the search stops (max_batch's default limit)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -62,11 +62,11 @@ def _factory(net):
         return net
     try:
         model, depth, classes = net
-        make = NETS[model][0]
-    except (TypeError, ValueError, KeyError):
+        models.model_spec(model)
+    except (TypeError, ValueError):
         raise ValueError(f"expected a network factory or (model, depth, classes) with model in "
-                         f"{sorted(NETS)}, got {net!r}") from None
-    return lambda: make(depth, num_classes=classes)
+                         f"{sorted(models.MODELS)}, got {net!r}") from None
+    return lambda: models.build_model(model, depth, num_classes=classes)
 
 
 def planned_engine(net, batch_size, input_shape, mode="approx", bits=4, dtype="float32",
@@ -79,10 +79,10 @@ def planned_engine(net, batch_size, input_shape, mode="approx", bits=4, dtype="f
 
 
 def max_batch(net, input_shape, budget_bytes, mode="approx", bits=4, dtype="float32",
-              workspace_bytes=DEFAULT_WORKSPACE_BYTES, use_fast=None, limit=1 << 24):
+              workspace_bytes=DEFAULT_WORKSPACE_BYTES, use_fast=None, limit=MAX_BATCH):
     """The largest batch N <= limit whose plan total is <= budget_bytes (N + 1 does not fit).
 
-    net: a Network factory (called once), or (model, depth, classes) with model in NETS.
+    net: a Network factory (called once), or (model, depth, classes) with model in models.MODELS.
     ValueError when not even a batch of 1 fits."""
     if not isinstance(budget_bytes, int) or budget_bytes < 1:
         raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
@@ -126,83 +126,3 @@ def max_batch(net, input_shape, budget_bytes, mode="approx", bits=4, dtype="floa
         else:
             hi = mid
     return lo
-
-
-# ---- lowmem maxbatch ------------------------------------------------------------------
-
-def _budget(text):
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _reserve(text):
-    return 0 if str(text).strip() == "0" else _budget(text)
-
-
-def add_maxbatch_arguments(p):
-    """Options of `lowmem maxbatch`."""
-    p.add_argument("--model", choices=sorted(NETS), default="preact-cifar", help="default: %(default)s")
-    p.add_argument("--depth", type=argtypes.positive, default=164, help="default: %(default)s")
-    p.add_argument("--classes", type=argtypes.positive, default=None,
-                   help="default: 10 for preact-cifar, 1000 for preact-imagenet")
-    p.add_argument("--input", type=argtypes.shape, default=None, metavar="CxHxW",
-                   help="one sample (default: 3x32x32 for preact-cifar, 3x224x224 for preact-imagenet)")
-    p.add_argument("--budget", type=_budget, required=True,
-                   help="memory budget, e.g. 2GiB, 512MiB, 1.5GB or 1000000 (bytes)")
-    p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
-    p.add_argument("--bits", type=int, choices=quant.BITS[::-1], default=4, help="default: %(default)s")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="default: %(default)s")
-    p.add_argument("--workspace-mib", type=argtypes.positive, default=DEFAULT_WORKSPACE_BYTES >> 20,
-                   help="bound on the conv workspace, MiB (default: %(default)s)")
-    p.add_argument("--reserve", type=_reserve, default=0,
-                   help="bytes of the budget to keep for what the plan does not count (the engine's "
-                        "Python objects, small temporaries: ~0.1-2 MiB), e.g. 4MiB (default: 0)")
-    p.add_argument("--verify", action="store_true",
-                   help="allocate at that batch, run two training steps on random data and check "
-                        "the measured peak is within the budget")
-
-
-def run_maxbatch(args):
-    """`lowmem maxbatch`: print the batch and its plan by kind; 0, or 1 when --verify fails."""
-    make, default_shape = NETS[args.model]
-    shape = args.input or default_shape
-    classes = args.classes or (10 if args.model == "preact-cifar" else 1000)
-    factory = lambda: make(args.depth, num_classes=classes, in_channels=shape[0])   # noqa: E731
-    ws = args.workspace_mib << 20
-    if args.reserve >= args.budget:
-        raise ValueError(f"--reserve ({fmt_bytes(args.reserve)}) must be smaller than --budget "
-                         f"({fmt_bytes(args.budget)})")
-    planned_budget = args.budget - args.reserve
-    n = max_batch(factory, shape, planned_budget, args.mode, args.bits, args.dtype, ws)
-    eng = planned_engine(factory, n, shape, args.mode, args.bits, args.dtype, ws)
-    over = planned_engine(factory, n + 1, shape, args.mode, args.bits, args.dtype, ws).plan.total_bytes
-    label = args.mode if args.mode == "exact" else f"{args.mode} {args.bits}-bit"
-    print(f"{eng.net.name}: {eng.net.num_params():,} parameters; input {'x'.join(map(str, shape))}, "
-          f"mode {label}, {args.dtype}")
-    reserve = f", less a reserve of {fmt_bytes(args.reserve)}" if args.reserve else ""
-    print(f"budget {fmt_bytes(args.budget)} ({args.budget:,} B{reserve}): largest batch {n} "
-          f"(batch {n + 1} would plan {fmt_bytes(over)})")
-    print(f"\nplanned at batch {n}:")
-    by = eng.plan.bytes_by_kind()
-    for k in KINDS:
-        if by[k]:
-            print(f"  {k:<10} {by[k]:>16,} {fmt_bytes(by[k]):>12}")
-    total = eng.plan.total_bytes
-    print(f"  {'total':<10} {total:>16,} {fmt_bytes(total):>12}  ({total / args.budget:.1%} of the budget)")
-    if not args.verify:
-        return 0
-    from .diagnostics import measure_peak
-    m = measure_peak(factory(), n, shape, args.mode, args.bits, args.dtype, steps=2, workspace_bytes=ws)
-    print()
-    print(m.report())
-    ok = m.peak_bytes <= args.budget
-    print(f"verify: measured steady-state peak {fmt_bytes(m.peak_bytes)} ({m.peak_bytes:,} B) is "
-          f"{'within' if ok else 'OVER'} the budget of {fmt_bytes(args.budget)} "
-          f"({m.peak_bytes / args.budget:.1%}); the input batch ({fmt_bytes(m.input_bytes)}) is not counted")
-    if not ok:
-        unplanned = m.peak_bytes - m.plan_bytes
-        print(f"the step used {fmt_bytes(unplanned)} beyond its plan (Python objects, small temporaries); "
-              f"rerun with --reserve {max(1, -(-(unplanned + args.reserve) // 2**20))}MiB")
-    return 0 if ok else 1

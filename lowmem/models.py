@@ -4,7 +4,15 @@ Every block starts with BN -> ReLU on its input; where the shape changes, a
 1x1 projection shortcut reads that pre-activated input. Convs have no bias.
 Buffers: a block reads its input from "res", runs its branch through the
 ping-pong buffers "act0"/"act1", and adds the branch back into "res".
+
+`MODELS` (at the end) is the one registry of model families: name -> builder,
+default classes, default input shape and the depths it takes. Every `lowmem`
+command and the trainer look models up there (`build_model`).
 """
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
 from .network import Network
 
 CIFAR_WIDTHS = (16, 32, 64)
@@ -175,3 +183,44 @@ def vgg_bn(depth=16, num_classes=10, in_channels=3, seed=0, input_size=32):
                 x = g.max_pool(x, 2, 2, name=f"features.{s}.pool")
             x = g.bn_relu(x, name + ".bn")
     return g.head(x)
+
+
+# ---- the registry: every command line and the trainer build models through it --------
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family: build(depth, num_classes=, in_channels=, seed=) -> Network, and its defaults."""
+    build: Callable
+    num_classes: int            # default classes (the family's usual dataset)
+    input_shape: tuple          # default (C, H, W) of one sample
+    depth_help: str             # the depths `build` accepts, for --help
+
+
+MODELS = {
+    "preact-cifar": ModelSpec(preact_resnet_cifar, 10, (3, 32, 32),
+                              "6n+2 with basic blocks (20, 56, 110, ...) or 9n+2 with bottlenecks "
+                              "(164, 1001, ...)"),
+    "preact-imagenet": ModelSpec(preact_resnet_imagenet, 1000, (3, 224, 224),
+                                 ", ".join(map(str, sorted(IMAGENET_BLOCKS)))),
+    "vgg-bn": ModelSpec(vgg_bn, 10, (3, 32, 32), ", ".join(map(str, sorted(VGG_CONFIGS)))),
+}
+# WRN-d-k: the widening factor is in the name (--model wrn-10 --depth 28 is WRN-28-10)
+for _k in (1, 2, 4, 8, 10):
+    MODELS[f"wrn-{_k}"] = ModelSpec(functools.partial(wide_resnet, widen_factor=_k), 10, (3, 32, 32),
+                                    f"6n+4 (10, 16, 22, 28, 40, ...); widening factor {_k}")
+
+
+def model_spec(name):
+    """The ModelSpec of `name`; ValueError naming the known models otherwise."""
+    try:
+        return MODELS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown model {name!r}: expected one of {', '.join(sorted(MODELS))}") from None
+
+
+def build_model(name, depth, num_classes=None, in_channels=None, seed=0):
+    """Network `name` of `depth`; num_classes / in_channels default to the family's (10 / 3 for
+    preact-cifar, 1000 / 3 for preact-imagenet)."""
+    spec = model_spec(name)
+    return spec.build(depth, num_classes=spec.num_classes if num_classes is None else num_classes,
+                      in_channels=spec.input_shape[0] if in_channels is None else in_channels, seed=seed)

@@ -12,6 +12,7 @@ Weights are declared with their shapes while the network is built and drawn
 (seeded, in declaration order) only when first used, so the memory plan of
 any depth can be computed without building a single weight.
 """
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy
@@ -146,7 +147,17 @@ class Network:
         return d
 
     def load_state_dict(self, d):
-        """Copy values in place; names and shapes must match exactly."""
+        """Copy values in place; names and shapes must match exactly.
+
+        Every value must be a real floating-point array (an integer, bool or
+        complex array is refused rather than silently cast), finite after the
+        cast to the network's dtype, and a running variance must be >= 0.
+        Everything is checked before anything is copied: a refused load
+        changes nothing. TypeError when `d` is not a mapping, ValueError
+        naming the entry otherwise."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"load_state_dict expects a dict name -> array (what state_dict() returns), "
+                            f"got {type(d).__name__}")
         expected = {n: shape for n, shape, _ in self.param_shapes()}
         expected.update(self.stat_shapes())
         missing = [n for n in expected if n not in d]
@@ -159,18 +170,35 @@ class Network:
             if tuple(numpy.shape(d[n])) != shape:
                 raise ValueError(f"state_dict entry {n!r} has shape {tuple(numpy.shape(d[n]))}, "
                                  f"network {self.name!r} expects {shape}")
-        for n, p in self.params.items():
-            p.data[...] = _like(p.data, d[n])
-        for n, a in self.stats.items():
-            a[...] = _like(a, d[n])
+        targets = {n: p.data for n, p in self.params.items()}
+        targets.update(self.stats)
+        values = {n: _like(t, d[n], n) for n, t in targets.items()}      # checked copies, then assign
+        for n, t in targets.items():
+            t[...] = values[n]
 
     def __repr__(self):
         return f"Network({self.name!r}, layers={len(self.layers)}, params={self.num_params():,})"
 
 
-def _like(target, value):
-    """`value` as an array of target's module and dtype (host -> device when needed)."""
+def _like(target, value, name):
+    """`value` as an array of target's module and dtype (host -> device when needed), after
+    checking it: a real floating-point dtype, finite once cast, >= 0 for a running variance."""
+    dtype = numpy.dtype(value.dtype) if hasattr(value, "dtype") else numpy.asarray(value).dtype
+    if dtype.kind != "f":
+        what = {"i": "an integer", "u": "an unsigned integer", "b": "a bool",
+                "c": "a complex"}.get(dtype.kind, "a non-numeric")
+        raise ValueError(f"state_dict entry {name!r} is {what} array ({dtype}): "
+                         f"expected floating-point values")
     if hasattr(target, "device") and not isinstance(target, numpy.ndarray):
         import cupy
-        return cupy.asarray(value, dtype=target.dtype)
-    return numpy.asarray(to_numpy(value), dtype=target.dtype)
+        xp, out = cupy, cupy.asarray(value, dtype=target.dtype)
+    else:
+        with numpy.errstate(over="ignore"):             # an overflow to inf is reported below
+            xp, out = numpy, numpy.asarray(to_numpy(value), dtype=target.dtype)
+    if not bool(xp.isfinite(out).all()):
+        raise ValueError(f"state_dict entry {name!r} holds NaN or inf (after conversion to "
+                         f"{target.dtype}): refusing to load non-finite values")
+    if name.endswith(".running_var") and out.size and float(out.min()) < 0:
+        raise ValueError(f"state_dict entry {name!r} has a negative running variance "
+                         f"(min {float(out.min()):g}): variances are >= 0")
+    return out

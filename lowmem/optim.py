@@ -10,10 +10,29 @@ changed between steps (opt.lr = ...). Momentum buffers are the engine's
 planned "optimizer" arrays when present (p.state["momentum"]), so the plan
 counts them. On CuPy arrays `step` runs kernels/gpu.py's fused update (one
 kernel per tensor, the same arithmetic); on NumPy the array ops below.
+
+Hyperparameters are checked where they are set (constructor, opt.lr = ...,
+load_state_dict): finite real numbers, lr and weight_decay >= 0, momentum in
+[0, 1) (at 1 or more the velocity never decays and training diverges). A NaN
+would otherwise surface steps later as a misleading "diverged".
 """
+import math
+import numbers
+
 import numpy
 
 from .backend import array_module
+
+
+def _hyper(name, value, upper=None):
+    """`value` as a float if it is a finite real number in [0, upper); ValueError / TypeError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"SGD {name} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (upper is not None and value >= upper):
+        want = f"in [0, {upper:g})" if upper is not None else ">= 0"
+        raise ValueError(f"SGD {name} must be a finite number {want}, got {value!r}")
+    return value
 
 
 class SGD:
@@ -22,11 +41,10 @@ class SGD:
         params = list(params)
         if not params:
             raise ValueError("SGD got an empty parameter list")
-        if lr < 0 or momentum < 0 or weight_decay < 0:
-            raise ValueError(f"lr, momentum and weight_decay must be >= 0, got {lr}, {momentum}, {weight_decay}")
+        momentum, weight_decay = _hyper("momentum", momentum, upper=1), _hyper("weight_decay", weight_decay)
         if nesterov and momentum <= 0:
             raise ValueError("nesterov=True needs momentum > 0")
-        self.params, self.lr, self.momentum = params, lr, momentum
+        self.params, self.lr, self.momentum = params, lr, momentum      # self.lr: checked by its setter
         self.weight_decay, self.nesterov = weight_decay, nesterov
         self.decay = [p.decay or (decay_bn and _is_bn(p)) or (decay_bias and _is_bias(p) and not _is_bn(p))
                       for p in params]
@@ -58,12 +76,32 @@ class SGD:
             p.data -= self.lr * g
         self._started = True
 
+    @property
+    def lr(self):
+        """The learning rate of the next step (a finite number >= 0; checked when set)."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value):
+        self._lr = _hyper("lr", value)
+
     def state_dict(self):
         return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
                 "nesterov": self.nesterov, "started": self._started}
 
     def load_state_dict(self, d):
-        self.lr, self._started = d["lr"], d["started"]
+        """Restore lr and whether the first step was taken (momentum, weight decay and nesterov
+        come from the constructor). ValueError naming the problem for a malformed `d`."""
+        if not isinstance(d, dict) or not {"lr", "started"} <= d.keys():
+            raise ValueError(f"SGD state must be a dict with 'lr' and 'started' (as state_dict() "
+                             f"returns), got {d!r:.200}")
+        if not isinstance(d["started"], bool):
+            raise ValueError(f"SGD state 'started' must be true or false, got {d['started']!r}")
+        try:
+            self.lr = d["lr"]
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+        self._started = d["started"]
 
 
 def _is_bn(p):

@@ -8,17 +8,21 @@ One training step: the next shuffled batch (BatchIterator, drop_last=True, so
 every batch has the planned size) is augmented (random crop from the 4-px
 zero-padded image + horizontal flip) into a preallocated uint8 array, then
 normalised into a preallocated float array (N, C, H, W); the learning rate
-is set from the iteration count (`lr_at`); then engine.forward, a check that
-the loss is finite, engine.backward and opt.step. After every epoch the
+is set from the iteration count (`lr_at`); then engine.train_step (forward,
+a check that the loss is finite, backward, opt.step). After every epoch the
 whole test split is evaluated with BN running statistics (engine.predict,
 last partial batch included), one line is appended to metrics.jsonl and a
 checkpoint is written atomically (lowmem.checkpoint).
 
-The run directory (`out`):
+The run directory (`out`; lowmem/rundir.py says when a run may use one and
+locks it for as long as the run lives):
+  lowmem-run.json  the marker: lowmem made this folder
+  lowmem-run.lock  the lock file (fcntl.flock), holding the pid of the last holder
   config.json      the run's configuration (the checkpoint holds the same)
   plan.txt         the memory plan and the schedule of the engine
-  metrics.jsonl    one JSON object per line: an "epoch" record after every
-                   epoch, a "stop" record whenever the process stops
+  metrics.jsonl    one strict JSON object per line (a non-finite number is
+                   null): an "epoch" record after every epoch, a "stop" record
+                   whenever the process stops
   checkpoint.ckpt  the latest checkpoint: parameters, BN statistics, momentum
                    buffers, SGD state, iteration, the augmentation RNG and the
                    BatchIterator position, the configuration; SHA-256 checked
@@ -28,46 +32,49 @@ learning rate is a function of the iteration, so on NumPy a run stopped at
 any step boundary (end of an epoch, SIGTERM, Ctrl-C, --time-limit) and
 resumed ends with bitwise the parameters of an uninterrupted run.
 
-Never a bad checkpoint: a non-finite loss stops the run (TrainingDiverged)
-without writing one, and every save first checks that parameters and BN
-statistics are finite, so the file on disk is always the last good state.
-A save that fails part-way leaves the previous file untouched.
+Never a bad checkpoint: a non-finite training or test loss stops the run
+(TrainingDiverged) without writing one, and every save first checks that
+parameters and BN statistics are finite, so the file on disk is always the
+last good state. A save that fails part-way leaves the previous file untouched.
+
+Errors: ConfigError (settings that cannot make a run), RunDirError /
+ResumeError (a run folder or checkpoint this run may not use), DataError,
+CheckpointError, NotEnoughMemory: all ValueErrors naming the problem; the
+command line (lowmem/cli.py) maps them to exit codes.
 
 What it does not do: no data loading threads, no mixed precision, no
 multi-GPU, no keeping of older checkpoints (one file, replaced atomically).
 """
-import argparse
 import contextlib
 import dataclasses
 import json
 import math
+import numbers
 import os
 import signal
-import sys
 import threading
 import time
 
 import numpy
 from tqdm import tqdm
 
-from . import __version__, backend
+from . import __version__, backend, quant, rundir, sysmem
 from .checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
 from .data import BatchIterator, DataError, augment, load_dataset, normalize
-from .engine import Engine
-from .models import preact_resnet_cifar
+from .engine import DTYPES, MODES, Engine
+from .models import MODELS, build_model
 from .optim import SGD
 from .plan import KINDS, fmt_bytes
+from .rundir import CHECKPOINT, CONFIG, METRICS, PLAN, ResumeError, RunDirError   # noqa: F401 (re-exported)
 
-CHECKPOINT, METRICS, CONFIG, PLAN = "checkpoint.ckpt", "metrics.jsonl", "config.json", "plan.txt"
 FORMAT = "lowmem-train/1"                     # meta["format"] of a training checkpoint
-MODELS = {"preact-cifar": preact_resnet_cifar}
 SCHEDULES = ("step", "cosine", "constant")
 WARMUP_DIVISOR = 10                           # warm-up lr = lr / 10 (He et al.: 0.01 for lr 0.1)
 PAPER_WARMUP_ITERS = 400
 
-# Exit codes of `lowmem train` (run_train).
-EXIT_OK, EXIT_ERROR, EXIT_DIVERGED, EXIT_TIME_LIMIT = 0, 1, 3, 4
-EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}     # 128 + signal number
+
+class ConfigError(ValueError):
+    """Settings that cannot make a run (a bad value, or a model, engine or optimizer that refuses them)."""
 
 
 @dataclasses.dataclass
@@ -102,24 +109,52 @@ class TrainConfig:
              "batch", "augment", "seed")
 
     def validate(self):
+        """Check every field; returns self. ConfigError naming the field and what it expects."""
         def bad(field, want):
-            raise ValueError(f"{field}={getattr(self, field)!r}: expected {want}")
-        if self.model not in MODELS:
-            bad("model", f"one of {', '.join(MODELS)}")
-        if self.schedule not in SCHEDULES:
-            bad("schedule", f"one of {', '.join(SCHEDULES)}")
+            raise ConfigError(f"{field}={getattr(self, field)!r}: expected {want}")
+
+        def real(f):
+            v = getattr(self, f)
+            return isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v)
+
+        def integer(f, low, optional=False):
+            v = getattr(self, f)
+            ok = (optional and v is None) or (isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                                              and v >= low)
+            if not ok:
+                bad(f, f"an integer >= {low}" + (" or None" if optional else ""))
+
+        for f, choices in (("model", tuple(MODELS)), ("mode", MODES), ("dtype", DTYPES),
+                           ("schedule", SCHEDULES)):
+            if str(getattr(self, f)) not in choices:
+                bad(f, f"one of {', '.join(choices)}")
+        if not isinstance(self.bits, numbers.Integral) or self.bits not in quant.BITS:
+            bad("bits", f"one of {', '.join(map(str, quant.BITS))}")
         for f in ("depth", "batch", "epochs"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                bad(f, "a positive integer")
-        if not self.lr > 0 or not math.isfinite(self.lr):
-            bad("lr", "a positive number")
-        if self.warmup_iters is not None and (not isinstance(self.warmup_iters, int) or self.warmup_iters < 0):
-            bad("warmup_iters", "an integer >= 0")
-        if self.time_limit is not None and not self.time_limit > 0:
+            integer(f, 1)
+        integer("pad_to", 0)
+        if str(self.dataset).lower() in ("fashion-mnist", "fashion_mnist", "fashionmnist") and 0 < self.pad_to < 28:
+            bad("pad_to", "0 (keep 28x28) or at least 28 for Fashion-MNIST's 28x28 images")
+        integer("seed", 0)
+        integer("warmup_iters", 0, optional=True)
+        integer("limit_train", 1, optional=True)
+        integer("limit_test", 1, optional=True)
+        if self.limit_train is not None and self.limit_train < self.batch:
+            bad("limit_train", f"at least batch={self.batch} images (an epoch drops its last partial "
+                               f"batch, so fewer give no training step)")
+        if not (real("lr") and 0 < self.lr < math.inf):
+            bad("lr", "a finite number > 0")
+        if not (real("momentum") and 0 <= self.momentum < 1):
+            bad("momentum", "a number in [0, 1)")
+        if not (real("weight_decay") and 0 <= self.weight_decay < math.inf):
+            bad("weight_decay", "a finite number >= 0")
+        if self.nesterov and self.momentum == 0:
+            bad("nesterov", "False when momentum is 0 (Nesterov momentum needs momentum > 0)")
+        if self.time_limit is not None and not (real("time_limit") and self.time_limit > 0):
             bad("time_limit", "a positive number of seconds")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            bad("seed", "a non-negative integer")
         self.out = None if self.out is None else os.fspath(self.out)
+        if self.out == "":
+            bad("out", "a folder name (None writes nothing)")
         self.data_dir = None if self.data_dir is None else os.fspath(self.data_dir)
         return self
 
@@ -156,10 +191,6 @@ class TrainingDiverged(FloatingPointError):
     """A non-finite loss or parameter: the run stopped and no checkpoint was written."""
 
 
-class ResumeError(ValueError):
-    """A checkpoint that cannot continue this run (other architecture, data or settings)."""
-
-
 @dataclasses.dataclass
 class TrainResult:
     status: str             # "finished" | "time-limit" | "signal" | "stopped"
@@ -170,6 +201,7 @@ class TrainResult:
     checkpoint: str         # path of the latest checkpoint (None without a run directory)
     history: list           # this process's epoch records
     signal: int = None
+    already_finished: bool = False    # resumed a run that had already done config.epochs: nothing trained
 
 
 class Trainer:
@@ -178,33 +210,52 @@ class Trainer:
     dataset: a lowmem.data.Dataset to use instead of loading config.dataset
       (e.g. synthetic images of another size); config.dataset still names it.
     resume: continue from out/checkpoint.ckpt (fields in TrainConfig.FIXED must match).
+    overwrite: start afresh in `out` even though it is not empty (lowmem's own files
+      there are replaced when fit() starts; lowmem/rundir.py).
+    The run folder is locked from construction to the end of fit() (or close()).
     on_step(trainer, loss) after every step; on_epoch(trainer, record) after
       every epoch. Either may call trainer.request_stop(reason).
     log: where messages go (default: tqdm.write, which keeps bars intact)."""
 
-    def __init__(self, config, dataset=None, resume=False, on_step=None, on_epoch=None, log=None):
+    def __init__(self, config, dataset=None, resume=False, overwrite=False, on_step=None, on_epoch=None,
+                 log=None):
         self.config = config.validate()
         self.on_step, self.on_epoch = on_step, on_epoch
         self.log = log or tqdm.write
-        self.out = os.fspath(config.out) if config.out is not None else None
+        self.out = config.out
         self.ckpt_path = os.path.join(self.out, CHECKPOINT) if self.out else None
         if resume and not self.out:
             raise ResumeError("resume needs a run directory (out)")
-        if self.out and not resume and os.path.exists(self.ckpt_path):
-            raise ResumeError(f"{self.ckpt_path} already exists: pass --resume (resume=True) to continue "
-                              f"that run, or choose another --out")
-        if resume and not os.path.exists(self.ckpt_path):
-            raise ResumeError(f"nothing to resume: {self.ckpt_path} does not exist")
+        if overwrite and not self.out:
+            raise ConfigError("overwrite needs a run directory (out)")
+        # the folder is locked from here to the end of fit(): no other run can pass these checks too
+        self._run = rundir.claim(self.out, resume=resume, overwrite=overwrite) if self.out else None
+        try:
+            self._build(config, dataset, resume)
+        except BaseException:
+            if self._run is not None:
+                self._run.release(discard=True)     # a folder made just now goes again
+            raise
+
+    def _build(self, c, dataset, resume):
         saved = load_checkpoint(self.ckpt_path) if resume else None
         if saved is not None:
             self._check_resumable(saved[1], self.ckpt_path)
-
-        c = config
         self.data = dataset if dataset is not None else load_dataset(
             c.dataset, c.data_dir, download=c.download, pad_to=c.pad_to or None,
             limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed)
-        self.net = MODELS[c.model](c.depth, num_classes=self.data.num_classes,
+        if len(self.data.x_train) < c.batch:
+            raise ConfigError(f"batch={c.batch} is larger than the {len(self.data.x_train)} training images: "
+                              f"an epoch drops its last partial batch, so no step would run")
+        try:
+            self.net = build_model(c.model, c.depth, num_classes=self.data.num_classes,
                                    in_channels=self.data.input_shape[0], seed=c.seed)
+            planned = Engine(self.net, c.batch, self.data.input_shape, mode=c.mode, bits=c.bits,
+                             dtype=c.dtype, allocate=False)
+        except ValueError as e:                     # the builder or the engine refuses these settings
+            raise ConfigError(str(e)) from None
+        sysmem.require(planned.plan.total_bytes, f"training {self.net.name} at batch {c.batch} "
+                       f"(its memory plan)", planned.xp)
         self.engine = Engine(self.net, c.batch, self.data.input_shape, mode=c.mode, bits=c.bits, dtype=c.dtype)
         self.opt = SGD(self.net.parameters(), lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
                        nesterov=c.nesterov)
@@ -225,8 +276,25 @@ class Trainer:
         self.history = []
         self._stop = None
         self._signal = None
+        self._resumed = saved is not None
         if saved is not None:
             self._restore(*saved)
+            if self.iteration > self.total_iters:
+                done = self.iteration / self.steps_per_epoch
+                raise ResumeError(f"{self.ckpt_path} has already trained {done:g} epochs (iteration "
+                                  f"{self.iteration}), more than epochs={c.epochs}: pass --epochs "
+                                  f"{math.ceil(done)} or more to continue it")
+
+    def close(self):
+        """Release the run folder's lock (fit() does this when it returns; idempotent)."""
+        if getattr(self, "_run", None) is not None:
+            self._run.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     # ----------------------------------------------------------------- info
     def describe(self):
@@ -264,7 +332,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ train
     def fit(self):
-        """Train up to config.epochs; returns a TrainResult. Raises TrainingDiverged on a non-finite loss."""
+        """Train up to config.epochs; returns a TrainResult. Raises TrainingDiverged on a non-finite
+        loss. Releases the run folder when it returns or raises (one fit() per Trainer with `out`)."""
+        if self._run is not None and not self._run.held:
+            raise RuntimeError(f"this Trainer's run in {self.out} has ended; build a new Trainer "
+                               f"(resume=True) to continue it")
+        try:
+            if self._resumed and self.iteration >= self.total_iters:
+                return self._already_finished()
+            return self._fit()
+        finally:
+            self.close()
+
+    def _already_finished(self):
+        """A resumed run that has done all its epochs: report it, write nothing."""
+        ev = self.last_eval or {}
+        return TrainResult("finished", self.iteration / self.steps_per_epoch, self.iteration,
+                           ev.get("test_acc"), ev.get("test_loss"), self.ckpt_path, [], already_finished=True)
+
+    def _fit(self):
         t0 = time.monotonic()
         spe = self.steps_per_epoch
         if self.out:
@@ -301,17 +387,13 @@ class Trainer:
         x, y = self._batch(xb, yb, train=True)
         self.opt.lr = lr_at(self.iteration, self.total_iters, self.config)
         try:
-            loss, logits = self.engine.forward(x, y)
-        except FloatingPointError as e:         # non-finite batch statistics: the step was refused
-            loss, why = float("nan"), f" ({e})"
-        else:
-            why = ""
-        if not math.isfinite(loss):
+            loss = self.engine.train_step(x, y, self.opt)     # refuses a non-finite loss before backward
+        except FloatingPointError as e:
             epoch, b = divmod(self.iteration, self.steps_per_epoch)
-            self._diverged(f"non-finite loss {loss}{why} at iteration {self.iteration + 1} (epoch {epoch + 1}, "
+            self._diverged(f"{e} at iteration {self.iteration + 1} (epoch {epoch + 1}, "
                            f"step {b + 1}, lr {self.opt.lr:g})")
-        self.engine.backward()
-        self.opt.step()
+        # the step's logits are still in the plan's "logits" buffer (backward and the update leave it)
+        logits = self.engine.arrays["logits"][:len(xb)]
         self.iteration += 1
         s = self._sums
         s["loss"] += loss * len(xb)
@@ -327,7 +409,8 @@ class Trainer:
             msg += (f"The last good checkpoint {self.ckpt_path} (iteration {it}) is kept; resume from it "
                     f"with a lower --lr (the continuation then differs from the original run).")
         else:
-            msg += "No checkpoint was written yet; start again with a lower --lr."
+            msg += ("No checkpoint was written yet; start again with a lower --lr (and --overwrite to "
+                    "reuse this --out)." if self.out else "No checkpoint was written.")
         self._metrics({"event": "stop", "reason": "diverged", "message": msg, "iteration": self.iteration})
         raise TrainingDiverged(msg)
 
@@ -355,6 +438,7 @@ class Trainer:
         s, epoch = self._sums, self.iteration // self.steps_per_epoch
         t = time.perf_counter()
         test_loss, test_acc = self.evaluate()
+        finite_test = math.isfinite(test_loss)
         rec = {"event": "epoch", "epoch": epoch, "iteration": self.iteration,
                "lr": self.opt.lr, "train_loss": s["loss"] / s["seen"], "train_acc": s["correct"] / s["seen"],
                "test_loss": test_loss, "test_acc": test_acc,
@@ -367,6 +451,10 @@ class Trainer:
                  f"acc {rec['train_acc']:.4f} | test loss {test_loss:.4f} acc {test_acc:.4f} | "
                  f"lr {rec['lr']:g}, {rec['images_per_s']:.0f} img/s, {s['time']:.1f} s")
         self._metrics(rec)      # metrics first: a crash before the save only repeats this epoch
+        if not finite_test:     # finite weights can still give inf logits: this state is no good either
+            self._check_finite_state()                  # names the tensor, if one is not finite
+            self._diverged(f"non-finite test loss {test_loss} after epoch {epoch} (iteration {self.iteration}); "
+                           f"not saving this state")
         if self.out:
             self.save()
         if self.on_epoch:
@@ -431,8 +519,7 @@ class Trainer:
         save_checkpoint(self.ckpt_path, arrays, meta)
 
     def _check_resumable(self, meta, path):
-        if meta.get("format") != FORMAT:
-            raise ResumeError(f"{path}: not a lowmem training checkpoint (format {meta.get('format')!r})")
+        check_training_meta(meta, path)
         saved, mine = meta["config"], self.config.to_dict()
         diff = [f"{k} (checkpoint {saved.get(k)!r}, this run {mine[k]!r})"
                 for k in TrainConfig.FIXED if saved.get(k) != mine[k]]
@@ -460,13 +547,19 @@ class Trainer:
             if m is None or m.shape != p.shape:
                 raise ResumeError(f"cannot resume from {path}: momentum buffer of {p.name} is "
                                   f"{'missing' if m is None else m.shape}, expected {p.shape}")
+            if m.dtype.kind != "f" or not numpy.isfinite(m).all():
+                raise ResumeError(f"cannot resume from {path}: momentum buffer of {p.name} is "
+                                  + ("not finite" if m.dtype.kind == "f" else f"of dtype {m.dtype}"))
             p.state["momentum"][...] = xp.asarray(m)
-        self.opt.load_state_dict(meta["optimizer"])
-        self.rng.bit_generator.state = meta["rng"]
         try:
+            self.opt.load_state_dict(meta["optimizer"])
+            self.rng.bit_generator.state = meta["rng"]
             self.batches.load_state_dict(meta["batches"])
         except DataError as e:
             raise ResumeError(f"cannot resume from {path}: {e}") from None
+        except (ValueError, TypeError, KeyError) as e:      # a malformed optimizer, RNG or batch state
+            raise CheckpointError(f"checkpoint {path!r}: malformed training metadata "
+                                  f"({type(e).__name__}: {e})") from None
         self.iteration = int(meta["iteration"])
         if divmod(self.iteration, self.steps_per_epoch) != (self.batches.epoch, self.batches.batch):
             raise ResumeError(f"{path}: iteration {self.iteration} and batch position "
@@ -478,31 +571,100 @@ class Trainer:
     def _metrics(self, record):
         if not self.out:
             return
-        os.makedirs(self.out, exist_ok=True)
-        record = {"time": time.time(), **record}
-        with open(os.path.join(self.out, METRICS), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        _write(os.path.join(self.out, METRICS), json_line({"time": time.time(), **record}), "a")
 
     def _drop_metrics_after(self, iteration):
         """Epoch records past the checkpoint will be written again by the resumed run."""
         path = os.path.join(self.out, METRICS)
         if not os.path.exists(path):
             return
-        keep = [r for r in read_metrics(self.out) if not (r.get("event") == "epoch" and r["iteration"] > iteration)]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in keep)
+        keep = [r for r in read_metrics(self.out)
+                if not (r.get("event") == "epoch" and r.get("iteration", 0) > iteration)]
+        _write(path + ".tmp", "".join(json_line(r) for r in keep))
         os.replace(path + ".tmp", path)
 
     def _prepare_run_dir(self):
-        """Create `out`; write config.json and plan.txt (a fresh run also starts metrics.jsonl anew)."""
-        os.makedirs(self.out, exist_ok=True)
-        with open(os.path.join(self.out, CONFIG), "w") as f:
-            json.dump(self.config.to_dict(), f, indent=2)
-        with open(os.path.join(self.out, PLAN), "w") as f:
-            f.write(self.engine.summary() + "\n\n" + self.engine.plan.report(max_rows=10 ** 6)
-                    + "\n\n" + str(self.engine.schedule) + "\n")
+        """Mark the folder as lowmem's (a fresh --overwrite run first removes lowmem's old files);
+        write config.json and plan.txt (a fresh run also starts metrics.jsonl anew)."""
+        self._run.start(fresh=not self._resumed)
+        _write(os.path.join(self.out, CONFIG), json.dumps(self.config.to_dict(), indent=2) + "\n")
+        _write(os.path.join(self.out, PLAN), self.engine.summary() + "\n\n"
+               + self.engine.plan.report(max_rows=10 ** 6) + "\n\n"
+               + str(self.engine.schedule) + "\n")
         if self.iteration == 0 and os.path.exists(os.path.join(self.out, METRICS)):
             os.remove(os.path.join(self.out, METRICS))
+
+
+def _write(path, text, mode="w"):
+    """Write text to path; an OSError (a full disk) names the file."""
+    try:
+        with open(path, mode) as f:
+            f.write(text)
+    except OSError as e:
+        what = f"cannot write {path!r}: {e.strerror or e}"
+        raise (OSError(e.errno, what) if e.errno is not None else OSError(what)) from e
+
+
+def _json_safe(value):
+    """value with every non-finite float replaced by None (JSON has no NaN or inf)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def json_line(record):
+    """One strict JSON line (non-finite numbers as null) for metrics.jsonl."""
+    return json.dumps(_json_safe(record), allow_nan=False) + "\n"
+
+
+_META_FIELDS = {"config": dict, "iteration": int, "optimizer": dict, "rng": dict, "batches": dict,
+                "epoch_sums": dict}
+
+
+def check_training_meta(meta, path):
+    """Check the metadata of a training checkpoint holds every field resume reads.
+
+    ResumeError when it is not a training checkpoint (format); CheckpointError
+    naming each missing or mistyped field otherwise."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {os.fspath(path)!r}: metadata is a {type(meta).__name__}, "
+                              f"not a dict")
+    if meta.get("format") != FORMAT:
+        raise ResumeError(f"{path}: not a lowmem training checkpoint (format {meta.get('format')!r})")
+    problems = []
+    for key, kind in _META_FIELDS.items():
+        if key not in meta:
+            problems.append(f"{key!r} is missing")
+        elif not isinstance(meta[key], kind) or isinstance(meta[key], bool):
+            problems.append(f"{key!r} is a {type(meta[key]).__name__}, expected a {kind.__name__}")
+    if isinstance(meta.get("iteration"), int) and meta["iteration"] < 0:
+        problems.append(f"'iteration' is {meta['iteration']}, expected >= 0")
+    sums = meta.get("epoch_sums")
+    if isinstance(sums, dict):
+        bad = [k for k in ("loss", "correct", "seen", "time")
+               if not isinstance(sums.get(k), (int, float)) or isinstance(sums.get(k), bool)]
+        if bad:
+            problems.append(f"'epoch_sums' lacks the numbers {bad}")
+    if meta.get("last_eval") is not None and not isinstance(meta["last_eval"], dict):
+        problems.append(f"'last_eval' is a {type(meta['last_eval']).__name__}, expected a dict or null")
+    if problems:
+        raise CheckpointError(f"checkpoint {os.fspath(path)!r}: malformed training metadata: "
+                              + "; ".join(problems))
+
+
+def saved_config(run_dir):
+    """The TrainConfig fields (a dict) stored in run_dir's checkpoint: what --resume starts from.
+    ResumeError when there is no checkpoint; CheckpointError when it is damaged or malformed."""
+    path = os.path.join(run_dir, CHECKPOINT)
+    if not os.path.exists(path):
+        raise ResumeError(f"nothing to resume: {path} does not exist")
+    meta = load_checkpoint(path)[1]
+    check_training_meta(meta, path)
+    return meta["config"]
 
 
 def read_metrics(run_dir):
@@ -527,124 +689,7 @@ def load_model_state(path, net):
     try:
         net.load_state_dict(state)
     except ValueError as e:
-        name = meta.get("network", {}).get("name", "?")
+        network = meta.get("network")
+        name = network.get("name", "?") if isinstance(network, dict) else "?"
         raise ResumeError(f"{path} holds {name}, not {net.name}: {e}") from None
     return meta
-
-
-# --------------------------------------------------------------------------- command line
-
-_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-PER_INVOCATION = ("time_limit",)        # not taken over from the checkpoint by --resume
-
-
-def add_train_arguments(parser):
-    """Add the `lowmem train` options to an argparse parser.
-
-    Options left out are absent from the namespace (default SUPPRESS), so a
-    resumed run takes them from its checkpoint; run_train fills the rest from
-    TrainConfig's defaults."""
-    S = argparse.SUPPRESS
-
-    def opt(flag, field, help, **kw):
-        default = _FIELDS[field].default
-        help += "" if default is None else f" (default: {default})"
-        parser.add_argument(flag, dest=field, default=S, help=help, **kw)
-
-    opt("--dataset", "dataset", "cifar10 | cifar100 | fashion-mnist | synthetic",
-        choices=("cifar10", "cifar100", "fashion-mnist", "synthetic"))
-    opt("--data", "data_dir", "directory holding the dataset files", metavar="DIR")
-    parser.add_argument("--no-download", dest="download", action="store_false", default=S,
-                        help="never download CIFAR; fail if the files are missing")
-    opt("--pad-to", "pad_to", "Fashion-MNIST: zero-pad the 28x28 images to this size (0 keeps 28)", type=int,
-        metavar="SIZE")
-    opt("--limit-train", "limit_train", "use the first N training images (synthetic: how many)",
-        type=int, metavar="N")
-    opt("--limit-test", "limit_test", "use the first N test images", type=int, metavar="N")
-    opt("--model", "model", "network family", choices=tuple(MODELS))
-    opt("--depth", "depth", "ResNet depth: 6n+2 (basic blocks) or 9n+2 >= 164 (bottlenecks)", type=int)
-    opt("--mode", "mode", "exact | approx (the method) | naive (the paper's baseline)",
-        choices=("exact", "approx", "naive"))
-    opt("--bits", "bits", "bits per stored activation in approx / naive mode", type=int, choices=(1, 2, 4, 8))
-    opt("--dtype", "dtype", "float32 | float64", choices=("float32", "float64"))
-    opt("--batch", "batch", "batch size (also the planned batch of the engine)", type=int)
-    opt("--epochs", "epochs", "epochs to train in total (including those already done)", type=int)
-    opt("--lr", "lr", "base learning rate", type=float)
-    opt("--schedule", "schedule", "step: /10 at 50%% and 75%%; cosine; constant", choices=SCHEDULES)
-    opt("--warmup-iters", "warmup_iters", "iterations at lr/10 first; default: 400, at most 5%% of the run",
-        type=int, metavar="N")
-    opt("--momentum", "momentum", "SGD momentum", type=float)
-    opt("--weight-decay", "weight_decay", "weight decay of conv and FC weights", type=float)
-    parser.add_argument("--nesterov", dest="nesterov", action="store_true", default=S,
-                        help="Nesterov momentum")
-    parser.add_argument("--no-augment", dest="augment", action="store_false", default=S,
-                        help="no random crop / flip")
-    opt("--seed", "seed", "seed of the initial weights, batch order and augmentation", type=int, metavar="S")
-    opt("--out", "out", "run directory: checkpoint, metrics, config (required)", metavar="RUN_DIR")
-    parser.add_argument("--resume", action="store_true", default=False,
-                        help="continue the run in RUN_DIR from its checkpoint (settings come from it)")
-    opt("--time-limit", "time_limit", "stop after this many seconds of training, with a checkpoint", type=float,
-        metavar="SECONDS")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", default=S,
-                        help="no progress bar")
-    return parser
-
-
-def config_from_args(args):
-    """TrainConfig from a namespace of add_train_arguments; with --resume the unset fields
-    come from the checkpoint in --out."""
-    given = {k: v for k, v in vars(args).items() if k in _FIELDS}
-    if given.get("out") is None:
-        raise ValueError("--out RUN_DIR is required")
-    base = {}
-    if getattr(args, "resume", False):
-        path = os.path.join(given["out"], CHECKPOINT)
-        if not os.path.exists(path):
-            raise ResumeError(f"nothing to resume: {path} does not exist")
-        meta = load_checkpoint(path)[1]
-        base = {k: v for k, v in meta.get("config", {}).items() if k in _FIELDS and k not in PER_INVOCATION}
-    return TrainConfig(**{**base, **given})
-
-
-def run_train(args):
-    """`lowmem train`: print the memory plan, train, print the final test accuracy; returns the exit code.
-
-    0 finished; 1 bad input, data or checkpoint; 3 diverged (non-finite loss);
-    4 stopped by --time-limit (resume to continue); 130 / 143 stopped by
-    SIGINT / SIGTERM (a checkpoint was written)."""
-    resume = getattr(args, "resume", False)
-    try:
-        config = config_from_args(args)
-        trainer = Trainer(config, resume=resume)
-        print(trainer.describe(), flush=True)
-        t = time.monotonic()
-        result = trainer.fit()
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_DIVERGED
-    except (ValueError, OSError) as e:       # DataError, CheckpointError, ResumeError are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:                # a second Ctrl-C: no new checkpoint
-        print("aborted; the last checkpoint (if any) is kept", file=sys.stderr)
-        return EXIT_SIGNAL[signal.SIGINT]
-    took = time.monotonic() - t
-    acc = "n/a (no epoch finished)" if result.test_acc is None else f"{result.test_acc:.4f}"
-    if result.status == "finished":
-        print(f"final test accuracy {acc} after {config.epochs} epochs ({took:.0f} s); run in {config.out}")
-        return EXIT_OK
-    print(f"stopped ({result.status}) at epoch {result.epoch:.2f}, last test accuracy {acc} ({took:.0f} s); "
-          f"continue with: lowmem train --out {config.out} --resume")
-    if result.status == "signal":
-        return EXIT_SIGNAL.get(result.signal, 128 + (result.signal or 0))
-    return EXIT_TIME_LIMIT if result.status == "time-limit" else EXIT_OK
-
-
-def main(argv=None):
-    """`python -m lowmem.trainer ...` (the same as `lowmem train ...`)."""
-    parser = add_train_arguments(argparse.ArgumentParser(prog="lowmem train", description=__doc__.split("\n")[0]))
-    return run_train(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

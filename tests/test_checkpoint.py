@@ -313,9 +313,33 @@ def rewrite(path, mutate_header):
     lambda h: h["arrays"][0].update(offset=10 ** 9),                 # points outside the payload
     lambda h: h["arrays"][0].update(shape=[-1, 3]),
     lambda h: h.pop("meta"),
+    lambda h: h.update(meta=[1, 2]),                                 # meta must be an object
+    lambda h: h.update(meta="checkpoint"),
 ])
 def test_resigned_malformed_header_rejected(tmp_path, mutate):
     path = make(tmp_path)
     rewrite(path, mutate)
     with pytest.raises(CheckpointError, match="malformed header"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("meta", [[1, 2], "text", 3])
+def test_meta_must_be_a_dict(tmp_path, meta):
+    with pytest.raises(TypeError, match="checkpoint meta must be a dict"):
+        save_checkpoint(tmp_path / "x.ckpt", {}, meta)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_write_names_the_checkpoint(tmp_path, monkeypatch):
+    path = make(tmp_path)
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError) as info:
+        save_checkpoint(path, {"new": numpy.zeros(10)}, {"v": "new"})
+    assert info.value.errno == 28
+    assert str(info.value) == f"[Errno 28] cannot write checkpoint {str(path)!r}: No space left on device"
+    monkeypatch.undo()
+    assert load_checkpoint(path)[1] == sample_meta()

@@ -1,12 +1,16 @@
 """The `lowmem` command line, run in-process: main([...]) returns the exit
-status and prints to stdout/stderr (captured with capsys)."""
+status and prints to stdout/stderr (captured with capsys); `python -m lowmem`
+and the console script in subprocesses."""
+import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from lowmem import cli
+from lowmem import cli, models
 
 SMALL = ["--depth", "8", "--batch", "4", "--input", "3x16x16"]
 
@@ -137,3 +141,106 @@ def test_module_entry_point_runs():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "memory plan:" in r.stdout
+
+
+def console_script():
+    """The installed `lowmem` script beside this interpreter (or on PATH)."""
+    here = Path(sys.executable).with_name("lowmem")
+    return str(here) if here.exists() else shutil.which("lowmem")
+
+
+@pytest.mark.skipif(console_script() is None, reason="the lowmem console script is not installed")
+@pytest.mark.parametrize("argv, code, words", [
+    (["plan", *SMALL, "--no-schedule", "--rows", "3"], 0, "memory plan:"),
+    (["plan", "--bits", "3"], 2, "invalid choice: 3"),                  # a usage error
+    ([], 2, "usage: lowmem"),                                          # no command: the help
+])
+def test_python_m_lowmem_is_the_lowmem_script(argv, code, words):
+    env = dict(os.environ, COLUMNS="100")
+    module, script = (subprocess.run(cmd + argv, capture_output=True, text=True, timeout=120, env=env)
+                      for cmd in ([sys.executable, "-m", "lowmem"], [console_script()]))
+    assert module.returncode == script.returncode == code, module.stderr
+    assert module.stdout == script.stdout and module.stderr == script.stderr
+    assert words in module.stdout + module.stderr
+
+
+# ---- one model registry, used by every command ------------------------------------------
+
+@pytest.mark.parametrize("command", ["plan", "diagnose", "train", "maxbatch"])
+def test_every_command_offers_the_registry_models(capsys, command):
+    rc, out, _ = run(capsys, command, "--help")
+    assert rc == 0
+    choices = re.search(r"--model \{([^}]*)\}", out).group(1).split(",")
+    assert choices == sorted(models.MODELS)
+
+
+def test_train_builds_its_model_from_the_registry(capsys, tmp_path):
+    # the trainer knew only preact-cifar; an ImageNet depth rule now reaches it
+    rc, _, err = run(capsys, "train", "--model", "preact-imagenet", "--depth", "20", "--dataset", "synthetic",
+                     "--limit-train", "32", "--batch", "16", "--out", str(tmp_path / "run"), "--no-progress")
+    assert rc == 2 and "unsupported depth 20 for preact_resnet_imagenet" in err
+    assert not (tmp_path / "run").exists()                      # refused before anything was written
+
+
+# ---- every bad command line: one line, exit 2 ---------------------------------------------
+
+TRAIN = ["train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8", "--depth", "8",
+         "--batch", "16", "--epochs", "1", "--no-progress"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["diagnose", "--classes", "1", "--depth", "8", "--batch", "4", "--input", "3x8x8", "--batches", "2"],
+     "expected at least 2 classes"),
+    (["diagnose", "--lr", "nan", "--warmup", "1", "--depth", "8", "--batch", "4", "--input", "3x8x8"],
+     "argument --lr: expected a finite number, got 'nan'"),
+    (["plan", "--input", "3x65536x65536", "--measure", "--no-schedule", "--rows", "1"],
+     "of host memory is available"),
+    (["maxbatch", "--budget", "100TiB", "--verify"], "of host memory is available"),
+    (["plan", "--classes", "1"], "expected at least 2 classes"),
+    (TRAIN + ["--momentum", "nan"], "argument --momentum: expected a finite number"),
+    (TRAIN + ["--momentum", "1"], "expected a momentum in [0, 1)"),
+    (TRAIN + ["--lr", "inf"], "argument --lr: expected a finite number"),
+    (TRAIN + ["--lr", "0"], "argument --lr: expected a positive number"),
+    (TRAIN + ["--weight-decay", "-1"], "expected a number >= 0"),
+    (TRAIN + ["--batch", "0"], "argument --batch: expected a positive integer"),
+    (TRAIN + ["--epochs", "-2"], "argument --epochs: expected a positive integer"),
+    (TRAIN + ["--time-limit", "nan"], "argument --time-limit: expected a finite number"),
+    (TRAIN + ["--out", ""], "argument --out: expected a folder name"),
+    (TRAIN, "the following arguments are required: --out"),
+    (TRAIN + ["--out", "OUT", "--resume", "--overwrite"], "not allowed with argument"),
+    (TRAIN + ["--out", "OUT", "--depth", "21"], "unsupported depth 21"),
+    (TRAIN + ["--out", "OUT", "--batch", "64"], "limit_train=32: expected at least batch=64 images"),
+])
+def test_bad_command_lines_end_in_one_line_and_exit_2(capsys, tmp_path, argv, words):
+    argv = [str(tmp_path / "run") if a == "OUT" else a for a in argv]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2, (out, err)
+    assert words in err.strip().splitlines()[-1], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()                      # nothing was written
+
+
+def test_fashion_mnist_pad_to_with_a_small_limit_is_refused_before_loading(capsys, tmp_path, monkeypatch):
+    # the limit is checked before any image is padded (it padded all 60,000 to 1000x1000 first)
+    from lowmem import data
+    monkeypatch.setattr(data, "load_fashion_mnist", lambda *a, **k: pytest.fail("data were loaded"))
+    rc, _, err = run(capsys, "train", "--dataset", "fashion-mnist", "--pad-to", "1000", "--limit-train", "16",
+                     "--out", str(tmp_path / "run"))
+    assert rc == 2 and "limit_train=16: expected at least batch=128" in err
+
+
+def test_maxbatch_says_when_the_search_cap_bound_the_batch(capsys):
+    rc, out, _ = run(capsys, "maxbatch", "--depth", "8", "--input", "3x8x8", "--budget", "10TiB")
+    assert rc == 0
+    assert "largest batch searched 16,777,216 = 2^24, the search's cap, not the budget" in out
+    assert "would plan" not in out
+    rc, out, _ = run(capsys, "maxbatch", "--depth", "8", "--input", "3x8x8", "--budget", "2MiB")
+    assert rc == 0 and "cap" not in out and re.search(r"largest batch \d+ \(batch \d+ would plan", out)
+
+
+def test_ctrl_c_in_any_command_exits_130_with_a_message(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setitem(cli.COMMANDS, "plan", cli.COMMANDS["plan"][:2] + (interrupted,))
+    rc, _, err = run(capsys, "plan")
+    assert rc == 130 and err.strip() == "lowmem plan: error: interrupted"

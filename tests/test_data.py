@@ -607,3 +607,21 @@ def test_batch_iterator_exact_resume():
     other = BatchIterator(y, y, 5, shuffle=True, seed=10, drop_last=True)
     with pytest.raises(DataError, match="seed"):
         other.load_state_dict(state)
+
+
+def test_fashion_mnist_limits_apply_before_padding(no_env, monkeypatch):
+    """Only the images kept are padded: the limit is what decides the memory padding takes."""
+    from lowmem import sysmem
+    arrays = _make_fashion(no_env / "d", gz=False, n_train=50, n_test=20)
+    padded = []
+    real_pad = data.pad_images
+    monkeypatch.setattr(data, "pad_images", lambda x, size: padded.append(len(x)) or real_pad(x, size))
+    # 3 images at 1000x1000 fit in 4 MB; all 50 (50 MB) would not
+    monkeypatch.setattr(sysmem, "available_bytes", lambda xp=None: 4_000_000)
+    ds = load_dataset("fashion-mnist", data_dir=no_env / "d", pad_to=1000, limit_train=3, limit_test=1)
+    assert padded == [3, 1] and ds.x_train.shape == (3, 1, 1000, 1000)
+    np.testing.assert_array_equal(ds.x_train[:, 0, 486:514, 486:514], arrays["train-images-idx3-ubyte"][:3])
+    np.testing.assert_array_equal(ds.y_train, arrays["train-labels-idx1-ubyte"][:3])
+    with pytest.raises(sysmem.NotEnoughMemory, match=r"padding 50 images to 1000x1000 needs 47.68 MiB .* "
+                                                     r"only 3.81 MiB of host memory is available"):
+        load_dataset("fashion-mnist", data_dir=no_env / "d", pad_to=1000, limit_test=1)

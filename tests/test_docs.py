@@ -31,7 +31,7 @@ def examples(path):
     lines = path.read_text().splitlines()
     found, i = [], 0
     while i < len(lines):
-        if lines[i].strip() == "<!-- runnable -->":
+        if lines[i].rstrip() == "<!-- runnable -->":      # at the margin (indented: an example of it)
             kind, body, i = _block(lines, i + 1)
             start = i
             if kind == "console":

@@ -1,11 +1,12 @@
-"""lowmem.maxbatch: the largest batch whose plan fits a budget, the budget parser, the CLI pieces."""
+"""lowmem.maxbatch: the largest batch whose plan fits a budget, the budget parser; `lowmem maxbatch` (cli.py)."""
 import argparse
 import re
 
 import pytest
 
 from lowmem import models
-from lowmem.maxbatch import add_maxbatch_arguments, max_batch, parse_bytes, planned_engine, run_maxbatch
+from lowmem.cli import maxbatch_arguments, maxbatch_command
+from lowmem.maxbatch import max_batch, parse_bytes, planned_engine
 
 TINY = (3, 8, 8)
 
@@ -74,7 +75,7 @@ def test_parse_bytes_errors(text, words):
 
 def parser():
     p = argparse.ArgumentParser(prog="lowmem maxbatch")
-    add_maxbatch_arguments(p)
+    maxbatch_arguments(p)
     return p
 
 
@@ -88,7 +89,7 @@ def test_bad_budget_is_a_usage_error(capsys):
 def test_cli_prints_batch_and_plan_by_kind(capsys):
     args = parser().parse_args(["--depth", "8", "--input", "3x8x8", "--classes", "4", "--budget", "2MiB",
                                 "--mode", "approx", "--bits", "2"])
-    assert run_maxbatch(args) == 0
+    assert maxbatch_command(args) == 0
     out = capsys.readouterr().out
     n = int(re.search(r"largest batch (\d+)", out).group(1))
     assert total(n, "approx", 2) <= 2 << 20 < total(n + 1, "approx", 2)
@@ -103,7 +104,7 @@ def test_cli_verify_measures_a_real_step(capsys):
     # which --verify reports with a suggested --reserve
     argv = ["--depth", "8", "--input", "3x16x16", "--classes", "4", "--budget", "16MiB",
             "--mode", "approx", "--bits", "4", "--verify"]
-    rc = run_maxbatch(parser().parse_args(argv))
+    rc = maxbatch_command(parser().parse_args(argv))
     out = capsys.readouterr().out
     assert "measured (tracemalloc, 2 training steps" in out
     if rc == 1:
@@ -112,7 +113,7 @@ def test_cli_verify_measures_a_real_step(capsys):
     else:
         assert rc == 0 and "is within the budget" in out
         reserve = "1MiB"
-    assert run_maxbatch(parser().parse_args(argv + ["--reserve", reserve])) == 0
+    assert maxbatch_command(parser().parse_args(argv + ["--reserve", reserve])) == 0
     out = capsys.readouterr().out
     assert "less a reserve of" in out
     assert re.search(r"verify: measured steady-state peak .* is within the budget", out)
@@ -121,4 +122,4 @@ def test_cli_verify_measures_a_real_step(capsys):
 def test_reserve_must_be_below_budget():
     args = parser().parse_args(["--depth", "8", "--input", "3x8x8", "--budget", "1MiB", "--reserve", "1MiB"])
     with pytest.raises(ValueError, match="--reserve .* must be smaller than --budget"):
-        run_maxbatch(args)
+        maxbatch_command(args)

@@ -379,3 +379,61 @@ def test_wide_resnet_matches_the_pytorch_reference():
     assert rel(loss, tloss.item()) < 1e-9 and rel(logits, tl.detach().numpy()) < 1e-9
     for n, p in model.named_parameters():
         assert rel(net.params[n].grad, p.grad.numpy()) < 1e-9, n
+
+
+# ---- the registry ----------------------------------------------------------------------
+
+def test_registry_builds_every_family_with_its_defaults():
+    from lowmem.models import MODELS, build_model, model_spec
+    assert sorted(MODELS) == ["preact-cifar", "preact-imagenet", "vgg-bn",
+                              "wrn-1", "wrn-10", "wrn-2", "wrn-4", "wrn-8"]
+    for name, depth in (("preact-cifar", 8), ("preact-imagenet", 18), ("vgg-bn", 11), ("wrn-4", 16)):
+        spec = model_spec(name)
+        net = build_model(name, depth)
+        assert net.num_classes == spec.num_classes and net.in_channels == spec.input_shape[0]
+        assert net.num_params() == spec.build(depth).num_params()          # the builder, unchanged
+        assert str(depth) in spec.depth_help or "6n+" in spec.depth_help
+    assert build_model("preact-cifar", 8, num_classes=3, in_channels=1).num_params() == \
+        preact_resnet_cifar(8, num_classes=3, in_channels=1).num_params()
+    assert build_model("wrn-4", 16).num_params() == 2_748_890                # WRN-16-4
+    with pytest.raises(ValueError, match="unknown model 'vgg': expected one of preact-cifar, preact-imagenet, vgg-bn"):
+        build_model("vgg", 16)
+
+
+# ---- load_state_dict refuses what would load silently wrong --------------------------------
+
+@pytest.mark.parametrize("entry, value, words", [
+    ("conv1.weight", lambda v: np.where(v > 0, np.nan, v), r"'conv1.weight' holds NaN or inf"),
+    ("fc.bias", lambda v: v + np.inf, r"'fc.bias' holds NaN or inf"),
+    ("fc.bias", lambda v: v.astype(np.float64) + 1e39, r"'fc.bias' holds NaN or inf \(after conversion to float32"),
+    ("layer1.0.bn1.running_var", lambda v: v - 2, r"'layer1.0.bn1.running_var' has a negative running variance"),
+    ("layer1.0.bn1.running_mean", lambda v: v.astype(np.int64), r"'layer1.0.bn1.running_mean' is an integer array"),
+    ("fc.weight", lambda v: v.astype(np.complex64), r"'fc.weight' is a complex array"),
+    ("fc.bias", lambda v: v > 0, r"'fc.bias' is a bool array"),
+    ("fc.bias", lambda v: [int(t) for t in v], r"'fc.bias' is an integer array"),
+])
+def test_load_state_dict_refuses_bad_values_by_name(entry, value, words):
+    net = preact_resnet_cifar(8)
+    good = net.state_dict()
+    before = copy.deepcopy(good)
+    bad = {k: v + 1 for k, v in good.items()}      # everything else changed: nothing may be copied
+    bad[entry] = value(good[entry])
+    with pytest.raises(ValueError, match=words):
+        net.load_state_dict(bad)
+    for k, v in net.state_dict().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
+@pytest.mark.parametrize("d", [None, [("fc.bias", np.zeros(10))], "weights.ckpt", 3])
+def test_load_state_dict_wants_a_dict(d):
+    with pytest.raises(TypeError, match=r"load_state_dict expects a dict name -> array .* got "
+                                        + type(d).__name__):
+        preact_resnet_cifar(8).load_state_dict(d)
+
+
+def test_load_state_dict_accepts_float64_and_zero_variance():
+    net = preact_resnet_cifar(8)
+    d = {k: v.astype(np.float64) for k, v in net.state_dict().items()}
+    d["layer1.0.bn1.running_var"][:] = 0                    # a dead channel: variance 0 is legal
+    net.load_state_dict(d)
+    assert (net.stats["layer1.0.bn1.running_var"] == 0).all()

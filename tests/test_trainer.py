@@ -3,8 +3,8 @@
 Most tests train preact_resnet_cifar(8) on 16x16 synthetic images (8 steps an
 epoch, well under a second); the last one trains on real Fashion-MNIST.
 """
-import argparse
 import json
+import math
 import os
 import signal
 
@@ -15,11 +15,14 @@ from lowmem import checkpoint
 from lowmem.checkpoint import CheckpointError, load_checkpoint
 from lowmem.data import Dataset, channel_mean_std, synthetic
 from lowmem.models import preact_resnet_cifar
-from lowmem.trainer import (CHECKPOINT, EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_TIME_LIMIT, ResumeError,
-                            TrainConfig, Trainer, TrainingDiverged, add_train_arguments, load_model_state,
-                            lr_at, read_metrics, run_train)
+from lowmem import cli
+from lowmem.cli import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_TIME_LIMIT, EXIT_USAGE
+from lowmem.checkpoint import save_checkpoint
+from lowmem.trainer import (CHECKPOINT, METRICS, ConfigError, ResumeError, TrainConfig, Trainer, TrainingDiverged,
+                            load_model_state, lr_at, read_metrics)
 
 STEPS = 8       # per epoch: 128 training images, batch 16
+RUN_FILES = ["checkpoint.ckpt", "config.json", "lowmem-run.json", "lowmem-run.lock", "metrics.jsonl", "plan.txt"]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +60,9 @@ def assert_bitwise(a, b):
         assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
 
 
-def parse(argv):
-    return add_train_arguments(argparse.ArgumentParser()).parse_args(argv)
+def run_train(argv):
+    """`lowmem train argv...` in-process; returns the exit status."""
+    return cli.main(["train", *argv])
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -86,7 +90,7 @@ def test_cosine_schedule_and_default_warmup():
 def test_run_directory_metrics_and_checkpoint(tiny_data, tmp_path):
     trainer, result = train(tiny_data, tmp_path)
     assert result.status == "finished" and result.iteration == 2 * STEPS
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint.ckpt", "config.json", "metrics.jsonl", "plan.txt"]
+    assert sorted(os.listdir(tmp_path)) == RUN_FILES
     assert json.loads((tmp_path / "config.json").read_text())["depth"] == 8
     epochs = [r for r in read_metrics(tmp_path) if r["event"] == "epoch"]
     assert [r["epoch"] for r in epochs] == [1, 2] and [r["iteration"] for r in epochs] == [8, 16]
@@ -179,7 +183,7 @@ def test_resume_into_another_architecture_is_refused(tiny_data, tmp_path):
     other = preact_resnet_cifar(14, num_classes=10, in_channels=3)
     with pytest.raises(ResumeError, match=r"preact-resnet8-cifar, not preact-resnet14-cifar.*missing \['layer1.1"):
         load_model_state(tmp_path / CHECKPOINT, other)
-    assert run_train(parse(["--out", str(tmp_path), "--resume", "--depth", "14"])) == EXIT_ERROR
+    assert run_train(["--out", str(tmp_path), "--resume", "--depth", "14"]) == EXIT_ERROR
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
@@ -195,7 +199,7 @@ def test_a_damaged_checkpoint_is_refused(tiny_data, tmp_path, damage, capsys):
     message = "truncated" if damage == "truncate" else "checksum mismatch"
     with pytest.raises(CheckpointError, match=message):
         Trainer(tiny_config(tmp_path), dataset=tiny_data, resume=True, log=quiet)
-    assert run_train(parse(["--out", str(tmp_path), "--resume"])) == EXIT_ERROR
+    assert run_train(["--out", str(tmp_path), "--resume"]) == EXIT_ERROR
     assert message in capsys.readouterr().err
 
 
@@ -227,10 +231,11 @@ def test_a_crash_while_writing_keeps_the_last_checkpoint(tiny_data, tmp_path, mo
     def crash_from_now_on(trainer, record):
         monkeypatch.setattr(checkpoint, "open", lambda *a: Dies(open(*a)), raising=False)
 
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(OSError, match="simulated") as info:
         train(tiny_data, tmp_path, on_epoch=crash_from_now_on)
+    assert f"cannot write checkpoint {str(path)!r}" in str(info.value)    # the message names the file
     monkeypatch.undo()
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint.ckpt", "config.json", "metrics.jsonl", "plan.txt"]
+    assert sorted(os.listdir(tmp_path)) == RUN_FILES
     assert load_checkpoint(path)[1]["iteration"] == STEPS            # epoch 1's, intact
     trainer, result = train(tiny_data, tmp_path, resume=True)
     assert result.status == "finished"
@@ -241,10 +246,10 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, ca
     out = tmp_path / "run"
     args = ["--dataset", "synthetic", "--limit-train", "128", "--limit-test", "16", "--depth", "8",
             "--batch", "16", "--out", str(out), "--no-progress"]
-    assert run_train(parse(args + ["--epochs", "1", "--lr", "0.05"])) == EXIT_OK
+    assert run_train(args + ["--epochs", "1", "--lr", "0.05"]) == EXIT_OK
     good = (out / CHECKPOINT).read_bytes()
     capsys.readouterr()
-    code = run_train(parse(["--out", str(out), "--resume", "--epochs", "4", "--lr", "1e6"]))
+    code = run_train(["--out", str(out), "--resume", "--epochs", "4", "--lr", "1e6"])
     assert code == EXIT_DIVERGED
     err = capsys.readouterr().err
     assert "non-finite" in err and "last good checkpoint" in err and str(out / CHECKPOINT) in err
@@ -268,18 +273,138 @@ def test_cli_prints_the_plan_trains_and_resumes(tmp_path, capsys):
     out = str(tmp_path / "run")
     args = ["--dataset", "synthetic", "--limit-train", "64", "--limit-test", "20", "--depth", "8",
             "--batch", "16", "--epochs", "1", "--mode", "exact", "--out", out, "--no-progress"]
-    assert run_train(parse(args + ["--time-limit", "1e-9"])) == EXIT_TIME_LIMIT      # one step, then stop
+    assert run_train(args + ["--time-limit", "1e-9"]) == EXIT_TIME_LIMIT      # one step, then stop
     text = capsys.readouterr().out
     assert "preact-resnet8-cifar: 77,850 params, batch 16" in text
     assert "planned memory by kind" in text and "saved" in text and "total" in text
     assert "stopped (time-limit) at epoch 0.25" in text and "--resume" in text
     # --resume takes the settings from the checkpoint; --epochs may grow
-    assert run_train(parse(["--out", out, "--resume", "--epochs", "2"])) == EXIT_OK
+    assert run_train(["--out", out, "--resume", "--epochs", "2"]) == EXIT_OK
     text = capsys.readouterr().out
     assert "note: resuming with epochs 2 (checkpoint 1)" in text and "resuming at iteration 1" in text
     assert "final test accuracy" in text
     assert [r["epoch"] for r in read_metrics(out) if r["event"] == "epoch"] == [1, 2]
-    assert run_train(parse(args[:-3])) == EXIT_ERROR               # no --out
+    assert run_train(args[:-3]) == EXIT_USAGE               # no --out: a bad command line
+
+
+# ----------------------------------------------------------------------------- the step, the edges
+
+def test_the_step_is_engine_train_step_and_its_error_is_a_divergence(tiny_data, tmp_path, monkeypatch):
+    trainer = Trainer(tiny_config(tmp_path), dataset=tiny_data, log=quiet)
+    calls, real = [], trainer.engine.train_step
+
+    def train_step(x, labels, opt):
+        calls.append(len(x))
+        if len(calls) == STEPS + 3:
+            raise FloatingPointError("non-finite loss nan (learning rate too high?)")
+        return real(x, labels, opt)
+    monkeypatch.setattr(trainer.engine, "train_step", train_step)
+    with pytest.raises(TrainingDiverged, match=r"non-finite loss nan .* at iteration 11 \(epoch 2, step 3"):
+        trainer.fit()
+    assert calls == [16] * (STEPS + 3)
+    assert load_checkpoint(tmp_path / CHECKPOINT)[1]["iteration"] == STEPS        # the last good one
+    assert read_metrics(tmp_path)[-1]["reason"] == "diverged"
+
+
+def strict_records(run_dir):
+    """metrics.jsonl parsed as strict JSON: NaN / Infinity are not JSON."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} in metrics.jsonl")
+    return [json.loads(line, parse_constant=refuse) for line in (run_dir / METRICS).read_text().splitlines()]
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid:RuntimeWarning")
+def test_a_non_finite_test_loss_stops_the_run_and_metrics_stay_strict_json(tiny_data, tmp_path):
+    def overflow_the_logits(trainer, loss):         # finite weights, but logits of inf on every image
+        if trainer.iteration == STEPS:
+            trainer.net.params["fc.weight"].data[0] = 3e38
+    with pytest.raises(TrainingDiverged, match="non-finite test loss"):
+        train(tiny_data, tmp_path, on_step=overflow_the_logits)
+    records = strict_records(tmp_path)
+    epoch = [r for r in records if r["event"] == "epoch"]
+    assert len(epoch) == 1 and epoch[0]["test_loss"] is None and math.isfinite(epoch[0]["train_loss"])
+    assert records[-1]["reason"] == "diverged"
+    assert not (tmp_path / CHECKPOINT).exists()                  # that state was never saved
+
+
+def test_resuming_a_finished_run_says_so_and_writes_nothing(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8", "--depth", "8", "--batch", "16",
+            "--out", str(out), "--no-progress"]
+    assert run_train(args + ["--epochs", "2"]) == EXIT_OK
+    before = {n: (out / n).read_bytes() for n in (CHECKPOINT, METRICS)}
+    capsys.readouterr()
+    assert run_train(["--out", str(out), "--resume"]) == EXIT_OK              # the same --epochs
+    assert "already finished" in capsys.readouterr().out
+    assert run_train(["--out", str(out), "--resume", "--epochs", "1"]) == EXIT_ERROR   # fewer
+    assert "has already trained 2 epochs (iteration 4), more than epochs=1" in capsys.readouterr().err
+    assert {n: (out / n).read_bytes() for n in (CHECKPOINT, METRICS)} == before       # no second record
+    assert [r["reason"] for r in strict_records(out) if r["event"] == "stop"] == ["finished"]
+
+
+def test_a_second_ctrl_c_while_stopping_exits_130_with_a_message(tmp_path, capsys, monkeypatch):
+    """The first Ctrl-C stopped the run; the second lands as the stop is reported."""
+    def print_(*a, **k):
+        if a and str(a[0]).startswith("stopped ("):
+            raise KeyboardInterrupt
+        print(*a, **k)
+    monkeypatch.setattr(cli, "print", print_, raising=False)
+    args = ["--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8", "--depth", "8", "--batch", "16",
+            "--out", str(tmp_path / "run"), "--no-progress", "--time-limit", "1e-9"]
+    assert run_train(args) == 130
+    assert "aborted by a second Ctrl-C; the last checkpoint (if any) is kept" in capsys.readouterr().err
+    assert load_checkpoint(tmp_path / "run" / CHECKPOINT)[1]["iteration"] == 1
+
+
+def test_a_full_disk_names_the_checkpoint(tmp_path, capsys, monkeypatch):
+    real = checkpoint.open if hasattr(checkpoint, "open") else open
+
+    def full(path, mode="r", *a):
+        f = real(path, mode, *a)
+        if "x" in mode:
+            f.write = lambda b: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+        return f
+    monkeypatch.setattr(checkpoint, "open", full, raising=False)
+    out = tmp_path / "run"
+    args = ["--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8", "--depth", "8", "--batch", "16",
+            "--out", str(out), "--no-progress", "--epochs", "1"]
+    assert run_train(args) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert f"cannot write checkpoint {str(out / CHECKPOINT)!r}: No space left on device" in err
+    assert not [n for n in os.listdir(out) if n.startswith(CHECKPOINT)]    # no half-written file
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda m: m.pop("config"), "'config' is missing"),
+    (lambda m: m.pop("optimizer"), "'optimizer' is missing"),
+    (lambda m: m.pop("epoch_sums"), "'epoch_sums' is missing"),
+    (lambda m: m.update(epoch_sums=[1, 2]), "'epoch_sums' is a list, expected a dict"),
+    (lambda m: m.update(iteration="8"), "'iteration' is a str"),
+    (lambda m: m.update(optimizer={"lr": float("nan"), "started": True}), "SGD lr must be a finite number"),
+    (lambda m: m.update(rng={"bit_generator": "nonsense"}), "malformed training metadata"),
+])
+def test_malformed_checkpoint_metadata_is_a_clear_error(tiny_data, tmp_path, capsys, damage, words):
+    train(tiny_data, tmp_path, epochs=1)
+    path = tmp_path / CHECKPOINT
+    arrays, meta = load_checkpoint(path)
+    damage(meta)
+    save_checkpoint(path, arrays, meta)                          # a well-formed file with bad contents
+    with pytest.raises(CheckpointError, match=words):
+        Trainer(tiny_config(tmp_path), dataset=tiny_data, resume=True, log=quiet)
+    assert run_train(["--out", str(tmp_path), "--resume"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and (words in err or "malformed training metadata" in err), err
+
+
+def test_config_refuses_what_sgd_and_the_run_folder_would(tmp_path):
+    for kw, words in [({"momentum": float("nan")}, "momentum=nan"), ({"momentum": 1.0}, "in \\[0, 1\\)"),
+                      ({"weight_decay": float("inf")}, "weight_decay=inf"), ({"lr": float("nan")}, "lr=nan"),
+                      ({"out": ""}, "out='': expected a folder name"), ({"model": "vgg"}, "model='vgg'"),
+                      ({"bits": 3}, "bits=3"), ({"limit_train": 8}, "limit_train=8: expected at least batch=16"),
+                      ({"dataset": "fashion-mnist", "pad_to": 20}, "pad_to=20: expected 0 .* or at least 28"),
+                      ({"nesterov": True, "momentum": 0}, "nesterov=True")]:
+        with pytest.raises(ConfigError, match=words):
+            tiny_config(**kw).validate()
 
 
 # ----------------------------------------------------------------------------- a real run
@@ -295,6 +420,6 @@ def test_fashion_mnist_approx_4bit_learns(tmp_path, capsys):
     args = ["--dataset", "fashion-mnist", "--pad-to", "0", "--limit-train", "6400", "--limit-test", "2000",
             "--depth", "8", "--mode", "approx", "--bits", "4", "--batch", "32", "--epochs", "2",
             "--lr", "0.1", "--schedule", "cosine", "--no-augment", "--out", str(tmp_path), "--no-progress"]
-    assert run_train(parse(args)) == EXIT_OK
+    assert run_train(args) == EXIT_OK
     final = [r for r in read_metrics(tmp_path) if r["event"] == "epoch"][-1]
     assert final["iteration"] == 400 and final["test_acc"] >= 0.75, final
