@@ -36,10 +36,11 @@ import os
 import signal
 import sys
 import time
+import traceback
 
 import numpy
 
-from . import argtypes, backend, export, models, quant, sysmem
+from . import argtypes, backend, distributed, export, models, quant, sysmem
 from .engine import DEFAULT_WORKSPACE_BYTES, DTYPES, MODES, Engine
 from .maxbatch import MAX_BATCH, max_batch, parse_bytes, planned_engine
 from .plan import KINDS, fmt_bytes
@@ -297,6 +298,8 @@ def train_arguments(parser):
         type=argtypes.positive_number, metavar="SECONDS")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=S,
                         help="no progress bar")
+    parser.add_argument("--sync-bn", dest="sync_bn", action="store_true", default=S,
+                        help="under mpiexec: batch-norm statistics over the global batch (default: per rank)")
     return parser
 
 
@@ -315,24 +318,40 @@ def config_from_args(args):
 
 def train_command(args):
     """`lowmem train`: print the memory plan, train, print the final test accuracy; returns the
-    exit code (the module docstring's table; a second Ctrl-C while stopping also gives 130)."""
+    exit code (the module docstring's table; a second Ctrl-C while stopping also gives 130).
+
+    Under mpiexec (lowmem.distributed): one model on every rank, --batch the global batch;
+    rank 0 prints and writes the run folder; a rank that fails ends the whole job (MPI_Abort)
+    with its message and exit code, so no rank waits forever on it."""
+    comm = None
     try:
-        return _train(args)
+        comm = distributed.get_communicator(xp=backend.xp)
+        code = _train(args, comm)
     except KeyboardInterrupt:                # a second Ctrl-C, wherever it lands: no new checkpoint
         print("lowmem train: aborted by a second Ctrl-C; the last checkpoint (if any) is kept",
               file=sys.stderr)
-        return EXIT_SIGNAL[signal.SIGINT]
+        code = EXIT_SIGNAL[signal.SIGINT]
+    except BaseException:
+        if comm is None or comm.size == 1:
+            raise
+        traceback.print_exc()
+        code = EXIT_ERROR
+    if comm is not None and comm.size > 1 and code not in (EXIT_OK, EXIT_TIME_LIMIT) and code < 128:
+        sys.stderr.flush()
+        comm.abort(code)                     # the other ranks may be inside a collective
+    return code
 
 
-def _train(args):
+def _train(args, comm):
     def error(e, code):
         print(f"lowmem train: error: {e}", file=sys.stderr)
         return code
 
     try:
         config = config_from_args(args)
-        trainer = Trainer(config, resume=args.resume, overwrite=args.overwrite)
-        print(trainer.describe(), flush=True)
+        trainer = Trainer(config, resume=args.resume, overwrite=args.overwrite, comm=comm)
+        if trainer.lead:
+            print(trainer.describe(), flush=True)
         t = time.monotonic()
         result = trainer.fit()
     except TrainingDiverged as e:
@@ -342,6 +361,10 @@ def _train(args):
     except (ValueError, OSError) as e:       # DataError, CheckpointError, RunDirError, ResumeError; disk
         return error(e, EXIT_ERROR)
     took = time.monotonic() - t
+    if not trainer.lead:                     # rank 0 reports; the others exit as it does
+        return EXIT_OK if result.status in ("finished",) or result.already_finished else (
+            EXIT_SIGNAL.get(result.signal, 128 + (result.signal or 0)) if result.status == "signal" else
+            EXIT_TIME_LIMIT if result.status == "time-limit" else EXIT_OK)
     acc = "n/a (no epoch finished)" if result.test_acc is None else f"{result.test_acc:.4f}"
     if result.already_finished:
         print(f"already finished: {result.checkpoint} has done {result.epoch:g} epochs (--epochs "

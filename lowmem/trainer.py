@@ -58,7 +58,7 @@ import time
 import numpy
 from tqdm import tqdm
 
-from . import __version__, backend, quant, rundir, sysmem
+from . import __version__, backend, distributed, quant, rundir, sysmem
 from .checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
 from .data import BatchIterator, DataError, augment, load_dataset, normalize
 from .engine import DTYPES, MODES, Engine
@@ -104,6 +104,7 @@ class TrainConfig:
     out: str = None                 # run directory (None: write nothing)
     time_limit: float = None        # seconds; stop with a checkpoint after this long
     progress: bool = True           # tqdm bar (only on a terminal)
+    sync_bn: bool = False           # data parallel: batch norm over the global batch (all ranks)
 
     FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "dtype",
              "batch", "augment", "seed")
@@ -215,13 +216,18 @@ class Trainer:
     The run folder is locked from construction to the end of fit() (or close()).
     on_step(trainer, loss) after every step; on_epoch(trainer, record) after
       every epoch. Either may call trainer.request_stop(reason).
-    log: where messages go (default: tqdm.write, which keeps bars intact)."""
+    log: where messages go (default: tqdm.write, which keeps bars intact).
+    comm: a lowmem.distributed communicator (default: from the launcher). Data parallel: every
+      rank draws the same global batch and augmentation and trains on its shard (config.batch
+      stays the global batch); rank 0 alone writes the run folder."""
 
     def __init__(self, config, dataset=None, resume=False, overwrite=False, on_step=None, on_epoch=None,
-                 log=None):
+                 log=None, comm=None):
         self.config = config.validate()
+        self.comm = comm if comm is not None else distributed.get_communicator(xp=backend.xp)
+        self.lead = self.comm.rank == 0
         self.on_step, self.on_epoch = on_step, on_epoch
-        self.log = log or tqdm.write
+        self.log = (log or tqdm.write) if self.lead else (lambda *a, **k: None)
         self.out = config.out
         self.ckpt_path = os.path.join(self.out, CHECKPOINT) if self.out else None
         if resume and not self.out:
@@ -229,7 +235,7 @@ class Trainer:
         if overwrite and not self.out:
             raise ConfigError("overwrite needs a run directory (out)")
         # the folder is locked from here to the end of fit(): no other run can pass these checks too
-        self._run = rundir.claim(self.out, resume=resume, overwrite=overwrite) if self.out else None
+        self._run = rundir.claim(self.out, resume=resume, overwrite=overwrite) if self.out and self.lead else None
         try:
             self._build(config, dataset, resume)
         except BaseException:
@@ -248,15 +254,17 @@ class Trainer:
             raise ConfigError(f"batch={c.batch} is larger than the {len(self.data.x_train)} training images: "
                               f"an epoch drops its last partial batch, so no step would run")
         try:
+            self.part = distributed.shard(c.batch, self.comm)      # this rank's part of each batch
             self.net = build_model(c.model, c.depth, num_classes=self.data.num_classes,
                                    in_channels=self.data.input_shape[0], seed=c.seed)
-            planned = Engine(self.net, c.batch, self.data.input_shape, mode=c.mode, bits=c.bits,
-                             dtype=c.dtype, allocate=False)
+            engine_args = dict(batch_size=c.batch // self.comm.size, input_shape=self.data.input_shape,
+                               mode=c.mode, bits=c.bits, dtype=c.dtype, comm=self.comm, sync_bn=c.sync_bn)
+            planned = Engine(self.net, allocate=False, **engine_args)
         except ValueError as e:                     # the builder or the engine refuses these settings
             raise ConfigError(str(e)) from None
         sysmem.require(planned.plan.total_bytes, f"training {self.net.name} at batch {c.batch} "
                        f"(its memory plan)", planned.xp)
-        self.engine = Engine(self.net, c.batch, self.data.input_shape, mode=c.mode, bits=c.bits, dtype=c.dtype)
+        self.engine = Engine(self.net, **engine_args)
         self.opt = SGD(self.net.parameters(), lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
                        nesterov=c.nesterov)
         self.batches = BatchIterator(self.data.x_train, self.data.y_train, c.batch, shuffle=True,
@@ -267,9 +275,10 @@ class Trainer:
         self.total_iters = self.steps_per_epoch * c.epochs
         # the batch pipeline's preallocated arrays: uint8 after augmentation, then the engine's dtype
         xp, shape = self.engine.xp, (c.batch,) + self.data.input_shape
-        self._x_u8 = numpy.empty(shape, numpy.uint8)
-        self._x_u8_dev = xp.empty(shape, numpy.uint8) if xp is not numpy else self._x_u8
-        self._x = xp.empty(shape, self.engine.dtype)
+        local = (self.engine.N,) + self.data.input_shape
+        self._x_u8 = numpy.empty(shape, numpy.uint8)           # the global batch, augmented
+        self._x_u8_dev = xp.empty(local, numpy.uint8) if xp is not numpy else self._x_u8
+        self._x = xp.empty(local, self.engine.dtype)
         self.iteration = 0
         self._sums = {"loss": 0.0, "correct": 0, "seen": 0, "time": 0.0}    # of the current epoch
         self.last_eval = None
@@ -305,6 +314,8 @@ class Trainer:
         lines += [f"  {k:<10} {fmt_bytes(by[k]):>12}" for k in KINDS if by[k]]
         lines.append(f"  {'total':<10} {fmt_bytes(self.engine.plan.total_bytes):>12}")
         w = warmup_iters(c, self.total_iters)
+        lines.append(f"{self.comm.describe()}, per-rank batch {self.engine.N}"
+                     + (", synchronized batch norm" if c.sync_bn else ""))
         lines.append(f"data: {self.data!r}")
         lines.append(f"training: {c.epochs} epochs x {self.steps_per_epoch} steps = {self.total_iters} "
                      f"iterations, lr {c.lr:g} ({c.schedule}"
@@ -318,16 +329,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def _batch(self, xb, yb, train):
-        """Augment (training) and normalise a uint8 batch into the preallocated arrays."""
-        n = len(xb)
+        """Augment (training) and normalise a uint8 batch into the preallocated arrays.
+
+        The whole (global) batch is augmented, so every rank makes the same random draws;
+        then this rank keeps its shard: rows [n*r/R, n*(r+1)/R) of n."""
+        n, r, size = len(xb), self.comm.rank, self.comm.size
         u8 = self._x_u8[:n]
         if train and self.config.augment:
             augment(u8, xb, self.rng)
         else:
             u8[...] = xb
+        lo, hi = n * r // size, n * (r + 1) // size
+        u8, yb = u8[lo:hi], yb[lo:hi]
         if self._x_u8_dev is not self._x_u8:
-            self._x_u8_dev[:n].set(u8)
-        x = normalize(self._x[:n], self._x_u8_dev[:n], self.data.mean, self.data.std)
+            self._x_u8_dev[:hi - lo].set(u8)
+            u8 = self._x_u8_dev[:hi - lo]
+        x = normalize(self._x[:hi - lo], u8, self.data.mean, self.data.std)
         return x, self.engine.xp.asarray(yb)
 
     # ------------------------------------------------------------------ train
@@ -353,14 +370,15 @@ class Trainer:
     def _fit(self):
         t0 = time.monotonic()
         spe = self.steps_per_epoch
-        if self.out:
+        if self.out and self.lead:
             self._prepare_run_dir()
         with self._signal_handlers():
             while self.iteration < self.total_iters and not self._stop:
                 epoch, b = divmod(self.iteration, spe)
                 self.batches.set_epoch(epoch, b)
                 bar = tqdm(total=spe, initial=b, desc=f"epoch {epoch + 1}/{self.config.epochs}",
-                           disable=None if self.config.progress else True, leave=False, dynamic_ncols=True)
+                           disable=None if self.config.progress and self.lead else True, leave=False,
+                           dynamic_ncols=True)
                 for xb, yb in self.batches:
                     loss = self._step(xb, yb)
                     s = self._sums
@@ -373,14 +391,31 @@ class Trainer:
                         self.on_step(self, loss)
                     if self.config.time_limit and time.monotonic() - t0 >= self.config.time_limit:
                         self.request_stop("time-limit")
+                    self._agree_on_stop()
                     if self._stop and self.iteration % spe:
                         break                       # mid-epoch stop; at the epoch's end finish it first
                 bar.close()
                 if self.iteration % spe == 0:
                     self._end_epoch()
                 elif self.out:
-                    self.save()
+                    self._save_mid_epoch()
         return self._finish()
+
+    def _agree_on_stop(self):
+        """Data parallel: every rank stops at the same step (a signal or a time limit seen by one)."""
+        if self.comm.size == 1:
+            return
+        flags = numpy.array([self._stop == "signal", self._stop == "time-limit"], numpy.float64)
+        self.comm.allreduce(flags)
+        if flags[0] and not self._stop:
+            self._signal = self._signal or signal.SIGTERM
+        self.request_stop("signal" if flags[0] else "time-limit" if flags[1] else None)
+
+    def _global_sums(self, *values):
+        """The values summed over ranks (float64)."""
+        a = numpy.array(values, numpy.float64)
+        self.comm.allreduce(a)
+        return a
 
     def _step(self, xb, yb):
         t = time.perf_counter()
@@ -393,12 +428,12 @@ class Trainer:
             self._diverged(f"{e} at iteration {self.iteration + 1} (epoch {epoch + 1}, "
                            f"step {b + 1}, lr {self.opt.lr:g})")
         # the step's logits are still in the plan's "logits" buffer (backward and the update leave it)
-        logits = self.engine.arrays["logits"][:len(xb)]
+        logits = self.engine.arrays["logits"][:len(y)]
         self.iteration += 1
         s = self._sums
-        s["loss"] += loss * len(xb)
+        s["loss"] += loss * len(y)
         s["correct"] += int((logits.argmax(axis=1) == y).sum())
-        s["seen"] += len(xb)
+        s["seen"] += len(y)
         s["time"] += time.perf_counter() - t
         return loss
 
@@ -425,17 +460,25 @@ class Trainer:
         loss, correct, n = 0.0, 0, 0
         self.test_batches.set_epoch(0)
         for xb, yb in self.test_batches:
-            x, _ = self._batch(xb, yb, train=False)
+            x, y = self._batch(xb, yb, train=False)          # this rank's shard of the batch
+            if len(x) == 0:
+                continue
+            y = backend.to_numpy(y)
             logits = backend.to_numpy(self.engine.predict(x)).astype(numpy.float64)
             m = logits.max(axis=1)
             lse = m + numpy.log(numpy.exp(logits - m[:, None]).sum(axis=1))
-            loss += float((lse - logits[numpy.arange(len(yb)), yb]).sum())
-            correct += int((logits.argmax(axis=1) == yb).sum())
-            n += len(yb)
-        return loss / n, correct / n
+            loss += float((lse - logits[numpy.arange(len(y)), y]).sum())
+            correct += int((logits.argmax(axis=1) == y).sum())
+            n += len(y)
+        if self.comm.size > 1:
+            loss, correct, n = self._global_sums(loss, correct, n)
+        return loss / n, int(correct) / n
 
     def _end_epoch(self):
         s, epoch = self._sums, self.iteration // self.steps_per_epoch
+        if self.comm.size > 1:                      # the epoch's figures over the global batch
+            loss, correct, seen = self._global_sums(s["loss"], s["correct"], s["seen"])
+            s = dict(s, loss=loss, correct=int(correct), seen=int(seen))
         t = time.perf_counter()
         test_loss, test_acc = self.evaluate()
         finite_test = math.isfinite(test_loss)
@@ -455,7 +498,7 @@ class Trainer:
             self._check_finite_state()                  # names the tensor, if one is not finite
             self._diverged(f"non-finite test loss {test_loss} after epoch {epoch} (iteration {self.iteration}); "
                            f"not saving this state")
-        if self.out:
+        if self.out and self.lead:
             self.save()
         if self.on_epoch:
             self.on_epoch(self, rec)
@@ -505,7 +548,16 @@ class Trainer:
                 self._diverged(f"non-finite values in {name} after iteration {self.iteration}; "
                                f"not saving them")
 
-    def save(self):
+    def _save_mid_epoch(self):
+        """A stop inside an epoch: rank 0 saves the epoch's sums so far over all ranks."""
+        sums = self._sums
+        if self.comm.size > 1:
+            loss, correct, seen = self._global_sums(sums["loss"], sums["correct"], sums["seen"])
+            sums = dict(sums, loss=float(loss), correct=int(correct), seen=int(seen))
+        if self.lead:
+            self.save(sums)
+
+    def save(self, epoch_sums=None):
         """Write out/checkpoint.ckpt atomically (after checking the state is finite)."""
         self._check_finite_state()
         arrays = {f"net/{n}": p.data for n, p in self.net.params.items()}
@@ -515,7 +567,8 @@ class Trainer:
                 "network": {"name": self.net.name, "num_params": self.net.num_params()},
                 "iteration": self.iteration, "epoch": self.iteration / self.steps_per_epoch,
                 "optimizer": self.opt.state_dict(), "rng": self.rng.bit_generator.state,
-                "batches": self.batches.state_dict(), "epoch_sums": self._sums, "last_eval": self.last_eval}
+                "batches": self.batches.state_dict(), "epoch_sums": epoch_sums or self._sums,
+                "last_eval": self.last_eval}
         save_checkpoint(self.ckpt_path, arrays, meta)
 
     def _check_resumable(self, meta, path):
@@ -565,11 +618,14 @@ class Trainer:
             raise ResumeError(f"{path}: iteration {self.iteration} and batch position "
                               f"{self.batches.epoch}:{self.batches.batch} disagree")
         self._sums, self.last_eval = meta["epoch_sums"], meta["last_eval"]
-        self._drop_metrics_after(self.iteration)
+        if not self.lead:                           # the saved sums are all ranks': count them once
+            self._sums = {"loss": 0.0, "correct": 0, "seen": 0, "time": 0.0}
+        if self.lead:
+            self._drop_metrics_after(self.iteration)
 
     # ----------------------------------------------------------------- metrics
     def _metrics(self, record):
-        if not self.out:
+        if not self.out or not self.lead:
             return
         _write(os.path.join(self.out, METRICS), json_line({"time": time.time(), **record}), "a")
 

@@ -5,6 +5,7 @@
 * without it, every rank ends with bitwise the same parameters and running statistics;
 * a rank that raises, or is killed, ends the whole job quickly with a non-zero exit.
 Skipped when mpi4py (lowmem[mpi]) or an mpiexec beside the interpreter is missing."""
+import json
 import os
 import shutil
 import subprocess
@@ -83,3 +84,61 @@ def test_one_process_needs_no_mpi(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     comm = distributed.get_communicator()
     assert isinstance(comm, distributed.SingleProcess) and comm.describe() == "world 1 rank, single process"
+
+
+# ------------------------------------------------------------------ mpiexec -n 2 lowmem train
+
+TRAIN = ["train", "--dataset", "synthetic", "--limit-train", "64", "--limit-test", "24", "--depth", "8",
+         "--batch", "16", "--lr", "0.05", "--dtype", "float64", "--no-progress", "--warmup-iters", "0",
+         "--schedule", "constant"]     # the lr then does not depend on --epochs (resume below)
+
+
+def lowmem_cli(args, n=1, timeout=240):
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    for var in distributed._SIZE_VARIABLES:     # a plain run must not think it was launched
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "lowmem"] + args
+    if n > 1:
+        cmd = [MPIEXEC, "-n", str(n)] + cmd
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=str(WORKER.parent.parent))
+
+
+def weights(run_dir):
+    from lowmem.checkpoint import load_checkpoint
+    arrays, meta = load_checkpoint(str(run_dir / "checkpoint.ckpt"))
+    return {k: v for k, v in arrays.items() if k.startswith(("net/", "momentum/"))}, meta
+
+
+def close(a, b, tol):
+    for k in a:
+        err = np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(b[k]), 1e-30)
+        assert err < tol, (k, err)
+
+
+def test_mpiexec_lowmem_train_is_one_model_and_resumes_with_any_number_of_ranks(tmp_path):
+    """--sync-bn over 2 ranks trains the 1-rank model (same global batches and augmentation);
+    a 2-rank run resumed by 1 rank ends where an uninterrupted run does."""
+    one, two, mixed = tmp_path / "one", tmp_path / "two", tmp_path / "mixed"
+    r1 = lowmem_cli(TRAIN + ["--epochs", "2", "--out", str(one)])
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r2 = lowmem_cli(TRAIN + ["--epochs", "2", "--sync-bn", "--out", str(two)], n=2)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "world 2 ranks, MPI (MPICH" in r2.stdout and "per-rank batch 8" in r2.stdout
+    assert r2.stdout.count("final test accuracy") == 1                 # rank 0 reports
+    (w1, m1), (w2, m2) = weights(one), weights(two)
+    assert m1["iteration"] == m2["iteration"] == 8
+    close(w2, w1, 1e-9)
+    r3 = lowmem_cli(TRAIN + ["--epochs", "1", "--sync-bn", "--out", str(mixed)], n=2)
+    assert r3.returncode == 0, r3.stderr[-3000:]
+    r4 = lowmem_cli(["train", "--out", str(mixed), "--resume", "--epochs", "2"])
+    assert r4.returncode == 0, r4.stderr[-3000:]
+    close(weights(mixed)[0], w1, 1e-9)
+    epochs = [json.loads(line) for line in (mixed / "metrics.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in epochs if e.get("event") == "epoch"] == [1, 2]
+
+
+def test_mpiexec_refuses_a_batch_the_ranks_do_not_divide(tmp_path):
+    r = lowmem_cli(TRAIN + ["--batch", "15", "--epochs", "1", "--out", str(tmp_path / "r")], n=2, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "batch 15 does not split evenly over 2 ranks" in r.stderr
