@@ -255,13 +255,17 @@ def train_arguments(parser):
         help += "" if default is None else f" (default: {default})"
         parser.add_argument(flag, dest=field, default=S, help=help, **kw)
 
-    opt("--dataset", "dataset", "cifar10 | cifar100 | fashion-mnist | synthetic",
-        choices=("cifar10", "cifar100", "fashion-mnist", "synthetic"))
+    opt("--dataset", "dataset", "cifar10 | cifar100 | fashion-mnist | synthetic | folder (--data DIR with "
+        "train/<class>/*.jpg and val/<class>/*, needs lowmem[images])",
+        choices=("cifar10", "cifar100", "fashion-mnist", "synthetic", "folder"))
     opt("--data", "data_dir", "directory holding the dataset files", metavar="DIR")
     parser.add_argument("--no-download", dest="download", action="store_false", default=S,
                         help="never download CIFAR; fail if the files are missing")
     opt("--pad-to", "pad_to", "Fashion-MNIST: zero-pad the 28x28 images to this size (0 keeps 28)",
         type=argtypes.count, metavar="SIZE")
+    opt("--image-size", "image_size", "folder: crop / resize images to SIZE x SIZE", type=argtypes.positive,
+        metavar="SIZE")
+    opt("--workers", "workers", "folder: decoding threads", type=argtypes.positive, metavar="N")
     opt("--limit-train", "limit_train", "use the first N training images (synthetic: how many)",
         type=argtypes.positive, metavar="N")
     opt("--limit-test", "limit_test", "use the first N test images", type=argtypes.positive, metavar="N")

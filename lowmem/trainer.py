@@ -58,7 +58,7 @@ import time
 import numpy
 from tqdm import tqdm
 
-from . import __version__, backend, distributed, quant, rundir, sysmem
+from . import __version__, backend, distributed, images, quant, rundir, sysmem
 from .checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
 from .data import BatchIterator, DataError, augment, load_dataset, normalize
 from .engine import DTYPES, MODES, Engine
@@ -80,7 +80,7 @@ class ConfigError(ValueError):
 @dataclasses.dataclass
 class TrainConfig:
     """Everything that defines a run. The FIXED fields must match when resuming."""
-    dataset: str = "cifar10"        # cifar10 | cifar100 | fashion-mnist | synthetic
+    dataset: str = "cifar10"        # cifar10 | cifar100 | fashion-mnist | synthetic | folder
     data_dir: str = None            # where the data lives (None: the defaults of lowmem.data)
     download: bool = True           # CIFAR only: fetch the archive when it is missing
     pad_to: int = 32                # Fashion-MNIST only: pad 28x28 to this size (0 keeps 28)
@@ -105,9 +105,11 @@ class TrainConfig:
     time_limit: float = None        # seconds; stop with a checkpoint after this long
     progress: bool = True           # tqdm bar (only on a terminal)
     sync_bn: bool = False           # data parallel: batch norm over the global batch (all ranks)
+    image_size: int = 224           # folder only: images are cropped / resized to this square
+    workers: int = 4                # folder only: decoding threads (lowmem.images)
 
     FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "dtype",
-             "batch", "augment", "seed")
+             "batch", "augment", "seed", "image_size")
 
     def validate(self):
         """Check every field; returns self. ConfigError naming the field and what it expects."""
@@ -134,6 +136,10 @@ class TrainConfig:
         for f in ("depth", "batch", "epochs"):
             integer(f, 1)
         integer("pad_to", 0)
+        integer("image_size", 8)
+        integer("workers", 1)
+        if str(self.dataset) == "folder" and not self.data_dir:
+            bad("data_dir", "the image folder (--data DIR holding train/<class>/* and val/<class>/*)")
         if str(self.dataset).lower() in ("fashion-mnist", "fashion_mnist", "fashionmnist") and 0 < self.pad_to < 28:
             bad("pad_to", "0 (keep 28x28) or at least 28 for Fashion-MNIST's 28x28 images")
         integer("seed", 0)
@@ -247,11 +253,16 @@ class Trainer:
         saved = load_checkpoint(self.ckpt_path) if resume else None
         if saved is not None:
             self._check_resumable(saved[1], self.ckpt_path)
-        self.data = dataset if dataset is not None else load_dataset(
-            c.dataset, c.data_dir, download=c.download, pad_to=c.pad_to or None,
-            limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed)
-        if len(self.data.x_train) < c.batch:
-            raise ConfigError(f"batch={c.batch} is larger than the {len(self.data.x_train)} training images: "
+        if c.dataset == "folder" and dataset is None:       # decoded on worker threads (lowmem.images)
+            self.data = images.load_image_folders(c.data_dir, size=c.image_size, workers=c.workers)
+            n_train = len(self.data.train)
+        else:
+            self.data = dataset if dataset is not None else load_dataset(
+                c.dataset, c.data_dir, download=c.download, pad_to=c.pad_to or None,
+                limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed)
+            n_train = len(self.data.x_train)
+        if n_train < c.batch:
+            raise ConfigError(f"batch={c.batch} is larger than the {n_train} training images: "
                               f"an epoch drops its last partial batch, so no step would run")
         try:
             self.part = distributed.shard(c.batch, self.comm)      # this rank's part of each batch
@@ -267,9 +278,13 @@ class Trainer:
         self.engine = Engine(self.net, **engine_args)
         self.opt = SGD(self.net.parameters(), lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
                        nesterov=c.nesterov)
-        self.batches = BatchIterator(self.data.x_train, self.data.y_train, c.batch, shuffle=True,
-                                     seed=c.seed, drop_last=True)
-        self.test_batches = BatchIterator(self.data.x_test, self.data.y_test, c.batch)
+        if c.dataset == "folder" and dataset is None:       # random-resized-crop + flip while decoding
+            self.batches = self.data.loader("train", c.batch, seed=c.seed, dtype="uint8", workers=c.workers)
+            self.test_batches = self.data.loader("val", c.batch, dtype="uint8", workers=c.workers)
+        else:
+            self.batches = BatchIterator(self.data.x_train, self.data.y_train, c.batch, shuffle=True,
+                                         seed=c.seed, drop_last=True)
+            self.test_batches = BatchIterator(self.data.x_test, self.data.y_test, c.batch)
         self.rng = numpy.random.default_rng([c.seed, 1])          # augmentation only
         self.steps_per_epoch = len(self.batches)
         self.total_iters = self.steps_per_epoch * c.epochs
@@ -335,7 +350,7 @@ class Trainer:
         then this rank keeps its shard: rows [n*r/R, n*(r+1)/R) of n."""
         n, r, size = len(xb), self.comm.rank, self.comm.size
         u8 = self._x_u8[:n]
-        if train and self.config.augment:
+        if train and self.config.augment and self.config.dataset != "folder":   # folder: done decoding
             augment(u8, xb, self.rng)
         else:
             u8[...] = xb

@@ -305,3 +305,24 @@ def test_the_trainer_loop_runs_on_folder_loaders(tmp_path):
     assert t.history[-1]["test_acc"] > 0.5
     meta = load_checkpoint(os.path.join(cfg.out, "checkpoint.ckpt"))[1]
     assert meta["batches"] == t.batches.state_dict() and (meta["batches"]["epoch"], meta["batches"]["batch"]) == (2, 0)
+
+
+def test_lowmem_train_dataset_folder_trains_and_resumes(tmp_path, capsys):
+    """`lowmem train --dataset folder --data DIR`: the folder's classes, random-resized crops decoded
+    on worker threads; a run stopped after one epoch and resumed ends bitwise where one run does."""
+    from lowmem import cli
+    from lowmem.checkpoint import load_checkpoint
+    root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
+    args = ["train", "--dataset", "folder", "--data", root, "--image-size", "16", "--depth", "8",
+            "--batch", "12", "--lr", "0.05", "--schedule", "constant", "--warmup-iters", "0",
+            "--workers", "2", "--no-progress"]
+    assert cli.main(args + ["--epochs", "2", "--out", str(tmp_path / "one")]) == 0
+    out = capsys.readouterr().out
+    assert "final test accuracy" in out and "input (3, 16, 16)" in out
+    assert cli.main(args + ["--epochs", "1", "--out", str(tmp_path / "two")]) == 0
+    assert cli.main(["train", "--out", str(tmp_path / "two"), "--resume", "--epochs", "2", "--no-progress"]) == 0
+    a, b = (load_checkpoint(str(tmp_path / r / "checkpoint.ckpt"))[0] for r in ("one", "two"))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert cli.main(["train", "--dataset", "folder", "--out", str(tmp_path / "x")]) == 2     # no --data
+    assert "--data DIR" in capsys.readouterr().err
