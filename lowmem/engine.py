@@ -27,6 +27,8 @@ Modes:
 The mode, the bit width and the backend are fixed once, in `kernels.select`;
 nothing below branches on them.
 """
+import math
+
 import numpy
 
 from . import backend, checks, distributed, kernels, layers, quant
@@ -129,8 +131,8 @@ class Engine:
                 plan.add(name + suffix, kind, shape, dt)
         # one flat buffer each for the gradients and the running statistics: p.grad and the
         # statistics are views into them, and a data-parallel step sums each in one allreduce
-        plan.add("grads", "grads", (sum(int(numpy.prod(sh)) for _, sh, _ in specs),), dt)
-        plan.add("bn.running", "stats", (sum(int(numpy.prod(sh)) for _, sh in self.net.stat_shapes()),), dt)
+        plan.add("grads", "grads", (sum(int(math.prod(sh)) for _, sh, _ in specs),), dt)
+        plan.add("bn.running", "stats", (sum(int(math.prod(sh)) for _, sh in self.net.stat_shapes()),), dt)
         max_c = max((c for (c, _, _) in self._unit_sizes.values()), default=1)
         plan.add("bn.batch_mean", "stats", (max_c,), dt)
         plan.add("bn.batch_var", "stats", (max_c,), dt)
@@ -141,8 +143,8 @@ class Engine:
             plan.add("sync.bn", "workspace", (2 * max_c,), "float64")
 
         # the three shared buffers: each holds the largest activation of the network
-        acts = [numpy.prod(self.out_shape[L.name]) for L in self.net.layers if L.op in ("conv", "bnrelu", "maxpool")]
-        acts.append(numpy.prod(self.input_shape))
+        acts = [math.prod(self.out_shape[L.name]) for L in self.net.layers if L.op in ("conv", "bnrelu", "maxpool")]
+        acts.append(math.prod(self.input_shape))
         for b in BUFFERS:
             plan.add(b, "buffers", (int(max(acts)) * N,), dt)
         head = [L for L in self.net.layers if L.op == "linear"][-1]
@@ -151,7 +153,7 @@ class Engine:
         plan.add("dfeat", "buffers", (N, head.cin), dt)
 
         # what backward needs: the batch itself, then what each layer keeps (layers.OPS)
-        plan.add("input", "input", (int(numpy.prod(self.input_shape)) * N,), dt)
+        plan.add("input", "input", (int(math.prod(self.input_shape)) * N,), dt)
         plan.add("labels", "input", (N,), "int64")
         self.saved_slots, conv_ws = {}, 0
         budget = max(1, workspace_bytes // dt.itemsize)
@@ -177,7 +179,7 @@ class Engine:
     def _plan_temporaries(self, plan):
         """Bounds on the NumPy temporaries a step allocates (see lowmem/ops, lowmem/quant)."""
         it = self.dtype.itemsize
-        weights = [int(numpy.prod(shape)) for _, shape, _ in self.net.param_shapes()]
+        weights = [int(math.prod(shape)) for _, shape, _ in self.net.param_shapes()]
         plan.add_temporary("a weight-sized GEMM result", max(weights) * it)
         units = [c * self.N * h * w for (c, h, w) in self._unit_sizes.values()] or [0]
         row_block = min(max(units), max(layers.ROW_BLOCK, max(self.N * h * w for (_, h, w) in
@@ -335,7 +337,7 @@ def _views(flat):
     offset = [0]
 
     def take(shape):
-        n = int(numpy.prod(shape))
+        n = int(math.prod(shape))
         view = flat[offset[0]:offset[0] + n].reshape(shape)
         offset[0] += n
         return view

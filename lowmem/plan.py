@@ -15,6 +15,7 @@ Kinds:
   saved      what each layer keeps for backward (x-hat or its K-bit code, rstd, argmax, FC input, probs)
   workspace  bounded scratch: conv im2col columns, decoded ReLU mask, max-pool indices
 """
+import math
 from dataclasses import dataclass
 
 import numpy
@@ -28,10 +29,11 @@ class Alloc:
     kind: str
     shape: tuple
     dtype: str
+    nbytes: int = None      # prod(shape) * itemsize, computed by Plan.add
 
-    @property
-    def nbytes(self):
-        return int(numpy.prod(self.shape, dtype=numpy.int64)) * numpy.dtype(self.dtype).itemsize
+    def __post_init__(self):
+        if self.nbytes is None:
+            object.__setattr__(self, "nbytes", math.prod(self.shape) * numpy.dtype(self.dtype).itemsize)
 
 
 def fmt_bytes(n):
@@ -64,7 +66,9 @@ class Plan:
         if name in self._names:
             raise ValueError(f"duplicate plan entry {name!r}")
         self._names.add(name)
-        self.entries.append(Alloc(name, kind, tuple(int(s) for s in shape), str(numpy.dtype(dtype))))
+        dt = numpy.dtype(dtype)
+        shape = tuple(int(s) for s in shape)
+        self.entries.append(Alloc(name, kind, shape, dt.name, math.prod(shape) * dt.itemsize))
 
     @property
     def total_bytes(self):
