@@ -10,7 +10,7 @@ each unit's normalised activation for the backward sweep.
     opt = lm.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     loss = eng.train_step(x, labels, opt)
 """
-from . import backend, diagnostics, models
+from . import backend, diagnostics, distributed, models, nn
 from .backend import set_backend, get_backend
 from .engine import Engine
 from .network import Network, Parameter
@@ -18,5 +18,5 @@ from .optim import SGD
 from .plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["backend", "models", "set_backend", "get_backend", "Engine", "Network", "Parameter",
-           "SGD", "Plan"]
+__all__ = ["backend", "distributed", "models", "nn", "set_backend", "get_backend", "Engine", "Network",
+           "Parameter", "SGD", "Plan"]
