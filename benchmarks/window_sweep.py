@@ -17,9 +17,9 @@ measures, on the same weights and the same batches:
                    (a) a standard Gaussian, centred grid (exact integrals, no sampling), and
                    (b) the x̂ of every BN-ReLU unit of a float64 ResNet-20 (median over units)
 
-on several networks (default: ResNet-20, ResNet-8 and the bottleneck ResNet-11 at
-initialisation; also available: a bottleneck ResNet-29 and ResNet-20 after 100 exact SGD
-steps; batch 32, 8 batches). It also finds the W minimising the
+on several networks (default: ResNet-20, ResNet-8 and the bottleneck ResNet-11 and -29 at
+initialisation, and ResNet-20 after 100 exact SGD steps on the same kind of data; batch 32,
+8 batches). It also finds the W minimising the
 Gaussian error for each K (golden-section search).
 
 The tables are rewritten after every network (a stopped sweep keeps what it measured);
@@ -51,10 +51,11 @@ from lowmem import quant                        # noqa: E402
 from lowmem.engine import Engine                # noqa: E402
 from lowmem.models import preact_resnet_cifar   # noqa: E402
 
-CANDIDATES = {8: (3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 7.0),
-              4: (2.0, 2.25, 2.5, 2.75, 3.0, 3.25, 3.5, 4.0),
-              2: (1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0),
-              1: (0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)}
+CANDIDATES = {8: (3.0, 5.0, 5.5, 6.0, 6.5, 7.0),
+              4: (3.0, 3.25, 3.5, 3.75, 4.0),
+              2: (2.0, 2.25, 2.5, 3.0, 3.5),
+              1: (1.5, 1.75, 2.0, 2.5, 3.0)}
+# (narrowed from a wider sweep on ResNet-20: benchmarks/results/window_sweep_wide_resnet20.md)
 
 # label -> (depth, block, exact warm-up steps before measuring)
 NETS = {"resnet20": (20, "basic", 0),
@@ -62,7 +63,7 @@ NETS = {"resnet20": (20, "basic", 0),
         "bottleneck11": (11, "bottleneck", 0),
         "bottleneck29": (29, "bottleneck", 0),
         "resnet20-warm100": (20, "basic", 100)}
-DEFAULT_NETS = ("resnet20", "resnet8", "bottleneck11")
+DEFAULT_NETS = tuple(NETS)
 
 
 @contextmanager

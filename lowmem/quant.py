@@ -66,7 +66,7 @@ CHUNK = 1 << 16     # flat elements per chunk; a multiple of 8 (tests lower it)
 # Half-width W of the window per bit width K, in x̂ units: the grid covers
 # about ±W. Chosen from measured gradient errors (benchmarks/window_sweep.py,
 # docs/quantizer.md §1b); the paper's ±3 for every K saturates too much at 8 bits.
-WINDOWS = {8: 5.0, 4: 3.25, 2: 2.5, 1: 2.0}
+WINDOWS = {8: 5.5, 4: 3.5, 2: 2.5, 1: 2.0}
 MAX_ODD = 64        # w = m·2**e with odd m < MAX_ODD keeps (code + 0.5)·w exact in float32
 
 
