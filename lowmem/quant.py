@@ -8,28 +8,33 @@ gradient) and the *exact* ReLU mask `y > 0`. DESIGN.md §2 is the contract.
 
 The grid, per channel c (all in units of x̂, i.e. of the batch std):
 
-* L = 2**K bins of width w = 6/L: the window covers about ±3.
+* L = 2**K bins of width w = 2·W/L: the window covers about ±W, with a
+  half-width W = WINDOWS[K] chosen per bit width from measured gradient
+  errors (docs/quantizer.md §1b; the paper uses W = 3 for every K).
 * Work on u = s·x̂ with s = sign(γ), so y = |γ|·u + β and the mask is
   u > t with t = −β/|γ|: flipping the axis for γ < 0 makes "positive" always
   mean "high codes".
 * A bin edge sits exactly on t: lo = t − k·w, code k is the first code of
   the positive side. Then *which side of the threshold* an element lies on is
   carried by its code, and `mask = code >= k` costs no extra bit. k is chosen
-  as round((t + 3)/w), so the window stays centred near x̂ = 0 (lo within
-  half a bin of −3), and clamped to [1, L−1] so both sides keep a code.
-* If t lies outside the window (k clamped), lo stays at −3 ± w/2 (the
+  as round((t + W)/w), so the window stays centred near x̂ = 0 (lo within
+  half a bin of −W), and clamped to [1, L−1] so both sides keep a code.
+* If t lies outside the window (k clamped), lo stays at −W ± w/2 (the
   nearer end) instead of following t out: the window keeps covering
   x̂ ≈ 0, one end bin becomes the "beyond the threshold" bin, and the mask
   stays exact. Consequence: for every channel, every γ and β,
-  |x̂| ≤ 3 − w/2  ⇒  |x̃ − x̂| ≤ w/2, and |x̃| ≤ 3 always (saturation).
+  |x̂| ≤ W − w/2  ⇒  |x̃ − x̂| ≤ w/2, and |x̃| ≤ W always (saturation).
 * Floating-point rounding can put an element within an ulp of t into the
   wrong bin, so every code is finally clamped into the range its *exact*
   mask allows (mask: code ≥ k, else code ≤ k − 1). The exact mask is the
   engine's own expression `(x̂ * γ) + β > 0` in x̂'s dtype, bit for bit.
 * γ = 0: the mask is the constant β > 0, x̂ sits on the plain centred grid
-  lo = −3, and k = 0 (β > 0: every code means "positive") or k = L (none
+  lo = −W, and k = 0 (β > 0: every code means "positive") or k = L (none
   does), so the same `code >= k` decodes it with no special case.
-* Decode: x̃ = s · (lo + (code + 0.5)·w), the bin midpoint.
+* Decode: x̃ = s · (lo + (code + 0.5)·w), the bin midpoint. Every W is a
+  multiple of 1/4 and w = m·2**e with an odd integer m < 64, so (code + 0.5)·w,
+  k·w and w/2 are exact in float32 and float64: the one rounding of the
+  decode is the `+ lo`. `window` rejects a W breaking this.
 
 The grid needs only γ and β: no min/max pass over the data, deterministic.
 
@@ -48,6 +53,8 @@ Not here: choosing K, storing rstd, the backward maths (batchnorm/relu ops).
 Dimension legend: C channels, M = N·H·W elements per channel; activations
 are channels-major, so a unit's x̂ is a C-contiguous (C, M) array.
 """
+import fractions
+import math
 import numbers
 
 import numpy
@@ -56,7 +63,11 @@ from .backend import array_module
 
 BITS = (8, 4, 2, 1)
 CHUNK = 1 << 16     # flat elements per chunk; a multiple of 8 (tests lower it)
-WINDOW = 3.0        # the grid covers about ±WINDOW in x̂ units
+# Half-width W of the window per bit width K, in x̂ units: the grid covers
+# about ±W. Chosen from measured gradient errors (benchmarks/window_sweep.py,
+# docs/quantizer.md §1b); the paper's ±3 for every K saturates too much at 8 bits.
+WINDOWS = {8: 5.5, 4: 3.5, 2: 2.5, 1: 2.0}
+MAX_ODD = 64        # w = m·2**e with odd m < MAX_ODD keeps (code + 0.5)·w exact in float32
 
 
 def check_bits(bits):
@@ -66,6 +77,31 @@ def check_bits(bits):
     if not ok:
         raise ValueError(f"bits must be one of {{1, 2, 4, 8}}, got {bits!r}")
     return int(bits)
+
+
+def window(bits):
+    """W, the half-width of the quantization window for `bits`, in x̂ units.
+
+    Checked to be exact arithmetic: the bin width w = 2·W/2**bits must be
+    m·2**e with an odd integer m < MAX_ODD, so that (code + 0.5)·w (at most
+    bits + 7 significant bits), k·w and w/2 are exact in float32 (24 bits)."""
+    bits = check_bits(bits)
+    W = WINDOWS[bits]
+    if not (isinstance(W, numbers.Real) and math.isfinite(W) and W > 0):
+        raise ValueError(f"quant.WINDOWS[{bits}] must be a positive finite number, got {W!r}")
+    num = fractions.Fraction(float(W)).numerator      # w = 2W/L has the same odd part
+    while num % 2 == 0:
+        num //= 2
+    if num >= MAX_ODD:
+        raise ValueError(f"quant.WINDOWS[{bits}] = {W!r} gives a bin width whose odd part "
+                         f"{num} is not below {MAX_ODD}: (code + 0.5)*w would round "
+                         f"(use a multiple of 1/4 such as 2.75 or 4.5)")
+    return float(W)
+
+
+def bin_width(bits):
+    """w = 2·W/2**bits, the bin width for `bits` in x̂ units (exact: see `window`)."""
+    return 2 * window(bits) / (1 << check_bits(bits))
 
 
 def packed_nbytes(n, bits):
@@ -84,10 +120,11 @@ def _chunk(n=None):
 class QuantParams:
     """Per-channel quantization grid of one unit (all tiny, (C,) arrays on xp).
 
-    bits, levels (L = 2**bits), w (bin width 6/L, a Python float: exact in
-    any float dtype since L is a power of 2), dtype (of γ, β and x̂).
+    bits, levels (L = 2**bits), window (W = window(bits)), w (bin width
+    2·W/L, a Python float: exact in any float dtype, see `window`), dtype
+    (of γ, β and x̂).
     s     (C,) dtype   +1 or −1: the axis flip, u = s·x̂ (+1 where γ == 0)
-    lo    (C,) dtype   lower edge of code 0, in u; always within w/2 of −3
+    lo    (C,) dtype   lower edge of code 0, in u; always within w/2 of −W
     k     (C,) int32   first code meaning "ReLU passes" (mask = code >= k);
                        1..L−1 where γ != 0, 0 or L where γ == 0
     gamma (C,) dtype   copies of γ and β, for the exact mask at quantize time
@@ -97,7 +134,8 @@ class QuantParams:
     def __init__(self, bits, s, lo, k, gamma, beta):
         self.bits = bits
         self.levels = 1 << bits
-        self.w = 2 * WINDOW / self.levels
+        self.window = window(bits)
+        self.w = bin_width(bits)
         self.s, self.lo, self.k = s, lo, k
         self.gamma, self.beta = gamma, beta
         self.dtype = gamma.dtype
@@ -129,18 +167,18 @@ def quant_params(gamma, beta, bits):
                          f"got {gamma.dtype} and {beta.dtype}")
     dt = gamma.dtype
     L = 1 << bits
-    w = 2 * WINDOW / L
+    W, w = window(bits), bin_width(bits)
     zero = gamma == 0
     with numpy.errstate(over="ignore", divide="ignore", invalid="ignore"):
         # t = -β/|γ| may overflow to ±inf for tiny γ; the clips below absorb it.
         t = -beta / xp.where(zero, 1, xp.abs(gamma)).astype(dt)
         # k: the shift putting an edge on t is then at most w/2 from the
-        # centred grid (lo = -3); clamped so both mask sides keep >= 1 code
-        k = xp.clip(xp.rint((t + WINDOW) / w), 1, L - 1)
+        # centred grid (lo = -W); clamped so both mask sides keep >= 1 code
+        k = xp.clip(xp.rint((t + W) / w), 1, L - 1)
         # lo = t - k*w puts the edge on t; when k was clamped (t far out) the
-        # clip keeps the window at -3 ± w/2 instead of following t away
-        lo = xp.clip(t - k * w, -WINDOW - w / 2, -WINDOW + w / 2)
-    lo = xp.where(zero, -WINDOW, lo).astype(dt)
+        # clip keeps the window at -W ± w/2 instead of following t away
+        lo = xp.clip(t - k * w, -W - w / 2, -W + w / 2)
+    lo = xp.where(zero, -W, lo).astype(dt)
     k = xp.where(zero, xp.where(beta > 0, 0, L), k).astype(xp.int32)
     s = xp.where(gamma < 0, -1, 1).astype(dt)
     return QuantParams(bits, s, lo, k, gamma.copy(), beta.copy())
@@ -355,7 +393,7 @@ def _decode(out, packed, qp, extra=None):
             cb = codes[off:off + ob.size].reshape(ob.shape)
             xp.copyto(ob, cb)                       # exact: small integers
             xp.add(ob, 0.5, out=ob)
-            xp.multiply(ob, w, out=ob)              # exact: w = 3 / 2**(bits-1)
+            xp.multiply(ob, w, out=ob)              # exact: w = m·2**e, m odd < 64 (window())
             xp.add(ob, qp.lo[r0:r1, None], out=ob)  # the one rounding
             xp.multiply(ob, qp.s[r0:r1, None], out=ob)
             if extra is not None:

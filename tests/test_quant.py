@@ -2,8 +2,11 @@
 
 Each DESIGN §2 property is checked against its definition written out here
 (the exact mask is the engine's expression), then the packed, chunked path
-is checked to equal the simulated one bit for bit.
+is checked to equal the simulated one bit for bit. The window's half-width
+W = q.window(K) differs per bit width, so every property is checked for each
+K on data and thresholds placed relative to *that* K's window.
 """
+import fractions
 import tracemalloc
 
 import numpy as np
@@ -14,7 +17,9 @@ from lowmem import quant as q
 DTYPES = (np.float64, np.float32)
 
 # (gamma, beta) per channel: signs, zero (incl. -0.0), tiny, and thresholds
-# t = -beta/gamma inside, at the edge of, and far outside the ±3 window.
+# t = -beta/gamma inside, at the edge of, and far outside the ±3 window
+# (make_case scales beta by W/3, so for bits K they sit the same way
+# relative to K's window ±W).
 CASES = [
     (1.0, 0.0), (1.0, 0.5), (2.0, -1.0), (0.7, 2.1), (3.0, 0.1), (-1.0, 0.3),
     (-0.5, -0.2), (-2.0, 5.0), (-3.0, 0.1),
@@ -28,15 +33,37 @@ CASES = [
 ]
 
 
-def make_case(dtype, seed=0, m_random=200):
+def window_edges(bits):
+    """(gamma, beta) whose thresholds lie exactly on, half a bin inside and half a
+    bin outside K's window ±W, and on the edge of the lo clip: for every sign of gamma."""
+    W, w = q.window(bits), q.bin_width(bits)
+    out = []
+    for t in (W, W - w / 2, W + w / 2, W - w, 1.5 * W, W + 2 * w):
+        for sg in (1.0, -1.0):
+            out += [(sg, -sg * t), (sg, sg * t)]      # t and -t, both flips
+    return out
+
+
+def make_case(dtype, seed=0, m_random=200, bits=None):
     """gamma, beta (C,) and xhat (C, M): random values, values within a few
-    ulps of each channel's threshold, and fixed far/edge values."""
+    ulps of each channel's threshold, and fixed far/edge values.
+
+    bits=None: the ±3 window's case (W = 3). bits=K: the same case scaled by
+    W/3 for K's window W (random and fixed x̂, the thresholds of CASES), plus
+    thresholds on and next to ±W (window_edges) and x̂ at ±W, ±(W ∓ w/2)."""
     rng = np.random.default_rng(seed)
-    g = [c[0] for c in CASES] + list(rng.normal(size=8) * 2)
-    b = [c[1] for c in CASES] + list(rng.normal(size=8) * 3)
+    scale = 1.0 if bits is None else q.window(bits) / 3
+    edges = [] if bits is None else window_edges(bits)
+    g = [c[0] for c in CASES] + list(rng.normal(size=8) * 2) + [e[0] for e in edges]
+    b = ([c[1] * scale for c in CASES] + list(rng.normal(size=8) * 3 * scale)
+         + [e[1] for e in edges])
     gamma, beta = np.array(g, dtype), np.array(b, dtype)
     C = gamma.size
-    fixed = np.array([0.0, -0.0, 3.0, -3.0, 2.99, -2.99, 3.5, -3.5, 10.0, -10.0, 1e6, -1e6], dtype)
+    fixed = [0.0, -0.0] + [v * scale for v in (3.0, -3.0, 2.99, -2.99, 3.5, -3.5, 10.0, -10.0)] + [1e6, -1e6]
+    if bits is not None:
+        W, w = q.window(bits), q.bin_width(bits)
+        fixed += [W, -W, W - w / 2, -(W - w / 2), W + w / 2, -(W + w / 2)]
+    fixed = np.array(fixed, dtype)
     near = np.zeros((C, 9), dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
         thr = -beta / gamma                       # the threshold in x̂ units
@@ -47,7 +74,7 @@ def make_case(dtype, seed=0, m_random=200):
         for j in range(1, 5):                     # t ± 1..4 ulps
             lo, hi = np.nextafter(lo, dtype(-np.inf)), np.nextafter(hi, dtype(np.inf))
             near[c, 4 - j], near[c, 4 + j] = lo, hi
-    x = np.concatenate([(rng.normal(size=(C, m_random)) * 2).astype(dtype),
+    x = np.concatenate([(rng.normal(size=(C, m_random)) * 2 * scale).astype(dtype),
                         np.broadcast_to(fixed, (C, fixed.size)), near], axis=1)
     return gamma, beta, np.ascontiguousarray(x)
 
@@ -71,7 +98,7 @@ def packed_roundtrip(xhat, gamma, beta, bits):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", q.BITS)
 def test_mask_exact_every_element(dtype, bits):
-    gamma, beta, x = make_case(dtype)
+    gamma, beta, x = make_case(dtype, bits=bits)
     want = exact_mask(x, gamma, beta)
     _, _, mask, qp = packed_roundtrip(x, gamma, beta, bits)
     np.testing.assert_array_equal(mask, want)
@@ -85,21 +112,24 @@ def test_mask_exact_every_element(dtype, bits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_threshold_neighbourhood_is_really_tested(dtype):
+@pytest.mark.parametrize("bits", (None,) + q.BITS)
+def test_threshold_neighbourhood_is_really_tested(dtype, bits):
     # guard on make_case: the ±ulp columns straddle the threshold, so the
-    # mask flips inside them for ordinary channels
-    gamma, beta, x = make_case(dtype)
+    # mask flips inside them for ordinary channels and the window-edge ones
+    gamma, beta, x = make_case(dtype, bits=bits)
     near = exact_mask(x, gamma, beta)[:, -9:]
-    for c, (g, b) in enumerate(CASES[:9]):
-        assert near[c].any() and not near[c].all(), (g, b)
+    edges = [] if bits is None else list(range(len(CASES) + 8, gamma.size))
+    for c in list(range(9)) + edges:
+        assert near[c].any() and not near[c].all(), (gamma[c], beta[c])
 
 
 @pytest.mark.parametrize("bits", q.BITS)
 def test_one_sided_clamp_would_fail(bits):
     # why both sides are clamped: with beta/gamma far outside the window the
     # raw bin index alone puts elements on the wrong side of k
-    gamma, beta = np.array([1.0, 1.0]), np.array([10.0, -10.0])
-    x = np.array([[-5.0, 0.0, 2.0], [12.0, 2.0, -1.0]])
+    scale = q.window(bits) / 3                  # the same picture for K's window
+    gamma, beta = np.array([1.0, 1.0]), np.array([10.0, -10.0]) * scale
+    x = np.array([[-5.0, 0.0, 2.0], [12.0, 2.0, -1.0]]) * scale
     qp = q.quant_params(gamma, beta, bits)
     raw = np.clip(np.floor((x * qp.s[:, None] - qp.lo[:, None]) / qp.w), 0, 2 ** bits - 1)
     assert ((raw >= qp.k[:, None]) != exact_mask(x, gamma, beta)).any()
@@ -112,22 +142,59 @@ def test_one_sided_clamp_would_fail(bits):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", q.BITS)
 def test_error_bounded_inside_window(dtype, bits):
-    gamma, beta, x = make_case(dtype)
+    gamma, beta, x = make_case(dtype, bits=bits)
     _, xt, _, qp = packed_roundtrip(x, gamma, beta, bits)
-    w = qp.w
+    w, W = qp.w, q.window(bits)
+    assert qp.window == W and w == 2 * W / 2 ** bits
     tol = 64 * np.finfo(dtype).eps           # rounding of (u - lo)/w and of the decode
-    inside = np.abs(x) <= 3 - w / 2           # covered for every gamma, beta
+    inside = np.abs(x) <= W - w / 2           # covered for every gamma, beta
     err = np.abs(xt.astype(np.float64) - x.astype(np.float64))
     assert inside.sum() > x.size // 2
     assert err[inside].max() <= w / 2 + tol
-    # decoded values never leave [-3, 3]: outside the window codes saturate
-    assert np.abs(xt).max() <= 3 + tol
+    # decoded values never leave [-W, W]: outside the window codes saturate
+    assert np.abs(xt).max() <= W + tol
+
+
+@pytest.mark.parametrize("bits", q.BITS)
+def test_window_arithmetic_is_exact(bits):
+    # K's window keeps the decode exact: (code + 0.5)*w, k*w and w/2 carry no
+    # rounding in float32 or float64, so the one rounding of x̃ is the + lo
+    W, w = q.window(bits), q.bin_width(bits)
+    F = fractions.Fraction
+    assert F(w) == F(W) * 2 / 2 ** bits and 0 < W < 16
+    codes = np.arange(2 ** bits)
+    for dt in DTYPES:
+        assert F(float(dt(w))) == F(w) and F(float(dt(w) / 2)) == F(w) / 2
+        mid = (codes.astype(dt) + dt(0.5)) * dt(w)
+        kw = codes.astype(dt) * dt(w)
+        assert [F(float(v)) for v in mid] == [F(2 * int(c) + 1, 2) * F(w) for c in codes]
+        assert [F(float(v)) for v in kw] == [int(c) * F(w) for c in codes]
+    qp = q.quant_params(np.ones(1), np.zeros(1), bits)
+    assert (qp.window, qp.w) == (W, w)
+
+
+@pytest.mark.parametrize("bad", [0.1, 3.01, 1 / 3, 4.03125, 0.0, -3.0, float("nan"), float("inf"), "3", None])
+def test_window_rejects_inexact_or_bad(bad, monkeypatch):
+    monkeypatch.setitem(q.WINDOWS, 4, bad)
+    with pytest.raises(ValueError, match=r"quant\.WINDOWS\[4\]") as e:
+        q.window(4)
+    assert repr(bad) in str(e.value)
+    with pytest.raises(ValueError, match=r"quant\.WINDOWS\[4\]"):
+        q.quant_params(np.ones(2), np.zeros(2), 4)
+    q.window(8)                                 # the other widths are unaffected
+
+
+def test_window_accepts_quarter_multiples(monkeypatch):
+    for W in (0.25, 2.75, 4.5, 7.75, 3):
+        monkeypatch.setitem(q.WINDOWS, 8, W)
+        assert q.window(8) == W and q.bin_width(8) == 2 * W / 256
 
 
 @pytest.mark.parametrize("bits", q.BITS)
 def test_saturation_at_end_bins(bits):
     gamma, beta = np.array([1.0, -1.0]), np.array([0.0, 0.0])
-    x = np.array([[-1e6, -10.0, 10.0, 1e6], [-1e6, -10.0, 10.0, 1e6]])
+    far = 2 * q.window(bits)                    # well beyond K's window
+    x = np.array([[-1e6, -far, far, 1e6], [-1e6, -far, far, 1e6]])
     _, xt, _, qp = packed_roundtrip(x, gamma, beta, bits)
     L, w = 2 ** bits, qp.w
     first, last = qp.lo + 0.5 * w, qp.lo + (L - 0.5) * w   # end-bin midpoints, in u
@@ -138,33 +205,34 @@ def test_saturation_at_end_bins(bits):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", q.BITS)
 def test_grid_edge_on_threshold_and_centred(dtype, bits):
-    gamma, beta, _ = make_case(dtype)
+    gamma, beta, _ = make_case(dtype, bits=bits)
     qp = q.quant_params(gamma, beta, bits)
-    L, w = 2 ** bits, qp.w
+    L, w, W = 2 ** bits, qp.w, q.window(bits)
     nz = gamma != 0
     # gamma != 0: both sides keep a code; the window stays within w/2 of centred
     assert np.all((qp.k[nz] >= 1) & (qp.k[nz] <= L - 1))
-    assert np.all(np.abs(qp.lo[nz] + 3) <= w / 2 + 8 * np.finfo(dtype).eps)
+    assert np.all(np.abs(qp.lo[nz] + W) <= w / 2 + 8 * np.finfo(dtype).eps)
     np.testing.assert_array_equal(qp.s, np.where(gamma < 0, -1, 1))
     # a threshold inside the window gets a bin edge on it (up to rounding)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         t = -beta.astype(np.float64) / np.abs(gamma.astype(np.float64))
-    on = nz & (np.abs(t) < 3 - w / 2)
+    on = nz & (np.abs(t) < W - w / 2)
     assert on.sum() > 10
     np.testing.assert_allclose(qp.lo[on] + qp.k[on] * w, t[on], rtol=0, atol=16 * np.finfo(dtype).eps)
     # gamma == 0: plain centred grid, k says "always" (0) or "never" (L)
-    np.testing.assert_array_equal(qp.lo[~nz], -3)
+    np.testing.assert_array_equal(qp.lo[~nz], -W)
     np.testing.assert_array_equal(qp.k[~nz], np.where(beta[~nz] > 0, 0, L))
 
 
 @pytest.mark.parametrize("bits", q.BITS)
 def test_gamma_zero_plain_grid(bits):
     rng = np.random.default_rng(1)
-    x = rng.normal(size=(2, 300)) * 2
+    W = q.window(bits)
+    x = rng.normal(size=(2, 300)) * 2 * W / 3
     gamma, beta = np.array([0.0, 0.0]), np.array([0.7, -0.7])
     _, xt, mask, qp = packed_roundtrip(x, gamma, beta, bits)
-    L, w = 2 ** bits, 6 / 2 ** bits
-    want = -3 + (np.clip(np.floor((x + 3) / w), 0, L - 1) + 0.5) * w
+    L, w = 2 ** bits, 2 * W / 2 ** bits
+    want = -W + (np.clip(np.floor((x + W) / w), 0, L - 1) + 0.5) * w
     np.testing.assert_array_equal(xt, want)
     assert mask[0].all() and not mask[1].any()
 
@@ -173,7 +241,7 @@ def test_gamma_zero_plain_grid(bits):
 
 @pytest.mark.parametrize("bits", q.BITS)
 def test_deterministic_and_data_independent_grid(bits):
-    gamma, beta, x = make_case(np.float32)
+    gamma, beta, x = make_case(np.float32, bits=bits)
     p1, x1, m1, _ = packed_roundtrip(x, gamma, beta, bits)
     p2, x2, m2, _ = packed_roundtrip(x.copy(), gamma.copy(), beta.copy(), bits)
     np.testing.assert_array_equal(p1, p2)
@@ -230,7 +298,7 @@ def test_pack_layout_examples():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", q.BITS)
 def test_packed_equals_simulated(dtype, bits):
-    gamma, beta, x = make_case(dtype, seed=2)
+    gamma, beta, x = make_case(dtype, seed=2, bits=bits)
     xs, ms = q.quantize_simulated(x, gamma, beta, bits)
     _, xt, mask, _ = packed_roundtrip(x, gamma, beta, bits)
     assert xs.dtype == dtype and xt.dtype == dtype
@@ -274,10 +342,10 @@ def test_accepts_channels_major_4d():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", (4, 1))
+@pytest.mark.parametrize("bits", q.BITS)
 def test_decode_relu(dtype, bits, monkeypatch):
     monkeypatch.setattr(q, "CHUNK", 64)
-    gamma, beta, x = make_case(dtype)
+    gamma, beta, x = make_case(dtype, bits=bits)
     packed, _, _, qp = packed_roundtrip(x, gamma, beta, bits)
     out = np.full_like(x, np.nan)
     q.decode_relu(out, packed, qp, gamma, beta)

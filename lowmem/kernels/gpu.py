@@ -557,9 +557,11 @@ def _bits(qp):
 
 
 def _grid_args(bits, dtype):
-    """The kernels' (bits, w, window) scalars: int32, then the data's float type."""
+    """The kernels' (bits, w, window) scalars: int32, then the data's float type.
+    The window's half-width W is chosen per bit width (quant.window); w = 2·W/2**bits
+    is exact in either float type, so the in-kernel grid equals quant.quant_params'."""
     real = numpy.dtype(dtype).type
-    return _i32(bits), real(2 * quant.WINDOW / (1 << bits)), real(quant.WINDOW)
+    return _i32(bits), real(quant.bin_width(bits)), real(quant.window(bits))
 
 
 def _check_code(packed, C, M, bits):
