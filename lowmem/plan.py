@@ -13,7 +13,8 @@ Kinds:
              may reuse its own arrays as soon as forward() returns
   buffers    the shared activation / gradient buffers (act0, act1, res) and tiny head buffers
   saved      what each layer keeps for backward (x-hat or its K-bit code, rstd, argmax, FC input, probs)
-  workspace  bounded scratch: conv im2col columns, decoded ReLU mask, max-pool indices
+  workspace  bounded scratch: conv im2col columns, max-pool window indices, the CUDA
+             reductions' partial sums (bn.partials), synchronized BN's sums (sync.bn)
 """
 import math
 from dataclasses import dataclass

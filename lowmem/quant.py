@@ -4,7 +4,7 @@ Each BN->ReLU unit keeps one packed K-bit code of `x̂` (K in {8, 4, 2, 1}):
 K/8 bytes per element (1, 0.5, 0.25, 0.125) plus a few per-channel numbers,
 against 4 bytes for float32. From the code the backward sweep recovers an
 approximate `x̃` (for BN backward and, via `relu(γ·x̃ + β)`, the conv weight
-gradient) and the *exact* ReLU mask `y > 0`. DESIGN.md §2 is the contract.
+gradient) and the *exact* ReLU mask `y > 0`. docs/quantizer.md states the contract.
 
 The grid, per channel c (all in units of x̂, i.e. of the batch std):
 

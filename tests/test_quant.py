@@ -1,6 +1,6 @@
 """The quantizer ladder: exact definitions -> simulated (float) -> packed.
 
-Each DESIGN §2 property is checked against its definition written out here
+Each property of the quantizer (docs/quantizer.md) is checked against its definition written out here
 (the exact mask is the engine's expression), then the packed, chunked path
 is checked to equal the simulated one bit for bit. The window's half-width
 W = q.window(K) differs per bit width, so every property is checked for each
