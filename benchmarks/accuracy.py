@@ -93,6 +93,9 @@ def atomic_write(path, text):
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)                   # mkstemp's 0600 is not what a doc wants
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
