@@ -1,0 +1,525 @@
+"""The paper's claim, measured: test accuracy of exact, approx and naive training, and the
+gradient error against SGD noise through training.
+
+    python benchmarks/accuracy.py          # the full study: about 1 h on an idle 2-core machine (estimated)
+    python benchmarks/accuracy.py --smoke  # 7 min on a shared 2-core machine: proves the script works
+    python benchmarks/accuracy.py --dataset cifar10 --depth 20 --epochs 30   # where CIFAR is present
+
+Part 1, accuracy. The same network (pre-activation ResNet, lowmem.models) is trained with
+lowmem.trainer in every mode of --modes (default exact, approx 8/4/2/1-bit, naive 4-bit) for
+every seed of --seeds. A seed fixes the initial weights, the batch order and the augmentation
+(random crop + flip), so for one seed every mode sees exactly the same data in the same order
+and starts from the same weights: the modes differ only in what the backward pass uses. Per
+mode the report gives the final test accuracy (mean, sample standard deviation, range over
+seeds) and the difference to exact, computed per seed (paired) and summarised as mean ±
+standard error with a 95% t interval.
+
+Part 2, gradient error against SGD noise through training. Along the exact run of the first
+seed, at --checkpoints evenly spaced iterations (the first before any step), the network's
+current weights are copied and, on B = --noise-batches fixed training batches of the training
+batch size (drawn once, normalised, not augmented), every parameter tensor p gets
+(lowmem.diagnostics' definitions):
+
+    g_m,b(p)   the gradient of mode m on batch b (training-mode BN, the batch's own statistics)
+    error(p)   = rms_b ||g_m,b(p) − g_exact,b(p)||                      (the approximation's error)
+    noise(p)   = sqrt(B/(B−1) · mean_b ||g_exact,b(p) − ḡ(p)||²),  ḡ = mean_b g_exact,b
+                                                       (the spread of exact mini-batch gradients)
+    ratio(p)   = error(p) / noise(p)
+
+||·|| is the Euclidean norm over the tensor's elements; p runs over every conv and FC weight and
+bias and every BN γ and β. The report plots the median and the worst ratio over tensors against
+the iteration for each of --noise-modes (default approx 4-bit, approx 2-bit, naive 4-bit).
+
+Output (--out, default runs/accuracy): results.json, rewritten atomically after every finished
+run, so an interrupted study resumes where it stopped (rerun the same command; runs whose
+settings match are not repeated). Then --doc (default docs/accuracy.md) and its two plots
+(docs/accuracy_curves.png, docs/accuracy_noise.png; need matplotlib, `pip install lowmem[plot]`:
+without it the doc is written without them). --smoke labels everything as a smoke run.
+
+Data: Fashion-MNIST from the Debian package (/usr/share/datasets/fashion-mnist, see lowmem.data)
+or --data-dir; CIFAR-10/100 only where the archive is already present (never downloaded here).
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from lowmem import diagnostics as D             # noqa: E402
+from lowmem import quant                        # noqa: E402
+from lowmem.data import DataError, load_dataset, normalize      # noqa: E402
+from lowmem.trainer import MODELS, TrainConfig, Trainer           # noqa: E402
+
+# The full study: sized from measured step rates on the 2-core machine (docs/accuracy.md):
+# 18 runs of 150 steps of 128 images, 7 noise checkpoints.
+FULL = dict(dataset="fashion-mnist", depth=8, batch=128, epochs=3, lr=0.1, limit_train=6400,
+            limit_test=2000, seeds="0,1,2", modes="exact,approx8,approx4,approx2,approx1,naive4",
+            checkpoints=7, noise_batches=6, noise_modes="approx4,approx2,naive4")
+SMOKE = dict(FULL, epochs=2, limit_train=768, limit_test=256, seeds="0,1",
+             modes="exact,approx4,naive4", checkpoints=3, noise_batches=2)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def parse_mode(text):
+    """'exact' -> ('exact', 4); 'approx4' -> ('approx', 4); 'naive4' -> ('naive', 4)."""
+    m = re.fullmatch(r"(exact)|(approx|naive)([1248])", text.strip())
+    if not m:
+        raise ValueError(f"unknown mode {text!r}: expected exact, approxK or naiveK with K in 1, 2, 4, 8")
+    return ("exact", 4) if m.group(1) else (m.group(2), int(m.group(3)))
+
+
+def label(mode, bits):
+    return mode if mode == "exact" else f"{mode} {bits}-bit"
+
+
+def seeds_of(text):
+    return [int(s) for s in text.split(",")]
+
+
+# ---- results file ---------------------------------------------------------------------
+
+def atomic_write(path, text):
+    """Write `text` to `path` via a temporary file + fsync + rename: never half-written."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)                   # mkstemp's 0600 is not what a doc wants
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_results(path, settings):
+    """The runs already in `path` whose settings equal `settings` (else a fresh study)."""
+    if not os.path.exists(path):
+        return {"settings": settings, "runs": {}, "noise": None}
+    with open(path) as f:
+        old = json.load(f)
+    if old.get("settings") != settings:
+        raise SystemExit(f"{path} holds a study with other settings; use another --out, or delete it "
+                         f"to start again")
+    return old
+
+
+# ---- part 1: one training run -----------------------------------------------------------
+
+def config_for(args, mode, bits, seed):
+    return TrainConfig(dataset=args.dataset, data_dir=args.data_dir, download=False, pad_to=args.pad_to,
+                       limit_train=args.limit_train, limit_test=args.limit_test, depth=args.depth,
+                       mode=mode, bits=bits, batch=args.batch, epochs=args.epochs, lr=args.lr,
+                       schedule="cosine", seed=seed, out=None, progress=False)
+
+
+def train_run(args, data, mode, bits, seed, on_step=None, log=print):
+    """Train one (mode, bits, seed); returns {"final_test_acc", "history", "seconds"}."""
+    t0 = time.time()
+    trainer = Trainer(config_for(args, mode, bits, seed), dataset=data, on_step=on_step,
+                      log=lambda s: log(f"    {s}"))
+    if on_step is not None:
+        on_step(trainer, None)                  # the checkpoint before the first step
+    result = trainer.fit()
+    hist = [{k: r[k] for k in ("epoch", "iteration", "train_loss", "train_acc", "test_loss", "test_acc",
+                               "train_time_s", "eval_time_s")} for r in result.history]
+    return {"final_test_acc": result.test_acc, "history": hist, "seconds": time.time() - t0}
+
+
+# ---- part 2: gradient error against SGD noise at checkpoints -----------------------------
+
+def noise_batches(data, batch, count, seed, dtype="float32"):
+    """`count` fixed training batches (x float (batch, C, H, W), labels), normalised, no augmentation."""
+    rng = numpy.random.default_rng([seed, 7])
+    idx = rng.permutation(len(data.x_train))[:batch * count].reshape(count, batch)
+    out = []
+    for ix in idx:
+        xb = data.x_train[ix]
+        out.append((normalize(numpy.empty(xb.shape, dtype), xb, data.mean, data.std), data.y_train[ix]))
+    return out
+
+
+def measure_checkpoint(net, batches, modes):
+    """Per tensor, the error and noise norms of ratio(p) (module docstring) for each (mode, bits)."""
+    exact = D.parameter_grads(net, batches, "exact")
+    names = list(exact)
+    B = len(batches)
+    sq = lambda a: (a.reshape(a.shape[0], -1) ** 2).sum(axis=1)      # noqa: E731
+    noise = numpy.array([math.sqrt(sq(exact[n] - exact[n].mean(axis=0, keepdims=True)).mean() * B / (B - 1))
+                         for n in names])
+    grad = numpy.array([math.sqrt(sq(exact[n]).mean()) for n in names])
+    rec = {"names": names, "noise_norm": noise.tolist(), "grad_norm": grad.tolist(), "modes": {}}
+    for mode, bits in modes:
+        g = D.parameter_grads(net, batches, mode, bits)
+        err = numpy.array([math.sqrt(sq(g[n] - exact[n]).mean()) for n in names])
+        ratio = err / numpy.where(noise > 0, noise, numpy.nan)
+        rel = err / numpy.where(grad > 0, grad, numpy.nan)
+        worst = int(numpy.nanargmax(ratio))
+        rec["modes"][label(mode, bits)] = {
+            "error_norm": err.tolist(), "median_ratio": float(numpy.nanmedian(ratio)),
+            "worst_ratio": float(ratio[worst]), "worst_tensor": names[worst],
+            "median_rel_error": float(numpy.nanmedian(rel))}
+    return rec
+
+
+def noise_hook(args, data, template, checkpoints, total_iters, modes, store, log):
+    """on_step callback measuring at `checkpoints` (iteration numbers); records go to `store`."""
+    batches = noise_batches(data, args.batch, args.noise_batches, args.noise_seed)
+
+    def hook(trainer, loss):
+        it = trainer.iteration
+        if it not in checkpoints or any(r["iteration"] == it for r in store):
+            return
+        t = time.time()
+        net = copy.deepcopy(template)
+        net.load_state_dict(trainer.net.state_dict())
+        rec = measure_checkpoint(net, batches, modes)
+        rec["iteration"] = it
+        rec["epoch"] = it / trainer.steps_per_epoch
+        rec["seconds"] = time.time() - t
+        store.append(rec)
+        log("    noise @ iteration %d: " % it + "; ".join(
+            f"{m} median {v['median_ratio']:.3g} worst {v['worst_ratio']:.3g}" for m, v in rec["modes"].items())
+            + f" ({rec['seconds']:.0f} s)")
+    return hook
+
+
+# ---- report ---------------------------------------------------------------------------
+
+def summarise(results, modes, seeds):
+    """Per mode label: accuracies per seed, mean, sd, and the paired difference to exact."""
+    acc = {label(m, b): [results["runs"][f"{label(m, b)}|{s}"]["final_test_acc"] for s in seeds]
+           for m, b in modes}
+    out = {}
+    for name, a in acc.items():
+        row = {"acc": a, "mean": statistics.mean(a), "sd": statistics.stdev(a) if len(a) > 1 else float("nan")}
+        if "exact" in acc and name != "exact":
+            d = [x - e for x, e in zip(a, acc["exact"])]
+            se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+            t = T95.get(len(d) - 1, 1.96)
+            row.update(diff=statistics.mean(d), diff_se=se, diff_ci=(statistics.mean(d) - t * se,
+                                                                     statistics.mean(d) + t * se))
+        out[name] = row
+    return out
+
+
+def _within(r, bound):
+    """'met' if the 95% interval of the difference lies inside ±bound, 'missed' if it lies
+    wholly outside, else 'not resolved' (the interval straddles the bound)."""
+    lo, hi = r["diff_ci"]
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "not resolved (one seed)"
+    if -bound <= lo and hi <= bound:
+        return "met"
+    if hi < -bound or lo > bound:
+        return "missed"
+    return "not resolved"
+
+
+def targets(s, noise):
+    """Lines judging the measured numbers against the issue's targets (met / missed / not resolved)."""
+    out = []
+    for name, bound in (("approx 4-bit", 0.003), ("approx 2-bit", 0.01)):
+        if name in s and "diff" in s[name]:
+            r = s[name]
+            out.append(f"* {name} within {100 * bound:g} pp of exact: {_within(r, bound)} "
+                       f"(difference {100 * r['diff']:+.2f} pp, 95% interval [{100 * r['diff_ci'][0]:+.2f}, "
+                       f"{100 * r['diff_ci'][1]:+.2f}])")
+    if "naive 4-bit" in s and "diff" in s["naive 4-bit"]:
+        r = s["naive 4-bit"]
+        worse = r["diff_ci"][1] < 0
+        out.append(f"* naive 4-bit visibly worse than exact: {'yes' if worse else 'not resolved'} "
+                   f"(difference {100 * r['diff']:+.2f} pp, interval [{100 * r['diff_ci'][0]:+.2f}, "
+                   f"{100 * r['diff_ci'][1]:+.2f}])")
+    if noise and "naive 4-bit" in noise[0]["modes"] and "approx 4-bit" in noise[0]["modes"]:
+        f = statistics.median(r["modes"]["naive 4-bit"]["median_ratio"] / r["modes"]["approx 4-bit"]["median_ratio"]
+                              for r in noise)
+        out.append(f"* naive 4-bit's error-to-noise ratio at least 5x approx 4-bit's: "
+                   f"{'met' if f >= 5 else 'missed'} (median over checkpoints of the ratio of the two medians: {f:.2f}x)")
+    if noise and "approx 4-bit" in noise[0]["modes"]:
+        m = max(r["modes"]["approx 4-bit"]["median_ratio"] for r in noise)
+        out.append(f"* approx 4-bit error / SGD noise, median over tensors, below 1/10 through training: "
+                   f"{'met' if m < 0.1 else 'missed'} (largest over checkpoints {m:.3g})")
+    return out
+
+
+def estimate_full(results, args):
+    """A sentence estimating the full study's time from this (smoke) run's measured rates:
+    seconds per training image per mode (modes the smoke did not run: approx 4-bit's rate),
+    the noise checkpoints scaled by batches and checkpoints, evaluation by test images."""
+    rate, ev = {}, []
+    for key, run in results["runs"].items():
+        name = key.split("|")[0]
+        imgs = sum(h["iteration"] for h in run["history"][-1:]) * args.batch
+        rate.setdefault(name, []).append(sum(h["train_time_s"] for h in run["history"]) / max(imgs, 1))
+        ev += [h["eval_time_s"] / max(args.limit_test or 1, 1) for h in run["history"]]
+    rate = {k: statistics.mean(v) for k, v in rate.items()}
+    base = rate.get("approx 4-bit", max(rate.values()))
+    F = FULL
+    per_run_imgs = (F["limit_train"] // F["batch"]) * F["batch"] * F["epochs"]
+    train = len(seeds_of(F["seeds"])) * sum(per_run_imgs * rate.get(label(*parse_mode(m)), base)
+                                             for m in F["modes"].split(","))
+    evals = len(seeds_of(F["seeds"])) * len(F["modes"].split(",")) * F["epochs"] * F["limit_test"] * statistics.mean(ev)
+    noise = results.get("noise") or []
+    per_ckpt = statistics.mean(r["seconds"] for r in noise) if noise else 0.0
+    noise_s = per_ckpt * F["checkpoints"] * F["noise_batches"] / max(args.noise_batches, 1)
+    total = train + evals + noise_s
+    return (f"Estimated time of the full study from this run's measured rates (same machine and load; "
+            f"modes not run here at the approx 4-bit rate): {total / 60:.0f} min "
+            f"(training {train / 60:.0f}, evaluation {evals / 60:.0f}, noise checkpoints {noise_s / 60:.0f}).")
+
+
+def machine():
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {numpy.__version__}"
+
+
+def plots(results, modes, seeds, doc_dir, stem):
+    """Training curves and the noise plot as PNGs next to the doc; [] without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    files = []
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for m, b in modes:
+        hs = [results["runs"][f"{label(m, b)}|{s}"]["history"] for s in seeds]
+        ep = [r["epoch"] for r in hs[0]]
+        a1.plot(ep, [100 * statistics.mean(h[i]["test_acc"] for h in hs) for i in range(len(ep))],
+                marker="o", label=label(m, b))
+        a2.plot(ep, [statistics.mean(h[i]["train_loss"] for h in hs) for i in range(len(ep))],
+                marker="o", label=label(m, b))
+    a1.set(xlabel="epoch", ylabel="test accuracy, % (mean over seeds)", title="test accuracy")
+    a2.set(xlabel="epoch", ylabel="training loss (mean over seeds)", title="training loss", yscale="log")
+    a1.legend(fontsize=8)
+    a1.grid(alpha=0.3)
+    a2.grid(alpha=0.3)
+    fig.tight_layout()
+    name = f"{stem}_curves.png"
+    fig.savefig(os.path.join(doc_dir, name), dpi=110)
+    plt.close(fig)
+    files.append(name)
+    noise = results.get("noise") or []
+    if noise:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        its = [r["iteration"] for r in noise]
+        for i, m in enumerate(noise[0]["modes"]):
+            c = f"C{i}"
+            ax.plot(its, [r["modes"][m]["median_ratio"] for r in noise], color=c, marker="o",
+                    label=f"{m}: median over tensors")
+            ax.plot(its, [r["modes"][m]["worst_ratio"] for r in noise], color=c, ls="--", marker="x",
+                    label=f"{m}: worst tensor")
+        ax.axhline(1, color="k", lw=0.8)
+        ax.axhline(0.1, color="k", lw=0.8, ls=":")
+        ax.set(xlabel="iteration (exact training run, first seed)", yscale="log",
+               ylabel="gradient error / SGD noise", title="approximation error against SGD noise")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3, which="both")
+        fig.tight_layout()
+        name = f"{stem}_noise.png"
+        fig.savefig(os.path.join(doc_dir, name), dpi=110)
+        plt.close(fig)
+        files.append(name)
+    return files
+
+
+def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_note):
+    s = summarise(results, modes, seeds)
+    doc_dir = os.path.dirname(os.path.abspath(path))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    figs = plots(results, modes, seeds, doc_dir, stem)
+    steps = results["runs"][f"exact|{seeds[0]}"]["history"][-1]["iteration"] if "exact" in s else "?"
+    L = []
+    if smoke:
+        est = estimate_full(results, args)
+        L += ["# Accuracy study — SMOKE RUN (not the study's result)", "",
+              "> **This page is the output of `--smoke`: a few minutes of training on a small subset, "
+              "to prove that `benchmarks/accuracy.py` works end to end. Its numbers say nothing about "
+              "the method.** The full study is `python benchmarks/accuracy.py` (results in "
+              "runs/accuracy); it rewrites this page. " + est, ""]
+    else:
+        L += ["# Accuracy: exact, approx and naive training on real data", ""]
+    runs = results["runs"].values()
+    L += [f"Produced by `{command}`: {total_s / 60:.1f} min of runs in all "
+          f"({statistics.mean(r['seconds'] for r in runs):.0f} s per run on average, noise checkpoints "
+          f"included) on {machine()}; load average {results.get('load', '?')} (1-minute, at the start of "
+          f"each invocation: the machine is shared, so times vary with the other work on it).", "",
+          f"Data: {args.dataset}, {args.limit_train or 'all'} training and {args.limit_test or 'all'} test "
+          f"images{' (28x28, unpadded)' if args.dataset == 'fashion-mnist' and args.pad_to == 0 else ''}. "
+          f"{cifar_note}", "",
+          f"Network: {MODELS['preact-cifar'].__name__}(depth={args.depth}); SGD momentum 0.9, weight "
+          f"decay 5e-4, lr {args.lr:g} (warm-up then cosine), batch {args.batch}, {args.epochs} epochs "
+          f"({steps} iterations), random crop + flip. Seeds {', '.join(map(str, seeds))}: a seed fixes "
+          f"the initial weights, batch order and augmentation, the same for every mode. Quantizer "
+          f"windows (half-widths W per bit width, docs/quantizer.md): "
+          + ", ".join(f"{k}-bit ±{quant.WINDOWS[k]:g}" for k in quant.BITS) + ".", "",
+          "## 1. Final test accuracy", "",
+          "Test accuracy after the last epoch (BN running statistics, whole test split). Difference: "
+          "per seed, mode − exact (same seed: same data and initial weights), then mean ± standard "
+          "error over seeds and a 95% t interval.", "",
+          "| mode | mean | sd over seeds | min – max | − exact (paired) | 95% interval | per seed |",
+          "|---|---|---|---|---|---|---|"]
+    for name, r in s.items():
+        diff = (f"{100 * r['diff']:+.2f} ± {100 * r['diff_se']:.2f} pp" if "diff" in r else "—")
+        ci = (f"[{100 * r['diff_ci'][0]:+.2f}, {100 * r['diff_ci'][1]:+.2f}]" if "diff" in r else "—")
+        L.append(f"| {name} | {100 * r['mean']:.2f}% | {100 * r['sd']:.2f} | {100 * min(r['acc']):.2f} – "
+                 f"{100 * max(r['acc']):.2f} | {diff} | {ci} | "
+                 + ", ".join(f"{100 * a:.2f}" for a in r["acc"]) + " |")
+    se = [r["diff_se"] for r in s.values() if "diff_se" in r and math.isfinite(r["diff_se"])]
+    if se:
+        t = T95.get(len(seeds) - 1, 1.96)
+        L += ["", f"What this resolves: the paired differences have standard errors of "
+              f"{100 * min(se):.2f}–{100 * max(se):.2f} pp, so with {len(seeds)} seeds a difference "
+              f"smaller than about {100 * t * max(se):.2f} pp (the widest 95% half-interval) cannot be told "
+              f"from zero; larger ones can. A target such as \"within 0.3 pp of exact\" is met only if "
+              f"the whole interval lies within ±0.3 pp."]
+    if figs:
+        L += ["", f"![training curves]({figs[0]})"]
+    noise = results.get("noise") or []
+    L += ["", "### Against the targets of issue 12", ""] + targets(s, noise)
+    L += ["", "## 2. Gradient error against SGD noise through training", "",
+          "Along the exact run of the first seed, at evenly spaced iterations (0: before the first "
+          f"step), on B = {args.noise_batches} fixed training batches of {args.batch} images (drawn once, "
+          "normalised, not augmented; the same batches at every checkpoint), for every parameter tensor p "
+          "(each conv/FC weight and bias, each BN γ and β) and mode m:", "",
+          "* **error** `e_m(p) = rms_b ‖g_m,b(p) − g_exact,b(p)‖`: the mode's gradient against the exact "
+          "gradient on the *same* batch b and the same weights (training-mode BN);",
+          "* **SGD noise** `σ(p) = sqrt(B/(B−1) · mean_b ‖g_exact,b(p) − ḡ(p)‖²)`, "
+          "`ḡ = mean_b g_exact,b`: the spread of exact gradients over *different* batches, i.e. how far "
+          "one mini-batch gradient lies from the expected one (B/(B−1): ḡ is a sample mean);",
+          "* **ratio** `e_m(p) / σ(p)`; ‖·‖ is the Euclidean norm over the tensor's elements. Below 1 the "
+          "approximation adds less to the gradient's error than SGD's sampling already has.", "",
+          "| iteration | epoch | " + " | ".join(f"{m}: median / worst ratio" for m in
+                                                 (noise[0]["modes"] if noise else [])) + " |",
+          "|---|---|" + "---|" * (len(noise[0]["modes"]) if noise else 0)]
+    for r in noise:
+        L.append(f"| {r['iteration']} | {r['epoch']:.2f} | " + " | ".join(
+            f"{v['median_ratio']:.3g} / {v['worst_ratio']:.3g}" for v in r["modes"].values()) + " |")
+    if noise:
+        L += ["", "Median over tensors of the ratio, over all checkpoints: " + "; ".join(
+            f"{m} {statistics.median(r['modes'][m]['median_ratio'] for r in noise):.3g} "
+            f"(max over checkpoints {max(r['modes'][m]['median_ratio'] for r in noise):.3g})"
+            for m in noise[0]["modes"]) + "."]
+    if len(figs) > 1:
+        L += ["", f"![error against noise]({figs[1]})"]
+    L += ["", "## Rerun", "", "```", command, "```", "",
+          f"Raw numbers: `{os.path.join(args.out, 'results.json')}` (per run: the per-epoch history; per "
+          "checkpoint: every tensor's error and noise norms)."]
+    atomic_write(path, "\n".join(L) + "\n")
+    return figs
+
+
+# ---- main --------------------------------------------------------------------------------
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a few minutes on a small subset; labelled as a smoke run")
+    p.add_argument("--dataset", default=None, help="fashion-mnist (default), cifar10, cifar100")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--pad-to", type=int, default=0, help="Fashion-MNIST: pad 28x28 to this (0: keep 28)")
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--limit-train", type=int, default=None)
+    p.add_argument("--limit-test", type=int, default=None)
+    p.add_argument("--seeds", default=None, help="comma-separated")
+    p.add_argument("--modes", default=None, help="e.g. exact,approx8,approx4,approx2,approx1,naive4")
+    p.add_argument("--checkpoints", type=int, default=None, help="noise measurements along the run (0: none)")
+    p.add_argument("--noise-batches", type=int, default=None)
+    p.add_argument("--noise-modes", default=None)
+    p.add_argument("--noise-seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="results directory (default runs/accuracy[-smoke])")
+    p.add_argument("--doc", default="docs/accuracy.md")
+    args = p.parse_args(argv)
+    base = SMOKE if args.smoke else FULL
+    for k, v in base.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.out = args.out or ("runs/accuracy-smoke" if args.smoke else "runs/accuracy")
+    modes = [parse_mode(m) for m in args.modes.split(",")]
+    noise_modes = [parse_mode(m) for m in args.noise_modes.split(",")] if args.checkpoints else []
+    if any(m == "exact" for m, _ in noise_modes):
+        raise SystemExit("--noise-modes compares with exact: list approxK / naiveK modes only")
+    if args.checkpoints and args.noise_batches < 2:
+        raise SystemExit(f"--noise-batches must be >= 2 (the noise compares batches), got {args.noise_batches}")
+    if ("exact", 4) not in modes:
+        modes.insert(0, ("exact", 4))           # the reference of every difference
+    seeds = seeds_of(args.seeds)
+    command = "python benchmarks/accuracy.py " + " ".join(argv)
+    log = lambda s: print(s, flush=True)        # noqa: E731
+
+    cifar_note = ""
+    if args.dataset == "fashion-mnist":
+        for name in ("cifar10", "cifar100"):
+            try:
+                load_dataset(name, args.data_dir, download=False, limit_train=1, limit_test=1)
+                cifar_note += f"{name} is present here: rerun with --dataset {name}. "
+            except DataError:
+                cifar_note += f"{name}: not present on this machine (not run). "
+    data = load_dataset(args.dataset, args.data_dir, download=False, pad_to=args.pad_to or None,
+                        limit_train=args.limit_train, limit_test=args.limit_test)
+    log(f"{data!r}; modes {[label(*m) for m in modes]}; seeds {seeds}; {args.epochs} epochs of batch {args.batch}")
+    settings = {k: getattr(args, k) for k in ("dataset", "pad_to", "depth", "batch", "epochs", "lr",
+                                              "limit_train", "limit_test", "noise_batches", "noise_seed",
+                                              "checkpoints", "noise_modes")}
+    settings["windows"] = {str(k): quant.WINDOWS[k] for k in quant.BITS}
+    path = os.path.join(args.out, "results.json")
+    results = load_results(path, settings)
+    load = f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"
+    results["load"] = f"{results['load']}, {load}" if results.get("load") else load
+    t0 = time.time()
+    for seed in seeds:
+        for mode, bits in modes:
+            key = f"{label(mode, bits)}|{seed}"
+            if key in results["runs"]:
+                log(f"{key}: done before ({100 * results['runs'][key]['final_test_acc']:.2f}%)")
+                continue
+            hook, store = None, []
+            if mode == "exact" and seed == seeds[0] and args.checkpoints and results.get("noise") is None:
+                spe = len(data.x_train) // args.batch
+                total = spe * args.epochs
+                cps = sorted({round(i * total / max(1, args.checkpoints - 1)) for i in range(args.checkpoints)})
+                template = MODELS["preact-cifar"](args.depth, num_classes=data.num_classes,
+                                                  in_channels=data.input_shape[0], seed=seed)
+                hook = noise_hook(args, data, template, set(cps), total, noise_modes, store, log)
+            log(f"{key}: training")
+            run = train_run(args, data, mode, bits, seed, on_step=hook, log=log)
+            results["runs"][key] = run
+            if hook is not None:
+                results["noise"] = sorted(store, key=lambda r: r["iteration"])
+            atomic_write(path, json.dumps(results))
+            log(f"{key}: test accuracy {100 * run['final_test_acc']:.2f}% ({run['seconds']:.0f} s)")
+    total_s = sum(r["seconds"] for r in results["runs"].values())
+    figs = write_doc(args.doc, results, args, modes, seeds, command, args.smoke, total_s, cifar_note)
+    log(f"wrote {args.doc}" + (f" and {', '.join(figs)}" if figs else " (no matplotlib: no plots)")
+        + f"; training time {total_s / 60:.1f} min in all, this process {(time.time() - t0) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
