@@ -185,14 +185,14 @@ class Engine:
         row_block = min(max(units), max(layers.ROW_BLOCK, max(self.N * h * w for (_, h, w) in
                                                                self._unit_sizes.values())))
         plan.add_temporary("a BN row block (x2)", 2 * row_block * it)
-        if self.mode != "exact":
+        if self.selected.decodes:
             plan.add_temporary("quantizer chunks", (2 * it + 4) * min(quant.CHUNK, max(units)))
 
     def _make_schedule(self):
         io = resolve(self.net)
         args = (self.net, io, self.in_shape, self.out_shape, self.saved_slots, self.nbytes)
         fwd = forward_steps(*args)
-        return Schedule(fwd + plan_backward(*args, decodes=self.mode != "exact", start=len(fwd)))
+        return Schedule(fwd + plan_backward(*args, decodes=self.selected.decodes, start=len(fwd)))
 
     def _find_input_grad(self):
         stems = [s for s in self.schedule if s.phase == "bwd" and s.optional]

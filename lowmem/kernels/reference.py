@@ -24,6 +24,7 @@ class ExactUnits:
     """x-hat saved in float: the gradients of standard backprop."""
     fused = False
     saved_suffix = "xhat"
+    decodes = False         # its backward may decode into a scratch buffer (the schedule gives one)
 
     def saved_entry(self, C, M, dtype):
         """(shape, dtype) of one unit's saved slot for C channels of M planned elements."""
@@ -56,6 +57,8 @@ class ExactUnits:
 
 class CodeUnits(ExactUnits):
     """x-hat saved as a packed K-bit code (quant.py); x-tilde decoded where it is needed."""
+
+    decodes = True
 
     def __init__(self, bits, naive=False):
         self.bits, self.naive = quant.check_bits(bits), bool(naive)
