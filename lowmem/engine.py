@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from . import backend, quant
+from . import backend, quant, threads
 from .kernels import cpu as fast, gpu as cuda
 from .ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size,
                   bn_normalize_forward, bn_relu_apply_forward, bn_eval_relu_forward,
@@ -102,6 +102,7 @@ class Engine:
         self.dtype = numpy.dtype(dtype)
         self.N, self.input_shape = int(batch_size), input_shape
         self.xp = backend.xp
+        threads.configure()                     # lowmem's use of the cores (lowmem/threads.py), once per process
         self._gpu = self.xp is not numpy        # CuPy: fused kernels from lowmem/kernels/gpu.py
         self._infer_shapes()
         self.use_fast = self._fast_ok(self.N) if use_fast is None else bool(use_fast)
