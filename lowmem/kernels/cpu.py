@@ -415,7 +415,9 @@ def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, ac
     _over_channels(rows, C, M)
 
 
-# ---- convolution data movement: im2col and its adjoint (lowmem/ops/conv.py picks these) ----
+# ---- convolution: col2im, im2col's adjoint (lowmem/ops/conv.py picks it) ----
+# (im2col itself stays NumPy's: its nine strided slice copies measured faster than every
+# numba loop tried here, which spend their time on per-row set-up for rows of 8-32 elements.)
 
 if AVAILABLE:
     @njit(**_opts)
@@ -426,62 +428,37 @@ if AVAILABLE:
         return lo, max(lo, hi)
 
     @njit(**_opts)
-    def _im2col(cols, x, kh, kw, stride, pad):
-        """cols (Cin, kh, kw, n, Ho, Wo) <- patches of x (Cin, n, H, W), zero outside the image:
-        ops.conv.im2col as loops (a copy: bit-exact in any dtype). x may be strided."""
-        Cin, n, H, W = x.shape
-        Ho, Wo = cols.shape[4], cols.shape[5]
-        for c in range(Cin):
-            for i in range(kh):
-                h0, h1 = _valid(i, H, Ho, stride, pad)
-                for j in range(kw):
-                    w0, w1 = _valid(j, W, Wo, stride, pad)
-                    off = j - pad
-                    for s in range(n):
-                        for oh in range(Ho):
-                            if oh < h0 or oh >= h1:
-                                for ow in range(Wo):
-                                    cols[c, i, j, s, oh, ow] = 0
-                                continue
-                            ih = oh * stride + i - pad
-                            for ow in range(w0):
-                                cols[c, i, j, s, oh, ow] = 0
-                            for ow in range(w0, w1):
-                                cols[c, i, j, s, oh, ow] = x[c, s, ih, ow * stride + off]
-                            for ow in range(w1, Wo):
-                                cols[c, i, j, s, oh, ow] = 0
-
-    @njit(**_opts)
-    def _col2im_add(dx, cols, kh, kw, stride, pad):
-        """dx (Cin, n, H, W) += the scatter of cols (Cin, kh, kw, n, Ho, Wo): ops.conv.col2im_add
-        as loops. Every dx element receives its terms in the same (i, j) order as there, so the
-        sums are bit-identical; one (c, sample) plane of dx stays in L1 while its 9 rows stream."""
-        Cin, n, H, W = dx.shape
-        Ho, Wo = cols.shape[4], cols.shape[5]
+    def _col2im_add(dx, n0, cols, kh, kw, stride, pad):
+        """dx[:, n0:n0+n] (dx (Cin, N, H, W) C-contiguous) += the scatter of cols (Cin, kh, kw, n, Ho, Wo).
+        Every dx element receives its terms in the same (i, j) order as ops.conv.col2im_add, so
+        the sums are bit-identical; one (c, sample) plane of dx stays in L1 while its rows stream."""
+        Cin, N, H, W = dx.shape
+        n, Ho, Wo = cols.shape[3], cols.shape[4], cols.shape[5]
+        cf = cols.reshape(-1)
+        df = dx.reshape(-1)
         for c in range(Cin):
             for s in range(n):
+                xb = (c * N + n0 + s) * H * W
                 for i in range(kh):
                     h0, h1 = _valid(i, H, Ho, stride, pad)
                     for j in range(kw):
                         w0, w1 = _valid(j, W, Wo, stride, pad)
-                        off = j - pad
+                        cb = (((c * kh + i) * kw + j) * n + s) * Ho * Wo
                         for oh in range(h0, h1):
-                            ih = oh * stride + i - pad
-                            for ow in range(w0, w1):
-                                dx[c, s, ih, ow * stride + off] += cols[c, i, j, s, oh, ow]
+                            o = cb + oh * Wo
+                            xi = xb + (oh * stride + i - pad) * W + j - pad
+                            d = df[xi + w0 * stride:xi + w1 * stride:stride]
+                            d += cf[o + w0:o + w1]
 
 
-def im2col(cols, x, kh, kw, stride, pad):
-    """numba twin of ops.conv.im2col (same arguments, bit-identical result)."""
-    _im2col(cols, x, kh, kw, stride, pad)
+def col2im_add(dx, cols, kh, kw, stride, pad, n0=0):
+    """numba twin of ops.conv.col2im_add, bit-identical: dx[:, n0:n0+n] += the scatter of
+    cols (Cin, kh, kw, n, Ho, Wo). dx (Cin, N, H, W) is the whole C-contiguous array (see
+    supports_col2im), so the kernel can index it flat."""
+    _col2im_add(dx, n0, cols, kh, kw, stride, pad)
 
 
-def col2im_add(dx, cols, kh, kw, stride, pad):
-    """numba twin of ops.conv.col2im_add (same arguments, bit-identical result)."""
-    _col2im_add(dx, cols, kh, kw, stride, pad)
-
-
-def supports_conv(*arrays):
-    """Whether im2col / col2im_add above apply: numba present, NumPy float32/float64 arrays."""
-    return AVAILABLE and all(type(a) is numpy.ndarray and a.dtype in (numpy.float32, numpy.float64)
-                             for a in arrays)
+def supports_col2im(dx, cols):
+    """Whether col2im_add above applies: numba, C-contiguous NumPy float32/float64 arrays."""
+    return (AVAILABLE and all(type(a) is numpy.ndarray and a.flags.c_contiguous for a in (dx, cols))
+            and dx.dtype == cols.dtype and dx.dtype in (numpy.float32, numpy.float64))

@@ -13,12 +13,14 @@ input needs no columns at all: it is the GEMM w(Cout, Cin) @ x(Cin, N*H*W).
 Cores (lowmem/threads.py): with T lowmem threads the batch is split into T
 ranges, each with its own 1/T of the workspace, running its own im2col, GEMM
 and col2im (a 1x1 conv's GEMM: T column ranges). Weight gradients are summed
-per range into a weight-sized temporary each, then added, so they may differ
-in the last bits between thread counts; everything else is independent of T.
+per range into a weight-sized temporary each, then added in range order. So
+results are deterministic for a given T, but may differ in the last bits
+between thread counts (smaller GEMMs may take other BLAS kernels, too).
 
 im2col / col2im_add below are the readable NumPy references (kernel-offset
-slices); with numba on NumPy arrays the loops of lowmem/kernels/cpu.py run
-instead (bit-identical, tests/test_ops.py; about 3x faster and GIL-free).
+slices). With numba, on C-contiguous NumPy arrays, col2im runs as the loop of
+lowmem/kernels/cpu.py instead (bit-identical, tests/test_ops.py; about 1.8x
+faster: one dx plane stays in L1 while its nine column rows stream by).
 """
 from .. import threads
 from ..backend import array_module
@@ -92,11 +94,12 @@ def col2im_add(dx, cols, kh, kw, stride, pad):
         dx[:, :, ih, iw] += cols[:, i, j, :, oh, ow]
 
 
-def _movers(*arrays):
-    """(im2col, col2im_add): the numba loops where they apply, else the NumPy references."""
-    if _fast.supports_conv(*arrays):
-        return _fast.im2col, _fast.col2im_add
-    return im2col, col2im_add
+def _col2im(dx, n0, n1, cols, kh, kw, stride, pad):
+    """dx[:, n0:n1] += the scatter of cols: the numba loop where it applies, else the reference."""
+    if _fast.supports_col2im(dx, cols):
+        _fast.col2im_add(dx, cols, kh, kw, stride, pad, n0)
+    else:
+        col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
 
 
 def _over_batch(N, ws, per_sample, body):
@@ -132,14 +135,13 @@ def conv2d_forward(out, x, w, stride, pad, ws):
         _over_columns(x2.shape[1], lambda m0, m1: xp.matmul(w2, x2[:, m0:m1], out=o2[:, m0:m1]))
         return
     K = Cin * kh * kw
-    to_cols, _ = _movers(x, ws)
 
     def samples(a, b, wsp):
         nc = _chunk(wsp, K * Ho * Wo, b - a)
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)
             cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
-            to_cols(cols, x[:, n0:n1], kh, kw, stride, pad)
+            im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
             xp.matmul(w2, cols.reshape(K, -1), out=_flat(out[:, n0:n1], Cout))
     _over_batch(N, ws, K * Ho * Wo, samples)
 
@@ -158,7 +160,6 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False):
         _over_columns(g2.shape[1], lambda m0, m1: xp.matmul(w2t, g2[:, m0:m1], out=d2[:, m0:m1]))
         return
     K = Cin * kh * kw
-    _, from_cols = _movers(dx, ws)
 
     def samples(a, b, wsp):
         if not accumulate:
@@ -168,7 +169,7 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False):
             n1 = min(b, n0 + nc)
             cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
             xp.matmul(w2t, _flat(dout[:, n0:n1], Cout), out=cols.reshape(K, -1))
-            from_cols(dx[:, n0:n1], cols, kh, kw, stride, pad)
+            _col2im(dx, n0, n1, cols, kh, kw, stride, pad)
     _over_batch(N, ws, K * Ho * Wo, samples)
 
 
@@ -198,7 +199,6 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws):
         _over_columns(x2.shape[1], columns)
     else:
         K = Cin * kh * kw
-        to_cols, _ = _movers(x, ws)
 
         def samples(a, b, wsp):
             acc = None
@@ -206,7 +206,7 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws):
             for n0 in range(a, b, nc):
                 n1 = min(b, n0 + nc)
                 cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
-                to_cols(cols, x[:, n0:n1], kh, kw, stride, pad)
+                im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
                 acc = add(acc, xp.matmul(_flat(dout[:, n0:n1], Cout), cols.reshape(K, -1).T))
             parts[a] = acc
         _over_batch(N, ws, K * Ho * Wo, samples)
