@@ -135,16 +135,17 @@ def long_rows(request, monkeypatch):
 
 
 @pytest.mark.parametrize("bits", quant.BITS)
-def test_codes_cross_blocks_and_threads(long_rows, bits):
+@pytest.mark.parametrize("inplace", [True, False])
+def test_codes_cross_blocks_and_threads(long_rows, bits, inplace):
     """Codes, outputs and decodes stay bit-exact across block and thread-range boundaries,
-    with the forward in place (out is x) as the engine runs bn2/bn3."""
+    with the forward in place (out is x, as the engine runs bn2/bn3) or not (bn1)."""
     x, g, b = unit(C=5, M=long_rows, seed=30 + bits)
     mean, var, rstd = stats(x)
     xhat = (x - mean[:, None]) * rstd[:, None]
     qp = quant.quant_params(g, b, bits)
     packed, ref = (np.empty(quant.packed_nbytes(x.size, bits), np.uint8) for _ in range(2))
-    out = x.copy()
-    fast.unit_forward_code(out, packed, out, mean, rstd, g, b, qp, False)
+    out = x.copy() if inplace else np.full_like(x, np.nan)
+    fast.unit_forward_code(out, packed, out if inplace else x, mean, rstd, g, b, qp, False)
     quant.quantize_pack(ref, xhat, qp)
     assert np.array_equal(packed, ref)
     ref_out = np.empty_like(x)

@@ -237,9 +237,10 @@ if AVAILABLE:
     # ---- whole (C, M) arrays ----
 
     @njit(**_opts)
-    def _forward_code(out, packed, x, mean, rstd, gamma, beta, s, lo, k, w, top, bits, naive):
+    def _forward_code(out, packed, x, mean, rstd, gamma, beta, s, lo, k, w, top, bits, naive, inplace):
         """Normalise, quantize and pack x-hat; out = relu(y) (approx) or the decoded
-        relu(x-tilde*gamma + beta) (naive). out may alias x (each block is read first)."""
+        relu(x-tilde*gamma + beta) (naive). inplace: out overlaps x, so relu(y) goes through
+        scratch (see _quantize_block); else straight into out."""
         C, M = x.shape
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)
@@ -249,12 +250,13 @@ if AVAILABLE:
             kf, km1 = F32(k[c]), F32(k[c] - 1)
             for i0 in range(0, M, BLOCK):
                 i1 = min(M, i0 + BLOCK)
-                cb, yb, orow = codes[:i1 - i0], ys[:i1 - i0], out[c, i0:i1]
+                cb, orow = codes[:i1 - i0], out[c, i0:i1]
+                yb = ys[:i1 - i0] if inplace or naive else orow
                 _quantize_block(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
                                 s[c], lo[c], kf, km1, ftop, w)
                 if naive:                                  # continue from the decoded value
                     _decode_relu_block(orow, cb, s[c], lo[c], kf, w, gamma[c], beta[c])
-                else:
+                elif inplace:
                     _copy(orow, yb)
                 _pack(packed[(c * M + i0) // per:(c * M + i1) // per], cb, bits)
 
@@ -282,10 +284,10 @@ if AVAILABLE:
                 u[c, i] = y if y > 0 else F0
 
     @njit(**_opts)
-    def _backward_code(dx, dgamma, dbeta, dr, packed, s, lo, k, w, gamma, rstd, bits, accumulate):
+    def _backward_code(dx, dgamma, dbeta, dr, packed, s, lo, k, w, gamma, rstd, bits, accumulate, inplace):
         """BN-ReLU backward from packed codes: two passes per row (sums, then dx), each
-        unpacking block by block into L1 scratch; no decode buffer. dx may be dr (the
-        engine's in-place case): dx goes through scratch then, see _quantize_block."""
+        unpacking block by block into L1 scratch; no decode buffer. inplace: dx overlaps dr
+        (the engine's usual case), so dx goes through scratch, see _quantize_block."""
         C, M = dr.shape
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)
@@ -309,16 +311,16 @@ if AVAILABLE:
                 i1 = min(M, i0 + BLOCK)
                 cb = codes[:i1 - i0]
                 _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
-                if accumulate:
-                    _decode_dx_block(dx[c, i0:i1], cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, True)
+                if accumulate or not inplace:
+                    _decode_dx_block(dx[c, i0:i1], cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, accumulate)
                 else:
                     tb = tmp[:i1 - i0]
                     _decode_dx_block(tb, cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, False)
                     _copy(dx[c, i0:i1], tb)
 
     @njit(**_opts)
-    def _backward_exact(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, accumulate):
-        """The float-slot twin of _backward_code, blocked the same way (dx may be dr)."""
+    def _backward_exact(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, accumulate, inplace):
+        """The float-slot twin of _backward_code, blocked the same way."""
         C, M = dr.shape
         tmp = numpy.empty(BLOCK, numpy.float32)
         for c in range(C):
@@ -336,8 +338,8 @@ if AVAILABLE:
             mdy, mdyx = F32(sdy / M), F32(sdyx / M)
             for i0 in range(0, M, BLOCK):
                 i1 = min(M, i0 + BLOCK)
-                if accumulate:
-                    _exact_dx_block(dx[c, i0:i1], xhat[c, i0:i1], dr[c, i0:i1], g, b, a, mdy, mdyx, True)
+                if accumulate or not inplace:
+                    _exact_dx_block(dx[c, i0:i1], xhat[c, i0:i1], dr[c, i0:i1], g, b, a, mdy, mdyx, accumulate)
                 else:
                     tb = tmp[:i1 - i0]
                     _exact_dx_block(tb, xhat[c, i0:i1], dr[c, i0:i1], g, b, a, mdy, mdyx, False)
@@ -355,6 +357,12 @@ def _w(qp):
 def _over_channels(fn, C, M):
     """fn(c0, c1) over channel ranges, split over lowmem's threads when the rows are big enough."""
     threads.parallel_for(fn, C, grain=max(1, -(-GRAIN // max(M, 1))))
+
+
+def _overlap(a, b):
+    """Whether two arrays may share memory (a bounds check, cheap): the kernels then go
+    through scratch, see _quantize_block."""
+    return numpy.may_share_memory(a, b)
 
 
 def _code_rows(packed, c0, c1, M, bits):
@@ -378,11 +386,12 @@ def unit_forward_exact(out, xhat, x, mean, rstd, gamma, beta):
 
 def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive):
     C, M = x.shape
-    w, top, bits = _w(qp), qp.levels - 1, qp.bits
+    w, top, bits, inplace = _w(qp), qp.levels - 1, qp.bits, _overlap(out, x)
 
     def rows(c0, c1):
         _forward_code(out[c0:c1], _code_rows(packed, c0, c1, M, bits), x[c0:c1], mean[c0:c1], rstd[c0:c1],
-                      gamma[c0:c1], beta[c0:c1], qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, top, bits, naive)
+                      gamma[c0:c1], beta[c0:c1], qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, top, bits, naive,
+                      inplace)
     _over_channels(rows, C, M)
 
 
@@ -401,17 +410,18 @@ def conv_input(u, xhat, packed, qp, gamma, beta):
 
 def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, accumulate):
     C, M = dr.shape
+    inplace = _overlap(dx, dr)
     if packed is None:
         def rows(c0, c1):
             _backward_exact(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], xhat[c0:c1], gamma[c0:c1],
-                            beta[c0:c1], rstd[c0:c1], accumulate)
+                            beta[c0:c1], rstd[c0:c1], accumulate, inplace)
     else:
         w, bits = _w(qp), qp.bits
 
         def rows(c0, c1):
             _backward_code(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], _code_rows(packed, c0, c1, M, bits),
                            qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, gamma[c0:c1], rstd[c0:c1], bits,
-                           accumulate)
+                           accumulate, inplace)
     _over_channels(rows, C, M)
 
 
