@@ -6,6 +6,9 @@ in its own fresh process.
         --steps 1 --warmup 0 --mem-limit 21GiB
     python benchmarks/compare_torch.py --maxbatch-budget 2GiB --configs none
     python benchmarks/compare_torch.py --configs lowmem-approx4 --profile 10   # + cProfile of one step
+    python benchmarks/compare_torch.py --configs torch-exact,lowmem-exact,lowmem-approx4 \
+        --scaling lowmem-exact,lowmem-approx4 --jit lowmem-approx4 --kernels
+        # + the 1-thread row, first-step JIT overhead (empty vs filled numba cache), per-kernel table
 
 Configurations (the same pre-activation ResNet: tests/torch_reference.py for PyTorch):
   torch-exact      PyTorch autograd, nn modules
@@ -31,6 +34,10 @@ others disturbed (more than --max-others CPUs; up to --retries times). On 2 core
 neighbour slows multi-threaded PyTorch and OpenBLAS/numba many times over. Thread-count environment variables and
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are reported, never changed silently
 (--unset-openblas-env removes the latter two in the workers).
+
+Threads: PyTorch workers use torch.set_num_threads(--threads) and BLAS at --threads; lowmem
+workers call lowmem.threads.configure(--threads) (lowmem's own policy: BLAS at one thread,
+its pool of threads for kernels and conv ranges; docs/performance.md).
 """
 import argparse
 import json
