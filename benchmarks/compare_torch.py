@@ -6,6 +6,9 @@ in its own fresh process.
         --steps 1 --warmup 0 --mem-limit 21GiB
     python benchmarks/compare_torch.py --maxbatch-budget 2GiB --configs none
     python benchmarks/compare_torch.py --configs lowmem-approx4 --profile 10   # + cProfile of one step
+    python benchmarks/compare_torch.py --configs torch-exact,lowmem-exact,lowmem-approx4 \
+        --scaling lowmem-exact,lowmem-approx4 --jit lowmem-approx4 --kernels
+        # + the 1-thread row, first-step JIT overhead (empty vs filled numba cache), per-kernel table
 
 Configurations (the same pre-activation ResNet: tests/torch_reference.py for PyTorch):
   torch-exact      PyTorch autograd, nn modules
@@ -31,6 +34,10 @@ others disturbed (more than --max-others CPUs; up to --retries times). On 2 core
 neighbour slows multi-threaded PyTorch and OpenBLAS/numba many times over. Thread-count environment variables and
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are reported, never changed silently
 (--unset-openblas-env removes the latter two in the workers).
+
+Threads: PyTorch workers use torch.set_num_threads(--threads) and BLAS at --threads; lowmem
+workers call lowmem.threads.configure(--threads) (lowmem's own policy: BLAS at one thread,
+its pool of threads for kernels and conv ranges; docs/performance.md).
 """
 import argparse
 import json
@@ -174,23 +181,24 @@ def blas_info():
 
 
 def worker(args):
+    if args.worker == "kernels":
+        return kernel_worker(args)
     cfg = CONFIGS[args.worker]
     import numpy  # noqa: F401
+    limits = None
     if cfg["impl"] == "torch":
         import torch
         torch.set_num_threads(args.threads)
+        try:
+            import threadpoolctl
+            limits = threadpoolctl.threadpool_limits(args.threads, user_api="blas")
+        except ImportError:
+            pass
     else:
         import lowmem  # noqa: F401   (imports numba when installed)
+        from lowmem import threads
         from lowmem.kernels import cpu as fast
-        if fast.AVAILABLE:
-            import numba
-            numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    limits = None
-    try:
-        import threadpoolctl
-        limits = threadpoolctl.threadpool_limits(args.threads, user_api="blas")
-    except ImportError:
-        pass
+        threads.configure(args.threads)     # lowmem's own policy: BLAS at 1 thread, its pool for the rest
     base = proc_status()
     try:
         with open("/proc/self/clear_refs", "w") as f:     # VmHWM := VmRSS from here on
@@ -215,8 +223,9 @@ def worker(args):
                peak_above_base=end["VmHWM"] - base["VmRSS"], threads=args.threads, blas=blas_info(), **extra)
     if cfg["impl"] == "torch":
         res.update(torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
-    elif fast.AVAILABLE:
-        res.update(numba_threads=numba.get_num_threads(), numba_layer=_numba_layer(numba))
+    else:
+        res.update(lowmem_threads=threads.threads(), use_fast_kernels=fast.AVAILABLE,
+                   numba_cache_dir=os.environ.get("NUMBA_CACHE_DIR"))
     if args.profile:
         import cProfile
         import io
@@ -234,6 +243,128 @@ def worker(args):
     return 0
 
 
+# ---- the per-kernel table: each fused kernel against its exact twin and a plain copy --------
+
+KERNEL_SHAPES = ((16, 131072), (64, 131072), (128, 32768), (256, 8192))   # ResNet-164 b128 units (C, N*H*W)
+ASM_KERNELS = ("_quantize_block", "_pack", "_unpack", "_decode_relu_block", "_decode_sums", "_decode_dx_block",
+               "_forward_exact", "_exact_sums", "_exact_dx_block", "_stats")
+
+
+def _best_time(fn, reps, setup=None):
+    """Fastest of reps + 1 calls (setup, untimed, before each)."""
+    best = float("inf")
+    for _ in range(reps + 1):
+        if setup is not None:
+            setup()
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def kernel_cases(C, M, bits):
+    """(name, exact twin, bytes moved per element, call, setup) for one unit shape. The calls are
+    the engine's: forward in place (out is x), backward in place (dx is dr, restored untimed)."""
+    import numpy as np
+    from lowmem import quant, threads
+    from lowmem.kernels import cpu as fast
+    F = np.float32
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(F)
+    g, b = rng.standard_normal(C).astype(F), rng.standard_normal(C).astype(F)
+    mean, var, rstd = (np.empty(C, F) for _ in range(3))
+    fast.bn_stats(mean, var, rstd, x, 1e-5)
+    qp = quant.quant_params(g, b, bits)
+    packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
+    xhat = ((x - mean[:, None]) * rstd[:, None]).astype(F)
+    quant.quantize_pack(packed, xhat, qp)
+    out, buf = np.empty_like(x), x.copy()
+    grad = rng.standard_normal(x.shape).astype(F)
+    dr, dg, db = grad.copy(), np.zeros(C, F), np.zeros(C, F)
+    fresh = lambda: np.copyto(dr, grad)                                        # noqa: E731
+    copy = lambda: threads.parallel_for(lambda c0, c1: np.copyto(out[c0:c1], x[c0:c1]), C)  # noqa: E731
+    kb = bits / 8
+    return [
+        ("plain copy", None, 8, copy, None),
+        ("bn_stats", None, 8, lambda: fast.bn_stats(mean, var, rstd, x, 1e-5), None),
+        ("forward exact", None, 12, lambda: fast.unit_forward_exact(buf, xhat, buf, mean, rstd, g, b), None),
+        (f"forward {bits}-bit", "forward exact", 8 + kb,
+         lambda: fast.unit_forward_code(buf, packed, buf, mean, rstd, g, b, qp, False), None),
+        ("conv input exact", None, 8, lambda: fast.conv_input(out, xhat, None, None, g, b), None),
+        (f"conv input {bits}-bit", "conv input exact", 4 + kb, lambda: fast.conv_input(out, None, packed, qp, g, b),
+         None),
+        ("backward exact", None, 20,
+         lambda: fast.unit_backward(dr, dg, db, dr, xhat, None, None, g, b, rstd, False), fresh),
+        (f"backward {bits}-bit", "backward exact", 12 + 2 * kb,
+         lambda: fast.unit_backward(dr, dg, db, dr, None, packed, qp, g, b, rstd, False), fresh),
+    ]
+
+
+def kernel_worker(args):
+    """Time every fused kernel on ResNet-164's unit shapes (this process, args.threads lowmem
+    threads); count the vector registers in their compiled code. Prints RESULT json."""
+    import re
+    from lowmem import threads          # the parent gave this process an empty NUMBA_CACHE_DIR:
+    from lowmem.kernels import cpu as fast          # first calls time the JIT, and inspect_asm works
+    threads.configure(args.threads)
+    if not fast.AVAILABLE:
+        print("RESULT " + json.dumps({"status": "numba not installed"}), flush=True)
+        return 0
+    rows, first_call_s = [], {}
+    for C, M in KERNEL_SHAPES:
+        cases = kernel_cases(C, M, args.kernel_bits)
+        for name, _twin, _bpe, fn, setup in cases:           # first calls: JIT compile or cache load
+            if name not in first_call_s:
+                t = time.perf_counter()
+                fn()
+                first_call_s[name] = time.perf_counter() - t
+        best = {}
+        for _ in range(3):                                   # interleaved rounds: a neighbour's burst hits all
+            for name, _twin, _bpe, fn, setup in cases:
+                best[name] = min(best.get(name, float("inf")), _best_time(fn, 5, setup))
+        copy_bw = 8 * C * M / best["plain copy"]
+        for name, twin, bpe, _fn, _setup in cases:
+            bw = bpe * C * M / best[name]
+            rows.append(dict(shape=f"{C}x{M}", kernel=name, ms=best[name] * 1e3, gb_s=bw / 1e9, bytes_per_elem=bpe,
+                             ratio_to_twin=best[name] / best[twin] if twin else None, of_copy_bw=bw / copy_bw))
+    asm = {}
+    for name in ASM_KERNELS:
+        disp = getattr(fast, name)
+        try:
+            text = "\n".join(disp.inspect_asm().values())
+        except Exception as e:                               # cached code cannot be inspected
+            asm[name] = f"n/a ({type(e).__name__})"
+            continue
+        asm[name] = {"ymm": len(re.findall(r"%ymm", text)), "zmm": len(re.findall(r"%zmm", text))}
+    res = dict(status="ok", threads=threads.threads(), bits=args.kernel_bits, rows=rows, first_call_s=first_call_s,
+               asm=asm, source_sha=source_hash())
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+def kernel_table(res):
+    head = (f"{'unit (C x N*H*W)':<17} {'kernel':<20} {'ms':>8} {'GB/s':>7} {'B/elem':>7} {'/ exact twin':>12} "
+            f"{'/ copy GB/s':>11}")
+    lines = [head, "-" * len(head)]
+    for r in res["rows"]:
+        ratio = f"{r['ratio_to_twin']:.2f}" if r["ratio_to_twin"] is not None else "-"
+        lines.append(f"{r['shape']:<17} {r['kernel']:<20} {r['ms']:>8.3f} {r['gb_s']:>7.1f} "
+                     f"{r['bytes_per_elem']:>7.3g} {ratio:>12} {r['of_copy_bw']:>11.2f}")
+    return "\n".join(lines)
+
+
+def kernel_summary(res):
+    """Worst ratio to the exact twin and worst share of copy bandwidth per 4-bit kernel, over the shapes."""
+    out = {}
+    for r in res["rows"]:
+        if r["ratio_to_twin"] is None:
+            continue
+        s = out.setdefault(r["kernel"], dict(worst_ratio=0.0, worst_of_copy=9.0))
+        s["worst_ratio"] = max(s["worst_ratio"], r["ratio_to_twin"])
+        s["worst_of_copy"] = min(s["worst_of_copy"], r["of_copy_bw"])
+    return out
+
+
 def source_hash():
     """sha256 (12 hex) of the lowmem sources this process imported: the code measured
     (the work tree may change between runs)."""
@@ -245,13 +376,6 @@ def source_hash():
             with open(path, "rb") as f:
                 h.update(f.read())
     return h.hexdigest()[:12]
-
-
-def _numba_layer(numba):
-    try:
-        return numba.threading_layer()
-    except ValueError:                 # no parallel kernel has run
-        return None
 
 
 # ---- the parent ----------------------------------------------------------------------------
@@ -299,13 +423,14 @@ def wait_quiet(args, log):
         time.sleep(10)
 
 
-def run_worker(args, config, batch, steps, warmup, log, profile=0, timed=True):
+def run_worker(args, config, batch, steps, warmup, log, profile=0, timed=True, threads=None, env_extra=None,
+               empty_cache=False):
     """run_once, repeated (up to --retries times) while other processes used more than
     --max-others CPUs during the run; earlier attempts are kept under "disturbed_attempts".
     timed=False (memory only): once, without waiting for a quiet machine."""
     disturbed = []
     while True:
-        res = run_once(args, config, batch, steps, warmup, log, profile, timed)
+        res = run_once(args, config, batch, steps, warmup, log, profile, timed, threads, env_extra, empty_cache)
         if not timed or res["other_cpus_during"] <= args.max_others or len(disturbed) >= args.retries \
                 or res["status"] != "ok":
             break
@@ -317,15 +442,26 @@ def run_worker(args, config, batch, steps, warmup, log, profile=0, timed=True):
     return res
 
 
-def run_once(args, config, batch, steps, warmup, log, profile=0, timed=True):
-    """Run one configuration in a fresh process under the memory watchdog; returns its result dict."""
-    env = dict(os.environ)
+def run_once(args, config, batch, steps, warmup, log, profile=0, timed=True, threads=None, env_extra=None,
+             empty_cache=False):
+    """Run one configuration in a fresh process under the memory watchdog; returns its result dict.
+    threads: instead of --threads; env_extra: variables set in the worker (e.g. NUMBA_CACHE_DIR);
+    empty_cache: empty that NUMBA_CACHE_DIR first. The kernel table always gets a new, empty one."""
+    import shutil
+    import tempfile
+    env = dict(os.environ, **(env_extra or {}))
+    own_cache = None
+    if config == "kernels":
+        own_cache = env["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="lowmem-numba-")
+    elif empty_cache:
+        shutil.rmtree(env["NUMBA_CACHE_DIR"], ignore_errors=True)
     if args.unset_openblas_env:
         for k in OPENBLAS_ENV:
             env.pop(k, None)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--depth", str(args.depth),
-           "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup), "--threads", str(args.threads),
-           "--classes", str(args.classes), "--block", args.block, "--profile", str(profile)]
+           "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup),
+           "--threads", str(threads or args.threads), "--classes", str(args.classes), "--block", args.block,
+           "--profile", str(profile), "--kernel-bits", str(args.kernel_bits)]
     seen = (wait_quiet(args, log) if args.max_wait > 0 and timed
             else {"load_before": [round(v, 2) for v in os.getloadavg()]})
     t0 = time.time()
@@ -349,19 +485,24 @@ def run_once(args, config, batch, steps, warmup, log, profile=0, timed=True):
         time.sleep(0.05)
     out, err = p.communicate()
     all1, busy1 = cpu_times()
+    if own_cache:
+        shutil.rmtree(own_cache, ignore_errors=True)
     ncpu = os.cpu_count()
     # CPUs busy on average during the run, and how many of them were not this worker (the
     # worker's own time is its last reading, up to 50 ms short; the parent's is negligible)
     busy_cpus = ncpu * (busy1 - busy0) / max(1, all1 - all0)
     own_cpus = ncpu * own / max(1, all1 - all0)
-    res = {"config": config, "batch": batch}
+    res = {"config": config, "batch": batch, "threads": threads or args.threads}
     for line in out.splitlines():
         if line.startswith("RESULT "):
             res = json.loads(line[7:])
     res.update(seen, load_after=[round(v, 2) for v in os.getloadavg()], watched_max_rss=max_rss,
                cpus_busy_during=round(busy_cpus, 2), other_cpus_during=round(max(0.0, busy_cpus - own_cpus), 2),
                wall_s=round(time.time() - t0, 1), unset_openblas_env=args.unset_openblas_env)
-    if "step_s" not in res:
+    if config == "kernels":
+        res["status"] = res.get("status") or killed or f"failed (exit {p.returncode}): {err.strip()[-500:]}"
+        res["config"] = "kernels"
+    elif "step_s" not in res:
         res["status"] = killed or f"failed (exit {p.returncode}): {err.strip().splitlines()[-1:] or ''}"
     else:
         res["status"] = "ok"
@@ -392,8 +533,8 @@ def table(runs):
     return "\n".join(lines)
 
 
-RATIOS = [("step time   lowmem-approx4 / torch-exact", "step_median", "lowmem-approx4", "torch-exact", "<= 1.0"),
-          ("step time   lowmem-approx4 / lowmem-exact", "step_median", "lowmem-approx4", "lowmem-exact", "<= 1.10"),
+RATIOS = [("step time   lowmem-approx4 / torch-exact", "step_median", "lowmem-approx4", "torch-exact", "<= 0.8"),
+          ("step time   lowmem-approx4 / lowmem-exact", "step_median", "lowmem-approx4", "lowmem-exact", "<= 1.05"),
           ("peak RSS    lowmem-approx4 / torch-exact", "peak_above_base", "lowmem-approx4", "torch-exact",
            "<= 0.125"),
           ("peak RSS    lowmem-approx4 / torch-ckpt", "peak_above_base", "lowmem-approx4", "torch-ckpt", "< 0.25")]
@@ -496,6 +637,64 @@ def maxbatch_table(rows, budget):
     return "\n".join(lines)
 
 
+def scaling_section(args, runs, log):
+    """The --scaling configs on 1 thread, beside their --threads runs (rerun when not in `runs`)."""
+    by = {r["config"]: r for r in runs if r["status"] == "ok"}
+    rows = []
+    for c in args.scaling.split(","):
+        if c not in CONFIGS:
+            raise SystemExit(f"--scaling: unknown config {c!r}")
+        many = by.get(c) or run_worker(args, c, args.batch, args.steps, args.warmup, log)
+        log(f"running {c} on 1 thread ...")
+        one = run_worker(args, c, args.batch, args.steps, args.warmup, log, threads=1)
+        rows.append(dict(config=c, one=one, many=many))
+    return rows
+
+
+def scaling_table(rows, n):
+    lines = [f"{'config':<16} {'1 thread s':>10} {f'{n} threads s':>11} {f'{n}/1':>6}  target <= 0.6   "
+             f"(load 1m / others, 1 thread; {n} threads)"]
+    for r in rows:
+        one, many = r["one"], r["many"]
+        if one["status"] != "ok" or many["status"] != "ok":
+            lines.append(f"{r['config']:<16} {one['status']} / {many['status']}")
+            continue
+        q = many["step_median"] / one["step_median"]
+        lines.append(f"{r['config']:<16} {one['step_median']:>10.2f} {many['step_median']:>11.2f} {q:>6.2f}  "
+                     f"{'met' if q <= 0.6 else 'MISSED':<14} ({one['load_before'][0]:.2f} / "
+                     f"{one['other_cpus_during']:.2f}; {many['load_before'][0]:.2f} / {many['other_cpus_during']:.2f})")
+    return "\n".join(lines)
+
+
+def jit_section(args, log):
+    """Each --jit config twice in fresh processes sharing one new numba cache: cold (empty: every
+    kernel compiles) then warm (loaded from disk). First-step overhead = first step - median step."""
+    import tempfile
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="lowmem-numba-") as cache:
+        for c in args.jit.split(","):
+            for state in ("cold", "warm"):
+                log(f"running {c} with a {state} numba cache ...")
+                r = run_worker(args, c, args.batch, max(1, args.steps), 1, log, env_extra={"NUMBA_CACHE_DIR": cache},
+                               empty_cache=state == "cold")
+                rows.append(dict(config=c, cache=state, run=r))
+    return rows
+
+
+def jit_table(rows):
+    lines = [f"{'config':<16} {'numba cache':<11} {'build s':>8} {'first step s':>12} {'median s':>9} "
+             f"{'overhead s':>10}"]
+    for row in rows:
+        r = row["run"]
+        if r["status"] != "ok":
+            lines.append(f"{row['config']:<16} {row['cache']:<11} {r['status']}")
+            continue
+        first = r["warmup_s"][0]
+        lines.append(f"{row['config']:<16} {row['cache']:<11} {r['build_s']:>8.2f} {first:>12.2f} "
+                     f"{r['step_median']:>9.2f} {first - r['step_median']:>10.2f}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depth", type=int, default=164)
@@ -529,7 +728,16 @@ def main(argv=None):
                     help="also run each lowmem config at its max batch and report its measured peak RSS")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="cProfile one extra (untimed) step of each config; print the top N by tottime")
-    ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=list(CONFIGS) + ["kernels"], help=argparse.SUPPRESS)
+    ap.add_argument("--kernels", action="store_true",
+                    help="also the per-kernel table (fused BN-ReLU kernels vs their exact twins and a plain copy), "
+                         "in a fresh process with an empty numba cache (so inspect_asm works and JIT time shows)")
+    ap.add_argument("--kernel-bits", type=int, default=4, choices=(8, 4, 2, 1), help="bit width for --kernels")
+    ap.add_argument("--scaling", metavar="CONFIGS", default="",
+                    help="comma-separated configs to rerun on 1 thread: the 1-core/N-core row")
+    ap.add_argument("--jit", metavar="CONFIGS", default="",
+                    help="comma-separated lowmem configs run with an empty numba cache, then again with it "
+                         "filled: first-step overhead cold and warm")
     ap.add_argument("--block", choices=("auto", "basic", "bottleneck"), default="auto",
                     help="residual block; auto: lowmem's rule (bottleneck for 9n+2 depths >= 164 or not 6n+2)")
     args = ap.parse_args(argv)
@@ -578,6 +786,35 @@ def main(argv=None):
             if r.get("profile"):
                 print(f"\ncProfile of one {r['config']} step ({r['profiled_step_s']:.2f} s under the profiler):")
                 print(r["profile"])
+    if args.scaling:
+        result["scaling"] = scaling_section(args, runs, log)
+        print()
+        print(scaling_table(result["scaling"], args.threads))
+    if args.jit:
+        result["jit"] = jit_section(args, log)
+        print()
+        print(jit_table(result["jit"]))
+    if args.kernels:
+        log("running the per-kernel table (fresh process, empty numba cache) ...")
+        k = run_worker(args, "kernels", args.batch, 0, 0, log)
+        result["kernels"] = k
+        print()
+        if k["status"] != "ok":
+            print(f"kernel table: {k['status']}")
+        else:
+            print(f"fused kernels, {k['threads']} lowmem thread(s), {k['bits']}-bit; best of 3 rounds x 6 calls; "
+                  f"bytes moved per element as counted in benchmarks/compare_torch.py:kernel_cases; "
+                  f"load 1m {k.get('load_before', [float('nan')])[0]:.2f}, others {k.get('other_cpus_during', float('nan')):.2f} CPUs")
+            print(kernel_table(k))
+            for name, v in kernel_summary(k).items():
+                print(f"{name:<20} worst / exact twin {v['worst_ratio']:.2f} (target <= 1.3: "
+                      f"{'met' if v['worst_ratio'] <= 1.3 else 'MISSED'}); worst share of copy GB/s "
+                      f"{v['worst_of_copy']:.2f} (target >= 0.5: {'met' if v['worst_of_copy'] >= 0.5 else 'MISSED'})")
+            print("vector registers in the compiled kernels (ymm = AVX2, zmm = AVX-512): " +
+                  ", ".join(f"{n} {a['ymm']}/{a['zmm']}" if isinstance(a, dict) else f"{n} {a}"
+                            for n, a in k["asm"].items()))
+            print("first call (JIT compile, empty cache), s: " +
+                  ", ".join(f"{n} {t:.2f}" for n, t in k["first_call_s"].items()))
     if args.maxbatch_budget:
         log(f"max batch at {args.maxbatch_budget / MiB:,.0f} MiB ...")
         rows = maxbatch_section(args, args.maxbatch_budget, log)

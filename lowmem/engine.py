@@ -31,7 +31,7 @@ import math
 
 import numpy
 
-from . import backend, checks, distributed, kernels, layers, quant
+from . import backend, checks, distributed, kernels, layers, quant, threads
 from .layers import OPS, BatchStatisticsError
 from .ops import softmax_xent_forward, softmax_xent_backward
 from .plan import Plan, fmt_bytes
@@ -62,6 +62,7 @@ class Engine:
         self.sync_bn = bool(sync_bn)
         self.input_shape = checks.input_shape(input_shape, net.in_channels)
         self.xp = backend.xp
+        threads.configure()                       # how lowmem uses the cores (lowmem/threads.py), once
         self.in_shape, self.out_shape = self._infer_shapes()
         self._unit_sizes = {L.name: self.in_shape[L.name] for L in net.layers if L.op == "bnrelu"}
         self._check_batch_norm(self.N, "batch_size")

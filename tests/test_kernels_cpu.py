@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from lowmem import quant
+from lowmem import quant, threads
 from lowmem.kernels import cpu as fast
 from lowmem.ops import bn_normalize_forward, bn_relu_apply_forward, bn_relu_backward
 
@@ -12,6 +12,8 @@ F = np.float32
 
 
 def unit(C=6, M=1024, seed=0):
+    """C channels of M elements; M > fast.BLOCK and not a multiple of it (see `long_rows`) crosses
+    block boundaries inside a row."""
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(F)
     gamma = rng.standard_normal(C).astype(F)
@@ -117,3 +119,101 @@ def test_supports():
     assert fast.supports(np, "float32", 1024, 4)
     assert not fast.supports(np, "float64", 1024, 4)
     assert not fast.supports(np, "float32", 3, 4)      # 12 bits: rows not byte-aligned
+
+
+# ---- block boundaries, the engine's aliasing, threads ----------------------------------------
+
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def long_rows(request, monkeypatch):
+    """Rows of 2.5 blocks (partial last block), split over 1 or 2 lowmem threads (GRAIN lowered
+    so these small arrays are split too); the thread setting is restored afterwards."""
+    before = threads.threads()
+    threads.configure(request.param)
+    monkeypatch.setattr(fast, "GRAIN", 64)
+    yield 5 * fast.BLOCK // 2 + 8
+    threads.configure(before)
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("inplace", [True, False])
+def test_codes_cross_blocks_and_threads(long_rows, bits, inplace):
+    """Codes, outputs and decodes stay bit-exact across block and thread-range boundaries,
+    with the forward in place (out is x, as the engine runs bn2/bn3) or not (bn1)."""
+    x, g, b = unit(C=5, M=long_rows, seed=30 + bits)
+    mean, var, rstd = stats(x)
+    xhat = (x - mean[:, None]) * rstd[:, None]
+    qp = quant.quant_params(g, b, bits)
+    packed, ref = (np.empty(quant.packed_nbytes(x.size, bits), np.uint8) for _ in range(2))
+    out = x.copy() if inplace else np.full_like(x, np.nan)
+    fast.unit_forward_code(out, packed, out if inplace else x, mean, rstd, g, b, qp, False)
+    quant.quantize_pack(ref, xhat, qp)
+    assert np.array_equal(packed, ref)
+    ref_out = np.empty_like(x)
+    bn_relu_apply_forward(ref_out, xhat, g, b)
+    assert np.array_equal(out, ref_out)
+    u, ref_u = np.empty_like(x), np.empty_like(x)
+    fast.conv_input(u, None, packed, qp, g, b)
+    quant.decode_relu(ref_u, packed, qp, g, b)
+    assert np.array_equal(u, ref_u)
+    xh2, out2 = np.empty_like(x), x.copy()
+    fast.unit_forward_exact(out2, xh2, out2, mean, rstd, g, b)
+    assert np.array_equal(xh2, xhat) and np.array_equal(out2, ref_out)
+
+
+@pytest.mark.parametrize("bits", [None, 4, 2])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_backward_in_place_across_blocks_and_threads(long_rows, bits, accumulate):
+    """dx may be dr itself (the engine's in-place case when not accumulating)."""
+    x, g, b = unit(C=5, M=long_rows, seed=40)
+    rng = np.random.default_rng(2)
+    mean, var, rstd = stats(x)
+    xhat = (x - mean[:, None]) * rstd[:, None]
+    dr = rng.standard_normal(x.shape).astype(F)
+    if bits is None:
+        qp, packed, xt, mask = None, None, xhat, None
+    else:
+        qp = quant.quant_params(g, b, bits)
+        packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
+        quant.quantize_pack(packed, xhat, qp)
+        xt, mask = np.empty_like(x), np.empty(x.shape, bool)
+        quant.unpack_decode(xt, packed, qp, mask_out=mask)
+    C = x.shape[0]
+    prior = rng.standard_normal(x.shape).astype(F)
+    dx = prior.copy() if accumulate else dr.copy()      # not accumulating: dx is the gradient buffer
+    dg, db = np.zeros(C, F), np.zeros(C, F)
+    fast.unit_backward(dx, dg, db, dx if not accumulate else dr.copy(), xhat, packed, qp, g, b, rstd, accumulate)
+    rdx, rdg, rdb = prior.copy(), np.zeros(C, F), np.zeros(C, F)
+    bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, mask=mask, accumulate=accumulate)
+    np.testing.assert_allclose(dg, rdg, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(db, rdb, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(dx, rdx, rtol=1e-4, atol=1e-4 * np.abs(rdx).max())
+
+
+def test_stats_across_threads(long_rows):
+    x, _, _ = unit(C=7, M=long_rows)
+    mean, var, rstd = stats(x)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(mean, x64.mean(axis=1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(var, x64.var(axis=1), rtol=1e-5)
+
+
+# ---- col2im ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k,stride,pad,H,W", [(3, 1, 1, 7, 6), (3, 2, 1, 7, 7), (1, 2, 0, 6, 5),
+                                              (7, 2, 3, 9, 8), (3, 1, 0, 5, 5), (1, 1, 0, 4, 4)])
+def test_col2im_equals_numpy_reference(dtype, k, stride, pad, H, W):
+    """The numba col2im adds each element's terms in the reference's order: bit-identical,
+    here into samples 2..4 of a 6-sample gradient (the per-thread range case)."""
+    from lowmem.ops import conv
+    rng = np.random.default_rng(k * 10 + stride)
+    Cin, N, n0, n = 3, 6, 2, 3
+    Ho, Wo = conv.conv_out_size(H, k, stride, pad), conv.conv_out_size(W, k, stride, pad)
+    cols = rng.standard_normal((Cin, k, k, n, Ho, Wo)).astype(dtype)
+    base = rng.standard_normal((Cin, N, H, W)).astype(dtype)
+    ref, got = base.copy(), base.copy()
+    conv.col2im_add(ref[:, n0:n0 + n], cols, k, k, stride, pad)
+    assert fast.supports_col2im(got, cols)
+    fast.col2im_add(got, cols, k, k, stride, pad, n0)
+    assert np.array_equal(got, ref)
+    assert not fast.supports_col2im(got[:, 1:], cols)    # a strided dx takes the reference path

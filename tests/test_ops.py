@@ -142,6 +142,43 @@ def test_conv_backward_input_accumulate(rng, k, stride, pad):
     np.testing.assert_allclose(acc, prior + dx, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("k,stride,pad", [(1, 1, 0), (1, 2, 0), (3, 1, 1), (3, 2, 1)])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_conv_split_over_two_threads_matches_one(rng, monkeypatch, k, stride, pad, dtype):
+    """With 2 lowmem threads (batch ranges, each with half the workspace; 1x1 GEMMs by column
+    ranges) every result agrees with 1 thread to rounding: the GEMMs run on other column
+    counts (BLAS may pick other kernels) and weight gradients add per-range partial sums.
+    The col2im is the numba loop when numba is installed, else the reference."""
+    pytest.importorskip("threadpoolctl")
+    from lowmem import threads
+    from lowmem.ops import conv
+    monkeypatch.setattr(conv, "GEMM_GRAIN", 4)
+    monkeypatch.setattr(conv, "COLS_GRAIN", 8)
+    x, w, Ho, Wo = conv_setup(rng, k, stride, pad, 9, 8, Cin=3, Cout=5, N=7)
+    x, w = x.astype(dtype), w.astype(dtype)
+    G = rng.standard_normal((5, 7, Ho, Wo)).astype(dtype)
+    ws = ws_for(3, k, Ho, Wo, 3).astype(dtype)         # ranges of 3-4 samples, chunks of 1
+    before = threads.threads()
+    got = {}
+    try:
+        for t in (1, 2):
+            threads.configure(t)
+            out, dx, acc, dw = (np.empty((5, 7, Ho, Wo), dtype), np.empty_like(x),
+                                np.ones_like(x), np.zeros_like(w))
+            conv2d_forward(out, x, w, stride, pad, ws)
+            conv2d_backward_input(dx, G, w, stride, pad, ws)
+            conv2d_backward_input(acc, G, w, stride, pad, ws, accumulate=True)
+            conv2d_backward_weight(dw, x, G, stride, pad, ws)
+            got[t] = out, dx, acc, dw
+    finally:
+        threads.configure(before)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for a, b in zip(got[1], got[2]):
+        np.testing.assert_allclose(b, a, rtol=tol, atol=tol * np.abs(a).max())
+    np.testing.assert_allclose(got[1][0], conv_ref(x.astype(np.float64), w.astype(np.float64), stride, pad),
+                               rtol=1e-4 if dtype == np.float32 else 1e-12, atol=1e-4 if dtype == np.float32 else 1e-12)
+
+
 def test_conv_workspace_too_small_raises(rng):
     x, w, Ho, Wo = conv_setup(rng, 3, 1, 1, 5, 5)
     with pytest.raises(ValueError, match="workspace too small"):

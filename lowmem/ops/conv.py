@@ -9,8 +9,25 @@ plan. im2col columns for `nc` samples take K*nc*Ho*Wo elements, so the batch
 is processed in chunks of nc = ws.size // (K*Ho*Wo) samples: the workspace
 bounds memory, whatever N is. A 1x1/stride-1/pad-0 conv on a contiguous
 input needs no columns at all: it is the GEMM w(Cout, Cin) @ x(Cin, N*H*W).
+
+Cores (lowmem/threads.py): with T lowmem threads the batch is split into T
+ranges, each with its own 1/T of the workspace, running its own im2col, GEMM
+and col2im (a 1x1 conv's GEMM: T column ranges). Weight gradients are summed
+per range into a weight-sized temporary each, then added in range order. So
+results are deterministic for a given T, but may differ in the last bits
+between thread counts (smaller GEMMs may take other BLAS kernels, too).
+
+im2col / col2im_add below are the readable NumPy references (kernel-offset
+slices). With numba, on C-contiguous NumPy arrays, col2im runs as the loop of
+lowmem/kernels/cpu.py instead (bit-identical, tests/test_ops.py; about 1.8x
+faster: one dx plane stays in L1 while its nine column rows stream by).
 """
+from .. import threads
 from ..backend import array_module
+from ..kernels import cpu as _fast
+
+GEMM_GRAIN = 4096       # columns per thread below which a 1x1-conv GEMM is not split
+COLS_GRAIN = 1 << 16    # im2col elements per thread below which a conv's batch is not split
 
 
 def conv_out_size(h, k, stride, pad):
@@ -77,6 +94,33 @@ def col2im_add(dx, cols, kh, kw, stride, pad):
         dx[:, :, ih, iw] += cols[:, i, j, :, oh, ow]
 
 
+def _col2im(dx, n0, n1, cols, kh, kw, stride, pad):
+    """dx[:, n0:n1] += the scatter of cols: the numba loop where it applies, else the reference."""
+    if _fast.supports_col2im(dx, cols):
+        _fast.col2im_add(dx, cols, kh, kw, stride, pad, n0)
+    else:
+        col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
+
+
+def _over_batch(N, ws, per_sample, body):
+    """body(n0, n1, ws_part) over contiguous batch ranges, one per lowmem thread, each range
+    with its own slice of the workspace (at least one sample's columns); returns how many ranges."""
+    _chunk(ws, per_sample, N)                              # the clear error when even one sample does not fit
+    parts = max(1, min(threads.threads(), N, ws.size // per_sample, N * per_sample // COLS_GRAIN))
+    cut, size = threads.bounds(N, parts), ws.size // parts
+
+    def ranges(t0, t1):
+        for t in range(t0, t1):
+            body(cut[t], cut[t + 1], ws[t * size:(t + 1) * size])
+    threads.parallel_for(ranges, parts)
+    return parts
+
+
+def _over_columns(M, body):
+    """body(m0, m1) over contiguous GEMM column ranges, one per lowmem thread."""
+    threads.parallel_for(body, M, grain=GEMM_GRAIN)
+
+
 def conv2d_forward(out, x, w, stride, pad, ws):
     """out (Cout, N, Ho, Wo) = conv(x (Cin, N, H, W), w (Cout, Cin, kh, kw)).
 
@@ -87,15 +131,19 @@ def conv2d_forward(out, x, w, stride, pad, ws):
     Ho, Wo = out.shape[2:]
     w2 = w.reshape(Cout, -1)
     if _is_pointwise(w, stride, pad) and x.flags.c_contiguous:
-        xp.matmul(w2, _flat(x, Cin), out=_flat(out, Cout))
+        x2, o2 = _flat(x, Cin), _flat(out, Cout)
+        _over_columns(x2.shape[1], lambda m0, m1: xp.matmul(w2, x2[:, m0:m1], out=o2[:, m0:m1]))
         return
     K = Cin * kh * kw
-    nc = _chunk(ws, K * Ho * Wo, N)
-    for n0 in range(0, N, nc):
-        n1 = min(N, n0 + nc)
-        cols = ws[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
-        im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
-        xp.matmul(w2, cols.reshape(K, -1), out=_flat(out[:, n0:n1], Cout))
+
+    def samples(a, b, wsp):
+        nc = _chunk(wsp, K * Ho * Wo, b - a)
+        for n0 in range(a, b, nc):
+            n1 = min(b, n0 + nc)
+            cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
+            im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
+            xp.matmul(w2, cols.reshape(K, -1), out=_flat(out[:, n0:n1], Cout))
+    _over_batch(N, ws, K * Ho * Wo, samples)
 
 
 def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False):
@@ -108,36 +156,59 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False):
     Ho, Wo = dout.shape[2:]
     w2t = w.reshape(Cout, -1).T
     if _is_pointwise(w, stride, pad) and not accumulate:
-        xp.matmul(w2t, _flat(dout, Cout), out=_flat(dx, Cin))
+        g2, d2 = _flat(dout, Cout), _flat(dx, Cin)
+        _over_columns(g2.shape[1], lambda m0, m1: xp.matmul(w2t, g2[:, m0:m1], out=d2[:, m0:m1]))
         return
-    if not accumulate:
-        dx.fill(0)
     K = Cin * kh * kw
-    nc = _chunk(ws, K * Ho * Wo, N)
-    for n0 in range(0, N, nc):
-        n1 = min(N, n0 + nc)
-        cols = ws[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
-        xp.matmul(w2t, _flat(dout[:, n0:n1], Cout), out=cols.reshape(K, -1))
-        col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
+
+    def samples(a, b, wsp):
+        if not accumulate:
+            dx[:, a:b].fill(0)
+        nc = _chunk(wsp, K * Ho * Wo, b - a)
+        for n0 in range(a, b, nc):
+            n1 = min(b, n0 + nc)
+            cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
+            xp.matmul(w2t, _flat(dout[:, n0:n1], Cout), out=cols.reshape(K, -1))
+            _col2im(dx, n0, n1, cols, kh, kw, stride, pad)
+    _over_batch(N, ws, K * Ho * Wo, samples)
 
 
 def conv2d_backward_weight(dw, x, dout, stride, pad, ws):
     """dw (Cout, Cin, kh, kw) += dout (Cout, N, Ho, Wo) correlated with x (Cin, N, H, W).
 
     # saved: the conv input x (exact, or decoded from a K-bit code by the caller).
-    Allocates one weight-sized temporary per chunk (never activation-sized)."""
+    Allocates one weight-sized temporary per chunk, plus one per thread (never activation-sized)."""
     xp = array_module(dw)
     Cout, Cin, kh, kw = dw.shape
     N = x.shape[1]
     Ho, Wo = dout.shape[2:]
     dw2 = dw.reshape(Cout, -1)
+    parts = {}                                             # range start -> its partial sum
+
+    def add(partial, term):
+        if partial is None:
+            return term
+        partial += term
+        return partial
+
     if _is_pointwise(dw, stride, pad) and x.flags.c_contiguous:
-        dw2 += xp.matmul(_flat(dout, Cout), _flat(x, Cin).T)
-        return
-    K = Cin * kh * kw
-    nc = _chunk(ws, K * Ho * Wo, N)
-    for n0 in range(0, N, nc):
-        n1 = min(N, n0 + nc)
-        cols = ws[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
-        im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
-        dw2 += xp.matmul(_flat(dout[:, n0:n1], Cout), cols.reshape(K, -1).T)
+        x2, g2 = _flat(x, Cin), _flat(dout, Cout)
+
+        def columns(m0, m1):
+            parts[m0] = xp.matmul(g2[:, m0:m1], x2[:, m0:m1].T)
+        _over_columns(x2.shape[1], columns)
+    else:
+        K = Cin * kh * kw
+
+        def samples(a, b, wsp):
+            acc = None
+            nc = _chunk(wsp, K * Ho * Wo, b - a)
+            for n0 in range(a, b, nc):
+                n1 = min(b, n0 + nc)
+                cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
+                im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
+                acc = add(acc, xp.matmul(_flat(dout[:, n0:n1], Cout), cols.reshape(K, -1).T))
+            parts[a] = acc
+        _over_batch(N, ws, K * Ho * Wo, samples)
+    for start in sorted(parts):                            # a fixed order: deterministic for a given T
+        dw2 += parts[start]
