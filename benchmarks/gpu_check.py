@@ -11,9 +11,9 @@
      lowmem exact, approx8/4/2, naive4      step time (median of --steps after --warmup),
                                             images/s, planned bytes, measured peak (CuPy's pool
                                             through a MemoryHook: diagnostics.measure_peak)
-     lowmem exact/approx4 +im2col           the same with lowmem/kernels/gpu.py's im2col/col2im_add
-                                            patched into lowmem.ops.conv (an experiment: by
-                                            default im2col is a Python loop of CuPy slice copies)
+     lowmem exact/approx4 slices            the same with im2col/col2im as lowmem.ops.conv's
+                                            Python loop of CuPy slice copies instead of the one-launch
+                                            kernels of lowmem/kernels/gpu.py (the engine's default)
      lowmem approx4, largest batch          lowmem.maxbatch within --budget less a reserve of
                                             2% (from the plan), then measured: peak <= budget?
      lowmem approx4 ResNet-1001, batch 128  peak (target: under 11 GB) and step time
@@ -93,16 +93,15 @@ def run_tests():
 
 @contextlib.contextmanager
 def cuda_im2col(enabled):
-    """lowmem/kernels/gpu.py's im2col/col2im_add in place of lowmem.ops.conv's, while active."""
-    from lowmem.kernels import gpu as cuda
+    """lowmem/kernels/gpu.py's im2col/col2im_add (the default on CuPy) or, when not enabled, the
+    reference CuPy slice copies of lowmem.ops.conv, while active."""
     from lowmem.ops import conv
-    saved = conv.im2col, conv.col2im_add
-    if enabled:
-        conv.im2col, conv.col2im_add = cuda.im2col, cuda.col2im_add
+    saved = conv.GPU_COLUMNS
+    conv.GPU_COLUMNS = bool(enabled)
     try:
         yield
     finally:
-        conv.im2col, conv.col2im_add = saved
+        conv.GPU_COLUMNS = saved
 
 
 def batch(xp, n, classes=10, seed=0):
@@ -112,7 +111,7 @@ def batch(xp, n, classes=10, seed=0):
             xp.asarray(rng.integers(0, classes, n)))
 
 
-def lowmem_config(name, depth, n, mode, bits, args, im2col=False, steps=None, warmup=None):
+def lowmem_config(name, depth, n, mode, bits, args, im2col=True, steps=None, warmup=None):
     """Measured peak (a fresh engine, 2 steps, MemoryHook) and step times (another engine)."""
     import cupy
     import lowmem
@@ -371,7 +370,7 @@ def main():
     print("nccl:", json.dumps(res["nccl"]))
     res["lowmem"] = [lowmem_config(name, args.depth, args.batch, mode, bits, args)
                      for name, mode, bits in LOWMEM]
-    res["lowmem"] += [lowmem_config(f"{name}+im2col", args.depth, args.batch, mode, bits, args, im2col=True)
+    res["lowmem"] += [lowmem_config(f"{name} slices", args.depth, args.batch, mode, bits, args, im2col=False)
                       for name, mode, bits in (LOWMEM[0], LOWMEM[2])]
     if not args.no_maxbatch:
         res["maxbatch"] = lowmem_maxbatch(args)

@@ -610,3 +610,36 @@ def test_tf32_forward_stays_close(gpu_backend):
     lowmem.set_backend("numpy")
     ref = run(net, shape, x, y, np, "float32", mode="approx")
     assert rel(got[1], ref[1]) < 1e-2
+
+
+@pytest.mark.parametrize("k,stride,pad", [(3, 1, 1), (3, 2, 1), (1, 2, 0)])
+def test_the_conv_ops_take_the_one_launch_columns_on_gpu_arrays(dev, monkeypatch, k, stride, pad):
+    """ops.conv routes im2col / col2im through kernels/gpu.py for CuPy arrays (forced here on the
+    emulator): forward, input and weight gradients equal the slice-copy path bit for bit."""
+    rng = np.random.default_rng(3)
+    Cin, Cout, N, H, W = 3, 4, 5, 9, 7
+    Ho, Wo = conv_ops.conv_out_size(H, k, stride, pad), conv_ops.conv_out_size(W, k, stride, pad)
+    x = rng.standard_normal((Cin, N, H, W))
+    w = rng.standard_normal((Cout, Cin, k, k))
+    dout = rng.standard_normal((Cout, N, Ho, Wo))
+    ws = np.empty(Cin * k * k * 2 * Ho * Wo)                 # two samples per chunk
+
+    def run():
+        out, dx, dw = np.zeros((Cout, N, Ho, Wo)), np.zeros_like(x), np.zeros_like(w)
+        conv_ops.conv2d_forward(dev.put(out) if dev.name == "gpu" else out, x, w, stride, pad, ws)
+        conv_ops.conv2d_backward_input(dx, dout, w, stride, pad, ws)
+        conv_ops.conv2d_backward_weight(dw, x, dout, stride, pad, ws)
+        return out, dx, dw
+
+    if dev.name == "gpu":
+        pytest.skip("covered by the engine tests on a real GPU")
+    want = run()
+    calls = []
+    real_im2col, real_col2im = cuda.im2col, cuda.col2im_add
+    monkeypatch.setattr(conv_ops, "_on_gpu", lambda a: True)
+    monkeypatch.setattr(conv_ops._gpu, "im2col", lambda *a: (calls.append("im2col"), real_im2col(*a)))
+    monkeypatch.setattr(conv_ops._gpu, "col2im_add", lambda *a: (calls.append("col2im"), real_col2im(*a)))
+    got = run()
+    assert "im2col" in calls and ("col2im" in calls or (k, stride) == (1, 2))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)

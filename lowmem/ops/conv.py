@@ -25,6 +25,7 @@ faster: one dx plane stays in L1 while its nine column rows stream by).
 from .. import threads
 from ..backend import array_module
 from ..kernels import cpu as _fast
+from ..kernels import gpu as _gpu
 
 GEMM_GRAIN = 4096       # columns per thread below which a 1x1-conv GEMM is not split
 COLS_GRAIN = 1 << 16    # im2col elements per thread below which a conv's batch is not split
@@ -94,9 +95,28 @@ def col2im_add(dx, cols, kh, kw, stride, pad):
         dx[:, :, ih, iw] += cols[:, i, j, :, oh, ow]
 
 
+GPU_COLUMNS = True      # CuPy arrays: im2col / col2im in one CUDA launch each (kernels/gpu.py)
+
+
+def _on_gpu(a):
+    return GPU_COLUMNS and array_module(a).__name__ == "cupy"
+
+
+def _im2col(cols, x, kh, kw, stride, pad):
+    """im2col: one launch of kernels/gpu.py's kernel on CuPy arrays (bit-identical to the slices,
+    tests/test_kernels_gpu.py), else the reference slice copies above."""
+    if _on_gpu(x):
+        _gpu.im2col(cols, x, kh, kw, stride, pad)
+    else:
+        im2col(cols, x, kh, kw, stride, pad)
+
+
 def _col2im(dx, n0, n1, cols, kh, kw, stride, pad):
-    """dx[:, n0:n1] += the scatter of cols: the numba loop where it applies, else the reference."""
-    if _fast.supports_col2im(dx, cols):
+    """dx[:, n0:n1] += the scatter of cols: one CUDA launch on CuPy, the numba loop where it
+    applies, else the reference."""
+    if _on_gpu(dx):
+        _gpu.col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
+    elif _fast.supports_col2im(dx, cols):
         _fast.col2im_add(dx, cols, kh, kw, stride, pad, n0)
     else:
         col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
@@ -106,7 +126,8 @@ def _over_batch(N, ws, per_sample, body):
     """body(n0, n1, ws_part) over contiguous batch ranges, one per lowmem thread, each range
     with its own slice of the workspace (at least one sample's columns); returns how many ranges."""
     _chunk(ws, per_sample, N)                              # the clear error when even one sample does not fit
-    parts = max(1, min(threads.threads(), N, ws.size // per_sample, N * per_sample // COLS_GRAIN))
+    host = 1 if array_module(ws).__name__ == "cupy" else threads.threads()   # the GPU: one stream
+    parts = max(1, min(host, N, ws.size // per_sample, N * per_sample // COLS_GRAIN))
     cut, size = threads.bounds(N, parts), ws.size // parts
 
     def ranges(t0, t1):
@@ -116,8 +137,12 @@ def _over_batch(N, ws, per_sample, body):
     return parts
 
 
-def _over_columns(M, body):
-    """body(m0, m1) over contiguous GEMM column ranges, one per lowmem thread."""
+def _over_columns(M, body, like=None):
+    """body(m0, m1) over contiguous GEMM column ranges, one per lowmem thread (one range for
+    CuPy arrays `like`: the GPU runs the whole GEMM)."""
+    if like is not None and array_module(like).__name__ == "cupy":
+        body(0, M)
+        return
     threads.parallel_for(body, M, grain=GEMM_GRAIN)
 
 
@@ -132,7 +157,7 @@ def conv2d_forward(out, x, w, stride, pad, ws):
     w2 = w.reshape(Cout, -1)
     if _is_pointwise(w, stride, pad) and x.flags.c_contiguous:
         x2, o2 = _flat(x, Cin), _flat(out, Cout)
-        _over_columns(x2.shape[1], lambda m0, m1: xp.matmul(w2, x2[:, m0:m1], out=o2[:, m0:m1]))
+        _over_columns(x2.shape[1], lambda m0, m1: xp.matmul(w2, x2[:, m0:m1], out=o2[:, m0:m1]), x2)
         return
     K = Cin * kh * kw
 
@@ -141,7 +166,7 @@ def conv2d_forward(out, x, w, stride, pad, ws):
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)
             cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
-            im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
+            _im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
             xp.matmul(w2, cols.reshape(K, -1), out=_flat(out[:, n0:n1], Cout))
     _over_batch(N, ws, K * Ho * Wo, samples)
 
@@ -157,7 +182,7 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False):
     w2t = w.reshape(Cout, -1).T
     if _is_pointwise(w, stride, pad) and not accumulate:
         g2, d2 = _flat(dout, Cout), _flat(dx, Cin)
-        _over_columns(g2.shape[1], lambda m0, m1: xp.matmul(w2t, g2[:, m0:m1], out=d2[:, m0:m1]))
+        _over_columns(g2.shape[1], lambda m0, m1: xp.matmul(w2t, g2[:, m0:m1], out=d2[:, m0:m1]), g2)
         return
     K = Cin * kh * kw
 
@@ -196,7 +221,7 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws):
 
         def columns(m0, m1):
             parts[m0] = xp.matmul(g2[:, m0:m1], x2[:, m0:m1].T)
-        _over_columns(x2.shape[1], columns)
+        _over_columns(x2.shape[1], columns, x2)
     else:
         K = Cin * kh * kw
 
@@ -206,7 +231,7 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws):
             for n0 in range(a, b, nc):
                 n1 = min(b, n0 + nc)
                 cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
-                im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
+                _im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
                 acc = add(acc, xp.matmul(_flat(dout[:, n0:n1], Cout), cols.reshape(K, -1).T))
             parts[a] = acc
         _over_batch(N, ws, K * Ho * Wo, samples)
