@@ -3,8 +3,9 @@
     python benchmarks/distributed.py --depth 56 --batch 128 --steps 5 --json benchmarks/results/distributed.json
 
 Each configuration runs in its own process(es), same global batch, same network, approx 4-bit:
-  single   one process, OPENBLAS_NUM_THREADS=T (default: the core count)
-  mpi      `mpiexec -n N`, one BLAS thread per rank, per-rank batch = batch / N
+  single   one process, LOWMEM_THREADS=T (default: the core count; lowmem/threads.py keeps
+           BLAS at one thread and splits the work itself), and the same at one thread
+  mpi      `mpiexec -n N`, one thread per rank (LOWMEM_THREADS=1), per-rank batch = batch / N
 and reports the median step time, images/s, and for MPI the share of a step spent in the
 gradient allreduce (and the running-statistics one), timed around the communicator's calls.
 """
@@ -86,11 +87,11 @@ def main():
               "--steps", str(args.steps), "--warmup", str(args.warmup)]
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     rows = {}
+    one = dict(os.environ, OPENBLAS_NUM_THREADS="1", LOWMEM_THREADS="1")     # lowmem's pool too
     rows[f"1 rank x {cores} threads"] = run([sys.executable] + common,
-                                            dict(os.environ, OPENBLAS_NUM_THREADS=str(cores)))
-    rows["1 rank x 1 thread"] = run([sys.executable] + common, dict(os.environ, OPENBLAS_NUM_THREADS="1"))
-    rows[f"{args.ranks} ranks x 1 thread"] = run([mpiexec, "-n", str(args.ranks), sys.executable] + common,
-                                                 dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+                                            dict(os.environ, LOWMEM_THREADS=str(cores)))
+    rows["1 rank x 1 thread"] = run([sys.executable] + common, one)
+    rows[f"{args.ranks} ranks x 1 thread"] = run([mpiexec, "-n", str(args.ranks), sys.executable] + common, one)
     print(f"pre-act ResNet-{args.depth}, global batch {args.batch}, approx 4-bit, "
           f"{platform.processor() or platform.machine()}, {cores} cores, load {os.getloadavg()[0]:.1f}")
     print(f"{'configuration':<22} {'step (s)':>9} {'images/s':>9} {'allreduce share':>16}")

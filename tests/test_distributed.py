@@ -27,7 +27,7 @@ import mpi_worker  # noqa: E402
 
 
 def launch(tmp_path, mode, sync_bn, dtype, action="train", n=2, timeout=120):
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1", LOWMEM_THREADS="1")
     out = tmp_path / "state"
     cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKER), mode,
            "1" if sync_bn else "0", dtype, str(out), action]
@@ -94,7 +94,7 @@ TRAIN = ["train", "--dataset", "synthetic", "--limit-train", "64", "--limit-test
 
 
 def lowmem_cli(args, n=1, timeout=240):
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1", LOWMEM_THREADS="1")
     for var in distributed._SIZE_VARIABLES:     # a plain run must not think it was launched
         env.pop(var, None)
     cmd = [sys.executable, "-m", "lowmem"] + args
