@@ -58,7 +58,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from lowmem import diagnostics as D             # noqa: E402
 from lowmem import quant                        # noqa: E402
 from lowmem.data import DataError, load_dataset, normalize      # noqa: E402
-from lowmem.trainer import MODELS, TrainConfig, Trainer           # noqa: E402
+from lowmem.models import MODELS                                  # noqa: E402
+from lowmem.trainer import TrainConfig, Trainer                  # noqa: E402
 
 # The full study: sized from measured step rates on the 2-core machine (docs/accuracy.md):
 # 18 runs of 150 steps of 128 images, 7 noise checkpoints.
@@ -370,7 +371,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
           f"Data: {args.dataset}, {args.limit_train or 'all'} training and {args.limit_test or 'all'} test "
           f"images{' (28x28, unpadded)' if args.dataset == 'fashion-mnist' and args.pad_to == 0 else ''}. "
           f"{cifar_note}", "",
-          f"Network: {MODELS['preact-cifar'].__name__}(depth={args.depth}); SGD momentum 0.9, weight "
+          f"Network: {MODELS['preact-cifar'].build.__name__}(depth={args.depth}); SGD momentum 0.9, weight "
           f"decay 5e-4, lr {args.lr:g} (warm-up then cosine), batch {args.batch}, {args.epochs} epochs "
           f"({steps} iterations), random crop + flip. Seeds {', '.join(map(str, seeds))}: a seed fixes "
           f"the initial weights, batch order and augmentation, the same for every mode. Quantizer "
@@ -504,7 +505,7 @@ def main(argv=None):
                 spe = len(data.x_train) // args.batch
                 total = spe * args.epochs
                 cps = sorted({round(i * total / max(1, args.checkpoints - 1)) for i in range(args.checkpoints)})
-                template = MODELS["preact-cifar"](args.depth, num_classes=data.num_classes,
+                template = MODELS["preact-cifar"].build(args.depth, num_classes=data.num_classes,
                                                   in_channels=data.input_shape[0], seed=seed)
                 hook = noise_hook(args, data, template, set(cps), total, noise_modes, store, log)
             log(f"{key}: training")
