@@ -126,10 +126,10 @@ def save_checkpoint(path, arrays, meta=None):
             what = f"cannot write checkpoint {path!r}: {e.strerror or e}"
             raise (OSError(e.errno, what) if e.errno is not None else OSError(what)) from e
         raise
-    _fsync_directory(os.path.dirname(os.path.abspath(path)))
+    fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
-def _fsync_directory(directory):
+def fsync_directory(directory):
     """Make the rename durable (POSIX); Windows cannot open a directory, so skip it there."""
     if os.name == "nt":
         return

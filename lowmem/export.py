@@ -35,6 +35,7 @@ import sys
 import numpy
 
 from . import __version__
+from .checkpoint import fsync_directory
 from .kernels import BN_EPS
 
 OPSET = 17
@@ -64,16 +65,7 @@ def _atomic_write(path, data):
         except FileNotFoundError:
             pass
         raise
-    try:                                     # make the rename itself durable (POSIX)
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_directory(directory)              # the rename itself durable (checkpoint.py's helper)
 
 
 def _require(module, extra):
