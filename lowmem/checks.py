@@ -8,9 +8,9 @@ import numbers
 import numpy
 
 from . import quant
+from .kernels import MODES      # the one list of modes
 from .network import Network
 
-MODES = ("exact", "approx", "naive")
 DTYPES = ("float32", "float64")
 
 def engine_args(net, batch_size, mode, bits, dtype):

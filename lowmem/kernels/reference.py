@@ -86,13 +86,18 @@ class CodeUnits(ExactUnits):
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         # saved: the K-bit code of x-hat (approximate x-tilde, exact mask) and rstd (C,) exact
-        qp = quant.quant_params(gamma, beta, self.bits)
-        xp = array_module(dr)
-
-        def mask_gradient(ob, cb, r0, r1, c0, c1):       # dr *= (code >= k), one chunk at a time
-            block = dr[r0:r1, c0:c1]
-            xp.multiply(block, cb >= qp.k[r0:r1, None], out=block)
-
-        quant.decode_each_chunk(scratch, saved, qp, mask_gradient)
+        decode_masking(scratch, dr, saved, quant.quant_params(gamma, beta, self.bits))
         bn_relu_backward(dx, dgamma, dbeta, dr, scratch, gamma, beta, rstd, masked=True,
                          accumulate=accumulate)
+
+
+def decode_masking(xtilde, dr, packed, qp):
+    """xtilde (C, M) <- x-tilde decoded from the code; dr (C, M) *= the exact mask (code >= k),
+    one quantizer chunk at a time, so no mask array is needed (CodeUnits, kernels/sync.py)."""
+    xp = array_module(dr)
+
+    def mask_gradient(ob, cb, r0, r1, c0, c1):
+        block = dr[r0:r1, c0:c1]
+        xp.multiply(block, cb >= qp.k[r0:r1, None], out=block)
+
+    quant.decode_each_chunk(xtilde, packed, qp, mask_gradient)

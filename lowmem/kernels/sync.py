@@ -21,7 +21,7 @@ Communication buffer: the plan's `sync.bn` workspace, 2 * C float64.
 from .. import quant
 from ..backend import array_module
 from ..ops import bn_relu_backward_apply, bn_relu_backward_sums
-from .reference import BN_EPS
+from .reference import BN_EPS, decode_masking
 
 
 class SyncUnits:
@@ -64,14 +64,7 @@ class SyncUnits:
         if getattr(self.inner, "bits", None) is None:            # exact: the slot is x-hat
             xhat, masked = saved, False
         else:
-            qp = quant.quant_params(gamma, beta, self.inner.bits)
-            xp = array_module(dr)
-
-            def mask_gradient(ob, cb, r0, r1, c0, c1):
-                block = dr[r0:r1, c0:c1]
-                xp.multiply(block, cb >= qp.k[r0:r1, None], out=block)
-
-            quant.decode_each_chunk(scratch, saved, qp, mask_gradient)
+            decode_masking(scratch, dr, saved, quant.quant_params(gamma, beta, self.inner.bits))
             xhat, masked = scratch, True
         sum_dy, sum_dyx = bn_relu_backward_sums(dr, xhat, gamma, beta, masked=masked)
         dgamma += sum_dyx                                         # local parts: summed later
