@@ -99,8 +99,9 @@ class Network:
         self._stat_specs[name + ".running_var"] = ((c,), 1.0)
         self.layers.append(Layer("bnrelu", name, src, dst, cin=c, cout=c))
 
-    def add(self, name, src):
-        self.layers.append(Layer("add", name, src, "res"))
+    def add(self, name, src, dst="res"):
+        """res += src: the residual add (dst is always the residual buffer)."""
+        self.layers.append(Layer("add", name, src, dst))
 
     def maxpool(self, name, src, dst, k=3, stride=2, pad=1):
         self.layers.append(Layer("maxpool", name, src, dst, k, stride, pad))

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from .network import BUFFERS, Network, NetworkError
 from .ops import conv_out_size
-from .optable import MAX_POOL_WINDOW
+from .optable import MAX_POOL_WINDOW, OPS
 from .schedule import walk
 
 RESERVED = ("input", "pool", "fc")    # "pool" and "fc" are the head's layer names
@@ -64,7 +64,7 @@ class Tensor:
     graph: object
     index: int
     shape: tuple
-    op: str          # "input" | "conv" | "bnrelu" | "maxpool" | "add"
+    op: str          # "input", or the optable op that made it: "conv", "bnrelu", "maxpool", ...
     name: str        # the producing layer ("input" for the network input)
 
     def __repr__(self):
@@ -111,7 +111,7 @@ class Graph:
         pad = (k - 1) // 2 if pad is None else pad
         if not _int(pad) or pad < 0:
             raise NetworkError(f"conv {name!r}: pad must be an int >= 0, got {pad!r}")
-        if x.op not in ("input", "bnrelu"):
+        if x.op != "input" and not OPS[x.op].unit:
             raise NetworkError(
                 f"conv {name!r} reads the output of {x.op} {x.name!r}, but a conv must read the network "
                 f"input or a bn_relu output: backward rebuilds a conv's input as relu(gamma*x-hat + beta) "
@@ -150,6 +150,23 @@ class Graph:
         self._check_size(name, x, out)
         return self._node("maxpool", name, (x,), out, dict(k=k, stride=stride, pad=pad))
 
+    def avg_pool(self, x, k=2, stride=None, pad=0, name=None):
+        """Mean over k x k windows (stride defaults to k); zero padding counts in the mean."""
+        name = self._name(name, "avgpool")
+        self._own(x, name)
+        self._not_input(x, "avg_pool", name)
+        stride = k if stride is None else stride
+        for what, v, lo in (("k", k, 1), ("stride", stride, 1), ("pad", pad, 0)):
+            if not _int(v) or v < lo:
+                raise NetworkError(f"avg_pool {name!r}: {what} must be an int >= {lo}, got {v!r}")
+        if pad > k // 2:
+            raise NetworkError(f"avg_pool {name!r}: pad {pad} must be at most k // 2 = {k // 2} "
+                               f"(a larger pad makes windows of padding only)")
+        c, h, w = x.shape
+        out = (c, conv_out_size(h, k, stride, pad), conv_out_size(w, k, stride, pad))
+        self._check_size(name, x, out)
+        return self._node("avgpool2d", name, (x,), out, dict(k=k, stride=stride, pad=pad))
+
     def add(self, a, b, name=None):
         """a + b (same shape): a residual connection. The operand computed first is the skip."""
         name = self._name(name, "add")
@@ -177,15 +194,8 @@ class Graph:
         for n in self.nodes:
             src = [buf[i] for i in n.inputs]
             dst = buf[n.out]
-            a = n.args
-            if n.op == "conv":
-                net.conv(n.name, src[0], dst, a["cin"], a["cout"], a["k"], a["stride"], a["pad"])
-            elif n.op == "bnrelu":
-                net.bnrelu(n.name, src[0], dst, a["c"])
-            elif n.op == "maxpool":
-                net.maxpool(n.name, src[0], dst, a["k"], a["stride"], a["pad"])
-            else:
-                net.add(n.name, src[1])                  # res += branch (the skip is in res)
+            # the Network method named after the op; an add's dst is res, its src the branch
+            getattr(net, n.op)(n.name, src[-1], dst, **n.args)
         net.head(buf[x.index], x.shape[0])
         check(net, self.input_shape)                     # the engine's rules, once more, on the records
         self.network = net
@@ -271,12 +281,12 @@ class Graph:
                     raise NetworkError(f"add {n.name!r} adds into {skip.name!r} in place (the residual "
                                        f"buffer), but {', '.join(later)} reads {skip.name!r} after it; "
                                        f"use the add's result instead")
-            if n.op == "maxpool":
+            if not OPS[n.op].accumulates and n.op != "add":
                 later = [self._label(k) for k in uses[n.inputs[0]] if k > i]
                 if later:
                     src = self.tensors[n.inputs[0]].name
-                    raise NetworkError(f"max_pool {n.name!r}: its input {src!r} also feeds "
-                                       f"{', '.join(later)} after the pool; a max-pool's backward writes "
+                    raise NetworkError(f"{OPS[n.op].builder} {n.name!r}: its input {src!r} also feeds "
+                                       f"{', '.join(later)} after the pool; a pool's backward writes "
                                        f"its input gradient instead of adding to it, so its input may "
                                        f"feed other layers only before the pool")
 

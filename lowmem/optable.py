@@ -10,7 +10,9 @@
     OPS[op].forward(run, step), .backward(run, step)    the handlers
     OPS[op].onnx(L, helper, read, write) -> [nodes]     its inference form (lowmem/export.py)
     flags: unit (a BN-ReLU unit: own kernel set, own bit width), reads_input (may read the
-           network input), in_place (may write the buffer it reads), reads_dst (dst += src)
+           network input), in_place (may write the buffer it reads), reads_dst (dst += src),
+           accumulates (its input gradient can add to one already there: the input may have
+           other consumers)
 
 The walk (schedule.walk) visits the layers once forward (checks, shapes) and
 once backward (gradient buffers), calling these; the engine (lowmem/engine.py)
@@ -48,8 +50,8 @@ class BatchStatisticsError(FloatingPointError):
 
 class Op:
     """Defaults: a layer that keeps nothing, reads a shared buffer, writes another."""
-    unit = reads_input = in_place = reads_dst = False
-
+    unit = reads_input = in_place = reads_dst = accumulates = False
+    builder = ""            # its nn.Graph method, where the name differs from the op
     @staticmethod
     def check(L, shape, walk):
         pass
@@ -85,7 +87,7 @@ def _channels(L, shape):
 
 
 class Conv(Op):
-    reads_input = True
+    reads_input = accumulates = True
 
     @staticmethod
     def out_shape(L, shape):
@@ -158,7 +160,7 @@ class Conv(Op):
 
 class BNReLU(Op):
     """The BN->ReLU unit: its kernel set (run.units[name]) decides what its slot holds."""
-    unit = in_place = True
+    unit = in_place = accumulates = True
 
     @staticmethod
     def out_shape(L, shape):
@@ -275,6 +277,7 @@ class Add(Op):
 
 class MaxPool(Op):
     """Max over k x k windows; keeps the 4-bit window index of each maximum (exact)."""
+    builder = "max_pool"
     out_shape = staticmethod(_window_shape)
 
     @staticmethod
@@ -326,6 +329,7 @@ class MaxPool(Op):
 class AvgPool2d(Op):
     """Mean over k x k windows (zero padding counted, as PyTorch's default). Keeps nothing:
     its backward needs only the shapes."""
+    builder = "avg_pool"
     out_shape = staticmethod(_window_shape)
 
     @staticmethod
