@@ -50,6 +50,32 @@ def conv_ref(x, w, stride, pad):
     return out
 
 
+def maxpool_ref(x, k=3, stride=2, pad=1):
+    """Naive loops with -inf padding: max and row-major index of the FIRST maximum per window."""
+    C, N, H, W = x.shape
+    Ho, Wo = (H + 2 * pad - k) // stride + 1, (W + 2 * pad - k) // stride + 1
+    xpad = np.full((C, N, H + 2 * pad, W + 2 * pad), -np.inf)
+    xpad[:, :, pad:pad + H, pad:pad + W] = x
+    out, idx = np.empty((C, N, Ho, Wo)), np.empty((C, N, Ho, Wo), np.uint8)
+    for c in range(C):
+        for n in range(N):
+            for i in range(Ho):
+                for j in range(Wo):
+                    win = xpad[c, n, stride * i:stride * i + k, stride * j:stride * j + k].ravel()
+                    idx[c, n, i, j] = np.argmax(win)           # first occurrence
+                    out[c, n, i, j] = win[idx[c, n, i, j]]
+    return out, idx
+
+
+def maxpool_backward_ref(dout, idx, H, W, k=3, stride=2, pad=1):
+    C, N, Ho, Wo = dout.shape
+    dx = np.zeros((C, N, H, W))
+    for c, n, i, j in np.ndindex(C, N, Ho, Wo):
+        a, b = divmod(int(idx[c, n, i, j]), k)
+        dx[c, n, stride * i + a - pad, stride * j + b - pad] += dout[c, n, i, j]
+    return dx
+
+
 def avgpool_ref(x, k, stride, pad):
     """Naive loops: the mean of each k x k window of the zero-padded x (C, N, H, W)."""
     C, N, H, W = x.shape
