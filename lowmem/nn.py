@@ -13,6 +13,7 @@ The vocabulary is what the engine runs (lowmem/engine.py):
   conv(x, cout, k, stride=1, pad=(k-1)//2)   k x k convolution, no bias
   bn_relu(x)                                 batch norm (affine) then ReLU: one "unit"
   max_pool(x, k=2, stride=k, pad=0)          max over k x k windows (k <= 4)
+  avg_pool(x, k=2, stride=k, pad=0)          mean over k x k windows (zero padding counted)
   add(a, b)                                  a + b, same shape: the residual add
   head(x)                                    global average pool, then the linear classifier
 
@@ -20,7 +21,7 @@ The vocabulary is what the engine runs (lowmem/engine.py):
 model builders of lowmem/models.py write by hand, with the engine's three
 shared buffers (act0 / act1 ping-pong, res for the residual stream) assigned
 here, so you never name a buffer. A global average pool exists only inside
-`head`: the engine has no strided average pool.
+`head`.
 
 The method's rules are checked when a layer is added (or, for rules about
 how a tensor is used later, at `head`), and a broken rule raises
@@ -38,7 +39,7 @@ NetworkError (a ValueError) saying which layer and why:
   follow each other but not nest or overlap. Both operands share one gradient
   buffer in backward (no copy), so the later operand (the branch output) may
   feed nothing but the add.
-* A max_pool's input may feed other layers only before the pool (its backward
+* A pool's input may feed other layers only before the pool (its backward
   writes the input gradient instead of adding to it).
 * Every output must be used: the backward sweep needs a gradient for it.
 * At most three tensors may be alive at once (act0, act1, res).
