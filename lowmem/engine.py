@@ -92,7 +92,7 @@ class Engine:
         self.selected = self._select_units(sizes)
         self.plan, self.saved_slots = self._make_plan(workspace_bytes)
         self.nbytes = {e.name: e.nbytes for e in self.plan.entries}
-        self.schedule.fill_slots(self.saved_slots, self.nbytes, {u: self.width_label(u) for u in unit_names})
+        self.schedule.fill_slots(self.saved_slots, self.nbytes, checks.width_labels(self.mode, self.unit_bits))
         self.arrays = self.run = None
         if allocate:
             self.arrays = self.plan.allocate(self.xp)
@@ -119,11 +119,7 @@ class Engine:
         return [n * h * w for (_, h, w) in self._unit_sizes.values()]
 
     def _check_batch_norm(self, n, what):
-        for name, (c, h, w) in self._unit_sizes.items():
-            if n * h * w < 2:
-                raise ValueError(f"{what} {n}: batch norm {name} would normalise one value per channel "
-                                 f"(input {(c, h, w)} per sample, N*H*W = {n * h * w}); its output "
-                                 f"would not depend on the input. Use a batch of at least 2")
+        checks.batch_norm(self._unit_sizes, n, what)
 
     def _select_units(self, sizes, arrays=None, reference=False):
         """{unit: kernel set} for each unit's width: fused or reference (kernels.select_units),
@@ -139,19 +135,6 @@ class Engine:
             wrapped = {id(u): kernels.synchronized(u, self.comm, buf) for u in units.values()}
             units = {name: wrapped[id(u)] for name, u in units.items()}
         return units
-
-    def width_label(self, unit):
-        """'4-bit' (the unit's saved x-hat code), 'float' (x-hat saved exact), or '' (exact mode)."""
-        if self.mode == "exact":
-            return ""
-        K = self.unit_bits[unit]
-        return "float" if K is None else f"{K}-bit"
-
-    def bits_label(self):
-        """'4-bit' when every unit has one width, else e.g. '4-bit x10, 8-bit x2, float x1'."""
-        labels = [self.width_label(u) for u in self.unit_bits]
-        counts = {w: labels.count(w) for w in dict.fromkeys(labels)}
-        return ", ".join(w if len(counts) == 1 else f"{w} x{c}" for w, c in counts.items())
 
     def _make_plan(self, workspace_bytes):
         """The memory plan, from shapes alone; and {layer: its saved slot names}."""
@@ -312,7 +295,7 @@ class Engine:
         by = self.plan.bytes_by_kind()
         return (f"{self.net.name}: {self.net.num_params():,} params, batch {self.N}, "
                 f"input {self.input_shape}, mode {self.mode}"
-                + (f" ({self.bits_label()})" if self.mode != "exact" and self.unit_bits else "")
+                + (f" ({checks.bits_label(self.mode, self.unit_bits)})" if self.mode != "exact" and self.unit_bits else "")
                 + f", {self.dtype}; planned {fmt_bytes(self.plan.total_bytes)} "
                   f"(saved {fmt_bytes(by['saved'])}, buffers {fmt_bytes(by['buffers'])})")
 
