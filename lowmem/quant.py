@@ -424,11 +424,20 @@ def unpack_decode(xhat_out, packed, qp, mask_out=None):
 
 
 def decode_relu(out, packed, qp, gamma, beta):
-    """The naive mode's conv input: relu(γ·x̃ + β) under the exact decoded mask.
+    """The conv input rebuilt from the code (and the naive mode's forward output):
+    relu(γ·x̃ + β) under the exact decoded mask.
 
-    out (C, M) float, C-contiguous   written: (x̃·γ) + β where code >= k, else 0
+    out (C, M) float, C-contiguous   written: (x̃·γ) + β where code >= k and that value
+                                     is > 0, else +0
     packed, qp as for unpack_decode; gamma, beta (C,) as given to quant_params.
     Scratch: 2·CHUNK bytes.
+
+    Both conditions are needed. The decoded mask (code >= k) zeroes every closed element,
+    whatever x̃ is. The value's own sign matters only for an open element whose bin lies on
+    the closed side of the threshold: when t lies beyond the window's top midpoint (k clamped
+    to L−1, the `lo` clip), x̃ of the top code is below t and (x̃·γ) + β < 0 while the true
+    input is > 0. Such an element gets 0, the nearest value its side allows; every other open
+    element already has (x̃·γ) + β > 0 and is unchanged (docs/quantizer.md §3b).
     """
     xp = array_module(packed)
     off_mask = xp.empty(_chunk(out.size), bool)
@@ -436,8 +445,11 @@ def decode_relu(out, packed, qp, gamma, beta):
     def affine_relu(ob, cb, r0, r1, c0, c1):
         xp.multiply(ob, gamma[r0:r1, None], out=ob)
         xp.add(ob, beta[r0:r1, None], out=ob)
-        # zero by the decoded mask, not by the sign of γ·x̃ + β: the mask is exact
         nm = off_mask[:ob.size].reshape(ob.shape)
+        # an open element decoded to the closed side (t beyond the window): 0, not < 0
+        xp.less_equal(ob, 0, out=nm)
+        xp.copyto(ob, 0, where=nm)
+        # zero by the decoded mask, not by the sign of γ·x̃ + β alone: the mask is exact
         xp.less(cb, qp.k[r0:r1, None], out=nm)
         xp.copyto(ob, 0, where=nm)
 

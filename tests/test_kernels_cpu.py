@@ -19,7 +19,12 @@ def unit(C=6, M=1024, seed=0):
     gamma = rng.standard_normal(C).astype(F)
     gamma[0], gamma[1] = 0, -1e-30             # zero and tiny gamma
     beta = (rng.standard_normal(C) * 2).astype(F)
-    beta[2] = 10 * abs(gamma[2])               # threshold far outside the window
+    beta[2] = 10 * abs(gamma[2])               # threshold far below the window
+    if C >= 5:                                 # thresholds beyond the window's top (t = 6, both
+        for c, sign in ((3, 1), (4, -1)):      # signs of gamma), with x-hat outliers past them
+            x[c, ::64] += sign * 40            # (about 7.4 sigma): open elements decoded below t
+            gamma[c] = sign * abs(gamma[c])
+            beta[c] = -6 * abs(gamma[c])
     return x, gamma, beta
 
 
@@ -83,6 +88,12 @@ def test_conv_input_equals_decode_relu(bits):
     fast.conv_input(u, None, packed, qp, g, b)
     quant.decode_relu(ref, packed, qp, g, b)
     assert np.array_equal(u, ref)
+    assert not np.signbit(u).any()              # >= 0, and +0 rather than -0
+    # the data reach the beyond-the-window case: open elements whose bin midpoint gives
+    # gamma*x-tilde + beta < 0 (channels 3, 4: gamma > 0 and < 0), rebuilt as 0
+    xs, ms = quant.quantize_simulated(xhat, g, b, bits)
+    for c in (3, 4):
+        assert (ms[c] & (xs[c] * g[c] + b[c] < 0)).any(), c
     fast.conv_input(u, xhat, None, None, g, b)
     bn_relu_apply_forward(ref, xhat, g, b)
     assert np.array_equal(u, ref)

@@ -248,7 +248,8 @@ def dev(request, monkeypatch):
 
 def unit(dtype, C=7, M=1024, seed=0):
     """x (C, M) and gamma, beta covering the quantizer's cases: gamma = 0, tiny negative gamma,
-    a threshold far outside the window, negative gammas, a threshold inside it."""
+    a threshold far below the window, negative gammas, a threshold inside it, and (C >= 6)
+    thresholds beyond the window's top with open elements past them."""
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(dtype)
     gamma = rng.standard_normal(C).astype(dtype)
@@ -257,6 +258,11 @@ def unit(dtype, C=7, M=1024, seed=0):
     beta[2] = 10 * abs(gamma[2])
     beta[0] = -0.5
     gamma[3], beta[3] = -0.7, 0.2
+    if C >= 6:                                 # thresholds beyond the window's top (t = 6, both
+        for c, sign in ((4, 1), (5, -1)):      # signs of gamma), with x-hat outliers past them
+            x[c, ::64] += sign * 40            # (about 7.4 sigma): open elements decoded below t
+            gamma[c] = sign * abs(gamma[c])
+            beta[c] = -6 * abs(gamma[c])
     return x, gamma, beta
 
 
@@ -329,6 +335,12 @@ def test_conv_input_is_bit_identical(dev, dtype, bits):
     u, gd, bd = dev.put(np.zeros_like(x)), dev.put(g), dev.put(b)
     cuda.conv_input(u, None, dev.put(packed), qp, gd, bd)          # a QuantParams is accepted too
     assert np.array_equal(dev.get(u), ref)
+    assert not np.signbit(ref).any()            # >= 0, and +0 rather than -0
+    # the data reach the beyond-the-window case: open elements whose bin midpoint gives
+    # gamma*x-tilde + beta < 0 (channels 4, 5: gamma > 0 and < 0), rebuilt as 0
+    xs, ms = quant.quantize_simulated(xhat, g, b, bits)
+    for c in (4, 5):
+        assert (ms[c] & (xs[c] * g[c] + b[c] < 0)).any(), c
     bn_relu_apply_forward(ref, xhat, g, b)
     C, M = x.shape
     slot = np.zeros((C, M + 8), dtype)

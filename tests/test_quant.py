@@ -350,9 +350,61 @@ def test_decode_relu(dtype, bits, monkeypatch):
     out = np.full_like(x, np.nan)
     q.decode_relu(out, packed, qp, gamma, beta)
     xs, ms = q.quantize_simulated(x, gamma, beta, bits)
-    want = np.where(ms, (xs * gamma[:, None]) + beta[:, None], 0)
+    affine = (xs * gamma[:, None]) + beta[:, None]
+    want = np.where(ms & (affine > 0), affine, 0)
     np.testing.assert_array_equal(out, want)
-    assert not np.signbit(out[~ms]).any()      # masked entries are +0, not -0
+    assert not np.signbit(out).any()           # never negative, and +0 rather than -0
+    # the rule changes only open elements decoded to the closed side (t beyond the window's
+    # top: CASES' beta/gamma = -10, x-hat = ±1e6), and make_case has them
+    changed = out != np.where(ms, affine, 0)
+    assert changed.any() and ms[changed].all() and (affine[changed] < 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_conv_input_past_the_window(dtype, bits, sign):
+    """The conv input rebuilt from the code is >= 0 on the open side and 0 on the closed side
+    for every threshold, inside the window or far outside it on either side, for both signs of
+    gamma; strictly positive where the threshold lies below the top bin's midpoint."""
+    W, w = q.window(bits), q.bin_width(bits)
+    ts = np.array([-1e6, -10 * W, -2 * W, -W - w, -W, 0.0, W - w, W, W + w / 4, W + w, 2 * W,
+                   10 * W, 1e6])
+    gamma = np.full(ts.size, sign * 0.5, dtype)
+    beta = (-ts * 0.5).astype(dtype)            # t = -beta/|gamma|
+    u = np.concatenate([np.linspace(-3, 3, 61) * W, ts[ts < 0] * 2, np.abs(ts) * 2])
+    u = np.broadcast_to(u, (ts.size, u.size)) + ts[:, None] * 0   # the same u for every channel
+    x = np.ascontiguousarray(sign * np.concatenate([u, (ts + 1e-3 * np.maximum(1, np.abs(ts)))[:, None]], axis=1),
+                             dtype=dtype)       # x-hat = s*u; the last column is just past t
+    packed, xt, mask, qp = packed_roundtrip(x, gamma, beta, bits)
+    out = np.full_like(x, np.nan)
+    q.decode_relu(out, packed, qp, gamma, beta)
+    want_mask = exact_mask(x, gamma, beta)
+    np.testing.assert_array_equal(mask, want_mask)
+    assert want_mask[:, -1].all() and want_mask.any(axis=1).all() and (~want_mask).any()
+    assert not np.signbit(out).any()            # >= 0 everywhere, +0 not -0
+    assert (out[~want_mask] == 0).all()         # closed: 0
+    top_mid = qp.lo + (2 ** bits - 0.5) * w     # in u units
+    inside = ts < top_mid                       # the open side has a midpoint above t
+    assert (out[inside][want_mask[inside]] > 0).all()
+    # beyond the top midpoint every open element is rebuilt as 0 (the nearest value its side
+    # allows): the bug was gamma*x-tilde + beta < 0, e.g. -0.5 at gamma=1, beta=-4, 4 bits
+    assert inside.sum() >= 7 and (~inside).sum() >= 3
+    assert (out[~inside] == 0).all()
+    affine = (xt * gamma[:, None]) + beta[:, None]
+    assert (affine[~inside][want_mask[~inside]] <= 0).all()     # = 0: t on the top midpoint
+
+
+def test_conv_input_example_of_the_issue():
+    # gamma = 1, beta = -4, 4 bits: the open elements (x-hat > 4) used to be rebuilt as -0.5
+    gamma, beta = np.array([1.0]), np.array([-4.0])
+    x = np.array([[0.0, 3.9, 4.1, 5.0, 8.0, 1e3]])
+    packed, xt, mask, qp = packed_roundtrip(x, gamma, beta, 4)
+    assert (xt[0, 2:] * gamma + beta == -0.5).all()      # the decoded bin: 3.5 < t
+    out = np.full_like(x, np.nan)
+    q.decode_relu(out, packed, qp, gamma, beta)
+    np.testing.assert_array_equal(out, np.zeros_like(x))
+    np.testing.assert_array_equal(mask, x > 4)
 
 
 # ---- memory: scratch bounded by CHUNK, not by the array ---------------------

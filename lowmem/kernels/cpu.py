@@ -171,11 +171,13 @@ if AVAILABLE:
 
     @njit(**_opts)
     def _decode_relu_block(orow, codes, sc, l0, kf, w, g, b):
-        """orow <- x-tilde*g + b where the decoded mask (code >= k) is set, else 0 (quant.decode_relu)."""
+        """orow <- x-tilde*g + b where the decoded mask (code >= k) is set and that value is > 0,
+        else 0 (quant.decode_relu: an open code decoded below the threshold gives 0)."""
         for t in range(orow.size):
             v = F32(codes[t])
             xt = ((v + HALF) * w + l0) * sc
-            orow[t] = xt * g + b if v >= kf else F0
+            y = xt * g + b
+            orow[t] = y if (v >= kf) & (y > F0) else F0
 
     @njit(**_reduce)
     def _decode_sums(codes, drow, sc, l0, kf, w):
@@ -262,7 +264,7 @@ if AVAILABLE:
 
     @njit(**_opts)
     def _conv_input_code(u, packed, s, lo, k, w, gamma, beta, bits):
-        """u = x-tilde*gamma + beta where the decoded mask is set, else 0 (quant.decode_relu)."""
+        """u = relu(x-tilde*gamma + beta) where the decoded mask is set, else 0 (quant.decode_relu)."""
         C, M = u.shape
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)

@@ -115,6 +115,15 @@ __device__ __forceinline__ real decode(int code, Grid q, real w)
     return rn_mul(rn_add(rn_mul(rn_add((real)code, (real)0.5), w), q.lo), q.s);
 }
 
+// the conv input of one code: relu(gamma*x-tilde + beta) under the decoded mask (quant.decode_relu):
+// 0 for a closed code, and 0 for an open one whose bin lies below the threshold (t beyond the window)
+__device__ __forceinline__ real open_relu(int code, Grid q, real w, real g, real b)
+{
+    if (code < q.k) return (real)0;
+    const real y = rn_add(rn_mul(decode(code, q, w), g), b);
+    return y > (real)0 ? y : (real)0;
+}
+
 // Block-wide sums of a and b (BLOCK threads, fixed tree order); totals land in sa[0], sb[0].
 __device__ void block_sum2(double a, double b, double* sa, double* sb)
 {
@@ -222,7 +231,7 @@ extern "C" __global__ void unit_forward_code(real* out, unsigned char* packed, c
         const int code = encode(xh, on, q, w, L);
         byte |= (unsigned int)code << (e * bits);
         if (naive)
-            out[e0 + e] = code >= q.k ? rn_add(rn_mul(decode(code, q, w), g), b) : (real)0;
+            out[e0 + e] = open_relu(code, q, w, g, b);
         else
             out[e0 + e] = on ? y : (real)0;
     }
@@ -253,7 +262,7 @@ extern "C" __global__ void conv_input_code(real* u, const unsigned char* packed,
     const long long e0 = (long long)c * M + j * per;
     for (int e = 0; e < per; ++e) {
         const int code = (byte >> (e * bits)) & top;
-        u[e0 + e] = code >= q.k ? rn_add(rn_mul(decode(code, q, w), g), b) : (real)0;
+        u[e0 + e] = open_relu(code, q, w, g, b);
     }
 }
 
