@@ -172,7 +172,8 @@ class Emulated:
 
     def _ctype(self, t):
         return {"real*": self.dtype, "double*": np.dtype(np.float64), "unsigned char*": np.dtype(np.uint8),
-                "real": self.dtype.type, "double": np.float64, "int": np.int32, "long long": np.int64}[t]
+                "real": self.dtype.type, "double": np.float64, "int": np.int32, "long long": np.int64,
+                "unsigned long long": np.uint64}[t]
 
     def get_function(self, name):
         fn, sig = getattr(self.lib, "launch_" + name), self.signatures[name]
