@@ -71,13 +71,15 @@ def torch_model(depth, torch):
     return Net()
 
 
-def pack8(torch):
+def pack8(torch, kept):
     def pack(t):
         if not t.is_floating_point() or t.numel() < 4096 or isinstance(t, torch.nn.Parameter):
             return ("raw", t)
         lo, hi = t.min(), t.max()
         scale = (hi - lo).clamp_min(1e-12) / 255
-        return ("q", ((t - lo) / scale).round_().to(torch.uint8), lo, scale, t.dtype)
+        q = ((t - lo) / scale).round_().to(torch.uint8)
+        kept[id(q)] = q.nbytes
+        return ("q", q, lo, scale, t.dtype)
 
     def unpack(p):
         if p[0] == "raw":
@@ -97,15 +99,27 @@ def run_torch(mode, depth, batch):
     y = torch.randint(0, 10, (batch,))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kept = {}                       # bytes the saved activations hold at the end of the forward pass
+
+    def count(t):                   # identity hook: what plain autograd keeps (one entry per storage)
+        if t.is_floating_point() and not isinstance(t, torch.nn.Parameter):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
     if mode == "hooks-8bit":
-        with torch.autograd.graph.saved_tensors_hooks(*pack8(torch)):
+        with torch.autograd.graph.saved_tensors_hooks(*pack8(torch, kept)):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+    elif mode == "plain":
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
             loss = torch.nn.functional.cross_entropy(model(x), y)
     else:
         loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
     opt.step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"step_peak_MiB": (peak - base) / 1024}
+    out = {"step_peak_MiB": (peak - base) / 1024}
+    if kept:
+        out["saved_MiB"] = sum(kept.values()) / 2**20
+    return out
 
 
 def run_lowmem(mode, depth, batch):
