@@ -306,15 +306,22 @@ def plots(results, modes, seeds, doc_dir, stem):
         return []
     files = []
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for m, b in modes:
+    # exact last, black and thick, so it stays visible above the modes that track it; the shaded
+    # band is the spread (min to max) over the seeds, the line their mean
+    order = [mb for mb in modes if mb[0] != "exact"] + [mb for mb in modes if mb[0] == "exact"]
+    for k, (m, b) in enumerate(order):
         hs = [results["runs"][f"{label(m, b)}|{s}"]["history"] for s in seeds]
         ep = [r["epoch"] for r in hs[0]]
-        a1.plot(ep, [100 * statistics.mean(h[i]["test_acc"] for h in hs) for i in range(len(ep))],
-                marker="o", label=label(m, b))
-        a2.plot(ep, [statistics.mean(h[i]["train_loss"] for h in hs) for i in range(len(ep))],
-                marker="o", label=label(m, b))
-    a1.set(xlabel="epoch", ylabel="test accuracy, % (mean over seeds)", title="test accuracy")
-    a2.set(xlabel="epoch", ylabel="training loss (mean over seeds)", title="training loss", yscale="log")
+        style = (dict(color="k", lw=2.2, ls="--", zorder=5) if m == "exact" else dict(color=f"C{k}", lw=1.3))
+        for ax, key, scale in ((a1, "test_acc", 100), (a2, "train_loss", 1)):
+            v = [[scale * h[i][key] for h in hs] for i in range(len(ep))]
+            ax.plot(ep, [statistics.mean(x) for x in v], marker="o", label=label(m, b), **style)
+            ax.fill_between(ep, [min(x) for x in v], [max(x) for x in v], color=style["color"],
+                            alpha=0.12, lw=0)
+    a1.set(xlabel="epoch", ylabel=f"test accuracy, % (mean; band: min-max over {len(seeds)} seeds)",
+           title="test accuracy")
+    a2.set(xlabel="epoch", ylabel=f"training loss (mean; band: min-max over {len(seeds)} seeds)",
+           title="training loss", yscale="log")
     a1.legend(fontsize=8)
     a1.grid(alpha=0.3)
     a2.grid(alpha=0.3)

@@ -101,6 +101,43 @@ def test_runnable_example(page, example):
     assert matches(expected, got), (f"{page.name}:{line}: output changed; now:\n" + "\n".join(got))
 
 
+LABEL = re.compile(r"^<!-- printed: .+, commit [0-9a-f]{7,40}\b.*-->$")
+
+
+def unchecked_outputs(path):
+    """[(line, kind)] of console/text blocks that are neither runnable nor labelled with the
+    command and commit that printed them (docs/README.md, "Examples that are checked")."""
+    lines, bad, i = path.read_text().splitlines(), [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        j = i - 1
+        while j >= 0 and not lines[j].strip():
+            j -= 1
+        before = lines[j].strip() if j >= 0 else ""
+        if m.group(1) in ("console", "text") and before != "<!-- runnable -->" and not LABEL.match(before):
+            bad.append((i + 1, m.group(1)))
+        i += 1
+        while i < len(lines) and not lines[i].startswith("```"):
+            i += 1
+        i += 1
+    return bad
+
+
+def test_every_printed_output_is_runnable_or_labelled():
+    bad = [f"{p.relative_to(ROOT)}:{line} ({kind})" for p in PAGES for line, kind in unchecked_outputs(p)]
+    assert not bad, "printed output neither runnable nor labelled <!-- printed: CMD, commit SHA -->: " + ", ".join(bad)
+
+
+def test_no_references_to_the_development_process():
+    words = re.compile(r"\b(issue \d+|this round|this session)\b", re.IGNORECASE)
+    bad = [f"{p.relative_to(ROOT)}:{n}" for p in PAGES
+           for n, line in enumerate(p.read_text().splitlines(), 1) if words.search(line)]
+    assert not bad, "development-process references in the docs: " + ", ".join(bad)
+
+
 def test_the_matcher():
     assert matches(["a", "...", "d"], ["a", "b", "c", "d"]) and matches(["a", "  ...", "b"], ["a", "b"])
     assert not matches(["a", "d"], ["a", "b", "d"]) and not matches(["a"], ["b"])

@@ -6,8 +6,12 @@ Builds the schedule of a pre-activation ResNet-20 with bottleneck blocks (two pe
 stage) in 4-bit mode, allocates nothing, and draws, for the identity block
 layer1.1 and the projection block layer1.0, what act0, act1 and res hold after
 every step. Only Step fields are used (src, dst; dout, dest, accumulate,
-scratch), so the picture is the schedule's. Orange: written by the step; blue:
-read; red: accumulated into (+=); grey: what a buffer still holds from before.
+scratch), and every label is derived from them (the add's operands from what
+the buffers held when it ran), so the picture is the schedule's. Orange:
+written by the step; blue: read; red: accumulated into (+=, the forward add and
+a second consumer's gradient); purple: one gradient buffer shared by both
+operands of an add (backward: nothing is written); grey: what a buffer still
+holds from before.
 Needs matplotlib (the optional extra lowmem[plot]).
 """
 import argparse
@@ -36,6 +40,7 @@ def timelines(block):
     held = {b: ("", "old") for b in BUFFERS}
     held["res"] = ("x", "old")
     producer_of = {}                 # forward tensor label -> where it was read from
+    add_operands = None              # (skip label, branch label) of the block's add
     fwd, bwd = [], []
     for s in eng.schedule:
         inside = s.layer is not None and s.name.startswith(block + ".")
@@ -45,10 +50,12 @@ def timelines(block):
             cells = {b: (t, "old") for b, (t, _) in held.items()}
             src = cells[s.src][0]
             out = label(s.name)
-            if s.op == "add":
-                out = f"x' = {held['res'][0]} + {src}"
             cells[s.src] = (cells[s.src][0], "read")
-            cells[s.dst] = (out, "write")
+            if s.op == "add":                        # dst += src: an accumulation, not a write
+                add_operands = (held[s.dst][0], src)
+                cells[s.dst] = (f"x' = {held[s.dst][0]}\n+ {src}", "acc")
+            else:
+                cells[s.dst] = (out, "write")
             producer_of[label(s.name)] = src
             held = {b: (t, "old") for b, (t, _) in cells.items()}
             fwd.append((f"{s.index}\n{s.op} {s.name.rsplit('.', 1)[-1]}", cells))
@@ -64,8 +71,9 @@ def timelines(block):
         cells = {b: (t, "old") for b, (t, _) in held.items()}
         cells[s.dout] = (cells[s.dout][0], "read")
         short = s.name.rsplit(".", 1)[-1]
-        if s.op == "add":
-            cells[s.dest] = ("∂x' = ∂h3\n= ∂x (skip)", "write")
+        if s.op == "add":                            # both operands' gradient is ∂x': shared storage
+            skip, branch = add_operands
+            cells[s.dest] = (f"∂x' = ∂{branch}\n= ∂{skip}", "shared")
         else:
             read_from = producer_of.get(label(s.name), "?")
             if s.scratch:
@@ -83,7 +91,7 @@ def timelines(block):
 
 def draw(ax, columns, title):
     from matplotlib.patches import Rectangle
-    colors = {"write": "#fdb462", "read": "#9ecae1", "acc": "#fb8072", "old": "#f2f2f2"}
+    colors = {"write": "#fdb462", "read": "#9ecae1", "acc": "#fb8072", "shared": "#bcbddc", "old": "#f2f2f2"}
     for j, (head, cells) in enumerate(columns):
         ax.text(j + 0.5, 3.08, head, ha="center", va="bottom", fontsize=7)
         for i, b in enumerate(BUFFERS):
@@ -113,10 +121,11 @@ def main(argv=None):
         draw(axes[2 * k], fwd, f"{block} ({kind}), forward: res holds the block input x until the add")
         draw(axes[2 * k + 1], bwd, f"{block} ({kind}), backward: the same buffers hold gradients "
                                    f"(∂ = gradient of; r~ = conv input rebuilt from a unit's code)")
-    fig.text(0.01, 0.005, "orange: written   blue: read   red: accumulated (+=)   grey: still held from an "
-             "earlier step. x̃ (ref.): the reference kernels decode x̃ there; the fused ones leave it unused.",
+    fig.text(0.01, 0.005, "orange: written   blue: read   red: accumulated (+=)   purple: shared by both add "
+             "operands (nothing written)   grey: still held.\nx̃ (ref.): the reference kernels decode x̃ there; "
+             "the fused ones leave it unused.",
              fontsize=7.5)
-    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(a.out)
     print(f"wrote {a.out}")
 
