@@ -42,6 +42,7 @@ import numpy
 from . import backend, checks, distributed, kernels, quant, threads
 from .network import BUFFERS
 from .ops.batchnorm import ROW_BLOCK
+from .ops.conv import columns_for
 from .optable import OPS, BatchStatisticsError
 from .plan import Plan, fmt_bytes
 from .runstate import RunState
@@ -98,7 +99,8 @@ class Engine:
             self.arrays = self.plan.allocate(self.xp)
             self._bind_parameters()
             self.selected = self._select_units(sizes, self.arrays)   # with the CUDA set's workspace
-            self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected)
+            self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected,
+                                columns_for(self.xp))
         self.reference_units = self._select_units(sizes, self.arrays, reference=True)
         self._ready = False                       # saved state holds a training forward
         stems = [s for s in self.schedule if s.phase == "bwd" and s.optional]

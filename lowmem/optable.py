@@ -129,7 +129,7 @@ class Conv(Op):
     def forward(run, step):
         L = step.layer
         conv2d_forward(run.act(step.dst, step.out_shape), run.act(step.src, step.in_shape),
-                       run.params[step.params[0]].data, L.stride, L.pad, run.arrays["conv.cols"])
+                       run.params[step.params[0]].data, L.stride, L.pad, run.arrays["conv.cols"], run.columns)
 
     @staticmethod
     def backward(run, step):
@@ -146,10 +146,10 @@ class Conv(Op):
             x = run.act(step.scratch, step.in_shape)
         else:
             x = run.act(step.src, step.in_shape)         # the planned input slot
-        conv2d_backward_weight(p.grad, x, dout, L.stride, L.pad, ws)
+        conv2d_backward_weight(p.grad, x, dout, L.stride, L.pad, ws, run.columns)
         if step.dx and (run.input_grad or not step.optional):
             conv2d_backward_input(run.act(step.dx, step.in_shape), dout, p.data, L.stride, L.pad,
-                                  ws, accumulate=step.accumulate)
+                                  ws, step.accumulate, run.columns)
 
     @staticmethod
     def onnx(L, helper, read, write):

@@ -56,7 +56,7 @@ def test_the_numba_set_matches_the_reference_set(rng, mode, bits, accumulate):
     x, g, b, dr = unit_data(rng)
     ref = run_set(kernels.reference(mode, bits), x, g, b, dr, accumulate)
     got_units = kernels.select(np, mode, bits, np.dtype("float32"), [M])
-    assert got_units.fused and got_units.k is cpu
+    assert got_units.fused and got_units.module is cpu
     got = run_set(got_units, x, g, b, dr, accumulate)
     np.testing.assert_allclose(got["mean"], ref["mean"], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(got["var"], ref["var"], rtol=1e-5)

@@ -216,7 +216,7 @@ def test_stats_across_threads(long_rows):
 def test_col2im_equals_numpy_reference(dtype, k, stride, pad, H, W):
     """The numba col2im adds each element's terms in the reference's order: bit-identical,
     here into samples 2..4 of a 6-sample gradient (the per-thread range case)."""
-    from lowmem.ops import conv
+    from lowmem.ops import columns_cpu, conv
     rng = np.random.default_rng(k * 10 + stride)
     Cin, N, n0, n = 3, 6, 2, 3
     Ho, Wo = conv.conv_out_size(H, k, stride, pad), conv.conv_out_size(W, k, stride, pad)
@@ -224,10 +224,11 @@ def test_col2im_equals_numpy_reference(dtype, k, stride, pad, H, W):
     base = rng.standard_normal((Cin, N, H, W)).astype(dtype)
     ref, got = base.copy(), base.copy()
     conv.col2im_add(ref[:, n0:n0 + n], cols, k, k, stride, pad)
-    assert fast.supports_col2im(got, cols)
-    fast.col2im_add(got, cols, k, k, stride, pad, n0)
+    assert columns_cpu.supports(got, cols)
+    columns_cpu.col2im_add(got, cols, k, k, stride, pad, n0)
     assert np.array_equal(got, ref)
-    assert not fast.supports_col2im(got[:, 1:], cols)    # a strided dx takes the reference path
+    assert not columns_cpu.supports(got[:, 1:], cols)    # a strided dx takes the reference path
+    assert conv.columns_for(np) is conv.NUMBA
 
 
 # ---- stochastic rounding: the same codes as quant.quantize_pack for the same key --------------

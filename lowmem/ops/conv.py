@@ -17,15 +17,18 @@ per range into a weight-sized temporary each, then added in range order. So
 results are deterministic for a given T, but may differ in the last bits
 between thread counts (smaller GEMMs may take other BLAS kernels, too).
 
-im2col / col2im_add below are the readable NumPy references (kernel-offset
-slices). With numba, on C-contiguous NumPy arrays, col2im runs as the loop of
-lowmem/kernels/cpu.py instead (bit-identical, tests/test_ops.py; about 1.8x
-faster: one dx plane stays in L1 while its nine column rows stream by).
+Columns: im2col / col2im_add below are the readable NumPy references
+(kernel-offset slices). Faster twins sit beside this file, bit-identical:
+a numba col2im (ops/columns_cpu.py) and one-launch CUDA im2col / col2im
+(ops/columns_gpu.py). Which ones a conv runs is a `Columns` pair passed in
+(`columns=`): the engine picks it once, `columns_for(xp)`; a direct call
+without one gets `columns_for` of its arrays' module.
 """
+from typing import Callable, NamedTuple
+
 from .. import threads
 from ..backend import array_module
-from ..kernels import cpu as _fast
-from ..kernels import gpu as _gpu
+from . import columns_cpu, columns_gpu
 
 GEMM_GRAIN = 4096       # columns per thread below which a 1x1-conv GEMM is not split
 COLS_GRAIN = 1 << 16    # im2col elements per thread below which a conv's batch is not split
@@ -95,31 +98,42 @@ def col2im_add(dx, cols, kh, kw, stride, pad):
         dx[:, :, ih, iw] += cols[:, i, j, :, oh, ow]
 
 
-GPU_COLUMNS = True      # CuPy arrays: im2col / col2im in one CUDA launch each (kernels/gpu.py)
+class Columns(NamedTuple):
+    """The two column functions a conv runs:
+    im2col(cols, x, kh, kw, stride, pad)              cols <- patches of x (as `im2col` above)
+    col2im(dx, n0, n1, cols, kh, kw, stride, pad)     dx[:, n0:n1] += the scatter of cols
+    (col2im gets the whole dx and the sample range: the numba loop indexes dx flat)."""
+    name: str
+    im2col: Callable
+    col2im: Callable
 
 
-def _on_gpu(a):
-    return GPU_COLUMNS and array_module(a).__name__ == "cupy"
+def _col2im_slices(dx, n0, n1, cols, kh, kw, stride, pad):
+    col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
 
 
-def _im2col(cols, x, kh, kw, stride, pad):
-    """im2col: one launch of kernels/gpu.py's kernel on CuPy arrays (bit-identical to the slices,
-    tests/test_kernels_gpu.py), else the reference slice copies above."""
-    if _on_gpu(x):
-        _gpu.im2col(cols, x, kh, kw, stride, pad)
+def _col2im_numba(dx, n0, n1, cols, kh, kw, stride, pad):
+    if columns_cpu.supports(dx, cols):                     # else (a strided dx) the slices
+        columns_cpu.col2im_add(dx, cols, kh, kw, stride, pad, n0)
     else:
-        im2col(cols, x, kh, kw, stride, pad)
+        _col2im_slices(dx, n0, n1, cols, kh, kw, stride, pad)
 
 
-def _col2im(dx, n0, n1, cols, kh, kw, stride, pad):
-    """dx[:, n0:n1] += the scatter of cols: one CUDA launch on CuPy, the numba loop where it
-    applies, else the reference."""
-    if _on_gpu(dx):
-        _gpu.col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
-    elif _fast.supports_col2im(dx, cols):
-        _fast.col2im_add(dx, cols, kh, kw, stride, pad, n0)
-    else:
-        col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
+def _col2im_cuda(dx, n0, n1, cols, kh, kw, stride, pad):
+    columns_gpu.col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
+
+
+SLICES = Columns("slices", im2col, _col2im_slices)                    # the references above
+NUMBA = Columns("numba col2im", im2col, _col2im_numba)               # ops/columns_cpu.py
+CUDA = Columns("cuda", columns_gpu.im2col, _col2im_cuda)              # ops/columns_gpu.py
+
+
+def columns_for(xp):
+    """The fastest columns for array module xp: one CUDA launch each on CuPy, the numba
+    col2im on NumPy when numba is there, else the slices."""
+    if getattr(xp, "__name__", "") == "cupy":
+        return CUDA
+    return NUMBA if columns_cpu.AVAILABLE else SLICES
 
 
 def _over_batch(N, ws, per_sample, body):
@@ -146,11 +160,13 @@ def _over_columns(M, body, like=None):
     threads.parallel_for(body, M, grain=GEMM_GRAIN)
 
 
-def conv2d_forward(out, x, w, stride, pad, ws):
+def conv2d_forward(out, x, w, stride, pad, ws, columns=None):
     """out (Cout, N, Ho, Wo) = conv(x (Cin, N, H, W), w (Cout, Cin, kh, kw)).
 
-    x may be a strided view (e.g. the caller's NCHW batch transposed)."""
+    x may be a strided view (e.g. the caller's NCHW batch transposed).
+    columns: the `Columns` to run (None: columns_for the arrays' module)."""
     xp = array_module(out)
+    columns = columns or columns_for(xp)
     Cout, Cin, kh, kw = w.shape
     N = x.shape[1]
     Ho, Wo = out.shape[2:]
@@ -166,16 +182,17 @@ def conv2d_forward(out, x, w, stride, pad, ws):
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)
             cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
-            _im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
+            columns.im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
             xp.matmul(w2, cols.reshape(K, -1), out=_flat(out[:, n0:n1], Cout))
     _over_batch(N, ws, K * Ho * Wo, samples)
 
 
-def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False):
+def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False, columns=None):
     """dx (Cin, N, H, W) = (or += with accumulate) conv's input gradient from dout (Cout, N, Ho, Wo).
 
     # saved: nothing but the weights (exact)."""
     xp = array_module(dx)
+    columns = columns or columns_for(xp)
     Cout, Cin, kh, kw = w.shape
     N = dx.shape[1]
     Ho, Wo = dout.shape[2:]
@@ -194,16 +211,17 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False):
             n1 = min(b, n0 + nc)
             cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
             xp.matmul(w2t, _flat(dout[:, n0:n1], Cout), out=cols.reshape(K, -1))
-            _col2im(dx, n0, n1, cols, kh, kw, stride, pad)
+            columns.col2im(dx, n0, n1, cols, kh, kw, stride, pad)
     _over_batch(N, ws, K * Ho * Wo, samples)
 
 
-def conv2d_backward_weight(dw, x, dout, stride, pad, ws):
+def conv2d_backward_weight(dw, x, dout, stride, pad, ws, columns=None):
     """dw (Cout, Cin, kh, kw) += dout (Cout, N, Ho, Wo) correlated with x (Cin, N, H, W).
 
     # saved: the conv input x (exact, or decoded from a K-bit code by the caller).
     Allocates one weight-sized temporary per chunk, plus one per thread (never activation-sized)."""
     xp = array_module(dw)
+    columns = columns or columns_for(xp)
     Cout, Cin, kh, kw = dw.shape
     N = x.shape[1]
     Ho, Wo = dout.shape[2:]
@@ -231,7 +249,7 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws):
             for n0 in range(a, b, nc):
                 n1 = min(b, n0 + nc)
                 cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
-                _im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
+                columns.im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
                 acc = add(acc, xp.matmul(_flat(dout[:, n0:n1], Cout), cols.reshape(K, -1).T))
             parts[a] = acc
         _over_batch(N, ws, K * Ho * Wo, samples)
