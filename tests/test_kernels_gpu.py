@@ -41,10 +41,11 @@ from lowmem import cuda as cuda_helper
 from lowmem import optim, optim_gpu, quant
 from lowmem.kernels import gpu as cuda
 from lowmem.network import Parameter
-from lowmem.ops import bn_normalize_forward, bn_relu_apply_forward, bn_relu_backward
+from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
 from lowmem.ops import columns_gpu
 from lowmem.ops import conv as conv_ops
 from lowmem.optim import SGD
+from reference import beyond_window_channels, bn_normalize_forward, unit_case
 
 DTYPES = ["float32", "float64"]
 EPS = 1e-5
@@ -270,24 +271,7 @@ def dev(request, monkeypatch):
 
 # ------------------------------------------------------------------ data
 
-def unit(dtype, C=7, M=1024, seed=0):
-    """x (C, M) and gamma, beta covering the quantizer's cases: gamma = 0, tiny negative gamma,
-    a threshold far below the window, negative gammas, a threshold inside it, and (C >= 6)
-    thresholds beyond the window's top with open elements past them."""
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(dtype)
-    gamma = rng.standard_normal(C).astype(dtype)
-    gamma[0], gamma[1] = 0, -1e-30
-    beta = (rng.standard_normal(C) * 2).astype(dtype)
-    beta[2] = 10 * abs(gamma[2])
-    beta[0] = -0.5
-    gamma[3], beta[3] = -0.7, 0.2
-    if C >= 6:                                 # thresholds beyond the window's top (t = 6, both
-        for c, sign in ((4, 1), (5, -1)):      # signs of gamma), with x-hat outliers past them
-            x[c, ::64] += sign * 40            # (about 7.4 sigma): open elements decoded below t
-            gamma[c] = sign * abs(gamma[c])
-            beta[c] = -6 * abs(gamma[c])
-    return x, gamma, beta
+unit = unit_case          # (dtype, C=7, M=1024, seed=0) -> x, gamma, beta: tests/reference.py
 
 
 def host_stats(x):
@@ -396,9 +380,9 @@ def test_conv_input_is_bit_identical(dev, dtype, bits):
     assert np.array_equal(dev.get(u), ref)
     assert not np.signbit(ref).any()            # >= 0, and +0 rather than -0
     # the data reach the beyond-the-window case: open elements whose bin midpoint gives
-    # gamma*x-tilde + beta < 0 (channels 4, 5: gamma > 0 and < 0), rebuilt as 0
+    # gamma*x-tilde + beta < 0 (gamma > 0 and < 0), rebuilt as 0
     xs, ms = quant.quantize_simulated(xhat, g, b, bits)
-    for c in (4, 5):
+    for c in beyond_window_channels(x.shape[0]):
         assert (ms[c] & (xs[c] * g[c] + b[c] < 0)).any(), c
     bn_relu_apply_forward(ref, xhat, g, b)
     C, M = x.shape
@@ -426,7 +410,7 @@ def test_backward_matches_numpy(dev, dtype, bits, accumulate):
         xt, mask = np.empty_like(x), np.empty(x.shape, bool)
         quant.unpack_decode(xt, packed, quant.quant_params(g, b, bits), mask_out=mask)
     rdx, rdg, rdb = base.copy(), np.full(C, 0.5, dtype), np.full(C, -0.25, dtype)
-    bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, mask=mask, accumulate=accumulate)
+    bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, relu_mask=mask, accumulate=accumulate)
     dgd, dbd = dev.put(np.full(C, 0.5, dtype)), dev.put(np.full(C, -0.25, dtype))
     drd = dev.put(dr)
     dxd = dev.put(base) if accumulate else drd                       # in place, as the engine does

@@ -111,7 +111,7 @@ __device__ __forceinline__ int encode(real xh, bool on, Grid q, real w, int L, b
     return (int)v;
 }
 
-// x-tilde of a code: the bin midpoint, flipped back (quant._decode's order)
+// x-tilde of a code: the bin midpoint, flipped back (quant.decode_each_chunk's order)
 __device__ __forceinline__ real decode(int code, Grid q, real w)
 {
     return rn_mul(rn_add(rn_mul(rn_add((real)code, (real)0.5), w), q.lo), q.s);
