@@ -1,10 +1,11 @@
-"""The `lowmem` command line (also `python -m lowmem`): every subcommand lives here.
+"""The `lowmem` command line (also `python -m lowmem`): options in, library calls, exit codes out.
 
     lowmem plan --model preact-cifar --depth 164 --batch 128 --mode approx --bits 4 [--compare] [--measure]
     lowmem plan --model preact-imagenet --depth 152 --input 3x224x224 --classes 1000
     lowmem diagnose --depth 20 --batch 32 --bits 4 [--batches 4] [--warmup 0]
     lowmem train --dataset fashion-mnist --depth 20 --epochs 3 --out runs/fm [--resume | --overwrite]
     lowmem maxbatch --model preact-cifar --depth 164 --budget 2GiB --mode approx --bits 4 [--verify]
+    lowmem export runs/fm model.onnx          (or model.safetensors)
 
 Subcommands live in one registry, `COMMANDS`: each is a pair of small
 functions, `<name>_arguments(parser)` declaring its options and

@@ -7,8 +7,8 @@
 
 Built once (__init__): `schedule.walk` checks the network (the rules of nn.check,
 raising NetworkError), infers every shape and plans the backward buffers; each
-BN->ReLU unit gets its kernel set for its own bit width (`kernels.select_units`);
-the op table (lowmem/optable.py) says what each layer keeps, so the plan lists
+BN->ReLU unit gets its kernel set for its own bit width (`kernels.select_units`),
+the convs their im2col / col2im functions (`ops.conv.columns_for`); the op table (lowmem/optable.py) says what each layer keeps, so the plan lists
 every array before one exists; everything is allocated from the plan at once,
 and the handlers' view of it is one runstate.RunState.
 
@@ -33,7 +33,7 @@ Modes:
           (the paper's baseline: errors compound).
 
 The mode, each unit's bit width and the backend are fixed here, once, in the units'
-kernel sets; nothing that runs a step branches on them.
+kernel sets and the conv columns; nothing that runs a step branches on them.
 """
 import math
 

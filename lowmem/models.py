@@ -1,9 +1,16 @@
-"""Pre-activation ResNets (He et al. 2016, "Identity Mappings in Deep Residual Networks").
+"""The model families lowmem builds, and their registry.
 
-Every block starts with BN -> ReLU on its input; where the shape changes, a
-1x1 projection shortcut reads that pre-activated input. Convs have no bias.
-Buffers: a block reads its input from "res", runs its branch through the
-ping-pong buffers "act0"/"act1", and adds the branch back into "res".
+  preact_resnet_cifar / preact_resnet_imagenet   pre-activation ResNets (He et al. 2016,
+        "Identity Mappings in Deep Residual Networks"), written with lowmem.network's
+        named-buffer methods: a block reads its input from "res", runs its branch
+        through the ping-pong buffers "act0"/"act1", and adds the branch back into "res"
+  wide_resnet    pre-activation WideResNets (Zagoruyko & Komodakis 2016)
+  vgg_bn         VGG-11/13/16/19 with batch norm
+        (both written with lowmem.nn.Graph, which assigns the buffers)
+
+In the ResNets every block starts with BN -> ReLU on its input; where the
+shape changes, a 1x1 projection shortcut reads that pre-activated input.
+Convs have no bias.
 
 `MODELS` (at the end) is the one registry of model families: name -> builder,
 default classes, default input shape and the depths it takes. Every `lowmem`

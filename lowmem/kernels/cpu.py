@@ -1,4 +1,8 @@
-"""Fused CPU kernels (numba), the CPU analogue of CuPy's fused GPU kernels.
+"""Fused CPU kernels (numba) for the BN-ReLU units, the CPU twin of lowmem/kernels/gpu.py.
+
+bn_stats, unit_forward_exact, unit_forward_code, conv_input and unit_backward:
+kernels/fused.py wraps them into the engine's kernel sets. (The conv's numba
+col2im sits beside the conv, in lowmem/ops/columns_cpu.py.)
 
 Optional: `pip install lowmem[fast]`. Without numba, or with LOWMEM_FAST=0,
 the engine runs the pure-NumPy ops of lowmem/ops and lowmem/quant, which stay
@@ -16,8 +20,8 @@ a fused kernel writes or reads one channel's codes as whole bytes, so it
 applies when M*bits is a multiple of 8 (every real network: H*W is);
 `supports()` says when.
 
-How they vectorise (AVX2/AVX-512, checked with `inspect_asm`: ymm/zmm
-registers in every inner loop; see tests/test_kernels_cpu.py): a row is
+How they vectorise (AVX2/AVX-512: benchmarks/compare_torch.py counts the
+ymm/zmm registers of each compiled kernel through numba's `inspect_asm`): a row is
 walked in blocks of BLOCK elements. Per block, one contiguous loop does the
 float work (normalise, quantize, or decode) element by element, with the
 codes in a small L1-resident uint8 scratch, one code per byte; a second loop
