@@ -44,7 +44,7 @@ from .network import BUFFERS
 from .ops.batchnorm import ROW_BLOCK
 from .ops.conv import columns_for
 from .optable import OPS, BatchStatisticsError
-from .plan import Plan, fmt_bytes
+from .plan import Plan, bind_parameters, fmt_bytes
 from .runstate import RunState
 from .schedule import walk
 
@@ -97,7 +97,7 @@ class Engine:
         self.arrays = self.run = None
         if allocate:
             self.arrays = self.plan.allocate(self.xp)
-            self._bind_parameters()
+            bind_parameters(self.arrays, net, self.xp)
             self.selected = self._select_units(sizes, self.arrays)   # with the CUDA set's workspace
             self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected,
                                 columns_for(self.xp))
@@ -199,20 +199,6 @@ class Engine:
         if any(u.decodes for u in self.selected.values()):
             plan.add_temporary("quantizer chunks", (2 * it + 4) * min(quant.CHUNK, max(units)))
 
-    def _bind_parameters(self):
-        """Move parameter values and BN statistics into the plan's arrays (the engine owns them);
-        each p.grad and each running statistic is a view into its flat buffer."""
-        a, xp = self.arrays, self.xp
-        grads, running = _views(a["grads"]), _views(a["bn.running"])
-        for p in self.net.parameters():
-            a[p.name][...] = xp.asarray(backend.to_numpy(p.data) if xp is not numpy else p.data)
-            p.data, p.grad = a[p.name], grads(p.shape)
-            p.state["momentum"] = a[p.name + ".momentum"]
-        for name, s in self.net.stats.items():
-            view = running(s.shape)
-            view[...] = xp.asarray(backend.to_numpy(s) if xp is not numpy else s)
-            self.net.stats[name] = view
-
     # ------------------------------------------------------------ a step
     def forward(self, x, labels):
         """Training-mode forward of x (N, C, H, W): returns (mean loss, logits (N, K) copy).
@@ -301,14 +287,3 @@ class Engine:
                 + f", {self.dtype}; planned {fmt_bytes(self.plan.total_bytes)} "
                   f"(saved {fmt_bytes(by['saved'])}, buffers {fmt_bytes(by['buffers'])})")
 
-
-def _views(flat):
-    """shape -> the next view of that shape into the flat array, in call order."""
-    offset = [0]
-
-    def take(shape):
-        n = int(math.prod(shape))
-        view = flat[offset[0]:offset[0] + n].reshape(shape)
-        offset[0] += n
-        return view
-    return take
