@@ -49,7 +49,20 @@ class BatchStatisticsError(FloatingPointError):
 
 
 class Op:
-    """Defaults: a layer that keeps nothing, reads a shared buffer, writes another."""
+    """Defaults: a layer that keeps nothing, reads a shared buffer, writes another.
+
+    The flags, read by the walk (schedule.py) and the builder (nn.Graph):
+      unit         a BN->ReLU unit: its own kernel set and bit width; a conv may read its output
+      reads_input  may read the network input (which sits in its own planned slot)
+      in_place     may write the buffer it reads: the builder gives its output its input's
+                   buffer when the input dies there (and does not count that read as a conflict)
+      reads_dst    dst += src, the residual add: its result stays in the buffer it adds into
+                   (res), so that operand (the skip) is consumed in place, and both operands
+                   share the output's gradient (so the other, the branch, may feed only it)
+      accumulates  its backward can add its input gradient to one already there, so its input
+                   may also feed other layers; without it (a pool), the input gradient is
+                   written over a free buffer (`Op.route`) and the input may feed other layers
+                   only before this one"""
     unit = reads_input = in_place = reads_dst = accumulates = False
     builder = ""            # its nn.Graph method, where the name differs from the op
     @staticmethod
