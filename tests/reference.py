@@ -100,6 +100,20 @@ def tiny_graph(pool="max", shape=(3, 8, 8), classes=3, seed=0):
     return g.head(g.bn_relu(g.add(x, h)))
 
 
+def randomize_units(net, rng):
+    """Non-trivial gamma (some negative), beta and running statistics, in place; returns net."""
+    for p in net.parameters():
+        if ".bn" in "." + p.name:                      # bn1, layer1.0.bn2, bn_final, ...
+            if p.name.endswith(".weight"):
+                sign = rng.choice([-1.0, 1.0], size=p.shape, p=[0.2, 0.8])
+                p.data[...] = sign * rng.uniform(0.5, 1.5, p.shape)
+            else:
+                p.data[...] = rng.normal(0, 0.3, p.shape)
+    for name, a in net.stats.items():
+        a[...] = rng.normal(0, 0.5, a.shape) if name.endswith("mean") else rng.uniform(0.5, 2, a.shape)
+    return net
+
+
 def units_randomized(net, rng):
     """Give every BN unit gammas of both signs and spread betas, so ReLUs cut somewhere."""
     for p in net.parameters():
