@@ -303,8 +303,9 @@ class ImageLoader:
         s, e = i * b, min((i + 1) * b, n)
         x = np.empty((e - s,) + self.input_shape, np.uint8)
         y = np.empty(e - s, np.int64)
+        indices = order[s:e]                   # this batch's samples; a chunk never reads past them
         step = -(-(e - s) // self.workers)
-        futures = [pool.submit(self._chunk, x[k:k + step], y[k:k + step], order[s + k:s + k + step], epoch, s + k)
+        futures = [pool.submit(self._chunk, x[k:k + step], y[k:k + step], indices[k:k + step], epoch, s + k)
                    for k in range(0, e - s, step)]
         return x, y, futures
 

@@ -326,3 +326,45 @@ def test_lowmem_train_dataset_folder_trains_and_resumes(tmp_path, capsys):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     assert cli.main(["train", "--dataset", "folder", "--out", str(tmp_path / "x")]) == 2     # no --data
     assert "--data DIR" in capsys.readouterr().err
+
+
+# --------------------------------------------------- every batch size, every worker count
+
+def make_tiny_folder(root, n=70, side=8, seed=0):
+    """root/<two classes>/*.png: n tiny images of distinct random pixels (n does not divide evenly)."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        c = ("a", "b")[i % 2]
+        os.makedirs(os.path.join(root, c), exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(
+            os.path.join(root, c, f"{i:03d}.png"))
+    return images.ImageFolder(root)
+
+
+def test_every_batch_size_and_worker_count_gives_the_one_worker_samples(tmp_path):
+    # The last chunk of a batch is short whenever the batch does not divide by the worker count;
+    # each worker must decode exactly its slice of the batch (issue 22, case 1: 43 of the batch
+    # sizes 1-64 raised IndexError with 4 workers). Per-sample augmentation depends only on the
+    # sample's position in the epoch, so all batchings of an epoch concatenate to the same arrays.
+    folder = make_tiny_folder(str(tmp_path / "tiny"))
+    ref = images.ImageLoader(folder, len(folder), 8, train=True, drop_last=False, seed=5, workers=1,
+                             dtype="uint8")
+    (x1, y1), = list(ref)
+    for b in range(1, 65):
+        for w in range(1, 17):
+            loader = images.ImageLoader(folder, b, 8, train=True, drop_last=False, seed=5, workers=w,
+                                        dtype="uint8", prefetch=2)
+            batches = list(loader)
+            assert [len(y) for _, y in batches] == [b] * (70 // b) + ([70 % b] if 70 % b else []), (b, w)
+            assert np.array_equal(np.concatenate([y for _, y in batches]), y1), (b, w)
+            assert np.array_equal(np.concatenate([x for x, _ in batches]), x1), (b, w)
+
+
+def test_channel_stats_with_any_worker_count(tmp_path):
+    # the statistics pass reads batches of 64: with 70 images its second batch is short
+    folder = make_tiny_folder(str(tmp_path / "tiny"))
+    expected = images.channel_stats(folder, 8, workers=1)
+    for w in range(1, 17):
+        mean, std = images.channel_stats(folder, 8, workers=w)
+        np.testing.assert_array_equal(mean, expected[0])
+        np.testing.assert_array_equal(std, expected[1])
