@@ -13,7 +13,9 @@ Classes are the sub-folder names in sorted order (label = index), the same
 in both splits: a class missing from one split, an empty class folder, or
 no classes at all is a DataError naming it. Files: .jpg .jpeg .png .bmp
 .gif .webp .tif .tiff (any case); other files are ignored. Grey and palette
-images are converted to RGB (or RGB to grey for channels=1).
+images are converted to RGB (or RGB to grey for channels=1); 16-bit grey
+images (Pillow modes I;16 and I, as 16-bit PNG and TIFF open) are scaled
+to 8 bits, v * 255 / 65535 rounded, not clipped.
 
 Per sample, on decode:
   train  random-resized-crop (torchvision's RandomResizedCrop: area scale
@@ -166,6 +168,18 @@ def centre_crop_box(w, h, size, resize):
     return x0, y0, x0 + cw, y0 + ch
 
 
+WIDE_INTEGER_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N")   # Pillow's 16- and 32-bit grey modes
+
+
+def to_8_bit(im):
+    """A 16-bit grey image (Pillow mode I;16*, or I holding 0..65535) as 8-bit grey "L":
+    v -> round(v * 255 / 65535), values outside 0..65535 clipped. Pillow's own convert clips
+    at 255 instead of scaling, which turns a 16-bit photo almost white. Allocates two
+    image-sized temporaries (int64, then uint8): one decoded image, not a batch."""
+    a = np.clip(np.asarray(im).astype(np.int64), 0, 65535)
+    return _pil().fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), "L")
+
+
 def decode(out, path, size, train, rng, mode="RGB", resize=None):
     """Decode one file into out (C, size, size) uint8: train or eval transform (module docstring)."""
     Image = _pil()
@@ -174,6 +188,8 @@ def decode(out, path, size, train, rng, mode="RGB", resize=None):
             w, h = im.size
             need = resize / min(w, h)          # the resize factor; draft keeps at least that much
             im.draft(mode, (int(np.ceil(w * need)), int(np.ceil(h * need))))
+        if im.mode in WIDE_INTEGER_MODES:
+            im = to_8_bit(im)
         im = im.convert(mode)
         w, h = im.size
         if train:

@@ -148,6 +148,25 @@ def test_eval_transform_is_resize_then_centre_crop(tmp_path):
     np.testing.assert_array_equal(x[0], arrays["val"][1:17, 1:17].transpose(2, 0, 1))
 
 
+def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path):
+    # Pillow opens a 16-bit grey PNG as mode I;16 (a 16-bit TIFF as I;16, a 32-bit integer one as I);
+    # its own convert("RGB") clips every value above 255, so a 16-bit photo came out almost all white.
+    # Expected: value v of 0..65535 becomes round(v * 255 / 65535), the same in all three channels.
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 65536, (16, 16)).astype(np.uint16)
+    Image.fromarray(a).save(tmp_path / "grey16.png")
+    Image.fromarray(a.astype(np.int32)).save(tmp_path / "grey32.tif")
+    expected = ((a.astype(np.int64) * 255 + 32767) // 65535).astype(np.uint8)
+    for name, mode in (("grey16.png", "I;16"), ("grey32.tif", "I")):
+        with Image.open(tmp_path / name) as im:
+            assert im.mode == mode
+        for channels, pil_mode in ((3, "RGB"), (1, "L")):
+            out = np.empty((channels, 16, 16), np.uint8)
+            images.decode(out, str(tmp_path / name), 16, False, None, pil_mode, resize=16)
+            for c in range(channels):
+                np.testing.assert_array_equal(out[c], expected)
+
+
 def test_random_resized_crop_boxes_follow_torchvision_bounds():
     rng = np.random.default_rng(0)
     for w, h in ((64, 48), (500, 375), (33, 90)):
