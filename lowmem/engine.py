@@ -33,7 +33,7 @@ import numpy
 
 from . import backend, checks, distributed, kernels, layers, quant, threads
 from .layers import OPS, BatchStatisticsError
-from .ops import softmax_xent_forward, softmax_xent_backward
+from .ops import pool, softmax_xent_forward, softmax_xent_backward
 from .plan import Plan, fmt_bytes
 from .schedule import BUFFERS, Schedule, forward_steps, plan_backward, resolve
 
@@ -188,6 +188,9 @@ class Engine:
         plan.add_temporary("a BN row block (x2)", 2 * row_block * it)
         if self.selected.decodes:
             plan.add_temporary("quantizer chunks", (2 * it + 4) * min(quant.CHUNK, max(units)))
+        planes = [h * w for L in self.net.layers if L.op == "maxpool" for (_, h, w) in [self.out_shape[L.name]]]
+        if planes:
+            plan.add_temporary("a max-pool block", pool.scratch_bytes(it, max(planes)))
 
     def _make_schedule(self):
         io = resolve(self.net)
