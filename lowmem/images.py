@@ -27,7 +27,9 @@ JPEGs decode at a reduced scale when that still covers the resize (draft).
 
 Normalisation: per-channel mean/std in units of pixel / 255, as
 lowmem.data.normalize uses; computed from up to 1000 training images
-(eval transform, exact 256-bin histograms) or given.
+(eval transform, exact 256-bin histograms) or given. The statistics pass is
+streamed: it holds a few batches of about 1 MiB of pixels
+(stats_memory_bytes), whatever the folder and the image size.
 
 Loading runs on `workers` threads (Pillow releases the GIL while it
 decodes and resizes) with a bounded prefetch: at most `prefetch` batches
@@ -58,6 +60,9 @@ EVAL_CROP_FRACTION = 0.875         # centre crop 224 of 256
 RRC_SCALE = (0.08, 1.0)
 RRC_RATIO = (3 / 4, 4 / 3)
 STATS_IMAGES = 1000
+STATS_BATCH_BYTES = 1 << 20        # decoded pixels per batch of the statistics pass (at least one image)
+STATS_PREFETCH = 2                 # batches the statistics pass decodes ahead
+HIST_CHUNK = 1 << 16               # pixels per bincount call (it copies its input as int64)
 
 
 def _pil():
@@ -354,17 +359,36 @@ class ImageLoader:
 
 # ----------------------------------------------------------------------- statistics
 
+def _stats_batch(size, channels):
+    return max(1, min(64, STATS_BATCH_BYTES // (channels * size * size)))
+
+
+def stats_memory_bytes(size, channels=3, workers=4):
+    """The most channel_stats holds at once (Python-allocated), whatever the number of images:
+    STATS_PREFETCH + 1 batches of decoded uint8 pixels (about STATS_BATCH_BYTES each, at least
+    one image), the decoded image each worker thread is converting (Pillow's tobytes joins its
+    chunks: two copies), and one histogram chunk's int64 copy."""
+    image = channels * size * size
+    return ((STATS_PREFETCH + 1) * _stats_batch(size, channels) * image + 2 * workers * image
+            + 8 * HIST_CHUNK)
+
+
 def channel_stats(folder, size, limit=STATS_IMAGES, channels=3, workers=4, seed=0):
     """Per-channel mean and std (pixel / 255, float32 (C,)) of up to `limit` images of `folder`
     (a seeded random subset when there are more), after the eval transform; exact from 256-bin
-    histograms. A constant channel gets std 1."""
-    loader = ImageLoader(folder, batch_size=min(64, len(folder)), size=size, train=False, shuffle=True,
-                         drop_last=False, seed=seed, workers=workers, dtype="uint8", channels=channels)
+    histograms. A constant channel gets std 1. Streamed: holds at most
+    stats_memory_bytes(size, channels, workers)."""
+    loader = ImageLoader(folder, batch_size=min(_stats_batch(size, channels), len(folder)), size=size,
+                         train=False, shuffle=True, drop_last=False, seed=seed, workers=workers,
+                         prefetch=STATS_PREFETCH, dtype="uint8", channels=channels)
     counts, seen = np.zeros((channels, 256), np.int64), 0
     for x, _ in loader:
         x = x[:max(0, limit - seen)]
-        for c in range(channels):
-            counts[c] += np.bincount(x[:, c].ravel(), minlength=256)
+        for image in x:
+            for c in range(channels):
+                plane = image[c].reshape(-1)                  # contiguous: a view
+                for a in range(0, plane.size, HIST_CHUNK):
+                    counts[c] += np.bincount(plane[a:a + HIST_CHUNK], minlength=256)
         seen += len(x)
         if seen >= limit:
             break

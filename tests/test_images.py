@@ -387,3 +387,23 @@ def test_channel_stats_with_any_worker_count(tmp_path):
         mean, std = images.channel_stats(folder, 8, workers=w)
         np.testing.assert_array_equal(mean, expected[0])
         np.testing.assert_array_equal(std, expected[1])
+
+
+def test_the_statistics_pass_is_streamed_and_bounded(tmp_path):
+    """Issue 22 case 5: channel_stats holds at most images.stats_memory_bytes (a few batches of
+    about STATS_BATCH_BYTES each, whatever the folder) and its histograms copy no whole batch;
+    it read every training image in batches of 64 with 2x4 batches in flight (+2 GB at 1024x1024)."""
+    import tracemalloc
+    folder = make_tiny_folder(str(tmp_path / "tiny"))
+    expected = images.channel_stats(folder, 8, workers=1)        # small: the bound is not the point
+    tracemalloc.start()
+    try:
+        mean, std = images.channel_stats(folder, 256)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    bound = images.stats_memory_bytes(256, 3, workers=4)
+    assert bound < len(folder) * 3 * 256 * 256 / 3               # far less than the decoded folder
+    assert peak <= bound + (256 << 10), (peak, bound)
+    assert mean.shape == std.shape == (3,) and np.all(std > 0)
+    assert np.all(np.abs(mean - expected[0]) < 0.05)               # same pixels, resized
