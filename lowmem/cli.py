@@ -420,6 +420,23 @@ def maxbatch_arguments(p):
                         "the measured peak is within the budget")
 
 
+def over_budget_causes(m, plan, reserve):
+    """What a measured peak spent beyond the plan, by cause, and the --reserve that covers it."""
+    objects = max(0, m.held_bytes - m.plan_bytes)       # building the engine: schedule, views, ...
+    step = m.peak_bytes - m.held_bytes                   # what a steady step allocated on top
+    stated = plan.temporary_bytes
+    parts = [f"the step's temporaries {fmt_bytes(step)}"
+             + (f", {fmt_bytes(step - stated)} more than the plan's stated bound of {fmt_bytes(stated)} "
+                f"(arrays the plan does not count)" if step > stated else
+                f" (within the plan's stated bound of {fmt_bytes(stated)}: "
+                + "; ".join(f"{what} {fmt_bytes(b)}" for what, b in plan.temporaries) + ")")]
+    if objects:
+        parts.append(f"the engine's Python objects {fmt_bytes(objects)}")
+    unplanned = m.peak_bytes - m.plan_bytes
+    return (f"beyond its plan the run used {fmt_bytes(unplanned)}: " + ", ".join(parts)
+            + f"; rerun with --reserve {max(1, -(-(unplanned + reserve) // 2**20))}MiB")
+
+
 def maxbatch_command(args):
     """`lowmem maxbatch`: print the batch and its plan by kind; 0, or 1 when --verify fails."""
     shape = input_shape(args)
@@ -461,9 +478,7 @@ def maxbatch_command(args):
           f"{'within' if ok else 'OVER'} the budget of {fmt_bytes(args.budget)} "
           f"({m.peak_bytes / args.budget:.1%}); the input batch ({fmt_bytes(m.input_bytes)}) is not counted")
     if not ok:
-        unplanned = m.peak_bytes - m.plan_bytes
-        print(f"the step used {fmt_bytes(unplanned)} beyond its plan (Python objects, small temporaries); "
-              f"rerun with --reserve {max(1, -(-(unplanned + args.reserve) // 2**20))}MiB")
+        print(over_budget_causes(m, eng.plan, args.reserve))
     return EXIT_OK if ok else EXIT_ERROR
 
 
