@@ -82,3 +82,16 @@ def folder(text):
     if not text:
         raise argparse.ArgumentTypeError("expected a folder name, got an empty string")
     return text
+
+
+MODEL_HELP = "preact-cifar | preact-imagenet | vgg-bn | wrn-K (K: the widening factor, any positive integer)"
+
+
+def model(text):
+    """A model family name (lowmem.models.model_spec: a registry name or wrn-K)."""
+    from . import models
+    try:
+        models.model_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

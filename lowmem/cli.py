@@ -65,8 +65,8 @@ def register(name, help, add_arguments, run):
 def network_arguments(p, depth):
     """--model, --depth, --classes, --input (default depth: `depth`); returns the group."""
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=sorted(models.MODELS), default="preact-cifar",
-                   help="network family (default: %(default)s)")
+    g.add_argument("--model", type=argtypes.model, default="preact-cifar", metavar="MODEL",
+                   help=argtypes.MODEL_HELP + " (default: %(default)s)")
     g.add_argument("--depth", type=argtypes.positive, default=depth,
                    help="; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items())
                    + " (default: %(default)s)")
@@ -95,7 +95,7 @@ def model_arguments(p, depth, batch):
 
 def input_shape(args):
     """--input, or the model's default input shape."""
-    return args.input or models.MODELS[args.model].input_shape
+    return args.input or models.model_spec(args.model).input_shape
 
 
 def build_network(args):
@@ -266,10 +266,13 @@ def train_arguments(parser):
     opt("--image-size", "image_size", "folder: crop / resize images to SIZE x SIZE", type=argtypes.positive,
         metavar="SIZE")
     opt("--workers", "workers", "folder: decoding threads", type=argtypes.positive, metavar="N")
+    parser.add_argument("--skip-bad", dest="skip_bad", action="store_true", default=S,
+                        help="folder: replace an unreadable image by the next readable one of its split "
+                             "(counted) instead of stopping")
     opt("--limit-train", "limit_train", "use the first N training images (synthetic: how many)",
         type=argtypes.positive, metavar="N")
     opt("--limit-test", "limit_test", "use the first N test images", type=argtypes.positive, metavar="N")
-    opt("--model", "model", "network family", choices=sorted(models.MODELS))
+    opt("--model", "model", argtypes.MODEL_HELP, type=argtypes.model, metavar="MODEL")
     opt("--depth", "depth", "; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items()),
         type=argtypes.positive)
     opt("--mode", "mode", "exact | approx (the method) | naive (the paper's baseline)", choices=MODES)

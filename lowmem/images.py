@@ -12,7 +12,8 @@ Pillow is an optional extra: pip install 'lowmem[images]'.
 Classes are the sub-folder names in sorted order (label = index), the same
 in both splits: a class missing from one split, an empty class folder, or
 no classes at all is a DataError naming it. Files: .jpg .jpeg .png .bmp
-.gif .webp .tif .tiff (any case); other files are ignored. Grey and palette
+.gif .webp .tif .tiff (any case); other files, and hidden ones (a leading
+dot: macOS's ._name.jpg AppleDouble files), are ignored. Grey and palette
 images are converted to RGB (or RGB to grey for channels=1); 16-bit grey
 images (Pillow modes I;16 and I, as 16-bit PNG and TIFF open) are scaled
 to 8 bits, v * 255 / 65535 rounded, not clipped.
@@ -99,6 +100,7 @@ class ImageFolder:
         for label, c in enumerate(found):
             folder = os.path.join(self.root, c)
             files = sorted(f for f in os.listdir(folder) if f.lower().endswith(EXTENSIONS)
+                           and not f.startswith(".")       # hidden: macOS ._x.jpg AppleDouble, .x.png
                            and os.path.isfile(os.path.join(folder, f)))
             if not files:
                 raise DataError(f"class {c!r} is empty: no image files ({', '.join(EXTENSIONS)}) "
@@ -307,8 +309,9 @@ class ImageLoader:
                 return self.folder.samples[(index + k) % n][1]
             except Exception as e:
                 if not self.skip_bad:
-                    raise DataError(f"unreadable image {path}: {e} (skip_bad=True replaces it with "
-                                    f"the next readable image and counts it)") from None
+                    raise DataError(f"unreadable image {path}: {e} (lowmem train --skip-bad, or "
+                                    f"skip_bad=True, replaces it with the next readable image and "
+                                    f"counts it)") from None
                 with self._lock:
                     if path not in self.skipped:
                         self.skipped.append(path)
@@ -373,14 +376,14 @@ def stats_memory_bytes(size, channels=3, workers=4):
             + 8 * HIST_CHUNK)
 
 
-def channel_stats(folder, size, limit=STATS_IMAGES, channels=3, workers=4, seed=0):
+def channel_stats(folder, size, limit=STATS_IMAGES, channels=3, workers=4, seed=0, skip_bad=False):
     """Per-channel mean and std (pixel / 255, float32 (C,)) of up to `limit` images of `folder`
     (a seeded random subset when there are more), after the eval transform; exact from 256-bin
     histograms. A constant channel gets std 1. Streamed: holds at most
     stats_memory_bytes(size, channels, workers)."""
     loader = ImageLoader(folder, batch_size=min(_stats_batch(size, channels), len(folder)), size=size,
                          train=False, shuffle=True, drop_last=False, seed=seed, workers=workers,
-                         prefetch=STATS_PREFETCH, dtype="uint8", channels=channels)
+                         prefetch=STATS_PREFETCH, dtype="uint8", channels=channels, skip_bad=skip_bad)
     counts, seen = np.zeros((channels, 256), np.int64), 0
     for x, _ in loader:
         x = x[:max(0, limit - seen)]
@@ -452,6 +455,6 @@ def load_image_folders(data_dir, size, mean=None, std=None, channels=3, verify=F
     if (mean is None) != (std is None):
         raise DataError("give both mean and std, or neither (then they are computed)")
     if mean is None:
-        mean, std = channel_stats(train, size, stats_images, channels, workers)
+        mean, std = channel_stats(train, size, stats_images, channels, workers, skip_bad=skip_bad)
     return ImageFolders(root, train, val, int(size), np.asarray(mean, np.float32), np.asarray(std, np.float32),
                         channels)

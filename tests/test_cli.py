@@ -244,3 +244,21 @@ def test_ctrl_c_in_any_command_exits_130_with_a_message(capsys, monkeypatch):
     monkeypatch.setitem(cli.COMMANDS, "plan", cli.COMMANDS["plan"][:2] + (interrupted,))
     rc, _, err = run(capsys, "plan")
     assert rc == 130 and err.strip() == "lowmem plan: error: interrupted"
+
+
+# ---- issue 22 case 10: --model wrn-K for any positive K ---------------------------------
+
+def test_model_wrn_k_takes_any_positive_widening_factor(capsys):
+    from lowmem import models
+    from lowmem.trainer import TrainConfig
+    rc, out, err = run(capsys, "plan", "--model", "wrn-3", "--depth", "10", "--input", "3x8x8", "--batch", "2",
+                       "--no-schedule")
+    assert rc == 0, err
+    assert "wrn-10-3" in out
+    assert models.build_model("wrn-3", 10).num_params() == models.wide_resnet(10, 3).num_params()
+    TrainConfig(model="wrn-6", depth=10, dataset="synthetic")                       # accepted
+    for bad in ("wrn-0", "wrn--1", "wrn-x", "wrn-", "wrn-03", "resnet"):
+        rc, out, err = run(capsys, "plan", "--model", bad, "--depth", "10")
+        assert rc == 2 and "Traceback" not in err, bad
+        last = err.strip().splitlines()[-1]
+        assert f"unknown model {bad!r}" in last and "wrn-K with K a positive integer" in last, last

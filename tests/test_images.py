@@ -100,7 +100,7 @@ def test_unreadable_file_is_named_or_skipped_and_counted(folders):
     bad = corrupt(folders)
     d = images.load_image_folders(folders, 16, mean=[0.5] * 3, std=[0.25] * 3)
     loader = d.loader("train", 6, shuffle=False, drop_last=False)
-    with pytest.raises(DataError, match=f"unreadable image {bad}.*skip_bad"):
+    with pytest.raises(DataError, match=f"unreadable image {bad}.*skip_bad=True"):
         list(loader)
     skipping = d.loader("train", 6, shuffle=False, drop_last=False, skip_bad=True)
     batches = list(skipping)
@@ -407,3 +407,41 @@ def test_the_statistics_pass_is_streamed_and_bounded(tmp_path):
     assert peak <= bound + (256 << 10), (peak, bound)
     assert mean.shape == std.shape == (3,) and np.all(std > 0)
     assert np.all(np.abs(mean - expected[0]) < 0.05)               # same pixels, resized
+
+
+# ------------------------------------------------- issue 22 case 10: hidden files, --skip-bad
+
+def test_hidden_files_are_ignored(folders):
+    """macOS copies leave ._name.jpg AppleDouble files (not images) beside the real ones."""
+    for split in ("train", "val"):
+        for c in COLOURS:
+            with open(os.path.join(folders, split, c, "._000.jpg"), "wb") as f:
+                f.write(b"\x00\x05\x16\x07AppleDouble resource fork")
+            with open(os.path.join(folders, split, c, ".hidden.png"), "wb") as f:
+                f.write(b"not a png")
+    d = images.load_image_folders(folders, 16)
+    assert len(d.train) == 18 and len(d.val) == 9
+    assert not any(os.path.basename(p).startswith(".") for p, _ in d.train.samples + d.val.samples)
+    assert sum(len(y) for _, y in d.loader("val", 4)) == 9
+
+
+def test_the_unreadable_image_error_names_the_flag(folders):
+    corrupt(folders)
+    d = images.load_image_folders(folders, 16, mean=[0.5] * 3, std=[0.25] * 3)
+    with pytest.raises(DataError, match="lowmem train --skip-bad"):
+        list(d.loader("train", 6, shuffle=False))
+
+
+def test_lowmem_train_skip_bad(tmp_path, capsys):
+    """--skip-bad reaches the statistics pass and both loaders: a corrupt training image is
+    replaced, not fatal; without the flag the run stops with one line naming the flag."""
+    from lowmem import cli
+    root = make_folders(str(tmp_path / "p"), per_class=(4, 2))
+    corrupt(root)
+    args = ["train", "--dataset", "folder", "--data", root, "--image-size", "16", "--depth", "8",
+            "--batch", "6", "--epochs", "1", "--workers", "2", "--no-progress"]
+    rc = cli.main(args + ["--out", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err and "--skip-bad" in err.strip().splitlines()[-1]
+    assert cli.main(args + ["--skip-bad", "--out", str(tmp_path / "b")]) == 0
+    assert "final test accuracy" in capsys.readouterr().out
