@@ -84,7 +84,11 @@ def folder(text):
     return text
 
 
-MODEL_HELP = "preact-cifar | preact-imagenet | vgg-bn | wrn-K (K: the widening factor, any positive integer)"
+def model_help():
+    """The --model help: the registry's families (lowmem.models.MODELS), wrn-K for any K."""
+    from . import models
+    families = sorted(n for n in models.MODELS if not n.startswith("wrn-"))
+    return " | ".join(families + ["wrn-K (K: the widening factor, any positive integer)"])
 
 
 def model(text):

@@ -66,7 +66,7 @@ def network_arguments(p, depth):
     """--model, --depth, --classes, --input (default depth: `depth`); returns the group."""
     g = p.add_argument_group("model")
     g.add_argument("--model", type=argtypes.model, default="preact-cifar", metavar="MODEL",
-                   help=argtypes.MODEL_HELP + " (default: %(default)s)")
+                   help=argtypes.model_help() + " (default: %(default)s)")
     g.add_argument("--depth", type=argtypes.positive, default=depth,
                    help="; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items())
                    + " (default: %(default)s)")
@@ -272,7 +272,7 @@ def train_arguments(parser):
     opt("--limit-train", "limit_train", "use the first N training images (synthetic: how many)",
         type=argtypes.positive, metavar="N")
     opt("--limit-test", "limit_test", "use the first N test images", type=argtypes.positive, metavar="N")
-    opt("--model", "model", argtypes.MODEL_HELP, type=argtypes.model, metavar="MODEL")
+    opt("--model", "model", argtypes.model_help(), type=argtypes.model, metavar="MODEL")
     opt("--depth", "depth", "; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items()),
         type=argtypes.positive)
     opt("--mode", "mode", "exact | approx (the method) | naive (the paper's baseline)", choices=MODES)
