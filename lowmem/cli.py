@@ -65,8 +65,8 @@ def register(name, help, add_arguments, run):
 def network_arguments(p, depth):
     """--model, --depth, --classes, --input (default depth: `depth`); returns the group."""
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=sorted(models.MODELS), default="preact-cifar",
-                   help="network family (default: %(default)s)")
+    g.add_argument("--model", type=argtypes.model, default="preact-cifar", metavar="MODEL",
+                   help=argtypes.model_help() + " (default: %(default)s)")
     g.add_argument("--depth", type=argtypes.positive, default=depth,
                    help="; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items())
                    + " (default: %(default)s)")
@@ -95,7 +95,7 @@ def model_arguments(p, depth, batch):
 
 def input_shape(args):
     """--input, or the model's default input shape."""
-    return args.input or models.MODELS[args.model].input_shape
+    return args.input or models.model_spec(args.model).input_shape
 
 
 def build_network(args):
@@ -266,10 +266,13 @@ def train_arguments(parser):
     opt("--image-size", "image_size", "folder: crop / resize images to SIZE x SIZE", type=argtypes.positive,
         metavar="SIZE")
     opt("--workers", "workers", "folder: decoding threads", type=argtypes.positive, metavar="N")
+    parser.add_argument("--skip-bad", dest="skip_bad", action="store_true", default=S,
+                        help="folder: replace an unreadable image by the next readable one of its split "
+                             "(counted) instead of stopping")
     opt("--limit-train", "limit_train", "use the first N training images (synthetic: how many)",
         type=argtypes.positive, metavar="N")
     opt("--limit-test", "limit_test", "use the first N test images", type=argtypes.positive, metavar="N")
-    opt("--model", "model", "network family", choices=sorted(models.MODELS))
+    opt("--model", "model", argtypes.model_help(), type=argtypes.model, metavar="MODEL")
     opt("--depth", "depth", "; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items()),
         type=argtypes.positive)
     opt("--mode", "mode", "exact | approx (the method) | naive (the paper's baseline)", choices=MODES)
@@ -420,6 +423,23 @@ def maxbatch_arguments(p):
                         "the measured peak is within the budget")
 
 
+def over_budget_causes(m, plan, reserve):
+    """What a measured peak spent beyond the plan, by cause, and the --reserve that covers it."""
+    objects = max(0, m.held_bytes - m.plan_bytes)       # building the engine: schedule, views, ...
+    step = m.peak_bytes - m.held_bytes                   # what a steady step allocated on top
+    stated = plan.temporary_bytes
+    parts = [f"the step's temporaries {fmt_bytes(step)}"
+             + (f", {fmt_bytes(step - stated)} more than the plan's stated bound of {fmt_bytes(stated)} "
+                f"(arrays the plan does not count)" if step > stated else
+                f" (within the plan's stated bound of {fmt_bytes(stated)}: "
+                + "; ".join(f"{what} {fmt_bytes(b)}" for what, b in plan.temporaries) + ")")]
+    if objects:
+        parts.append(f"the engine's Python objects {fmt_bytes(objects)}")
+    unplanned = m.peak_bytes - m.plan_bytes
+    return (f"beyond its plan the run used {fmt_bytes(unplanned)}: " + ", ".join(parts)
+            + f"; rerun with --reserve {max(1, -(-(unplanned + reserve) // 2**20))}MiB")
+
+
 def maxbatch_command(args):
     """`lowmem maxbatch`: print the batch and its plan by kind; 0, or 1 when --verify fails."""
     shape = input_shape(args)
@@ -461,9 +481,7 @@ def maxbatch_command(args):
           f"{'within' if ok else 'OVER'} the budget of {fmt_bytes(args.budget)} "
           f"({m.peak_bytes / args.budget:.1%}); the input batch ({fmt_bytes(m.input_bytes)}) is not counted")
     if not ok:
-        unplanned = m.peak_bytes - m.plan_bytes
-        print(f"the step used {fmt_bytes(unplanned)} beyond its plan (Python objects, small temporaries); "
-              f"rerun with --reserve {max(1, -(-(unplanned + args.reserve) // 2**20))}MiB")
+        print(over_budget_causes(m, eng.plan, args.reserve))
     return EXIT_OK if ok else EXIT_ERROR
 
 

@@ -40,6 +40,25 @@ from .checkpoint import fsync_directory
 from .optable import OPS
 
 OPSET = 17
+MIN_OPSET = 7          # onnxruntime runs the graph from opset 7 (BatchNormalization-7); onnx's checker
+                       # refuses 1-5, and onnxruntime has no BatchNormalization-6 kernel
+
+
+def max_opset():
+    """The newest opset the installed onnx knows (28 for onnx 1.23, which onnxruntime 1.32 runs)."""
+    from onnx import defs
+    return defs.onnx_opset_version()
+
+
+def check_opset(opset):
+    """opset as an int in MIN_OPSET..max_opset(); ExportError naming the range otherwise."""
+    newest = max_opset()
+    if isinstance(opset, bool) or not isinstance(opset, (int, numpy.integer)) or not MIN_OPSET <= opset <= newest:
+        raise ExportError(f"ONNX opset {opset!r} is not supported: expected {MIN_OPSET}..{newest} "
+                          f"(default {OPSET}; the newest is the installed onnx's)")
+    return int(opset)
+
+
 FORMATS = {".safetensors": "safetensors", ".onnx": "onnx"}
 
 
@@ -123,6 +142,7 @@ def onnx_model(net, input_shape=None, opset=OPSET):
     leaves them symbolic (convolutional networks take any size)."""
     onnx = _require("onnx", "onnx")
     from onnx import TensorProto, helper, numpy_helper
+    opset = check_opset(opset)
     state = net.state_dict()
     inits = [numpy_helper.from_array(numpy.ascontiguousarray(v, numpy.float32), k) for k, v in state.items()]
     version = {"input": 0, "act0": 0, "act1": 0, "res": 0}
@@ -141,6 +161,12 @@ def onnx_model(net, input_shape=None, opset=OPSET):
         if not hasattr(OPS.get(L.op), "onnx"):
             raise ExportError(f"layer {L.name!r}: op {L.op!r} has no ONNX translation")
         nodes += OPS[L.op].onnx(L, helper, read, write)
+    values = ["input"] + [o for n in nodes for o in n.output] + list(state)       # one namespace
+    names = [n.name for n in nodes]                                                # and another
+    clash = sorted({v for v in values if values.count(v) > 1} | {v for v in names if names.count(v) > 1})
+    if clash:          # a hand-built Network's layer name equal to a value the graph names itself
+        raise ExportError(f"network {net.name!r}: layer names clash with names the ONNX graph uses "
+                          f"({', '.join(map(repr, clash))}); rename those layers")
     if input_shape is None:
         dims = ["batch", net.in_channels, "height", "width"]
     else:
@@ -173,8 +199,23 @@ def add_arguments(parser):
     parser.add_argument("output", metavar="OUT", help="model.safetensors or model.onnx (the suffix picks the format)")
     parser.add_argument("--input", type=_shape, default=None, metavar="CxHxW",
                         help="ONNX only: fix the input's height and width (default: symbolic)")
-    parser.add_argument("--opset", type=int, default=OPSET, help="ONNX opset (default: %(default)s)")
+    parser.add_argument("--opset", type=_opset, default=OPSET,
+                        help=f"ONNX opset, {MIN_OPSET} to the installed onnx's newest (default: %(default)s)")
     return parser
+
+
+def _opset(text):
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer opset, got {text!r}") from None
+    try:
+        return check_opset(value)
+    except ImportError:            # without onnx, run() names the missing extra
+        return value
+    except ExportError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _shape(text):
@@ -200,6 +241,9 @@ def network_from_checkpoint(path):
                                                    if k.startswith("net/") and a.ndim == 4), None)
     if fc is None or first is None:
         raise ExportError(f"{path}: no network weights (net/fc.weight, a conv) in this checkpoint")
+    if config.get("depth") is None:
+        raise ExportError(f"{path}: the checkpoint's configuration has no depth for model {model!r}, "
+                          f"so the network cannot be rebuilt (was it written by lowmem train?)")
     net = MODELS[model].build(config["depth"], num_classes=int(fc.shape[0]), in_channels=int(first.shape[1]),
                               seed=config.get("seed", 0))
     load_model_state(path, net)
@@ -207,14 +251,19 @@ def network_from_checkpoint(path):
 
 
 def run(args):
-    """`lowmem export`: 0 written; 1 bad run folder, checkpoint or output name; 2 missing extra."""
+    """`lowmem export`: 0 written; 1 bad run folder or checkpoint; 2 a bad command line (the
+    output's suffix) or a missing extra. Errors are one line, `lowmem export: error: ...`."""
     from .trainer import CHECKPOINT
     path = os.path.join(args.run, CHECKPOINT) if os.path.isdir(args.run) else args.run
     fmt = FORMATS.get(os.path.splitext(args.output)[1].lower())
+
+    def error(e, code):
+        print(f"lowmem export: error: {e}", file=sys.stderr)
+        return code
+
+    if fmt is None:
+        return error(f"{args.output}: unknown format; the output must end in {' or '.join(FORMATS)}", 2)
     try:
-        if fmt is None:
-            raise ExportError(f"{args.output}: unknown format; the output must end in "
-                              f"{' or '.join(FORMATS)}")
         if not os.path.exists(path):
             raise ExportError(f"{path}: no checkpoint here (is {args.run} a lowmem training run folder?)")
         net, meta = network_from_checkpoint(path)
@@ -223,11 +272,9 @@ def run(args):
         else:
             export_safetensors(net, args.output)
     except ImportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error(e, 2)
     except (ValueError, OSError) as e:           # ExportError, CheckpointError, ResumeError, onnx checks
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return error(e, 1)
     print(f"wrote {args.output}: {net.name}, {net.num_params():,} parameters, iteration "
           f"{meta.get('iteration', '?')}" + (f", ONNX opset {args.opset}" if fmt == "onnx" else ""))
     return 0

@@ -12,8 +12,11 @@ Pillow is an optional extra: pip install 'lowmem[images]'.
 Classes are the sub-folder names in sorted order (label = index), the same
 in both splits: a class missing from one split, an empty class folder, or
 no classes at all is a DataError naming it. Files: .jpg .jpeg .png .bmp
-.gif .webp .tif .tiff (any case); other files are ignored. Grey and palette
-images are converted to RGB (or RGB to grey for channels=1).
+.gif .webp .tif .tiff (any case); other files, and hidden ones (a leading
+dot: macOS's ._name.jpg AppleDouble files), are ignored. Grey and palette
+images are converted to RGB (or RGB to grey for channels=1); 16-bit grey
+images (Pillow modes I;16 and I, as 16-bit PNG and TIFF open) are scaled
+to 8 bits, v * 255 / 65535 rounded, not clipped.
 
 Per sample, on decode:
   train  random-resized-crop (torchvision's RandomResizedCrop: area scale
@@ -25,7 +28,9 @@ JPEGs decode at a reduced scale when that still covers the resize (draft).
 
 Normalisation: per-channel mean/std in units of pixel / 255, as
 lowmem.data.normalize uses; computed from up to 1000 training images
-(eval transform, exact 256-bin histograms) or given.
+(eval transform, exact 256-bin histograms) or given. The statistics pass is
+streamed: it holds a few batches of about 1 MiB of pixels
+(stats_memory_bytes), whatever the folder and the image size.
 
 Loading runs on `workers` threads (Pillow releases the GIL while it
 decodes and resizes) with a bounded prefetch: at most `prefetch` batches
@@ -56,6 +61,9 @@ EVAL_CROP_FRACTION = 0.875         # centre crop 224 of 256
 RRC_SCALE = (0.08, 1.0)
 RRC_RATIO = (3 / 4, 4 / 3)
 STATS_IMAGES = 1000
+STATS_BATCH_BYTES = 1 << 20        # decoded pixels per batch of the statistics pass (at least one image)
+STATS_PREFETCH = 2                 # batches the statistics pass decodes ahead
+HIST_CHUNK = 1 << 16               # pixels per bincount call (it copies its input as int64)
 
 
 def _pil():
@@ -92,6 +100,7 @@ class ImageFolder:
         for label, c in enumerate(found):
             folder = os.path.join(self.root, c)
             files = sorted(f for f in os.listdir(folder) if f.lower().endswith(EXTENSIONS)
+                           and not f.startswith(".")       # hidden: macOS ._x.jpg AppleDouble, .x.png
                            and os.path.isfile(os.path.join(folder, f)))
             if not files:
                 raise DataError(f"class {c!r} is empty: no image files ({', '.join(EXTENSIONS)}) "
@@ -166,6 +175,18 @@ def centre_crop_box(w, h, size, resize):
     return x0, y0, x0 + cw, y0 + ch
 
 
+WIDE_INTEGER_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N")   # Pillow's 16- and 32-bit grey modes
+
+
+def to_8_bit(im):
+    """A 16-bit grey image (Pillow mode I;16*, or I holding 0..65535) as 8-bit grey "L":
+    v -> round(v * 255 / 65535), values outside 0..65535 clipped. Pillow's own convert clips
+    at 255 instead of scaling, which turns a 16-bit photo almost white. Allocates two
+    image-sized temporaries (int64, then uint8): one decoded image, not a batch."""
+    a = np.clip(np.asarray(im).astype(np.int64), 0, 65535)
+    return _pil().fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), "L")
+
+
 def decode(out, path, size, train, rng, mode="RGB", resize=None):
     """Decode one file into out (C, size, size) uint8: train or eval transform (module docstring)."""
     Image = _pil()
@@ -174,6 +195,8 @@ def decode(out, path, size, train, rng, mode="RGB", resize=None):
             w, h = im.size
             need = resize / min(w, h)          # the resize factor; draft keeps at least that much
             im.draft(mode, (int(np.ceil(w * need)), int(np.ceil(h * need))))
+        if im.mode in WIDE_INTEGER_MODES:
+            im = to_8_bit(im)
         im = im.convert(mode)
         w, h = im.size
         if train:
@@ -286,8 +309,9 @@ class ImageLoader:
                 return self.folder.samples[(index + k) % n][1]
             except Exception as e:
                 if not self.skip_bad:
-                    raise DataError(f"unreadable image {path}: {e} (skip_bad=True replaces it with "
-                                    f"the next readable image and counts it)") from None
+                    raise DataError(f"unreadable image {path}: {e} (lowmem train --skip-bad, or "
+                                    f"skip_bad=True, replaces it with the next readable image and "
+                                    f"counts it)") from None
                 with self._lock:
                     if path not in self.skipped:
                         self.skipped.append(path)
@@ -303,8 +327,9 @@ class ImageLoader:
         s, e = i * b, min((i + 1) * b, n)
         x = np.empty((e - s,) + self.input_shape, np.uint8)
         y = np.empty(e - s, np.int64)
+        indices = order[s:e]                   # this batch's samples; a chunk never reads past them
         step = -(-(e - s) // self.workers)
-        futures = [pool.submit(self._chunk, x[k:k + step], y[k:k + step], order[s + k:s + k + step], epoch, s + k)
+        futures = [pool.submit(self._chunk, x[k:k + step], y[k:k + step], indices[k:k + step], epoch, s + k)
                    for k in range(0, e - s, step)]
         return x, y, futures
 
@@ -337,17 +362,36 @@ class ImageLoader:
 
 # ----------------------------------------------------------------------- statistics
 
-def channel_stats(folder, size, limit=STATS_IMAGES, channels=3, workers=4, seed=0):
+def _stats_batch(size, channels):
+    return max(1, min(64, STATS_BATCH_BYTES // (channels * size * size)))
+
+
+def stats_memory_bytes(size, channels=3, workers=4):
+    """The most channel_stats holds at once (Python-allocated), whatever the number of images:
+    STATS_PREFETCH + 1 batches of decoded uint8 pixels (about STATS_BATCH_BYTES each, at least
+    one image), the decoded image each worker thread is converting (Pillow's tobytes joins its
+    chunks: two copies), and one histogram chunk's int64 copy."""
+    image = channels * size * size
+    return ((STATS_PREFETCH + 1) * _stats_batch(size, channels) * image + 2 * workers * image
+            + 8 * HIST_CHUNK)
+
+
+def channel_stats(folder, size, limit=STATS_IMAGES, channels=3, workers=4, seed=0, skip_bad=False):
     """Per-channel mean and std (pixel / 255, float32 (C,)) of up to `limit` images of `folder`
     (a seeded random subset when there are more), after the eval transform; exact from 256-bin
-    histograms. A constant channel gets std 1."""
-    loader = ImageLoader(folder, batch_size=min(64, len(folder)), size=size, train=False, shuffle=True,
-                         drop_last=False, seed=seed, workers=workers, dtype="uint8", channels=channels)
+    histograms. A constant channel gets std 1. Streamed: holds at most
+    stats_memory_bytes(size, channels, workers)."""
+    loader = ImageLoader(folder, batch_size=min(_stats_batch(size, channels), len(folder)), size=size,
+                         train=False, shuffle=True, drop_last=False, seed=seed, workers=workers,
+                         prefetch=STATS_PREFETCH, dtype="uint8", channels=channels, skip_bad=skip_bad)
     counts, seen = np.zeros((channels, 256), np.int64), 0
     for x, _ in loader:
         x = x[:max(0, limit - seen)]
-        for c in range(channels):
-            counts[c] += np.bincount(x[:, c].ravel(), minlength=256)
+        for image in x:
+            for c in range(channels):
+                plane = image[c].reshape(-1)                  # contiguous: a view
+                for a in range(0, plane.size, HIST_CHUNK):
+                    counts[c] += np.bincount(plane[a:a + HIST_CHUNK], minlength=256)
         seen += len(x)
         if seen >= limit:
             break
@@ -411,6 +455,6 @@ def load_image_folders(data_dir, size, mean=None, std=None, channels=3, verify=F
     if (mean is None) != (std is None):
         raise DataError("give both mean and std, or neither (then they are computed)")
     if mean is None:
-        mean, std = channel_stats(train, size, stats_images, channels, workers)
+        mean, std = channel_stats(train, size, stats_images, channels, workers, skip_bad=skip_bad)
     return ImageFolders(root, train, val, int(size), np.asarray(mean, np.float32), np.asarray(std, np.float32),
                         channels)

@@ -10,6 +10,7 @@ default classes, default input shape and the depths it takes. Every `lowmem`
 command and the trainer look models up there (`build_model`).
 """
 import functools
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -196,6 +197,11 @@ class ModelSpec:
     depth_help: str             # the depths `build` accepts, for --help
 
 
+def _wrn_spec(k):
+    return ModelSpec(functools.partial(wide_resnet, widen_factor=k), 10, (3, 32, 32),
+                     f"6n+4 (10, 16, 22, 28, 40, ...); widening factor {k}")
+
+
 MODELS = {
     "preact-cifar": ModelSpec(preact_resnet_cifar, 10, (3, 32, 32),
                               "6n+2 with basic blocks (20, 56, 110, ...) or 9n+2 with bottlenecks "
@@ -205,17 +211,25 @@ MODELS = {
     "vgg-bn": ModelSpec(vgg_bn, 10, (3, 32, 32), ", ".join(map(str, sorted(VGG_CONFIGS)))),
 }
 # WRN-d-k: the widening factor is in the name (--model wrn-10 --depth 28 is WRN-28-10)
+# (any other wrn-K is built on demand by model_spec)
 for _k in (1, 2, 4, 8, 10):
-    MODELS[f"wrn-{_k}"] = ModelSpec(functools.partial(wide_resnet, widen_factor=_k), 10, (3, 32, 32),
-                                    f"6n+4 (10, 16, 22, 28, 40, ...); widening factor {_k}")
+    MODELS[f"wrn-{_k}"] = _wrn_spec(_k)
 
 
 def model_spec(name):
-    """The ModelSpec of `name`; ValueError naming the known models otherwise."""
+    """The ModelSpec of `name` (a MODELS key, or wrn-K for any positive integer K); ValueError
+    naming the known models otherwise."""
+    if isinstance(name, str) and name not in MODELS:
+        m = re.fullmatch(r"wrn-([1-9][0-9]*)", name)
+        if m:
+            return _wrn_spec(int(m.group(1)))
     try:
         return MODELS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown model {name!r}: expected one of {', '.join(sorted(MODELS))}") from None
+        families = sorted(n for n in MODELS if not n.startswith("wrn-"))
+        raise ValueError(f"unknown model {name!r}: expected one of {', '.join(families)}, or wrn-K with K a "
+                         f"positive integer (the widening factor: --model wrn-10 --depth 28 is "
+                         f"WRN-28-10)") from None
 
 
 def build_model(name, depth, num_classes=None, in_channels=None, seed=0):

@@ -62,7 +62,7 @@ from . import __version__, backend, distributed, images, quant, rundir, sysmem
 from .checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
 from .data import BatchIterator, DataError, augment, load_dataset, normalize
 from .engine import DTYPES, MODES, Engine
-from .models import MODELS, build_model
+from .models import MODELS, build_model, model_spec
 from .optim import SGD
 from .plan import KINDS, fmt_bytes
 from .rundir import CHECKPOINT, CONFIG, METRICS, PLAN, ResumeError, RunDirError   # noqa: F401 (re-exported)
@@ -107,6 +107,7 @@ class TrainConfig:
     sync_bn: bool = False           # data parallel: batch norm over the global batch (all ranks)
     image_size: int = 224           # folder only: images are cropped / resized to this square
     workers: int = 4                # folder only: decoding threads (lowmem.images)
+    skip_bad: bool = False          # folder only: replace unreadable images by the next readable one
 
     FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "dtype",
              "batch", "augment", "seed", "image_size")
@@ -127,8 +128,12 @@ class TrainConfig:
             if not ok:
                 bad(f, f"an integer >= {low}" + (" or None" if optional else ""))
 
-        for f, choices in (("model", tuple(MODELS)), ("mode", MODES), ("dtype", DTYPES),
-                           ("schedule", SCHEDULES)):
+        try:
+            model_spec(self.model)                      # a registry name or wrn-K
+        except ValueError:
+            bad("model", f"one of {', '.join(m for m in MODELS if not m.startswith('wrn-'))} or wrn-K "
+                         f"(K a positive integer)")
+        for f, choices in (("mode", MODES), ("dtype", DTYPES), ("schedule", SCHEDULES)):
             if str(getattr(self, f)) not in choices:
                 bad(f, f"one of {', '.join(choices)}")
         if not isinstance(self.bits, numbers.Integral) or self.bits not in quant.BITS:
@@ -254,7 +259,8 @@ class Trainer:
         if saved is not None:
             self._check_resumable(saved[1], self.ckpt_path)
         if c.dataset == "folder" and dataset is None:       # decoded on worker threads (lowmem.images)
-            self.data = images.load_image_folders(c.data_dir, size=c.image_size, workers=c.workers)
+            self.data = images.load_image_folders(c.data_dir, size=c.image_size, workers=c.workers,
+                                                  skip_bad=c.skip_bad)
             n_train = len(self.data.train)
         else:
             self.data = dataset if dataset is not None else load_dataset(
@@ -279,8 +285,10 @@ class Trainer:
         self.opt = SGD(self.net.parameters(), lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
                        nesterov=c.nesterov)
         if c.dataset == "folder" and dataset is None:       # random-resized-crop + flip while decoding
-            self.batches = self.data.loader("train", c.batch, seed=c.seed, dtype="uint8", workers=c.workers)
-            self.test_batches = self.data.loader("val", c.batch, dtype="uint8", workers=c.workers)
+            self.batches = self.data.loader("train", c.batch, seed=c.seed, dtype="uint8", workers=c.workers,
+                                            skip_bad=c.skip_bad)
+            self.test_batches = self.data.loader("val", c.batch, dtype="uint8", workers=c.workers,
+                                                 skip_bad=c.skip_bad)
         else:
             self.batches = BatchIterator(self.data.x_train, self.data.y_train, c.batch, shuffle=True,
                                          seed=c.seed, drop_last=True)
