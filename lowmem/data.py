@@ -33,7 +33,6 @@ import os
 import pickle
 import struct
 import tarfile
-import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -41,6 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import sysmem
+from .atomic import atomic_write
 from .backend import array_module
 
 DATASETS = ("cifar10", "cifar100", "fashion-mnist", "synthetic")
@@ -198,26 +198,20 @@ def _download(url, dest, md5):
     on any failure the temporary file is deleted. Network failures surface as
     OSError (urllib.error.URLError is one), a bad checksum as DataError.
     """
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".part")
-    try:
+    def fetch(r, f):
         digest = hashlib.md5()
-        with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=60) as r:
-            total = int(r.headers.get("Content-Length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, disable=None) as bar:
-                for chunk in iter(lambda: r.read(1 << 20), b""):
-                    f.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
+        total = int(r.headers.get("Content-Length") or 0) or None
+        with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, disable=None) as bar:
+            for chunk in iter(lambda: r.read(1 << 20), b""):
+                f.write(chunk)
+                digest.update(chunk)
+                bar.update(len(chunk))
         if digest.hexdigest() != md5:
             raise DataError(f"download of {url} is corrupt (MD5 {digest.hexdigest()}, expected {md5}); "
                             f"nothing was kept. Try again, or fetch {dest.name} by hand into {dest.parent}")
-        os.replace(tmp, dest)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+
+    with urllib.request.urlopen(url, timeout=60) as r:     # a refused connection is not a disk error
+        atomic_write(dest, lambda f: fetch(r, f), what="download")
 
 
 def _first_writable(dirs):

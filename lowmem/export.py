@@ -21,21 +21,20 @@ MaxPool, GlobalAveragePool + Flatten + Gemm for the head. Input "input"
 (batch, C, H, W), output "logits" (batch, num_classes); the batch dimension
 is symbolic, and so are H and W unless `input_shape` is given.
 
-Files are written atomically: a temporary file beside the target, fsync,
-then a rename over it, so an interrupted export never leaves a half-written
+Files are written atomically (lowmem.atomic.atomic_write: a temporary file
+beside the target, fsync, then a rename over it), so an interrupted export never leaves a half-written
 model (nor harms an existing one).
 
 `add_arguments(parser)` / `run(args)` are the `lowmem export RUN_DIR OUT` subcommand:
 the model of a run folder's checkpoint, to OUT.safetensors or OUT.onnx.
 """
 import os
-import secrets
 import sys
 
 import numpy
 
 from . import __version__
-from .checkpoint import fsync_directory
+from .atomic import atomic_write
 from .kernels import BN_EPS
 
 OPSET = 17
@@ -47,26 +46,6 @@ class ExportError(ValueError):
 
 
 # --------------------------------------------------------------------------- files
-
-def _atomic_write(path, data):
-    """Write bytes `data` to `path` via a temporary file and a rename (fsync'd)."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_directory(directory)              # the rename itself durable (checkpoint.py's helper)
-
 
 def _require(module, extra):
     try:
@@ -87,7 +66,7 @@ def export_safetensors(net, path, dtype="float32"):
     if dtype is not None:
         state = {k: numpy.ascontiguousarray(v, dtype=dtype) for k, v in state.items()}
     meta = {"format": "pt", "network": net.name, "lowmem_version": __version__}
-    _atomic_write(path, st.save(state, metadata=meta))
+    atomic_write(path, st.save(state, metadata=meta))
     return path
 
 
@@ -181,7 +160,7 @@ def onnx_model(net, input_shape=None, opset=OPSET):
 
 def export_onnx(net, path, input_shape=None, opset=OPSET):
     """Write the eval-mode graph of `net` to `path` (ONNX, opset 17, float32). Returns path."""
-    _atomic_write(path, onnx_model(net, input_shape, opset).SerializeToString())
+    atomic_write(path, onnx_model(net, input_shape, opset).SerializeToString())
     return path
 
 
