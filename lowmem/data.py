@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from . import sysmem
 from .atomic import atomic_write
+from .epochs import EpochOrder
 from .backend import array_module
 
 DATASETS = ("cifar10", "cifar100", "fashion-mnist", "synthetic")
@@ -576,7 +577,8 @@ class BatchIterator:
     x: (N, ...) array, y: (N,). Iterating yields (x_batch, y_batch): copies
     when shuffling, views into x and y otherwise. An epoch's order depends
     only on (seed, epoch), so the iterator's whole state is (epoch, batch):
-    `state_dict` / `load_state_dict` save and restore it.
+    `state_dict` / `load_state_dict` save and restore it (lowmem.epochs.EpochOrder,
+    the same as lowmem.images.ImageLoader's).
 
     Last partial batch, an explicit policy:
     * drop_last=True (training): every batch has exactly batch_size samples,
@@ -594,60 +596,47 @@ class BatchIterator:
     def __init__(self, x, y, batch_size, shuffle=False, seed=0, drop_last=False):
         if len(x) != len(y):
             raise DataError(f"BatchIterator: {len(x)} images but {len(y)} labels")
-        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise DataError(f"BatchIterator: batch_size must be a positive integer, got {batch_size!r}")
-        if not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise DataError(f"BatchIterator: seed must be a non-negative integer, got {seed!r}")
         self.x, self.y = x, y
-        self.batch_size, self.shuffle = int(batch_size), bool(shuffle)
-        self.seed, self.drop_last = int(seed), bool(drop_last)
+        self.position = EpochOrder(len(x), batch_size, shuffle, seed, drop_last, "BatchIterator", "iterator",
+                                   DataError)
+        self.batch_size, self.shuffle = self.position.batch_size, self.position.shuffle
+        self.seed, self.drop_last = self.position.seed, self.position.drop_last
         if len(self) == 0:
             raise DataError(f"BatchIterator: {len(x)} samples give no batch of {batch_size}"
                             + (" with drop_last=True" if drop_last else ""))
-        self.epoch = 0
-        self.batch = 0      # index of the next batch to yield in this epoch
+
+    # the position lives in lowmem.epochs.EpochOrder, shared with lowmem.images.ImageLoader
+    epoch = property(lambda self: self.position.epoch)
+    batch = property(lambda self: self.position.batch)     # index of the next batch to yield in this epoch
 
     def __len__(self):
         """Batches per epoch."""
-        n, b = len(self.x), self.batch_size
-        return n // b if self.drop_last else -(-n // b)
+        return len(self.position)
 
     def order(self, epoch):
         """Sample indices (N,) of an epoch, a function of (seed, epoch) only."""
-        if not self.shuffle:
-            return np.arange(len(self.x))
-        return np.random.default_rng([self.seed, int(epoch)]).permutation(len(self.x))
+        return self.position.order(epoch)
 
     def set_epoch(self, epoch, batch=0):
         """Continue from batch `batch` of epoch `epoch`."""
-        if not 0 <= batch <= len(self):
-            raise DataError(f"BatchIterator: batch {batch} outside 0..{len(self)}")
-        self.epoch, self.batch = int(epoch), int(batch)
+        self.position.set_epoch(epoch, batch)
 
     def __iter__(self):
-        n, b = len(self.x), self.batch_size
-        order = self.order(self.epoch) if self.shuffle else None
-        while self.batch < len(self):
-            i = self.batch
-            s = slice(i * b, min((i + 1) * b, n))
-            self.batch = i + 1      # a checkpoint taken after this step resumes at i + 1
+        pos = self.position
+        order = pos.order(pos.epoch) if self.shuffle else None
+        while pos.batch < len(pos):
+            s = slice(*pos.span(pos.batch))
+            pos.batch += 1          # a checkpoint taken after this step resumes at the next batch
             if order is None:
                 yield self.x[s], self.y[s]
             else:
                 yield self.x[order[s]], self.y[order[s]]
-        self.epoch, self.batch = self.epoch + 1, 0
+        pos.next_epoch()
 
     def state_dict(self):
         """Everything needed to resume exactly: position plus the settings it depends on."""
-        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed,
-                "num_samples": len(self.x), "batch_size": self.batch_size,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+        return self.position.state_dict()
 
     def load_state_dict(self, state):
         """Restore a position saved by `state_dict`; the settings must match."""
-        mine = self.state_dict()
-        for k in ("seed", "num_samples", "batch_size", "shuffle", "drop_last"):
-            if state.get(k) != mine[k]:
-                raise DataError(f"BatchIterator: saved state has {k}={state.get(k)!r}, "
-                                f"this iterator has {mine[k]!r}; cannot resume the same order")
-        self.set_epoch(state["epoch"], state["batch"])
+        self.position.load_state_dict(state)

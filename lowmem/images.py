@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .data import DataError, normalize
+from .epochs import EpochOrder
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 SPLITS = ("train", "val")
@@ -227,6 +228,8 @@ class ImageLoader:
         self.folder, self.batch_size, self.size, self.train = folder, int(batch_size), int(size), bool(train)
         self.shuffle = self.train if shuffle is None else bool(shuffle)
         self.drop_last = self.train if drop_last is None else bool(drop_last)
+        self.position = EpochOrder(len(folder), self.batch_size, self.shuffle, seed, self.drop_last,
+                                   "ImageLoader", "loader", DataError)
         self.seed, self.workers = int(seed), int(workers)
         self.prefetch = 2 * self.workers if prefetch is None else max(1, int(prefetch))
         self.mean, self.std, self.channels = mean, std, channels
@@ -238,41 +241,33 @@ class ImageLoader:
         if len(self) == 0:
             raise DataError(f"ImageLoader: {len(folder)} images in {folder.root} give no batch of "
                             f"{batch_size}" + (" with drop_last=True" if self.drop_last else ""))
-        self.epoch = 0
-        self.batch = 0
 
     @property
     def input_shape(self):
         return (self.channels, self.size, self.size)
 
+    # the order and position: lowmem.epochs.EpochOrder, shared with lowmem.data.BatchIterator
+    def _get(name):
+        return property(lambda self: getattr(self.position, name),
+                        lambda self, value: setattr(self.position, name, value))
+    epoch, batch = _get("epoch"), _get("batch")
+    del _get
+
     def __len__(self):
-        n, b = len(self.folder), self.batch_size
-        return n // b if self.drop_last else -(-n // b)
+        return len(self.position)
 
     def order(self, epoch):
         """Sample indices of an epoch: a function of (seed, epoch) only (as BatchIterator)."""
-        n = len(self.folder)
-        if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, int(epoch)]).permutation(n)
+        return self.position.order(epoch)
 
     def set_epoch(self, epoch, batch=0):
-        if not 0 <= batch <= len(self):
-            raise DataError(f"ImageLoader: batch {batch} outside 0..{len(self)}")
-        self.epoch, self.batch = int(epoch), int(batch)
+        self.position.set_epoch(epoch, batch)
 
     def state_dict(self):
-        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed, "num_samples": len(self.folder),
-                "batch_size": self.batch_size, "shuffle": self.shuffle, "drop_last": self.drop_last,
-                "size": self.size, "train": self.train}
+        return self.position.state_dict(size=self.size, train=self.train)
 
     def load_state_dict(self, state):
-        mine = self.state_dict()
-        for k in ("seed", "num_samples", "batch_size", "shuffle", "drop_last", "size", "train"):
-            if state.get(k) != mine[k]:
-                raise DataError(f"ImageLoader: saved state has {k}={state.get(k)!r}, this loader has "
-                                f"{mine[k]!r}; cannot resume the same order")
-        self.set_epoch(state["epoch"], state["batch"])
+        self.position.load_state_dict(state, size=self.size, train=self.train)
 
     # ------------------------------------------------------------------ work
     def _sample(self, out, index, epoch, position):
