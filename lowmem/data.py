@@ -45,6 +45,11 @@ from .epochs import EpochOrder
 from .backend import array_module
 
 DATASETS = ("cifar10", "cifar100", "fashion-mnist", "synthetic")
+CLASS_NAMES = {         # label order of the official releases (CIFAR-100: numbers; synthetic: numbers)
+    "cifar10": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"],
+    "fashion-mnist": ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
+                      "Bag", "Ankle boot"],
+}
 _ALIASES = {"cifar-10": "cifar10", "cifar-100": "cifar100",
             "fashion_mnist": "fashion-mnist", "fashionmnist": "fashion-mnist"}
 FASHION_MNIST_DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -427,6 +432,7 @@ class Dataset:
     num_classes: int
     mean: np.ndarray
     std: np.ndarray
+    classes: list = None        # class names in label order (None: the labels' numbers)
 
     @property
     def input_shape(self):
@@ -495,7 +501,7 @@ def load_dataset(name, data_dir=None, download=True, pad_to=32, limit_train=None
     x_train, y_train = _first(arrays[0], limit_train), _first(arrays[1], limit_train)
     x_test, y_test = _first(arrays[2], limit_test), _first(arrays[3], limit_test)
     mean, std = channel_mean_std(x_train)
-    return Dataset(key, x_train, y_train, x_test, y_test, num_classes, mean, std)
+    return Dataset(key, x_train, y_train, x_test, y_test, num_classes, mean, std, CLASS_NAMES.get(key))
 
 
 # ----------------------------------------------------------------------------

@@ -167,6 +167,11 @@ def centre_crop_box(w, h, size, resize):
     return x0, y0, x0 + cw, y0 + ch
 
 
+def eval_resize(size):
+    """The shorter side the eval transform resizes to before its centre crop of `size` (256 for 224)."""
+    return int(round(size / EVAL_CROP_FRACTION))
+
+
 def decode(out, path, size, train, rng, mode="RGB", resize=None):
     """Decode one file into out (C, size, size) uint8: train or eval transform (module docstring)."""
     Image = _pil()
@@ -234,7 +239,7 @@ class ImageLoader:
         self.prefetch = 2 * self.workers if prefetch is None else max(1, int(prefetch))
         self.mean, self.std, self.channels = mean, std, channels
         self.mode = "RGB" if channels == 3 else "L"
-        self.resize = int(round(self.size / EVAL_CROP_FRACTION)) if resize is None else int(resize)
+        self.resize = eval_resize(self.size) if resize is None else int(resize)
         self.skip_bad = bool(skip_bad)
         self.skipped = []
         self._lock = threading.Lock()
@@ -390,9 +395,39 @@ class ImageFolders:
                 f"classes={self.num_classes}, input_shape={self.input_shape})")
 
 
+def limit_samples(folder, n, seed=0):
+    """Keep a seeded random subset of n samples of `folder` (in path order; all of them when n is None
+    or not smaller). The files are sorted by class, so the first n would be the first classes only."""
+    if n is None or n >= len(folder):
+        return folder
+    keep = np.sort(np.random.default_rng([int(seed), 2]).permutation(len(folder))[:n])
+    folder.samples = [folder.samples[i] for i in keep]
+    return folder
+
+
+def check_decodable(folder, workers=4, size=8):
+    """Decode every file of `folder` once, small (JPEGs at a reduced scale): a DataError naming the
+    first file that fails, now rather than when the split is first used. Cost: one pass of reads
+    and (reduced) decodes over the split, on `workers` threads; nothing is kept."""
+    _pil()
+
+    def one(path):
+        try:
+            decode(np.empty((3, size, size), np.uint8), path, size, False, None, "RGB", size)
+        except Exception as e:
+            return f"unreadable image {path}: {e}"
+
+    with ThreadPoolExecutor(max(1, int(workers)), thread_name_prefix="lowmem-check") as pool:
+        for problem in pool.map(one, [p for p, _ in folder.samples]):
+            if problem:
+                raise DataError(problem)
+
+
 def load_image_folders(data_dir, size, mean=None, std=None, channels=3, verify=False, skip_bad=False,
-                       stats_images=STATS_IMAGES, workers=4):
-    """Scan DIR/train and DIR/val (same classes), and compute mean/std when not given -> ImageFolders."""
+                       stats_images=STATS_IMAGES, workers=4, limit_train=None, limit_test=None, seed=0):
+    """Scan DIR/train and DIR/val (same classes), and compute mean/std when not given -> ImageFolders.
+    limit_train / limit_test: a seeded random subset of each split (`limit_samples`), taken
+    before the statistics."""
     root = os.fspath(data_dir)
     if not os.path.isdir(root):
         raise DataError(f"--data {root}: no such directory (expected {root}/train/<class>/*.jpg and "
@@ -403,6 +438,8 @@ def load_image_folders(data_dir, size, mean=None, std=None, channels=3, verify=F
                             f"{root}/val/<class>/*, the torchvision ImageFolder layout)")
     train = ImageFolder(os.path.join(root, "train"), verify=verify, skip_bad=skip_bad)
     val = ImageFolder(os.path.join(root, "val"), classes=train.classes, verify=verify, skip_bad=skip_bad)
+    limit_samples(train, limit_train, seed)
+    limit_samples(val, limit_test, seed)
     if (mean is None) != (std is None):
         raise DataError("give both mean and std, or neither (then they are computed)")
     if mean is None:
