@@ -181,6 +181,16 @@ def shard(n_global, comm):
     return slice(comm.rank * per, (comm.rank + 1) * per)
 
 
+def sum_counts(comm, sums):
+    """A copy of the dict `sums` with "loss", "correct" and "seen" summed over the ranks (float64
+    allreduce; the counts come back as ints); other keys as they are. One process: `sums` itself."""
+    if comm.size == 1:
+        return sums
+    a = numpy.array([sums["loss"], sums["correct"], sums["seen"]], numpy.float64)
+    comm.allreduce(a)
+    return dict(sums, loss=float(a[0]), correct=int(a[1]), seen=int(a[2]))
+
+
 # ---------------------------------------------------------------- start-up agreement
 
 class StartupError(ValueError):

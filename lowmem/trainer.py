@@ -243,6 +243,60 @@ def data_info(data, config):
             "dataset": str(config.dataset)}
 
 
+def load_data(c, saved_data=None, check=True):
+    """config.dataset's data. Image folders: decoded on threads; the limits are seeded subsets; a
+    resumed run keeps its checkpoint's normalisation (`saved_data`); check: decode-check val/ now,
+    so that a bad file stops the run before its first epoch, not after it."""
+    if c.dataset != "folder":
+        return load_dataset(c.dataset, c.data_dir, download=c.download, pad_to=c.pad_to or None,
+                            limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed)
+    mean, std = (saved_data["mean"], saved_data["std"]) if saved_data and "mean" in saved_data else (None, None)
+    data = images.load_image_folders(c.data_dir, size=c.image_size, mean=mean, std=std, workers=c.workers,
+                                     limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed)
+    if check:
+        images.check_decodable(data.val, workers=c.workers)
+    return data
+
+
+def iterators(data, c):
+    """(training batches: shuffled, drop_last; test batches: in order, all of them)."""
+    if not isinstance(data, images.ImageFolders):
+        return (BatchIterator(data.x_train, data.y_train, c.batch, shuffle=True, seed=c.seed, drop_last=True),
+                BatchIterator(data.x_test, data.y_test, c.batch))
+    # random-resized-crop + flip while decoding; --no-augment: the eval transform, still shuffled
+    train = data.loader("train", c.batch, seed=c.seed, dtype="uint8", workers=c.workers, train=c.augment,
+                        shuffle=True, drop_last=True)
+    return train, data.loader("val", c.batch, dtype="uint8", workers=c.workers)
+
+
+def describe(t):
+    """Trainer.describe: the engine's summary, the plan by kind, ranks, data and the schedule of epochs."""
+    by, c = t.engine.plan.bytes_by_kind(), t.config
+    lines = [t.engine.summary(), "planned memory by kind:"]
+    lines += [f"  {k:<10} {fmt_bytes(by[k]):>12}" for k in KINDS if by[k]]
+    lines.append(f"  {'total':<10} {fmt_bytes(t.engine.plan.total_bytes):>12}")
+    w = warmup_iters(c, t.total_iters)
+    lines.append(f"{t.comm.describe()}, per-rank batch {c.batch // t.comm.size}"
+                 + (", synchronized batch norm" if c.sync_bn else ""))
+    lines.append(f"data: {t.data!r}")
+    lines.append(f"training: {c.epochs} epochs x {t.steps_per_epoch} steps = {t.total_iters} "
+                 f"iterations, lr {c.lr:g} ({c.schedule}"
+                 + (f", warm-up {c.lr / WARMUP_DIVISOR:g} for {w} iterations" if w else "") + ")"
+                 + (f", resuming at iteration {t.iteration}" if t.iteration else ""))
+    return "\n".join(lines)
+
+
+def divergence_message(what, ckpt_path, out):
+    """What a TrainingDiverged says: the cause, and where the last good state is."""
+    msg = f"{what}: training diverged and was stopped. "
+    if ckpt_path and os.path.exists(ckpt_path):
+        return msg + (f"The last good checkpoint {ckpt_path} (iteration {runstate.checkpoint_iteration(ckpt_path)}) "
+                      f"is kept; resume from it with a lower --lr (the continuation then differs from the "
+                      f"original run).")
+    return msg + ("No checkpoint was written yet; start again with a lower --lr (and --overwrite to reuse "
+                  "this --out)." if out else "No checkpoint was written.")
+
+
 class Trainer:
     """One run: data, network, engine, optimizer, iterators; `fit()` trains it.
 
@@ -289,7 +343,9 @@ class Trainer:
         saved = load_checkpoint(self.ckpt_path) if resume else None
         if saved is not None:
             check_training_meta(saved[1], self.ckpt_path)
-        self.data = dataset if dataset is not None else self._load_data(c, saved and saved[1].get("data"))
+        if dataset is None:     # every rank reads the same files (their settings agree): one check is enough
+            dataset = load_data(c, saved and saved[1].get("data"), check=self.lead)
+        self.data = dataset
         n_train = len(self.data.train) if isinstance(self.data, images.ImageFolders) else len(self.data.x_train)
         if n_train < c.batch:
             raise ConfigError(f"batch={c.batch} is larger than the {n_train} training images: "
@@ -310,7 +366,7 @@ class Trainer:
             raise ConfigError(str(e)) from None
         self.opt = SGD(self.net.parameters(), lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
                        nesterov=c.nesterov)
-        batches, self.test_batches = self._iterators(c)
+        batches, self.test_batches = iterators(self.data, c)
         self.rng = numpy.random.default_rng([c.seed, 1])          # augmentation only
         self.steps_per_epoch = len(batches)
         self.total_iters = self.steps_per_epoch * c.epochs
@@ -333,29 +389,6 @@ class Trainer:
                                   f"{self.iteration}), more than epochs={c.epochs}: pass --epochs "
                                   f"{math.ceil(done)} or more to continue it")
 
-    def _load_data(self, c, saved_data):
-        """config.dataset's data. Image folders: decoded on threads; the limits are seeded subsets; a
-        resumed run keeps its checkpoint's normalisation; val/ is decode-checked before training."""
-        if c.dataset != "folder":
-            return load_dataset(c.dataset, c.data_dir, download=c.download, pad_to=c.pad_to or None,
-                                limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed)
-        mean, std = (saved_data["mean"], saved_data["std"]) if saved_data and "mean" in saved_data else (None, None)
-        data = images.load_image_folders(c.data_dir, size=c.image_size, mean=mean, std=std, workers=c.workers,
-                                         limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed)
-        if self.lead:       # every rank reads the same files (their settings agree): one check is enough
-            images.check_decodable(data.val, workers=c.workers)
-        return data
-
-    def _iterators(self, c):
-        """(training batches: shuffled, drop_last; test batches: in order, all of them)."""
-        if not isinstance(self.data, images.ImageFolders):
-            return (BatchIterator(self.data.x_train, self.data.y_train, c.batch, shuffle=True, seed=c.seed,
-                                  drop_last=True), BatchIterator(self.data.x_test, self.data.y_test, c.batch))
-        # random-resized-crop + flip while decoding; --no-augment: the eval transform, still shuffled
-        train = self.data.loader("train", c.batch, seed=c.seed, dtype="uint8", workers=c.workers,
-                                 train=c.augment, shuffle=True, drop_last=True)
-        return train, self.data.loader("val", c.batch, dtype="uint8", workers=c.workers)
-
     iteration = property(lambda self: self.state.iteration)
     batches = property(lambda self: self.state.batches, lambda self, b: setattr(self.state, "batches", b))
     last_eval = property(lambda self: self.state.last_eval)
@@ -373,19 +406,7 @@ class Trainer:
 
     def describe(self):
         """The memory plan summary (engine.summary() and totals by kind) and the run's shape."""
-        by, c = self.engine.plan.bytes_by_kind(), self.config
-        lines = [self.engine.summary(), "planned memory by kind:"]
-        lines += [f"  {k:<10} {fmt_bytes(by[k]):>12}" for k in KINDS if by[k]]
-        lines.append(f"  {'total':<10} {fmt_bytes(self.engine.plan.total_bytes):>12}")
-        w = warmup_iters(c, self.total_iters)
-        lines.append(f"{self.comm.describe()}, per-rank batch {c.batch // self.comm.size}"
-                     + (", synchronized batch norm" if c.sync_bn else ""))
-        lines.append(f"data: {self.data!r}")
-        lines.append(f"training: {c.epochs} epochs x {self.steps_per_epoch} steps = {self.total_iters} "
-                     f"iterations, lr {c.lr:g} ({c.schedule}"
-                     + (f", warm-up {c.lr / WARMUP_DIVISOR:g} for {w} iterations" if w else "") + ")"
-                     + (f", resuming at iteration {self.iteration}" if self.iteration else ""))
-        return "\n".join(lines)
+        return describe(self)
 
     def request_stop(self, reason="stopped"):
         """Stop at the next step boundary, after writing a checkpoint."""
@@ -455,7 +476,7 @@ class Trainer:
                 if self.iteration % spe == 0:
                     self._end_epoch()
                 elif self.out:
-                    self._save(self._global(s.sums))        # a mid-epoch stop keeps the epoch's sums so far
+                    self.save(distributed.sum_counts(self.comm, s.sums))    # mid-epoch: the epoch so far
         return self._finish()
 
     def _step(self, xb, yb):
@@ -490,19 +511,11 @@ class Trainer:
             loss += softmax_xent_forward(numpy.empty_like(logits), logits, y) * len(y)
             correct += int((logits.argmax(axis=1) == y).sum())
             n += len(y)
-        total = self._global({"loss": loss, "correct": correct, "seen": n})
+        total = distributed.sum_counts(self.comm, {"loss": loss, "correct": correct, "seen": n})  # data parallel
         return total["loss"] / total["seen"], total["correct"] / total["seen"]
 
-    def _global(self, sums):
-        """Data parallel: the sums (loss, correct, seen) over all ranks; other keys as they are."""
-        if self.comm.size == 1:
-            return sums
-        a = numpy.array([sums["loss"], sums["correct"], sums["seen"]], numpy.float64)
-        self.comm.allreduce(a)
-        return dict(sums, loss=float(a[0]), correct=int(a[1]), seen=int(a[2]))
-
     def _end_epoch(self):
-        s, epoch = self._global(self.state.sums), self.iteration // self.steps_per_epoch
+        s, epoch = distributed.sum_counts(self.comm, self.state.sums), self.iteration // self.steps_per_epoch
         t = time.perf_counter()
         test_loss, test_acc = self.evaluate()
         rec = {"event": "epoch", "epoch": epoch, "iteration": self.iteration,
@@ -522,7 +535,7 @@ class Trainer:
             self._diverged(f"non-finite test loss {test_loss} after epoch {epoch} (iteration {self.iteration}); "
                            f"not saving this state")
         if self.out:
-            self._save()
+            self.save()
         if self.on_epoch:
             self.on_epoch(self, rec)
 
@@ -532,25 +545,14 @@ class Trainer:
         except TrainingDiverged as e:
             self._diverged(str(e))
 
-    def _save(self, sums=None):
-        """Rank 0 writes the checkpoint (after checking the state is finite; every rank checks)."""
+    def save(self, epoch_sums=None):
+        """Rank 0 writes out/checkpoint.ckpt atomically (after checking the state is finite, on every rank)."""
         self._check_finite()
         if self.lead:
-            runstate.save(self.ckpt_path, self.state, self.config, self.data_info, sums)
-
-    def save(self, epoch_sums=None):
-        """Write out/checkpoint.ckpt atomically (after checking the state is finite)."""
-        self._save(epoch_sums)
+            runstate.save(self.ckpt_path, self.state, self.config, self.data_info, epoch_sums)
 
     def _diverged(self, what):
-        msg = f"{what}: training diverged and was stopped. "
-        if self.ckpt_path and os.path.exists(self.ckpt_path):
-            msg += (f"The last good checkpoint {self.ckpt_path} (iteration "
-                    f"{runstate.checkpoint_iteration(self.ckpt_path)}) is kept; resume from it "
-                    f"with a lower --lr (the continuation then differs from the original run).")
-        else:
-            msg += ("No checkpoint was written yet; start again with a lower --lr (and --overwrite to "
-                    "reuse this --out)." if self.out else "No checkpoint was written.")
+        msg = divergence_message(what, self.ckpt_path, self.out)
         self.runlog.append({"event": "stop", "reason": "diverged", "message": msg, "iteration": self.iteration})
         raise TrainingDiverged(msg)
 
