@@ -331,6 +331,10 @@ def train_command(args):
     try:
         comm = distributed.get_communicator(xp=backend.xp)
         code = _train(args, comm)
+    except distributed.StartupError as e:     # refused at start-up on every rank alike: no abort needed
+        if comm.rank == 0:
+            print(f"lowmem train: error: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:                # a second Ctrl-C, wherever it lands: no new checkpoint
         print("lowmem train: aborted by a second Ctrl-C; the last checkpoint (if any) is kept",
               file=sys.stderr)
@@ -358,6 +362,8 @@ def _train(args, comm):
             print(trainer.describe(), flush=True)
         t = time.monotonic()
         result = trainer.fit()
+    except distributed.StartupError:
+        raise
     except TrainingDiverged as e:
         return error(e, EXIT_DIVERGED)
     except (ConfigError, NotEnoughMemory) as e:     # settings this run cannot have
