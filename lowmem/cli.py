@@ -1,14 +1,17 @@
-"""The `lowmem` command line (also `python -m lowmem`): every subcommand lives here.
+"""The `lowmem` command line (also `python -m lowmem`): the subcommands and their registry.
 
     lowmem plan --model preact-cifar --depth 164 --batch 128 --mode approx --bits 4 [--compare] [--measure]
     lowmem plan --model preact-imagenet --depth 152 --input 3x224x224 --classes 1000
     lowmem diagnose --depth 20 --batch 32 --bits 4 [--batches 4] [--warmup 0]
     lowmem train --dataset fashion-mnist --depth 20 --epochs 3 --out runs/fm [--resume | --overwrite]
     lowmem maxbatch --model preact-cifar --depth 164 --budget 2GiB --mode approx --bits 4 [--verify]
+    lowmem export RUN_DIR model.onnx | model.safetensors
+    lowmem predict RUN_DIR_or_model IMAGE...
 
 Subcommands live in one registry, `COMMANDS`: each is a pair of small
 functions, `<name>_arguments(parser)` declaring its options and
-`<name>_command(args) -> exit code` doing the work, added with `register`.
+`<name>_command(args) -> exit code` doing the work, added with `register`
+(export and predict keep theirs in lowmem/export.py and lowmem/predict.py).
 `network_arguments` / `model_arguments` / `build_network` are the shared
 model options (model, depth, classes, input, batch, dtype); the models come
 from the one registry, lowmem.models.MODELS. The library code these
@@ -40,7 +43,7 @@ import traceback
 
 import numpy
 
-from . import argtypes, backend, distributed, export, models, quant, sysmem
+from . import argtypes, backend, distributed, export, models, predict, quant, sysmem
 from .engine import DEFAULT_WORKSPACE_BYTES, DTYPES, MODES, Engine
 from .maxbatch import MAX_BATCH, max_batch, parse_bytes, planned_engine
 from .plan import KINDS, fmt_bytes
@@ -334,6 +337,10 @@ def train_command(args):
     try:
         comm = distributed.get_communicator(xp=backend.xp)
         code = _train(args, comm)
+    except distributed.StartupError as e:     # refused at start-up on every rank alike: no abort needed
+        if comm.rank == 0:
+            print(f"lowmem train: error: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:                # a second Ctrl-C, wherever it lands: no new checkpoint
         print("lowmem train: aborted by a second Ctrl-C; the last checkpoint (if any) is kept",
               file=sys.stderr)
@@ -361,6 +368,8 @@ def _train(args, comm):
             print(trainer.describe(), flush=True)
         t = time.monotonic()
         result = trainer.fit()
+    except distributed.StartupError:
+        raise
     except TrainingDiverged as e:
         return error(e, EXIT_DIVERGED)
     except (ConfigError, NotEnoughMemory) as e:     # settings this run cannot have
@@ -488,6 +497,8 @@ def maxbatch_command(args):
 register("maxbatch", "the largest batch whose memory plan fits a budget", maxbatch_arguments, maxbatch_command)
 register("export", "write a run's model as .safetensors or .onnx (lowmem export RUN_DIR model.onnx)",
          export.add_arguments, export.run)
+register("predict", "class names of image files from a run folder or an exported model "
+         "(lowmem predict RUN_DIR_or_model IMAGE...)", predict.add_arguments, predict.run)
 
 
 # ---- main ---------------------------------------------------------------------------

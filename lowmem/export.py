@@ -22,21 +22,28 @@ AveragePool, GlobalAveragePool + Flatten + Gemm for the head. Input "input"
 (batch, C, H, W), output "logits" (batch, num_classes); the batch dimension
 is symbolic, and so are H and W unless `input_shape` is given.
 
-Files are written atomically: a temporary file beside the target, fsync,
-then a rename over it, so an interrupted export never leaves a half-written
+What travels with the weights (`lowmem export` writes it into both formats:
+safetensors' header metadata, ONNX's metadata_props; each value a JSON
+string; `read_metadata(path)` decodes it): classes (names in label order),
+input_shape, image_size, resize (the eval transform: shorter side to
+`resize`, centre crop `image_size`), mean and std (per channel, pixel / 255),
+dataset, model and depth. `lowmem predict` (lowmem/predict.py) uses them.
+
+Files are written atomically (lowmem.atomic.atomic_write: a temporary file
+beside the target, fsync, then a rename over it), so an interrupted export never leaves a half-written
 model (nor harms an existing one).
 
 `add_arguments(parser)` / `run(args)` are the `lowmem export RUN_DIR OUT` subcommand:
 the model of a run folder's checkpoint, to OUT.safetensors or OUT.onnx.
 """
+import json
 import os
-import secrets
 import sys
 
 import numpy
 
 from . import __version__
-from .checkpoint import fsync_directory
+from .atomic import atomic_write
 from .optable import OPS
 
 OPSET = 17
@@ -68,26 +75,6 @@ class ExportError(ValueError):
 
 # --------------------------------------------------------------------------- files
 
-def _atomic_write(path, data):
-    """Write bytes `data` to `path` via a temporary file and a rename (fsync'd)."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_directory(directory)              # the rename itself durable (checkpoint.py's helper)
-
-
 def _require(module, extra):
     try:
         return __import__(module, fromlist=["_"])
@@ -97,17 +84,18 @@ def _require(module, extra):
 
 # --------------------------------------------------------------------- safetensors
 
-def export_safetensors(net, path, dtype="float32"):
+def export_safetensors(net, path, dtype="float32", metadata=None):
     """Write net's parameters and BN running statistics to `path` (safetensors, NumPy API).
 
     dtype: the stored float type ("float32", PyTorch's default; None keeps the
-    network's). Metadata: the network's name and the lowmem version."""
+    network's). Metadata: the network's name and the lowmem version, plus
+    `metadata` (a dict of strings, e.g. `model_metadata(meta)`: classes, preprocessing)."""
     st = _require("safetensors.numpy", "safetensors")
     state = net.state_dict()                             # host copies
     if dtype is not None:
         state = {k: numpy.ascontiguousarray(v, dtype=dtype) for k, v in state.items()}
-    meta = {"format": "pt", "network": net.name, "lowmem_version": __version__}
-    _atomic_write(path, st.save(state, metadata=meta))
+    meta = {**(metadata or {}), "format": "pt", "network": net.name, "lowmem_version": __version__}
+    atomic_write(path, st.save(state, metadata=meta))
     return path
 
 
@@ -135,11 +123,12 @@ def load_safetensors(net, path):
 
 # ---------------------------------------------------------------------------- ONNX
 
-def onnx_model(net, input_shape=None, opset=OPSET):
+def onnx_model(net, input_shape=None, opset=OPSET, metadata=None):
     """The eval-mode graph of `net` as an onnx.ModelProto (checked by onnx.checker).
 
     input_shape: (C, H, W) to fix H and W in the graph's input type; None
-    leaves them symbolic (convolutional networks take any size)."""
+    leaves them symbolic (convolutional networks take any size). metadata:
+    a dict of strings stored as the model's metadata_props."""
     onnx = _require("onnx", "onnx")
     from onnx import TensorProto, helper, numpy_helper
     opset = check_opset(opset)
@@ -180,14 +169,62 @@ def onnx_model(net, input_shape=None, opset=OPSET):
     model = helper.make_model(graph, producer_name="lowmem", producer_version=__version__,
                               opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = min(model.ir_version, 8)          # readable by onnxruntime >= 1.10
+    helper.set_model_props(model, dict(metadata or {}))
     onnx.checker.check_model(model)
     return model
 
 
-def export_onnx(net, path, input_shape=None, opset=OPSET):
+def export_onnx(net, path, input_shape=None, opset=OPSET, metadata=None):
     """Write the eval-mode graph of `net` to `path` (ONNX, opset 17, float32). Returns path."""
-    _atomic_write(path, onnx_model(net, input_shape, opset).SerializeToString())
+    atomic_write(path, onnx_model(net, input_shape, opset, metadata).SerializeToString())
     return path
+
+
+# ---------------------------------------------------- what travels with the weights
+
+METADATA_KEYS = ("classes", "input_shape", "image_size", "resize", "mean", "std", "dataset", "model", "depth")
+
+
+def model_metadata(meta):
+    """The metadata both formats store (each value a JSON string), from a training checkpoint's meta:
+    its "data" (class names in label order, input shape, eval resize / crop, mean / std in pixel / 255)
+    and the architecture (model, depth) that rebuilds the network from a safetensors file."""
+    data, config = meta.get("data") or {}, meta.get("config") or {}
+    values = {**data, "model": config.get("model"), "depth": config.get("depth")}
+    return {k: json.dumps(values[k]) for k in METADATA_KEYS if values.get(k) is not None}
+
+
+def read_metadata(path):
+    """The metadata of an exported .safetensors or .onnx file, values decoded from JSON (as
+    `model_metadata` wrote them); keys it lacks are absent. ExportError if it is not such a file."""
+    path = os.fspath(path)
+    fmt = FORMATS.get(os.path.splitext(path)[1].lower())
+    if not os.path.isfile(path):
+        raise ExportError(f"{path}: no such file")
+    if fmt == "safetensors":
+        _require("safetensors", "safetensors")
+        from safetensors import safe_open
+        try:
+            with safe_open(path, "np") as f:
+                raw = f.metadata() or {}
+        except Exception as e:
+            raise ExportError(f"{path}: not a readable safetensors file ({e})") from None
+    elif fmt == "onnx":
+        onnx = _require("onnx", "onnx")
+        try:
+            raw = {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
+        except Exception as e:
+            raise ExportError(f"{path}: not a readable ONNX file ({e})") from None
+    else:
+        raise ExportError(f"{path}: unknown format; expected {' or '.join(FORMATS)}")
+    out = {}
+    for k in METADATA_KEYS:
+        if k in raw:
+            try:
+                out[k] = json.loads(raw[k])
+            except ValueError:
+                raise ExportError(f"{path}: metadata {k!r} is not JSON ({raw[k]!r})") from None
+    return out
 
 
 # ------------------------------------------------------------------- `lowmem export`
@@ -268,9 +305,9 @@ def run(args):
             raise ExportError(f"{path}: no checkpoint here (is {args.run} a lowmem training run folder?)")
         net, meta = network_from_checkpoint(path)
         if fmt == "onnx":
-            export_onnx(net, args.output, args.input, args.opset)
+            export_onnx(net, args.output, args.input, args.opset, metadata=model_metadata(meta))
         else:
-            export_safetensors(net, args.output)
+            export_safetensors(net, args.output, metadata=model_metadata(meta))
     except ImportError as e:
         return error(e, 2)
     except (ValueError, OSError) as e:           # ExportError, CheckpointError, ResumeError, onnx checks

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .data import DataError, normalize
+from .epochs import EpochOrder
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 SPLITS = ("train", "val")
@@ -187,6 +188,11 @@ def to_8_bit(im):
     return _pil().fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), "L")
 
 
+def eval_resize(size):
+    """The shorter side the eval transform resizes to before its centre crop of `size` (256 for 224)."""
+    return int(round(size / EVAL_CROP_FRACTION))
+
+
 def decode(out, path, size, train, rng, mode="RGB", resize=None):
     """Decode one file into out (C, size, size) uint8: train or eval transform (module docstring)."""
     Image = _pil()
@@ -250,52 +256,46 @@ class ImageLoader:
         self.folder, self.batch_size, self.size, self.train = folder, int(batch_size), int(size), bool(train)
         self.shuffle = self.train if shuffle is None else bool(shuffle)
         self.drop_last = self.train if drop_last is None else bool(drop_last)
+        self.position = EpochOrder(len(folder), self.batch_size, self.shuffle, seed, self.drop_last,
+                                   "ImageLoader", "loader", DataError)
         self.seed, self.workers = int(seed), int(workers)
         self.prefetch = 2 * self.workers if prefetch is None else max(1, int(prefetch))
         self.mean, self.std, self.channels = mean, std, channels
         self.mode = "RGB" if channels == 3 else "L"
-        self.resize = int(round(self.size / EVAL_CROP_FRACTION)) if resize is None else int(resize)
+        self.resize = eval_resize(self.size) if resize is None else int(resize)
         self.skip_bad = bool(skip_bad)
         self.skipped = []
         self._lock = threading.Lock()
         if len(self) == 0:
             raise DataError(f"ImageLoader: {len(folder)} images in {folder.root} give no batch of "
                             f"{batch_size}" + (" with drop_last=True" if self.drop_last else ""))
-        self.epoch = 0
-        self.batch = 0
 
     @property
     def input_shape(self):
         return (self.channels, self.size, self.size)
 
+    # the order and position: lowmem.epochs.EpochOrder, shared with lowmem.data.BatchIterator
+    def _get(name):
+        return property(lambda self: getattr(self.position, name),
+                        lambda self, value: setattr(self.position, name, value))
+    epoch, batch = _get("epoch"), _get("batch")
+    del _get
+
     def __len__(self):
-        n, b = len(self.folder), self.batch_size
-        return n // b if self.drop_last else -(-n // b)
+        return len(self.position)
 
     def order(self, epoch):
         """Sample indices of an epoch: a function of (seed, epoch) only (as BatchIterator)."""
-        n = len(self.folder)
-        if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, int(epoch)]).permutation(n)
+        return self.position.order(epoch)
 
     def set_epoch(self, epoch, batch=0):
-        if not 0 <= batch <= len(self):
-            raise DataError(f"ImageLoader: batch {batch} outside 0..{len(self)}")
-        self.epoch, self.batch = int(epoch), int(batch)
+        self.position.set_epoch(epoch, batch)
 
     def state_dict(self):
-        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed, "num_samples": len(self.folder),
-                "batch_size": self.batch_size, "shuffle": self.shuffle, "drop_last": self.drop_last,
-                "size": self.size, "train": self.train}
+        return self.position.state_dict(size=self.size, train=self.train)
 
     def load_state_dict(self, state):
-        mine = self.state_dict()
-        for k in ("seed", "num_samples", "batch_size", "shuffle", "drop_last", "size", "train"):
-            if state.get(k) != mine[k]:
-                raise DataError(f"ImageLoader: saved state has {k}={state.get(k)!r}, this loader has "
-                                f"{mine[k]!r}; cannot resume the same order")
-        self.set_epoch(state["epoch"], state["batch"])
+        self.position.load_state_dict(state, size=self.size, train=self.train)
 
     # ------------------------------------------------------------------ work
     def _sample(self, out, index, epoch, position):
@@ -439,9 +439,39 @@ class ImageFolders:
                 f"classes={self.num_classes}, input_shape={self.input_shape})")
 
 
+def limit_samples(folder, n, seed=0):
+    """Keep a seeded random subset of n samples of `folder` (in path order; all of them when n is None
+    or not smaller). The files are sorted by class, so the first n would be the first classes only."""
+    if n is None or n >= len(folder):
+        return folder
+    keep = np.sort(np.random.default_rng([int(seed), 2]).permutation(len(folder))[:n])
+    folder.samples = [folder.samples[i] for i in keep]
+    return folder
+
+
+def check_decodable(folder, workers=4, size=8):
+    """Decode every file of `folder` once, small (JPEGs at a reduced scale): a DataError naming the
+    first file that fails, now rather than when the split is first used. Cost: one pass of reads
+    and (reduced) decodes over the split, on `workers` threads; nothing is kept."""
+    _pil()
+
+    def one(path):
+        try:
+            decode(np.empty((3, size, size), np.uint8), path, size, False, None, "RGB", size)
+        except Exception as e:
+            return f"unreadable image {path}: {e}"
+
+    with ThreadPoolExecutor(max(1, int(workers)), thread_name_prefix="lowmem-check") as pool:
+        for problem in pool.map(one, [p for p, _ in folder.samples]):
+            if problem:
+                raise DataError(problem)
+
+
 def load_image_folders(data_dir, size, mean=None, std=None, channels=3, verify=False, skip_bad=False,
-                       stats_images=STATS_IMAGES, workers=4):
-    """Scan DIR/train and DIR/val (same classes), and compute mean/std when not given -> ImageFolders."""
+                       stats_images=STATS_IMAGES, workers=4, limit_train=None, limit_test=None, seed=0):
+    """Scan DIR/train and DIR/val (same classes), and compute mean/std when not given -> ImageFolders.
+    limit_train / limit_test: a seeded random subset of each split (`limit_samples`), taken
+    before the statistics."""
     root = os.fspath(data_dir)
     if not os.path.isdir(root):
         raise DataError(f"--data {root}: no such directory (expected {root}/train/<class>/*.jpg and "
@@ -452,6 +482,8 @@ def load_image_folders(data_dir, size, mean=None, std=None, channels=3, verify=F
                             f"{root}/val/<class>/*, the torchvision ImageFolder layout)")
     train = ImageFolder(os.path.join(root, "train"), verify=verify, skip_bad=skip_bad)
     val = ImageFolder(os.path.join(root, "val"), classes=train.classes, verify=verify, skip_bad=skip_bad)
+    limit_samples(train, limit_train, seed)
+    limit_samples(val, limit_test, seed)
     if (mean is None) != (std is None):
         raise DataError("give both mean and std, or neither (then they are computed)")
     if mean is None:

@@ -1,10 +1,12 @@
-"""Pre-activation ResNets (He et al. 2016, "Identity Mappings in Deep Residual Networks").
+"""The model families lowmem trains: pre-activation ResNets for CIFAR and ImageNet (He et al. 2016,
+"Identity Mappings in Deep Residual Networks"), wide ResNets and VGG with batch norm.
 
-Every block starts with BN -> ReLU on its input; where the shape changes, a
+In the pre-activation ResNets every block starts with BN -> ReLU on its input; where the shape changes, a
 1x1 projection shortcut reads that pre-activated input. Convs have no bias.
 Buffers: a block reads its input from "res", runs its branch through the
 ping-pong buffers "act0"/"act1", and adds the branch back into "res".
 
+The wide ResNets and VGG-BN are written with the builder (lowmem.nn.Graph).
 `MODELS` (at the end) is the one registry of model families: name -> builder,
 default classes, default input shape and the depths it takes. Every `lowmem`
 command and the trainer look models up there (`build_model`).

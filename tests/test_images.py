@@ -445,3 +445,79 @@ def test_lowmem_train_skip_bad(tmp_path, capsys):
     assert rc == 1 and "Traceback" not in err and "--skip-bad" in err.strip().splitlines()[-1]
     assert cli.main(args + ["--skip-bad", "--out", str(tmp_path / "b")]) == 0
     assert "final test accuracy" in capsys.readouterr().out
+
+
+# ------------------------------------------------ the trainer on image folders (issue 22, cases 2, 3, 10)
+
+FOLDER_TRAIN = ["train", "--dataset", "folder", "--image-size", "16", "--depth", "8", "--batch", "12",
+                "--lr", "0.05", "--workers", "2", "--no-progress"]
+
+
+def test_folder_runs_honour_no_augment_and_the_limits(tmp_path):
+    """--no-augment: the eval transform (no random crop or flip), still shuffled; --limit-train /
+    --limit-test: seeded subsets of the splits (issue 22, case 3: both were ignored)."""
+    from lowmem.trainer import Trainer, TrainConfig
+    root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
+    cfg = TrainConfig(dataset="folder", data_dir=root, image_size=16, depth=8, batch=12, epochs=1,
+                      augment=False, limit_train=30, limit_test=5, workers=2, progress=False)
+    t = Trainer(cfg, log=lambda *a: None)
+    assert (len(t.data.train), len(t.data.val)) == (30, 5) and len(t.batches) == 2
+    assert not t.batches.train and t.batches.shuffle and t.batches.drop_last       # eval transform, shuffled
+    assert len({lab for _, lab in t.data.train.samples}) == 3                    # a subset of every class
+    again = Trainer(cfg, log=lambda *a: None)
+    assert again.data.train.samples == t.data.train.samples                      # the same subset each time
+    xb, _ = next(iter(t.batches))
+    xb2, _ = next(iter(again.batches))
+    np.testing.assert_array_equal(xb, xb2)                                       # no random crop or flip
+    t.close(), again.close()
+
+
+def test_a_bad_val_image_stops_the_run_before_its_first_epoch(tmp_path, capsys):
+    """Issue 22, case 10: found at start-up, so no epoch is lost and no folder needs --overwrite."""
+    from lowmem import cli
+    root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
+    bad = os.path.join(root, "val", "cat", "002.jpg")
+    with open(bad, "r+b") as f:                                  # a JPEG cut off half-way
+        f.truncate(os.path.getsize(bad) // 2)
+    out = tmp_path / "run"
+    assert cli.main(FOLDER_TRAIN + ["--data", root, "--epochs", "1", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"unreadable image {bad}" in err
+    assert not out.exists()                                      # nothing trained, nothing written
+
+
+def test_class_names_and_preprocessing_travel_with_the_weights(tmp_path, capsys):
+    """Issue 22, case 2: the checkpoint and both exports hold the classes, image size and mean/std;
+    a resume after a class folder was renamed is refused naming it; `lowmem predict` on an exported
+    model prints class names."""
+    from lowmem import cli, export
+    from lowmem.checkpoint import load_checkpoint
+    root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
+    run = tmp_path / "run"
+    assert cli.main(FOLDER_TRAIN + ["--data", root, "--epochs", "2", "--out", str(run)]) == 0
+    info = load_checkpoint(str(run / "checkpoint.ckpt"))[1]["data"]
+    assert info["classes"] == ["bird", "cat", "dog"] and info["image_size"] == 16 and info["resize"] == 18
+    assert len(info["mean"]) == len(info["std"]) == 3
+    written = {}
+    for suffix in (".safetensors", ".onnx"):
+        if suffix == ".onnx":
+            pytest.importorskip("onnx")
+            pytest.importorskip("onnxruntime")
+        pytest.importorskip("safetensors")
+        model = str(tmp_path / ("model" + suffix))
+        assert cli.main(["export", str(run), model]) == 0
+        meta = export.read_metadata(model)
+        assert {k: meta[k] for k in info} == info and (meta["model"], meta["depth"]) == ("preact-cifar", 8)
+        written[suffix] = model
+    capsys.readouterr()
+    photos = [os.path.join(root, "val", c, "000.jpg") for c in ("bird", "cat", "dog")]
+    for model in [str(run)] + list(written.values()):
+        assert cli.main(["predict", model] + photos) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert [line.split(": ")[0] for line in lines] == photos
+        assert all(line.split(": ")[1].split(" (")[0] in info["classes"] for line in lines)
+    os.rename(os.path.join(root, "train", "bird"), os.path.join(root, "train", "zebra"))
+    os.rename(os.path.join(root, "val", "bird"), os.path.join(root, "val", "zebra"))
+    assert cli.main(["train", "--out", str(run), "--resume", "--epochs", "3", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "the class folders changed since it was saved (train/bird renamed to train/zebra)" in err
