@@ -68,10 +68,16 @@ CHUNK = 1 << 16     # flat elements per chunk; a multiple of 8 (tests lower it)
 # docs/quantizer.md §1b); the paper's ±3 for every K saturates too much at 8 bits.
 WINDOWS = {8: 5.5, 4: 3.5, 2: 2.5, 1: 2.0}
 MAX_ODD = 64        # w = m·2**e with odd m < MAX_ODD keeps (code + 0.5)·w exact in float32
+# (bits, W) -> float(W) for each window that passed `window`'s checks: quant_params runs once per
+# unit per step (491 times in a ResNet-164 step) and the exactness check builds a Fraction.
+# Keyed by the value, so a changed quant.WINDOWS entry is checked again.
+_CHECKED = {}
 
 
 def check_bits(bits):
     """Return `bits` as an int if it is one of 8, 4, 2, 1; else ValueError."""
+    if bits.__class__ is int and bits in BITS:          # the common case, without the ABC checks
+        return bits
     ok = (isinstance(bits, numbers.Integral) and not isinstance(bits, bool)
           and int(bits) in BITS)
     if not ok:
@@ -87,6 +93,10 @@ def window(bits):
     bits + 7 significant bits), k·w and w/2 are exact in float32 (24 bits)."""
     bits = check_bits(bits)
     W = WINDOWS[bits]
+    try:
+        return _CHECKED[bits, W]
+    except (KeyError, TypeError):                       # first call for this W (or W unhashable)
+        pass
     if not (isinstance(W, numbers.Real) and math.isfinite(W) and W > 0):
         raise ValueError(f"quant.WINDOWS[{bits}] must be a positive finite number, got {W!r}")
     num = fractions.Fraction(float(W)).numerator      # w = 2W/L has the same odd part
@@ -96,6 +106,7 @@ def window(bits):
         raise ValueError(f"quant.WINDOWS[{bits}] = {W!r} gives a bin width whose odd part "
                          f"{num} is not below {MAX_ODD}: (code + 0.5)*w would round "
                          f"(use a multiple of 1/4 such as 2.75 or 4.5)")
+    _CHECKED[bits, W] = float(W)
     return float(W)
 
 
