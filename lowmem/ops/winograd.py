@@ -1,0 +1,275 @@
+"""Winograd F(2x2, 3x3): the stride-1, pad-1 3x3 convolutions without im2col (CPU, numba).
+
+Dimensions as in ops/conv.py:  x (Cin, N, H, W), w (Cout, Cin, 3, 3), out (Cout, N, H, W).
+Tiles: the output is cut into 2x2 tiles, th = ceil(H/2) by tw = ceil(W/2) per sample; tile t
+of a chunk of n samples is t = (s*th + a)*tw + b. Each reads a 4x4 input patch (rows 2a-1..2a+2).
+
+The algorithm (Lavin & Gray 2016), per tile, with the 4x4 input patch d, the 3x3 filter g:
+
+    y (2x2) = A^T [ (G g G^T) * (B^T d B) ] A          (* element-wise, 16 products)
+
+    B^T = [[1, 0,-1, 0],     G = [[ 1,   0,   0 ],     A^T = [[1, 1, 1, 0],
+           [0, 1, 1, 0],          [1/2, 1/2, 1/2],            [0, 1,-1,-1]]
+           [0,-1, 1, 0],          [1/2,-1/2, 1/2],
+           [0, 1, 0,-1]]          [ 0,   0,   1 ]]
+
+Summed over input channels, the 16 element-wise products of each tile become 16 GEMMs over
+all tiles at once: M[p] (Cout, T) = U[p] (Cout, Cin) @ V[p] (Cin, T), p = 0..15, with
+U = G g G^T (the filter, once per call) and V = B^T d B (the input tiles). That is 16 products
+per 4 outputs against im2col's 9 per output: 2.25x fewer multiplies, and the transformed
+tiles take 4x the input instead of 9x. The three products of training:
+
+    forward          V from x,        M = U @ V,            out <- A^T M A
+    input gradient   the same conv of dout with w turned 180 degrees and Cin/Cout swapped
+                     (stride 1, pad 1), so the same three steps; `accumulate` adds into dx
+    weight gradient  V from x,  Mg = A dy A^T from each 2x2 output-gradient tile,
+                     dU[p] = Mg[p] @ V[p]^T (summed over tiles),  dw = G^T dU G
+
+Memory: V and M for `n` samples take 16*(Cin + Cout)*th*tw*n elements of the conv
+workspace (under im2col's 9*Cin*H*W*n when Cin = Cout); chunks are capped at CACHE_BYTES so
+V and M stay in the core's cache between the transform and the GEMM. Threads as in
+ops/conv.py: batch ranges, each with its own part of the workspace.
+
+Accuracy: the transforms' constants are 0, +-1 and +-1/2, so float32 Winograd stays close to
+im2col; tests/test_winograd.py checks every 3x3 conv shape of ResNet-164 against float64.
+When it applies: `applies()` (numba present, NumPy float32 C-contiguous arrays, 3x3,
+stride 1, pad 1, at least MIN_CHANNELS channels in and out, one sample fits the workspace);
+else ops/conv.py's im2col path runs. ENABLED = False turns it off.
+"""
+import numpy
+
+from ..kernels import cpu as _fast
+from . import conv as _conv
+
+ENABLED = True
+MIN_CHANNELS = 16           # below this the 16 GEMMs are too thin to beat one im2col GEMM (the stem's Cin = 3)
+CACHE_BYTES = 2 << 20       # bytes of transformed tiles (V and M) per chunk
+
+G64 = numpy.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]])
+
+
+def tiles(H, W):
+    """(th, tw): 2x2 output tiles per sample."""
+    return (H + 1) // 2, (W + 1) // 2
+
+
+def per_sample(Cin, Cout, H, W):
+    """Workspace elements one sample needs (its V and M)."""
+    th, tw = tiles(H, W)
+    return 16 * (Cin + Cout) * th * tw
+
+
+def applies(x, w, out, stride, pad, ws):
+    """Whether the Winograd path runs this conv (see the module docstring)."""
+    if not (ENABLED and _fast.AVAILABLE):
+        return False
+    Cout, Cin, kh, kw = w.shape
+    if (kh, kw, stride, pad) != (3, 3, 1, 1) or min(Cin, Cout) < MIN_CHANNELS:
+        return False
+    arrays = (x, w, out, ws)
+    if not all(type(a) is numpy.ndarray and a.dtype == numpy.float32 for a in arrays):
+        return False
+    if not (x.flags.c_contiguous and out.flags.c_contiguous):
+        return False
+    H, W = x.shape[2:]
+    if out.shape[2:] != (H, W):
+        return False
+    return ws.size >= per_sample(Cin, Cout, H, W)         # the batch split gives each range >= one sample
+
+
+def filter_transform(w):
+    """U (16, Cout, Cin) float32 = G g G^T per filter, computed in float64 and rounded once."""
+    u = numpy.einsum("ik,ockl,jl->ijoc", G64, w.astype(numpy.float64), G64)
+    return numpy.ascontiguousarray(u.reshape(16, w.shape[0], w.shape[1]), dtype=numpy.float32)
+
+
+def _chunk(wsp, per, n):
+    """Samples per chunk in this range's workspace: what fits, at most CACHE_BYTES."""
+    return max(1, min(n, wsp.size // per, CACHE_BYTES // (4 * per)))
+
+
+def _correlate(out, x, U, ws, accumulate):
+    """out (Co, N, H, W) (+)= the stride-1 pad-1 3x3 correlation of x (Ci, N, H, W) with the
+    filters whose transforms are U (16, Co, Ci)."""
+    Co, Ci = U.shape[1:]
+    N, H, W = x.shape[1:]
+    th, tw = tiles(H, W)
+    per = per_sample(Ci, Co, H, W)
+
+    def samples(a, b, wsp):
+        nc = _chunk(wsp, per, b - a)
+        for n0 in range(a, b, nc):
+            n1 = min(b, n0 + nc)
+            T = (n1 - n0) * th * tw
+            V = wsp[:16 * Ci * T].reshape(16, Ci, T)
+            M = wsp[16 * Ci * T:16 * (Ci + Co) * T].reshape(16, Co, T)
+            _input_tiles(V, x, n0)
+            numpy.matmul(U, V, out=M)
+            _output_tiles(out, M, n0, accumulate)
+    _conv._over_batch(N, ws, per, samples)
+
+
+def conv3x3_forward(out, x, w, ws):
+    """out (Cout, N, H, W) = conv(x (Cin, N, H, W), w (Cout, Cin, 3, 3)), stride 1, pad 1."""
+    _correlate(out, x, filter_transform(w), ws, False)
+
+
+def conv3x3_backward_input(dx, dout, w, ws, accumulate=False):
+    """dx (Cin, N, H, W) = (or += ) the input gradient: dout correlated with w turned 180 degrees,
+    in and out channels swapped."""
+    wb = w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)
+    _correlate(dx, dout, filter_transform(wb), ws, accumulate)
+
+
+def conv3x3_backward_weight(dw, x, dout, ws):
+    """dw (Cout, Cin, 3, 3) += dout (Cout, N, H, W) correlated with x (Cin, N, H, W).
+    Per range a (16, Cout, Cin) float32 sum of the chunks' dU; ranges added in order."""
+    Co, Ci = dw.shape[:2]
+    N, H, W = x.shape[1:]
+    th, tw = tiles(H, W)
+    per = per_sample(Ci, Co, H, W)
+    parts = {}
+
+    def samples(a, b, wsp):
+        nc = _chunk(wsp, per, b - a)
+        acc = None
+        for n0 in range(a, b, nc):
+            n1 = min(b, n0 + nc)
+            T = (n1 - n0) * th * tw
+            V = wsp[:16 * Ci * T].reshape(16, Ci, T)
+            Mg = wsp[16 * Ci * T:16 * (Ci + Co) * T].reshape(16, Co, T)
+            _input_tiles(V, x, n0)
+            _gradient_tiles(Mg, dout, n0)
+            term = numpy.matmul(Mg, V.transpose(0, 2, 1))
+            if acc is None:
+                acc = term
+            else:
+                acc += term
+        parts[a] = acc
+    _conv._over_batch(N, ws, per, samples)
+    dU = parts.pop(min(parts))
+    for start in sorted(parts):                        # a fixed order: deterministic for a given T
+        dU += parts[start]
+    g = numpy.einsum("ip,ijoc,jq->ocpq", G64, dU.reshape(4, 4, Co, Ci).astype(numpy.float64), G64)
+    dw += g.astype(dw.dtype)
+
+
+if _fast.AVAILABLE:
+    from numba import njit
+    _opts = dict(cache=True, nogil=True)
+
+    @njit(**_opts)
+    def _input_tiles(V, x, n0):
+        """V (16, C, T) <- B^T d B of every 4x4 input patch of samples n0.. of x (C, N, H, W),
+        zero outside the image (pad 1; a zero column/row more when H or W is odd)."""
+        C, N, H, W = x.shape
+        th, tw = (H + 1) // 2, (W + 1) // 2
+        ns = V.shape[2] // (th * tw)
+        P = numpy.zeros((2 * th + 2, 2 * tw + 2), numpy.float32)      # the padded plane
+        for c in range(C):
+            for s in range(ns):
+                P[1:H + 1, 1:W + 1] = x[c, n0 + s]
+                for a in range(th):
+                    r = 2 * a
+                    t0 = s * th * tw + a * tw
+                    for b in range(tw):
+                        q = 2 * b
+                        # B^T d: rows 0-2, 1+2, 2-1, 1-3 of the patch, per column j
+                        d0 = P[r, q:q + 4]
+                        d1 = P[r + 1, q:q + 4]
+                        d2 = P[r + 2, q:q + 4]
+                        d3 = P[r + 3, q:q + 4]
+                        for i in range(4):
+                            if i == 0:
+                                e0, e1, e2, e3 = d0[0] - d2[0], d0[1] - d2[1], d0[2] - d2[2], d0[3] - d2[3]
+                            elif i == 1:
+                                e0, e1, e2, e3 = d1[0] + d2[0], d1[1] + d2[1], d1[2] + d2[2], d1[3] + d2[3]
+                            elif i == 2:
+                                e0, e1, e2, e3 = d2[0] - d1[0], d2[1] - d1[1], d2[2] - d1[2], d2[3] - d1[3]
+                            else:
+                                e0, e1, e2, e3 = d1[0] - d3[0], d1[1] - d3[1], d1[2] - d3[2], d1[3] - d3[3]
+                            # (.) B: the same combinations along the row
+                            V[4 * i, c, t0 + b] = e0 - e2
+                            V[4 * i + 1, c, t0 + b] = e1 + e2
+                            V[4 * i + 2, c, t0 + b] = e2 - e1
+                            V[4 * i + 3, c, t0 + b] = e1 - e3
+
+    @njit(**_opts)
+    def _output_tiles(out, M, n0, accumulate):
+        """out[:, n0:n0+n] (=, or += with accumulate) A^T m A of every tile's 16 values in M (16, Co, T)."""
+        Co, N, H, W = out.shape
+        th, tw = (H + 1) // 2, (W + 1) // 2
+        ns = M.shape[2] // (th * tw)
+        for c in range(Co):
+            for s in range(ns):
+                o = out[c, n0 + s]
+                for a in range(th):
+                    t0 = s * th * tw + a * tw
+                    r = 2 * a
+                    for b in range(tw):
+                        t = t0 + b
+                        # A^T m: rows 0+1+2 and 1-2-3, per column j
+                        u0 = M[0, c, t] + M[4, c, t] + M[8, c, t]
+                        u1 = M[1, c, t] + M[5, c, t] + M[9, c, t]
+                        u2 = M[2, c, t] + M[6, c, t] + M[10, c, t]
+                        u3 = M[3, c, t] + M[7, c, t] + M[11, c, t]
+                        v0 = M[4, c, t] - M[8, c, t] - M[12, c, t]
+                        v1 = M[5, c, t] - M[9, c, t] - M[13, c, t]
+                        v2 = M[6, c, t] - M[10, c, t] - M[14, c, t]
+                        v3 = M[7, c, t] - M[11, c, t] - M[15, c, t]
+                        y00, y01 = u0 + u1 + u2, u1 - u2 - u3
+                        y10, y11 = v0 + v1 + v2, v1 - v2 - v3
+                        q = 2 * b
+                        if not accumulate:
+                            o[r, q] = y00
+                            if q + 1 < W:
+                                o[r, q + 1] = y01
+                            if r + 1 < H:
+                                o[r + 1, q] = y10
+                                if q + 1 < W:
+                                    o[r + 1, q + 1] = y11
+                        else:
+                            o[r, q] += y00
+                            if q + 1 < W:
+                                o[r, q + 1] += y01
+                            if r + 1 < H:
+                                o[r + 1, q] += y10
+                                if q + 1 < W:
+                                    o[r + 1, q + 1] += y11
+
+    @njit(**_opts)
+    def _gradient_tiles(Mg, dout, n0):
+        """Mg (16, Co, T) <- A dy A^T of every 2x2 tile of dout (Co, N, H, W), samples n0..
+        (zero beyond the image when H or W is odd). A = [[1,0],[1,1],[1,-1],[0,-1]]."""
+        Co, N, H, W = dout.shape
+        th, tw = (H + 1) // 2, (W + 1) // 2
+        ns = Mg.shape[2] // (th * tw)
+        z = numpy.float32(0)
+        for c in range(Co):
+            for s in range(ns):
+                g = dout[c, n0 + s]
+                for a in range(th):
+                    t0 = s * th * tw + a * tw
+                    r = 2 * a
+                    for b in range(tw):
+                        q = 2 * b
+                        g00 = g[r, q]
+                        g01 = g[r, q + 1] if q + 1 < W else z
+                        g10 = g[r + 1, q] if r + 1 < H else z
+                        g11 = g[r + 1, q + 1] if (r + 1 < H and q + 1 < W) else z
+                        # A dy: rows g0, g0+g1, g0-g1, -g1 (per column)
+                        t = t0 + b
+                        for i in range(4):
+                            if i == 0:
+                                e0, e1 = g00, g01
+                            elif i == 1:
+                                e0, e1 = g00 + g10, g01 + g11
+                            elif i == 2:
+                                e0, e1 = g00 - g10, g01 - g11
+                            else:
+                                e0, e1 = -g10, -g11
+                            # (.) A^T: the same along the row
+                            Mg[4 * i, c, t] = e0
+                            Mg[4 * i + 1, c, t] = e0 + e1
+                            Mg[4 * i + 2, c, t] = e0 - e1
+                            Mg[4 * i + 3, c, t] = -e1
