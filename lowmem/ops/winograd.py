@@ -34,16 +34,19 @@ Accuracy: the transforms' constants are 0, +-1 and +-1/2, so float32 Winograd st
 im2col; tests/test_winograd.py checks every 3x3 conv shape of ResNet-164 against float64.
 When it applies: `applies()` (numba present, NumPy float32 C-contiguous arrays, 3x3,
 stride 1, pad 1, at least MIN_CHANNELS channels in and out, one sample fits the workspace);
-else ops/conv.py's im2col path runs. ENABLED = False turns it off.
+else ops/conv.py's im2col path runs. ENABLED = False (or LOWMEM_WINOGRAD=0 in the environment)
+turns it off.
 """
+import os
+
 import numpy
 
 from ..kernels import cpu as _fast
 from . import conv as _conv
 
-ENABLED = True
+ENABLED = os.environ.get("LOWMEM_WINOGRAD", "1").strip() not in ("0", "false", "no")   # the switch
 MIN_CHANNELS = 16           # below this the 16 GEMMs are too thin to beat one im2col GEMM (the stem's Cin = 3)
-CACHE_BYTES = 2 << 20       # bytes of transformed tiles (V and M) per chunk
+CACHE_BYTES = 1 << 20       # bytes of transformed tiles (V and M) per chunk
 
 G64 = numpy.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]])
 
@@ -161,38 +164,41 @@ if _fast.AVAILABLE:
     @njit(**_opts)
     def _input_tiles(V, x, n0):
         """V (16, C, T) <- B^T d B of every 4x4 input patch of samples n0.. of x (C, N, H, W),
-        zero outside the image (pad 1; a zero column/row more when H or W is odd)."""
+        zero outside the image (pad 1; a zero column/row more when H or W is odd).
+
+        Per tile row, B^T d is first formed for the whole padded row width (E: 4 contiguous
+        rows, vectorised), then (.) B walks the tiles, each of the 16 planes of V written
+        contiguously."""
         C, N, H, W = x.shape
         th, tw = (H + 1) // 2, (W + 1) // 2
         ns = V.shape[2] // (th * tw)
-        P = numpy.zeros((2 * th + 2, 2 * tw + 2), numpy.float32)      # the padded plane
+        Z = numpy.zeros(W, numpy.float32)                   # a row outside the image
+        E = numpy.zeros((4, 2 * tw + 2), numpy.float32)     # column k holds padded column k (0, W+1..: zero)
         for c in range(C):
             for s in range(ns):
-                P[1:H + 1, 1:W + 1] = x[c, n0 + s]
+                img = x[c, n0 + s]
                 for a in range(th):
-                    r = 2 * a
-                    t0 = s * th * tw + a * tw
-                    for b in range(tw):
-                        q = 2 * b
-                        # B^T d: rows 0-2, 1+2, 2-1, 1-3 of the patch, per column j
-                        d0 = P[r, q:q + 4]
-                        d1 = P[r + 1, q:q + 4]
-                        d2 = P[r + 2, q:q + 4]
-                        d3 = P[r + 3, q:q + 4]
-                        for i in range(4):
-                            if i == 0:
-                                e0, e1, e2, e3 = d0[0] - d2[0], d0[1] - d2[1], d0[2] - d2[2], d0[3] - d2[3]
-                            elif i == 1:
-                                e0, e1, e2, e3 = d1[0] + d2[0], d1[1] + d2[1], d1[2] + d2[2], d1[3] + d2[3]
-                            elif i == 2:
-                                e0, e1, e2, e3 = d2[0] - d1[0], d2[1] - d1[1], d2[2] - d1[2], d2[3] - d1[3]
-                            else:
-                                e0, e1, e2, e3 = d1[0] - d3[0], d1[1] - d3[1], d1[2] - d3[2], d1[3] - d3[3]
-                            # (.) B: the same combinations along the row
-                            V[4 * i, c, t0 + b] = e0 - e2
-                            V[4 * i + 1, c, t0 + b] = e1 + e2
-                            V[4 * i + 2, c, t0 + b] = e2 - e1
-                            V[4 * i + 3, c, t0 + b] = e1 - e3
+                    r = 2 * a - 1                           # the patch's first row in the image
+                    d0 = img[r] if r >= 0 else Z
+                    d1 = img[r + 1]
+                    d2 = img[r + 2] if r + 2 < H else Z
+                    d3 = img[r + 3] if r + 3 < H else Z
+                    for k in range(W):                      # B^T d: rows 0-2, 1+2, 2-1, 1-3
+                        E[0, k + 1] = d0[k] - d2[k]
+                        E[1, k + 1] = d1[k] + d2[k]
+                        E[2, k + 1] = d2[k] - d1[k]
+                        E[3, k + 1] = d1[k] - d3[k]
+                    t0 = (s * th + a) * tw
+                    for i in range(4):                      # (.) B: the same along the row
+                        e = E[i]
+                        v0, v1 = V[4 * i, c, t0:t0 + tw], V[4 * i + 1, c, t0:t0 + tw]
+                        v2, v3 = V[4 * i + 2, c, t0:t0 + tw], V[4 * i + 3, c, t0:t0 + tw]
+                        for b in range(tw):
+                            q = 2 * b
+                            v0[b] = e[q] - e[q + 2]
+                            v1[b] = e[q + 1] + e[q + 2]
+                            v2[b] = e[q + 2] - e[q + 1]
+                            v3[b] = e[q + 1] - e[q + 3]
 
     @njit(**_opts)
     def _output_tiles(out, M, n0, accumulate):
@@ -240,36 +246,32 @@ if _fast.AVAILABLE:
     @njit(**_opts)
     def _gradient_tiles(Mg, dout, n0):
         """Mg (16, Co, T) <- A dy A^T of every 2x2 tile of dout (Co, N, H, W), samples n0..
-        (zero beyond the image when H or W is odd). A = [[1,0],[1,1],[1,-1],[0,-1]]."""
+        (zero beyond the image when H or W is odd). A = [[1,0],[1,1],[1,-1],[0,-1]].
+        Vectorised as _input_tiles: A dy for a whole row pair, then (.) A^T per tile."""
         Co, N, H, W = dout.shape
         th, tw = (H + 1) // 2, (W + 1) // 2
         ns = Mg.shape[2] // (th * tw)
-        z = numpy.float32(0)
+        Z = numpy.zeros(W, numpy.float32)
+        E = numpy.zeros((4, 2 * tw), numpy.float32)          # column W (W odd) stays zero
         for c in range(Co):
             for s in range(ns):
-                g = dout[c, n0 + s]
+                img = dout[c, n0 + s]
                 for a in range(th):
-                    t0 = s * th * tw + a * tw
-                    r = 2 * a
-                    for b in range(tw):
-                        q = 2 * b
-                        g00 = g[r, q]
-                        g01 = g[r, q + 1] if q + 1 < W else z
-                        g10 = g[r + 1, q] if r + 1 < H else z
-                        g11 = g[r + 1, q + 1] if (r + 1 < H and q + 1 < W) else z
-                        # A dy: rows g0, g0+g1, g0-g1, -g1 (per column)
-                        t = t0 + b
-                        for i in range(4):
-                            if i == 0:
-                                e0, e1 = g00, g01
-                            elif i == 1:
-                                e0, e1 = g00 + g10, g01 + g11
-                            elif i == 2:
-                                e0, e1 = g00 - g10, g01 - g11
-                            else:
-                                e0, e1 = -g10, -g11
-                            # (.) A^T: the same along the row
-                            Mg[4 * i, c, t] = e0
-                            Mg[4 * i + 1, c, t] = e0 + e1
-                            Mg[4 * i + 2, c, t] = e0 - e1
-                            Mg[4 * i + 3, c, t] = -e1
+                    g0 = img[2 * a]
+                    g1 = img[2 * a + 1] if 2 * a + 1 < H else Z
+                    for k in range(W):                      # A dy: rows g0, g0+g1, g0-g1, -g1
+                        E[0, k] = g0[k]
+                        E[1, k] = g0[k] + g1[k]
+                        E[2, k] = g0[k] - g1[k]
+                        E[3, k] = -g1[k]
+                    t0 = (s * th + a) * tw
+                    for i in range(4):                      # (.) A^T: the same along the row
+                        e = E[i]
+                        m0, m1 = Mg[4 * i, c, t0:t0 + tw], Mg[4 * i + 1, c, t0:t0 + tw]
+                        m2, m3 = Mg[4 * i + 2, c, t0:t0 + tw], Mg[4 * i + 3, c, t0:t0 + tw]
+                        for b in range(tw):
+                            q = 2 * b
+                            m0[b] = e[q]
+                            m1[b] = e[q] + e[q + 1]
+                            m2[b] = e[q] - e[q + 1]
+                            m3[b] = -e[q + 1]
