@@ -33,7 +33,7 @@ import numpy
 
 from . import backend, checks, distributed, kernels, layers, quant, threads
 from .layers import OPS, BatchStatisticsError
-from .ops import softmax_xent_forward, softmax_xent_backward
+from .ops import softmax_xent_forward, softmax_xent_backward, winograd
 from .plan import Plan, fmt_bytes
 from .schedule import BUFFERS, Schedule, forward_steps, plan_backward, resolve
 
@@ -186,6 +186,9 @@ class Engine:
         row_block = min(max(units), max(layers.ROW_BLOCK, max(self.N * h * w for (_, h, w) in
                                                                self._unit_sizes.values())))
         plan.add_temporary("a BN row block (x2)", 2 * row_block * it)
+        convs = [(L.k, L.stride, L.pad, L.cin, L.cout) for L in self.net.layers if L.op == "conv"]
+        if winograd.temporary_bytes(convs, self.dtype):
+            plan.add_temporary("Winograd filter tiles", winograd.temporary_bytes(convs, self.dtype))
         if self.selected.decodes:
             plan.add_temporary("quantizer chunks", (2 * it + 4) * min(quant.CHUNK, max(units)))
 

@@ -112,8 +112,8 @@ def test_odd_sizes_accumulate_and_chunks_match_im2col(monkeypatch, H, W):
     for on in (False, True):
         monkeypatch.setattr(winograd, "ENABLED", on)
         monkeypatch.setattr(winograd, "CACHE_BYTES", 1)     # one sample per chunk
-        ws = np.full(winograd.per_sample(Cin, Cout, H, W) * 2, np.nan, np.float32)
-        assert not on or winograd.applies(x, w, g, 1, 1, ws)
+        ws = np.full(winograd.per_sample(Cin, Cout, H, W) * 2 + 32 * Cin * Cout, np.nan, np.float32)
+        assert not on or winograd.applies(x, w, g, 1, 1, ws, weight=True)
         out = np.empty((Cout, N, H, W), np.float32)
         conv.conv2d_forward(out, x, w, 1, 1, ws)
         dx = base.copy()
@@ -159,4 +159,7 @@ def test_not_taken_when_it_does_not_apply():
     assert not winograd.applies(x[:3], w[:, :3], out, 1, 1, ws)                          # Cin < MIN_CHANNELS
     assert not winograd.applies(x, w, out[:, :, :4, :4], 2, 1, ws)                       # stride 2
     assert not winograd.applies(x, w, out, 1, 1, ws[:winograd.per_sample(16, 16, 8, 8) - 1])   # no room
+    room = ws[:winograd.per_sample(16, 16, 8, 8) + 32 * 16 * 16]
+    assert winograd.applies(x, w, out, 1, 1, room, weight=True)
+    assert not winograd.applies(x, w, out, 1, 1, room[:-1], weight=True)      # no room for the dU sums
     assert not winograd.applies(x.transpose(0, 1, 3, 2), w, out, 1, 1, ws)              # not C-contiguous

@@ -208,7 +208,7 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws):
 
     # saved: the conv input x (exact, or decoded from a K-bit code by the caller).
     Allocates one weight-sized temporary per chunk, plus one per thread (never activation-sized)."""
-    if _winograd.applies(x, dw, dout, stride, pad, ws):
+    if _winograd.applies(x, dw, dout, stride, pad, ws, weight=True):
         return _winograd.conv3x3_backward_weight(dw, x, dout, ws)
     xp = array_module(dw)
     Cout, Cin, kh, kw = dw.shape

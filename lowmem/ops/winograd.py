@@ -26,7 +26,7 @@ tiles take 4x the input instead of 9x. The three products of training:
                      dU[p] = Mg[p] @ V[p]^T (summed over tiles),  dw = G^T dU G
 
 Memory: V and M for `n` samples take 16*(Cin + Cout)*th*tw*n elements of the conv
-workspace (under im2col's 9*Cin*H*W*n when Cin = Cout); chunks are capped at CACHE_BYTES so
+workspace (the weight gradient also keeps two 16*Cout*Cin sums per range there) (under im2col's 9*Cin*H*W*n when Cin = Cout); chunks are capped at CACHE_BYTES so
 V and M stay in the core's cache between the transform and the GEMM. Threads as in
 ops/conv.py: batch ranges, each with its own part of the workspace.
 
@@ -48,7 +48,6 @@ ENABLED = os.environ.get("LOWMEM_WINOGRAD", "1").strip() not in ("0", "false", "
 MIN_CHANNELS = 16           # below this the 16 GEMMs are too thin to beat one im2col GEMM (the stem's Cin = 3)
 CACHE_BYTES = 1 << 20       # bytes of transformed tiles (V and M) per chunk
 
-G64 = numpy.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]])
 
 
 def tiles(H, W):
@@ -62,8 +61,9 @@ def per_sample(Cin, Cout, H, W):
     return 16 * (Cin + Cout) * th * tw
 
 
-def applies(x, w, out, stride, pad, ws):
-    """Whether the Winograd path runs this conv (see the module docstring)."""
+def applies(x, w, out, stride, pad, ws, weight=False):
+    """Whether the Winograd path runs this conv (see the module docstring); weight: for the
+    weight gradient, which also keeps two (16, Cout, Cin) sums in the workspace."""
     if not (ENABLED and _fast.AVAILABLE):
         return False
     Cout, Cin, kh, kw = w.shape
@@ -77,13 +77,27 @@ def applies(x, w, out, stride, pad, ws):
     H, W = x.shape[2:]
     if out.shape[2:] != (H, W):
         return False
-    return ws.size >= per_sample(Cin, Cout, H, W)         # the batch split gives each range >= one sample
+    need = per_sample(Cin, Cout, H, W) + (32 * Cin * Cout if weight else 0)
+    return ws.size >= need                                 # the batch split gives each range at least this
+
+
+def temporary_bytes(convs, dtype):
+    """Bound on the NumPy temporaries this path adds to a step (for the engine's plan):
+    convs, (k, stride, pad, Cin, Cout) per conv. The forward and input gradient allocate the
+    transformed filters U (16*Cout*Cin float32); the weight gradient works in the workspace."""
+    sizes = [ci * co for k, s, p, ci, co in convs
+             if (k, s, p) == (3, 1, 1) and min(ci, co) >= MIN_CHANNELS]
+    if not (sizes and ENABLED and _fast.AVAILABLE and numpy.dtype(dtype) == numpy.float32):
+        return 0
+    return 16 * max(sizes) * 4
 
 
 def filter_transform(w):
-    """U (16, Cout, Cin) float32 = G g G^T per filter, computed in float64 and rounded once."""
-    u = numpy.einsum("ik,ockl,jl->ijoc", G64, w.astype(numpy.float64), G64)
-    return numpy.ascontiguousarray(u.reshape(16, w.shape[0], w.shape[1]), dtype=numpy.float32)
+    """U (16, Cout, Cin) float32 = G g G^T per filter (w (Cout, Cin, 3, 3), any strides),
+    each computed in float64 and rounded once; the only allocation is U."""
+    U = numpy.empty((16,) + w.shape[:2], numpy.float32)
+    _filter_tiles(U, w)
+    return U
 
 
 def _chunk(wsp, per, n):
@@ -126,40 +140,76 @@ def conv3x3_backward_input(dx, dout, w, ws, accumulate=False):
 
 def conv3x3_backward_weight(dw, x, dout, ws):
     """dw (Cout, Cin, 3, 3) += dout (Cout, N, H, W) correlated with x (Cin, N, H, W).
-    Per range a (16, Cout, Cin) float32 sum of the chunks' dU; ranges added in order."""
+
+    Each batch range keeps its running dU (16, Cout, Cin) and one chunk's GEMM result at the
+    start of its own part of the workspace (so no temporaries); the ranges' sums are added
+    in range order (deterministic for a given thread count), then dw += G^T dU G."""
     Co, Ci = dw.shape[:2]
     N, H, W = x.shape[1:]
     th, tw = tiles(H, W)
-    per = per_sample(Ci, Co, H, W)
-    parts = {}
+    per, u = per_sample(Ci, Co, H, W), 16 * Co * Ci
+    sums = {}
 
     def samples(a, b, wsp):
-        nc = _chunk(wsp, per, b - a)
-        acc = None
+        acc, term = wsp[:u].reshape(16, Co, Ci), wsp[u:2 * u].reshape(16, Co, Ci)
+        tiles_ws = wsp[2 * u:]
+        nc = _chunk(tiles_ws, per, b - a)
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)
             T = (n1 - n0) * th * tw
-            V = wsp[:16 * Ci * T].reshape(16, Ci, T)
-            Mg = wsp[16 * Ci * T:16 * (Ci + Co) * T].reshape(16, Co, T)
+            V = tiles_ws[:16 * Ci * T].reshape(16, Ci, T)
+            Mg = tiles_ws[16 * Ci * T:16 * (Ci + Co) * T].reshape(16, Co, T)
             _input_tiles(V, x, n0)
             _gradient_tiles(Mg, dout, n0)
-            term = numpy.matmul(Mg, V.transpose(0, 2, 1))
-            if acc is None:
-                acc = term
+            if n0 == a:
+                numpy.matmul(Mg, V.transpose(0, 2, 1), out=acc)
             else:
-                acc += term
-        parts[a] = acc
-    _conv._over_batch(N, ws, per, samples)
-    dU = parts.pop(min(parts))
-    for start in sorted(parts):                        # a fixed order: deterministic for a given T
-        dU += parts[start]
-    g = numpy.einsum("ip,ijoc,jq->ocpq", G64, dU.reshape(4, 4, Co, Ci).astype(numpy.float64), G64)
-    dw += g.astype(dw.dtype)
+                acc += numpy.matmul(Mg, V.transpose(0, 2, 1), out=term)
+        sums[a] = acc
+    _conv._over_batch(N, ws, per + 2 * u, samples)        # each range: one sample's tiles + dU + a term
+    starts = sorted(sums)
+    dU = sums[starts[0]]
+    for start in starts[1:]:
+        dU += sums[start]
+    _filter_gradient_add(dw, dU)
 
 
 if _fast.AVAILABLE:
     from numba import njit
     _opts = dict(cache=True, nogil=True)
+
+    @njit(**_opts)
+    def _filter_tiles(U, w):
+        """U[4i+j, o, c] = (G g G^T)[i, j] for each filter g = w[o, c] (3x3), in float64."""
+        G = numpy.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
+        Co, Ci = w.shape[0], w.shape[1]
+        t = numpy.empty((4, 3))
+        for o in range(Co):
+            for c in range(Ci):
+                for i in range(4):                          # t = G g
+                    for l in range(3):
+                        t[i, l] = G[i, 0] * w[o, c, 0, l] + G[i, 1] * w[o, c, 1, l] + G[i, 2] * w[o, c, 2, l]
+                for i in range(4):                          # (G g) G^T
+                    for j in range(4):
+                        U[4 * i + j, o, c] = t[i, 0] * G[j, 0] + t[i, 1] * G[j, 1] + t[i, 2] * G[j, 2]
+
+    @njit(**_opts)
+    def _filter_gradient_add(dw, dU):
+        """dw[o, c] += G^T dU G, dU[4i+j, o, c] the gradient of U, in float64 (the adjoint of _filter_tiles)."""
+        G = numpy.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
+        Co, Ci = dw.shape[0], dw.shape[1]
+        t = numpy.empty((3, 4))
+        for o in range(Co):
+            for c in range(Ci):
+                for p in range(3):                          # t = G^T dU
+                    for j in range(4):
+                        acc = 0.0
+                        for i in range(4):
+                            acc += G[i, p] * dU[4 * i + j, o, c]
+                        t[p, j] = acc
+                for p in range(3):                          # (G^T dU) G
+                    for q in range(3):
+                        dw[o, c, p, q] += t[p, 0] * G[0, q] + t[p, 1] * G[1, q] + t[p, 2] * G[2, q] + t[p, 3] * G[3, q]
 
     @njit(**_opts)
     def _input_tiles(V, x, n0):
