@@ -21,6 +21,10 @@ im2col / col2im_add below are the readable NumPy references (kernel-offset
 slices). With numba, on C-contiguous NumPy arrays, col2im runs as the loop of
 lowmem/kernels/cpu.py instead (bit-identical, tests/test_ops.py; about 1.8x
 faster: one dx plane stays in L1 while its nine column rows stream by).
+
+Stride-1, pad-1 3x3 convs with at least 16 channels, on float32 NumPy arrays with numba,
+take Winograd F(2x2, 3x3) instead (ops/winograd.py: no columns at all; `winograd.applies`
+says when, LOWMEM_WINOGRAD=0 turns it off); every entry point below checks that first.
 """
 from .. import threads
 from ..backend import array_module
