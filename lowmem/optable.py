@@ -39,7 +39,7 @@ from .ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight,
                   avgpool_forward, avgpool_backward, avgpool2d_forward, avgpool2d_backward,
                   linear_forward, linear_backward, softmax_xent_forward, softmax_xent_backward)
 from .ops.batchnorm import BN_EPS
-from .ops import pool
+from .ops import pool, winograd
 
 BN_MOMENTUM = 0.1
 MAX_POOL_WINDOW = 16                  # the max-pool argmax is saved as a 4-bit index
@@ -115,6 +115,11 @@ class Conv(Op):
         # every conv shares the one "conv.cols" workspace (the plan keeps the largest)
         per_sample = L.cin * L.k * L.k * out_shape[1] * out_shape[2]
         return [("conv.cols", "workspace", (per_sample * min(N, max(1, budget // per_sample)),), dtype)]
+
+    @staticmethod
+    def temporary(L, out_shape, itemsize):
+        nbytes = winograd.temporary_bytes([(L.k, L.stride, L.pad, L.cin, L.cout)], f"f{itemsize}")
+        return ("Winograd filter tiles", nbytes) if nbytes else None
 
     @staticmethod
     def route(L, walk):

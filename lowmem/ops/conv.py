@@ -21,11 +21,16 @@ im2col / col2im_add below are the readable NumPy references (kernel-offset
 slices). With numba, on C-contiguous NumPy arrays, col2im runs as the loop of
 lowmem/kernels/cpu.py instead (bit-identical, tests/test_ops.py; about 1.8x
 faster: one dx plane stays in L1 while its nine column rows stream by).
+
+Stride-1, pad-1 3x3 convs with at least 16 channels, on float32 NumPy arrays with numba,
+take Winograd F(2x2, 3x3) instead (ops/winograd.py: no columns at all; `winograd.applies`
+says when, LOWMEM_WINOGRAD=0 turns it off); every entry point below checks that first.
 """
 from .. import threads
 from ..backend import array_module
 from ..kernels import cpu as _fast
 from ..kernels import gpu as _gpu
+from . import winograd as _winograd
 
 GEMM_GRAIN = 4096       # columns per thread below which a 1x1-conv GEMM is not split
 COLS_GRAIN = 1 << 16    # im2col elements per thread below which a conv's batch is not split
@@ -150,6 +155,8 @@ def conv2d_forward(out, x, w, stride, pad, ws):
     """out (Cout, N, Ho, Wo) = conv(x (Cin, N, H, W), w (Cout, Cin, kh, kw)).
 
     x may be a strided view (e.g. the caller's NCHW batch transposed)."""
+    if _winograd.applies(x, w, out, stride, pad, ws):      # stride-1 3x3: no im2col (ops/winograd.py)
+        return _winograd.conv3x3_forward(out, x, w, ws)
     xp = array_module(out)
     Cout, Cin, kh, kw = w.shape
     N = x.shape[1]
@@ -175,6 +182,8 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False):
     """dx (Cin, N, H, W) = (or += with accumulate) conv's input gradient from dout (Cout, N, Ho, Wo).
 
     # saved: nothing but the weights (exact)."""
+    if _winograd.applies(dout, w, dx, stride, pad, ws):
+        return _winograd.conv3x3_backward_input(dx, dout, w, ws, accumulate)
     xp = array_module(dx)
     Cout, Cin, kh, kw = w.shape
     N = dx.shape[1]
@@ -203,6 +212,8 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws):
 
     # saved: the conv input x (exact, or decoded from a K-bit code by the caller).
     Allocates one weight-sized temporary per chunk, plus one per thread (never activation-sized)."""
+    if _winograd.applies(x, dw, dout, stride, pad, ws, weight=True):
+        return _winograd.conv3x3_backward_weight(dw, x, dout, ws)
     xp = array_module(dw)
     Cout, Cin, kh, kw = dw.shape
     N = x.shape[1]
