@@ -48,7 +48,6 @@ import platform
 import re
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy
@@ -57,6 +56,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from lowmem import diagnostics as D             # noqa: E402
 from lowmem import quant                        # noqa: E402
+from lowmem.atomic import atomic_write as write_atomically    # noqa: E402
 from lowmem.data import DataError, load_dataset, normalize      # noqa: E402
 from lowmem.models import MODELS                                  # noqa: E402
 from lowmem.trainer import TrainConfig, Trainer                  # noqa: E402
@@ -90,23 +90,9 @@ def seeds_of(text):
 # ---- results file ---------------------------------------------------------------------
 
 def atomic_write(path, text):
-    """Write `text` to `path` via a temporary file + fsync + rename: never half-written."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)                   # mkstemp's 0600 is not what a doc wants
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write `text` to `path` (its folder made if missing) via lowmem.atomic: never half-written."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomically(path, text)
 
 
 def load_results(path, settings):

@@ -17,6 +17,11 @@ Configurations (the same pre-activation ResNet: tests/torch_reference.py for PyT
   lowmem-exact     lowmem, x-hat saved in float32
   lowmem-approx8/4/2   the method, 8/4/2-bit codes
   lowmem-naive4    the paper's baseline, 4-bit
+  floor            the machine's floor for the approx-4 step: exactly the step's GEMMs (every conv's
+                   forward, input-gradient and weight-gradient product as im2col GEMMs at the step's
+                   shapes, through lowmem's threads with BLAS at one thread) plus one read and one
+                   write of the bytes a step must touch (floor_worker) at the copy bandwidth measured
+                   in the same process; also the GEMM rate against the machine's peak (peak_flops)
 
 A step is forward + backward + SGD (momentum 0.9, weight decay 5e-4 on conv/linear weights,
 lr 0.01) on random data. Each worker (`--worker CONFIG`, this script) imports its libraries,
@@ -59,6 +64,7 @@ CONFIGS = {
     "lowmem-approx4": dict(impl="lowmem", mode="approx", bits=4),
     "lowmem-approx2": dict(impl="lowmem", mode="approx", bits=2),
     "lowmem-naive4": dict(impl="lowmem", mode="naive", bits=4),
+    "floor": dict(impl="floor", mode="approx", bits=4),
 }
 OPENBLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
@@ -180,9 +186,130 @@ def blas_info():
                  "filepath": cfg.get("openblas configuration")}]
 
 
+def peak_flops(cores):
+    """(float32 FLOP/s, how): cores x SIMD lanes x 2 (an FMA is two flops) x FMA units x clock.
+    Lanes from lscpu's flags (AVX-512: 16, AVX2: 8); clock: lscpu's CPU max MHz, else
+    /proc/cpuinfo's cpu MHz; FMA units per core: 2 (stated, not measured: Intel server cores
+    with AVX-512 and AMD Zen 2-4 have two FMA pipes)."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    flags = set((re.search(r"^Flags:\s*(.+)$", out, re.M) or [None, ""])[1].split())
+    lanes, isa = (16, "AVX-512") if "avx512f" in flags else (8, "AVX2 FMA") if "fma" in flags else (4, "SSE")
+    m = re.search(r"^CPU max MHz:\s*([\d.]+)", out, re.M)
+    src = "lscpu CPU max MHz"
+    if not m:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^cpu MHz\s*:\s*([\d.]+)", f.read(), re.M)
+        src = "/proc/cpuinfo cpu MHz"
+    ghz = float(m.group(1)) / 1000 if m else float("nan")
+    fma = 2
+    return (cores * lanes * 2 * fma * ghz * 1e9,
+            f"{cores} cores x {lanes} float32 lanes ({isa}) x 2 flops per FMA x {fma} FMA units (stated) "
+            f"x {ghz:.2f} GHz ({src})")
+
+
+def floor_worker(args):
+    """The 'floor' configuration: what the approx-4 step cannot go below on this machine.
+
+    GEMMs: for every conv of the network at the step's shapes (the engine's shape inference),
+    the three im2col products of training, K = Cin*k*k, M = N*Ho*Wo:
+        forward  (Cout, K) @ (K, M);  input gradient  (K, Cout) @ (Cout, M);
+        weight gradient  (Cout, M) @ (M, K)
+    split over lowmem's threads as lowmem splits them (column ranges; weight-gradient partial
+    sums added), BLAS at one thread (threads.configure). FLOPs: 2*Cout*K*M per product.
+    Bytes a step must touch, each moved once (one read and one write): every layer output
+    (activation) written and read in the forward, its gradient written and read in the
+    backward (4 x activation bytes), the saved codes written and read (2 x the plan's 'saved'),
+    the parameters, gradients and optimizer state each read and written once (2 x their
+    plan bytes). At the copy bandwidth of numpy.copyto of a 256 MiB buffer over the same
+    threads, counting read + write bytes. Floor step = GEMM time + bytes / copy rate."""
+    import numpy as np
+    import lowmem
+    from lowmem import threads
+    threads.configure(args.threads)
+    T = threads.threads()
+    net = lowmem.models.preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)
+    eng = lowmem.Engine(net, args.batch, (3, 32, 32), "approx", 4, "float32", allocate=False)
+    N = args.batch
+    convs, act_bytes = [], 0
+    for L in net.layers:
+        act_bytes += 4 * N * math.prod(eng.out_shape[L.name])
+        if L.op == "conv":
+            cin = eng.in_shape[L.name][0]
+            cout, ho, wo = eng.out_shape[L.name]
+            convs.append((cout, cin * L.k * L.k, N * ho * wo))
+    kinds = eng.plan.bytes_by_kind()
+    state = kinds["params"] + kinds["grads"] + kinds["optimizer"]
+    touched = 4 * act_bytes + 2 * kinds["saved"] + 2 * state
+    rng = np.random.default_rng(0)
+    big_km = max(k * m for _, k, m in convs)
+    big_cm = max(c * m for c, _, m in convs)
+    cols, dcols = rng.standard_normal(big_km, np.float32), np.empty(big_km, np.float32)
+    g, out = rng.standard_normal(big_cm, np.float32), np.empty(big_cm, np.float32)
+    w = rng.standard_normal(max(c * k for c, k, _ in convs), np.float32)
+
+    def gemms():
+        for cout, k, m in convs:
+            w2 = w[:cout * k].reshape(cout, k)
+            c2, d2 = cols[:k * m].reshape(k, m), dcols[:k * m].reshape(k, m)
+            g2, o2 = g[:cout * m].reshape(cout, m), out[:cout * m].reshape(cout, m)
+            threads.parallel_for(lambda a, b: np.matmul(w2, c2[:, a:b], out=o2[:, a:b]), m, grain=4096)
+            threads.parallel_for(lambda a, b: np.matmul(w2.T, g2[:, a:b], out=d2[:, a:b]), m, grain=4096)
+            parts = {}
+            threads.parallel_for(lambda a, b: parts.__setitem__(a, np.matmul(g2[:, a:b], c2[:, a:b].T)), m,
+                                 grain=4096)
+            sum(parts[a] for a in sorted(parts))
+    flop = sum(3 * 2 * c * k * m for c, k, m in convs)
+    src = np.ones(256 << 18, np.float32)
+    dst = np.empty_like(src)
+    copy_s = min(_time(lambda: threads.parallel_for(lambda a, b: np.copyto(dst[a:b], src[a:b]), src.size))
+                 for _ in range(5))
+    copy_rate = 2 * src.nbytes / copy_s                     # bytes read + written per second
+    mem_s = touched / copy_rate
+    times = []
+    for i in range(args.warmup + args.steps):
+        times.append(_time(gemms))
+    gemm = times[args.warmup:]
+    peak, how = peak_flops(T)
+    res = dict(config="floor", depth=args.depth, block=args.block, batch=N, threads=args.threads,
+               lowmem_threads=T, source_sha=source_hash(), blas=blas_info(),
+               warmup_s=[t + mem_s for t in times[:args.warmup]], step_s=[t + mem_s for t in gemm],
+               gemm_s=gemm, gemm_flop=flop, gemm_flops=flop / statistics.median(gemm), convs=len(convs),
+               peak_flops=peak, peak_how=how, gemm_of_peak=flop / statistics.median(gemm) / peak,
+               bytes_touched=touched, touched_parts=dict(activations_x4=4 * act_bytes, saved_x2=2 * kinds["saved"],
+                                                         params_grads_optimizer_x2=2 * state),
+               copy_bytes_per_s=copy_rate, mem_s=mem_s, peak_above_base=None, base_rss=None)
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+def _time(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def gemm_counter(numpy):
+    """Wrap numpy.matmul (what ops/conv.py and ops/winograd.py call, through the module
+    attribute) with a counter of seconds spent inside it, summed over threads; returns
+    (seconds list, restore)."""
+    real = numpy.matmul
+    spent = []
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            spent.append(time.perf_counter() - t)
+    numpy.matmul = timed
+    return spent, lambda: setattr(numpy, "matmul", real)
+
+
 def worker(args):
     if args.worker == "kernels":
         return kernel_worker(args)
+    if args.worker == "floor":
+        return floor_worker(args)
     cfg = CONFIGS[args.worker]
     import numpy  # noqa: F401
     limits = None
@@ -215,7 +342,17 @@ def worker(args):
         losses.append(step())
         times.append(time.perf_counter() - t)
     end = proc_status()
-    res = dict(source_sha=source_hash(), config=args.worker, depth=args.depth, block=args.block, batch=args.batch,
+    gemm = {}
+    if args.gemm_share and cfg["impl"] == "lowmem":
+        import numpy
+        spent, restore = gemm_counter(numpy)
+        t = time.perf_counter()
+        step()
+        counted_s = time.perf_counter() - t
+        restore()
+        gemm = dict(gemm_counted_step_s=counted_s, gemm_core_s=sum(spent), gemm_calls=len(spent),
+                    gemm_share=sum(spent) / (counted_s * threads.threads()))
+    res = dict(source_sha=source_hash(), **gemm, config=args.worker, depth=args.depth, block=args.block, batch=args.batch,
                build_s=build_s,
                warmup_s=times[:args.warmup], step_s=times[args.warmup:], losses=losses,
                base_rss=base["VmRSS"], base_hwm=base["VmHWM"], hwm_reset=hwm_reset,
@@ -461,7 +598,8 @@ def run_once(args, config, batch, steps, warmup, log, profile=0, timed=True, thr
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--depth", str(args.depth),
            "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup),
            "--threads", str(threads or args.threads), "--classes", str(args.classes), "--block", args.block,
-           "--profile", str(profile), "--kernel-bits", str(args.kernel_bits)]
+           "--profile", str(profile), "--kernel-bits", str(args.kernel_bits)] + \
+        (["--gemm-share"] if args.gemm_share else [])
     seen = (wait_quiet(args, log) if args.max_wait > 0 and timed
             else {"load_before": [round(v, 2) for v in os.getloadavg()]})
     t0 = time.time()
@@ -537,7 +675,8 @@ RATIOS = [("step time   lowmem-approx4 / torch-exact", "step_median", "lowmem-ap
           ("step time   lowmem-approx4 / lowmem-exact", "step_median", "lowmem-approx4", "lowmem-exact", "<= 1.05"),
           ("peak RSS    lowmem-approx4 / torch-exact", "peak_above_base", "lowmem-approx4", "torch-exact",
            "<= 0.125"),
-          ("peak RSS    lowmem-approx4 / torch-ckpt", "peak_above_base", "lowmem-approx4", "torch-ckpt", "< 0.25")]
+          ("peak RSS    lowmem-approx4 / torch-ckpt", "peak_above_base", "lowmem-approx4", "torch-ckpt", "< 0.25"),
+          ("step time   lowmem-approx4 / floor", "step_median", "lowmem-approx4", "floor", "<= 1.6")]
 
 
 def ratios(runs):
@@ -729,6 +868,9 @@ def main(argv=None):
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="cProfile one extra (untimed) step of each config; print the top N by tottime")
     ap.add_argument("--worker", choices=list(CONFIGS) + ["kernels"], help=argparse.SUPPRESS)
+    ap.add_argument("--gemm-share", action="store_true",
+                    help="lowmem configs: one extra (untimed) step with numpy.matmul wrapped by a timer: the "
+                         "share of the step's core-seconds spent inside GEMMs")
     ap.add_argument("--kernels", action="store_true",
                     help="also the per-kernel table (fused BN-ReLU kernels vs their exact twins and a plain copy), "
                          "in a fresh process with an empty numba cache (so inspect_asm works and JIT time shows)")
@@ -782,6 +924,21 @@ def main(argv=None):
         print(table(runs))
         for label, r in result["ratios"].items():
             print(f"{label}: {r['ratio']:.3f}  (target {r['target']}: {'met' if r['met'] else 'MISSED'})")
+        for r in runs:
+            if r["config"] == "floor" and r["status"] == "ok":
+                print(f"\nfloor: {r['convs']} convs x 3 im2col GEMMs, {r['gemm_flop'] / 1e9:.1f} GFLOP in "
+                      f"{statistics.median(r['gemm_s']):.2f} s = {r['gemm_flops'] / 1e9:.1f} GFLOP/s, "
+                      f"{r['gemm_of_peak']:.0%} of peak {r['peak_flops'] / 1e9:.0f} GFLOP/s\n"
+                      f"  peak = {r['peak_how']}\n"
+                      f"  + {r['bytes_touched'] / MiB:,.0f} MiB touched once (activations x4 "
+                      f"{r['touched_parts']['activations_x4'] / MiB:,.0f}, saved codes x2 "
+                      f"{r['touched_parts']['saved_x2'] / MiB:,.0f}, params/grads/optimizer x2 "
+                      f"{r['touched_parts']['params_grads_optimizer_x2'] / MiB:,.0f}) at copy "
+                      f"{r['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + write) = {r['mem_s']:.2f} s")
+            if r.get("gemm_share") is not None:
+                print(f"{r['config']}: share of the step inside GEMMs (numpy.matmul timed, one extra step of "
+                      f"{r['gemm_counted_step_s']:.2f} s, {r['gemm_calls']} calls, {r['lowmem_threads']} thread(s)): "
+                      f"{r['gemm_share']:.0%}  (target >= 70%)")
         for r in runs:
             if r.get("profile"):
                 print(f"\ncProfile of one {r['config']} step ({r['profiled_step_s']:.2f} s under the profiler):")

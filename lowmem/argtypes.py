@@ -82,3 +82,20 @@ def folder(text):
     if not text:
         raise argparse.ArgumentTypeError("expected a folder name, got an empty string")
     return text
+
+
+def model_help():
+    """The --model help: the registry's families (lowmem.models.MODELS), wrn-K for any K."""
+    from . import models
+    families = sorted(n for n in models.MODELS if not n.startswith("wrn-"))
+    return " | ".join(families + ["wrn-K (K: the widening factor, any positive integer)"])
+
+
+def model(text):
+    """A model family name (lowmem.models.model_spec: a registry name or wrn-K)."""
+    from . import models
+    try:
+        models.model_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

@@ -20,7 +20,8 @@ File layout (all integers little-endian):
 Why atomic: a crash, a full disk or Ctrl-C in the middle of a save must not
 cost the previous checkpoint. `save_checkpoint` writes a temporary file next
 to the target, fsyncs it, `os.replace`s it onto the target (atomic on POSIX
-and Windows) and fsyncs the directory so the rename itself is durable.
+and Windows) and fsyncs the directory so the rename itself is durable: one
+`lowmem.atomic.atomic_write`, the same every lowmem file goes through.
 
 Guaranteed: `path` holds either the old complete checkpoint or the new one,
 never a mix; `load_checkpoint` returns data only after magic, version, sizes
@@ -36,10 +37,11 @@ across machines of different byte order beyond what the dtype string says.
 import hashlib
 import json
 import os
-import secrets
 import struct
 
 import numpy
+
+from .atomic import atomic_write, fsync_directory  # noqa: F401 (fsync_directory: re-exported)
 
 MAGIC = b"LOWMEMCK"
 VERSION = 1
@@ -95,51 +97,25 @@ def save_checkpoint(path, arrays, meta=None):
     header = json.dumps({"meta": {} if meta is None else meta, "arrays": entries}).encode("ascii")
     header += b" " * _pad(_PREFIX.size + len(header))
 
-    # Pass 2: write a unique temp file beside the target, then rename it over.
-    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        with open(tmp, "xb") as f:          # "x": never clobber another writer's file
-            sha = hashlib.sha256()
+    # Pass 2: stream prefix, header and arrays into lowmem.atomic's temporary file, hashing as we go.
+    def write(f):
+        sha = hashlib.sha256()
 
-            def put(b):
-                sha.update(b)
-                f.write(b)
+        def put(b):
+            sha.update(b)
+            f.write(b)
 
-            put(_PREFIX.pack(MAGIC, VERSION, len(header), payload_nbytes))
-            put(header)
-            written = 0
-            for a, e in zip(arrays.values(), entries):
-                put(bytes(e["offset"] - written))
-                host = a.get() if hasattr(a, "get") else a
-                put(numpy.ascontiguousarray(host).reshape(-1).view(numpy.uint8))
-                written = e["offset"] + e["nbytes"]
-            f.write(sha.digest())
-            f.flush()
-            os.fsync(f.fileno())            # data on disk before the name points at it
-        os.replace(tmp, path)
-    except BaseException as e:              # includes KeyboardInterrupt
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(e, OSError):          # a full disk says which file it was writing
-            what = f"cannot write checkpoint {path!r}: {e.strerror or e}"
-            raise (OSError(e.errno, what) if e.errno is not None else OSError(what)) from e
-        raise
-    fsync_directory(os.path.dirname(os.path.abspath(path)))
+        put(_PREFIX.pack(MAGIC, VERSION, len(header), payload_nbytes))
+        put(header)
+        written = 0
+        for a, e in zip(arrays.values(), entries):
+            put(bytes(e["offset"] - written))
+            host = a.get() if hasattr(a, "get") else a
+            put(numpy.ascontiguousarray(host).reshape(-1).view(numpy.uint8))
+            written = e["offset"] + e["nbytes"]
+        f.write(sha.digest())
 
-
-def fsync_directory(directory):
-    """Make the rename durable (POSIX); Windows cannot open a directory, so skip it there."""
-    if os.name == "nt":
-        return
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError:     # some filesystems refuse fsync on directories; the rename is done
-        pass
-    finally:
-        os.close(fd)
+    atomic_write(path, write, what="checkpoint")
 
 
 # ----------------------------------------------------------------------------- load

@@ -1,15 +1,17 @@
-"""The `lowmem` command line (also `python -m lowmem`): options in, library calls, exit codes out.
+"""The `lowmem` command line (also `python -m lowmem`): the subcommands and their registry.
 
     lowmem plan --model preact-cifar --depth 164 --batch 128 --mode approx --bits 4 [--compare] [--measure]
     lowmem plan --model preact-imagenet --depth 152 --input 3x224x224 --classes 1000
     lowmem diagnose --depth 20 --batch 32 --bits 4 [--batches 4] [--warmup 0]
     lowmem train --dataset fashion-mnist --depth 20 --epochs 3 --out runs/fm [--resume | --overwrite]
     lowmem maxbatch --model preact-cifar --depth 164 --budget 2GiB --mode approx --bits 4 [--verify]
-    lowmem export runs/fm model.onnx          (or model.safetensors)
+    lowmem export RUN_DIR model.onnx | model.safetensors
+    lowmem predict RUN_DIR_or_model IMAGE...
 
 Subcommands live in one registry, `COMMANDS`: each is a pair of small
 functions, `<name>_arguments(parser)` declaring its options and
-`<name>_command(args) -> exit code` doing the work, added with `register`.
+`<name>_command(args) -> exit code` doing the work, added with `register`
+(export and predict keep theirs in lowmem/export.py and lowmem/predict.py).
 `network_arguments` / `model_arguments` / `build_network` are the shared
 model options (model, depth, classes, input, batch, dtype); the models come
 from the one registry, lowmem.models.MODELS. The library code these
@@ -41,7 +43,7 @@ import traceback
 
 import numpy
 
-from . import argtypes, backend, distributed, export, models, quant, sysmem
+from . import argtypes, backend, distributed, export, models, predict, quant, sysmem
 from .engine import DEFAULT_WORKSPACE_BYTES, DTYPES, MODES, Engine
 from .maxbatch import MAX_BATCH, max_batch, parse_bytes, planned_engine
 from .plan import KINDS, fmt_bytes
@@ -66,8 +68,8 @@ def register(name, help, add_arguments, run):
 def network_arguments(p, depth):
     """--model, --depth, --classes, --input (default depth: `depth`); returns the group."""
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=sorted(models.MODELS), default="preact-cifar",
-                   help="network family (default: %(default)s)")
+    g.add_argument("--model", type=argtypes.model, default="preact-cifar", metavar="MODEL",
+                   help=argtypes.model_help() + " (default: %(default)s)")
     g.add_argument("--depth", type=argtypes.positive, default=depth,
                    help="; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items())
                    + " (default: %(default)s)")
@@ -96,7 +98,7 @@ def model_arguments(p, depth, batch):
 
 def input_shape(args):
     """--input, or the model's default input shape."""
-    return args.input or models.MODELS[args.model].input_shape
+    return args.input or models.model_spec(args.model).input_shape
 
 
 def build_network(args):
@@ -267,10 +269,13 @@ def train_arguments(parser):
     opt("--image-size", "image_size", "folder: crop / resize images to SIZE x SIZE", type=argtypes.positive,
         metavar="SIZE")
     opt("--workers", "workers", "folder: decoding threads", type=argtypes.positive, metavar="N")
+    parser.add_argument("--skip-bad", dest="skip_bad", action="store_true", default=S,
+                        help="folder: replace an unreadable image by the next readable one of its split "
+                             "(counted) instead of stopping")
     opt("--limit-train", "limit_train", "use the first N training images (synthetic: how many)",
         type=argtypes.positive, metavar="N")
     opt("--limit-test", "limit_test", "use the first N test images", type=argtypes.positive, metavar="N")
-    opt("--model", "model", "network family", choices=sorted(models.MODELS))
+    opt("--model", "model", argtypes.model_help(), type=argtypes.model, metavar="MODEL")
     opt("--depth", "depth", "; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items()),
         type=argtypes.positive)
     opt("--mode", "mode", "exact | approx (the method) | naive (the paper's baseline)", choices=MODES)
@@ -332,6 +337,10 @@ def train_command(args):
     try:
         comm = distributed.get_communicator(xp=backend.xp)
         code = _train(args, comm)
+    except distributed.StartupError as e:     # refused at start-up on every rank alike: no abort needed
+        if comm.rank == 0:
+            print(f"lowmem train: error: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:                # a second Ctrl-C, wherever it lands: no new checkpoint
         print("lowmem train: aborted by a second Ctrl-C; the last checkpoint (if any) is kept",
               file=sys.stderr)
@@ -359,6 +368,8 @@ def _train(args, comm):
             print(trainer.describe(), flush=True)
         t = time.monotonic()
         result = trainer.fit()
+    except distributed.StartupError:
+        raise
     except TrainingDiverged as e:
         return error(e, EXIT_DIVERGED)
     except (ConfigError, NotEnoughMemory) as e:     # settings this run cannot have
@@ -421,6 +432,23 @@ def maxbatch_arguments(p):
                         "the measured peak is within the budget")
 
 
+def over_budget_causes(m, plan, reserve):
+    """What a measured peak spent beyond the plan, by cause, and the --reserve that covers it."""
+    objects = max(0, m.held_bytes - m.plan_bytes)       # building the engine: schedule, views, ...
+    step = m.peak_bytes - m.held_bytes                   # what a steady step allocated on top
+    stated = plan.temporary_bytes
+    parts = [f"the step's temporaries {fmt_bytes(step)}"
+             + (f", {fmt_bytes(step - stated)} more than the plan's stated bound of {fmt_bytes(stated)} "
+                f"(arrays the plan does not count)" if step > stated else
+                f" (within the plan's stated bound of {fmt_bytes(stated)}: "
+                + "; ".join(f"{what} {fmt_bytes(b)}" for what, b in plan.temporaries) + ")")]
+    if objects:
+        parts.append(f"the engine's Python objects {fmt_bytes(objects)}")
+    unplanned = m.peak_bytes - m.plan_bytes
+    return (f"beyond its plan the run used {fmt_bytes(unplanned)}: " + ", ".join(parts)
+            + f"; rerun with --reserve {max(1, -(-(unplanned + reserve) // 2**20))}MiB")
+
+
 def maxbatch_command(args):
     """`lowmem maxbatch`: print the batch and its plan by kind; 0, or 1 when --verify fails."""
     shape = input_shape(args)
@@ -462,15 +490,15 @@ def maxbatch_command(args):
           f"{'within' if ok else 'OVER'} the budget of {fmt_bytes(args.budget)} "
           f"({m.peak_bytes / args.budget:.1%}); the input batch ({fmt_bytes(m.input_bytes)}) is not counted")
     if not ok:
-        unplanned = m.peak_bytes - m.plan_bytes
-        print(f"the step used {fmt_bytes(unplanned)} beyond its plan (Python objects, small temporaries); "
-              f"rerun with --reserve {max(1, -(-(unplanned + args.reserve) // 2**20))}MiB")
+        print(over_budget_causes(m, eng.plan, args.reserve))
     return EXIT_OK if ok else EXIT_ERROR
 
 
 register("maxbatch", "the largest batch whose memory plan fits a budget", maxbatch_arguments, maxbatch_command)
 register("export", "write a run's model as .safetensors or .onnx (lowmem export RUN_DIR model.onnx)",
          export.add_arguments, export.run)
+register("predict", "class names of image files from a run folder or an exported model "
+         "(lowmem predict RUN_DIR_or_model IMAGE...)", predict.add_arguments, predict.run)
 
 
 # ---- main ---------------------------------------------------------------------------

@@ -33,7 +33,6 @@ import os
 import pickle
 import struct
 import tarfile
-import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -41,9 +40,16 @@ import numpy as np
 from tqdm import tqdm
 
 from . import sysmem
+from .atomic import atomic_write
+from .epochs import EpochOrder
 from .backend import array_module
 
 DATASETS = ("cifar10", "cifar100", "fashion-mnist", "synthetic")
+CLASS_NAMES = {         # label order of the official releases (CIFAR-100: numbers; synthetic: numbers)
+    "cifar10": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"],
+    "fashion-mnist": ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
+                      "Bag", "Ankle boot"],
+}
 _ALIASES = {"cifar-10": "cifar10", "cifar-100": "cifar100",
             "fashion_mnist": "fashion-mnist", "fashionmnist": "fashion-mnist"}
 FASHION_MNIST_DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -198,26 +204,20 @@ def _download(url, dest, md5):
     on any failure the temporary file is deleted. Network failures surface as
     OSError (urllib.error.URLError is one), a bad checksum as DataError.
     """
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".part")
-    try:
+    def fetch(r, f):
         digest = hashlib.md5()
-        with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=60) as r:
-            total = int(r.headers.get("Content-Length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, disable=None) as bar:
-                for chunk in iter(lambda: r.read(1 << 20), b""):
-                    f.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
+        total = int(r.headers.get("Content-Length") or 0) or None
+        with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, disable=None) as bar:
+            for chunk in iter(lambda: r.read(1 << 20), b""):
+                f.write(chunk)
+                digest.update(chunk)
+                bar.update(len(chunk))
         if digest.hexdigest() != md5:
             raise DataError(f"download of {url} is corrupt (MD5 {digest.hexdigest()}, expected {md5}); "
                             f"nothing was kept. Try again, or fetch {dest.name} by hand into {dest.parent}")
-        os.replace(tmp, dest)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+
+    with urllib.request.urlopen(url, timeout=60) as r:     # a refused connection is not a disk error
+        atomic_write(dest, lambda f: fetch(r, f), what="download")
 
 
 def _first_writable(dirs):
@@ -432,6 +432,7 @@ class Dataset:
     num_classes: int
     mean: np.ndarray
     std: np.ndarray
+    classes: list = None        # class names in label order (None: the labels' numbers)
 
     @property
     def input_shape(self):
@@ -500,7 +501,7 @@ def load_dataset(name, data_dir=None, download=True, pad_to=32, limit_train=None
     x_train, y_train = _first(arrays[0], limit_train), _first(arrays[1], limit_train)
     x_test, y_test = _first(arrays[2], limit_test), _first(arrays[3], limit_test)
     mean, std = channel_mean_std(x_train)
-    return Dataset(key, x_train, y_train, x_test, y_test, num_classes, mean, std)
+    return Dataset(key, x_train, y_train, x_test, y_test, num_classes, mean, std, CLASS_NAMES.get(key))
 
 
 # ----------------------------------------------------------------------------
@@ -582,7 +583,8 @@ class BatchIterator:
     x: (N, ...) array, y: (N,). Iterating yields (x_batch, y_batch): copies
     when shuffling, views into x and y otherwise. An epoch's order depends
     only on (seed, epoch), so the iterator's whole state is (epoch, batch):
-    `state_dict` / `load_state_dict` save and restore it.
+    `state_dict` / `load_state_dict` save and restore it (lowmem.epochs.EpochOrder,
+    the same as lowmem.images.ImageLoader's).
 
     Last partial batch, an explicit policy:
     * drop_last=True (training): every batch has exactly batch_size samples,
@@ -600,60 +602,47 @@ class BatchIterator:
     def __init__(self, x, y, batch_size, shuffle=False, seed=0, drop_last=False):
         if len(x) != len(y):
             raise DataError(f"BatchIterator: {len(x)} images but {len(y)} labels")
-        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise DataError(f"BatchIterator: batch_size must be a positive integer, got {batch_size!r}")
-        if not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise DataError(f"BatchIterator: seed must be a non-negative integer, got {seed!r}")
         self.x, self.y = x, y
-        self.batch_size, self.shuffle = int(batch_size), bool(shuffle)
-        self.seed, self.drop_last = int(seed), bool(drop_last)
+        self.position = EpochOrder(len(x), batch_size, shuffle, seed, drop_last, "BatchIterator", "iterator",
+                                   DataError)
+        self.batch_size, self.shuffle = self.position.batch_size, self.position.shuffle
+        self.seed, self.drop_last = self.position.seed, self.position.drop_last
         if len(self) == 0:
             raise DataError(f"BatchIterator: {len(x)} samples give no batch of {batch_size}"
                             + (" with drop_last=True" if drop_last else ""))
-        self.epoch = 0
-        self.batch = 0      # index of the next batch to yield in this epoch
+
+    # the position lives in lowmem.epochs.EpochOrder, shared with lowmem.images.ImageLoader
+    epoch = property(lambda self: self.position.epoch)
+    batch = property(lambda self: self.position.batch)     # index of the next batch to yield in this epoch
 
     def __len__(self):
         """Batches per epoch."""
-        n, b = len(self.x), self.batch_size
-        return n // b if self.drop_last else -(-n // b)
+        return len(self.position)
 
     def order(self, epoch):
         """Sample indices (N,) of an epoch, a function of (seed, epoch) only."""
-        if not self.shuffle:
-            return np.arange(len(self.x))
-        return np.random.default_rng([self.seed, int(epoch)]).permutation(len(self.x))
+        return self.position.order(epoch)
 
     def set_epoch(self, epoch, batch=0):
         """Continue from batch `batch` of epoch `epoch`."""
-        if not 0 <= batch <= len(self):
-            raise DataError(f"BatchIterator: batch {batch} outside 0..{len(self)}")
-        self.epoch, self.batch = int(epoch), int(batch)
+        self.position.set_epoch(epoch, batch)
 
     def __iter__(self):
-        n, b = len(self.x), self.batch_size
-        order = self.order(self.epoch) if self.shuffle else None
-        while self.batch < len(self):
-            i = self.batch
-            s = slice(i * b, min((i + 1) * b, n))
-            self.batch = i + 1      # a checkpoint taken after this step resumes at i + 1
+        pos = self.position
+        order = pos.order(pos.epoch) if self.shuffle else None
+        while pos.batch < len(pos):
+            s = slice(*pos.span(pos.batch))
+            pos.batch += 1          # a checkpoint taken after this step resumes at the next batch
             if order is None:
                 yield self.x[s], self.y[s]
             else:
                 yield self.x[order[s]], self.y[order[s]]
-        self.epoch, self.batch = self.epoch + 1, 0
+        pos.next_epoch()
 
     def state_dict(self):
         """Everything needed to resume exactly: position plus the settings it depends on."""
-        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed,
-                "num_samples": len(self.x), "batch_size": self.batch_size,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+        return self.position.state_dict()
 
     def load_state_dict(self, state):
         """Restore a position saved by `state_dict`; the settings must match."""
-        mine = self.state_dict()
-        for k in ("seed", "num_samples", "batch_size", "shuffle", "drop_last"):
-            if state.get(k) != mine[k]:
-                raise DataError(f"BatchIterator: saved state has {k}={state.get(k)!r}, "
-                                f"this iterator has {mine[k]!r}; cannot resume the same order")
-        self.set_epoch(state["epoch"], state["batch"])
+        self.position.load_state_dict(state)

@@ -26,7 +26,10 @@ otherwise. `--batch` in `lowmem train` stays the global batch.
 
 What it does not do: no model parallelism, no overlap of the allreduce with
 the backward sweep (one allreduce per step, measured in docs/distributed.md),
-no elastic membership. A failing rank ends the job: under mpiexec an
+no elastic membership. At start-up the ranks check they were given the same
+settings (`check_same_settings`) and refuse together (`together`: every rank
+raises the same StartupError, so no rank waits in a collective for one that
+has gone). Later, a failing rank ends the job: under mpiexec an
 exception reaching the top calls MPI_Abort (lowmem's CLI does it; for your
 own script run it as `python -m mpi4py script.py`).
 """
@@ -55,6 +58,10 @@ class Communicator:
 
     def bcast(self, a, root=0):
         """Overwrite `a` with root's `a`, in place."""
+
+    def allgather_object(self, obj):
+        """[rank 0's obj, rank 1's obj, ...] on every rank (small picklable objects: settings, errors)."""
+        return [obj]
 
     def barrier(self):
         pass
@@ -104,6 +111,9 @@ class MPI(Communicator):
             self._comm.Bcast(host, root=root)
             a.set(host)
 
+    def allgather_object(self, obj):
+        return self._comm.allgather(obj)
+
     def barrier(self):
         self._comm.Barrier()
 
@@ -137,6 +147,9 @@ class NCCL(Communicator):
         import cupy
         self._comm.bcast(a.data.ptr, a.size, self._dtype(a), root, cupy.cuda.get_current_stream().ptr)
 
+    def allgather_object(self, obj):
+        return self._mpi.allgather_object(obj) if self._mpi is not None else [obj]
+
     def barrier(self):
         if self._mpi is not None:
             self._mpi.barrier()
@@ -166,3 +179,79 @@ def shard(n_global, comm):
                          f"(use a multiple of {comm.size})")
     per = n_global // comm.size
     return slice(comm.rank * per, (comm.rank + 1) * per)
+
+
+def sum_counts(comm, sums):
+    """A copy of the dict `sums` with "loss", "correct" and "seen" summed over the ranks (float64
+    allreduce; the counts come back as ints); other keys as they are. One process: `sums` itself."""
+    if comm.size == 1:
+        return sums
+    a = numpy.array([sums["loss"], sums["correct"], sums["seen"]], numpy.float64)
+    comm.allreduce(a)
+    return dict(sums, loss=float(a[0]), correct=int(a[1]), seen=int(a[2]))
+
+
+# ---------------------------------------------------------------- start-up agreement
+
+class StartupError(ValueError):
+    """A data-parallel run refused at start-up on some rank; raised on every rank alike, so all exit
+    with the same code and no rank is left waiting in a collective. exit_code: 2 for settings
+    (ConfigError, NotEnoughMemory, ranks that disagree), 1 for files and folders."""
+
+    def __init__(self, message, exit_code):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def together(comm, fn, usage=()):
+    """fn() on every rank; if it raised a ValueError or OSError on any rank, raise on every rank.
+
+    One process: fn's own exception. Several: a StartupError carrying the message of the lowest
+    failing rank ("rank 1: ..." when rank 0 did not fail itself) and exit_code 2 if that error
+    is an instance of `usage`, else 1. Anything else (a bug) propagates on its rank alone
+    (the command line then ends the job with MPI_Abort)."""
+    error = None
+    try:
+        result = fn()
+    except (ValueError, OSError) as e:
+        if comm.size == 1:
+            raise
+        error = e
+    if comm.size == 1:
+        return result
+    mine = None if error is None else (str(error), 2 if isinstance(error, usage) else 1)
+    failed = [(r, o) for r, o in enumerate(comm.allgather_object(mine)) if o is not None]
+    if not failed:
+        return result
+    rank, (message, code) = failed[0]
+    raise StartupError(message if rank == 0 else f"rank {rank}: {message}", code) from error
+
+
+def check_same_settings(comm, settings, ignore=()):
+    """Every rank must run with rank 0's settings (a dict): StartupError (exit code 2) on every rank
+    naming the first field that differs, e.g. "ranks disagree on their configuration: depth is 8
+    on rank 0, 14 on rank 1". Ranks started with different options would otherwise fail later with
+    an MPI error (different network sizes) or train silently apart (different seeds)."""
+    if comm.size == 1:
+        return
+    every = comm.allgather_object({k: v for k, v in settings.items() if k not in ignore})
+    for key in sorted(set().union(*every)):
+        values = [s.get(key) for s in every]
+        if any(v != values[0] for v in values):
+            where = ", ".join(f"{v!r} on rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}"
+                              for v, r in _group(values))
+            raise StartupError(f"ranks disagree on their configuration: {key} is {where}; start every "
+                               f"rank with the same options", 2)
+
+
+def _group(values):
+    """[(value, [ranks holding it])] in the order of first appearance."""
+    out = []
+    for rank, v in enumerate(values):
+        for seen, ranks in out:
+            if seen == v:
+                ranks.append(rank)
+                break
+        else:
+            out.append((v, [rank]))
+    return out

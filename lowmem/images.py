@@ -12,8 +12,11 @@ Pillow is an optional extra: pip install 'lowmem[images]'.
 Classes are the sub-folder names in sorted order (label = index), the same
 in both splits: a class missing from one split, an empty class folder, or
 no classes at all is a DataError naming it. Files: .jpg .jpeg .png .bmp
-.gif .webp .tif .tiff (any case); other files are ignored. Grey and palette
-images are converted to RGB (or RGB to grey for channels=1).
+.gif .webp .tif .tiff (any case); other files, and hidden ones (a leading
+dot: macOS's ._name.jpg AppleDouble files), are ignored. Grey and palette
+images are converted to RGB (or RGB to grey for channels=1); 16-bit grey
+images (Pillow modes I;16 and I, as 16-bit PNG and TIFF open) are scaled
+to 8 bits, v * 255 / 65535 rounded, not clipped.
 
 Per sample, on decode:
   train  random-resized-crop (torchvision's RandomResizedCrop: area scale
@@ -25,7 +28,9 @@ JPEGs decode at a reduced scale when that still covers the resize (draft).
 
 Normalisation: per-channel mean/std in units of pixel / 255, as
 lowmem.data.normalize uses; computed from up to 1000 training images
-(eval transform, exact 256-bin histograms) or given.
+(eval transform, exact 256-bin histograms) or given. The statistics pass is
+streamed: it holds a few batches of about 1 MiB of pixels
+(stats_memory_bytes), whatever the folder and the image size.
 
 Loading runs on `workers` threads (Pillow releases the GIL while it
 decodes and resizes) with a bounded prefetch: at most `prefetch` batches
@@ -49,6 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .data import DataError, normalize
+from .epochs import EpochOrder
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 SPLITS = ("train", "val")
@@ -56,6 +62,9 @@ EVAL_CROP_FRACTION = 0.875         # centre crop 224 of 256
 RRC_SCALE = (0.08, 1.0)
 RRC_RATIO = (3 / 4, 4 / 3)
 STATS_IMAGES = 1000
+STATS_BATCH_BYTES = 1 << 20        # decoded pixels per batch of the statistics pass (at least one image)
+STATS_PREFETCH = 2                 # batches the statistics pass decodes ahead
+HIST_CHUNK = 1 << 16               # pixels per bincount call (it copies its input as int64)
 
 
 def _pil():
@@ -92,6 +101,7 @@ class ImageFolder:
         for label, c in enumerate(found):
             folder = os.path.join(self.root, c)
             files = sorted(f for f in os.listdir(folder) if f.lower().endswith(EXTENSIONS)
+                           and not f.startswith(".")       # hidden: macOS ._x.jpg AppleDouble, .x.png
                            and os.path.isfile(os.path.join(folder, f)))
             if not files:
                 raise DataError(f"class {c!r} is empty: no image files ({', '.join(EXTENSIONS)}) "
@@ -166,6 +176,23 @@ def centre_crop_box(w, h, size, resize):
     return x0, y0, x0 + cw, y0 + ch
 
 
+WIDE_INTEGER_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N")   # Pillow's 16- and 32-bit grey modes
+
+
+def to_8_bit(im):
+    """A 16-bit grey image (Pillow mode I;16*, or I holding 0..65535) as 8-bit grey "L":
+    v -> round(v * 255 / 65535), values outside 0..65535 clipped. Pillow's own convert clips
+    at 255 instead of scaling, which turns a 16-bit photo almost white. Allocates two
+    image-sized temporaries (int64, then uint8): one decoded image, not a batch."""
+    a = np.clip(np.asarray(im).astype(np.int64), 0, 65535)
+    return _pil().fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), "L")
+
+
+def eval_resize(size):
+    """The shorter side the eval transform resizes to before its centre crop of `size` (256 for 224)."""
+    return int(round(size / EVAL_CROP_FRACTION))
+
+
 def decode(out, path, size, train, rng, mode="RGB", resize=None):
     """Decode one file into out (C, size, size) uint8: train or eval transform (module docstring)."""
     Image = _pil()
@@ -174,6 +201,8 @@ def decode(out, path, size, train, rng, mode="RGB", resize=None):
             w, h = im.size
             need = resize / min(w, h)          # the resize factor; draft keeps at least that much
             im.draft(mode, (int(np.ceil(w * need)), int(np.ceil(h * need))))
+        if im.mode in WIDE_INTEGER_MODES:
+            im = to_8_bit(im)
         im = im.convert(mode)
         w, h = im.size
         if train:
@@ -227,52 +256,46 @@ class ImageLoader:
         self.folder, self.batch_size, self.size, self.train = folder, int(batch_size), int(size), bool(train)
         self.shuffle = self.train if shuffle is None else bool(shuffle)
         self.drop_last = self.train if drop_last is None else bool(drop_last)
+        self.position = EpochOrder(len(folder), self.batch_size, self.shuffle, seed, self.drop_last,
+                                   "ImageLoader", "loader", DataError)
         self.seed, self.workers = int(seed), int(workers)
         self.prefetch = 2 * self.workers if prefetch is None else max(1, int(prefetch))
         self.mean, self.std, self.channels = mean, std, channels
         self.mode = "RGB" if channels == 3 else "L"
-        self.resize = int(round(self.size / EVAL_CROP_FRACTION)) if resize is None else int(resize)
+        self.resize = eval_resize(self.size) if resize is None else int(resize)
         self.skip_bad = bool(skip_bad)
         self.skipped = []
         self._lock = threading.Lock()
         if len(self) == 0:
             raise DataError(f"ImageLoader: {len(folder)} images in {folder.root} give no batch of "
                             f"{batch_size}" + (" with drop_last=True" if self.drop_last else ""))
-        self.epoch = 0
-        self.batch = 0
 
     @property
     def input_shape(self):
         return (self.channels, self.size, self.size)
 
+    # the order and position: lowmem.epochs.EpochOrder, shared with lowmem.data.BatchIterator
+    def _get(name):
+        return property(lambda self: getattr(self.position, name),
+                        lambda self, value: setattr(self.position, name, value))
+    epoch, batch = _get("epoch"), _get("batch")
+    del _get
+
     def __len__(self):
-        n, b = len(self.folder), self.batch_size
-        return n // b if self.drop_last else -(-n // b)
+        return len(self.position)
 
     def order(self, epoch):
         """Sample indices of an epoch: a function of (seed, epoch) only (as BatchIterator)."""
-        n = len(self.folder)
-        if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, int(epoch)]).permutation(n)
+        return self.position.order(epoch)
 
     def set_epoch(self, epoch, batch=0):
-        if not 0 <= batch <= len(self):
-            raise DataError(f"ImageLoader: batch {batch} outside 0..{len(self)}")
-        self.epoch, self.batch = int(epoch), int(batch)
+        self.position.set_epoch(epoch, batch)
 
     def state_dict(self):
-        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed, "num_samples": len(self.folder),
-                "batch_size": self.batch_size, "shuffle": self.shuffle, "drop_last": self.drop_last,
-                "size": self.size, "train": self.train}
+        return self.position.state_dict(size=self.size, train=self.train)
 
     def load_state_dict(self, state):
-        mine = self.state_dict()
-        for k in ("seed", "num_samples", "batch_size", "shuffle", "drop_last", "size", "train"):
-            if state.get(k) != mine[k]:
-                raise DataError(f"ImageLoader: saved state has {k}={state.get(k)!r}, this loader has "
-                                f"{mine[k]!r}; cannot resume the same order")
-        self.set_epoch(state["epoch"], state["batch"])
+        self.position.load_state_dict(state, size=self.size, train=self.train)
 
     # ------------------------------------------------------------------ work
     def _sample(self, out, index, epoch, position):
@@ -286,8 +309,9 @@ class ImageLoader:
                 return self.folder.samples[(index + k) % n][1]
             except Exception as e:
                 if not self.skip_bad:
-                    raise DataError(f"unreadable image {path}: {e} (skip_bad=True replaces it with "
-                                    f"the next readable image and counts it)") from None
+                    raise DataError(f"unreadable image {path}: {e} (lowmem train --skip-bad, or "
+                                    f"skip_bad=True, replaces it with the next readable image and "
+                                    f"counts it)") from None
                 with self._lock:
                     if path not in self.skipped:
                         self.skipped.append(path)
@@ -303,8 +327,9 @@ class ImageLoader:
         s, e = i * b, min((i + 1) * b, n)
         x = np.empty((e - s,) + self.input_shape, np.uint8)
         y = np.empty(e - s, np.int64)
+        indices = order[s:e]                   # this batch's samples; a chunk never reads past them
         step = -(-(e - s) // self.workers)
-        futures = [pool.submit(self._chunk, x[k:k + step], y[k:k + step], order[s + k:s + k + step], epoch, s + k)
+        futures = [pool.submit(self._chunk, x[k:k + step], y[k:k + step], indices[k:k + step], epoch, s + k)
                    for k in range(0, e - s, step)]
         return x, y, futures
 
@@ -337,17 +362,36 @@ class ImageLoader:
 
 # ----------------------------------------------------------------------- statistics
 
-def channel_stats(folder, size, limit=STATS_IMAGES, channels=3, workers=4, seed=0):
+def _stats_batch(size, channels):
+    return max(1, min(64, STATS_BATCH_BYTES // (channels * size * size)))
+
+
+def stats_memory_bytes(size, channels=3, workers=4):
+    """The most channel_stats holds at once (Python-allocated), whatever the number of images:
+    STATS_PREFETCH + 1 batches of decoded uint8 pixels (about STATS_BATCH_BYTES each, at least
+    one image), the decoded image each worker thread is converting (Pillow's tobytes joins its
+    chunks: two copies), and one histogram chunk's int64 copy."""
+    image = channels * size * size
+    return ((STATS_PREFETCH + 1) * _stats_batch(size, channels) * image + 2 * workers * image
+            + 8 * HIST_CHUNK)
+
+
+def channel_stats(folder, size, limit=STATS_IMAGES, channels=3, workers=4, seed=0, skip_bad=False):
     """Per-channel mean and std (pixel / 255, float32 (C,)) of up to `limit` images of `folder`
     (a seeded random subset when there are more), after the eval transform; exact from 256-bin
-    histograms. A constant channel gets std 1."""
-    loader = ImageLoader(folder, batch_size=min(64, len(folder)), size=size, train=False, shuffle=True,
-                         drop_last=False, seed=seed, workers=workers, dtype="uint8", channels=channels)
+    histograms. A constant channel gets std 1. Streamed: holds at most
+    stats_memory_bytes(size, channels, workers)."""
+    loader = ImageLoader(folder, batch_size=min(_stats_batch(size, channels), len(folder)), size=size,
+                         train=False, shuffle=True, drop_last=False, seed=seed, workers=workers,
+                         prefetch=STATS_PREFETCH, dtype="uint8", channels=channels, skip_bad=skip_bad)
     counts, seen = np.zeros((channels, 256), np.int64), 0
     for x, _ in loader:
         x = x[:max(0, limit - seen)]
-        for c in range(channels):
-            counts[c] += np.bincount(x[:, c].ravel(), minlength=256)
+        for image in x:
+            for c in range(channels):
+                plane = image[c].reshape(-1)                  # contiguous: a view
+                for a in range(0, plane.size, HIST_CHUNK):
+                    counts[c] += np.bincount(plane[a:a + HIST_CHUNK], minlength=256)
         seen += len(x)
         if seen >= limit:
             break
@@ -395,9 +439,39 @@ class ImageFolders:
                 f"classes={self.num_classes}, input_shape={self.input_shape})")
 
 
+def limit_samples(folder, n, seed=0):
+    """Keep a seeded random subset of n samples of `folder` (in path order; all of them when n is None
+    or not smaller). The files are sorted by class, so the first n would be the first classes only."""
+    if n is None or n >= len(folder):
+        return folder
+    keep = np.sort(np.random.default_rng([int(seed), 2]).permutation(len(folder))[:n])
+    folder.samples = [folder.samples[i] for i in keep]
+    return folder
+
+
+def check_decodable(folder, workers=4, size=8):
+    """Decode every file of `folder` once, small (JPEGs at a reduced scale): a DataError naming the
+    first file that fails, now rather than when the split is first used. Cost: one pass of reads
+    and (reduced) decodes over the split, on `workers` threads; nothing is kept."""
+    _pil()
+
+    def one(path):
+        try:
+            decode(np.empty((3, size, size), np.uint8), path, size, False, None, "RGB", size)
+        except Exception as e:
+            return f"unreadable image {path}: {e}"
+
+    with ThreadPoolExecutor(max(1, int(workers)), thread_name_prefix="lowmem-check") as pool:
+        for problem in pool.map(one, [p for p, _ in folder.samples]):
+            if problem:
+                raise DataError(problem)
+
+
 def load_image_folders(data_dir, size, mean=None, std=None, channels=3, verify=False, skip_bad=False,
-                       stats_images=STATS_IMAGES, workers=4):
-    """Scan DIR/train and DIR/val (same classes), and compute mean/std when not given -> ImageFolders."""
+                       stats_images=STATS_IMAGES, workers=4, limit_train=None, limit_test=None, seed=0):
+    """Scan DIR/train and DIR/val (same classes), and compute mean/std when not given -> ImageFolders.
+    limit_train / limit_test: a seeded random subset of each split (`limit_samples`), taken
+    before the statistics."""
     root = os.fspath(data_dir)
     if not os.path.isdir(root):
         raise DataError(f"--data {root}: no such directory (expected {root}/train/<class>/*.jpg and "
@@ -408,9 +482,11 @@ def load_image_folders(data_dir, size, mean=None, std=None, channels=3, verify=F
                             f"{root}/val/<class>/*, the torchvision ImageFolder layout)")
     train = ImageFolder(os.path.join(root, "train"), verify=verify, skip_bad=skip_bad)
     val = ImageFolder(os.path.join(root, "val"), classes=train.classes, verify=verify, skip_bad=skip_bad)
+    limit_samples(train, limit_train, seed)
+    limit_samples(val, limit_test, seed)
     if (mean is None) != (std is None):
         raise DataError("give both mean and std, or neither (then they are computed)")
     if mean is None:
-        mean, std = channel_stats(train, size, stats_images, channels, workers)
+        mean, std = channel_stats(train, size, stats_images, channels, workers, skip_bad=skip_bad)
     return ImageFolders(root, train, val, int(size), np.asarray(mean, np.float32), np.asarray(std, np.float32),
                         channels)

@@ -78,12 +78,26 @@ def planned_engine(net, batch_size, input_shape, mode="approx", bits=4, dtype="f
                   allocate=False, use_fast=use_fast)
 
 
+def smallest_batch(net, input_shape, mode="approx", bits=4, dtype="float32",
+                   workspace_bytes=DEFAULT_WORKSPACE_BYTES, use_fast=None):
+    """The smallest batch the engine takes for `net` (a Network): 1, or 2 where a batch norm
+    unit sees one value per channel and sample (a 1x1 input, as VGG-BN's last stage at 32x32)."""
+    try:
+        Engine(net, 1, input_shape, mode, bits, dtype, workspace_bytes, allocate=False, use_fast=use_fast)
+        return 1
+    except ValueError as e:
+        if "batch norm" not in str(e):
+            raise
+    return 2            # N*H*W >= 2 in every unit
+
+
 def max_batch(net, input_shape, budget_bytes, mode="approx", bits=4, dtype="float32",
               workspace_bytes=DEFAULT_WORKSPACE_BYTES, use_fast=None, limit=MAX_BATCH):
     """The largest batch N <= limit whose plan total is <= budget_bytes (N + 1 does not fit).
 
     net: a Network factory (called once), or (model, depth, classes) with model in models.MODELS.
-    ValueError when not even a batch of 1 fits."""
+    The search starts at smallest_batch (2 where batch norm refuses 1). ValueError when not
+    even that fits."""
     if not isinstance(budget_bytes, int) or budget_bytes < 1:
         raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
     network = _factory(net)()        # an engine that does not allocate leaves the network alone
@@ -95,20 +109,21 @@ def max_batch(net, input_shape, budget_bytes, mode="approx", bits=4, dtype="floa
                               allocate=False, use_fast=use_fast).plan.total_bytes
         return cache[n]
 
-    if total(1) > budget_bytes:
-        raise ValueError(f"even a batch of 1 needs {fmt_bytes(total(1))} ({total(1):,} B), more than "
-                         f"the budget of {fmt_bytes(budget_bytes)} ({budget_bytes:,} B)")
+    first = smallest_batch(network, input_shape, mode, bits, dtype, workspace_bytes, use_fast)
+    if total(first) > budget_bytes:
+        raise ValueError(f"even a batch of {first} needs {fmt_bytes(total(first))} ({total(first):,} B), "
+                         f"more than the budget of {fmt_bytes(budget_bytes)} ({budget_bytes:,} B)")
     # secant steps on the (nearly) affine total(N)
-    a, b = 1, 2
+    a, b = first, first + 1
     for _ in range(3):
         slope = max(1, (total(b) - total(a)) / (b - a))
-        a, b = b, min(limit, max(1, a + int((budget_bytes - total(a)) / slope)))
+        a, b = b, min(limit, max(first, a + int((budget_bytes - total(a)) / slope)))
         if a == b:
             break
     # bracket: total(lo) <= budget < total(hi), then bisect
     lo, hi, step = (b, None, 1) if total(b) <= budget_bytes else (None, b, 1)
     while lo is None:
-        lo = max(1, hi - step)
+        lo = max(first, hi - step)
         if total(lo) > budget_bytes:
             hi, lo, step = lo, None, step * 2
     while hi is None:

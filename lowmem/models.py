@@ -1,22 +1,18 @@
-"""The model families lowmem builds, and their registry.
+"""The model families lowmem trains: pre-activation ResNets for CIFAR and ImageNet (He et al. 2016,
+"Identity Mappings in Deep Residual Networks"), wide ResNets and VGG with batch norm.
 
-  preact_resnet_cifar / preact_resnet_imagenet   pre-activation ResNets (He et al. 2016,
-        "Identity Mappings in Deep Residual Networks"), written with lowmem.network's
-        named-buffer methods: a block reads its input from "res", runs its branch
-        through the ping-pong buffers "act0"/"act1", and adds the branch back into "res"
-  wide_resnet    pre-activation WideResNets (Zagoruyko & Komodakis 2016)
-  vgg_bn         VGG-11/13/16/19 with batch norm
-        (both written with lowmem.nn.Graph, which assigns the buffers)
+In the pre-activation ResNets every block starts with BN -> ReLU on its input; where the shape changes, a
+1x1 projection shortcut reads that pre-activated input. Convs have no bias.
+Buffers: a block reads its input from "res", runs its branch through the
+ping-pong buffers "act0"/"act1", and adds the branch back into "res".
 
-In the ResNets every block starts with BN -> ReLU on its input; where the
-shape changes, a 1x1 projection shortcut reads that pre-activated input.
-Convs have no bias.
-
+The wide ResNets and VGG-BN are written with the builder (lowmem.nn.Graph).
 `MODELS` (at the end) is the one registry of model families: name -> builder,
 default classes, default input shape and the depths it takes. Every `lowmem`
 command and the trainer look models up there (`build_model`).
 """
 import functools
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -203,6 +199,11 @@ class ModelSpec:
     depth_help: str             # the depths `build` accepts, for --help
 
 
+def _wrn_spec(k):
+    return ModelSpec(functools.partial(wide_resnet, widen_factor=k), 10, (3, 32, 32),
+                     f"6n+4 (10, 16, 22, 28, 40, ...); widening factor {k}")
+
+
 MODELS = {
     "preact-cifar": ModelSpec(preact_resnet_cifar, 10, (3, 32, 32),
                               "6n+2 with basic blocks (20, 56, 110, ...) or 9n+2 with bottlenecks "
@@ -212,17 +213,25 @@ MODELS = {
     "vgg-bn": ModelSpec(vgg_bn, 10, (3, 32, 32), ", ".join(map(str, sorted(VGG_CONFIGS)))),
 }
 # WRN-d-k: the widening factor is in the name (--model wrn-10 --depth 28 is WRN-28-10)
+# (any other wrn-K is built on demand by model_spec)
 for _k in (1, 2, 4, 8, 10):
-    MODELS[f"wrn-{_k}"] = ModelSpec(functools.partial(wide_resnet, widen_factor=_k), 10, (3, 32, 32),
-                                    f"6n+4 (10, 16, 22, 28, 40, ...); widening factor {_k}")
+    MODELS[f"wrn-{_k}"] = _wrn_spec(_k)
 
 
 def model_spec(name):
-    """The ModelSpec of `name`; ValueError naming the known models otherwise."""
+    """The ModelSpec of `name` (a MODELS key, or wrn-K for any positive integer K); ValueError
+    naming the known models otherwise."""
+    if isinstance(name, str) and name not in MODELS:
+        m = re.fullmatch(r"wrn-([1-9][0-9]*)", name)
+        if m:
+            return _wrn_spec(int(m.group(1)))
     try:
         return MODELS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown model {name!r}: expected one of {', '.join(sorted(MODELS))}") from None
+        families = sorted(n for n in MODELS if not n.startswith("wrn-"))
+        raise ValueError(f"unknown model {name!r}: expected one of {', '.join(families)}, or wrn-K with K a "
+                         f"positive integer (the widening factor: --model wrn-10 --depth 28 is "
+                         f"WRN-28-10)") from None
 
 
 def build_model(name, depth, num_classes=None, in_channels=None, seed=0):

@@ -57,6 +57,11 @@ from .optable import MAX_POOL_WINDOW, OPS
 from .schedule import walk
 
 RESERVED = ("input", "pool", "fc")    # "pool" and "fc" are the head's layer names
+# names the engine and the exports give values of their own: the head's outputs (ONNX "pool.out",
+# "feat", "logits", node "flatten"); a layer name ending in a parameter's suffix would equal
+# another layer's parameter name (an ONNX value or a safetensors key: "fc.weight")
+HEAD_VALUES = ("logits", "feat", "pool.out", "flatten")
+PARAM_SUFFIXES = ("weight", "bias", "running_mean", "running_var")
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,6 +94,8 @@ class Graph:
     initialise in the order they are added, as Network's methods do)."""
 
     def __init__(self, name, input_shape, num_classes, seed=0):
+        if not isinstance(name, str) or not name.strip():
+            raise NetworkError(f"the network's name must be a non-empty string, got {name!r}")
         input_shape = tuple(input_shape)
         if len(input_shape) != 3 or not all(_posint(v) for v in input_shape):
             raise NetworkError(f"input_shape must be (C, H, W) of positive ints, got {input_shape!r}")
@@ -225,8 +232,16 @@ class Graph:
         if not isinstance(name, str) or not name or name.startswith(".") or name.endswith("."):
             raise NetworkError(f"layer name must be a non-empty string without leading or trailing "
                                f"dots, got {name!r}")
-        if name in RESERVED:
-            raise NetworkError(f"layer name {name!r} is reserved ({', '.join(RESERVED)}: the input and the head)")
+        if name in RESERVED or name in HEAD_VALUES or name.startswith(("pool.", "fc.")):
+            raise NetworkError(f"layer name {name!r} is reserved ({', '.join(RESERVED + HEAD_VALUES)} "
+                               f"and pool.* / fc.*: the input, the head and its values)")
+        if name.rsplit(".", 1)[-1] in PARAM_SUFFIXES:
+            raise NetworkError(f"layer name {name!r} ends in a parameter's name (.{name.rsplit('.', 1)[-1]}); "
+                               f"it would clash with a layer's parameters ({', '.join(PARAM_SUFFIXES)})")
+        unit = {n.name for n in self.nodes if n.op == "bnrelu"}
+        if (name.endswith(".bn") and name[:-3] in unit) or (prefix == "bn" and f"{name}.bn" in self._names):
+            raise NetworkError(f"layer name {name!r} clashes with the batch-norm value of bn_relu "
+                               f"{name if prefix == 'bn' else name[:-3]!r} (its export names it <unit>.bn)")
         if name in self._names:
             raise NetworkError(f"layer name {name!r} is used twice; names key the parameters "
                                f"({name}.weight, ...) and must be unique")

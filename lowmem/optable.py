@@ -39,6 +39,7 @@ from .ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight,
                   avgpool_forward, avgpool_backward, avgpool2d_forward, avgpool2d_backward,
                   linear_forward, linear_backward, softmax_xent_forward, softmax_xent_backward)
 from .ops.batchnorm import BN_EPS
+from .ops import pool, winograd
 
 BN_MOMENTUM = 0.1
 MAX_POOL_WINDOW = 16                  # the max-pool argmax is saved as a 4-bit index
@@ -72,6 +73,12 @@ class Op:
     @staticmethod
     def plan(L, N, in_shape, out_shape, units, dtype, budget):
         return []
+
+    @staticmethod
+    def temporary(L, out_shape, itemsize):
+        """(what, bytes): a bound on the NumPy temporaries one call allocates beyond the plan
+        (the engine states the largest per `what` in the plan), or None."""
+        return None
 
     @staticmethod
     def slots(step, saved):
@@ -121,6 +128,11 @@ class Conv(Op):
         # every conv shares the one "conv.cols" workspace (the plan keeps the largest)
         per_sample = L.cin * L.k * L.k * out_shape[1] * out_shape[2]
         return [("conv.cols", "workspace", (per_sample * min(N, max(1, budget // per_sample)),), dtype)]
+
+    @staticmethod
+    def temporary(L, out_shape, itemsize):
+        nbytes = winograd.temporary_bytes([(L.k, L.stride, L.pad, L.cin, L.cout)], f"f{itemsize}")
+        return ("Winograd filter tiles", nbytes) if nbytes else None
 
     @staticmethod
     def route(L, walk):
@@ -304,6 +316,10 @@ class MaxPool(Op):
         co, ho, wo = out_shape
         return [(f"{L.name}.argmax", "saved", (quant.packed_nbytes(co * N * ho * wo, 4),), "uint8"),
                 (f"{L.name}.index", "workspace", (co, N, ho, wo), "uint8")]
+
+    @staticmethod
+    def temporary(L, out_shape, itemsize):
+        return "a max-pool block", pool.scratch_bytes(itemsize, out_shape[1] * out_shape[2])
 
     @staticmethod
     def _index(run, step):

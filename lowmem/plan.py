@@ -87,7 +87,10 @@ class Plan:
         return out
 
     def allocate(self, xp):
-        """Allocate every entry (zero-filled) on array module xp; returns {name: array}."""
+        """Allocate every entry (zero-filled) on array module xp; returns {name: array}.
+        First sysmem.NotEnoughMemory if the plan's total is more than xp's free memory."""
+        from .sysmem import require         # sysmem imports this module: import here, not above
+        require(self.total_bytes, "allocating the memory plan", xp)
         return {e.name: xp.zeros(e.shape, dtype=e.dtype) for e in self.entries}
 
     def report(self, max_rows=40):

@@ -98,9 +98,16 @@ MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 OFFSET_BITS = 24                # d has 24 random bits: exact in float32 and float64
 
+# (bits, W) -> float(W) for each window that passed `window`'s checks: quant_params runs once per
+# unit per step (491 times in a ResNet-164 step) and the exactness check builds a Fraction.
+# Keyed by the value, so a changed quant.WINDOWS entry is checked again.
+_CHECKED = {}
+
 
 def check_bits(bits):
     """Return `bits` as an int if it is one of 8, 4, 2, 1; else ValueError."""
+    if bits.__class__ is int and bits in BITS:          # the common case, without the ABC checks
+        return bits
     ok = (isinstance(bits, numbers.Integral) and not isinstance(bits, bool)
           and int(bits) in BITS)
     if not ok:
@@ -116,6 +123,10 @@ def window(bits):
     bits + 7 significant bits), k·w and w/2 are exact in float32 (24 bits)."""
     bits = check_bits(bits)
     W = WINDOWS[bits]
+    try:
+        return _CHECKED[bits, W]
+    except (KeyError, TypeError):                       # first call for this W (or W unhashable)
+        pass
     if not (isinstance(W, numbers.Real) and math.isfinite(W) and W > 0):
         raise ValueError(f"quant.WINDOWS[{bits}] must be a positive finite number, got {W!r}")
     num = fractions.Fraction(float(W)).numerator      # w = 2W/L has the same odd part
@@ -125,6 +136,7 @@ def window(bits):
         raise ValueError(f"quant.WINDOWS[{bits}] = {W!r} gives a bin width whose odd part "
                          f"{num} is not below {MAX_ODD}: (code + 0.5)*w would round "
                          f"(use a multiple of 1/4 such as 2.75 or 4.5)")
+    _CHECKED[bits, W] = float(W)
     return float(W)
 
 

@@ -39,7 +39,7 @@ CHECKPOINT, METRICS, CONFIG, PLAN = "checkpoint.ckpt", "metrics.jsonl", "config.
 MARKER, LOCK = "lowmem-run.json", "lowmem-run.lock"
 MARKER_FORMAT = "lowmem-run/1"
 OWN_FILES = (CHECKPOINT, METRICS, CONFIG, PLAN)      # what overwrite=True replaces
-_TEMP_PREFIXES = (CHECKPOINT + ".tmp-", METRICS + ".tmp")   # left by a save killed half-way
+_TEMP_PREFIXES = tuple(name + ".tmp" for name in OWN_FILES)    # left by a write killed half-way (lowmem.atomic)
 
 
 class RunDirError(ValueError):

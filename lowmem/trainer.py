@@ -4,15 +4,30 @@
     result = Trainer(cfg).fit()                    # a fresh run into runs/c10
     result = Trainer(cfg, resume=True).fit()       # continue it after a stop
 
-One training step: the next shuffled batch (BatchIterator, drop_last=True, so
-every batch has the planned size) is augmented (random crop from the 4-px
-zero-padded image + horizontal flip) into a preallocated uint8 array, then
-normalised into a preallocated float array (N, C, H, W); the learning rate
-is set from the iteration count (`lr_at`); then engine.train_step (forward,
-a check that the loss is finite, backward, opt.step). After every epoch the
-whole test split is evaluated with BN running statistics (engine.predict,
-last partial batch included), one line is appended to metrics.jsonl and a
-checkpoint is written atomically (lowmem.checkpoint).
+The loop reads as a sequence of calls, like llm.c's main: per step, the
+next batch, the learning rate, engine.train_step, the running sums, the stop
+check; per epoch, evaluate, log, save. What each call does lives in its own
+module:
+
+  lowmem/trainstate.py  the checkpoint: save and restore of the network, the
+                      optimizer, the data position and the RNG (exact resume)
+  lowmem/runlog.py    the run folder's files: config.json, plan.txt, and
+                      metrics.jsonl (rewritten atomically, one record a line)
+  lowmem/stop.py      signals, the time limit, and the stop agreement of ranks
+  lowmem/epochs.py    the seeded order of every epoch (BatchIterator, ImageLoader)
+  lowmem/distributed.py  the start-up agreement of ranks (same settings; a
+                      refusal on one rank is a refusal on all, with no folder left)
+
+One training step: the next shuffled batch (drop_last=True, so every batch
+has the planned size) is augmented (CIFAR-style: random crop from the 4-px
+zero-padded image + horizontal flip; image folders: random-resized-crop +
+flip while decoding, on lowmem.images' threads) into a preallocated uint8
+array, then normalised into a preallocated float array (N, C, H, W); the
+learning rate is set from the iteration count (`lr_at`); then
+engine.train_step (forward, a check that the loss is finite, backward,
+opt.step). After every epoch the whole test split is evaluated with BN
+running statistics (engine.predict, last partial batch included), one line
+is appended to metrics.jsonl and a checkpoint is written atomically.
 
 The run directory (`out`; lowmem/rundir.py says when a run may use one and
 locks it for as long as the run lives):
@@ -23,14 +38,17 @@ locks it for as long as the run lives):
   metrics.jsonl    one strict JSON object per line (a non-finite number is
                    null): an "epoch" record after every epoch, a "stop" record
                    whenever the process stops
-  checkpoint.ckpt  the latest checkpoint: parameters, BN statistics, momentum
-                   buffers, SGD state, iteration, the augmentation RNG and the
-                   BatchIterator position, the configuration; SHA-256 checked
+  checkpoint.ckpt  the latest checkpoint (lowmem/trainstate.py): parameters, BN
+                   statistics, momentum buffers, SGD state, iteration, the
+                   augmentation RNG and the data position, the configuration,
+                   and what travels with the weights (class names, input
+                   size, normalisation); SHA-256 checked
 
 Resume is exact: everything a step depends on is in the checkpoint and the
 learning rate is a function of the iteration, so on NumPy a run stopped at
 any step boundary (end of an epoch, SIGTERM, Ctrl-C, --time-limit) and
-resumed ends with bitwise the parameters of an uninterrupted run.
+resumed ends with bitwise the parameters of an uninterrupted run. A resume
+whose image folder's classes differ from the checkpoint's is refused.
 
 Never a bad checkpoint: a non-finite training or test loss stops the run
 (TrainingDiverged) without writing one, and every save first checks that
@@ -39,35 +57,39 @@ last good state. A save that fails part-way leaves the previous file untouched.
 
 Errors: ConfigError (settings that cannot make a run), RunDirError /
 ResumeError (a run folder or checkpoint this run may not use), DataError,
-CheckpointError, NotEnoughMemory: all ValueErrors naming the problem; the
+CheckpointError, NotEnoughMemory: all ValueErrors naming the problem; under
+MPI a refusal at start-up is a distributed.StartupError on every rank. The
 command line (lowmem/cli.py) maps them to exit codes.
 
-What it does not do: no data loading threads, no mixed precision, no
-multi-GPU, no keeping of older checkpoints (one file, replaced atomically).
+Data parallel (mpiexec, lowmem/distributed.py): every rank draws the same
+global batch and augmentation and trains on its shard; rank 0 alone writes
+the run folder. What it does not do: no mixed precision, no keeping of older
+checkpoints (one file, replaced atomically).
 """
-import contextlib
 import dataclasses
-import json
 import math
 import numbers
 import os
 import signal
-import threading
 import time
 
 import numpy
 from tqdm import tqdm
 
-from . import __version__, backend, distributed, images, quant, rundir, sysmem
-from .checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
+from . import backend, distributed, images, quant, sysmem, trainstate
+from .checkpoint import CheckpointError, load_checkpoint   # noqa: F401 (re-exported)
 from .data import BatchIterator, DataError, augment, load_dataset, normalize
 from .engine import DTYPES, MODES, Engine
-from .models import MODELS, build_model
+from .models import MODELS, build_model, model_spec
+from .ops import softmax_xent_forward
 from .optim import SGD
 from .plan import KINDS, fmt_bytes
 from .rundir import CHECKPOINT, CONFIG, METRICS, PLAN, ResumeError, RunDirError   # noqa: F401 (re-exported)
+from .runlog import RunLog, json_line, read_metrics                                # noqa: F401 (re-exported)
+from .trainstate import (FORMAT, TrainState, TrainingDiverged, check_training_meta,   # noqa: F401 (re-exported)
+                         load_model_state, saved_config, zero_sums)
+from .stop import Stop
 
-FORMAT = "lowmem-train/1"                     # meta["format"] of a training checkpoint
 SCHEDULES = ("step", "cosine", "constant")
 WARMUP_DIVISOR = 10                           # warm-up lr = lr / 10 (He et al.: 0.01 for lr 0.1)
 PAPER_WARMUP_ITERS = 400
@@ -107,6 +129,7 @@ class TrainConfig:
     sync_bn: bool = False           # data parallel: batch norm over the global batch (all ranks)
     image_size: int = 224           # folder only: images are cropped / resized to this square
     workers: int = 4                # folder only: decoding threads (lowmem.images)
+    skip_bad: bool = False          # folder only: replace unreadable images by the next readable one
 
     FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "dtype",
              "batch", "augment", "seed", "image_size")
@@ -127,8 +150,12 @@ class TrainConfig:
             if not ok:
                 bad(f, f"an integer >= {low}" + (" or None" if optional else ""))
 
-        for f, choices in (("model", tuple(MODELS)), ("mode", MODES), ("dtype", DTYPES),
-                           ("schedule", SCHEDULES)):
+        try:
+            model_spec(self.model)                      # a registry name or wrn-K
+        except ValueError:
+            bad("model", f"one of {', '.join(m for m in MODELS if not m.startswith('wrn-'))} or wrn-K "
+                         f"(K a positive integer)")
+        for f, choices in (("mode", MODES), ("dtype", DTYPES), ("schedule", SCHEDULES)):
             if str(getattr(self, f)) not in choices:
                 bad(f, f"one of {', '.join(choices)}")
         if not isinstance(self.bits, numbers.Integral) or self.bits not in quant.BITS:
@@ -194,9 +221,6 @@ def lr_at(it, total, config):
     return config.lr
 
 
-class TrainingDiverged(FloatingPointError):
-    """A non-finite loss or parameter: the run stopped and no checkpoint was written."""
-
 
 @dataclasses.dataclass
 class TrainResult:
@@ -209,6 +233,74 @@ class TrainResult:
     history: list           # this process's epoch records
     signal: int = None
     already_finished: bool = False    # resumed a run that had already done config.epochs: nothing trained
+
+
+def data_info(data, config):
+    """What travels with the weights (checkpoint meta["data"], both exports): class names in label
+    order, the input shape, and the eval preprocessing (resize the shorter side to `resize`,
+    centre crop `image_size`, normalise with mean/std in pixel / 255)."""
+    shape = [int(v) for v in data.input_shape]
+    folder = isinstance(data, images.ImageFolders)
+    classes = getattr(data, "classes", None) or [str(k) for k in range(data.num_classes)]
+    return {"classes": [str(c) for c in classes], "input_shape": shape, "image_size": shape[-1],
+            "resize": images.eval_resize(shape[-1]) if folder else shape[-1],
+            "mean": [float(v) for v in data.mean], "std": [float(v) for v in data.std],
+            "dataset": str(config.dataset)}
+
+
+def load_data(c, saved_data=None, check=True):
+    """config.dataset's data. Image folders: decoded on threads; the limits are seeded subsets; a
+    resumed run keeps its checkpoint's normalisation (`saved_data`); check: decode-check val/ now,
+    so that a bad file stops the run before its first epoch, not after it."""
+    if c.dataset != "folder":
+        return load_dataset(c.dataset, c.data_dir, download=c.download, pad_to=c.pad_to or None,
+                            limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed)
+    mean, std = (saved_data["mean"], saved_data["std"]) if saved_data and "mean" in saved_data else (None, None)
+    data = images.load_image_folders(c.data_dir, size=c.image_size, mean=mean, std=std, workers=c.workers,
+                                     limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed,
+                                     skip_bad=c.skip_bad)
+    if check and not c.skip_bad:           # with --skip-bad the loaders count and skip bad files
+        images.check_decodable(data.val, workers=c.workers)
+    return data
+
+
+def iterators(data, c):
+    """(training batches: shuffled, drop_last; test batches: in order, all of them)."""
+    if not isinstance(data, images.ImageFolders):
+        return (BatchIterator(data.x_train, data.y_train, c.batch, shuffle=True, seed=c.seed, drop_last=True),
+                BatchIterator(data.x_test, data.y_test, c.batch))
+    # random-resized-crop + flip while decoding; --no-augment: the eval transform, still shuffled
+    train = data.loader("train", c.batch, seed=c.seed, dtype="uint8", workers=c.workers, train=c.augment,
+                        shuffle=True, drop_last=True, skip_bad=c.skip_bad)
+    return train, data.loader("val", c.batch, dtype="uint8", workers=c.workers, skip_bad=c.skip_bad)
+
+
+def describe(t):
+    """Trainer.describe: the engine's summary, the plan by kind, ranks, data and the schedule of epochs."""
+    by, c = t.engine.plan.bytes_by_kind(), t.config
+    lines = [t.engine.summary(), "planned memory by kind:"]
+    lines += [f"  {k:<10} {fmt_bytes(by[k]):>12}" for k in KINDS if by[k]]
+    lines.append(f"  {'total':<10} {fmt_bytes(t.engine.plan.total_bytes):>12}")
+    w = warmup_iters(c, t.total_iters)
+    lines.append(f"{t.comm.describe()}, per-rank batch {c.batch // t.comm.size}"
+                 + (", synchronized batch norm" if c.sync_bn else ""))
+    lines.append(f"data: {t.data!r}")
+    lines.append(f"training: {c.epochs} epochs x {t.steps_per_epoch} steps = {t.total_iters} "
+                 f"iterations, lr {c.lr:g} ({c.schedule}"
+                 + (f", warm-up {c.lr / WARMUP_DIVISOR:g} for {w} iterations" if w else "") + ")"
+                 + (f", resuming at iteration {t.iteration}" if t.iteration else ""))
+    return "\n".join(lines)
+
+
+def divergence_message(what, ckpt_path, out):
+    """What a TrainingDiverged says: the cause, and where the last good state is."""
+    msg = f"{what}: training diverged and was stopped. "
+    if ckpt_path and os.path.exists(ckpt_path):
+        return msg + (f"The last good checkpoint {ckpt_path} (iteration {trainstate.checkpoint_iteration(ckpt_path)}) "
+                      f"is kept; resume from it with a lower --lr (the continuation then differs from the "
+                      f"original run).")
+    return msg + ("No checkpoint was written yet; start again with a lower --lr (and --overwrite to reuse "
+                  "this --out)." if out else "No checkpoint was written.")
 
 
 class Trainer:
@@ -229,11 +321,14 @@ class Trainer:
 
     def __init__(self, config, dataset=None, resume=False, overwrite=False, on_step=None, on_epoch=None,
                  log=None, comm=None):
-        self.config = config.validate()
         self.comm = comm if comm is not None else distributed.get_communicator(xp=backend.xp)
         self.lead = self.comm.rank == 0
         self.on_step, self.on_epoch = on_step, on_epoch
         self.log = (log or tqdm.write) if self.lead else (lambda *a, **k: None)
+        # start-up: every check on every rank, and a refusal on one rank is a refusal on all
+        together = distributed.together
+        self.config = together(self.comm, config.validate, usage=(ConfigError,))
+        distributed.check_same_settings(self.comm, config.to_dict(), ignore=("progress",))
         self.out = config.out
         self.ckpt_path = os.path.join(self.out, CHECKPOINT) if self.out else None
         if resume and not self.out:
@@ -241,78 +336,73 @@ class Trainer:
         if overwrite and not self.out:
             raise ConfigError("overwrite needs a run directory (out)")
         # the folder is locked from here to the end of fit(): no other run can pass these checks too
-        self._run = rundir.claim(self.out, resume=resume, overwrite=overwrite) if self.out and self.lead else None
+        self.runlog = together(self.comm, lambda: RunLog.claim(self.out, resume, overwrite)
+                               if self.out and self.lead else RunLog.none())
         try:
-            self._build(config, dataset, resume)
+            together(self.comm, lambda: self._build(config, dataset, resume),
+                     usage=(ConfigError, sysmem.NotEnoughMemory))
         except BaseException:
-            if self._run is not None:
-                self._run.release(discard=True)     # a folder made just now goes again
+            self.runlog.release(discard=True)       # a folder made just now goes again
             raise
 
     def _build(self, c, dataset, resume):
         saved = load_checkpoint(self.ckpt_path) if resume else None
         if saved is not None:
-            self._check_resumable(saved[1], self.ckpt_path)
-        if c.dataset == "folder" and dataset is None:       # decoded on worker threads (lowmem.images)
-            self.data = images.load_image_folders(c.data_dir, size=c.image_size, workers=c.workers)
-            n_train = len(self.data.train)
-        else:
-            self.data = dataset if dataset is not None else load_dataset(
-                c.dataset, c.data_dir, download=c.download, pad_to=c.pad_to or None,
-                limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed)
-            n_train = len(self.data.x_train)
+            check_training_meta(saved[1], self.ckpt_path)
+        if dataset is None:     # every rank reads the same files (their settings agree): one check is enough
+            dataset = load_data(c, saved and saved[1].get("data"), check=self.lead)
+        self.data = dataset
+        n_train = len(self.data.train) if isinstance(self.data, images.ImageFolders) else len(self.data.x_train)
         if n_train < c.batch:
             raise ConfigError(f"batch={c.batch} is larger than the {n_train} training images: "
                               f"an epoch drops its last partial batch, so no step would run")
+        self.data_info = data_info(self.data, c)
+        if saved is not None:
+            trainstate.check_resumable(saved[1], c, self.data_info, self.ckpt_path, self.log)
+        local = c.batch // self.comm.size
         try:
-            self.part = distributed.shard(c.batch, self.comm)      # this rank's part of each batch
+            distributed.shard(c.batch, self.comm)                 # refuses a batch the ranks do not divide
             self.net = build_model(c.model, c.depth, num_classes=self.data.num_classes,
                                    in_channels=self.data.input_shape[0], seed=c.seed)
-            engine_args = dict(batch_size=c.batch // self.comm.size, input_shape=self.data.input_shape,
-                               mode=c.mode, bits=c.bits, dtype=c.dtype, comm=self.comm, sync_bn=c.sync_bn)
-            planned = Engine(self.net, allocate=False, **engine_args)
+            self.engine = Engine(self.net, batch_size=local, input_shape=self.data.input_shape, mode=c.mode,
+                                 bits=c.bits, dtype=c.dtype, comm=self.comm, sync_bn=c.sync_bn)
+        except sysmem.NotEnoughMemory as e:         # the plan's check before it allocates
+            raise sysmem.NotEnoughMemory(f"training {self.net.name} at batch {c.batch}: {e}") from None
         except ValueError as e:                     # the builder or the engine refuses these settings
             raise ConfigError(str(e)) from None
-        sysmem.require(planned.plan.total_bytes, f"training {self.net.name} at batch {c.batch} "
-                       f"(its memory plan)", planned.xp)
-        self.engine = Engine(self.net, **engine_args)
         self.opt = SGD(self.net.parameters(), lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
                        nesterov=c.nesterov)
-        if c.dataset == "folder" and dataset is None:       # random-resized-crop + flip while decoding
-            self.batches = self.data.loader("train", c.batch, seed=c.seed, dtype="uint8", workers=c.workers)
-            self.test_batches = self.data.loader("val", c.batch, dtype="uint8", workers=c.workers)
-        else:
-            self.batches = BatchIterator(self.data.x_train, self.data.y_train, c.batch, shuffle=True,
-                                         seed=c.seed, drop_last=True)
-            self.test_batches = BatchIterator(self.data.x_test, self.data.y_test, c.batch)
+        batches, self.test_batches = iterators(self.data, c)
         self.rng = numpy.random.default_rng([c.seed, 1])          # augmentation only
-        self.steps_per_epoch = len(self.batches)
+        self.steps_per_epoch = len(batches)
         self.total_iters = self.steps_per_epoch * c.epochs
+        self.state = TrainState(self.net, self.opt, batches, self.rng, self.steps_per_epoch)
         # the batch pipeline's preallocated arrays: uint8 after augmentation, then the engine's dtype
-        xp, shape = self.engine.xp, (c.batch,) + self.data.input_shape
-        local = (self.engine.N,) + self.data.input_shape
-        self._x_u8 = numpy.empty(shape, numpy.uint8)           # the global batch, augmented
-        self._x_u8_dev = xp.empty(local, numpy.uint8) if xp is not numpy else self._x_u8
-        self._x = xp.empty(local, self.engine.dtype)
-        self.iteration = 0
-        self._sums = {"loss": 0.0, "correct": 0, "seen": 0, "time": 0.0}    # of the current epoch
-        self.last_eval = None
+        xp, shape = self.engine.xp, self.data.input_shape
+        self._x_u8 = numpy.empty((c.batch,) + shape, numpy.uint8)           # the global batch, augmented
+        self._x_u8_dev = xp.empty((local,) + shape, numpy.uint8) if xp is not numpy else self._x_u8
+        self._x = xp.empty((local,) + shape, self.engine.dtype)
         self.history = []
-        self._stop = None
-        self._signal = None
         self._resumed = saved is not None
+        self.stop = Stop(self.comm, c.time_limit)
         if saved is not None:
-            self._restore(*saved)
+            trainstate.restore(self.state, *saved, self.ckpt_path, xp)
+            if not self.lead:                       # the saved sums are all ranks': count them once
+                self.state.sums = zero_sums()
             if self.iteration > self.total_iters:
                 done = self.iteration / self.steps_per_epoch
                 raise ResumeError(f"{self.ckpt_path} has already trained {done:g} epochs (iteration "
                                   f"{self.iteration}), more than epochs={c.epochs}: pass --epochs "
                                   f"{math.ceil(done)} or more to continue it")
 
+    iteration = property(lambda self: self.state.iteration)
+    batches = property(lambda self: self.state.batches, lambda self, b: setattr(self.state, "batches", b))
+    last_eval = property(lambda self: self.state.last_eval)
+
     def close(self):
         """Release the run folder's lock (fit() does this when it returns; idempotent)."""
-        if getattr(self, "_run", None) is not None:
-            self._run.release()
+        if getattr(self, "runlog", None) is not None:
+            self.runlog.release()
 
     def __enter__(self):
         return self
@@ -320,29 +410,14 @@ class Trainer:
     def __exit__(self, *exc):
         self.close()
 
-    # ----------------------------------------------------------------- info
     def describe(self):
         """The memory plan summary (engine.summary() and totals by kind) and the run's shape."""
-        by = self.engine.plan.bytes_by_kind()
-        c = self.config
-        lines = [self.engine.summary(), "planned memory by kind:"]
-        lines += [f"  {k:<10} {fmt_bytes(by[k]):>12}" for k in KINDS if by[k]]
-        lines.append(f"  {'total':<10} {fmt_bytes(self.engine.plan.total_bytes):>12}")
-        w = warmup_iters(c, self.total_iters)
-        lines.append(f"{self.comm.describe()}, per-rank batch {self.engine.N}"
-                     + (", synchronized batch norm" if c.sync_bn else ""))
-        lines.append(f"data: {self.data!r}")
-        lines.append(f"training: {c.epochs} epochs x {self.steps_per_epoch} steps = {self.total_iters} "
-                     f"iterations, lr {c.lr:g} ({c.schedule}"
-                     + (f", warm-up {c.lr / WARMUP_DIVISOR:g} for {w} iterations" if w else "") + ")"
-                     + (f", resuming at iteration {self.iteration}" if self.iteration else ""))
-        return "\n".join(lines)
+        return describe(self)
 
     def request_stop(self, reason="stopped"):
         """Stop at the next step boundary, after writing a checkpoint."""
-        self._stop = self._stop or reason
+        self.stop.request(reason)
 
-    # ------------------------------------------------------------------ data
     def _batch(self, xb, yb, train):
         """Augment (training) and normalise a uint8 batch into the preallocated arrays.
 
@@ -362,33 +437,29 @@ class Trainer:
         x = normalize(self._x[:hi - lo], u8, self.data.mean, self.data.std)
         return x, self.engine.xp.asarray(yb)
 
-    # ------------------------------------------------------------------ train
+    # ------------------------------------------------------------------ the loop
     def fit(self):
         """Train up to config.epochs; returns a TrainResult. Raises TrainingDiverged on a non-finite
         loss. Releases the run folder when it returns or raises (one fit() per Trainer with `out`)."""
-        if self._run is not None and not self._run.held:
+        if self.out and self.lead and not self.runlog.held:
             raise RuntimeError(f"this Trainer's run in {self.out} has ended; build a new Trainer "
                                f"(resume=True) to continue it")
         try:
-            if self._resumed and self.iteration >= self.total_iters:
-                return self._already_finished()
+            if self._resumed and self.iteration >= self.total_iters:     # report it, write nothing
+                ev = self.last_eval or {}
+                return TrainResult("finished", self.iteration / self.steps_per_epoch, self.iteration,
+                                   ev.get("test_acc"), ev.get("test_loss"), self.ckpt_path, [],
+                                   already_finished=True)
             return self._fit()
         finally:
             self.close()
 
-    def _already_finished(self):
-        """A resumed run that has done all its epochs: report it, write nothing."""
-        ev = self.last_eval or {}
-        return TrainResult("finished", self.iteration / self.steps_per_epoch, self.iteration,
-                           ev.get("test_acc"), ev.get("test_loss"), self.ckpt_path, [], already_finished=True)
-
     def _fit(self):
-        t0 = time.monotonic()
-        spe = self.steps_per_epoch
-        if self.out and self.lead:
-            self._prepare_run_dir()
-        with self._signal_handlers():
-            while self.iteration < self.total_iters and not self._stop:
+        spe, s = self.steps_per_epoch, self.state
+        self.stop.started = time.monotonic()
+        self.runlog.start(self.config, self.engine, fresh=not self._resumed, iteration=self.iteration)
+        with self.stop.signals():
+            while self.iteration < self.total_iters and not self.stop.reason:
                 epoch, b = divmod(self.iteration, spe)
                 self.batches.set_epoch(epoch, b)
                 bar = tqdm(total=spe, initial=b, desc=f"epoch {epoch + 1}/{self.config.epochs}",
@@ -396,44 +467,26 @@ class Trainer:
                            dynamic_ncols=True)
                 for xb, yb in self.batches:
                     loss = self._step(xb, yb)
-                    s = self._sums
                     bar.update()
-                    bar.set_postfix_str(f"loss {s['loss'] / s['seen']:.3f} "
-                                        f"acc {s['correct'] / s['seen']:.3f} "
-                                        f"{s['seen'] / max(s['time'], 1e-9):.0f} img/s "
+                    bar.set_postfix_str(f"loss {s.sums['loss'] / s.sums['seen']:.3f} "
+                                        f"acc {s.sums['correct'] / s.sums['seen']:.3f} "
+                                        f"{s.sums['seen'] / max(s.sums['time'], 1e-9):.0f} img/s "
                                         f"mem {fmt_bytes(self.engine.plan.total_bytes)}", refresh=False)
                     if self.on_step:
                         self.on_step(self, loss)
-                    if self.config.time_limit and time.monotonic() - t0 >= self.config.time_limit:
-                        self.request_stop("time-limit")
-                    self._agree_on_stop()
-                    if self._stop and self.iteration % spe:
-                        break                       # mid-epoch stop; at the epoch's end finish it first
+                    self.stop.check_time()
+                    self.stop.agree()                       # data parallel: every rank stops at one step
+                    if self.stop.reason and self.iteration % spe:
+                        break                               # mid-epoch stop; at the epoch's end finish it first
                 bar.close()
                 if self.iteration % spe == 0:
                     self._end_epoch()
                 elif self.out:
-                    self._save_mid_epoch()
+                    self.save(distributed.sum_counts(self.comm, s.sums))    # mid-epoch: the epoch so far
         return self._finish()
 
-    def _agree_on_stop(self):
-        """Data parallel: every rank stops at the same step (a signal or a time limit seen by one)."""
-        if self.comm.size == 1:
-            return
-        flags = numpy.array([self._stop == "signal", self._stop == "time-limit"], numpy.float64)
-        self.comm.allreduce(flags)
-        if flags[0] and not self._stop:
-            self._signal = self._signal or signal.SIGTERM
-        self.request_stop("signal" if flags[0] else "time-limit" if flags[1] else None)
-
-    def _global_sums(self, *values):
-        """The values summed over ranks (float64)."""
-        a = numpy.array(values, numpy.float64)
-        self.comm.allreduce(a)
-        return a
-
     def _step(self, xb, yb):
-        t = time.perf_counter()
+        t, s = time.perf_counter(), self.state
         x, y = self._batch(xb, yb, train=True)
         self.opt.lr = lr_at(self.iteration, self.total_iters, self.config)
         try:
@@ -444,31 +497,12 @@ class Trainer:
                            f"step {b + 1}, lr {self.opt.lr:g})")
         # the step's logits are still in the plan's "logits" buffer (backward and the update leave it)
         logits = self.engine.arrays["logits"][:len(y)]
-        self.iteration += 1
-        s = self._sums
-        s["loss"] += loss * len(y)
-        s["correct"] += int((logits.argmax(axis=1) == y).sum())
-        s["seen"] += len(y)
-        s["time"] += time.perf_counter() - t
+        s.iteration += 1
+        s.sums["loss"] += loss * len(y)
+        s.sums["correct"] += int((logits.argmax(axis=1) == y).sum())
+        s.sums["seen"] += len(y)
+        s.sums["time"] += time.perf_counter() - t
         return loss
-
-    def _diverged(self, what):
-        msg = f"{what}: training diverged and was stopped. "
-        if self.ckpt_path and os.path.exists(self.ckpt_path):
-            it = self._checkpoint_iteration()
-            msg += (f"The last good checkpoint {self.ckpt_path} (iteration {it}) is kept; resume from it "
-                    f"with a lower --lr (the continuation then differs from the original run).")
-        else:
-            msg += ("No checkpoint was written yet; start again with a lower --lr (and --overwrite to "
-                    "reuse this --out)." if self.out else "No checkpoint was written.")
-        self._metrics({"event": "stop", "reason": "diverged", "message": msg, "iteration": self.iteration})
-        raise TrainingDiverged(msg)
-
-    def _checkpoint_iteration(self):
-        try:
-            return checkpoint_info(self.ckpt_path)["meta"].get("iteration", "?")
-        except CheckpointError:
-            return "?"
 
     def evaluate(self):
         """(mean loss, accuracy) on the whole test split, BN running statistics, last partial batch included."""
@@ -480,287 +514,63 @@ class Trainer:
                 continue
             y = backend.to_numpy(y)
             logits = backend.to_numpy(self.engine.predict(x)).astype(numpy.float64)
-            m = logits.max(axis=1)
-            lse = m + numpy.log(numpy.exp(logits - m[:, None]).sum(axis=1))
-            loss += float((lse - logits[numpy.arange(len(y)), y]).sum())
+            loss += softmax_xent_forward(numpy.empty_like(logits), logits, y) * len(y)
             correct += int((logits.argmax(axis=1) == y).sum())
             n += len(y)
-        if self.comm.size > 1:
-            loss, correct, n = self._global_sums(loss, correct, n)
-        return loss / n, int(correct) / n
+        total = distributed.sum_counts(self.comm, {"loss": loss, "correct": correct, "seen": n})  # data parallel
+        return total["loss"] / total["seen"], total["correct"] / total["seen"]
 
     def _end_epoch(self):
-        s, epoch = self._sums, self.iteration // self.steps_per_epoch
-        if self.comm.size > 1:                      # the epoch's figures over the global batch
-            loss, correct, seen = self._global_sums(s["loss"], s["correct"], s["seen"])
-            s = dict(s, loss=loss, correct=int(correct), seen=int(seen))
+        s, epoch = distributed.sum_counts(self.comm, self.state.sums), self.iteration // self.steps_per_epoch
         t = time.perf_counter()
         test_loss, test_acc = self.evaluate()
-        finite_test = math.isfinite(test_loss)
         rec = {"event": "epoch", "epoch": epoch, "iteration": self.iteration,
                "lr": self.opt.lr, "train_loss": s["loss"] / s["seen"], "train_acc": s["correct"] / s["seen"],
                "test_loss": test_loss, "test_acc": test_acc,
                "images_per_s": s["seen"] / max(s["time"], 1e-9), "train_time_s": s["time"],
                "eval_time_s": time.perf_counter() - t, "planned_bytes": self.engine.plan.total_bytes}
-        self.last_eval = {"epoch": epoch, "test_loss": test_loss, "test_acc": test_acc}
+        self.state.last_eval = {"epoch": epoch, "test_loss": test_loss, "test_acc": test_acc}
+        self.state.sums = zero_sums()
         self.history.append(rec)
-        self._sums = {"loss": 0.0, "correct": 0, "seen": 0, "time": 0.0}
         self.log(f"epoch {epoch}/{self.config.epochs}: train loss {rec['train_loss']:.4f} "
                  f"acc {rec['train_acc']:.4f} | test loss {test_loss:.4f} acc {test_acc:.4f} | "
                  f"lr {rec['lr']:g}, {rec['images_per_s']:.0f} img/s, {s['time']:.1f} s")
-        self._metrics(rec)      # metrics first: a crash before the save only repeats this epoch
-        if not finite_test:     # finite weights can still give inf logits: this state is no good either
-            self._check_finite_state()                  # names the tensor, if one is not finite
+        self.runlog.append(rec)     # metrics first: a crash before the save only repeats this epoch
+        if not math.isfinite(test_loss):    # finite weights can still give inf logits: no good either
+            self._check_finite()                            # names the tensor, if one is not finite
             self._diverged(f"non-finite test loss {test_loss} after epoch {epoch} (iteration {self.iteration}); "
                            f"not saving this state")
-        if self.out and self.lead:
+        if self.out:
             self.save()
         if self.on_epoch:
             self.on_epoch(self, rec)
 
+    def _check_finite(self):
+        try:
+            trainstate.check_finite(self.state, "not saving them")
+        except TrainingDiverged as e:
+            self._diverged(str(e))
+
+    def save(self, epoch_sums=None):
+        """Rank 0 writes out/checkpoint.ckpt atomically (after checking the state is finite, on every rank)."""
+        self._check_finite()
+        if self.lead:
+            trainstate.save(self.ckpt_path, self.state, self.config, self.data_info, epoch_sums)
+
+    def _diverged(self, what):
+        msg = divergence_message(what, self.ckpt_path, self.out)
+        self.runlog.append({"event": "stop", "reason": "diverged", "message": msg, "iteration": self.iteration})
+        raise TrainingDiverged(msg)
+
     def _finish(self):
-        spe = self.steps_per_epoch
-        status = "finished" if self.iteration >= self.total_iters else (self._stop or "stopped")
+        status = "finished" if self.iteration >= self.total_iters else (self.stop.reason or "stopped")
         ev = self.last_eval or {}
-        result = TrainResult(status, self.iteration / spe, self.iteration, ev.get("test_acc"),
-                             ev.get("test_loss"), self.ckpt_path, self.history, self._signal)
-        self._metrics({"event": "stop", "reason": status, "epoch": result.epoch, "iteration": self.iteration,
-                       "test_acc": result.test_acc})
+        result = TrainResult(status, self.iteration / self.steps_per_epoch, self.iteration, ev.get("test_acc"),
+                             ev.get("test_loss"), self.ckpt_path, self.history, self.stop.signum)
+        self.runlog.append({"event": "stop", "reason": status, "epoch": result.epoch,
+                            "iteration": self.iteration, "test_acc": result.test_acc})
         if status != "finished" and self.out:
-            why = signal.Signals(self._signal).name if status == "signal" else status
+            why = signal.Signals(self.stop.signum).name if status == "signal" else status
             self.log(f"stopped ({why}) at iteration {self.iteration} (epoch {result.epoch:.2f}); "
                      f"checkpoint {self.ckpt_path}; continue with --resume")
         return result
-
-    # ---------------------------------------------------------------- signals
-    @contextlib.contextmanager
-    def _signal_handlers(self):
-        """SIGINT / SIGTERM ask for a stop at the next step boundary (with a checkpoint);
-        a second Ctrl-C raises KeyboardInterrupt at once (the last checkpoint stays)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum, frame):
-            if self._signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self._signal = signum          # no printing here: the handler may interrupt a print
-            self.request_stop("signal")
-
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-
-    # ------------------------------------------------------------- checkpoints
-    def _check_finite_state(self):
-        arrays = [(n, p.data) for n, p in self.net.params.items()] + list(self.net.stats.items())
-        arrays += [(n + " (momentum)", p.state["momentum"]) for n, p in self.net.params.items()]
-        for name, a in arrays:
-            if not (math.isfinite(float(a.min())) and math.isfinite(float(a.max()))):   # NaN propagates
-                self._diverged(f"non-finite values in {name} after iteration {self.iteration}; "
-                               f"not saving them")
-
-    def _save_mid_epoch(self):
-        """A stop inside an epoch: rank 0 saves the epoch's sums so far over all ranks."""
-        sums = self._sums
-        if self.comm.size > 1:
-            loss, correct, seen = self._global_sums(sums["loss"], sums["correct"], sums["seen"])
-            sums = dict(sums, loss=float(loss), correct=int(correct), seen=int(seen))
-        if self.lead:
-            self.save(sums)
-
-    def save(self, epoch_sums=None):
-        """Write out/checkpoint.ckpt atomically (after checking the state is finite)."""
-        self._check_finite_state()
-        arrays = {f"net/{n}": p.data for n, p in self.net.params.items()}
-        arrays.update({f"net/{n}": a for n, a in self.net.stats.items()})
-        arrays.update({f"momentum/{p.name}": p.state["momentum"] for p in self.net.parameters()})
-        meta = {"format": FORMAT, "lowmem_version": __version__, "config": self.config.to_dict(),
-                "network": {"name": self.net.name, "num_params": self.net.num_params()},
-                "iteration": self.iteration, "epoch": self.iteration / self.steps_per_epoch,
-                "optimizer": self.opt.state_dict(), "rng": self.rng.bit_generator.state,
-                "batches": self.batches.state_dict(), "epoch_sums": epoch_sums or self._sums,
-                "last_eval": self.last_eval}
-        save_checkpoint(self.ckpt_path, arrays, meta)
-
-    def _check_resumable(self, meta, path):
-        check_training_meta(meta, path)
-        saved, mine = meta["config"], self.config.to_dict()
-        diff = [f"{k} (checkpoint {saved.get(k)!r}, this run {mine[k]!r})"
-                for k in TrainConfig.FIXED if saved.get(k) != mine[k]]
-        if diff:
-            arch = any(saved.get(k) != mine[k] for k in ("model", "depth", "dataset", "pad_to"))
-            raise ResumeError(f"cannot resume from {path}: " + ("it holds a different architecture; " if arch else "")
-                              + "it differs in " + "; ".join(diff))
-        changed = [f"{k} {mine[k]!r} (checkpoint {saved.get(k)!r})" for k in mine
-                   if k not in TrainConfig.FIXED and k not in ("out", "data_dir", "progress", "time_limit",
-                                                                "download") and saved.get(k) != mine[k]]
-        if changed:
-            self.log("note: resuming with " + ", ".join(changed) + "; the continuation will differ "
-                     "from an uninterrupted run of the original settings")
-
-    def _restore(self, arrays, meta):
-        path = self.ckpt_path
-        state = {k[4:]: v for k, v in arrays.items() if k.startswith("net/")}
-        try:
-            self.net.load_state_dict(state)
-        except ValueError as e:
-            raise ResumeError(f"cannot resume from {path}: {e}") from None
-        xp = self.engine.xp
-        for p in self.net.parameters():
-            m = arrays.get(f"momentum/{p.name}")
-            if m is None or m.shape != p.shape:
-                raise ResumeError(f"cannot resume from {path}: momentum buffer of {p.name} is "
-                                  f"{'missing' if m is None else m.shape}, expected {p.shape}")
-            if m.dtype.kind != "f" or not numpy.isfinite(m).all():
-                raise ResumeError(f"cannot resume from {path}: momentum buffer of {p.name} is "
-                                  + ("not finite" if m.dtype.kind == "f" else f"of dtype {m.dtype}"))
-            p.state["momentum"][...] = xp.asarray(m)
-        try:
-            self.opt.load_state_dict(meta["optimizer"])
-            self.rng.bit_generator.state = meta["rng"]
-            self.batches.load_state_dict(meta["batches"])
-        except DataError as e:
-            raise ResumeError(f"cannot resume from {path}: {e}") from None
-        except (ValueError, TypeError, KeyError) as e:      # a malformed optimizer, RNG or batch state
-            raise CheckpointError(f"checkpoint {path!r}: malformed training metadata "
-                                  f"({type(e).__name__}: {e})") from None
-        self.iteration = int(meta["iteration"])
-        if divmod(self.iteration, self.steps_per_epoch) != (self.batches.epoch, self.batches.batch):
-            raise ResumeError(f"{path}: iteration {self.iteration} and batch position "
-                              f"{self.batches.epoch}:{self.batches.batch} disagree")
-        self._sums, self.last_eval = meta["epoch_sums"], meta["last_eval"]
-        if not self.lead:                           # the saved sums are all ranks': count them once
-            self._sums = {"loss": 0.0, "correct": 0, "seen": 0, "time": 0.0}
-        if self.lead:
-            self._drop_metrics_after(self.iteration)
-
-    # ----------------------------------------------------------------- metrics
-    def _metrics(self, record):
-        if not self.out or not self.lead:
-            return
-        _write(os.path.join(self.out, METRICS), json_line({"time": time.time(), **record}), "a")
-
-    def _drop_metrics_after(self, iteration):
-        """Epoch records past the checkpoint will be written again by the resumed run."""
-        path = os.path.join(self.out, METRICS)
-        if not os.path.exists(path):
-            return
-        keep = [r for r in read_metrics(self.out)
-                if not (r.get("event") == "epoch" and r.get("iteration", 0) > iteration)]
-        _write(path + ".tmp", "".join(json_line(r) for r in keep))
-        os.replace(path + ".tmp", path)
-
-    def _prepare_run_dir(self):
-        """Mark the folder as lowmem's (a fresh --overwrite run first removes lowmem's old files);
-        write config.json and plan.txt (a fresh run also starts metrics.jsonl anew)."""
-        self._run.start(fresh=not self._resumed)
-        _write(os.path.join(self.out, CONFIG), json.dumps(self.config.to_dict(), indent=2) + "\n")
-        _write(os.path.join(self.out, PLAN), self.engine.summary() + "\n\n"
-               + self.engine.plan.report(max_rows=10 ** 6) + "\n\n"
-               + str(self.engine.schedule) + "\n")
-        if self.iteration == 0 and os.path.exists(os.path.join(self.out, METRICS)):
-            os.remove(os.path.join(self.out, METRICS))
-
-
-def _write(path, text, mode="w"):
-    """Write text to path; an OSError (a full disk) names the file."""
-    try:
-        with open(path, mode) as f:
-            f.write(text)
-    except OSError as e:
-        what = f"cannot write {path!r}: {e.strerror or e}"
-        raise (OSError(e.errno, what) if e.errno is not None else OSError(what)) from e
-
-
-def _json_safe(value):
-    """value with every non-finite float replaced by None (JSON has no NaN or inf)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def json_line(record):
-    """One strict JSON line (non-finite numbers as null) for metrics.jsonl."""
-    return json.dumps(_json_safe(record), allow_nan=False) + "\n"
-
-
-_META_FIELDS = {"config": dict, "iteration": int, "optimizer": dict, "rng": dict, "batches": dict,
-                "epoch_sums": dict}
-
-
-def check_training_meta(meta, path):
-    """Check the metadata of a training checkpoint holds every field resume reads.
-
-    ResumeError when it is not a training checkpoint (format); CheckpointError
-    naming each missing or mistyped field otherwise."""
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"checkpoint {os.fspath(path)!r}: metadata is a {type(meta).__name__}, "
-                              f"not a dict")
-    if meta.get("format") != FORMAT:
-        raise ResumeError(f"{path}: not a lowmem training checkpoint (format {meta.get('format')!r})")
-    problems = []
-    for key, kind in _META_FIELDS.items():
-        if key not in meta:
-            problems.append(f"{key!r} is missing")
-        elif not isinstance(meta[key], kind) or isinstance(meta[key], bool):
-            problems.append(f"{key!r} is a {type(meta[key]).__name__}, expected a {kind.__name__}")
-    if isinstance(meta.get("iteration"), int) and meta["iteration"] < 0:
-        problems.append(f"'iteration' is {meta['iteration']}, expected >= 0")
-    sums = meta.get("epoch_sums")
-    if isinstance(sums, dict):
-        bad = [k for k in ("loss", "correct", "seen", "time")
-               if not isinstance(sums.get(k), (int, float)) or isinstance(sums.get(k), bool)]
-        if bad:
-            problems.append(f"'epoch_sums' lacks the numbers {bad}")
-    if meta.get("last_eval") is not None and not isinstance(meta["last_eval"], dict):
-        problems.append(f"'last_eval' is a {type(meta['last_eval']).__name__}, expected a dict or null")
-    if problems:
-        raise CheckpointError(f"checkpoint {os.fspath(path)!r}: malformed training metadata: "
-                              + "; ".join(problems))
-
-
-def saved_config(run_dir):
-    """The TrainConfig fields (a dict) stored in run_dir's checkpoint: what --resume starts from.
-    ResumeError when there is no checkpoint; CheckpointError when it is damaged or malformed."""
-    path = os.path.join(run_dir, CHECKPOINT)
-    if not os.path.exists(path):
-        raise ResumeError(f"nothing to resume: {path} does not exist")
-    meta = load_checkpoint(path)[1]
-    check_training_meta(meta, path)
-    return meta["config"]
-
-
-def read_metrics(run_dir):
-    """The records of run_dir/metrics.jsonl as a list of dicts (a torn last line is skipped)."""
-    out = []
-    with open(os.path.join(run_dir, METRICS)) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
-
-
-def load_model_state(path, net):
-    """Load the parameters and BN statistics of a training checkpoint into `net`.
-
-    Raises CheckpointError for a damaged file and ResumeError (a ValueError)
-    naming the mismatch when the checkpoint holds another architecture."""
-    arrays, meta = load_checkpoint(path)
-    state = {k[4:]: v for k, v in arrays.items() if k.startswith("net/")}
-    try:
-        net.load_state_dict(state)
-    except ValueError as e:
-        network = meta.get("network")
-        name = network.get("name", "?") if isinstance(network, dict) else "?"
-        raise ResumeError(f"{path} holds {name}, not {net.name}: {e}") from None
-    return meta

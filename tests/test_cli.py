@@ -101,7 +101,7 @@ def test_diagnose_summary_only(capsys):
 @pytest.mark.parametrize("argv, words", [
     (["plan", "--bits", "3"], "invalid choice: 3"),
     (["plan", "--mode", "fast"], "invalid choice: 'fast'"),
-    (["plan", "--model", "vgg"], "invalid choice: 'vgg'"),
+    (["plan", "--model", "vgg"], "unknown model 'vgg'"),
     (["plan", "--dtype", "float16"], "invalid choice: 'float16'"),
     (["plan", "--input", "3x32"], "expected CxHxW"),
     (["plan", "--batch", "0"], "expected a positive integer"),
@@ -170,8 +170,10 @@ def test_python_m_lowmem_is_the_lowmem_script(argv, code, words):
 def test_every_command_offers_the_registry_models(capsys, command):
     rc, out, _ = run(capsys, command, "--help")
     assert rc == 0
-    choices = re.search(r"--model \{([^}]*)\}", out).group(1).split(",")
-    assert choices == sorted(models.MODELS)
+    text = " ".join(out[out.index("--model MODEL"):].split())          # the --model help, unwrapped
+    for name in models.MODELS:                                          # every family, wrn-K for wrn-*
+        assert (("wrn-K" if name.startswith("wrn-") else name) + " |") in text or (
+            name.startswith("wrn-") and "wrn-K (K: the widening factor" in text), name
 
 
 def test_train_builds_its_model_from_the_registry(capsys, tmp_path):
@@ -244,3 +246,21 @@ def test_ctrl_c_in_any_command_exits_130_with_a_message(capsys, monkeypatch):
     monkeypatch.setitem(cli.COMMANDS, "plan", cli.COMMANDS["plan"][:2] + (interrupted,))
     rc, _, err = run(capsys, "plan")
     assert rc == 130 and err.strip() == "lowmem plan: error: interrupted"
+
+
+# ---- issue 22 case 10: --model wrn-K for any positive K ---------------------------------
+
+def test_model_wrn_k_takes_any_positive_widening_factor(capsys):
+    from lowmem import models
+    from lowmem.trainer import TrainConfig
+    rc, out, err = run(capsys, "plan", "--model", "wrn-3", "--depth", "10", "--input", "3x8x8", "--batch", "2",
+                       "--no-schedule")
+    assert rc == 0, err
+    assert "wrn-10-3" in out
+    assert models.build_model("wrn-3", 10).num_params() == models.wide_resnet(10, 3).num_params()
+    TrainConfig(model="wrn-6", depth=10, dataset="synthetic")                       # accepted
+    for bad in ("wrn-0", "wrn--1", "wrn-x", "wrn-", "wrn-03", "resnet"):
+        rc, out, err = run(capsys, "plan", "--model", bad, "--depth", "10")
+        assert rc == 2 and "Traceback" not in err, bad
+        last = err.strip().splitlines()[-1]
+        assert f"unknown model {bad!r}" in last and "wrn-K with K a positive integer" in last, last

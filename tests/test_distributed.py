@@ -141,3 +141,81 @@ def test_mpiexec_refuses_a_batch_the_ranks_do_not_divide(tmp_path):
     r = lowmem_cli(TRAIN + ["--batch", "15", "--epochs", "1", "--out", str(tmp_path / "r")], n=2, timeout=60)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "batch 15 does not split evenly over 2 ranks" in r.stderr
+
+
+# ------------------------------------------------------------ ranks agree at start-up (issue 22, case 9)
+
+def mpmd(first, second, timeout=120):
+    """mpiexec -n 1 lowmem FIRST : -n 1 lowmem SECOND (each rank its own command line)."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1", LOWMEM_THREADS="1")
+    for var in distributed._SIZE_VARIABLES:
+        env.pop(var, None)
+    cmd = [MPIEXEC, "-n", "1", sys.executable, "-m", "lowmem"] + first + [":", "-n", "1", sys.executable,
+                                                                          "-m", "lowmem"] + second
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=str(WORKER.parent.parent))
+
+
+@pytest.mark.parametrize("option,ours,theirs,words", [
+    ("--depth", "8", "14", "depth is 8 on rank 0, 14 on rank 1"),
+    ("--seed", "0", "1", "seed is 0 on rank 0, 1 on rank 1")])
+def test_ranks_started_with_other_settings_refuse_together_with_one_line(tmp_path, option, ours, theirs, words):
+    args = TRAIN + ["--epochs", "1", "--out", str(tmp_path / "run")]
+    args = [a for a in args if a not in ("--depth", "8")] if option == "--depth" else args
+    r = mpmd(args + [option, ours], args + [option, theirs])
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines == [f"lowmem train: error: ranks disagree on their configuration: {words}; start every rank "
+                     f"with the same options"], r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()                # refused before any folder was made
+
+
+def test_a_run_refused_on_one_rank_at_start_up_leaves_no_run_folder(tmp_path):
+    """Rank 1 cannot read its data (its settings agree; its file system does not): every rank refuses,
+    and rank 0 removes the folder it had just made (issue 22, case 10)."""
+    out = tmp_path / "run"
+    args = ["train", "--dataset", "fashion-mnist", "--depth", "8", "--batch", "16", "--no-progress",
+            "--out", str(out), "--data", str(tmp_path / "missing")]
+    r = lowmem_cli(args, n=2, timeout=60)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.count("Fashion-MNIST not found") == 1 and "MPI_Abort" not in r.stderr
+    assert not out.exists()
+
+
+def rank_pid(tag, rank, timeout=60):
+    """The pid of the process of MPI rank `rank` whose environment holds LOWMEM_TEST_TAG=tag."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if f"LOWMEM_TEST_TAG={tag}".encode() in env and f"PMI_RANK={rank}".encode() in env:
+                return int(pid)
+        time.sleep(0.2)
+    raise AssertionError(f"no rank {rank} process found")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank's pid in /proc")
+def test_ctrl_c_on_one_rank_is_reported_as_sigint_by_every_rank(tmp_path):
+    import signal
+    out = tmp_path / "run"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1", LOWMEM_THREADS="1",
+               LOWMEM_TEST_TAG=str(tmp_path))
+    for var in distributed._SIZE_VARIABLES:
+        env.pop(var, None)
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "lowmem"] + TRAIN + ["--epochs", "10000", "--out", str(out)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         cwd=str(WORKER.parent.parent))
+    try:
+        for line in p.stdout:               # rank 0 prints the plan, then trains
+            if line.startswith("training:"):
+                break
+        os.kill(rank_pid(str(tmp_path), 1), signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, (p.returncode, stderr[-2000:])
+    assert "stopped (SIGINT)" in stdout and "SIGTERM" not in stdout + stderr

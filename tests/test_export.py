@@ -217,7 +217,7 @@ def test_export_command_writes_both_formats(run_dir, tmp_path, capsys):
 
 
 def test_export_command_errors(run_dir, tmp_path, capsys):
-    assert export.run(parse(str(run_dir), str(tmp_path / "m.pt"))) == 1
+    assert export.run(parse(str(run_dir), str(tmp_path / "m.pt"))) == 2      # a bad command line
     assert "must end in .safetensors or .onnx" in capsys.readouterr().err
     assert export.run(parse(str(tmp_path), str(tmp_path / "m.onnx"))) == 1
     assert "no checkpoint here" in capsys.readouterr().err
@@ -237,3 +237,94 @@ def test_a_missing_extra_names_the_pip_install(run_dir, tmp_path, monkeypatch, c
     assert export.run(parse(str(run_dir), str(tmp_path / "m.onnx"))) == 2
     assert "lowmem[onnx]" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
+
+
+# ------------------------------------------------- issue 22 case 7: bad opsets, configs and names
+
+@pytest.mark.parametrize("opset", ["5", "-1", "99", "6", "seven"])
+def test_unsupported_opsets_are_refused_on_the_command_line(run_dir, tmp_path, capsys, opset):
+    from lowmem.cli import main
+    pytest.importorskip("onnx")
+    rc = main(["export", str(run_dir), str(tmp_path / "m.onnx"), "--opset", opset])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lowmem export: error: argument --opset")
+    assert opset == "seven" or f"expected {export.MIN_OPSET}..{export.max_opset()}" in last
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_every_supported_opset_runs_in_onnxruntime():
+    ort = pytest.importorskip("onnxruntime")
+    net = trained_looking(lambda: models.vgg_bn(11, num_classes=10))
+    x = images((3, 32, 32))
+    ref = Engine(net, 4, (3, 32, 32)).predict(x)
+    for opset in (export.MIN_OPSET, export.OPSET, export.max_opset()):
+        model = export.onnx_model(net, opset=opset)
+        out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"input": x})[0]
+        assert float(np.abs(out - ref).max()) <= 1e-5 * float(np.abs(ref).max()), opset
+    for bad in (export.MIN_OPSET - 1, export.max_opset() + 1, -1, 17.0, True):
+        with pytest.raises(export.ExportError, match="opset .* is not supported"):
+            export.onnx_model(net, opset=bad)
+
+
+def test_command_line_errors_carry_the_prefix_and_the_documented_code(run_dir, tmp_path, capsys):
+    from lowmem.cli import main
+    assert main(["export", str(run_dir), str(tmp_path / "m.pt")]) == 2
+    assert capsys.readouterr().err.strip() == (f"lowmem export: error: {tmp_path / 'm.pt'}: unknown format; "
+                                               f"the output must end in .safetensors or .onnx")
+    assert main(["export", str(tmp_path), str(tmp_path / "m.onnx")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lowmem export: error: ") and "no checkpoint here" in err and "\n" not in err
+
+
+def test_a_checkpoint_without_a_depth_is_a_clear_error(run_dir, tmp_path, capsys):
+    from lowmem.checkpoint import load_checkpoint, save_checkpoint
+    arrays, meta = load_checkpoint(os.path.join(run_dir, "checkpoint.ckpt"))
+    del meta["config"]["depth"]
+    save_checkpoint(tmp_path / "nodepth.ckpt", arrays, meta)
+    assert export.run(parse(str(tmp_path / "nodepth.ckpt"), str(tmp_path / "m.safetensors"))) == 1
+    err = capsys.readouterr().err
+    assert "has no depth for model 'preact-cifar'" in err and "Traceback" not in err and "KeyError" not in err
+
+
+@pytest.mark.parametrize("name", ["logits", "feat", "pool.out", "flatten", "fc.weight", "pool.x", "fc.y",
+                                  "block.bias", "a.running_var", "conv1.weight"])
+def test_builder_names_the_exports_use_are_refused(name):
+    from lowmem.nn import Graph, NetworkError
+    g = Graph("n", (3, 8, 8), 3)
+    with pytest.raises(NetworkError, match=f"layer name {name!r}"):
+        g.conv(g.input, 4, 3, name=name)
+
+
+def test_a_unit_and_its_bn_value_cannot_share_a_name():
+    from lowmem.nn import Graph, NetworkError
+    g = Graph("n", (3, 8, 8), 3)
+    h = g.bn_relu(g.conv(g.input, 4, 3, name="c"), name="u")
+    with pytest.raises(NetworkError, match="'u.bn' clashes with the batch-norm value of bn_relu 'u'"):
+        g.conv(h, 4, 3, name="u.bn")
+    g = Graph("n", (3, 8, 8), 3)
+    h = g.bn_relu(g.conv(g.input, 4, 3, name="x.bn"))
+    with pytest.raises(NetworkError, match="clashes with the batch-norm value of bn_relu 'x'"):
+        g.bn_relu(g.conv(h, 4, 3), name="x")
+    g = Graph("n", (3, 8, 8), 3)                               # VGG-BN's names stay fine
+    g.head(g.bn_relu(g.conv(g.input, 4, 3, name="features.0.0.conv"), name="features.0.0.bn"))
+
+
+@pytest.mark.parametrize("name", [None, "", "  ", 3])
+def test_a_graph_needs_a_name(name):
+    from lowmem.nn import Graph, NetworkError
+    with pytest.raises(NetworkError, match="the network's name must be a non-empty string"):
+        Graph(name, (3, 8, 8), 3)
+
+
+def test_a_hand_built_network_with_clashing_names_is_refused_by_the_onnx_export():
+    pytest.importorskip("onnx")
+    from lowmem.network import Network
+    net = Network("hand", 3, 4)
+    net.conv("logits", "input", "act0", 3, 8, 3)
+    net.bnrelu("bn", "act0", "act0", 8)
+    net.head("act0", 8)
+    with pytest.raises(export.ExportError, match="layer names clash .*'logits'"):
+        export.onnx_model(net)

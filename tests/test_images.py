@@ -100,7 +100,7 @@ def test_unreadable_file_is_named_or_skipped_and_counted(folders):
     bad = corrupt(folders)
     d = images.load_image_folders(folders, 16, mean=[0.5] * 3, std=[0.25] * 3)
     loader = d.loader("train", 6, shuffle=False, drop_last=False)
-    with pytest.raises(DataError, match=f"unreadable image {bad}.*skip_bad"):
+    with pytest.raises(DataError, match=f"unreadable image {bad}.*skip_bad=True"):
         list(loader)
     skipping = d.loader("train", 6, shuffle=False, drop_last=False, skip_bad=True)
     batches = list(skipping)
@@ -146,6 +146,25 @@ def test_eval_transform_is_resize_then_centre_crop(tmp_path):
     d = images.load_image_folders(root, 16, mean=[0, 0, 0], std=[1, 1, 1])
     (x, y), = list(d.loader("val", 1, dtype="uint8"))
     np.testing.assert_array_equal(x[0], arrays["val"][1:17, 1:17].transpose(2, 0, 1))
+
+
+def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path):
+    # Pillow opens a 16-bit grey PNG as mode I;16 (a 16-bit TIFF as I;16, a 32-bit integer one as I);
+    # its own convert("RGB") clips every value above 255, so a 16-bit photo came out almost all white.
+    # Expected: value v of 0..65535 becomes round(v * 255 / 65535), the same in all three channels.
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 65536, (16, 16)).astype(np.uint16)
+    Image.fromarray(a).save(tmp_path / "grey16.png")
+    Image.fromarray(a.astype(np.int32)).save(tmp_path / "grey32.tif")
+    expected = ((a.astype(np.int64) * 255 + 32767) // 65535).astype(np.uint8)
+    for name, mode in (("grey16.png", "I;16"), ("grey32.tif", "I")):
+        with Image.open(tmp_path / name) as im:
+            assert im.mode == mode
+        for channels, pil_mode in ((3, "RGB"), (1, "L")):
+            out = np.empty((channels, 16, 16), np.uint8)
+            images.decode(out, str(tmp_path / name), 16, False, None, pil_mode, resize=16)
+            for c in range(channels):
+                np.testing.assert_array_equal(out[c], expected)
 
 
 def test_random_resized_crop_boxes_follow_torchvision_bounds():
@@ -326,3 +345,179 @@ def test_lowmem_train_dataset_folder_trains_and_resumes(tmp_path, capsys):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     assert cli.main(["train", "--dataset", "folder", "--out", str(tmp_path / "x")]) == 2     # no --data
     assert "--data DIR" in capsys.readouterr().err
+
+
+# --------------------------------------------------- every batch size, every worker count
+
+def make_tiny_folder(root, n=70, side=8, seed=0):
+    """root/<two classes>/*.png: n tiny images of distinct random pixels (n does not divide evenly)."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        c = ("a", "b")[i % 2]
+        os.makedirs(os.path.join(root, c), exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(
+            os.path.join(root, c, f"{i:03d}.png"))
+    return images.ImageFolder(root)
+
+
+def test_every_batch_size_and_worker_count_gives_the_one_worker_samples(tmp_path):
+    # The last chunk of a batch is short whenever the batch does not divide by the worker count;
+    # each worker must decode exactly its slice of the batch (issue 22, case 1: 43 of the batch
+    # sizes 1-64 raised IndexError with 4 workers). Per-sample augmentation depends only on the
+    # sample's position in the epoch, so all batchings of an epoch concatenate to the same arrays.
+    folder = make_tiny_folder(str(tmp_path / "tiny"))
+    ref = images.ImageLoader(folder, len(folder), 8, train=True, drop_last=False, seed=5, workers=1,
+                             dtype="uint8")
+    (x1, y1), = list(ref)
+    for b in range(1, 65):
+        for w in range(1, 17):
+            loader = images.ImageLoader(folder, b, 8, train=True, drop_last=False, seed=5, workers=w,
+                                        dtype="uint8", prefetch=2)
+            batches = list(loader)
+            assert [len(y) for _, y in batches] == [b] * (70 // b) + ([70 % b] if 70 % b else []), (b, w)
+            assert np.array_equal(np.concatenate([y for _, y in batches]), y1), (b, w)
+            assert np.array_equal(np.concatenate([x for x, _ in batches]), x1), (b, w)
+
+
+def test_channel_stats_with_any_worker_count(tmp_path):
+    # the statistics pass reads batches of 64: with 70 images its second batch is short
+    folder = make_tiny_folder(str(tmp_path / "tiny"))
+    expected = images.channel_stats(folder, 8, workers=1)
+    for w in range(1, 17):
+        mean, std = images.channel_stats(folder, 8, workers=w)
+        np.testing.assert_array_equal(mean, expected[0])
+        np.testing.assert_array_equal(std, expected[1])
+
+
+def test_the_statistics_pass_is_streamed_and_bounded(tmp_path):
+    """Issue 22 case 5: channel_stats holds at most images.stats_memory_bytes (a few batches of
+    about STATS_BATCH_BYTES each, whatever the folder) and its histograms copy no whole batch;
+    it read every training image in batches of 64 with 2x4 batches in flight (+2 GB at 1024x1024)."""
+    import tracemalloc
+    folder = make_tiny_folder(str(tmp_path / "tiny"))
+    expected = images.channel_stats(folder, 8, workers=1)        # small: the bound is not the point
+    tracemalloc.start()
+    try:
+        mean, std = images.channel_stats(folder, 256)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    bound = images.stats_memory_bytes(256, 3, workers=4)
+    assert bound < len(folder) * 3 * 256 * 256 / 2               # well under the decoded folder
+    assert peak <= bound + (256 << 10), (peak, bound)
+    assert mean.shape == std.shape == (3,) and np.all(std > 0)
+    assert np.all(np.abs(mean - expected[0]) < 0.05)               # same pixels, resized
+
+
+# ------------------------------------------------- issue 22 case 10: hidden files, --skip-bad
+
+def test_hidden_files_are_ignored(folders):
+    """macOS copies leave ._name.jpg AppleDouble files (not images) beside the real ones."""
+    for split in ("train", "val"):
+        for c in COLOURS:
+            with open(os.path.join(folders, split, c, "._000.jpg"), "wb") as f:
+                f.write(b"\x00\x05\x16\x07AppleDouble resource fork")
+            with open(os.path.join(folders, split, c, ".hidden.png"), "wb") as f:
+                f.write(b"not a png")
+    d = images.load_image_folders(folders, 16)
+    assert len(d.train) == 18 and len(d.val) == 9
+    assert not any(os.path.basename(p).startswith(".") for p, _ in d.train.samples + d.val.samples)
+    assert sum(len(y) for _, y in d.loader("val", 4)) == 9
+
+
+def test_the_unreadable_image_error_names_the_flag(folders):
+    corrupt(folders)
+    d = images.load_image_folders(folders, 16, mean=[0.5] * 3, std=[0.25] * 3)
+    with pytest.raises(DataError, match="lowmem train --skip-bad"):
+        list(d.loader("train", 6, shuffle=False))
+
+
+def test_lowmem_train_skip_bad(tmp_path, capsys):
+    """--skip-bad reaches the statistics pass and both loaders: a corrupt training image is
+    replaced, not fatal; without the flag the run stops with one line naming the flag."""
+    from lowmem import cli
+    root = make_folders(str(tmp_path / "p"), per_class=(4, 2))
+    corrupt(root)
+    args = ["train", "--dataset", "folder", "--data", root, "--image-size", "16", "--depth", "8",
+            "--batch", "6", "--epochs", "1", "--workers", "2", "--no-progress"]
+    rc = cli.main(args + ["--out", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err and "--skip-bad" in err.strip().splitlines()[-1]
+    assert cli.main(args + ["--skip-bad", "--out", str(tmp_path / "b")]) == 0
+    assert "final test accuracy" in capsys.readouterr().out
+
+
+# ------------------------------------------------ the trainer on image folders (issue 22, cases 2, 3, 10)
+
+FOLDER_TRAIN = ["train", "--dataset", "folder", "--image-size", "16", "--depth", "8", "--batch", "12",
+                "--lr", "0.05", "--workers", "2", "--no-progress"]
+
+
+def test_folder_runs_honour_no_augment_and_the_limits(tmp_path):
+    """--no-augment: the eval transform (no random crop or flip), still shuffled; --limit-train /
+    --limit-test: seeded subsets of the splits (issue 22, case 3: both were ignored)."""
+    from lowmem.trainer import Trainer, TrainConfig
+    root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
+    cfg = TrainConfig(dataset="folder", data_dir=root, image_size=16, depth=8, batch=12, epochs=1,
+                      augment=False, limit_train=30, limit_test=5, workers=2, progress=False)
+    t = Trainer(cfg, log=lambda *a: None)
+    assert (len(t.data.train), len(t.data.val)) == (30, 5) and len(t.batches) == 2
+    assert not t.batches.train and t.batches.shuffle and t.batches.drop_last       # eval transform, shuffled
+    assert len({lab for _, lab in t.data.train.samples}) == 3                    # a subset of every class
+    again = Trainer(cfg, log=lambda *a: None)
+    assert again.data.train.samples == t.data.train.samples                      # the same subset each time
+    xb, _ = next(iter(t.batches))
+    xb2, _ = next(iter(again.batches))
+    np.testing.assert_array_equal(xb, xb2)                                       # no random crop or flip
+    t.close(), again.close()
+
+
+def test_a_bad_val_image_stops_the_run_before_its_first_epoch(tmp_path, capsys):
+    """Issue 22, case 10: found at start-up, so no epoch is lost and no folder needs --overwrite."""
+    from lowmem import cli
+    root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
+    bad = os.path.join(root, "val", "cat", "002.jpg")
+    with open(bad, "r+b") as f:                                  # a JPEG cut off half-way
+        f.truncate(os.path.getsize(bad) // 2)
+    out = tmp_path / "run"
+    assert cli.main(FOLDER_TRAIN + ["--data", root, "--epochs", "1", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"unreadable image {bad}" in err
+    assert not out.exists()                                      # nothing trained, nothing written
+
+
+def test_class_names_and_preprocessing_travel_with_the_weights(tmp_path, capsys):
+    """Issue 22, case 2: the checkpoint and both exports hold the classes, image size and mean/std;
+    a resume after a class folder was renamed is refused naming it; `lowmem predict` on an exported
+    model prints class names."""
+    from lowmem import cli, export
+    from lowmem.checkpoint import load_checkpoint
+    root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
+    run = tmp_path / "run"
+    assert cli.main(FOLDER_TRAIN + ["--data", root, "--epochs", "2", "--out", str(run)]) == 0
+    info = load_checkpoint(str(run / "checkpoint.ckpt"))[1]["data"]
+    assert info["classes"] == ["bird", "cat", "dog"] and info["image_size"] == 16 and info["resize"] == 18
+    assert len(info["mean"]) == len(info["std"]) == 3
+    written = {}
+    for suffix in (".safetensors", ".onnx"):
+        if suffix == ".onnx":
+            pytest.importorskip("onnx")
+            pytest.importorskip("onnxruntime")
+        pytest.importorskip("safetensors")
+        model = str(tmp_path / ("model" + suffix))
+        assert cli.main(["export", str(run), model]) == 0
+        meta = export.read_metadata(model)
+        assert {k: meta[k] for k in info} == info and (meta["model"], meta["depth"]) == ("preact-cifar", 8)
+        written[suffix] = model
+    capsys.readouterr()
+    photos = [os.path.join(root, "val", c, "000.jpg") for c in ("bird", "cat", "dog")]
+    for model in [str(run)] + list(written.values()):
+        assert cli.main(["predict", model] + photos) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert [line.split(": ")[0] for line in lines] == photos
+        assert all(line.split(": ")[1].split(" (")[0] in info["classes"] for line in lines)
+    os.rename(os.path.join(root, "train", "bird"), os.path.join(root, "train", "zebra"))
+    os.rename(os.path.join(root, "val", "bird"), os.path.join(root, "val", "zebra"))
+    assert cli.main(["train", "--out", str(run), "--resume", "--epochs", "3", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "the class folders changed since it was saved (train/bird renamed to train/zebra)" in err

@@ -123,3 +123,55 @@ def test_reserve_must_be_below_budget():
     args = parser().parse_args(["--depth", "8", "--input", "3x8x8", "--budget", "1MiB", "--reserve", "1MiB"])
     with pytest.raises(ValueError, match="--reserve .* must be smaller than --budget"):
         maxbatch_command(args)
+
+
+SMALLEST_DEPTH = {"preact-cifar": 8, "preact-imagenet": 18, "vgg-bn": 11}
+
+
+@pytest.mark.parametrize("model", sorted(models.MODELS))
+def test_every_registered_model_gets_its_largest_batch(model):
+    """Issue 22 case 6: the search starts at the smallest batch batch norm allows (VGG-BN at
+    3x32x32 has a 1x1 last stage: batch 1 is refused, so maxbatch always failed)."""
+    spec = models.model_spec(model)
+    depth = SMALLEST_DEPTH.get(model, 10)
+    factory = lambda: models.build_model(model, depth)                # noqa: E731
+    shape = spec.input_shape
+    first = 2 if model == "vgg-bn" else 1
+    plan = lambda n: planned_engine(factory, n, shape).plan.total_bytes   # noqa: E731
+    for budget in (plan(first), plan(first) + 1, 3 * plan(first)):
+        n = max_batch(factory, shape, budget)
+        assert n >= first and plan(n) <= budget < plan(n + 1), (model, budget, n)
+    with pytest.raises(ValueError, match=f"even a batch of {first} needs"):
+        max_batch(factory, shape, plan(first) - 1)
+
+
+def test_cli_maxbatch_vgg_bn_at_32x32(capsys):
+    args = parser().parse_args(["--model", "vgg-bn", "--depth", "11", "--input", "3x32x32", "--budget", "300MiB"])
+    assert maxbatch_command(args) == 0
+    n = int(re.search(r"largest batch (\d+)", capsys.readouterr().out).group(1))
+    assert n >= 2
+
+
+def test_verify_names_what_went_over(capsys, monkeypatch):
+    """--verify, when over: the step's temporaries beyond the plan's stated bound are named as
+    arrays the plan does not count, apart from the engine's Python objects."""
+    from lowmem import diagnostics
+    from lowmem.diagnostics import MemoryMeasurement
+    seen = {}
+
+    def fake(net, n, shape, mode, bits, dtype, steps, workspace_bytes):
+        eng = planned_engine(net, n, shape, mode, bits, dtype, workspace_bytes)
+        plan, stated = eng.plan.total_bytes, eng.plan.temporary_bytes
+        seen.update(plan=plan, stated=stated)
+        return MemoryMeasurement(plan, plan + 100_000, [plan + 100_000 + stated + (3 << 20)] * 2, 0, 0,
+                                 "tracemalloc")
+
+    monkeypatch.setattr(diagnostics, "measure_peak", fake)
+    argv = ["--depth", "8", "--input", "3x16x16", "--classes", "4", "--budget", "16MiB", "--verify"]
+    assert maxbatch_command(parser().parse_args(argv)) == 1
+    out = capsys.readouterr().out
+    assert "is OVER the budget" in out
+    assert "3.00 MiB more than the plan's stated bound" in out and "arrays the plan does not count" in out
+    assert "the engine's Python objects 97.66 KiB" in out
+    assert re.search(r"rerun with --reserve \d+MiB", out)
+    assert "Python objects, small temporaries" not in out

@@ -9,12 +9,15 @@ Also: the gradient semantics of lowmem/ops/__init__.py (activation gradients
 overwrite, or add with accumulate=True; parameter gradients add), the
 aliasing the docstrings allow, and row-block/chunk boundaries.
 """
+import tracemalloc
+
 import numpy as np
 import pytest
 
 from reference import check_grad, conv_ref, maxpool_backward_ref, maxpool_ref, relu_mask
 
 from lowmem.ops import batchnorm as bn
+from lowmem.ops import pool
 from lowmem.ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size,
                         bn_stats, bn_normalize, bn_relu_apply_forward, bn_eval_relu_forward,
                         bn_relu_backward, update_running_stats,
@@ -322,6 +325,49 @@ def test_maxpool_forward_backward_against_loops(rng, H, W, ties):
     dx = np.full_like(x, np.nan)
     maxpool_backward(dx, G, idx)
     np.testing.assert_allclose(dx, maxpool_backward_ref(G, ref_idx, H, W), rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("k,stride,pad", [(3, 2, 1), (2, 2, 0), (3, 1, 1), (4, 3, 2)])
+def test_maxpool_in_blocks_against_loops(rng, k, stride, pad):
+    """Every blocking of the output (samples of one channel, whole channels, all at once) gives
+    the loops' max and first argmax, and the same input gradient bit for bit."""
+    C, N, H, W = 3, 4, 9, 7
+    x = rng.integers(0, 4, (C, N, H, W)).astype(float)          # many ties
+    ref_out, ref_idx = maxpool_ref(x, k, stride, pad)
+    G = rng.standard_normal(ref_out.shape)
+    first = None
+    for block in (1, 5, ref_out[0, 0].size * 2 + 1, ref_out[0].size * 2, 4096):
+        out, idx = np.full_like(ref_out, np.nan), np.full(ref_out.shape, 99, np.uint8)
+        maxpool_forward(out, idx, x, k, stride, pad, block=block)
+        np.testing.assert_array_equal(out, ref_out)
+        np.testing.assert_array_equal(idx, ref_idx)
+        dx = np.full_like(x, np.nan)
+        maxpool_backward(dx, G, idx, k, stride, pad, block=block)
+        np.testing.assert_allclose(dx, maxpool_backward_ref(G, ref_idx, H, W, k, stride, pad),
+                                   rtol=1e-14, atol=1e-14)
+        first = dx if first is None else first
+        np.testing.assert_array_equal(dx, first)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_maxpool_scratch_is_bounded_by_the_block(rng, dtype):
+    """Issue 22 case 5: no temporary the size of the output, whatever the batch (it was a bool
+    mask and a float copy of the output per window offset): at most scratch_bytes, here a
+    small fraction of the output."""
+    x = rng.standard_normal((16, 32, 32, 32)).astype(dtype)
+    out, idx = np.empty((16, 32, 16, 16), dtype), np.empty((16, 32, 16, 16), np.uint8)
+    dx = np.empty_like(x)
+    G = rng.standard_normal(out.shape).astype(dtype)
+    bound = pool.scratch_bytes(x.itemsize, 16 * 16)
+    assert bound < out.nbytes // 4
+    for run in (lambda: maxpool_forward(out, idx, x), lambda: maxpool_backward(dx, G, idx)):
+        tracemalloc.start()
+        try:
+            run()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= bound, (peak, bound)
 
 
 def test_maxpool_backward_finite_differences(rng, fd):

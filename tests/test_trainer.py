@@ -11,7 +11,7 @@ import signal
 import numpy
 import pytest
 
-from lowmem import checkpoint
+from lowmem import atomic
 from lowmem.checkpoint import CheckpointError, load_checkpoint
 from lowmem.data import Dataset, channel_mean_std, synthetic
 from lowmem.models import preact_resnet_cifar
@@ -229,7 +229,7 @@ def test_a_crash_while_writing_keeps_the_last_checkpoint(tiny_data, tmp_path, mo
             return self.f.__exit__(*exc)
 
     def crash_from_now_on(trainer, record):
-        monkeypatch.setattr(checkpoint, "open", lambda *a: Dies(open(*a)), raising=False)
+        monkeypatch.setattr(atomic, "open", lambda *a, **k: Dies(open(*a, **k)), raising=False)
 
     with pytest.raises(OSError, match="simulated") as info:
         train(tiny_data, tmp_path, on_epoch=crash_from_now_on)
@@ -357,14 +357,14 @@ def test_a_second_ctrl_c_while_stopping_exits_130_with_a_message(tmp_path, capsy
 
 
 def test_a_full_disk_names_the_checkpoint(tmp_path, capsys, monkeypatch):
-    real = checkpoint.open if hasattr(checkpoint, "open") else open
+    real = open
 
-    def full(path, mode="r", *a):
-        f = real(path, mode, *a)
-        if "x" in mode:
+    def full(path, mode="r", *a, **k):
+        f = real(path, mode, *a, **k)
+        if "x" in mode and os.path.basename(path).startswith(CHECKPOINT):
             f.write = lambda b: (_ for _ in ()).throw(OSError(28, "No space left on device"))
         return f
-    monkeypatch.setattr(checkpoint, "open", full, raising=False)
+    monkeypatch.setattr(atomic, "open", full, raising=False)
     out = tmp_path / "run"
     args = ["--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8", "--depth", "8", "--batch", "16",
             "--out", str(out), "--no-progress", "--epochs", "1"]

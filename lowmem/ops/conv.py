@@ -23,12 +23,17 @@ a numba col2im (ops/columns_cpu.py) and one-launch CUDA im2col / col2im
 (ops/columns_gpu.py). Which ones a conv runs is a `Columns` pair passed in
 (`columns=`): the engine picks it once, `columns_for(xp)`; a direct call
 without one gets `columns_for` of its arrays' module.
+
+Stride-1, pad-1 3x3 convs with at least 16 channels, on float32 NumPy arrays with numba,
+take Winograd F(2x2, 3x3) instead (ops/winograd.py: no columns at all; `winograd.applies`
+says when, LOWMEM_WINOGRAD=0 turns it off); every entry point below checks that first.
 """
 from typing import Callable, NamedTuple
 
 from .. import threads
 from ..backend import array_module
 from . import columns_cpu, columns_gpu
+from . import winograd as _winograd
 
 GEMM_GRAIN = 4096       # columns per thread below which a 1x1-conv GEMM is not split
 COLS_GRAIN = 1 << 16    # im2col elements per thread below which a conv's batch is not split
@@ -165,6 +170,8 @@ def conv2d_forward(out, x, w, stride, pad, ws, columns=None):
 
     x may be a strided view (e.g. the caller's NCHW batch transposed).
     columns: the `Columns` to run (None: columns_for the arrays' module)."""
+    if _winograd.applies(x, w, out, stride, pad, ws):      # stride-1 3x3: no im2col (ops/winograd.py)
+        return _winograd.conv3x3_forward(out, x, w, ws)
     xp = array_module(out)
     columns = columns or columns_for(xp)
     Cout, Cin, kh, kw = w.shape
@@ -191,6 +198,8 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False, column
     """dx (Cin, N, H, W) = (or += with accumulate) conv's input gradient from dout (Cout, N, Ho, Wo).
 
     # saved: nothing but the weights (exact)."""
+    if _winograd.applies(dout, w, dx, stride, pad, ws):
+        return _winograd.conv3x3_backward_input(dx, dout, w, ws, accumulate)
     xp = array_module(dx)
     columns = columns or columns_for(xp)
     Cout, Cin, kh, kw = w.shape
@@ -220,6 +229,8 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws, columns=None):
 
     # saved: the conv input x (exact, or decoded from a K-bit code by the caller).
     Allocates one weight-sized temporary per chunk, plus one per thread (never activation-sized)."""
+    if _winograd.applies(x, dw, dout, stride, pad, ws, weight=True):
+        return _winograd.conv3x3_backward_weight(dw, x, dout, ws)
     xp = array_module(dw)
     columns = columns or columns_for(xp)
     Cout, Cin, kh, kw = dw.shape

@@ -1,0 +1,155 @@
+"""Issue 22 case 8: hand-built Networks (lowmem/network.py's named buffers) that nn.check refuses
+must be refused by the engine too, with the same message, never an AssertionError, a bare
+KeyError such as ('act1', 1), or a run that silently computes something else.
+
+Each network breaks one rule of nn.check; the test asks nn.check for its message and expects
+Engine (building it, or its first training step) to raise a ValueError (NetworkError is one)
+carrying that message. Today's engine (before the engine applies nn.check itself, issue 17)
+raises AssertionError, KeyError, other wording, or runs: conv_in_place, bn_reads_input,
+res_plus_res and pool_window_too_big train without complaint (the last with 4-bit window
+indices that overflow, so its gradients are wrong).
+"""
+import numpy as np
+import pytest
+
+from lowmem import nn
+from lowmem.engine import Engine
+from lowmem.network import Network
+from lowmem.optim import SGD
+
+SHAPE = (3, 8, 8)
+
+
+def _net():
+    return Network("hand", 3, 4)
+
+
+def conv_reads_conv():
+    n = _net()
+    n.conv("c1", "input", "act0", 3, 8, 3)
+    n.conv("c2", "act0", "act1", 8, 8, 3)                  # a conv's input must be a unit's output
+    n.bnrelu("b", "act1", "act1", 8)
+    n.head("act1", 8)
+    return n
+
+
+def read_before_write():
+    n = _net()
+    n.conv("c1", "input", "act0", 3, 8, 3)
+    n.bnrelu("b", "act1", "act1", 8)                       # act1 was never written
+    n.head("act1", 8)
+    return n
+
+
+def conv_in_place():
+    n = _net()
+    n.conv("c1", "input", "act0", 3, 8, 3)
+    n.bnrelu("b", "act0", "act0", 8)
+    n.conv("c2", "act0", "act0", 8, 8, 3)                  # reads and overwrites its own input
+    n.bnrelu("b2", "act0", "act1", 8)
+    n.head("act1", 8)
+    return n
+
+
+def bn_reads_input():
+    n = _net()
+    n.bnrelu("b", "input", "act0", 3)                      # the input feeds convs only
+    n.conv("c1", "act0", "act1", 3, 8, 3)
+    n.bnrelu("b2", "act1", "act1", 8)
+    n.head("act1", 8)
+    return n
+
+
+def unread_output():
+    n = _net()
+    n.conv("c1", "input", "act0", 3, 8, 3)
+    n.conv("c0", "input", "act1", 3, 8, 3)                 # nobody reads act1
+    n.bnrelu("b", "act0", "act0", 8)
+    n.head("act0", 8)
+    return n
+
+
+def res_plus_res():
+    n = _net()
+    n.conv("c1", "input", "res", 3, 8, 3)
+    n.add("ad", "res")                                     # res += res
+    n.bnrelu("b", "res", "act0", 8)
+    n.head("act0", 8)
+    return n
+
+
+def add_before_res():
+    n = _net()
+    n.conv("c1", "input", "act0", 3, 8, 3)
+    n.add("ad", "act0")                                    # res was never written
+    n.bnrelu("b", "res", "act0", 8)
+    n.head("act0", 8)
+    return n
+
+
+def channel_mismatch():
+    n = _net()
+    n.conv("c1", "input", "act0", 3, 8, 3)
+    n.bnrelu("b", "act0", "act0", 6)                       # act0 holds 8 channels
+    n.head("act0", 8)
+    return n
+
+
+def head_not_last():
+    n = _net()
+    n.conv("c1", "input", "act0", 3, 8, 3)
+    n.bnrelu("b", "act0", "act0", 8)
+    n.head("act0", 8)
+    n.bnrelu("b2", "act0", "act1", 8)                      # a layer after the head
+    return n
+
+
+def shared_gradient():
+    n = _net()
+    n.conv("c1", "input", "act0", 3, 8, 3)
+    n.bnrelu("b", "act0", "act0", 8)
+    n.maxpool("p", "act0", "act1")
+    n.conv("c2", "act0", "res", 8, 8, 3, 2)                # the pool's input read again after the pool
+    n.bnrelu("b2", "act1", "act1", 8)
+    n.add("ad", "act1")
+    n.bnrelu("b3", "res", "act0", 8)
+    n.head("act0", 8)
+    return n
+
+
+def pool_window_too_big():
+    n = _net()
+    n.conv("c1", "input", "act0", 3, 8, 3)
+    n.maxpool("p", "act0", "act1", 5, 2, 2)                # 25 window offsets > a 4-bit index
+    n.bnrelu("b", "act1", "act1", 8)
+    n.head("act1", 8)
+    return n
+
+
+def branch_feeds_after_add():
+    n = _net()
+    n.conv("c1", "input", "res", 3, 8, 3)
+    n.bnrelu("b", "res", "act0", 8)
+    n.conv("c2", "act0", "act1", 8, 8, 3)
+    n.add("ad", "act1")
+    n.bnrelu("b2", "act1", "act0", 8)                      # the add's operand read after the add
+    n.bnrelu("b3", "res", "act1", 8)
+    n.head("act1", 8)
+    return n
+
+
+CASES = [conv_reads_conv, read_before_write, conv_in_place, bn_reads_input, unread_output, res_plus_res,
+         add_before_res, channel_mismatch, head_not_last, shared_gradient, pool_window_too_big,
+         branch_feeds_after_add]
+
+
+@pytest.mark.parametrize("build", CASES, ids=[f.__name__ for f in CASES])
+def test_the_engine_refuses_what_check_refuses_with_the_same_message(build):
+    with pytest.raises(nn.NetworkError) as checked:
+        nn.check(build(), SHAPE)
+    net = build()
+    x = np.random.default_rng(0).standard_normal((2,) + SHAPE).astype(np.float32)
+    with pytest.raises(ValueError) as refused:
+        eng = Engine(net, 2, SHAPE)
+        eng.train_step(x, np.array([0, 1]), SGD(net.parameters(), lr=0.1))
+    assert str(checked.value) in str(refused.value), (str(refused.value), str(checked.value))

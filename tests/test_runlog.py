@@ -1,0 +1,71 @@
+"""lowmem.runlog: the run folder's config, plan and metrics; metrics rewritten atomically."""
+import json
+import math
+import os
+
+import pytest
+
+from lowmem import atomic
+from lowmem.runlog import RunLog, json_line, read_metrics
+
+
+class Config:
+    def to_dict(self):
+        return {"depth": 8}
+
+
+class Engine:
+    class plan:
+        @staticmethod
+        def report(max_rows):
+            return "the plan"
+    schedule = "the schedule"
+
+    def summary(self):
+        return "summary"
+
+
+def test_start_writes_config_and_plan_and_append_adds_strict_lines(tmp_path):
+    log = RunLog.claim(tmp_path / "run")
+    log.start(Config(), Engine(), fresh=True, iteration=0)
+    log.append({"event": "epoch", "epoch": 1, "iteration": 4, "test_loss": math.inf})
+    log.append({"event": "stop", "reason": "finished"})
+    run = tmp_path / "run"
+    assert json.loads((run / "config.json").read_text()) == {"depth": 8}
+    assert "the plan" in (run / "plan.txt").read_text()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["event"] for line in lines] == ["epoch", "stop"]
+    assert json.loads(lines[0])["test_loss"] is None and "time" in json.loads(lines[0])    # strict JSON
+    log.release()
+
+
+def test_a_crash_while_appending_keeps_every_earlier_record(tmp_path, monkeypatch):
+    log = RunLog.claim(tmp_path)
+    log.start(Config(), Engine(), fresh=True, iteration=0)
+    log.append({"event": "epoch", "epoch": 1})
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError, match="cannot write metrics .*metrics.jsonl'"):
+        log.append({"event": "epoch", "epoch": 2})
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+    log.release()
+
+
+def test_a_resumed_start_drops_the_epochs_past_the_checkpoint(tmp_path):
+    atomic.atomic_write(tmp_path / "metrics.jsonl", "".join(json_line(r) for r in (
+        {"event": "epoch", "iteration": 4}, {"event": "epoch", "iteration": 8}, {"event": "stop", "iteration": 9})))
+    log = RunLog(None)
+    log.start(Config(), Engine(), fresh=False, iteration=4)          # RunLog.none(): writes nothing
+    assert len(read_metrics(tmp_path)) == 3
+    log = RunLog.claim(tmp_path, overwrite=True)
+    log.start(Config(), Engine(), fresh=False, iteration=4)
+    assert [r["iteration"] for r in read_metrics(tmp_path)] == [4, 9]
+    log.release()
+
+
+def test_none_writes_nothing(tmp_path):
+    log = RunLog.none()
+    log.append({"event": "epoch"})
+    assert log.records() == [] and not log.held and os.listdir(tmp_path) == []

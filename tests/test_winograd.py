@@ -1,0 +1,165 @@
+"""ops/winograd.py (Winograd F(2x2, 3x3)) against a float64 reference and the im2col path.
+
+Accuracy, on every 3x3 conv shape of pre-act ResNet-164 and on the ImageNet stem: the
+relative error (||a - ref|| / ||ref||) of each float32 product (forward, input gradient,
+weight gradient) against float64. Measured (docs/performance.md): Winograd's forward is
+more accurate than im2col's, its input gradient 1.5-1.7x less accurate (still ~3e-7), so the
+bound asserted here is 2x the im2col path's error for the same product and shape.
+Shapes Winograd does not take (stride 2, the 7x7 stem) must run the im2col path unchanged.
+"""
+import numpy as np
+import pytest
+
+from lowmem import threads
+from lowmem.kernels import cpu as fast
+from lowmem.ops import conv, winograd
+
+pytestmark = pytest.mark.skipif(not fast.AVAILABLE, reason="Winograd runs with numba only")
+
+
+def ref_forward(x, w, stride, pad):
+    """float64: the sum over kernel offsets of a channel contraction of shifted input slices."""
+    Cin, N, H, W = x.shape
+    Cout, _, kh, kw = w.shape
+    xp = np.zeros((Cin, N, H + 2 * pad, W + 2 * pad))
+    xp[:, :, pad:pad + H, pad:pad + W] = x
+    Ho, Wo = (H + 2 * pad - kh) // stride + 1, (W + 2 * pad - kw) // stride + 1
+    out = np.zeros((Cout, N, Ho, Wo))
+    for a in range(kh):
+        for b in range(kw):
+            out += np.einsum("oc,cnhw->onhw", w[:, :, a, b],
+                             xp[:, :, a:a + stride * Ho:stride, b:b + stride * Wo:stride])
+    return out
+
+
+def ref_backward(x, w, g, stride, pad):
+    """float64 (dx, dw) of sum(out * g): the adjoint of ref_forward, offset by offset."""
+    Cin, N, H, W = x.shape
+    Cout, _, kh, kw = w.shape
+    Ho, Wo = g.shape[2:]
+    xp = np.zeros((Cin, N, H + 2 * pad, W + 2 * pad))
+    xp[:, :, pad:pad + H, pad:pad + W] = x
+    dxp = np.zeros_like(xp)
+    dw = np.zeros(w.shape)
+    for a in range(kh):
+        for b in range(kw):
+            win = (slice(None), slice(None), slice(a, a + stride * Ho, stride), slice(b, b + stride * Wo, stride))
+            dxp[win] += np.einsum("oc,onhw->cnhw", w[:, :, a, b], g)
+            dw[:, :, a, b] = np.einsum("onhw,cnhw->oc", g, xp[win])
+    return dxp[:, :, pad:pad + H, pad:pad + W], dw
+
+
+def products(x, w, g, stride, pad, ws):
+    """float32 (out, dx, dw) through ops/conv.py (whichever path applies)."""
+    Cout = w.shape[0]
+    out = np.empty((Cout, x.shape[1]) + g.shape[2:], np.float32)
+    conv.conv2d_forward(out, x, w, stride, pad, ws)
+    dx = np.empty_like(x)
+    conv.conv2d_backward_input(dx, g, w, stride, pad, ws)
+    dw = np.zeros_like(w)
+    conv.conv2d_backward_weight(dw, x, g, stride, pad, ws)
+    return out, dx, dw
+
+
+def rel(a, ref):
+    return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
+
+
+def setup(rng, Cin, Cout, H, k, stride, pad, N):
+    Ho = (H + 2 * pad - k) // stride + 1
+    x = rng.standard_normal((Cin, N, H, H))
+    w = rng.standard_normal((Cout, Cin, k, k)) * np.sqrt(2 / (Cin * k * k))
+    g = rng.standard_normal((Cout, N, Ho, Ho))
+    return x, w, g
+
+
+# (Cin, Cout, H, k, stride, pad, N): ResNet-164's 3x3 convs (three stages, stride 1; the two
+# stride-2 transitions), and the ImageNet stem (7x7 stride 2 on 224x224, one sample)
+SHAPES = [(16, 16, 32, 3, 1, 1, 4), (32, 32, 16, 3, 1, 1, 8), (64, 64, 8, 3, 1, 1, 16),
+          (32, 32, 32, 3, 2, 1, 2), (64, 64, 16, 3, 2, 1, 4), (3, 64, 224, 7, 2, 3, 1)]
+
+
+@pytest.mark.parametrize("Cin,Cout,H,k,stride,pad,N", SHAPES)
+def test_float32_error_against_float64(monkeypatch, Cin, Cout, H, k, stride, pad, N):
+    rng = np.random.default_rng(Cin + H)
+    x, w, g = setup(rng, Cin, Cout, H, k, stride, pad, N)
+    ref = (ref_forward(x, w, stride, pad),) + ref_backward(x, w, g, stride, pad)
+    x32, w32, g32 = (a.astype(np.float32) for a in (x, w, g))
+    ws = np.full(1 << 22, np.nan, np.float32)              # garbage: neither path may read it
+    monkeypatch.setattr(winograd, "ENABLED", False)
+    im2col = [rel(a, r) for a, r in zip(products(x32, w32, g32, stride, pad, ws), ref)]
+    monkeypatch.setattr(winograd, "ENABLED", True)
+    takes = winograd.applies(x32, w32, g32, stride, pad, ws)
+    assert takes == (k == 3 and stride == 1)
+    wino = [rel(a, r) for a, r in zip(products(x32, w32, g32, stride, pad, ws), ref)]
+    for name, e_w, e_i in zip(("forward", "input gradient", "weight gradient"), wino, im2col):
+        assert e_w < 1e-6, (name, e_w)
+        assert e_w <= 2 * e_i, (name, e_w, e_i)
+        if not takes:
+            assert e_w == e_i                              # the im2col path, unchanged
+
+
+@pytest.mark.parametrize("H,W", [(8, 8), (7, 5), (1, 1), (2, 3)])
+def test_odd_sizes_accumulate_and_chunks_match_im2col(monkeypatch, H, W):
+    """Partial edge tiles, dx += (accumulate), chunks of one sample, against the im2col path."""
+    rng = np.random.default_rng(H * 10 + W)
+    Cin, Cout, N = 16, 24, 3
+    x = rng.standard_normal((Cin, N, H, W)).astype(np.float32)
+    w = rng.standard_normal((Cout, Cin, 3, 3)).astype(np.float32)
+    g = rng.standard_normal((Cout, N, H, W)).astype(np.float32)
+    base = rng.standard_normal(x.shape).astype(np.float32)
+    res = {}
+    for on in (False, True):
+        monkeypatch.setattr(winograd, "ENABLED", on)
+        monkeypatch.setattr(winograd, "CACHE_BYTES", 1)     # one sample per chunk
+        ws = np.full(winograd.per_sample(Cin, Cout, H, W) * 2 + 32 * Cin * Cout, np.nan, np.float32)
+        assert not on or winograd.applies(x, w, g, 1, 1, ws, weight=True)
+        out = np.empty((Cout, N, H, W), np.float32)
+        conv.conv2d_forward(out, x, w, 1, 1, ws)
+        dx = base.copy()
+        conv.conv2d_backward_input(dx, g, w, 1, 1, ws, accumulate=True)
+        dw = np.ones_like(w)
+        conv.conv2d_backward_weight(dw, x, g, 1, 1, ws)
+        res[on] = (out, dx, dw)
+    for a, b in zip(res[True], res[False]):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * np.abs(b).max())
+
+
+def test_two_threads_match_one(monkeypatch):
+    """Batch ranges over 2 lowmem threads: forward and input gradient bit-identical to 1 thread
+    (per-sample work), the weight gradient to rounding (range sums added in order)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 6, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((16, 16, 3, 3)).astype(np.float32)
+    g = rng.standard_normal((16, 6, 8, 8)).astype(np.float32)
+    ws = np.full(1 << 18, np.nan, np.float32)
+    monkeypatch.setattr(conv, "COLS_GRAIN", 1)
+    res = []
+    try:
+        for t in (1, 2):
+            threads.configure(t)
+            assert winograd.applies(x, w, g, 1, 1, ws)
+            res.append(products(x, w, g, 1, 1, ws))
+    finally:
+        threads.configure(1)
+    np.testing.assert_array_equal(res[0][0], res[1][0])
+    np.testing.assert_array_equal(res[0][1], res[1][1])
+    np.testing.assert_allclose(res[0][2], res[1][2], rtol=1e-5, atol=1e-5 * np.abs(res[0][2]).max())
+
+
+def test_not_taken_when_it_does_not_apply():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 2, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((16, 16, 3, 3)).astype(np.float32)
+    out = np.zeros((16, 2, 8, 8), np.float32)
+    ws = np.zeros(1 << 16, np.float32)
+    assert winograd.applies(x, w, out, 1, 1, ws)
+    assert not winograd.applies(x.astype(np.float64), w.astype(np.float64), out.astype(np.float64), 1, 1,
+                                ws.astype(np.float64))                                   # float64: reference
+    assert not winograd.applies(x[:3], w[:, :3], out, 1, 1, ws)                          # Cin < MIN_CHANNELS
+    assert not winograd.applies(x, w, out[:, :, :4, :4], 2, 1, ws)                       # stride 2
+    assert not winograd.applies(x, w, out, 1, 1, ws[:winograd.per_sample(16, 16, 8, 8) - 1])   # no room
+    room = ws[:winograd.per_sample(16, 16, 8, 8) + 32 * 16 * 16]
+    assert winograd.applies(x, w, out, 1, 1, room, weight=True)
+    assert not winograd.applies(x, w, out, 1, 1, room[:-1], weight=True)      # no room for the dU sums
+    assert not winograd.applies(x.transpose(0, 1, 3, 2), w, out, 1, 1, ws)              # not C-contiguous
