@@ -13,7 +13,7 @@
                                             through a MemoryHook: diagnostics.measure_peak)
      lowmem exact/approx4 slices            the same with im2col/col2im as lowmem.ops.conv's
                                             Python loop of CuPy slice copies instead of the one-launch
-                                            kernels of lowmem/kernels/gpu.py (the engine's default)
+                                            kernels of lowmem/ops/columns_gpu.py (the engine's default)
      lowmem approx4, largest batch          lowmem.maxbatch within --budget less a reserve of
                                             2% (from the plan), then measured: peak <= budget?
      lowmem approx4 ResNet-1001, batch 128  peak (target: under 11 GB) and step time
@@ -93,15 +93,17 @@ def run_tests():
 
 @contextlib.contextmanager
 def cuda_im2col(enabled):
-    """lowmem/kernels/gpu.py's im2col/col2im_add (the default on CuPy) or, when not enabled, the
-    reference CuPy slice copies of lowmem.ops.conv, while active."""
+    """lowmem/ops/columns_gpu.py's im2col/col2im_add (the default on CuPy) or, when not enabled,
+    the reference CuPy slice copies of lowmem.ops.conv, in the engines built while active."""
+    from lowmem import engine
     from lowmem.ops import conv
-    saved = conv.GPU_COLUMNS
-    conv.GPU_COLUMNS = bool(enabled)
+    saved = engine.columns_for
+    if not enabled:
+        engine.columns_for = lambda xp: conv.SLICES
     try:
         yield
     finally:
-        conv.GPU_COLUMNS = saved
+        engine.columns_for = saved
 
 
 def batch(xp, n, classes=10, seed=0):

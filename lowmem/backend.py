@@ -55,6 +55,11 @@ def array_module(a):
     return numpy
 
 
+def numba_allowed():
+    """Whether the numba kernels may be used: LOWMEM_FAST=0 (or false, no) turns them off."""
+    return os.environ.get("LOWMEM_FAST", "1").strip() not in ("0", "false", "no")
+
+
 def to_numpy(a):
     """A host NumPy array for `a` (a no-op on the NumPy backend)."""
     return a.get() if hasattr(a, "get") else numpy.asarray(a)

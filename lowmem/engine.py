@@ -7,8 +7,8 @@
 
 Built once (__init__): `schedule.walk` checks the network (the rules of nn.check,
 raising NetworkError), infers every shape and plans the backward buffers; each
-BN->ReLU unit gets its kernel set for its own bit width (`kernels.select_units`);
-the op table (lowmem/optable.py) says what each layer keeps, so the plan lists
+BN->ReLU unit gets its kernel set for its own bit width (`kernels.select_units`),
+the convs their im2col / col2im functions (`ops.conv.columns_for`); the op table (lowmem/optable.py) says what each layer keeps, so the plan lists
 every array before one exists; everything is allocated from the plan at once,
 and the handlers' view of it is one runstate.RunState.
 
@@ -33,7 +33,7 @@ Modes:
           (the paper's baseline: errors compound).
 
 The mode, each unit's bit width and the backend are fixed here, once, in the units'
-kernel sets; nothing that runs a step branches on them.
+kernel sets and the conv columns; nothing that runs a step branches on them.
 """
 import math
 
@@ -42,8 +42,9 @@ import numpy
 from . import backend, checks, distributed, kernels, quant, threads
 from .network import BUFFERS
 from .ops.batchnorm import ROW_BLOCK
+from .ops.conv import columns_for
 from .optable import OPS, BatchStatisticsError
-from .plan import Plan, fmt_bytes
+from .plan import Plan, bind_parameters, fmt_bytes
 from .runstate import RunState
 from .schedule import walk
 
@@ -96,9 +97,10 @@ class Engine:
         self.arrays = self.run = None
         if allocate:
             self.arrays = self.plan.allocate(self.xp)
-            self._bind_parameters()
+            bind_parameters(self.arrays, net, self.xp)
             self.selected = self._select_units(sizes, self.arrays)   # with the CUDA set's workspace
-            self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected)
+            self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected,
+                                columns_for(self.xp))
         self.reference_units = self._select_units(sizes, self.arrays, reference=True)
         self._ready = False                       # saved state holds a training forward
         stems = [s for s in self.schedule if s.phase == "bwd" and s.optional]
@@ -206,20 +208,6 @@ class Engine:
         for what, nbytes in per_op.items():
             plan.add_temporary(what, nbytes)
 
-    def _bind_parameters(self):
-        """Move parameter values and BN statistics into the plan's arrays (the engine owns them);
-        each p.grad and each running statistic is a view into its flat buffer."""
-        a, xp = self.arrays, self.xp
-        grads, running = _views(a["grads"]), _views(a["bn.running"])
-        for p in self.net.parameters():
-            a[p.name][...] = xp.asarray(backend.to_numpy(p.data) if xp is not numpy else p.data)
-            p.data, p.grad = a[p.name], grads(p.shape)
-            p.state["momentum"] = a[p.name + ".momentum"]
-        for name, s in self.net.stats.items():
-            view = running(s.shape)
-            view[...] = xp.asarray(backend.to_numpy(s) if xp is not numpy else s)
-            self.net.stats[name] = view
-
     # ------------------------------------------------------------ a step
     def forward(self, x, labels):
         """Training-mode forward of x (N, C, H, W): returns (mean loss, logits (N, K) copy).
@@ -308,14 +296,3 @@ class Engine:
                 + f", {self.dtype}; planned {fmt_bytes(self.plan.total_bytes)} "
                   f"(saved {fmt_bytes(by['saved'])}, buffers {fmt_bytes(by['buffers'])})")
 
-
-def _views(flat):
-    """shape -> the next view of that shape into the flat array, in call order."""
-    offset = [0]
-
-    def take(shape):
-        n = int(math.prod(shape))
-        view = flat[offset[0]:offset[0] + n].reshape(shape)
-        offset[0] += n
-        return view
-    return take

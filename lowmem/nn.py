@@ -119,7 +119,7 @@ class Graph:
         pad = (k - 1) // 2 if pad is None else pad
         if not _int(pad) or pad < 0:
             raise NetworkError(f"conv {name!r}: pad must be an int >= 0, got {pad!r}")
-        if x.op != "input" and not OPS[x.op].unit:
+        if x is not self.input and not OPS[x.op].unit:
             raise NetworkError(
                 f"conv {name!r} reads the output of {x.op} {x.name!r}, but a conv must read the network "
                 f"input or a bn_relu output: backward rebuilds a conv's input as relu(gamma*x-hat + beta) "
@@ -197,7 +197,7 @@ class Graph:
         self._own(x, "head")
         self._not_input(x, "head", "head")
         self._check_uses(x)
-        buf = self._assign_buffers(x)
+        buf = assign_buffers(self, x)
         net = Network(self.name, self.input_shape[0], self.num_classes, self.seed)
         for n in self.nodes:
             src = [buf[i] for i in n.inputs]
@@ -255,7 +255,7 @@ class Graph:
             raise NetworkError(f"{where}: {t!r} belongs to another Graph ({t.graph.name!r})")
 
     def _not_input(self, t, what, name):
-        if t.op == "input":
+        if t is self.input:
             raise NetworkError(f"{what} {name!r} reads the network input, which may feed convs only "
                                f"(the engine keeps the input in its own slot; BN->ReLU, pools and adds "
                                f"run in the shared buffers): start the network with a conv")
@@ -283,7 +283,8 @@ class Graph:
                                    f"layer's output must feed a later layer or the head (backward "
                                    f"needs its gradient)")
         for i, n in enumerate(self.nodes):
-            if n.op == "add":
+            op = OPS[n.op]
+            if op.reads_dst:                             # the add: operands (skip, branch)
                 skip, branch = (self.tensors[j] for j in n.inputs)
                 others = [self._label(k) for k in uses[branch.index] if k != i]
                 if others:
@@ -297,11 +298,11 @@ class Graph:
                     raise NetworkError(f"add {n.name!r} adds into {skip.name!r} in place (the residual "
                                        f"buffer), but {', '.join(later)} reads {skip.name!r} after it; "
                                        f"use the add's result instead")
-            if not OPS[n.op].accumulates and n.op != "add":
+            elif not op.accumulates:                     # a pool
                 later = [self._label(k) for k in uses[n.inputs[0]] if k > i]
                 if later:
                     src = self.tensors[n.inputs[0]].name
-                    raise NetworkError(f"{OPS[n.op].builder} {n.name!r}: its input {src!r} also feeds "
+                    raise NetworkError(f"{op.builder} {n.name!r}: its input {src!r} also feeds "
                                        f"{', '.join(later)} after the pool; a pool's backward writes "
                                        f"its input gradient instead of adding to it, so its input may "
                                        f"feed other layers only before the pool")
@@ -309,62 +310,66 @@ class Graph:
     def _label(self, pos):
         return "the head" if pos == len(self.nodes) else f"{self.nodes[pos].op} {self.nodes[pos].name!r}"
 
-    def _assign_buffers(self, x):
-        """Tensor index -> buffer name: skips (and add results) in res, the rest ping-pong act0/act1.
 
-        Greedy in forward order: a tensor takes a buffer whose tensor is no
-        longer needed; a BN->ReLU unit runs in place when its input dies there."""
-        uses = self._consumers()
-        uses[x.index].append(len(self.nodes))
-        last = {t: max(u) if u else -1 for t, u in uses.items()}
-        needs_res = set()
-        for n in self.nodes:
-            if n.op == "add":
-                needs_res.update((n.inputs[0], n.out))
-        buf, holder = {0: "input"}, dict.fromkeys(BUFFERS)
+def assign_buffers(graph, x):
+    """A Graph's tensor index -> buffer name, x the head's input: skips (and add results) in res,
+    the rest ping-pong act0/act1.
 
-        def busy(b, i, reads):
-            t = holder[b]
-            return t is not None and (last[t] > i or t in reads)
+    Greedy in forward order: a tensor takes a buffer whose tensor is no longer
+    needed; an op that may run in place (optable `in_place`: the BN->ReLU unit)
+    does when its input dies there. What an op needs comes from its optable
+    flags, never its name."""
+    uses = graph._consumers()
+    uses[x.index].append(len(graph.nodes))
+    last = {t: max(u) if u else -1 for t, u in uses.items()}
+    needs_res = set()
+    for n in graph.nodes:
+        if OPS[n.op].reads_dst:                          # the add's skip and its result live in res
+            needs_res.update((n.inputs[0], n.out))
+    buf, holder = {0: "input"}, dict.fromkeys(BUFFERS)
 
-        for i, n in enumerate(self.nodes):
-            t, reads = n.out, n.inputs
-            if n.op == "add":
-                dst = "res"
-            elif t in needs_res:
-                if busy("res", i, reads if n.op != "bnrelu" else ()):
-                    held = self.tensors[holder["res"]]
-                    if held.index in reads:
-                        raise NetworkError(
-                            f"{n.op} {n.name!r} reads the residual buffer and its output must go back "
-                            f"there (it is the skip of a residual add), but a {n.op} cannot run in "
-                            f"place: downsample the stream with a strided 1x1 projection conv on a "
-                            f"bn_relu output instead")
+    def busy(b, i, reads):
+        t = holder[b]
+        return t is not None and (last[t] > i or t in reads)
+
+    for i, n in enumerate(graph.nodes):
+        t, reads, op = n.out, n.inputs, OPS[n.op]
+        if op.reads_dst:
+            dst = "res"
+        elif t in needs_res:
+            if busy("res", i, reads if not op.in_place else ()):
+                held = graph.tensors[holder["res"]]
+                if held.index in reads:
                     raise NetworkError(
-                        f"{n.op} {n.name!r}: its output is the skip of a residual add, so it must wait "
-                        f"in the residual buffer, but that still holds {held.name!r} until "
-                        f"{self._label(last[held.index])}: lowmem has one residual buffer, so residual "
-                        f"connections may follow each other but not nest or overlap")
-                dst = "res"
+                        f"{n.op} {n.name!r} reads the residual buffer and its output must go back "
+                        f"there (it is the skip of a residual add), but a {n.op} cannot run in "
+                        f"place: downsample the stream with a strided 1x1 projection conv on a "
+                        f"bn_relu output instead")
+                raise NetworkError(
+                    f"{n.op} {n.name!r}: its output is the skip of a residual add, so it must wait "
+                    f"in the residual buffer, but that still holds {held.name!r} until "
+                    f"{graph._label(last[held.index])}: lowmem has one residual buffer, so residual "
+                    f"connections may follow each other but not nest or overlap")
+            dst = "res"
+        else:
+            src = buf[reads[0]]
+            if op.in_place and src in ("act0", "act1") and last[reads[0]] == i:
+                dst = src                                # in place: its input dies here
             else:
-                src = buf[reads[0]]
-                if n.op == "bnrelu" and src in ("act0", "act1") and last[reads[0]] == i:
-                    dst = src                                # in place: its input dies here
-                else:
-                    free = [b for b in ("act0", "act1") if not busy(b, i, reads)]
-                    # res too, unless a skip must move in while this tensor is alive
-                    if not busy("res", i, reads) and not any(
-                            m.out in needs_res for m in self.nodes[i + 1:last[t] + 1]):
-                        free.append("res")
-                    if not free:
-                        alive = [self.tensors[holder[b]].name for b in BUFFERS]
-                        raise NetworkError(f"{n.op} {n.name!r}: no buffer left for its output; "
-                                           f"{', '.join(map(repr, alive))} are all still needed. lowmem "
-                                           f"runs every network through three shared buffers, so at most "
-                                           f"three tensors may be alive at once")
-                    dst = free[0]
-            buf[t], holder[dst] = dst, t
-        return buf
+                free = [b for b in ("act0", "act1") if not busy(b, i, reads)]
+                # res too, unless a skip must move in while this tensor is alive
+                if not busy("res", i, reads) and not any(
+                        m.out in needs_res for m in graph.nodes[i + 1:last[t] + 1]):
+                    free.append("res")
+                if not free:
+                    alive = [graph.tensors[holder[b]].name for b in BUFFERS]
+                    raise NetworkError(f"{n.op} {n.name!r}: no buffer left for its output; "
+                                       f"{', '.join(map(repr, alive))} are all still needed. lowmem "
+                                       f"runs every network through three shared buffers, so at most "
+                                       f"three tensors may be alive at once")
+                dst = free[0]
+        buf[t], holder[dst] = dst, t
+    return buf
 
 
 # --------------------------------------------------------------------------- check

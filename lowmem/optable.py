@@ -50,7 +50,20 @@ class BatchStatisticsError(FloatingPointError):
 
 
 class Op:
-    """Defaults: a layer that keeps nothing, reads a shared buffer, writes another."""
+    """Defaults: a layer that keeps nothing, reads a shared buffer, writes another.
+
+    The flags, read by the walk (schedule.py) and the builder (nn.Graph):
+      unit         a BN->ReLU unit: its own kernel set and bit width; a conv may read its output
+      reads_input  may read the network input (which sits in its own planned slot)
+      in_place     may write the buffer it reads: the builder gives its output its input's
+                   buffer when the input dies there (and does not count that read as a conflict)
+      reads_dst    dst += src, the residual add: its result stays in the buffer it adds into
+                   (res), so that operand (the skip) is consumed in place, and both operands
+                   share the output's gradient (so the other, the branch, may feed only it)
+      accumulates  its backward can add its input gradient to one already there, so its input
+                   may also feed other layers; without it (a pool), the input gradient is
+                   written over a free buffer (`Op.route`) and the input may feed other layers
+                   only before this one"""
     unit = reads_input = in_place = reads_dst = accumulates = False
     builder = ""            # its nn.Graph method, where the name differs from the op
     @staticmethod
@@ -141,7 +154,7 @@ class Conv(Op):
     def forward(run, step):
         L = step.layer
         conv2d_forward(run.act(step.dst, step.out_shape), run.act(step.src, step.in_shape),
-                       run.params[step.params[0]].data, L.stride, L.pad, run.arrays["conv.cols"])
+                       run.params[step.params[0]].data, L.stride, L.pad, run.arrays["conv.cols"], run.columns)
 
     @staticmethod
     def backward(run, step):
@@ -158,10 +171,10 @@ class Conv(Op):
             x = run.act(step.scratch, step.in_shape)
         else:
             x = run.act(step.src, step.in_shape)         # the planned input slot
-        conv2d_backward_weight(p.grad, x, dout, L.stride, L.pad, ws)
+        conv2d_backward_weight(p.grad, x, dout, L.stride, L.pad, ws, run.columns)
         if step.dx and (run.input_grad or not step.optional):
             conv2d_backward_input(run.act(step.dx, step.in_shape), dout, p.data, L.stride, L.pad,
-                                  ws, accumulate=step.accumulate)
+                                  ws, step.accumulate, run.columns)
 
     @staticmethod
     def onnx(L, helper, read, write):

@@ -8,7 +8,7 @@ Weight decay applies to conv and linear weights by default; BN gamma/beta and
 biases are exempt unless decay_bn / decay_bias say otherwise. `lr` may be
 changed between steps (opt.lr = ...). Momentum buffers are the engine's
 planned "optimizer" arrays when present (p.state["momentum"]), so the plan
-counts them. On CuPy arrays `step` runs kernels/gpu.py's fused update (one
+counts them. On CuPy arrays `step` runs optim_gpu.py's fused update (one
 kernel per tensor, the same arithmetic); on NumPy the array ops below.
 
 Hyperparameters are checked where they are set (constructor, opt.lr = ...,
@@ -56,9 +56,14 @@ class SGD:
     def step(self):
         """One update of every parameter from its .grad (which it may modify)."""
         if array_module(self.params[0].data) is not numpy:
-            from .kernels import gpu           # CuPy arrays: one fused kernel per tensor
-            gpu.sgd_step(self)
-            return
+            from . import optim_gpu            # CuPy arrays: one fused kernel per tensor
+            optim_gpu.sgd_step(self)
+        else:
+            self._step_arrays()
+        self._started = True
+
+    def _step_arrays(self):
+        """The update as array ops (NumPy), in the order the CUDA kernel repeats."""
         for p, decays in zip(self.params, self.decay):
             v, g = p.state["momentum"], p.grad
             if decays and self.weight_decay:
@@ -74,7 +79,6 @@ class SGD:
                 else:
                     g = v
             p.data -= self.lr * g
-        self._started = True
 
     @property
     def lr(self):

@@ -5,6 +5,8 @@ Each entry has a name, a kind, a shape and a dtype; its bytes are
 report (uint8 codes count 1 byte per element, never 0). The engine allocates
 everything from the plan in one place (`Plan.allocate`), so the plan total is
 the memory a training step holds, and a test checks the two are equal.
+`bind_parameters` then moves the network's weights and running statistics
+into their planned arrays.
 
 Kinds:
   params     trainable weights            grads      their gradients
@@ -20,6 +22,8 @@ import math
 from dataclasses import dataclass
 
 import numpy
+
+from .backend import to_numpy
 
 KINDS = ("params", "grads", "optimizer", "stats", "input", "buffers", "saved", "workspace")
 
@@ -113,3 +117,32 @@ class Plan:
 
     def __repr__(self):
         return f"Plan({len(self.entries)} entries, {fmt_bytes(self.total_bytes)})"
+
+
+def bind_parameters(arrays, net, xp):
+    """Move a network's parameter values and BN running statistics into the allocated plan
+    (the engine owns them from then on): p.data becomes arrays[p.name], p.state["momentum"]
+    arrays[p.name + ".momentum"], and each p.grad and each running statistic a view into the
+    flat "grads" / "bn.running" buffers, in the network's order (so a data-parallel step sums
+    each buffer in one allreduce)."""
+    grads, running = _views(arrays["grads"]), _views(arrays["bn.running"])
+    for p in net.parameters():
+        arrays[p.name][...] = xp.asarray(to_numpy(p.data) if xp is not numpy else p.data)
+        p.data, p.grad = arrays[p.name], grads(p.shape)
+        p.state["momentum"] = arrays[p.name + ".momentum"]
+    for name, s in net.stats.items():
+        view = running(s.shape)
+        view[...] = xp.asarray(to_numpy(s) if xp is not numpy else s)
+        net.stats[name] = view
+
+
+def _views(flat):
+    """shape -> the next view of that shape into the flat array, in call order."""
+    offset = [0]
+
+    def take(shape):
+        n = int(math.prod(shape))
+        view = flat[offset[0]:offset[0] + n].reshape(shape)
+        offset[0] += n
+        return view
+    return take

@@ -512,10 +512,12 @@ def quantize_pack(packed_out, xhat, qp, rounding="nearest", key=None):
         _pack_block(packed_out[a * bits // 8:(b * bits + 7) // 8], codes[:b - a], bits, tmp)
 
 
-def _decode(out, packed, qp, extra=None):
-    """Shared decode loop: unpack one chunk of codes at a time and write
+def decode_each_chunk(out, packed, qp, extra=None):
+    """The chunked decode loop: unpack one chunk of codes at a time and write
     x̃ = s·(lo + (code + 0.5)·w), the bin midpoint flipped back, into `out`
-    block by block; then extra(out_block, code_block, r0, r1, c0, c1) if given."""
+    block by block; then extra(out_block, code_block, r0, r1, c0, c1) if given
+    (unpack_decode and decode_relu below; kernels/reference.py masks the output
+    gradient with it, so the code backward needs no mask array)."""
     xp = array_module(packed)
     C, w, bits = qp.channels, qp.w, qp.bits
     o2 = _rows(out, C, "out")
@@ -549,7 +551,7 @@ def unpack_decode(xhat_out, packed, qp, mask_out=None):
     """
     xp = array_module(packed)
     if mask_out is None:
-        _decode(xhat_out, packed, qp)
+        decode_each_chunk(xhat_out, packed, qp)
         return
     m2 = _rows(mask_out, qp.channels, "mask_out", numpy.bool_)
     if m2.size != xhat_out.size:
@@ -558,7 +560,7 @@ def unpack_decode(xhat_out, packed, qp, mask_out=None):
     def write_mask(ob, cb, r0, r1, c0, c1):
         xp.greater_equal(cb, qp.k[r0:r1, None], out=m2[r0:r1, c0:c1])
 
-    _decode(xhat_out, packed, qp, write_mask)
+    decode_each_chunk(xhat_out, packed, qp, write_mask)
 
 
 def decode_relu(out, packed, qp, gamma, beta):
@@ -591,9 +593,5 @@ def decode_relu(out, packed, qp, gamma, beta):
         xp.less(cb, qp.k[r0:r1, None], out=nm)
         xp.copyto(ob, 0, where=nm)
 
-    _decode(out, packed, qp, affine_relu)
+    decode_each_chunk(out, packed, qp, affine_relu)
 
-
-# The chunked decode loop with a caller's step per chunk (kernels/reference.py masks the
-# output gradient with it, so the code backward needs no mask array).
-decode_each_chunk = _decode

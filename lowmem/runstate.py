@@ -8,6 +8,7 @@ each forward or backward. A handler reads its `schedule.Step` and this, nothing 
     params      {name: network.Parameter}: .data and .grad (views into the plan)
     stats       {name: BN running statistic} (views into the plan's "bn.running")
     units       {BN-ReLU unit name: its kernel set} for the current batch (lowmem/kernels)
+    columns     the conv's im2col / col2im functions (ops.conv.Columns), chosen once
     comm        the data-parallel communicator (lowmem/distributed.py)
     n           the current batch size (<= the planned N)
     training    a training forward (batch statistics, saved state) or eval (running statistics)
@@ -24,6 +25,7 @@ class RunState:
     stats: dict
     comm: object
     units: dict = field(default_factory=dict)
+    columns: object = None
     n: int = 0
     training: bool = False
     input_grad: bool = False

@@ -100,6 +100,20 @@ def tiny_graph(pool="max", shape=(3, 8, 8), classes=3, seed=0):
     return g.head(g.bn_relu(g.add(x, h)))
 
 
+def randomize_units(net, rng):
+    """Non-trivial gamma (some negative), beta and running statistics, in place; returns net."""
+    for p in net.parameters():
+        if ".bn" in "." + p.name:                      # bn1, layer1.0.bn2, bn_final, ...
+            if p.name.endswith(".weight"):
+                sign = rng.choice([-1.0, 1.0], size=p.shape, p=[0.2, 0.8])
+                p.data[...] = sign * rng.uniform(0.5, 1.5, p.shape)
+            else:
+                p.data[...] = rng.normal(0, 0.3, p.shape)
+    for name, a in net.stats.items():
+        a[...] = rng.normal(0, 0.5, a.shape) if name.endswith("mean") else rng.uniform(0.5, 2, a.shape)
+    return net
+
+
 def units_randomized(net, rng):
     """Give every BN unit gammas of both signs and spread betas, so ReLUs cut somewhere."""
     for p in net.parameters():
@@ -108,3 +122,48 @@ def units_randomized(net, rng):
         elif p.data.ndim == 1 and p.name.endswith(".bias") and "fc" not in p.name:
             p.data[...] = rng.normal(0, 0.5, p.shape)
     return net
+
+
+# ---- BN-ReLU units: batch statistics, the ReLU mask, unit data ---------------------------------
+
+def bn_normalize_forward(xhat, mean, var, rstd, x, eps):
+    """xhat (C, M), mean/var/rstd (C,) <- batch statistics of x (C, M) in plain NumPy, in the
+    operations and order of lowmem.ops.batchnorm (sum/M, mean of squared deviations, 1/sqrt),
+    so x-hat = (x - mean)*rstd is what a kernel given the same mean and rstd must produce."""
+    M = x.shape[1]
+    mean[...] = x.sum(axis=1) / M
+    var[...] = np.square(x - mean[:, None]).sum(axis=1) / M
+    rstd[...] = 1 / np.sqrt(var + eps)
+    xhat[...] = (x - mean[:, None]) * rstd[:, None]
+
+
+def relu_mask(xhat, gamma, beta):
+    """bool (C, M): where the forward's ReLU passes, (xhat*gamma) + beta > 0, multiply then add."""
+    return (xhat * gamma[:, None]) + beta[:, None] > 0
+
+
+def beyond_window_channels(C):
+    """The channels of unit_case whose threshold lies beyond the quantizer window's top."""
+    return (C - 2, C - 1) if C >= 5 else ()
+
+
+def unit_case(dtype, C=7, M=1024, seed=0):
+    """x (C, M) and gamma, beta (C,) covering the quantizer's cases: gamma = 0 with a closed
+    mask (channel 0), a tiny negative gamma (1), a threshold far below the window (2), a negative
+    gamma with the threshold inside (3, when C >= 6), and (C >= 5) thresholds t = 6 beyond the
+    window's top for both signs of gamma (beyond_window_channels), with x-hat outliers past them
+    (about 7.4 sigma): open elements decoded below t."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(dtype)
+    gamma = rng.standard_normal(C).astype(dtype)
+    gamma[0], gamma[1] = 0, -1e-30
+    beta = (rng.standard_normal(C) * 2).astype(dtype)
+    beta[0] = -0.5
+    beta[2] = 10 * abs(gamma[2])
+    if C >= 6:
+        gamma[3], beta[3] = -0.7, 0.2
+    for c, sign in zip(beyond_window_channels(C), (1, -1)):
+        x[c, ::64] += sign * 40
+        gamma[c] = sign * abs(gamma[c])
+        beta[c] = -6 * abs(gamma[c])
+    return x, gamma, beta

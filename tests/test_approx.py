@@ -10,8 +10,8 @@ gradient error behaves, and what it saves in memory.
   clipping, not the 8-bit rounding, dominates (docs/quantizer.md).
 * Naive's error exceeds approx's on a deeper net (ResNet-56).
 * Memory: the plan's saved bytes at 4 bits for ResNet-164, batch 128 (plan
-  only: no allocation), saved bytes == the saved arrays' .nbytes, and the
-  measured steady-state peak within 10% of the plan.
+  only: no allocation). (The plan against the allocated arrays and the
+  measured steady-state peak are tested once, in test_engine.py, approx included.)
 * Bad bits and modes are rejected with a clear message.
 """
 import copy
@@ -23,7 +23,7 @@ import pytest
 from lowmem import diagnostics, quant
 from lowmem.engine import Engine
 from lowmem.models import preact_resnet_cifar
-from lowmem.optim import SGD
+from reference import randomize_units
 
 PATHS = [False, None]     # NumPy reference ops; the default (fused numba kernels where they apply)
 EXACT_IN_APPROX = {"bn_final.bias", "fc.weight", "fc.bias"}   # read only exact saved state
@@ -43,22 +43,39 @@ def skew_units(net, rng):
             p.data[...] = rng.choice([-5.0, 0.0, 5.0], p.shape) + rng.normal(0, 0.5, p.shape)
 
 
-@pytest.mark.parametrize("use_fast", PATHS)
-def test_approx_forward_is_bit_identical_to_exact_naive_differs(use_fast):
-    rng = np.random.default_rng(0)
+def skewed_resnet20(rng):
+    """ResNet-20, thresholds inside and far outside the window (skew_units), a batch of 8."""
     net = preact_resnet_cifar(20)
     skew_units(net, rng)
     N, shape = 8, (3, 16, 16)
-    x = rng.standard_normal((N,) + shape).astype(np.float32)
-    y = rng.integers(0, 10, N)
-    out, grads = {}, {}
+    return net, shape, rng.standard_normal((N,) + shape).astype(np.float32), rng.integers(0, 10, N)
+
+
+def randomized_resnet11(rng):
+    """ResNet-11 (bottlenecks), random gamma, beta and running statistics, a batch of 6."""
+    net = randomize_units(preact_resnet_cifar(11), rng)
+    N, shape = 6, (3, 16, 16)
+    return net, shape, rng.standard_normal((N,) + shape).astype(np.float32), rng.integers(0, 10, N)
+
+
+@pytest.mark.parametrize("use_fast", PATHS)
+@pytest.mark.parametrize("make,seed", [(skewed_resnet20, 0), (randomized_resnet11, 1234)])
+def test_approx_forward_is_bit_identical_to_exact_naive_differs(use_fast, make, seed):
+    """Loss, logits and the running statistics of approx equal exact's bit for bit, naive's
+    differ; the gradients reading only exact saved state are equal, every other differs, and
+    the whole gradient stays close (cosine > 0.95: errors are local)."""
+    net, shape, x, y = make(np.random.default_rng(seed))
+    out, grads, stats = {}, {}, {}
     for mode in ("exact", "approx", "naive"):
-        eng = Engine(copy.deepcopy(net), N, shape, mode, bits=4, use_fast=use_fast)
+        eng = Engine(copy.deepcopy(net), len(x), shape, mode, bits=4, use_fast=use_fast)
         out[mode] = eng.forward(x, y)
+        stats[mode] = {n: a.copy() for n, a in eng.net.stats.items()}
         eng.backward()
         grads[mode] = {p.name: p.grad.copy() for p in eng.net.parameters()}
     assert out["approx"][0] == out["exact"][0]
     np.testing.assert_array_equal(out["approx"][1], out["exact"][1])
+    for n, a in stats["exact"].items():
+        np.testing.assert_array_equal(stats["approx"][n], a, err_msg=n)
     assert out["naive"][0] != out["exact"][0]
     assert not np.array_equal(out["naive"][1], out["exact"][1])
     for name in grads["exact"]:
@@ -66,6 +83,9 @@ def test_approx_forward_is_bit_identical_to_exact_naive_differs(use_fast):
             np.testing.assert_array_equal(grads["approx"][name], grads["exact"][name], err_msg=name)
         else:
             assert not np.array_equal(grads["approx"][name], grads["exact"][name]), name
+    g = {m: np.concatenate([v.ravel() for v in grads[m].values()]) for m in ("exact", "approx")}
+    cos = g["approx"] @ g["exact"] / np.linalg.norm(g["approx"]) / np.linalg.norm(g["exact"])
+    assert cos > 0.95, cos
 
 
 def test_gradient_error_grows_as_bits_fall():
@@ -139,44 +159,6 @@ def test_resnet164_saved_bytes_at_4_bits_plan_only():
     assert plans["exact"].total_bytes > 1 << 30
     assert peak < 64 << 20, f"planning allocated {peak:,} bytes"
     assert net.parameters()[0].grad is None         # the network was not bound to either engine
-
-
-@pytest.mark.parametrize("mode", ["exact", "approx", "naive"])
-def test_plan_saved_bytes_equal_the_saved_arrays(mode):
-    eng = Engine(preact_resnet_cifar(8), 4, (3, 8, 8), mode, bits=2)
-    saved = [e.name for e in eng.plan.entries if e.kind == "saved"]
-    assert eng.plan.bytes_by_kind()["saved"] == sum(eng.arrays[n].nbytes for n in saved)
-    assert eng.plan.total_bytes == sum(a.nbytes for a in eng.arrays.values())
-    codes = [n for n in saved if n.endswith(".code")]
-    assert (len(codes) > 0) == (mode != "exact")
-    for n in codes:                                 # uint8 codes count 1 byte each, never 0
-        assert eng.arrays[n].dtype == np.uint8 and eng.arrays[n].nbytes > 0
-
-
-@pytest.mark.parametrize("use_fast", PATHS)
-def test_measured_peak_within_10_percent_of_plan(use_fast):
-    """Steady state (second step), approx 4-bit: the plan's arrays plus the most
-    a step allocates on top of them stay within 10% of the plan total."""
-    rng = np.random.default_rng(0)
-    net = preact_resnet_cifar(8)                    # plan ~25 MB, mostly activation-sized
-    N, shape = 32, (3, 32, 32)
-    x = rng.standard_normal((N,) + shape).astype(np.float32)
-    y = rng.integers(0, 10, N)
-    tracemalloc.start()
-    try:
-        eng = Engine(net, N, shape, "approx", bits=4, use_fast=use_fast)
-        held = tracemalloc.get_traced_memory()[0]
-        opt = SGD(net.parameters(), lr=0.01)
-        eng.train_step(x, y, opt)                   # first step: one-time imports / JIT caches
-        start = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        eng.train_step(x, y, opt)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    plan = eng.plan.total_bytes
-    assert abs(held - plan) < 0.02 * plan, (held, plan)
-    assert held + (peak - start) <= 1.10 * plan, (held + peak - start) / plan
 
 
 # ------------------------------------------------------------------ bad input

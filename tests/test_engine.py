@@ -23,23 +23,11 @@ from lowmem.engine import Engine
 from lowmem.models import preact_resnet_cifar, preact_resnet_imagenet
 from lowmem.network import Network
 from lowmem.optim import SGD
+from reference import randomize_units
 
 BN_EPS = 1e-5
 # float32 BN-ReLU units run the fused numba kernels when numba is installed; test both paths
 PATHS = [False, True] if fast.AVAILABLE else [False]
-
-
-def randomize_units(net, rng):
-    """Non-trivial gamma (some negative), beta and running statistics, in place."""
-    for p in net.parameters():
-        if ".bn" in "." + p.name:                      # bn1, layer1.0.bn2, bn_final, ...
-            if p.name.endswith(".weight"):
-                sign = rng.choice([-1.0, 1.0], size=p.shape, p=[0.2, 0.8])
-                p.data[...] = sign * rng.uniform(0.5, 1.5, p.shape)
-            else:
-                p.data[...] = rng.normal(0, 0.3, p.shape)
-    for name, a in net.stats.items():
-        a[...] = rng.normal(0, 0.5, a.shape) if name.endswith("mean") else rng.uniform(0.5, 2, a.shape)
 
 
 def batch(rng, net, n, shape, dtype=np.float64):
@@ -293,39 +281,54 @@ def test_predict_uses_running_stats(rng):
 
 # ---------------------------------------------------------------- memory
 
-def test_arrays_are_exactly_the_plan():
-    net = preact_resnet_imagenet(18, num_classes=7)
-    for mode, dtype in (("exact", "float32"), ("approx", "float64"), ("naive", "float32")):
-        eng = Engine(copy.deepcopy(net), batch_size=3, input_shape=(3, 40, 36), mode=mode, bits=2, dtype=dtype)
-        assert set(eng.arrays) == {e.name for e in eng.plan.entries}
-        for e in eng.plan.entries:
-            a = eng.arrays[e.name]
-            assert (a.nbytes, tuple(a.shape), str(a.dtype)) == (e.nbytes, e.shape, e.dtype), e.name
-        assert sum(a.nbytes for a in eng.arrays.values()) == eng.plan.total_bytes
-        assert sum(eng.plan.bytes_by_kind().values()) == eng.plan.total_bytes
-        if mode != "exact":         # codes are uint8 and counted at 1 byte each
-            codes = [e for e in eng.plan.entries if e.name.endswith(".code")]
-            assert codes and all(e.dtype == "uint8" and e.nbytes > 0 for e in codes)
-        # the engine owns the parameters: they are the plan's arrays, and the gradients (the
-        # running statistics) are consecutive views into one flat buffer, in forward order
-        offset = 0
-        for p in eng.net.parameters():
-            assert p.data is eng.arrays[p.name] and p.grad.base is eng.arrays["grads"]
-            assert p.grad.shape == p.shape and p.grad.flags.c_contiguous
-            assert np.shares_memory(p.grad, eng.arrays["grads"][offset:offset + p.grad.size])
-            offset += p.grad.size
-        assert offset == eng.arrays["grads"].size
-        for a in eng.net.stats.values():
-            assert a.base is eng.arrays["bn.running"]
+PLAN_CONFIGS = [     # (network, batch, input shape, mode, bits, dtype)
+    (lambda: preact_resnet_imagenet(18, num_classes=7), 3, (3, 40, 36), "exact", 2, "float32"),
+    (lambda: preact_resnet_imagenet(18, num_classes=7), 3, (3, 40, 36), "approx", 2, "float64"),
+    (lambda: preact_resnet_imagenet(18, num_classes=7), 3, (3, 40, 36), "naive", 2, "float32"),
+    (lambda: preact_resnet_cifar(8), 4, (3, 8, 8), "exact", 2, "float32"),
+    (lambda: preact_resnet_cifar(8), 4, (3, 8, 8), "approx", 2, "float32"),
+    (lambda: preact_resnet_cifar(8), 4, (3, 8, 8), "naive", 2, "float32"),
+]
+
+
+@pytest.mark.parametrize("config", range(len(PLAN_CONFIGS)))
+def test_arrays_are_exactly_the_plan(config):
+    """Every planned entry is allocated with its shape, dtype and bytes, and nothing else: the
+    plan total (and its saved bytes) equals the arrays' .nbytes."""
+    make, n, shape, mode, bits, dtype = PLAN_CONFIGS[config]
+    eng = Engine(make(), batch_size=n, input_shape=shape, mode=mode, bits=bits, dtype=dtype)
+    assert set(eng.arrays) == {e.name for e in eng.plan.entries}
+    for e in eng.plan.entries:
+        a = eng.arrays[e.name]
+        assert (a.nbytes, tuple(a.shape), str(a.dtype)) == (e.nbytes, e.shape, e.dtype), e.name
+    assert sum(a.nbytes for a in eng.arrays.values()) == eng.plan.total_bytes
+    assert sum(eng.plan.bytes_by_kind().values()) == eng.plan.total_bytes
+    saved = [e.name for e in eng.plan.entries if e.kind == "saved"]
+    assert eng.plan.bytes_by_kind()["saved"] == sum(eng.arrays[name].nbytes for name in saved)
+    codes = [e for e in eng.plan.entries if e.name.endswith(".code")]
+    assert bool(codes) == (mode != "exact")      # codes are uint8 and counted at 1 byte each
+    assert all(e.dtype == "uint8" and e.nbytes > 0 and eng.arrays[e.name].nbytes > 0 for e in codes)
+    # the engine owns the parameters: they are the plan's arrays, and the gradients (the
+    # running statistics) are consecutive views into one flat buffer, in forward order
+    offset = 0
+    for p in eng.net.parameters():
+        assert p.data is eng.arrays[p.name] and p.grad.base is eng.arrays["grads"]
+        assert p.grad.shape == p.shape and p.grad.flags.c_contiguous
+        assert np.shares_memory(p.grad, eng.arrays["grads"][offset:offset + p.grad.size])
+        offset += p.grad.size
+    assert offset == eng.arrays["grads"].size
+    for a in eng.net.stats.values():
+        assert a.base is eng.arrays["bn.running"]
 
 
 @pytest.mark.parametrize("use_fast", PATHS)
-@pytest.mark.parametrize("mode", ["exact", "approx"])
-def test_steady_state_step_allocates_little_beyond_the_plan(rng, mode, use_fast):
-    """tracemalloc sees NumPy's allocations: a steady-state step (after a first one) may add only
-    bounded scratch (row blocks, quantizer chunks, weight-sized GEMM results: < 1 MB here),
-    never an activation-sized temporary, and keeps nothing."""
-    net = preact_resnet_cifar(20)
+@pytest.mark.parametrize("depth,mode", [(20, "exact"), (20, "approx"), (8, "approx")])
+def test_steady_state_step_allocates_little_beyond_the_plan(rng, depth, mode, use_fast):
+    """tracemalloc sees NumPy's allocations: building holds the plan, and a steady-state step
+    (after a first one: imports, JIT caches) may add only bounded scratch (row blocks, quantizer
+    chunks, weight-sized GEMM results), never an activation-sized temporary, and keeps nothing.
+    ResNet-8's plan (~25 MB) is mostly activation-sized."""
+    net = preact_resnet_cifar(depth)
     N = 32
     tracemalloc.start()
     try:
@@ -344,8 +347,9 @@ def test_steady_state_step_allocates_little_beyond_the_plan(rng, mode, use_fast)
         tracemalloc.stop()
     total, extra = eng.plan.total_bytes, peak - start
     # what the engine holds is what the plan says (the network's own float32 copies are released)
-    assert 0.97 * total <= built <= 1.03 * total, (built, total)
+    assert abs(built - total) < 0.02 * total, (built, total)
     assert extra < 0.10 * total, (extra, total)
+    assert built + extra <= 1.10 * total, (built + extra) / total
     # the largest activation (16 x 32 x 32 per sample, one shared buffer) is 2 MB here
     assert extra < 0.5 * eng.arrays["act0"].nbytes, (extra, eng.arrays["act0"].nbytes)
     assert end - start < 0.01 * total                  # nothing retained between steps
@@ -478,31 +482,6 @@ def test_one_network_one_engine():
 
 
 # ------------------------------------------------------------------ modes
-
-@pytest.mark.parametrize("use_fast", PATHS)
-def test_approx_forward_is_bit_identical_to_exact_and_naive_differs(rng, use_fast):
-    net = preact_resnet_cifar(11)
-    randomize_units(net, rng)
-    N, shape = 6, (3, 16, 16)
-    x, y = batch(rng, net, N, shape, np.float32)
-    engines = {mode: Engine(copy.deepcopy(net), batch_size=N, input_shape=shape, mode=mode, bits=4,
-                            use_fast=use_fast)
-               for mode in ("exact", "approx", "naive")}
-    out = {mode: eng.forward(x, y) for mode, eng in engines.items()}
-    assert out["approx"][0] == out["exact"][0]
-    np.testing.assert_array_equal(out["approx"][1], out["exact"][1])
-    for n, a in engines["exact"].net.stats.items():
-        np.testing.assert_array_equal(engines["approx"].net.stats[n], a, err_msg=n)
-    assert out["naive"][0] != out["exact"][0]
-    assert not np.array_equal(out["naive"][1], out["exact"][1])
-    # approx gradients: not equal to exact, but close (8x less saved state, local errors only)
-    g = {}
-    for mode in ("exact", "approx"):
-        engines[mode].backward()
-        g[mode] = np.concatenate([p.grad.ravel() for p in engines[mode].net.parameters()])
-    assert not np.array_equal(g["approx"], g["exact"])
-    cos = g["approx"] @ g["exact"] / np.linalg.norm(g["approx"]) / np.linalg.norm(g["exact"])
-    assert cos > 0.95, cos
 
 
 @pytest.mark.skipif(not fast.AVAILABLE, reason="fused kernels unavailable (no numba, or LOWMEM_FAST=0)")

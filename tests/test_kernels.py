@@ -9,17 +9,15 @@ import pytest
 from lowmem import kernels
 from lowmem.kernels import cpu, fused
 from lowmem.kernels.reference import CodeUnits, ExactUnits
+from reference import unit_case
 
 C, M = 6, 512
 
 
 def unit_data(rng, dtype=np.float32):
-    x = (rng.standard_normal((C, M)) * 2 + 0.3).astype(dtype)
-    g = rng.uniform(0.5, 1.5, C).astype(dtype) * rng.choice([-1, 1], C).astype(dtype)
-    g[0] = 0
-    b = rng.normal(0, 0.5, C).astype(dtype)
-    dr = rng.standard_normal((C, M)).astype(dtype)
-    return x, g, b, dr
+    """x, gamma, beta (reference.unit_case: the quantizer's edge cases) and an output gradient."""
+    x, g, b = unit_case(dtype, C, M, seed=int(rng.integers(1 << 30)))
+    return x, g, b, rng.standard_normal((C, M)).astype(dtype)
 
 
 def run_set(units, x, g, b, dr, accumulate=False):
@@ -56,7 +54,7 @@ def test_the_numba_set_matches_the_reference_set(rng, mode, bits, accumulate):
     x, g, b, dr = unit_data(rng)
     ref = run_set(kernels.reference(mode, bits), x, g, b, dr, accumulate)
     got_units = kernels.select(np, mode, bits, np.dtype("float32"), [M])
-    assert got_units.fused and got_units.k is cpu
+    assert got_units.fused and got_units.module is cpu
     got = run_set(got_units, x, g, b, dr, accumulate)
     np.testing.assert_allclose(got["mean"], ref["mean"], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(got["var"], ref["var"], rtol=1e-5)

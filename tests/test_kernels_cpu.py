@@ -4,7 +4,8 @@ import pytest
 
 from lowmem import quant, threads
 from lowmem.kernels import cpu as fast
-from lowmem.ops import bn_normalize_forward, bn_relu_apply_forward, bn_relu_backward
+from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
+from reference import beyond_window_channels, bn_normalize_forward, unit_case
 
 pytestmark = pytest.mark.skipif(not fast.AVAILABLE, reason="numba not installed")
 
@@ -12,20 +13,9 @@ F = np.float32
 
 
 def unit(C=6, M=1024, seed=0):
-    """C channels of M elements; M > fast.BLOCK and not a multiple of it (see `long_rows`) crosses
-    block boundaries inside a row."""
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(F)
-    gamma = rng.standard_normal(C).astype(F)
-    gamma[0], gamma[1] = 0, -1e-30             # zero and tiny gamma
-    beta = (rng.standard_normal(C) * 2).astype(F)
-    beta[2] = 10 * abs(gamma[2])               # threshold far below the window
-    if C >= 5:                                 # thresholds beyond the window's top (t = 6, both
-        for c, sign in ((3, 1), (4, -1)):      # signs of gamma), with x-hat outliers past them
-            x[c, ::64] += sign * 40            # (about 7.4 sigma): open elements decoded below t
-            gamma[c] = sign * abs(gamma[c])
-            beta[c] = -6 * abs(gamma[c])
-    return x, gamma, beta
+    """float32 unit data (reference.unit_case); M > fast.BLOCK and not a multiple of it (see
+    `long_rows`) crosses block boundaries inside a row."""
+    return unit_case(F, C, M, seed)
 
 
 def stats(x):
@@ -90,9 +80,9 @@ def test_conv_input_equals_decode_relu(bits):
     assert np.array_equal(u, ref)
     assert not np.signbit(u).any()              # >= 0, and +0 rather than -0
     # the data reach the beyond-the-window case: open elements whose bin midpoint gives
-    # gamma*x-tilde + beta < 0 (channels 3, 4: gamma > 0 and < 0), rebuilt as 0
+    # gamma*x-tilde + beta < 0 (gamma > 0 and < 0), rebuilt as 0
     xs, ms = quant.quantize_simulated(xhat, g, b, bits)
-    for c in (3, 4):
+    for c in beyond_window_channels(x.shape[0]):
         assert (ms[c] & (xs[c] * g[c] + b[c] < 0)).any(), c
     fast.conv_input(u, xhat, None, None, g, b)
     bn_relu_apply_forward(ref, xhat, g, b)
@@ -120,7 +110,7 @@ def test_backward_matches_numpy(bits, accumulate):
     dx, dg, db = base.copy(), np.zeros(C, F), np.zeros(C, F)
     fast.unit_backward(dx, dg, db, dr.copy(), xhat, packed, qp, g, b, rstd, accumulate)
     rdx, rdg, rdb = base.copy(), np.zeros(C, F), np.zeros(C, F)
-    bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, mask=mask, accumulate=accumulate)
+    bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, relu_mask=mask, accumulate=accumulate)
     np.testing.assert_allclose(dg, rdg, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(db, rdb, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(dx, rdx, rtol=1e-4, atol=1e-4 * np.abs(rdx).max())
@@ -194,7 +184,7 @@ def test_backward_in_place_across_blocks_and_threads(long_rows, bits, accumulate
     dg, db = np.zeros(C, F), np.zeros(C, F)
     fast.unit_backward(dx, dg, db, dx if not accumulate else dr.copy(), xhat, packed, qp, g, b, rstd, accumulate)
     rdx, rdg, rdb = prior.copy(), np.zeros(C, F), np.zeros(C, F)
-    bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, mask=mask, accumulate=accumulate)
+    bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, relu_mask=mask, accumulate=accumulate)
     np.testing.assert_allclose(dg, rdg, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(db, rdb, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(dx, rdx, rtol=1e-4, atol=1e-4 * np.abs(rdx).max())
@@ -216,7 +206,7 @@ def test_stats_across_threads(long_rows):
 def test_col2im_equals_numpy_reference(dtype, k, stride, pad, H, W):
     """The numba col2im adds each element's terms in the reference's order: bit-identical,
     here into samples 2..4 of a 6-sample gradient (the per-thread range case)."""
-    from lowmem.ops import conv
+    from lowmem.ops import columns_cpu, conv
     rng = np.random.default_rng(k * 10 + stride)
     Cin, N, n0, n = 3, 6, 2, 3
     Ho, Wo = conv.conv_out_size(H, k, stride, pad), conv.conv_out_size(W, k, stride, pad)
@@ -224,10 +214,11 @@ def test_col2im_equals_numpy_reference(dtype, k, stride, pad, H, W):
     base = rng.standard_normal((Cin, N, H, W)).astype(dtype)
     ref, got = base.copy(), base.copy()
     conv.col2im_add(ref[:, n0:n0 + n], cols, k, k, stride, pad)
-    assert fast.supports_col2im(got, cols)
-    fast.col2im_add(got, cols, k, k, stride, pad, n0)
+    assert columns_cpu.supports(got, cols)
+    columns_cpu.col2im_add(got, cols, k, k, stride, pad, n0)
     assert np.array_equal(got, ref)
-    assert not fast.supports_col2im(got[:, 1:], cols)    # a strided dx takes the reference path
+    assert not columns_cpu.supports(got[:, 1:], cols)    # a strided dx takes the reference path
+    assert conv.columns_for(np) is conv.NUMBA
 
 
 # ---- stochastic rounding: the same codes as quant.quantize_pack for the same key --------------

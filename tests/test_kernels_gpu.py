@@ -1,15 +1,17 @@
-"""The CUDA kernels (lowmem/kernels/gpu.py) against the NumPy reference ops and quantizer.
+"""The CUDA kernels against the NumPy reference ops and quantizer: the unit kernels
+(lowmem/kernels/gpu.py), the conv columns (lowmem/ops/columns_gpu.py) and the SGD update
+(lowmem/optim_gpu.py), all built through lowmem/cuda.py.
 
 Three levels, each skipped where its tool is missing:
 
-* compile: every CUDA source cuda.sources() returns is compiled with `nvcc`
+* compile: every program's CUDA sources (lowmem.cuda.PROGRAMS) are compiled with `nvcc`
   for sm_80 and sm_90 (--Werror all-warnings); with --fmad=false the PTX has
   no FMA at all, and the float32 module has no float32 FMA even without the
   flag (the kernels' round-to-nearest intrinsics alone keep NumPy's rounding).
 * device "emu": the same CUDA text compiled for the CPU with g++ against a
   small emulation header (threadIdx/blockIdx, CUDA threads as coroutines that
   switch at __syncthreads, the _rn intrinsics as plain IEEE operations, no
-  contraction) and launched through kernels/gpu.py's own Python launcher with NumPy
+  contraction) and launched through the modules' own Python launchers with NumPy
   arrays. Each launch checks every argument against the kernel's C signature
   (array dtype per pointer, int32/int64/real per scalar): CuPy's RawKernel
   checks none. The engine's CuPy path also runs end to end on these kernels.
@@ -35,12 +37,15 @@ import numpy as np
 import pytest
 
 import lowmem
-from lowmem import quant
+from lowmem import cuda as cuda_helper
+from lowmem import optim, optim_gpu, quant
 from lowmem.kernels import gpu as cuda
 from lowmem.network import Parameter
-from lowmem.ops import bn_normalize_forward, bn_relu_apply_forward, bn_relu_backward
+from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
+from lowmem.ops import columns_gpu
 from lowmem.ops import conv as conv_ops
 from lowmem.optim import SGD
+from reference import beyond_window_channels, bn_normalize_forward, unit_case
 
 DTYPES = ["float32", "float64"]
 EPS = 1e-5
@@ -51,31 +56,42 @@ EPS = 1e-5
 NVCC = shutil.which("nvcc")
 
 
+PROGRAMS = cuda_helper.PROGRAMS       # every program, now that the three modules are imported
+
+
+def test_every_program_is_registered():
+    assert set(PROGRAMS) == {"units", "columns", "sgd"}
+    assert (PROGRAMS["units"] is cuda.PROGRAM and PROGRAMS["columns"] is columns_gpu.PROGRAM
+            and PROGRAMS["sgd"] is optim_gpu.PROGRAM)
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sources_compile_with_nvcc(tmp_path, arch, dtype):
-    src = tmp_path / f"lowmem_{dtype}.cu"
-    src.write_text(cuda.sources()[dtype])
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_sources_compile_with_nvcc(tmp_path, arch, dtype, program):
+    program = PROGRAMS[program]
+    src = tmp_path / f"lowmem_{program.name}_{dtype}.cu"
+    src.write_text(program.sources()[dtype])
 
     def nvcc(*args):
         r = subprocess.run([NVCC, f"-arch={arch}", "--Werror", "all-warnings", *args, str(src)],
                            capture_output=True, text=True, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
-    nvcc("-c", *cuda.OPTIONS, "-o", str(tmp_path / "k.o"))
-    nvcc("--ptx", *cuda.OPTIONS, "-o", str(tmp_path / "k.ptx"))
+    nvcc("-c", *cuda_helper.OPTIONS, "-o", str(tmp_path / "k.o"))
+    nvcc("--ptx", *cuda_helper.OPTIONS, "-o", str(tmp_path / "k.ptx"))
     ptx = (tmp_path / "k.ptx").read_text()
     entries = set(re.findall(r"\.visible \.entry (\w+)\(", ptx))
-    assert entries == set(kernel_signatures()), entries
+    assert entries == set(kernel_signatures(program)), entries
     assert "fma" not in ptx
     nvcc("--ptx", "-o", str(tmp_path / "default.ptx"))            # nvcc's default -fmad=true
     assert "fma.rn.f32" not in (tmp_path / "default.ptx").read_text()
 
 
-def kernel_signatures():
-    """{kernel name: [C type of each parameter]} parsed from cuda.SOURCE."""
+def kernel_signatures(program):
+    """{kernel name: [C type of each parameter]} parsed from a program's source."""
     out = {}
-    for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', cuda.SOURCE):
+    for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', program.source):
         out[name] = [" ".join(p.split()[:-1]).replace("const ", "") for p in params.split(",")]
     return out
 
@@ -165,10 +181,11 @@ static void launch_(void (*f)(A...), const unsigned* g, unsigned bx, void** args
 class Emulated:
     """Stands in for cupy.RawModule: the same source compiled for the CPU (see the module doc)."""
 
-    def __init__(self, path, dtype):
+    def __init__(self, path, dtype, program):
         self.lib = ctypes.CDLL(str(path))
         self.dtype = np.dtype(dtype)
-        self.signatures = kernel_signatures()
+        self.program = program
+        self.signatures = kernel_signatures(program)
 
     def _ctype(self, t):
         return {"real*": self.dtype, "double*": np.dtype(np.float64), "unsigned char*": np.dtype(np.uint8),
@@ -191,9 +208,9 @@ class Emulated:
                     v = ctypes.create_string_buffer(a.tobytes(), a.nbytes)
                 keep.append(v)
                 ptrs[i] = ctypes.addressof(v)
-            assert len(grid) <= 3 and block[0] == cuda.BLOCK, (grid, block)
+            assert len(grid) <= 3 and block[0] == cuda_helper.BLOCK, (grid, block)
             g = (ctypes.c_uint * 3)(*(tuple(grid) + (1, 1))[:3])
-            fn(g, ctypes.c_uint(block[0]), ptrs, ctypes.c_int(name in cuda.BLOCK_SYNC))   # fibers
+            fn(g, ctypes.c_uint(block[0]), ptrs, ctypes.c_int(name in self.program.block_sync))   # fibers
         return launch
 
 
@@ -203,16 +220,24 @@ def emulator(tmp_path_factory):
     if gxx is None:
         pytest.skip("g++ not found (the CPU emulation of the CUDA kernels needs it)")
     out = {}
-    for dtype, text in cuda.sources().items():
-        d = tmp_path_factory.mktemp(f"emu_{dtype}")
-        wrappers = "".join(f'extern "C" void launch_{n}(const unsigned* g, unsigned b, void** a, int t) '
-                           f'{{ launch_({n}, g, b, a, t); }}\n' for n in kernel_signatures())
-        (d / "k.cpp").write_text(EMULATION + text + LAUNCHER + wrappers)
-        r = subprocess.run([gxx, "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC",
-                            "-shared", "-o", str(d / "k.so"), str(d / "k.cpp")], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        out[dtype] = d / "k.so"
+    for program in PROGRAMS.values():
+        for dtype, text in program.sources().items():
+            d = tmp_path_factory.mktemp(f"emu_{program.name}_{dtype}")
+            wrappers = "".join(f'extern "C" void launch_{n}(const unsigned* g, unsigned b, void** a, int t) '
+                               f'{{ launch_({n}, g, b, a, t); }}\n' for n in kernel_signatures(program))
+            (d / "k.cpp").write_text(EMULATION + text + LAUNCHER + wrappers)
+            r = subprocess.run([gxx, "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC",
+                                "-shared", "-o", str(d / "k.so"), str(d / "k.cpp")], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+            out[program.name, dtype] = d / "k.so"
     return out
+
+
+def emulate(monkeypatch, libs):
+    """Every program builds for the CPU emulator (lowmem/cuda.py's `build` swapped)."""
+    cuda_helper.reset()
+    monkeypatch.setattr(cuda_helper, "build", lambda program, dtype: Emulated(
+        libs[program.name, np.dtype(dtype).name], dtype, program))
 
 
 def _gpu():
@@ -234,37 +259,19 @@ class Device:
 
 @pytest.fixture(params=["emu", "gpu"])
 def dev(request, monkeypatch):
-    cuda._reset()
+    cuda_helper.reset()
     if request.param == "emu":
-        libs = request.getfixturevalue("emulator")
-        monkeypatch.setattr(cuda, "_build", lambda dtype: Emulated(libs[np.dtype(dtype).name], dtype))
+        emulate(monkeypatch, request.getfixturevalue("emulator"))
         yield Device("emu", lambda a: np.array(a), lambda a: np.array(a), np)
     else:
         cupy = _gpu()
         yield Device("gpu", cupy.asarray, cupy.asnumpy, cupy)
-    cuda._reset()
+    cuda_helper.reset()
 
 
 # ------------------------------------------------------------------ data
 
-def unit(dtype, C=7, M=1024, seed=0):
-    """x (C, M) and gamma, beta covering the quantizer's cases: gamma = 0, tiny negative gamma,
-    a threshold far below the window, negative gammas, a threshold inside it, and (C >= 6)
-    thresholds beyond the window's top with open elements past them."""
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(dtype)
-    gamma = rng.standard_normal(C).astype(dtype)
-    gamma[0], gamma[1] = 0, -1e-30
-    beta = (rng.standard_normal(C) * 2).astype(dtype)
-    beta[2] = 10 * abs(gamma[2])
-    beta[0] = -0.5
-    gamma[3], beta[3] = -0.7, 0.2
-    if C >= 6:                                 # thresholds beyond the window's top (t = 6, both
-        for c, sign in ((4, 1), (5, -1)):      # signs of gamma), with x-hat outliers past them
-            x[c, ::64] += sign * 40            # (about 7.4 sigma): open elements decoded below t
-            gamma[c] = sign * abs(gamma[c])
-            beta[c] = -6 * abs(gamma[c])
-    return x, gamma, beta
+unit = unit_case          # (dtype, C=7, M=1024, seed=0) -> x, gamma, beta: tests/reference.py
 
 
 def host_stats(x):
@@ -373,9 +380,9 @@ def test_conv_input_is_bit_identical(dev, dtype, bits):
     assert np.array_equal(dev.get(u), ref)
     assert not np.signbit(ref).any()            # >= 0, and +0 rather than -0
     # the data reach the beyond-the-window case: open elements whose bin midpoint gives
-    # gamma*x-tilde + beta < 0 (channels 4, 5: gamma > 0 and < 0), rebuilt as 0
+    # gamma*x-tilde + beta < 0 (gamma > 0 and < 0), rebuilt as 0
     xs, ms = quant.quantize_simulated(xhat, g, b, bits)
-    for c in (4, 5):
+    for c in beyond_window_channels(x.shape[0]):
         assert (ms[c] & (xs[c] * g[c] + b[c] < 0)).any(), c
     bn_relu_apply_forward(ref, xhat, g, b)
     C, M = x.shape
@@ -403,7 +410,7 @@ def test_backward_matches_numpy(dev, dtype, bits, accumulate):
         xt, mask = np.empty_like(x), np.empty(x.shape, bool)
         quant.unpack_decode(xt, packed, quant.quant_params(g, b, bits), mask_out=mask)
     rdx, rdg, rdb = base.copy(), np.full(C, 0.5, dtype), np.full(C, -0.25, dtype)
-    bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, mask=mask, accumulate=accumulate)
+    bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, relu_mask=mask, accumulate=accumulate)
     dgd, dbd = dev.put(np.full(C, 0.5, dtype)), dev.put(np.full(C, -0.25, dtype))
     drd = dev.put(dr)
     dxd = dev.put(base) if accumulate else drd                       # in place, as the engine does
@@ -423,7 +430,9 @@ def test_backward_matches_numpy(dev, dtype, bits, accumulate):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("momentum,nesterov,wd", [(0.9, False, 5e-4), (0.9, True, 1e-2),
                                                    (0.0, False, 1e-2), (0.5, False, 0.0)])
-def test_sgd_update_is_bit_identical_to_optim_sgd(dev, dtype, momentum, nesterov, wd):
+def test_sgd_update_is_bit_identical_to_optim_sgd(dev, monkeypatch, dtype, momentum, nesterov, wd):
+    """SGD.step on device arrays takes optim_gpu's kernel (forced for the emulator's NumPy arrays
+    by making optim see another array module): weights, gradients and momenta bit-identical."""
     rng = np.random.default_rng(3)
     names = [("conv1.weight", True), ("layer1.0.bn1.weight", False), ("fc.weight", True), ("fc.bias", False)]
     shapes = [(4, 3, 3, 3), (4,), (10, 4), (10,)]
@@ -433,12 +442,18 @@ def test_sgd_update_is_bit_identical_to_optim_sgd(dev, dtype, momentum, nesterov
     for p in devp:
         p.state["momentum"] = dev.put(np.zeros(p.data.shape, dtype))
     opts = [SGD(ps, lr=0.1, momentum=momentum, weight_decay=wd, nesterov=nesterov) for ps in (host, devp)]
+    calls = []
+    real_step = optim_gpu.sgd_step
+    monkeypatch.setattr(optim_gpu, "sgd_step", lambda opt: (calls.append(opt), real_step(opt)))
     for step in range(3):
         for ph, pd in zip(host, devp):
             ph.grad[...] = rng.standard_normal(ph.grad.shape)
             pd.grad[...] = dev.put(ph.grad)
         opts[0].step()
-        cuda.sgd_step(opts[1])
+        with monkeypatch.context() as m:
+            m.setattr(optim, "array_module", lambda a: dev.xp if dev.name == "gpu" else NumpyAsCupy("cupy"))
+            opts[1].step()
+        assert calls == [opts[1]] * (step + 1)
         opts[0].lr = opts[1].lr = 0.1 / (step + 2)
         for ph, pd in zip(host, devp):
             for a, b_ in ((ph.data, pd.data), (ph.grad, pd.grad),
@@ -457,13 +472,13 @@ def test_im2col_and_col2im_are_bit_identical(dev, dtype, k, stride, pad):
     ref = np.full((Cin, k, k, 3, Ho, Wo), np.nan, dtype)
     conv_ops.im2col(ref, x, k, k, stride, pad)
     cols = dev.put(np.full_like(ref, np.nan))
-    cuda.im2col(cols, dev.put(batch).transpose(1, 0, 2, 3)[:, 1:4], k, k, stride, pad)
+    columns_gpu.im2col(cols, dev.put(batch).transpose(1, 0, 2, 3)[:, 1:4], k, k, stride, pad)
     assert np.array_equal(dev.get(cols), ref)
     grads = rng.standard_normal(ref.shape).astype(dtype)
     dx = rng.standard_normal((Cin, N, H, W)).astype(dtype)
     dxd = dev.put(dx)
     conv_ops.col2im_add(dx[:, 1:4], grads, k, k, stride, pad)
-    cuda.col2im_add(dxd[:, 1:4], dev.put(grads), k, k, stride, pad)
+    columns_gpu.col2im_add(dxd[:, 1:4], dev.put(grads), k, k, stride, pad)
     assert np.array_equal(dev.get(dxd), dx)
 
 
@@ -558,8 +573,8 @@ def rel(a, b):
 class NumpyAsCupy(types.ModuleType):
     """NumPy under another name: an Engine built while this is backend.xp takes its CuPy path
     (kernels/fused.py's CUDA set with its bn.partials workspace) on NumPy arrays, i.e. on the
-    emulated kernels. (SGD picks its fused update by the arrays' own module: NumPy here; the
-    fused sgd_update is checked on its own above.)"""
+    emulated kernels, the conv's CUDA columns included. (SGD picks its fused update by the
+    arrays' own module: NumPy here; the fused sgd_update is checked on its own above.)"""
 
     def __getattr__(self, name):
         return getattr(np, name)
@@ -578,8 +593,7 @@ def test_engine_gpu_path_on_emulated_kernels(emulator, monkeypatch, mode, n):
     """The engine's CuPy wiring run on the CPU, float64: a batch of n in an engine planned for 8
     (n = 4: the saved x-hat rows are strided) equals the NumPy engine's loss, gradients and
     two SGD steps; float32 approx's forward equals exact's bit for bit."""
-    cuda._reset()
-    monkeypatch.setattr(cuda, "_build", lambda dtype: Emulated(emulator[np.dtype(dtype).name], dtype))
+    emulate(monkeypatch, emulator)
     net, shape = randomized(lowmem.models.preact_resnet_cifar(11), 2), (3, 8, 8)   # bottlenecks, small
     rng = np.random.default_rng(8)
     x, y = rng.standard_normal((n,) + shape), rng.integers(0, net.num_classes, n)
@@ -587,14 +601,14 @@ def test_engine_gpu_path_on_emulated_kernels(emulator, monkeypatch, mode, n):
     monkeypatch.setattr(lowmem.backend, "xp", NumpyAsCupy("cupy"))
     got = run(net, shape, x, y, np, "float64", mode=mode, bits=2, N=8, steps=2)
     eng = got[5]
-    assert eng.use_fast and eng.units
-    assert all(u.k is cuda and u.partials is eng.arrays["bn.partials"] for u in eng.units.values())
+    assert eng.use_fast and eng.units and eng.run.columns is conv_ops.CUDA
+    assert all(u.module is cuda and u.partials is eng.arrays["bn.partials"] for u in eng.units.values())
     compare(got, ref, 1e-10)
     if mode == "approx":
         e32 = run(net, shape, x, y, np, "float32", mode="exact", N=8)
         a32 = run(net, shape, x, y, np, "float32", mode="approx", N=8)
         assert e32[0] == a32[0] and np.array_equal(e32[1], a32[1])
-    cuda._reset()
+    cuda_helper.reset()
 
 
 @pytest.mark.parametrize("which", ["cifar11-bottleneck", "tiny-imagenet-style"])
@@ -662,9 +676,13 @@ def test_tf32_forward_stays_close(gpu_backend):
 
 
 @pytest.mark.parametrize("k,stride,pad", [(3, 1, 1), (3, 2, 1), (1, 2, 0)])
-def test_the_conv_ops_take_the_one_launch_columns_on_gpu_arrays(dev, monkeypatch, k, stride, pad):
-    """ops.conv routes im2col / col2im through kernels/gpu.py for CuPy arrays (forced here on the
-    emulator): forward, input and weight gradients equal the slice-copy path bit for bit."""
+def test_the_conv_ops_take_the_one_launch_columns_on_gpu_arrays(dev, k, stride, pad):
+    """columns_for(cupy) is ops/columns_gpu.py's pair; passed to the conv ops (here on the
+    emulator's NumPy arrays), forward, input and weight gradients equal the slice-copy path
+    bit for bit."""
+    if dev.name == "gpu":
+        pytest.skip("covered by the engine tests on a real GPU")
+    assert conv_ops.columns_for(types.SimpleNamespace(__name__="cupy")) is conv_ops.CUDA
     rng = np.random.default_rng(3)
     Cin, Cout, N, H, W = 3, 4, 5, 9, 7
     Ho, Wo = conv_ops.conv_out_size(H, k, stride, pad), conv_ops.conv_out_size(W, k, stride, pad)
@@ -673,22 +691,19 @@ def test_the_conv_ops_take_the_one_launch_columns_on_gpu_arrays(dev, monkeypatch
     dout = rng.standard_normal((Cout, N, Ho, Wo))
     ws = np.empty(Cin * k * k * 2 * Ho * Wo)                 # two samples per chunk
 
-    def run():
+    def run(columns):
         out, dx, dw = np.zeros((Cout, N, Ho, Wo)), np.zeros_like(x), np.zeros_like(w)
-        conv_ops.conv2d_forward(dev.put(out) if dev.name == "gpu" else out, x, w, stride, pad, ws)
-        conv_ops.conv2d_backward_input(dx, dout, w, stride, pad, ws)
-        conv_ops.conv2d_backward_weight(dw, x, dout, stride, pad, ws)
+        conv_ops.conv2d_forward(out, x, w, stride, pad, ws, columns)
+        conv_ops.conv2d_backward_input(dx, dout, w, stride, pad, ws, columns=columns)
+        conv_ops.conv2d_backward_weight(dw, x, dout, stride, pad, ws, columns)
         return out, dx, dw
 
-    if dev.name == "gpu":
-        pytest.skip("covered by the engine tests on a real GPU")
-    want = run()
+    want = run(conv_ops.SLICES)
     calls = []
-    real_im2col, real_col2im = cuda.im2col, cuda.col2im_add
-    monkeypatch.setattr(conv_ops, "_on_gpu", lambda a: True)
-    monkeypatch.setattr(conv_ops._gpu, "im2col", lambda *a: (calls.append("im2col"), real_im2col(*a)))
-    monkeypatch.setattr(conv_ops._gpu, "col2im_add", lambda *a: (calls.append("col2im"), real_col2im(*a)))
-    got = run()
+    cuda_pair = conv_ops.CUDA
+    counted = cuda_pair._replace(im2col=lambda *a: (calls.append("im2col"), cuda_pair.im2col(*a)),
+                                 col2im=lambda *a: (calls.append("col2im"), cuda_pair.col2im(*a)))
+    got = run(counted)
     assert "im2col" in calls and ("col2im" in calls or (k, stride) == (1, 2))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)

@@ -14,13 +14,13 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from reference import check_grad, conv_ref, maxpool_backward_ref, maxpool_ref
+from reference import check_grad, conv_ref, maxpool_backward_ref, maxpool_ref, relu_mask
 
 from lowmem.ops import batchnorm as bn
 from lowmem.ops import pool
 from lowmem.ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size,
-                        bn_normalize_forward, bn_relu_apply_forward, bn_eval_relu_forward,
-                        relu_mask, bn_relu_backward, update_running_stats,
+                        bn_stats, bn_normalize, bn_relu_apply_forward, bn_eval_relu_forward,
+                        bn_relu_backward, update_running_stats,
                         maxpool_forward, maxpool_backward, avgpool_forward, avgpool_backward,
                         linear_forward, linear_backward, softmax_xent_forward, softmax_xent_backward)
 
@@ -179,13 +179,14 @@ def unit_forward(x, gamma, beta):
     """The pre-activation unit's forward as the engine runs it: returns r, xhat, mean, var, rstd."""
     C, M = x.shape
     xhat, mean, var, rstd = np.empty_like(x), np.empty(C), np.empty(C), np.empty(C)
-    bn_normalize_forward(xhat, mean, var, rstd, x, EPS_BN)
+    bn_stats(mean, var, rstd, x, EPS_BN)
+    bn_normalize(xhat, x, mean, rstd)
     r = np.empty_like(x)
     bn_relu_apply_forward(r, xhat, gamma, beta)
     return r, xhat, mean, var, rstd
 
 
-def test_bn_normalize_forward_matches_numpy(rng):
+def test_bn_stats_and_normalize_match_numpy(rng):
     x, gamma, beta = bn_unit_case(rng)
     r, xhat, mean, var, rstd = unit_forward(x, gamma, beta)
     np.testing.assert_allclose(mean, x.mean(axis=1), rtol=1e-13, atol=1e-15)
@@ -197,7 +198,8 @@ def test_bn_normalize_forward_matches_numpy(rng):
     # aliasing allowed by the docstrings: xhat over x, r over xhat
     xa = x.copy()
     m2, v2, s2 = np.empty(5), np.empty(5), np.empty(5)
-    bn_normalize_forward(xa, m2, v2, s2, xa, EPS_BN)
+    bn_stats(m2, v2, s2, xa, EPS_BN)
+    bn_normalize(xa, xa, m2, s2)
     np.testing.assert_array_equal(xa, xhat)
     bn_relu_apply_forward(xa, xa, gamma, beta)
     np.testing.assert_array_equal(xa, r)
@@ -216,14 +218,13 @@ def test_bn_relu_unit_backward_finite_differences(rng, fd, variant):
     _, xhat, _, _, rstd = unit_forward(x, gamma, beta)
     mask = None
     if variant == "explicit_mask":
-        mask = np.empty((C, M), bool)
-        relu_mask(mask, xhat, gamma, beta)
+        mask = relu_mask(xhat, gamma, beta)
     dr = G.copy()
     prior = rng.standard_normal((C, M)) if variant == "accumulate" else np.full((C, M), np.nan)
     dx = dr if variant == "dx_aliases_dr" else prior.copy()
     g0, b0 = rng.standard_normal(C), rng.standard_normal(C)     # parameter gradients accumulate
     dgamma, dbeta = g0.copy(), b0.copy()
-    bn_relu_backward(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, mask=mask,
+    bn_relu_backward(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, relu_mask=mask,
                      accumulate=variant == "accumulate")
     if variant == "accumulate":
         dx = dx - prior
@@ -251,13 +252,12 @@ def test_bn_relu_backward_closed_form(rng):
     np.testing.assert_allclose(db, np.sum(dy, 1), rtol=1e-12)
 
 
-def test_relu_mask_is_the_forward_expression(rng):
+def test_the_forward_relu_passes_where_the_mask_expression_says(rng):
+    """r > 0 exactly where (xhat*gamma) + beta > 0 (reference.relu_mask, multiply then add): the
+    expression the quantizer and the backward recompute."""
     x, gamma, beta = bn_unit_case(rng, margin=0)
     r, xhat, *_ = unit_forward(x, gamma, beta)
-    mask = np.empty(x.shape, bool)
-    relu_mask(mask, xhat, gamma, beta)
-    np.testing.assert_array_equal(mask, (xhat * gamma[:, None]) + beta[:, None] > 0)
-    np.testing.assert_array_equal(mask, r > 0)
+    np.testing.assert_array_equal(relu_mask(xhat, gamma, beta), r > 0)
 
 
 def test_update_running_stats_momentum_and_unbiased_variance(rng):
@@ -291,13 +291,12 @@ def test_bn_row_blocks_give_identical_results(rng, monkeypatch, rows_per_block):
 
     def run():
         r, xhat, mean, var, rstd = unit_forward(x, gamma, beta)
-        mask = np.empty((C, M), bool)
-        relu_mask(mask, xhat, gamma, beta)
+        mask = relu_mask(xhat, gamma, beta)
         outs = [r, xhat, mean, var, rstd, mask]
         for m, acc in ((None, False), (mask, False), (None, True)):
             dx = prior.copy()
             dg, db = np.zeros(C), np.zeros(C)
-            bn_relu_backward(dx, dg, db, G.copy(), xhat, gamma, beta, rstd, mask=m, accumulate=acc)
+            bn_relu_backward(dx, dg, db, G.copy(), xhat, gamma, beta, rstd, relu_mask=m, accumulate=acc)
             outs += [dx, dg, db]
         return outs
 

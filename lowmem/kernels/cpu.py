@@ -1,4 +1,8 @@
-"""Fused CPU kernels (numba), the CPU analogue of CuPy's fused GPU kernels.
+"""Fused CPU kernels (numba) for the BN-ReLU units, the CPU twin of lowmem/kernels/gpu.py.
+
+bn_stats, unit_forward_exact, unit_forward_code, conv_input and unit_backward:
+kernels/fused.py wraps them into the engine's kernel sets. (The conv's numba
+col2im sits beside the conv, in lowmem/ops/columns_cpu.py.)
 
 Optional: `pip install lowmem[fast]`. Without numba, or with LOWMEM_FAST=0,
 the engine runs the pure-NumPy ops of lowmem/ops and lowmem/quant, which stay
@@ -16,8 +20,8 @@ a fused kernel writes or reads one channel's codes as whole bytes, so it
 applies when M*bits is a multiple of 8 (every real network: H*W is);
 `supports()` says when.
 
-How they vectorise (AVX2/AVX-512, checked with `inspect_asm`: ymm/zmm
-registers in every inner loop; see tests/test_kernels_cpu.py): a row is
+How they vectorise (AVX2/AVX-512: benchmarks/compare_torch.py counts the
+ymm/zmm registers of each compiled kernel through numba's `inspect_asm`): a row is
 walked in blocks of BLOCK elements. Per block, one contiguous loop does the
 float work (normalise, quantize, or decode) element by element, with the
 codes in a small L1-resident uint8 scratch, one code per byte; a second loop
@@ -38,14 +42,13 @@ one rounding per operation, in the same order as the NumPy path, so:
 Reductions accumulate in float64 (NumPy's pairwise float32 sums differ in the
 last bits: tests compare to tolerance there).
 """
-import os
-
 import numpy
 
 from .. import quant, threads
+from ..backend import numba_allowed
 
 try:
-    if os.environ.get("LOWMEM_FAST", "1").strip() in ("0", "false", "no"):
+    if not numba_allowed():
         raise ImportError("disabled by LOWMEM_FAST=0")
     import numba
     from numba import njit
@@ -462,52 +465,3 @@ def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, ac
                            qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, gamma[c0:c1], rstd[c0:c1], bits,
                            accumulate, inplace)
     _over_channels(rows, C, M)
-
-
-# ---- convolution: col2im, im2col's adjoint (lowmem/ops/conv.py picks it) ----
-# (im2col itself stays NumPy's: its nine strided slice copies measured faster than every
-# numba loop tried here, which spend their time on per-row set-up for rows of 8-32 elements.)
-
-if AVAILABLE:
-    @njit(**_opts)
-    def _valid(k_off, size, out_size, stride, pad):
-        """Output range [lo, hi) whose input index o*stride + k_off - pad lies in [0, size)."""
-        lo = max(0, -((k_off - pad) // stride))
-        hi = min(out_size, (size - 1 - k_off + pad) // stride + 1)
-        return lo, max(lo, hi)
-
-    @njit(**_opts)
-    def _col2im_add(dx, n0, cols, kh, kw, stride, pad):
-        """dx[:, n0:n0+n] (dx (Cin, N, H, W) C-contiguous) += the scatter of cols (Cin, kh, kw, n, Ho, Wo).
-        Every dx element receives its terms in the same (i, j) order as ops.conv.col2im_add, so
-        the sums are bit-identical; one (c, sample) plane of dx stays in L1 while its rows stream."""
-        Cin, N, H, W = dx.shape
-        n, Ho, Wo = cols.shape[3], cols.shape[4], cols.shape[5]
-        cf = cols.reshape(-1)
-        df = dx.reshape(-1)
-        for c in range(Cin):
-            for s in range(n):
-                xb = (c * N + n0 + s) * H * W
-                for i in range(kh):
-                    h0, h1 = _valid(i, H, Ho, stride, pad)
-                    for j in range(kw):
-                        w0, w1 = _valid(j, W, Wo, stride, pad)
-                        cb = (((c * kh + i) * kw + j) * n + s) * Ho * Wo
-                        for oh in range(h0, h1):
-                            o = cb + oh * Wo
-                            xi = xb + (oh * stride + i - pad) * W + j - pad
-                            d = df[xi + w0 * stride:xi + w1 * stride:stride]
-                            d += cf[o + w0:o + w1]
-
-
-def col2im_add(dx, cols, kh, kw, stride, pad, n0=0):
-    """numba twin of ops.conv.col2im_add, bit-identical: dx[:, n0:n0+n] += the scatter of
-    cols (Cin, kh, kw, n, Ho, Wo). dx (Cin, N, H, W) is the whole C-contiguous array (see
-    supports_col2im), so the kernel can index it flat."""
-    _col2im_add(dx, n0, cols, kh, kw, stride, pad)
-
-
-def supports_col2im(dx, cols):
-    """Whether col2im_add above applies: numba, C-contiguous NumPy float32/float64 arrays."""
-    return (AVAILABLE and all(type(a) is numpy.ndarray and a.flags.c_contiguous for a in (dx, cols))
-            and dx.dtype == cols.dtype and dx.dtype in (numpy.float32, numpy.float64))

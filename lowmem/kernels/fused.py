@@ -27,21 +27,21 @@ class FusedExactUnits(ExactUnits):
     fused = True
 
     def __init__(self, module, partials=None):
-        self.k, self.partials = module, partials
+        self.module, self.partials = module, partials
         self._extra = {} if partials is None else {"partials": partials}
 
     def stats(self, mean, var, rstd, x):
-        self.k.bn_stats(mean, var, rstd, x, BN_EPS, **self._extra)
+        self.module.bn_stats(mean, var, rstd, x, BN_EPS, **self._extra)
 
     def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
-        self.k.unit_forward_exact(out, saved, x, mean, rstd, gamma, beta)
+        self.module.unit_forward_exact(out, saved, x, mean, rstd, gamma, beta)
 
     def conv_input(self, u, saved, gamma, beta):
-        self.k.conv_input(u, saved, None, None, gamma, beta)
+        self.module.conv_input(u, saved, None, None, gamma, beta)
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         # saved: x-hat exact; decoded nowhere, so `scratch` stays unused
-        self.k.unit_backward(dx, dgamma, dbeta, dr, saved, None, None, gamma, beta, rstd,
+        self.module.unit_backward(dx, dgamma, dbeta, dr, saved, None, None, gamma, beta, rstd,
                              accumulate, **self._extra)
 
 
@@ -51,25 +51,25 @@ class FusedCodeUnits(CodeUnits):
 
     def __init__(self, module, bits, naive=False, partials=None, rounding="nearest"):
         super().__init__(bits, naive, rounding)
-        self.k, self.partials = module, partials
+        self.module, self.partials = module, partials
         self._extra = {} if partials is None else {"partials": partials}
 
     def grid(self, gamma, beta):
         """What the module takes for the grid: QuantParams (numba) or the bit width (CUDA)."""
-        return self.bits if self.k is gpu else quant.quant_params(gamma, beta, self.bits)
+        return self.bits if self.module is gpu else quant.quant_params(gamma, beta, self.bits)
 
     stats = FusedExactUnits.stats
 
     def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
-        self.k.unit_forward_code(out, saved, x, mean, rstd, gamma, beta, self.grid(gamma, beta), self.naive,
+        self.module.unit_forward_code(out, saved, x, mean, rstd, gamma, beta, self.grid(gamma, beta), self.naive,
                                  self.rounding, key)
 
     def conv_input(self, u, saved, gamma, beta):
-        self.k.conv_input(u, None, saved, self.grid(gamma, beta), gamma, beta)
+        self.module.conv_input(u, None, saved, self.grid(gamma, beta), gamma, beta)
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         # saved: the K-bit code (approximate x-tilde, exact mask), decoded inline; rstd exact
-        self.k.unit_backward(dx, dgamma, dbeta, dr, None, saved, self.grid(gamma, beta), gamma, beta,
+        self.module.unit_backward(dx, dgamma, dbeta, dr, None, saved, self.grid(gamma, beta), gamma, beta,
                              rstd, accumulate, **self._extra)
 
 

@@ -1,4 +1,4 @@
-"""Fused GPU kernels (CuPy RawModule), the GPU twin of lowmem/kernels/cpu.py.
+"""Fused GPU kernels for the BN-ReLU units (CuPy RawModule), the GPU twin of lowmem/kernels/cpu.py.
 
 Used by the engine when the backend is CuPy (`LOWMEM_BACKEND=cupy`,
 `pip install lowmem[gpu]`); the pure-array ops of lowmem/ops and
@@ -19,17 +19,17 @@ What each kernel fuses (layout (C, M) rows, M = N*H*W, as everywhere):
   unit_backward_partial_* + _finalize + _apply_*
                                  BN-ReLU backward: unpack + decode + mask inline,
                                  Σdy and Σdy·x-hat per channel, then dx; no decode buffer
-  sgd_update                     optim.SGD.step for one tensor: decay, momentum, step
-  im2col / col2im_add            one launch each instead of a Python loop of slices
-                                 (lowmem/ops/conv.py's functions, same results bit for bit)
+
+(The other CUDA kernels sit beside what they speed up: the conv's im2col /
+col2im in lowmem/ops/columns_gpu.py, the SGD update in lowmem/optim_gpu.py.)
 
 The quantization grid (s, lo, k of quant.quant_params) is derived in-kernel
 from γ and β, operation for operation, so the engine launches no per-unit
 CuPy ops for it.
 
 Arithmetic: every float operation whose result must equal NumPy's is an
-explicit round-to-nearest intrinsic (__fmul_rn, __fadd_rn, ...: never
-contracted to an FMA) in the data's dtype, in NumPy's order, and the module
+explicit round-to-nearest helper (rn_mul, rn_add, ...: lowmem/cuda.py, never
+contracted to an FMA) in the data's dtype, in NumPy's order, and the program
 is also compiled with --fmad=false. Hence, for the same x-hat (the same mean
 and rstd), the packed codes equal quant.quantize_pack's byte for byte, the
 decoded x-tilde and mask equal quant.unpack_decode's, and the forward pass of
@@ -40,34 +40,22 @@ Memory: kernels allocate nothing. The reductions need (C, S) partial sums
 and three per-channel coefficients: the `bn.partials` workspace of the
 memory plan, partials_size(C) float64s.
 
-Built lazily: the CUDA source is compiled once per dtype at first use
-(NVRTC, through CuPy), so importing this module needs no GPU and no CuPy.
-`sources()` returns the exact text compiled, for the nvcc compile test.
+Built lazily through lowmem/cuda.py (program "units"): compiled once per
+dtype at first use (NVRTC, through CuPy), so importing this module needs no
+GPU and no CuPy; `PROGRAM.sources()` returns the exact text compiled.
 """
 import numpy
 
-from .. import quant
+from .. import cuda, quant
+from ..cuda import BLOCK, REAL, blocks as _blocks, i32 as _i32, i64 as _i64
 
-BLOCK = 256             # threads per block; the reductions assume this power of two
 MAX_SEGMENTS = 32       # row segments (blocks) per channel in a reduction
 TARGET_BLOCKS = 1024    # aim for about this many blocks per reduction (~8 per SM on an H200)
-OPTIONS = ("--fmad=false",)
-REAL = {"float32": "float", "float64": "double"}
 
 SOURCE = r"""
-// lowmem fused kernels; `real` (float or double) and BLOCK are defined before this text.
+// lowmem's unit kernels; lowmem/cuda.py puts `real` (float or double), BLOCK and the rn_* helpers
+// (round-to-nearest arithmetic) before this text.
 
-// Round-to-nearest arithmetic, never contracted into FMAs: NumPy's results, bit for bit.
-__device__ __forceinline__ float  rn_mul(float a, float b)   { return __fmul_rn(a, b); }
-__device__ __forceinline__ double rn_mul(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float  rn_add(float a, float b)   { return __fadd_rn(a, b); }
-__device__ __forceinline__ double rn_add(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float  rn_sub(float a, float b)   { return __fsub_rn(a, b); }
-__device__ __forceinline__ double rn_sub(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float  rn_div(float a, float b)   { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double rn_div(double a, double b) { return __ddiv_rn(a, b); }
-__device__ __forceinline__ float  rn_rsqrt(float v)  { return __frcp_rn(__fsqrt_rn(v)); }
-__device__ __forceinline__ double rn_rsqrt(double v) { return __drcp_rn(__dsqrt_rn(v)); }
 __device__ __forceinline__ float  floor_(float a)  { return floorf(a); }
 __device__ __forceinline__ double floor_(double a) { return floor(a); }
 __device__ __forceinline__ float  rint_(float a)   { return rintf(a); }
@@ -123,7 +111,7 @@ __device__ __forceinline__ int encode(real xh, bool on, Grid q, real w, int L, b
     return (int)v;
 }
 
-// x-tilde of a code: the bin midpoint, flipped back (quant._decode's order)
+// x-tilde of a code: the bin midpoint, flipped back (quant.decode_each_chunk's order)
 __device__ __forceinline__ real decode(int code, Grid q, real w)
 {
     return rn_mul(rn_add(rn_mul(rn_add((real)code, (real)0.5), w), q.lo), q.s);
@@ -404,77 +392,11 @@ extern "C" __global__ void unit_backward_apply_code(real* dx, const real* dr, co
     }
 }
 
-// ---- SGD (optim.SGD.step for one tensor, same operations, same side effect on grad) ---
-extern "C" __global__ void sgd_update(real* w, real* grad, real* v, long long n, real lr,
-                                      real momentum, real wd, int decay, int use_momentum,
-                                      int started, int nesterov)
-{
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    real g = grad[i];
-    if (decay) g = rn_add(g, rn_mul(wd, w[i]));          // g += wd * w
-    real step = g;
-    if (use_momentum) {
-        const real vv = started ? rn_add(rn_mul(v[i], momentum), g) : g;   // v = m*v + g
-        v[i] = vv;
-        if (nesterov) { g = rn_add(g, rn_mul(momentum, vv)); step = g; }   // g += m*v
-        else step = vv;
-    }
-    grad[i] = g;
-    w[i] = rn_sub(w[i], rn_mul(lr, step));                // w -= lr * step
-}
-
-// ---- convolution columns (ops/conv.py) --------------------------------------------------
-// cols (Cin, kh, kw, n, Ho, Wo) <- patches of x (Cin, n, H, W) with element strides sx*;
-// zero outside the image. One block per (ci, i, j, nn) plane; threads over Ho*Wo.
-extern "C" __global__ void im2col(real* cols, const real* x, int n, int H, int W,
-                                  long long sxc, long long sxn, long long sxh, long long sxw,
-                                  int kh, int kw, int stride, int pad, int Ho, int Wo)
-{
-    const int p = blockIdx.x;
-    const int nn = p % n, j = (p / n) % kw, i = (p / n / kw) % kh, ci = p / n / kw / kh;
-    const real* xp = x + ci * sxc + nn * sxn;
-    real* out = cols + (long long)p * Ho * Wo;
-    for (int e = threadIdx.x; e < Ho * Wo; e += blockDim.x) {
-        const int h = (e / Wo) * stride - pad + i, ww = (e % Wo) * stride - pad + j;
-        out[e] = (h >= 0 && h < H && ww >= 0 && ww < W) ? xp[h * sxh + ww * sxw] : (real)0;
-    }
-}
-
-// dx (Cin, n, H, W) += the scatter of cols (im2col's adjoint), as a gather: each element adds
-// its contributions in (i, j) order, the order of ops/conv.col2im_add's slice additions.
-// One block per (ci, nn) plane; threads over H*W.
-extern "C" __global__ void col2im_add(real* dx, const real* cols, int n, int H, int W,
-                                      long long sdc, long long sdn, long long sdh, long long sdw,
-                                      int kh, int kw, int stride, int pad, int Ho, int Wo)
-{
-    const int nn = blockIdx.x % n, ci = blockIdx.x / n;
-    real* dp = dx + ci * sdc + nn * sdn;
-    for (int e = threadIdx.x; e < H * W; e += blockDim.x) {
-        const int h = e / W, ww = e % W;
-        real acc = dp[h * sdh + ww * sdw];
-        for (int i = 0; i < kh; ++i) {
-            const int hh = h + pad - i;
-            if (hh < 0 || hh % stride || hh / stride >= Ho) continue;
-            for (int j = 0; j < kw; ++j) {
-                const int wj = ww + pad - j;
-                if (wj < 0 || wj % stride || wj / stride >= Wo) continue;
-                const long long plane = (((long long)ci * kh + i) * kw + j) * n + nn;
-                acc = rn_add(acc, cols[plane * Ho * Wo + (hh / stride) * Wo + wj / stride]);
-            }
-        }
-        dp[h * sdh + ww * sdw] = acc;
-    }
-}
 """
 
 # kernels with __syncthreads (the CPU emulator in tests/test_kernels_gpu.py runs their threads as coroutines)
-BLOCK_SYNC = ("bn_stats_partial", "unit_backward_partial_exact", "unit_backward_partial_code")
-
-
-def sources():
-    """{dtype name: the CUDA C++ text compiled for it}."""
-    return {name: f"typedef {c} real;\n#define BLOCK {BLOCK}\n" + SOURCE for name, c in REAL.items()}
+PROGRAM = cuda.Program("units", SOURCE, block_sync=("bn_stats_partial", "unit_backward_partial_exact",
+                                                    "unit_backward_partial_code"))
 
 
 def supports(xp, dtype, M, bits):
@@ -488,48 +410,10 @@ def partials_size(C):
     return C * (2 * MAX_SEGMENTS + 3)
 
 
-# ---- building and launching -------------------------------------------------------------
-
-_modules, _functions = {}, {}
-
-
-def _build(dtype):
-    """The compiled module for one dtype (tests swap in a CPU emulator here)."""
-    import cupy
-    return cupy.RawModule(code=sources()[numpy.dtype(dtype).name], options=OPTIONS)
-
-
-def _kernel(dtype, name):
-    key = (numpy.dtype(dtype).name, name)
-    fn = _functions.get(key)
-    if fn is None:
-        mod = _modules.get(key[0])
-        if mod is None:
-            mod = _modules[key[0]] = _build(dtype)
-        fn = _functions[key] = mod.get_function(name)
-    return fn
-
-
-def _reset():
-    """Forget built modules (tests)."""
-    _modules.clear()
-    _functions.clear()
-
+# ---- launching ----------------------------------------------------------------------------
 
 def _launch(name, dtype, grid, args):
-    _kernel(dtype, name)(tuple(int(g) for g in grid), (BLOCK,), tuple(args))
-
-
-def _blocks(n):
-    return max(1, -(-int(n) // BLOCK))
-
-
-def _i64(v):
-    return numpy.int64(v)
-
-
-def _i32(v):
-    return numpy.int32(v)
+    PROGRAM.launch(name, dtype, grid, args)
 
 
 def _rows(a, name, dtype=None):
@@ -680,55 +564,3 @@ def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, ac
     else:
         _launch("unit_backward_apply_code", dt, (_blocks(M * bits // 8), C),
                 (dx, dr, packed, coef, gamma, beta, _i64(M), *_grid_args(bits, dt), acc))
-
-
-# ---- SGD ---------------------------------------------------------------------------------
-
-def sgd_update(w, grad, v, lr, momentum, weight_decay, nesterov, started):
-    """One optim.SGD step of one tensor in one pass (weight_decay 0: no decay). Like SGD.step,
-    leaves grad + decay (+ momentum*v with Nesterov) in grad."""
-    if not (w.flags.c_contiguous and grad.flags.c_contiguous and v.flags.c_contiguous):
-        raise ValueError("sgd_update needs C-contiguous w, grad and momentum arrays")
-    real = w.dtype.type
-    _launch("sgd_update", w.dtype, (_blocks(w.size),),
-            (w, grad, v, _i64(w.size), real(lr), real(momentum), real(weight_decay),
-             _i32(bool(weight_decay)), _i32(bool(momentum)), _i32(bool(started)), _i32(bool(nesterov))))
-
-
-def sgd_step(opt):
-    """opt.step() for an optim.SGD whose parameters live on the GPU: one kernel per tensor."""
-    for p, decays in zip(opt.params, opt.decay):
-        sgd_update(p.data, p.grad, p.state["momentum"], opt.lr, opt.momentum,
-                   opt.weight_decay if decays else 0.0, opt.nesterov, opt._started)
-    opt._started = True
-
-
-# ---- convolution columns -----------------------------------------------------------------
-
-def _elem_strides(a):
-    return tuple(_i64(s // a.itemsize) for s in a.strides)
-
-
-def im2col(cols, x, kh, kw, stride, pad):
-    """ops.conv.im2col in one launch: cols (Cin, kh, kw, n, Ho, Wo) <- patches of x (Cin, n, H, W);
-    x may be any strided view, cols must be C-contiguous."""
-    Cin, n, H, W = x.shape
-    Ho, Wo = cols.shape[4:]
-    if cols.shape[:4] != (Cin, kh, kw, n) or not cols.flags.c_contiguous or cols.dtype != x.dtype:
-        raise ValueError(f"cols must be C-contiguous {(Cin, kh, kw, n, Ho, Wo)} {x.dtype}, "
-                         f"got {cols.shape} {cols.dtype}")
-    _launch("im2col", x.dtype, (Cin * kh * kw * n,),
-            (cols, x, _i32(n), _i32(H), _i32(W), *_elem_strides(x), _i32(kh), _i32(kw),
-             _i32(stride), _i32(pad), _i32(Ho), _i32(Wo)))
-
-
-def col2im_add(dx, cols, kh, kw, stride, pad):
-    """ops.conv.col2im_add in one launch: dx (Cin, n, H, W) += scatter of cols; dx may be strided."""
-    Cin, n, H, W = dx.shape
-    Ho, Wo = cols.shape[4:]
-    if cols.shape[:4] != (Cin, kh, kw, n) or not cols.flags.c_contiguous or cols.dtype != dx.dtype:
-        raise ValueError(f"cols must be C-contiguous {(Cin, kh, kw, n, Ho, Wo)} {dx.dtype}, "
-                         f"got {cols.shape} {cols.dtype}")
-    _launch("col2im_add", dx.dtype, (Cin * n,),
-            (dx, cols, _i32(n), _i32(H), _i32(W), *_elem_strides(dx), _i32(kh), _i32(kw),
-             _i32(stride), _i32(pad), _i32(Ho), _i32(Wo)))

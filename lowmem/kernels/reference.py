@@ -91,7 +91,7 @@ class CodeUnits(ExactUnits):
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         # saved: the K-bit code of x-hat (approximate x-tilde, exact mask) and rstd (C,) exact
         decode_masking(scratch, dr, saved, quant.quant_params(gamma, beta, self.bits))
-        bn_relu_backward(dx, dgamma, dbeta, dr, scratch, gamma, beta, rstd, masked=True,
+        bn_relu_backward(dx, dgamma, dbeta, dr, scratch, gamma, beta, rstd, dr_already_masked=True,
                          accumulate=accumulate)
 
 

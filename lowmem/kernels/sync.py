@@ -62,11 +62,11 @@ class SyncUnits:
         # saved: x-hat (exact) or its code, decoded into scratch; the mask is exact either way
         C, M = dr.shape
         if getattr(self.inner, "bits", None) is None:            # exact: the slot is x-hat
-            xhat, masked = saved, False
+            xhat, dr_masked = saved, False
         else:
             decode_masking(scratch, dr, saved, quant.quant_params(gamma, beta, self.inner.bits))
-            xhat, masked = scratch, True
-        sum_dy, sum_dyx = bn_relu_backward_sums(dr, xhat, gamma, beta, masked=masked)
+            xhat, dr_masked = scratch, True
+        sum_dy, sum_dyx = bn_relu_backward_sums(dr, xhat, gamma, beta, dr_already_masked=dr_masked)
         dgamma += sum_dyx                                         # local parts: summed later
         dbeta += sum_dy
         s = self.buf[:2 * C].reshape(2, C)          # contiguous: one message

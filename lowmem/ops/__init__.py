@@ -11,8 +11,8 @@ Gradient semantics, written once for every op here:
   * parameter gradients (dw, dgamma, dbeta, db) ACCUMULATE (+=).
 """
 from .conv import conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size
-from .batchnorm import (bn_stats, bn_normalize, bn_normalize_forward, bn_relu_apply_forward,
-                        relu_mask, bn_relu_backward, bn_relu_backward_sums, bn_relu_backward_apply,
+from .batchnorm import (bn_stats, bn_normalize, bn_relu_apply_forward,
+                        bn_relu_backward, bn_relu_backward_sums, bn_relu_backward_apply,
                         update_running_stats, bn_eval_relu_forward)
 from .pool import (maxpool_forward, maxpool_backward, avgpool_forward, avgpool_backward,
                    avgpool2d_forward, avgpool2d_backward)

@@ -53,12 +53,6 @@ def bn_normalize(xhat, x, mean, rstd):
     xhat *= rstd[:, None]
 
 
-def bn_normalize_forward(xhat, mean, var, rstd, x, eps):
-    """xhat (C, M), mean/var/rstd (C,) <- batch statistics of x (C, M). xhat may alias x."""
-    bn_stats(mean, var, rstd, x, eps)
-    bn_normalize(xhat, x, mean, rstd)
-
-
 def update_running_stats(running_mean, running_var, mean, var, M, momentum):
     """PyTorch's rule: running = (1-m)*running + m*batch, with the UNBIASED batch variance."""
     running_mean *= 1 - momentum
@@ -85,24 +79,15 @@ def bn_eval_relu_forward(out, x, running_mean, running_var, gamma, beta, eps):
     xp.maximum(out, 0, out=out)
 
 
-def relu_mask(mask, xhat, gamma, beta):
-    """mask (C, M) bool = (xhat*gamma) + beta > 0, exactly as the forward pass decided it."""
-    xp = array_module(xhat)
-    C, M = xhat.shape
-    for r in row_blocks(C, M):
-        t = xp.multiply(xhat[r], gamma[r, None])
-        t += beta[r, None]
-        xp.greater(t, 0, out=mask[r])
-
-
-def bn_relu_backward(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, mask=None, accumulate=False,
-                     masked=False):
+def bn_relu_backward(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, relu_mask=None, accumulate=False,
+                     dr_already_masked=False):
     """Backward through r = relu(gamma*xhat + beta), xhat = batch-normalised x.
 
     # saved: xhat (C, M) — exact float, or decoded from a K-bit code — and rstd (C,) exact.
     dr (C, M) is the gradient w.r.t. r and is used as scratch; dx (C, M) may alias dr.
-    mask: bool (C, M) ReLU mask; None recomputes it exactly from xhat, gamma, beta;
-        masked=True: dr is already masked (the caller applied the exact mask).
+    relu_mask: bool (C, M), where the ReLU passed; None recomputes it exactly from xhat, gamma,
+        beta (the forward's expression). dr_already_masked=True: the caller has applied the exact
+        mask to dr already (dr is dy), so no mask is applied here.
     accumulate: dx += instead of dx = (a tensor whose gradient already has another contribution).
         dy = dr * mask
         dgamma += sum(dy * xhat),  dbeta += sum(dy)
@@ -110,13 +95,13 @@ def bn_relu_backward(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, mask=None, 
     Two passes (sums, then dx), so synchronized batch norm can sum the sums over ranks between
     them (kernels/sync.py).
     """
-    sum_dy, sum_dyx = bn_relu_backward_sums(dr, xhat, gamma, beta, mask, masked)
+    sum_dy, sum_dyx = bn_relu_backward_sums(dr, xhat, gamma, beta, relu_mask, dr_already_masked)
     dgamma += sum_dyx
     dbeta += sum_dy
     bn_relu_backward_apply(dx, dr, xhat, sum_dy, sum_dyx, dr.shape[1], gamma, rstd, accumulate)
 
 
-def bn_relu_backward_sums(dr, xhat, gamma, beta, mask=None, masked=False):
+def bn_relu_backward_sums(dr, xhat, gamma, beta, relu_mask=None, dr_already_masked=False):
     """Mask dr (C, M) in place (dy = dr * mask, as bn_relu_backward) and return the (C,)
     sums (sum(dy), sum(dy * xhat)) in dr's dtype."""
     xp = array_module(dr)
@@ -125,13 +110,13 @@ def bn_relu_backward_sums(dr, xhat, gamma, beta, mask=None, masked=False):
     for r in row_blocks(C, M):
         dy = dr[r]
         t = xp.multiply(xhat[r], gamma[r, None])            # bounded temporary
-        if masked:
+        if dr_already_masked:
             pass
-        elif mask is None:
+        elif relu_mask is None:
             t += beta[r, None]                              # the forward's exact expression
             xp.multiply(dy, t > 0, out=dy)
         else:
-            xp.multiply(dy, mask[r], out=dy)
+            xp.multiply(dy, relu_mask[r], out=dy)
         dy.sum(axis=1, out=sum_dy[r])
         xp.multiply(dy, xhat[r], out=t)
         t.sum(axis=1, out=sum_dyx[r])

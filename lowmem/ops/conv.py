@@ -17,19 +17,22 @@ per range into a weight-sized temporary each, then added in range order. So
 results are deterministic for a given T, but may differ in the last bits
 between thread counts (smaller GEMMs may take other BLAS kernels, too).
 
-im2col / col2im_add below are the readable NumPy references (kernel-offset
-slices). With numba, on C-contiguous NumPy arrays, col2im runs as the loop of
-lowmem/kernels/cpu.py instead (bit-identical, tests/test_ops.py; about 1.8x
-faster: one dx plane stays in L1 while its nine column rows stream by).
+Columns: im2col / col2im_add below are the readable NumPy references
+(kernel-offset slices). Faster twins sit beside this file, bit-identical:
+a numba col2im (ops/columns_cpu.py) and one-launch CUDA im2col / col2im
+(ops/columns_gpu.py). Which ones a conv runs is a `Columns` pair passed in
+(`columns=`): the engine picks it once, `columns_for(xp)`; a direct call
+without one gets `columns_for` of its arrays' module.
 
 Stride-1, pad-1 3x3 convs with at least 16 channels, on float32 NumPy arrays with numba,
 take Winograd F(2x2, 3x3) instead (ops/winograd.py: no columns at all; `winograd.applies`
 says when, LOWMEM_WINOGRAD=0 turns it off); every entry point below checks that first.
 """
+from typing import Callable, NamedTuple
+
 from .. import threads
 from ..backend import array_module
-from ..kernels import cpu as _fast
-from ..kernels import gpu as _gpu
+from . import columns_cpu, columns_gpu
 from . import winograd as _winograd
 
 GEMM_GRAIN = 4096       # columns per thread below which a 1x1-conv GEMM is not split
@@ -100,31 +103,42 @@ def col2im_add(dx, cols, kh, kw, stride, pad):
         dx[:, :, ih, iw] += cols[:, i, j, :, oh, ow]
 
 
-GPU_COLUMNS = True      # CuPy arrays: im2col / col2im in one CUDA launch each (kernels/gpu.py)
+class Columns(NamedTuple):
+    """The two column functions a conv runs:
+    im2col(cols, x, kh, kw, stride, pad)              cols <- patches of x (as `im2col` above)
+    col2im(dx, n0, n1, cols, kh, kw, stride, pad)     dx[:, n0:n1] += the scatter of cols
+    (col2im gets the whole dx and the sample range: the numba loop indexes dx flat)."""
+    name: str
+    im2col: Callable
+    col2im: Callable
 
 
-def _on_gpu(a):
-    return GPU_COLUMNS and array_module(a).__name__ == "cupy"
+def _col2im_slices(dx, n0, n1, cols, kh, kw, stride, pad):
+    col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
 
 
-def _im2col(cols, x, kh, kw, stride, pad):
-    """im2col: one launch of kernels/gpu.py's kernel on CuPy arrays (bit-identical to the slices,
-    tests/test_kernels_gpu.py), else the reference slice copies above."""
-    if _on_gpu(x):
-        _gpu.im2col(cols, x, kh, kw, stride, pad)
+def _col2im_numba(dx, n0, n1, cols, kh, kw, stride, pad):
+    if columns_cpu.supports(dx, cols):                     # else (a strided dx) the slices
+        columns_cpu.col2im_add(dx, cols, kh, kw, stride, pad, n0)
     else:
-        im2col(cols, x, kh, kw, stride, pad)
+        _col2im_slices(dx, n0, n1, cols, kh, kw, stride, pad)
 
 
-def _col2im(dx, n0, n1, cols, kh, kw, stride, pad):
-    """dx[:, n0:n1] += the scatter of cols: one CUDA launch on CuPy, the numba loop where it
-    applies, else the reference."""
-    if _on_gpu(dx):
-        _gpu.col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
-    elif _fast.supports_col2im(dx, cols):
-        _fast.col2im_add(dx, cols, kh, kw, stride, pad, n0)
-    else:
-        col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
+def _col2im_cuda(dx, n0, n1, cols, kh, kw, stride, pad):
+    columns_gpu.col2im_add(dx[:, n0:n1], cols, kh, kw, stride, pad)
+
+
+SLICES = Columns("slices", im2col, _col2im_slices)                    # the references above
+NUMBA = Columns("numba col2im", im2col, _col2im_numba)               # ops/columns_cpu.py
+CUDA = Columns("cuda", columns_gpu.im2col, _col2im_cuda)              # ops/columns_gpu.py
+
+
+def columns_for(xp):
+    """The fastest columns for array module xp: one CUDA launch each on CuPy, the numba
+    col2im on NumPy when numba is there, else the slices."""
+    if getattr(xp, "__name__", "") == "cupy":
+        return CUDA
+    return NUMBA if columns_cpu.AVAILABLE else SLICES
 
 
 def _over_batch(N, ws, per_sample, body):
@@ -151,13 +165,15 @@ def _over_columns(M, body, like=None):
     threads.parallel_for(body, M, grain=GEMM_GRAIN)
 
 
-def conv2d_forward(out, x, w, stride, pad, ws):
+def conv2d_forward(out, x, w, stride, pad, ws, columns=None):
     """out (Cout, N, Ho, Wo) = conv(x (Cin, N, H, W), w (Cout, Cin, kh, kw)).
 
-    x may be a strided view (e.g. the caller's NCHW batch transposed)."""
+    x may be a strided view (e.g. the caller's NCHW batch transposed).
+    columns: the `Columns` to run (None: columns_for the arrays' module)."""
     if _winograd.applies(x, w, out, stride, pad, ws):      # stride-1 3x3: no im2col (ops/winograd.py)
         return _winograd.conv3x3_forward(out, x, w, ws)
     xp = array_module(out)
+    columns = columns or columns_for(xp)
     Cout, Cin, kh, kw = w.shape
     N = x.shape[1]
     Ho, Wo = out.shape[2:]
@@ -173,18 +189,19 @@ def conv2d_forward(out, x, w, stride, pad, ws):
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)
             cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
-            _im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
+            columns.im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
             xp.matmul(w2, cols.reshape(K, -1), out=_flat(out[:, n0:n1], Cout))
     _over_batch(N, ws, K * Ho * Wo, samples)
 
 
-def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False):
+def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False, columns=None):
     """dx (Cin, N, H, W) = (or += with accumulate) conv's input gradient from dout (Cout, N, Ho, Wo).
 
     # saved: nothing but the weights (exact)."""
     if _winograd.applies(dout, w, dx, stride, pad, ws):
         return _winograd.conv3x3_backward_input(dx, dout, w, ws, accumulate)
     xp = array_module(dx)
+    columns = columns or columns_for(xp)
     Cout, Cin, kh, kw = w.shape
     N = dx.shape[1]
     Ho, Wo = dout.shape[2:]
@@ -203,11 +220,11 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False):
             n1 = min(b, n0 + nc)
             cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
             xp.matmul(w2t, _flat(dout[:, n0:n1], Cout), out=cols.reshape(K, -1))
-            _col2im(dx, n0, n1, cols, kh, kw, stride, pad)
+            columns.col2im(dx, n0, n1, cols, kh, kw, stride, pad)
     _over_batch(N, ws, K * Ho * Wo, samples)
 
 
-def conv2d_backward_weight(dw, x, dout, stride, pad, ws):
+def conv2d_backward_weight(dw, x, dout, stride, pad, ws, columns=None):
     """dw (Cout, Cin, kh, kw) += dout (Cout, N, Ho, Wo) correlated with x (Cin, N, H, W).
 
     # saved: the conv input x (exact, or decoded from a K-bit code by the caller).
@@ -215,6 +232,7 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws):
     if _winograd.applies(x, dw, dout, stride, pad, ws, weight=True):
         return _winograd.conv3x3_backward_weight(dw, x, dout, ws)
     xp = array_module(dw)
+    columns = columns or columns_for(xp)
     Cout, Cin, kh, kw = dw.shape
     N = x.shape[1]
     Ho, Wo = dout.shape[2:]
@@ -242,7 +260,7 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws):
             for n0 in range(a, b, nc):
                 n1 = min(b, n0 + nc)
                 cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
-                _im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
+                columns.im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
                 acc = add(acc, xp.matmul(_flat(dout[:, n0:n1], Cout), cols.reshape(K, -1).T))
             parts[a] = acc
         _over_batch(N, ws, K * Ho * Wo, samples)
