@@ -100,7 +100,7 @@ class Engine:
             bind_parameters(self.arrays, net, self.xp)
             self.selected = self._select_units(sizes, self.arrays)   # with the CUDA set's workspace
             self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected,
-                                columns_for(self.xp))
+                                columns_for(self.xp, self.fused))
         self.reference_units = self._select_units(sizes, self.arrays, reference=True)
         self._ready = False                       # saved state holds a training forward
         stems = [s for s in self.schedule if s.phase == "bwd" and s.optional]

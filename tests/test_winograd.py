@@ -163,3 +163,33 @@ def test_not_taken_when_it_does_not_apply():
     assert winograd.applies(x, w, out, 1, 1, room, weight=True)
     assert not winograd.applies(x, w, out, 1, 1, room[:-1], weight=True)      # no room for the dU sums
     assert not winograd.applies(x.transpose(0, 1, 3, 2), w, out, 1, 1, ws)              # not C-contiguous
+
+
+def test_only_the_fast_columns_take_it(monkeypatch):
+    """The reference columns (what an engine with use_fast=False runs) never take Winograd, so
+    the reference path's results stay im2col's bit for bit; the fast pair takes it."""
+    import lowmem as lm
+
+    assert conv.columns_for(np, fast=False) is conv.SLICES and not conv.SLICES.winograd
+    assert conv.columns_for(np) is conv.NUMBA and conv.NUMBA.winograd
+    calls = []
+    real = winograd.conv3x3_forward
+    monkeypatch.setattr(winograd, "conv3x3_forward", lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((8, 3, 16, 16)).astype(np.float32), rng.integers(0, 10, 8)
+    grads = {}
+    for fast_path in (False, True):
+        net = lm.models.preact_resnet_cifar(depth=8, num_classes=10, in_channels=3, seed=0)
+        eng = lm.Engine(net, batch_size=8, input_shape=(3, 16, 16), mode="approx", bits=4, use_fast=fast_path)
+        assert eng.run.columns is (conv.NUMBA if fast_path else conv.SLICES)
+        n = len(calls)
+        eng.forward(x, y)
+        eng.backward()
+        assert (len(calls) > n) == fast_path
+        grads[fast_path] = np.concatenate([p.grad.ravel() for p in net.parameters()])
+    monkeypatch.setattr(winograd, "ENABLED", False)             # Winograd off everywhere: the same bits
+    net = lm.models.preact_resnet_cifar(depth=8, num_classes=10, in_channels=3, seed=0)
+    eng = lm.Engine(net, batch_size=8, input_shape=(3, 16, 16), mode="approx", bits=4, use_fast=False)
+    eng.forward(x, y)
+    eng.backward()
+    np.testing.assert_array_equal(np.concatenate([p.grad.ravel() for p in net.parameters()]), grads[False])

@@ -21,12 +21,14 @@ Columns: im2col / col2im_add below are the readable NumPy references
 (kernel-offset slices). Faster twins sit beside this file, bit-identical:
 a numba col2im (ops/columns_cpu.py) and one-launch CUDA im2col / col2im
 (ops/columns_gpu.py). Which ones a conv runs is a `Columns` pair passed in
-(`columns=`): the engine picks it once, `columns_for(xp)`; a direct call
+(`columns=`): the engine picks it once, `columns_for(xp, fused)`; a direct call
 without one gets `columns_for` of its arrays' module.
 
-Stride-1, pad-1 3x3 convs with at least 16 channels, on float32 NumPy arrays with numba,
-take Winograd F(2x2, 3x3) instead (ops/winograd.py: no columns at all; `winograd.applies`
-says when, LOWMEM_WINOGRAD=0 turns it off); every entry point below checks that first.
+With the fast pair (`NUMBA`: numba installed and the engine on its fused kernels),
+stride-1, pad-1 3x3 convs with at least 16 channels on float32 NumPy arrays take
+Winograd F(2x2, 3x3) instead (ops/winograd.py: no columns at all; `winograd.applies`
+says when, LOWMEM_WINOGRAD=0 turns it off). The reference pair (`SLICES`, what an
+engine with use_fast=False runs) never does: its results are im2col's, bit for bit.
 """
 from typing import Callable, NamedTuple
 
@@ -107,10 +109,12 @@ class Columns(NamedTuple):
     """The two column functions a conv runs:
     im2col(cols, x, kh, kw, stride, pad)              cols <- patches of x (as `im2col` above)
     col2im(dx, n0, n1, cols, kh, kw, stride, pad)     dx[:, n0:n1] += the scatter of cols
-    (col2im gets the whole dx and the sample range: the numba loop indexes dx flat)."""
+    (col2im gets the whole dx and the sample range: the numba loop indexes dx flat).
+    winograd: stride-1 3x3 convs that ops/winograd.py takes run there instead (no columns)."""
     name: str
     im2col: Callable
     col2im: Callable
+    winograd: bool = False
 
 
 def _col2im_slices(dx, n0, n1, cols, kh, kw, stride, pad):
@@ -129,16 +133,17 @@ def _col2im_cuda(dx, n0, n1, cols, kh, kw, stride, pad):
 
 
 SLICES = Columns("slices", im2col, _col2im_slices)                    # the references above
-NUMBA = Columns("numba col2im", im2col, _col2im_numba)               # ops/columns_cpu.py
+NUMBA = Columns("numba col2im + Winograd", im2col, _col2im_numba, True)   # ops/columns_cpu.py
 CUDA = Columns("cuda", columns_gpu.im2col, _col2im_cuda)              # ops/columns_gpu.py
 
 
-def columns_for(xp):
-    """The fastest columns for array module xp: one CUDA launch each on CuPy, the numba
-    col2im on NumPy when numba is there, else the slices."""
+def columns_for(xp, fast=True):
+    """The fastest columns for array module xp: one CUDA launch each on CuPy; on NumPy, when
+    numba is there and `fast` (the engine's fused flag), the numba col2im and Winograd for the
+    3x3 convs it takes; else the slices (the reference: what an engine with use_fast=False runs)."""
     if getattr(xp, "__name__", "") == "cupy":
         return CUDA
-    return NUMBA if columns_cpu.AVAILABLE else SLICES
+    return NUMBA if fast and columns_cpu.AVAILABLE else SLICES
 
 
 def _over_batch(N, ws, per_sample, body):
@@ -170,10 +175,10 @@ def conv2d_forward(out, x, w, stride, pad, ws, columns=None):
 
     x may be a strided view (e.g. the caller's NCHW batch transposed).
     columns: the `Columns` to run (None: columns_for the arrays' module)."""
-    if _winograd.applies(x, w, out, stride, pad, ws):      # stride-1 3x3: no im2col (ops/winograd.py)
-        return _winograd.conv3x3_forward(out, x, w, ws)
     xp = array_module(out)
     columns = columns or columns_for(xp)
+    if columns.winograd and _winograd.applies(x, w, out, stride, pad, ws):   # stride-1 3x3: no im2col
+        return _winograd.conv3x3_forward(out, x, w, ws)
     Cout, Cin, kh, kw = w.shape
     N = x.shape[1]
     Ho, Wo = out.shape[2:]
@@ -198,10 +203,10 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False, column
     """dx (Cin, N, H, W) = (or += with accumulate) conv's input gradient from dout (Cout, N, Ho, Wo).
 
     # saved: nothing but the weights (exact)."""
-    if _winograd.applies(dout, w, dx, stride, pad, ws):
-        return _winograd.conv3x3_backward_input(dx, dout, w, ws, accumulate)
     xp = array_module(dx)
     columns = columns or columns_for(xp)
+    if columns.winograd and _winograd.applies(dout, w, dx, stride, pad, ws):
+        return _winograd.conv3x3_backward_input(dx, dout, w, ws, accumulate)
     Cout, Cin, kh, kw = w.shape
     N = dx.shape[1]
     Ho, Wo = dout.shape[2:]
@@ -229,10 +234,10 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws, columns=None):
 
     # saved: the conv input x (exact, or decoded from a K-bit code by the caller).
     Allocates one weight-sized temporary per chunk, plus one per thread (never activation-sized)."""
-    if _winograd.applies(x, dw, dout, stride, pad, ws, weight=True):
-        return _winograd.conv3x3_backward_weight(dw, x, dout, ws)
     xp = array_module(dw)
     columns = columns or columns_for(xp)
+    if columns.winograd and _winograd.applies(x, dw, dout, stride, pad, ws, weight=True):
+        return _winograd.conv3x3_backward_weight(dw, x, dout, ws)
     Cout, Cin, kh, kw = dw.shape
     N = x.shape[1]
     Ho, Wo = dout.shape[2:]
