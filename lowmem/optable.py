@@ -37,7 +37,8 @@ from .network import NetworkError
 from .ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size,
                   bn_eval_relu_forward, update_running_stats, maxpool_forward, maxpool_backward,
                   avgpool_forward, avgpool_backward, avgpool2d_forward, avgpool2d_backward,
-                  linear_forward, linear_backward, softmax_xent_forward, softmax_xent_backward)
+                  linear_forward, linear_backward, softmax_xent_forward, softmax_xent_backward,
+                  add_forward)
 from .ops.batchnorm import BN_EPS
 from .ops import pool, winograd
 
@@ -288,7 +289,7 @@ class Add(Op):
     @staticmethod
     def forward(run, step):
         res = run.act(step.dst, step.out_shape)          # dst is the residual stream
-        res += run.act(step.src, step.in_shape)
+        add_forward(res, run.act(step.src, step.in_shape))
 
     @staticmethod
     def backward(run, step):

@@ -462,3 +462,29 @@ def test_softmax_xent_is_stable_for_large_logits():
     ref, _ = xent_ref(logits, labels)
     assert np.isfinite(loss) and np.isclose(loss, ref, rtol=1e-13)
     assert np.all(np.isfinite(probs))
+
+
+# ------------------------------------------------------------------- residual add
+def test_add_forward_split_over_threads_is_plain_add(rng, monkeypatch):
+    """ops.add_forward: out += x, split over lowmem's threads in flat ranges: bit for bit the
+    plain NumPy add, for 1 and 2 threads, ranges not a multiple of anything; strided views
+    fall back to the plain add; unequal shapes raise."""
+    from lowmem import threads
+    from lowmem.ops import add, add_forward
+    monkeypatch.setattr(add, "GRAIN", 7)
+    base = rng.standard_normal((3, 5, 7, 9)).astype(np.float32)
+    x = rng.standard_normal(base.shape).astype(np.float32)
+    try:
+        for t in (1, 2):
+            threads.configure(t)
+            out = base.copy()
+            add_forward(out, x)
+            np.testing.assert_array_equal(out, base + x)
+            out = base.copy()
+            add_forward(out[:, ::2], x[:, ::2])                # strided: the plain add
+            np.testing.assert_array_equal(out[:, ::2], base[:, ::2] + x[:, ::2])
+            np.testing.assert_array_equal(out[:, 1::2], base[:, 1::2])
+    finally:
+        threads.configure(1)
+    with pytest.raises(ValueError, match="shapes differ"):
+        add_forward(base.copy(), x[:, :2])

@@ -193,3 +193,59 @@ def test_only_the_fast_columns_take_it(monkeypatch):
     eng.forward(x, y)
     eng.backward()
     np.testing.assert_array_equal(np.concatenate([p.grad.ravel() for p in net.parameters()]), grads[False])
+
+
+@pytest.mark.parametrize("C,H,W", [(16, 32, 32), (64, 8, 8), (3, 7, 5), (2, 1, 1), (2, 2, 3), (5, 6, 9)])
+def test_tile_kernels_match_their_numpy_references_bit_for_bit(C, H, W):
+    """The numba tile transforms against winograd.*_reference (the same float32 operations in
+    the same order): equal bit for bit (zeros up to sign in the padding), for odd sizes and samples n0.. of a larger batch."""
+    rng = np.random.default_rng(C * 100 + H * 10 + W)
+    N, n0, ns = 5, 2, 3
+    th, tw = winograd.tiles(H, W)
+    x = rng.standard_normal((C, N, H, W)).astype(np.float32)
+    V = np.full((16, C, ns * th * tw), np.nan, np.float32)
+    winograd._input_tiles(V, x, n0)
+    np.testing.assert_array_equal(V, winograd.input_tiles_reference(x, n0, ns))
+    Mg = np.full((16, C, ns * th * tw), np.nan, np.float32)
+    winograd._gradient_tiles(Mg, x, n0)
+    np.testing.assert_array_equal(Mg, winograd.gradient_tiles_reference(x, n0, ns))
+    M = rng.standard_normal((16, C, ns * th * tw)).astype(np.float32)
+    for accumulate in (False, True):
+        base = rng.standard_normal((C, N, H, W)).astype(np.float32)
+        got, want = base.copy(), base.copy()
+        winograd._output_tiles(got, M, n0, accumulate)
+        winograd.output_tiles_reference(want, M, n0, accumulate)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got[:, :n0], base[:, :n0])    # other samples untouched
+        np.testing.assert_array_equal(got[:, n0 + ns:], base[:, n0 + ns:])
+
+
+def test_tile_references_against_the_float64_definitions():
+    """The references are the textbook transforms: B^T d B, A dy A^T and A^T m A per tile,
+    computed here by matrix products in float64 (to float32 rounding)."""
+    rng = np.random.default_rng(9)
+    C, N, H, W = 3, 2, 5, 6
+    th, tw = winograd.tiles(H, W)
+    BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], float)
+    A = np.array([[1, 0], [1, 1], [1, -1], [0, -1]], float)
+    x = rng.standard_normal((C, N, H, W)).astype(np.float32)
+    P = np.zeros((C, N, 2 * th + 2, 2 * tw + 2))
+    P[:, :, 1:H + 1, 1:W + 1] = x
+    D = np.zeros((C, N, 2 * th, 2 * tw))
+    D[:, :, :H, :W] = x
+    V, Mg = winograd.input_tiles_reference(x, 0, N), winograd.gradient_tiles_reference(x, 0, N)
+    M = rng.standard_normal((16, C, N * th * tw)).astype(np.float32)
+    out = np.zeros((C, N, H, W), np.float32)
+    winograd.output_tiles_reference(out, M, 0, False)
+    Y = np.zeros((C, N, 2 * th, 2 * tw))
+    for s in range(N):
+        for a in range(th):
+            for b in range(tw):
+                t = (s * th + a) * tw + b
+                for c in range(C):
+                    v = BT @ P[c, s, 2 * a:2 * a + 4, 2 * b:2 * b + 4] @ BT.T
+                    np.testing.assert_allclose(V[:, c, t], v.ravel(), rtol=1e-6, atol=1e-6)
+                    g = A @ D[c, s, 2 * a:2 * a + 2, 2 * b:2 * b + 2] @ A.T
+                    np.testing.assert_allclose(Mg[:, c, t], g.ravel(), rtol=1e-6, atol=1e-6)
+                    Y[c, s, 2 * a:2 * a + 2, 2 * b:2 * b + 2] = A.T @ M[:, c, t].reshape(4, 4).astype(float) @ A
+    np.testing.assert_allclose(out, Y[:, :, :H, :W], rtol=1e-5, atol=1e-5)

@@ -17,4 +17,5 @@ from .batchnorm import (bn_stats, bn_normalize, bn_relu_apply_forward,
 from .pool import (maxpool_forward, maxpool_backward, avgpool_forward, avgpool_backward,
                    avgpool2d_forward, avgpool2d_backward)
 from .linear import linear_forward, linear_backward
+from .add import add_forward
 from .loss import softmax_xent_forward, softmax_xent_backward

@@ -174,6 +174,57 @@ def conv3x3_backward_weight(dw, x, dout, ws):
     _filter_gradient_add(dw, dU)
 
 
+# ---- the tile transforms in NumPy: the references the numba kernels below match bit for bit
+# (the same float32 operations in the same order; tests/test_winograd.py). Each takes ns
+# samples from n0 on; T = ns*th*tw tiles, tile (s, a, b) at column (s*th + a)*tw + b.
+
+def input_tiles_reference(x, n0, ns):
+    """V (16, C, T) float32 = B^T d B of every tile's 4x4 input patch (pad 1, zero outside)."""
+    C, N, H, W = x.shape
+    th, tw = tiles(H, W)
+    P = numpy.zeros((C, ns, 2 * th + 2, 2 * tw + 2), numpy.float32)
+    P[:, :, 1:H + 1, 1:W + 1] = x[:, n0:n0 + ns]
+    d = [P[:, :, r:r + 2 * th:2] for r in range(4)]                   # row r of every patch
+    rows = (d[0] - d[2], d[1] + d[2], d[2] - d[1], d[1] - d[3])      # B^T d
+    V = numpy.empty((16, C, ns, th, tw), numpy.float32)
+    for i, e in enumerate(rows):
+        e = [e[..., q:q + 2 * tw:2] for q in range(4)]               # column q of every patch
+        V[4 * i:4 * i + 4] = (e[0] - e[2], e[1] + e[2], e[2] - e[1], e[1] - e[3])   # (.) B
+    return V.reshape(16, C, -1)
+
+
+def gradient_tiles_reference(dout, n0, ns):
+    """Mg (16, Co, T) float32 = A dy A^T of every 2x2 tile of dout (zero beyond the image)."""
+    Co, N, H, W = dout.shape
+    th, tw = tiles(H, W)
+    D = numpy.zeros((Co, ns, 2 * th, 2 * tw), numpy.float32)
+    D[:, :, :H, :W] = dout[:, n0:n0 + ns]
+    g0, g1 = D[:, :, 0::2], D[:, :, 1::2]
+    Mg = numpy.empty((16, Co, ns, th, tw), numpy.float32)
+    for i, e in enumerate((g0, g0 + g1, g0 - g1, -g1)):              # A dy
+        f0, f1 = e[..., 0::2], e[..., 1::2]
+        Mg[4 * i:4 * i + 4] = (f0, f0 + f1, f0 - f1, -f1)            # (.) A^T
+    return Mg.reshape(16, Co, -1)
+
+
+def output_tiles_reference(out, M, n0, accumulate):
+    """out[:, n0:n0+ns] (=, or += with accumulate) A^T m A of every tile's 16 values in M."""
+    Co, N, H, W = out.shape
+    th, tw = tiles(H, W)
+    ns = M.shape[2] // (th * tw)
+    m = M.reshape(16, Co, ns, th, tw)
+    u = [m[j] + m[4 + j] + m[8 + j] for j in range(4)]               # A^T m: rows 0+1+2
+    v = [m[4 + j] - m[8 + j] - m[12 + j] for j in range(4)]          # and 1-2-3
+    Y = numpy.empty((Co, ns, th, 2, tw, 2), numpy.float32)
+    Y[:, :, :, 0, :, 0], Y[:, :, :, 0, :, 1] = u[0] + u[1] + u[2], u[1] - u[2] - u[3]
+    Y[:, :, :, 1, :, 0], Y[:, :, :, 1, :, 1] = v[0] + v[1] + v[2], v[1] - v[2] - v[3]
+    y = Y.reshape(Co, ns, 2 * th, 2 * tw)[:, :, :H, :W]
+    if accumulate:
+        out[:, n0:n0 + ns] += y
+    else:
+        out[:, n0:n0 + ns] = y
+
+
 if _fast.AVAILABLE:
     from numba import njit
     _opts = dict(cache=True, nogil=True)
@@ -215,40 +266,52 @@ if _fast.AVAILABLE:
     def _input_tiles(V, x, n0):
         """V (16, C, T) <- B^T d B of every 4x4 input patch of samples n0.. of x (C, N, H, W),
         zero outside the image (pad 1; a zero column/row more when H or W is odd).
+        Bit for bit input_tiles_reference.
 
-        Per tile row, B^T d is first formed for the whole padded row width (E: 4 contiguous
-        rows, vectorised), then (.) B walks the tiles, each of the 16 planes of V written
-        contiguously."""
+        Per (channel, sample): first B^T d for every tile row (E (4, th, 2tw+2): column k
+        holds padded column k, its zero columns never written), then (.) B for every tile,
+        each plane of V written as one run of th*tw. Every array is indexed directly: a
+        numba view (a row, a slice) costs a reference-count update, which dominated the
+        per-row work on the small images (8x8, 16x16)."""
         C, N, H, W = x.shape
         th, tw = (H + 1) // 2, (W + 1) // 2
         ns = V.shape[2] // (th * tw)
-        Z = numpy.zeros(W, numpy.float32)                   # a row outside the image
-        E = numpy.zeros((4, 2 * tw + 2), numpy.float32)     # column k holds padded column k (0, W+1..: zero)
+        E = numpy.zeros((4, th, 2 * tw + 2), numpy.float32)
+        zero = numpy.float32(0)
         for c in range(C):
             for s in range(ns):
-                img = x[c, n0 + s]
-                for a in range(th):
+                n = n0 + s
+                for a in range(th):                         # B^T d: rows 0-2, 1+2, 2-1, 1-3
                     r = 2 * a - 1                           # the patch's first row in the image
-                    d0 = img[r] if r >= 0 else Z
-                    d1 = img[r + 1]
-                    d2 = img[r + 2] if r + 2 < H else Z
-                    d3 = img[r + 3] if r + 3 < H else Z
-                    for k in range(W):                      # B^T d: rows 0-2, 1+2, 2-1, 1-3
-                        E[0, k + 1] = d0[k] - d2[k]
-                        E[1, k + 1] = d1[k] + d2[k]
-                        E[2, k + 1] = d2[k] - d1[k]
-                        E[3, k + 1] = d1[k] - d3[k]
-                    t0 = (s * th + a) * tw
-                    for i in range(4):                      # (.) B: the same along the row
-                        e = E[i]
-                        v0, v1 = V[4 * i, c, t0:t0 + tw], V[4 * i + 1, c, t0:t0 + tw]
-                        v2, v3 = V[4 * i + 2, c, t0:t0 + tw], V[4 * i + 3, c, t0:t0 + tw]
+                    if r >= 0 and r + 3 < H:                # all four rows inside
+                        for k in range(W):
+                            d0, d1 = x[c, n, r, k], x[c, n, r + 1, k]
+                            d2, d3 = x[c, n, r + 2, k], x[c, n, r + 3, k]
+                            E[0, a, k + 1] = d0 - d2
+                            E[1, a, k + 1] = d1 + d2
+                            E[2, a, k + 1] = d2 - d1
+                            E[3, a, k + 1] = d1 - d3
+                    else:                                   # the first and last tile rows
+                        for k in range(W):
+                            d0 = x[c, n, r, k] if r >= 0 else zero
+                            d1 = x[c, n, r + 1, k]
+                            d2 = x[c, n, r + 2, k] if r + 2 < H else zero
+                            d3 = x[c, n, r + 3, k] if r + 3 < H else zero
+                            E[0, a, k + 1] = d0 - d2
+                            E[1, a, k + 1] = d1 + d2
+                            E[2, a, k + 1] = d2 - d1
+                            E[3, a, k + 1] = d1 - d3
+                t0 = s * th * tw
+                for i in range(4):                          # (.) B: the same along each row
+                    p = 4 * i
+                    for a in range(th):
+                        o = t0 + a * tw
                         for b in range(tw):
                             q = 2 * b
-                            v0[b] = e[q] - e[q + 2]
-                            v1[b] = e[q + 1] + e[q + 2]
-                            v2[b] = e[q + 2] - e[q + 1]
-                            v3[b] = e[q + 1] - e[q + 3]
+                            V[p, c, o + b] = E[i, a, q] - E[i, a, q + 2]
+                            V[p + 1, c, o + b] = E[i, a, q + 1] + E[i, a, q + 2]
+                            V[p + 2, c, o + b] = E[i, a, q + 2] - E[i, a, q + 1]
+                            V[p + 3, c, o + b] = E[i, a, q + 1] - E[i, a, q + 3]
 
     @njit(**_opts)
     def _output_tiles(out, M, n0, accumulate):
@@ -297,31 +360,39 @@ if _fast.AVAILABLE:
     def _gradient_tiles(Mg, dout, n0):
         """Mg (16, Co, T) <- A dy A^T of every 2x2 tile of dout (Co, N, H, W), samples n0..
         (zero beyond the image when H or W is odd). A = [[1,0],[1,1],[1,-1],[0,-1]].
-        Vectorised as _input_tiles: A dy for a whole row pair, then (.) A^T per tile."""
+        Bit for bit gradient_tiles_reference. Organised as _input_tiles: A dy for every tile
+        row of a sample (E (4, th, 2tw), column W stays zero), then (.) A^T per plane."""
         Co, N, H, W = dout.shape
         th, tw = (H + 1) // 2, (W + 1) // 2
         ns = Mg.shape[2] // (th * tw)
-        Z = numpy.zeros(W, numpy.float32)
-        E = numpy.zeros((4, 2 * tw), numpy.float32)          # column W (W odd) stays zero
+        E = numpy.zeros((4, th, 2 * tw), numpy.float32)
+        zero = numpy.float32(0)
         for c in range(Co):
             for s in range(ns):
-                img = dout[c, n0 + s]
-                for a in range(th):
-                    g0 = img[2 * a]
-                    g1 = img[2 * a + 1] if 2 * a + 1 < H else Z
-                    for k in range(W):                      # A dy: rows g0, g0+g1, g0-g1, -g1
-                        E[0, k] = g0[k]
-                        E[1, k] = g0[k] + g1[k]
-                        E[2, k] = g0[k] - g1[k]
-                        E[3, k] = -g1[k]
-                    t0 = (s * th + a) * tw
-                    for i in range(4):                      # (.) A^T: the same along the row
-                        e = E[i]
-                        m0, m1 = Mg[4 * i, c, t0:t0 + tw], Mg[4 * i + 1, c, t0:t0 + tw]
-                        m2, m3 = Mg[4 * i + 2, c, t0:t0 + tw], Mg[4 * i + 3, c, t0:t0 + tw]
+                n = n0 + s
+                for a in range(th):                         # A dy: rows g0, g0+g1, g0-g1, -g1
+                    if 2 * a + 1 < H:
+                        for k in range(W):
+                            g0, g1 = dout[c, n, 2 * a, k], dout[c, n, 2 * a + 1, k]
+                            E[0, a, k] = g0
+                            E[1, a, k] = g0 + g1
+                            E[2, a, k] = g0 - g1
+                            E[3, a, k] = -g1
+                    else:                                   # H odd: the last row's partner is zero
+                        for k in range(W):
+                            g0 = dout[c, n, 2 * a, k]
+                            E[0, a, k] = g0
+                            E[1, a, k] = g0 + zero
+                            E[2, a, k] = g0 - zero
+                            E[3, a, k] = -zero
+                t0 = s * th * tw
+                for i in range(4):                          # (.) A^T: the same along each row
+                    p = 4 * i
+                    for a in range(th):
+                        o = t0 + a * tw
                         for b in range(tw):
                             q = 2 * b
-                            m0[b] = e[q]
-                            m1[b] = e[q] + e[q + 1]
-                            m2[b] = e[q] - e[q + 1]
-                            m3[b] = -e[q + 1]
+                            Mg[p, c, o + b] = E[i, a, q]
+                            Mg[p + 1, c, o + b] = E[i, a, q] + E[i, a, q + 1]
+                            Mg[p + 2, c, o + b] = E[i, a, q] - E[i, a, q + 1]
+                            Mg[p + 3, c, o + b] = -E[i, a, q + 1]

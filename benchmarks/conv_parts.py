@@ -1,0 +1,111 @@
+"""The parts of ResNet-164's convolutions, timed one by one in one process (one lowmem thread).
+
+  * Winograd's tile kernels (ops/winograd.py) per chunk, at each stage's shape and the chunk
+    size the step uses: input tiles, output-gradient tiles, output tiles;
+  * each 3x3 product (forward, input gradient, weight gradient) through Winograd and
+    through im2col (the fast pair with Winograd off: im2col + numba col2im), batch --batch;
+  * each 1x1 product through ops/conv.py against a bare numpy.matmul of the same shapes
+    (is lowmem's call at the BLAS rate?), with GFLOP/s.
+
+    python benchmarks/conv_parts.py [--batch 128] [--repeat 5]
+
+Best of --repeat; the machine's load average is printed first: on a shared machine read
+the ratios, not the times.
+"""
+import argparse
+import os
+import time
+
+import numpy as np
+
+from lowmem import threads
+from lowmem.ops import conv, winograd
+
+STAGES = [(16, 32), (32, 16), (64, 8)]          # ResNet-164's 3x3 convs: channels, H = W
+IM2COL = conv.NUMBA._replace(name="im2col + numba col2im", winograd=False)
+
+
+def best(f, repeat):
+    f()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def tile_kernels(repeat):
+    print("Winograd tile kernels, one chunk (us per call): input | output-gradient | output")
+    for C, H in STAGES:
+        th, tw = winograd.tiles(H, H)
+        ns = max(1, winograd.CACHE_BYTES // (4 * winograd.per_sample(C, C, H, H)))
+        x = np.random.default_rng(0).standard_normal((C, ns, H, H)).astype(np.float32)
+        V = np.empty((16, C, ns * th * tw), np.float32)
+        out = np.empty_like(x)
+        t = [best(lambda: winograd._input_tiles(V, x, 0), repeat),
+             best(lambda: winograd._gradient_tiles(V, x, 0), repeat),
+             best(lambda: winograd._output_tiles(out, V, 0, False), repeat)]
+        print(f"  C {C:3d}, {H:2d}x{H:<2d} ({ns} samples): " + " | ".join(f"{s * 1e6:7.1f}" for s in t))
+
+
+def conv3x3(N, repeat):
+    print(f"3x3 convs, batch {N} (ms): forward | input gradient | weight gradient, Winograd / im2col")
+    ws = np.empty(1 << 22, np.float32)                  # 16 MiB, the default conv workspace
+    rng = np.random.default_rng(0)
+    for C, H in STAGES:
+        x = rng.standard_normal((C, N, H, H)).astype(np.float32)
+        w = rng.standard_normal((C, C, 3, 3)).astype(np.float32)
+        g = rng.standard_normal((C, N, H, H)).astype(np.float32)
+        out, dx, dw = np.empty_like(g), np.empty_like(x), np.zeros_like(w)
+        row = []
+        for run in (lambda cols: conv.conv2d_forward(out, x, w, 1, 1, ws, columns=cols),
+                    lambda cols: conv.conv2d_backward_input(dx, g, w, 1, 1, ws, columns=cols),
+                    lambda cols: conv.conv2d_backward_weight(dw, x, g, 1, 1, ws, columns=cols)):
+            a = best(lambda: run(conv.NUMBA), repeat)
+            b = best(lambda: run(IM2COL), repeat)
+            row.append(f"{a * 1e3:6.1f} / {b * 1e3:6.1f}")
+        print(f"  C {C:3d}, {H:2d}x{H:<2d}: " + " | ".join(row))
+
+
+def conv1x1(N, repeat):
+    print(f"1x1 convs, batch {N} (ms, GFLOP/s): ops/conv.py / bare numpy.matmul")
+    rng = np.random.default_rng(0)
+    ws = np.empty(16, np.float32)
+    for C, H in STAGES:
+        for ci, co in ((4 * C, C), (C, 4 * C)):
+            M = N * H * H
+            x = rng.standard_normal((ci, N, H, H)).astype(np.float32)
+            w = rng.standard_normal((co, ci, 1, 1)).astype(np.float32)
+            g = rng.standard_normal((co, N, H, H)).astype(np.float32)
+            out, dx, dw = np.empty_like(g), np.empty_like(x), np.zeros_like(w)
+            x2, g2, w2 = x.reshape(ci, M), g.reshape(co, M), w.reshape(co, ci)
+            flop = 2 * ci * co * M
+            row = []
+            for name, ours, bare in (
+                    ("fwd", lambda: conv.conv2d_forward(out, x, w, 1, 0, ws),
+                     lambda: np.matmul(w2, x2, out=out.reshape(co, M))),
+                    ("dx", lambda: conv.conv2d_backward_input(dx, g, w, 1, 0, ws),
+                     lambda: np.matmul(w2.T, g2, out=dx.reshape(ci, M))),
+                    ("dw", lambda: conv.conv2d_backward_weight(dw, x, g, 1, 0, ws),
+                     lambda: np.matmul(g2, x2.T))):
+                a, b = best(ours, repeat), best(bare, repeat)
+                row.append(f"{name} {a * 1e3:5.2f} / {b * 1e3:5.2f} ({flop / a / 1e9:3.0f} / {flop / b / 1e9:3.0f})")
+            print(f"  {ci:3d} -> {co:3d}, {H:2d}x{H:<2d}: " + " | ".join(row))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    threads.configure(1)
+    print(f"load average before: {os.getloadavg()[0]:.2f}; one lowmem thread, BLAS at one thread")
+    tile_kernels(args.repeat)
+    conv3x3(args.batch, args.repeat)
+    conv1x1(args.batch, args.repeat)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
