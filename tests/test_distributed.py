@@ -197,6 +197,18 @@ def rank_pid(tag, rank, timeout=60):
     raise AssertionError(f"no rank {rank} process found")
 
 
+def wait_until_caught(pid, signum, timeout=60):
+    """Wait until process pid has a handler for signum (its SigCgt mask in /proc): the trainer
+    installs its SIGINT/SIGTERM handlers when fit() starts, after rank 0 printed its plan."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("SigCgt:") and int(line.split()[1], 16) >> (signum - 1) & 1:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} installed no handler for signal {signum}")
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank's pid in /proc")
 def test_ctrl_c_on_one_rank_is_reported_as_sigint_by_every_rank(tmp_path):
     import signal
@@ -212,7 +224,9 @@ def test_ctrl_c_on_one_rank_is_reported_as_sigint_by_every_rank(tmp_path):
         for line in p.stdout:               # rank 0 prints the plan, then trains
             if line.startswith("training:"):
                 break
-        os.kill(rank_pid(str(tmp_path), 1), signal.SIGINT)
+        pid = rank_pid(str(tmp_path), 1)
+        wait_until_caught(pid, signal.SIGTERM)      # Python catches SIGINT from start-up; SIGTERM: fit()'s
+        os.kill(pid, signal.SIGINT)
         stdout, stderr = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
