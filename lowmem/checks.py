@@ -19,7 +19,7 @@ def engine_args(net, batch_size, mode, bits, dtype):
                         f"got {type(net).__name__}")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: expected one of {MODES}")
-    bits = quant.check_bits(bits)
+    bits = _bits(bits, mode)
     try:
         dt = numpy.dtype(dtype)
     except TypeError:
@@ -32,6 +32,57 @@ def engine_args(net, batch_size, mode, bits, dtype):
         raise ValueError(f"network {net.name!r} has num_classes={net.num_classes}: a classifier needs "
                          f"at least 2 classes (with one, the loss is 0 and every gradient vanishes)")
     return mode, bits, dt
+
+
+FLOAT = "float"     # a unit whose x-hat is saved in float (as in exact mode)
+
+
+def _bits(bits, mode):
+    """bits: an int K (every unit) or {"*": K, "<unit>": K or "float", ...}; the dict's keys
+    are checked against the network's units by `unit_bits`. Returns the int, or a new dict."""
+    if not isinstance(bits, dict):
+        return quant.check_bits(bits)
+    out = {}
+    for name, K in bits.items():
+        if not isinstance(name, str):
+            raise ValueError(f"bits: keys are unit names or '*' (the default), got {name!r}")
+        out[name] = K if isinstance(K, str) and K == FLOAT else _unit_k(name, K)
+    if mode == "exact" and any(K != FLOAT for K in out.values()):
+        coded = sorted(n for n, K in out.items() if K != FLOAT)
+        raise ValueError(f"bits: mode 'exact' saves every x-hat in float, but bits gives "
+                         f"{', '.join(map(repr, coded[:5]))} a bit width; use mode 'approx' or 'naive', "
+                         f"or 'float' for every unit")
+    return out
+
+
+def _unit_k(name, K):
+    try:
+        return quant.check_bits(K)
+    except ValueError:
+        raise ValueError(f"bits[{name!r}] must be one of {{1, 2, 4, 8}} or 'float', got {K!r}") from None
+
+
+def unit_bits(bits, mode, units):
+    """{unit name: K, or None for x-hat saved in float} for the unit names `units` (forward order).
+
+    bits as engine_args returns it. Exact mode: every unit None (an int bits is ignored there,
+    as it always was). A dict must name only units of the network, and every unit unless it
+    has a "*" default."""
+    if mode == "exact":
+        return dict.fromkeys(units)
+    if not isinstance(bits, dict):
+        return dict.fromkeys(units, bits)
+    unknown = [n for n in bits if n != "*" and n not in units]
+    if unknown:
+        raise ValueError(f"bits names {', '.join(map(repr, unknown[:5]))}, not a BN-ReLU unit of this "
+                         f"network; units: {', '.join(units[:5])}{', ...' if len(units) > 5 else ''}")
+    missing = [n for n in units if n not in bits and "*" not in bits]
+    if missing:
+        raise ValueError(f"bits gives no width for unit(s) {', '.join(map(repr, missing[:5]))}"
+                         f"{' ...' if len(missing) > 5 else ''}; name every unit or add a default "
+                         f"'*': K")
+    widths = {n: bits.get(n, bits.get("*")) for n in units}
+    return {n: None if K == FLOAT else K for n, K in widths.items()}
 
 
 def input_shape(input_shape, in_channels):

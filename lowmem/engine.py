@@ -47,7 +47,13 @@ class Engine:
     def __init__(self, net, batch_size, input_shape, mode="exact", bits=4, dtype="float32",
                  workspace_bytes=DEFAULT_WORKSPACE_BYTES, allocate=True, use_fast=None,
                  comm=None, sync_bn=False):
-        """allocate=False builds only the plan and the schedule (no arrays, no weights drawn):
+        """bits: K in {1, 2, 4, 8} for every BN-ReLU unit, or a dict {"*": K, "<unit>": K or
+        "float"} giving each unit its own width ("*": the default for units not named; "float":
+        that unit saves x-hat exactly, as in exact mode). `engine.unit_bits` is {unit: K, or
+        None for float}; each unit's kernel set (`engine.selected[unit]`) is chosen here, once.
+        Ignored in exact mode (where a dict may only say "float").
+
+        allocate=False builds only the plan and the schedule (no arrays, no weights drawn):
         for printing what a configuration would cost. Such an engine cannot train.
 
         use_fast: the fused BN-ReLU kernels (numba on NumPy, CUDA on CuPy; see
@@ -66,10 +72,12 @@ class Engine:
         self.in_shape, self.out_shape = self._infer_shapes()
         self._unit_sizes = {L.name: self.in_shape[L.name] for L in net.layers if L.op == "bnrelu"}
         self._check_batch_norm(self.N, "batch_size")
-        fused = kernels.fused_applies(self.xp, self.dtype, self._sizes(self.N)) if use_fast is None else use_fast
-        self.selected = kernels.select(self.xp, mode, bits, self.dtype, self._sizes(self.N), fused)
-        self.units = self.selected                # the set the current batch runs on (see _start)
-        self.use_fast = self.selected.fused
+        self.unit_bits = checks.unit_bits(self.bits, self.mode, list(self._unit_sizes))
+        sizes = self._sizes(self.N)
+        self.use_fast = kernels.fused_applies(self.xp, self.dtype, sizes) if use_fast is None else bool(use_fast)
+        # each unit's kernel set, for its own bit width (kernels.select_units), chosen here once
+        self.selected = kernels.select_units(self.xp, mode, self.unit_bits, self.dtype, sizes, self.use_fast)
+        self.units = self.selected                # the sets the current batch runs on (see _start)
         self.plan, self._slot_views = self._make_plan(workspace_bytes)
         self.nbytes = {e.name: e.nbytes for e in self.plan.entries}
         self.arrays = None
@@ -77,13 +85,13 @@ class Engine:
             self.arrays = self.plan.allocate(self.xp)
             self._bind_parameters()
             if "bn.partials" in self.arrays:      # the CUDA set's reductions use this workspace
-                self.selected = self.units = kernels.select(self.xp, mode, bits, self.dtype, self._sizes(self.N),
-                                                            True, partials=self.arrays["bn.partials"])
-        self.reference_units = kernels.reference(mode, bits)
+                self.selected = self.units = kernels.select_units(
+                    self.xp, mode, self.unit_bits, self.dtype, sizes, True, partials=self.arrays["bn.partials"])
+        self.reference_units = kernels.reference_units(mode, self.unit_bits)
         if self.sync_bn:
             buf = self.arrays["sync.bn"] if allocate else None
-            self.selected = self.units = kernels.synchronized(self.selected, self.comm, buf)
-            self.reference_units = kernels.synchronized(self.reference_units, self.comm, buf)
+            self.selected = self.units = _synchronized(self.selected, self.comm, buf)
+            self.reference_units = _synchronized(self.reference_units, self.comm, buf)
         self.schedule = self._make_schedule()
         self.n, self.training, self.input_grad = 0, False, False
         self._ready = False                       # saved state holds a training forward
@@ -137,7 +145,7 @@ class Engine:
         max_c = max((c for (c, _, _) in self._unit_sizes.values()), default=1)
         plan.add("bn.batch_mean", "stats", (max_c,), dt)
         plan.add("bn.batch_var", "stats", (max_c,), dt)
-        partials = kernels.partials_size(self.xp, max_c, self.selected.fused)
+        partials = kernels.partials_size(self.xp, max_c, self.use_fast)
         if partials:
             plan.add("bn.partials", "workspace", (partials,), "float64")
         if self.sync_bn:                          # the 2C sums each unit exchanges
@@ -160,12 +168,13 @@ class Engine:
         budget = max(1, workspace_bytes // dt.itemsize)
         for L in self.net.layers:
             (c, h, w), (co, ho, wo) = self.in_shape[L.name], self.out_shape[L.name]
-            entries = OPS[L.op].saved(L, N, (c, h, w), (co, ho, wo), self.selected, dt)
+            entries = OPS[L.op].saved(L, N, (c, h, w), (co, ho, wo), self.selected.get(L.name), dt)
             for name, shape, dtype in entries:
                 plan.add(name, "saved", shape, dtype)
             self.saved_slots[L.name] = [e[0] for e in entries]
             if L.op == "bnrelu":
-                views[entries[0][0]] = lambda a, n, c=c, m=h * w: self.units.saved_view(a, c, n * m)
+                # the view is the same for the unit's fused and reference sets (same slot layout)
+                views[entries[0][0]] = lambda a, n, c=c, m=h * w, u=self.selected[L.name]: u.saved_view(a, c, n * m)
             elif L.op == "maxpool":
                 plan.add(L.name + ".index", "workspace", (co, N, ho, wo), "uint8")
                 views[entries[0][0]] = lambda a, n, m=co * ho * wo: a[:(n * m * 4 + 7) // 8]
@@ -186,14 +195,32 @@ class Engine:
         row_block = min(max(units), max(layers.ROW_BLOCK, max(self.N * h * w for (_, h, w) in
                                                                self._unit_sizes.values())))
         plan.add_temporary("a BN row block (x2)", 2 * row_block * it)
-        if self.selected.decodes:
+        if any(u.decodes for u in self.selected.values()):
             plan.add_temporary("quantizer chunks", (2 * it + 4) * min(quant.CHUNK, max(units)))
 
     def _make_schedule(self):
         io = resolve(self.net)
         args = (self.net, io, self.in_shape, self.out_shape, self.saved_slots, self.nbytes)
         fwd = forward_steps(*args)
-        return Schedule(fwd + plan_backward(*args, decodes=self.selected.decodes, start=len(fwd)))
+        decodes = {name for name, u in self.selected.items() if u.decodes}
+        steps = Schedule(fwd + plan_backward(*args, decodes=decodes, start=len(fwd)))
+        for s in steps:
+            if s.op == "bnrelu":
+                s.width = self.width_label(s.layer.name)
+        return steps
+
+    def width_label(self, unit):
+        """'4-bit' (the unit's saved x-hat code), 'float' (x-hat saved exact), or '' (exact mode)."""
+        if self.mode == "exact":
+            return ""
+        K = self.unit_bits[unit]
+        return "float" if K is None else f"{K}-bit"
+
+    def bits_label(self):
+        """'4-bit' when every unit has one width, else e.g. '4-bit x10, 8-bit x2, float x1'."""
+        labels = [self.width_label(u) for u in self.unit_bits]
+        counts = {w: labels.count(w) for w in dict.fromkeys(labels)}
+        return ", ".join(w if len(counts) == 1 else f"{w} x{c}" for w, c in counts.items())
 
     def _find_input_grad(self):
         stems = [s for s in self.schedule if s.phase == "bwd" and s.optional]
@@ -267,7 +294,7 @@ class Engine:
         # a batch whose units are not whole code bytes runs on the reference kernels, in every
         # mode alike (so exact and approx still compute the same forward)
         aligned = kernels.fused_applies(self.xp, self.dtype, self._sizes(self.n))
-        self.units = self.selected if aligned or not self.selected.fused else self.reference_units
+        self.units = self.selected if aligned or not self.use_fast else self.reference_units
         self.xp.copyto(self.act("input", self.input_shape), x.transpose(1, 0, 2, 3))
 
     def _sweep(self, phase):
@@ -328,9 +355,15 @@ class Engine:
         by = self.plan.bytes_by_kind()
         return (f"{self.net.name}: {self.net.num_params():,} params, batch {self.N}, "
                 f"input {self.input_shape}, mode {self.mode}"
-                + (f" ({self.bits}-bit)" if self.mode != "exact" else "")
+                + (f" ({self.bits_label()})" if self.mode != "exact" and self.unit_bits else "")
                 + f", {self.dtype}; planned {fmt_bytes(self.plan.total_bytes)} "
                   f"(saved {fmt_bytes(by['saved'])}, buffers {fmt_bytes(by['buffers'])})")
+
+
+def _synchronized(units, comm, buf):
+    """{unit: set} with each distinct set wrapped once for synchronized batch norm."""
+    wrapped = {id(u): kernels.synchronized(u, comm, buf) for u in units.values()}
+    return {name: wrapped[id(u)] for name, u in units.items()}
 
 
 def _views(flat):

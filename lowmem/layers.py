@@ -60,7 +60,7 @@ class Conv:
         ws = run.arrays["conv.cols"]
         if step.unit:                                    # relu(gamma*x-hat + beta) into scratch
             g, b = (run.param(n).data for n in step.unit_params)
-            run.units.conv_input(run.rows(step.scratch, step.in_shape), run.slot(step.unit_saved), g, b)
+            run.units[step.unit].conv_input(run.rows(step.scratch, step.in_shape), run.slot(step.unit_saved), g, b)
             x = run.act(step.scratch, step.in_shape)
         else:
             x = run.act(step.src, step.in_shape)         # the planned input slot
@@ -95,19 +95,20 @@ class BNReLU:
         c, M = x.shape
         mean, var = run.arrays["bn.batch_mean"][:c], run.arrays["bn.batch_var"][:c]
         rstd = run.arrays[step.saved[1]]
-        run.units.stats(mean, var, rstd, x)
+        units = run.units[step.layer.name]
+        units.stats(mean, var, rstd, x)
         if not bool(run.xp.isfinite(var).all() & run.xp.isfinite(mean).all()):   # (C,): cheap
             raise BatchStatisticsError(
                 f"{step.layer.name}: non-finite batch statistics (the input has values too "
                 f"large for {x.dtype}?); the step was refused, running statistics unchanged")
-        run.units.forward(out, run.slot(step.saved[0]), x, mean, rstd, g, b)
-        update_running_stats(running_mean, running_var, mean, var, run.units.count(M), BN_MOMENTUM)
+        units.forward(out, run.slot(step.saved[0]), x, mean, rstd, g, b)
+        update_running_stats(running_mean, running_var, mean, var, units.count(M), BN_MOMENTUM)
 
     @staticmethod
     def backward(run, step):
         # saved: x-hat or its code (run.units decides), rstd exact
         g, b = (run.param(n) for n in step.params)
-        run.units.backward(run.rows(step.dest, step.in_shape), g.grad, b.grad,
+        run.units[step.layer.name].backward(run.rows(step.dest, step.in_shape), g.grad, b.grad,
                            run.rows(step.dout, step.out_shape), run.slot(step.saved[0]),
                            run.arrays[step.saved[1]], g.data, b.data, step.accumulate,
                            run.rows(step.scratch, step.in_shape) if step.scratch else None)

@@ -48,6 +48,7 @@ class Step:
     unit_saved: str = ""        # ... that slot's name
     unit_params: tuple = ()     # ... and its gamma, beta
     optional: bool = False      # bwd: dest is the network input's gradient, only on request
+    width: str = ""             # bnrelu: its saved slot's width, "4-bit" or "float" (approx, naive)
 
     @property
     def name(self):
@@ -76,7 +77,7 @@ class Step:
     def __str__(self):
         saved = ", ".join(self.saved)
         if self.saved_bytes:
-            saved += f" ({self.saved_bytes:,} B)"
+            saved += f" ({self.saved_bytes:,} B" + (f", {self.width})" if self.width else ")")
         return (f"{self.index:>5} {self.phase:<4} {self.op:<8} {self.name:<24} "
                 f"{self.reads():<26} {self.writes():<20} {saved}")
 
@@ -127,8 +128,8 @@ def _params(net, L):
 
 
 def plan_backward(net, io, in_shape, out_shape, saved, nbytes, decodes, start):
-    """The backward Steps, numbered from `start`. decodes: code modes give each BN-ReLU a
-    scratch buffer to decode x-tilde into (used by the reference kernels)."""
+    """The backward Steps, numbered from `start`. decodes: the names of the BN-ReLU units whose
+    slot holds a code; each gets a scratch buffer to decode x-tilde into (reference kernels)."""
     version = {"input": 0, "act0": 0, "act1": 0, "res": 0}
     tin, tout, producer = {}, {}, {}
     for L in net.layers:
@@ -184,7 +185,7 @@ def plan_backward(net, io, in_shape, out_shape, saved, nbytes, decodes, start):
                 raise ValueError(f"{L.name}: its output gradient is shared with a residual add's other "
                                  f"input, and a BN-ReLU computes its input gradient in place; the engine "
                                  f"cannot plan a branch that is only a BN-ReLU unit")
-            scratch = free(dout) if decodes else ""
+            scratch = free(dout) if L.name in decodes else ""
             acc = t in live
             dest = live[t] if acc else dout     # in place unless the input already has a gradient
             live[t] = dest

@@ -539,7 +539,8 @@ def test_engine_gpu_path_on_emulated_kernels(emulator, monkeypatch, mode, n):
     monkeypatch.setattr(lowmem.backend, "xp", NumpyAsCupy("cupy"))
     got = run(net, shape, x, y, np, "float64", mode=mode, bits=2, N=8, steps=2)
     eng = got[5]
-    assert eng.use_fast and eng.units.k is cuda and eng.units.partials is eng.arrays["bn.partials"]
+    assert eng.use_fast and eng.units
+    assert all(u.k is cuda and u.partials is eng.arrays["bn.partials"] for u in eng.units.values())
     compare(got, ref, 1e-10)
     if mode == "approx":
         e32 = run(net, shape, x, y, np, "float32", mode="exact", N=8)

@@ -67,6 +67,25 @@ def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None):
     return fused.FusedCodeUnits(module, bits, naive=(mode == "naive"), partials=partials)
 
 
+def select_units(xp, mode, unit_bits, dtype, sizes, use_fast=None, partials=None):
+    """{unit name: kernel set}, each unit's own: `mode` at the unit's bit width, or the exact
+    set for a unit whose width is None (x-hat saved in float). unit_bits: {unit: K or None}.
+
+    Fused or reference is decided for all units together (from every unit's size, never from
+    the bits), so engines that differ only in bits run the same forward kernels. Units with
+    the same width share one set object."""
+    made = {}
+    for K in set(unit_bits.values()):
+        made[K] = select(xp, mode if K is not None else "exact", K, dtype, sizes, use_fast, partials)
+    return {name: made[K] for name, K in unit_bits.items()}
+
+
+def reference_units(mode, unit_bits):
+    """{unit name: the array-op set} for the same widths as `select_units`."""
+    made = {K: reference(mode if K is not None else "exact", K) for K in set(unit_bits.values())}
+    return {name: made[K] for name, K in unit_bits.items()}
+
+
 def partials_size(xp, max_channels, use_fused):
     """float64 elements of `bn.partials` the CUDA set needs (0 elsewhere)."""
     if use_fused and xp is not numpy:
@@ -74,4 +93,4 @@ def partials_size(xp, max_channels, use_fused):
     return 0
 
 
-__all__ = ["BN_EPS", "MODES", "reference", "select", "synchronized", "fused_applies", "partials_size"]
+__all__ = ["BN_EPS", "MODES", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies", "partials_size"]
