@@ -172,3 +172,61 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
     return Allocation(bits, dict(sens.shapes), {u: unit_bytes(elements[u], bits[u], itemsize) for u in bits},
                       {u: sens.error2(u, bits[u]) for u in bits}, sens.noise_norm, batch_size, code_bytes,
                       sol.exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in (8, 4, 2, 1)})
+
+
+def allocation_for(sens, bits, batch_size, budget=None, itemsize=4, exact=True):
+    """The Allocation record (bytes, predicted errors, table) of given widths {unit: K or FLOAT}
+    at `batch_size` (e.g. an allocation chosen at one batch, shown at another)."""
+    elements = {u: int(math.prod(sens.shapes[u])) * int(batch_size) for u in sens.units}
+    nbytes = {u: unit_bytes(elements[u], bits[u], itemsize) for u in sens.units}
+    return Allocation(dict(bits), dict(sens.shapes), nbytes, {u: sens.error2(u, bits[u]) for u in sens.units},
+                      sens.noise_norm, int(batch_size), sum(nbytes.values()) if budget is None else int(budget),
+                      exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in (8, 4, 2, 1)})
+
+
+def fixed_plan_bytes(net, batch_size, input_shape, mode="approx", dtype="float32", workspace_bytes=None):
+    """Plan bytes that do not depend on the units' widths: the plan total less every unit's
+    saved x-hat slot (the same for any widths: only those slots change; rstd stays)."""
+    from .engine import DEFAULT_WORKSPACE_BYTES, Engine
+    ws = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    eng = Engine(net, batch_size, input_shape, mode, 1, dtype, ws, allocate=False)
+    slots = sum(eng.nbytes[eng.saved_slots[u][0]] for u in eng.unit_bits)
+    return eng.plan.total_bytes - slots
+
+
+def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None, budget=None,
+                  input_shape=None, mode="approx", dtype="float32", workspace_bytes=None,
+                  choices=CHOICES, sens=None):
+    """Measure `net`'s sensitivity on `batches` (a few (x, labels), B >= 2; not consumed: the
+    measurement runs on a copy) and choose every unit's width for an engine at `batch_size`
+    (default: the batches' size). Exactly one budget:
+
+      avg_bits    the units' saved x-hat within what every unit at that many bits would take
+      code_bytes  the units' saved x-hat slots within this many bytes
+      budget      the WHOLE plan total (lowmem plan / maxbatch's sense) within this many bytes
+
+    Returns an Allocation; `Engine(net, ..., mode="approx", bits=allocation.bits)` uses it.
+    sens: a sensitivity.Sensitivity already measured (then batches may be None)."""
+    from .sensitivity import measure_sensitivity
+    if sum(b is not None for b in (avg_bits, code_bytes, budget)) != 1:
+        raise ValueError("give exactly one of avg_bits, code_bytes and budget (the whole plan's bytes)")
+    if sens is None:
+        sens = measure_sensitivity(net, batches, dtype=dtype)
+    if batch_size is None:
+        batch_size = sens.batch
+    itemsize = numpy.dtype(dtype).itemsize
+    measured_shape = tuple(sens.input_shape)
+    if input_shape is not None and tuple(input_shape) != measured_shape:
+        raise ValueError(f"input_shape {tuple(input_shape)} differs from the shape the sensitivity was "
+                         f"measured at, {measured_shape}: measure on batches of the training input shape")
+    fixed = None
+    if budget is not None:
+        shape = measured_shape
+        fixed = fixed_plan_bytes(net, batch_size, shape, mode, dtype, workspace_bytes)
+        if budget <= fixed:
+            raise ValueError(f"the budget {fmt_bytes(budget)} does not cover what the plan needs besides "
+                             f"the saved x-hat slots ({fmt_bytes(fixed)} at batch {batch_size})")
+        code_bytes = budget - fixed
+    a = allocate(sens, batch_size, code_bytes=code_bytes, avg_bits=avg_bits, choices=choices, itemsize=itemsize)
+    a.fixed_bytes = fixed
+    return a

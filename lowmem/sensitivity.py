@@ -75,8 +75,9 @@ class SimulatedCodeUnits(ExactUnits):
     def conv_input(self, u, saved, gamma, beta):
         xt, mask = quant.quantize_simulated(saved, gamma, beta, self.bits)
         xp = backend.array_module(u)
-        # approx mode's rebuilt input: gamma*x-tilde + beta where the exact mask is open, else 0
-        xp.copyto(u, xp.where(mask, xt * gamma[:, None] + beta[:, None], 0))
+        # approx mode's rebuilt input: relu(gamma*x-tilde + beta) where the exact mask is open,
+        # else 0 (docs/quantizer.md: the decoded conv input of an open element is never negative)
+        xp.copyto(u, xp.where(mask, xp.maximum(xt * gamma[:, None] + beta[:, None], 0), 0))
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         xt, mask = quant.quantize_simulated(saved, gamma, beta, self.bits)
@@ -87,7 +88,7 @@ class SimulatedCodeUnits(ExactUnits):
 def _exact_engine(net, batches, dtype):
     x0 = batches[0][0]
     eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], "exact", dtype=dtype)
-    if eng.selected.saved_suffix != "xhat":
+    if any(u.saved_suffix != "xhat" for u in eng.selected.values()):
         raise RuntimeError("the sensitivity measurement needs an exact-mode float x-hat slot")
     return eng
 
@@ -100,7 +101,8 @@ def _backward_sweep(eng, units_for=None, before=None):
     """One backward sweep over the current forward state of `eng` (the saved slots stay intact,
     so it can run again). units_for(unit name) -> the kernel set of that unit (None: exact);
     before(step): called before each backward step's handler. Returns {param name: grad copy}."""
-    exact = eng.units
+    exact = eng.units                             # {unit: set}
+    swept = {u: (units_for(u) if units_for else None) or s for u, s in exact.items()}
     eng.arrays["grads"].fill(0)
     eng.input_grad = False
     softmax_xent_backward(eng.slot("dlogits"), eng.slot("loss.probs"), eng.slot("labels"))
@@ -109,8 +111,7 @@ def _backward_sweep(eng, units_for=None, before=None):
             continue
         if before is not None:
             before(step)
-        unit = step.layer.name if step.op == "bnrelu" else step.unit
-        eng.units = (units_for(unit) if (units_for and unit) else None) or exact
+        eng.units = swept
         OPS[step.op].backward(eng, step)
     eng.units = exact
     return {p.name: backend.to_numpy(p.grad).astype(numpy.float64) for p in eng.net.parameters()}
@@ -132,7 +133,7 @@ class Sensitivity:
     noise_norm       SGD noise of all parameters (diagnostics' sigma, one vector)
     grad_norm        rms over batches of the exact gradient's norm
     calibration      {"bits": K0, "measured": measured squared error at uniform K0}
-    seconds          wall time of the measurement; batch, num_batches"""
+    seconds          wall time of the measurement; batch, num_batches, input_shape (C, H, W)"""
     units: list
     shapes: dict
     elements: dict
@@ -145,6 +146,7 @@ class Sensitivity:
     seconds: float
     batch: int
     num_batches: int
+    input_shape: tuple = ()
 
     def error2(self, unit, bits):
         """E_u(K): predicted squared gradient error (all parameters) of `unit` at `bits`
@@ -248,7 +250,7 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
     del layer_of
     return Sensitivity(units, shapes, {u: int(math.prod(shapes[u])) * n for u in units}, local, inject,
                        gain, noise_norm, grad_norm, {"bits": calibration_bits, "measured": measured_total},
-                       time.perf_counter() - t0, n, B)
+                       time.perf_counter() - t0, n, B, tuple(batches[0][0].shape[1:]))
 
 
 class _InjectView:
@@ -312,7 +314,9 @@ def _measure_conv(eng, step, u, local, tensor_local, k0):
     dw = xp.empty_like(p.data)
     for k in BITS:
         xt, _ = quant.quantize_simulated(xhat, g, b, k)
-        xp.copyto(du, xp.where(mask, (xt - xhat) * g[:, None], 0))
+        # approx's rebuilt input minus the exact one, where the mask is open (0 where closed)
+        xp.copyto(du, xp.where(mask, xp.maximum(xt * g[:, None] + b[:, None], 0)
+                               - (xhat * g[:, None] + b[:, None]), 0))
         dw.fill(0)
         conv2d_backward_weight(dw, eng.act(step.scratch, step.in_shape), dout, L.stride, L.pad,
                                eng.arrays["conv.cols"])

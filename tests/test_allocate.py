@@ -139,3 +139,44 @@ def test_prediction_matches_the_measured_error(small):
         assert e == sorted(e, reverse=True) and e[-1] > 0
     with pytest.raises(ValueError, match="unknown unit 'nope'"):
         sens.predict({"nope": 2})
+
+
+def test_simulated_mixed_widths_are_the_per_unit_engine(small):
+    # the measurement the estimate is validated against is the per-unit approx engine itself
+    net, batches = small
+    units = unit_names(net)
+    bits = {u: (1, 2, 4, 8, "float")[i % 5] for i, u in enumerate(units)}
+    sim, _ = sensitivity.simulate(net, batches, bits, dtype="float64")
+    exact = diagnostics_grads(net, batches, "exact", 4)
+    approx = diagnostics_grads(net, batches, "approx", bits)
+    err = math.sqrt(np.mean([sum(((approx[n][b] - exact[n][b]) ** 2).sum() for n in exact)
+                             for b in range(len(batches))]))
+    assert sim == pytest.approx(err, rel=1e-9)
+
+
+def diagnostics_grads(net, batches, mode, bits):
+    from lowmem.diagnostics import parameter_grads
+    return parameter_grads(net, batches, mode, bits, dtype="float64")
+
+
+def test_allocate_bits_fits_its_budgets(small):
+    net, batches = small
+    shape = batches[0][0].shape[1:]
+    sens = sensitivity.measure_sensitivity(net, batches, dtype="float64")
+    uniform2 = Engine(copy.deepcopy(net), 16, shape, "approx", 2, "float64", allocate=False)
+    a = allocate.allocate_bits(net, None, batch_size=16, avg_bits=2, dtype="float64", sens=sens)
+    eng = Engine(copy.deepcopy(net), 16, shape, "approx", a.bits, "float64", allocate=False)
+    saved = lambda e: sum(e.nbytes[e.saved_slots[u][0]] for u in e.unit_bits)   # noqa: E731
+    assert saved(eng) <= saved(uniform2) and a.total_bytes == saved(eng)
+    assert a.predicted_ratio <= sens.ratio(dict.fromkeys(units_of(sens), 2)) + 1e-12   # never worse
+    total = uniform2.plan.total_bytes
+    b = allocate.allocate_bits(net, None, batch_size=16, budget=total, dtype="float64", sens=sens)
+    assert Engine(copy.deepcopy(net), 16, shape, "approx", b.bits, "float64", allocate=False).plan.total_bytes <= total
+    with pytest.raises(ValueError, match="does not cover what the plan needs besides"):
+        allocate.allocate_bits(net, None, batch_size=16, budget=1000, dtype="float64", sens=sens)
+    with pytest.raises(ValueError, match=r"input_shape \(3, 32, 32\) differs"):
+        allocate.allocate_bits(net, None, avg_bits=2, input_shape=(3, 32, 32), dtype="float64", sens=sens)
+
+
+def units_of(sens):
+    return sens.units
