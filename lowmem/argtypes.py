@@ -82,3 +82,24 @@ def folder(text):
     if not text:
         raise argparse.ArgumentTypeError("expected a folder name, got an empty string")
     return text
+
+
+def bits(text):
+    """A bit width 1, 2, 4 or 8, or 'auto' (a width per unit, chosen to fit a budget)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        k = int(text)
+    except ValueError:
+        k = None
+    if k not in (1, 2, 4, 8):
+        raise argparse.ArgumentTypeError(f"expected 1, 2, 4, 8 or auto, got {text!r}")
+    return k
+
+
+def average_bits(text):
+    """Average bits per saved x-hat element for --bits auto: a number in (0, 32]."""
+    x = _finite(text)
+    if not 0 < x <= 32:
+        raise argparse.ArgumentTypeError(f"expected a number of bits in (0, 32], got {text!r}")
+    return x

@@ -71,16 +71,27 @@ class SimulatedCodeUnits(ExactUnits):
 
     def __init__(self, bits):
         self.bits = quant.check_bits(bits)
+        self._kept = None        # (x-tilde, mask) from conv_input, for this unit's backward next
+
+    def _quantize(self, saved, gamma, beta, keep):
+        # one set per unit (simulate): its convs' backward steps run just before its own, on
+        # the same x-hat, so the quantization is done once per sweep
+        if self._kept is None:
+            self._kept = quant.quantize_simulated(saved, gamma, beta, self.bits)
+        out = self._kept
+        if not keep:
+            self._kept = None
+        return out
 
     def conv_input(self, u, saved, gamma, beta):
-        xt, mask = quant.quantize_simulated(saved, gamma, beta, self.bits)
+        xt, mask = self._quantize(saved, gamma, beta, keep=True)
         xp = backend.array_module(u)
         # approx mode's rebuilt input: relu(gamma*x-tilde + beta) where the exact mask is open,
         # else 0 (docs/quantizer.md: the decoded conv input of an open element is never negative)
         xp.copyto(u, xp.where(mask, xp.maximum(xt * gamma[:, None] + beta[:, None], 0), 0))
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
-        xt, mask = quant.quantize_simulated(saved, gamma, beta, self.bits)
+        xt, mask = self._quantize(saved, gamma, beta, keep=False)
         dr *= mask
         bn_relu_backward(dx, dgamma, dbeta, dr, xt, gamma, beta, rstd, masked=True, accumulate=accumulate)
 
@@ -118,8 +129,10 @@ def _backward_sweep(eng, units_for=None, before=None):
 
 
 def _sq(a):
-    a = backend.to_numpy(a).astype(numpy.float64)
-    return float((a * a).sum())
+    """||a||^2 as a Python float (a dot product: no float64 copy of an activation-sized array)."""
+    xp = backend.array_module(a)
+    a = a.reshape(-1) if a.flags.c_contiguous else xp.ascontiguousarray(a).reshape(-1)
+    return float(xp.dot(a, a))
 
 
 @dataclass
@@ -196,6 +209,7 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
     for x, labels in batches:
         eng.forward(x, labels)
         injected_so_far = [0.0]                   # sum of D_u(K0) of the units swept so far
+        cache = {}                                # unit -> (mask, {K: x-tilde - x-hat}), until u's own step
 
         def before(step):
             if step.op == "bnrelu":
@@ -204,21 +218,21 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
                 owner[step.params[0]] = u
                 for p in step.params:
                     arrival[p] += injected_so_far[0]
-                _measure_unit(eng, step, u, g, b, local, inject, tensor_local, calibration_bits)
+                _measure_unit(eng, step, u, g, b, local, inject, tensor_local, calibration_bits, cache)
                 injected_so_far[0] += inject_batch[u]
             elif step.op == "conv" and step.unit:
                 u = step.unit
                 owner[step.params[0]] = u
                 arrival[step.params[0]] += injected_so_far[0]
-                _measure_conv(eng, step, u, local, tensor_local, calibration_bits)
+                _measure_conv(eng, step, u, local, tensor_local, calibration_bits, cache)
             else:
                 for p in step.params:
                     arrival[p] += injected_so_far[0]
 
         inject_batch = _InjectView(inject, calibration_bits)
         exact = _backward_sweep(eng, before=before)
-        calib = SimulatedCodeUnits(calibration_bits)
-        approx = _backward_sweep(eng, units_for=lambda u: calib)
+        calib = {u: SimulatedCodeUnits(calibration_bits) for u in units}
+        approx = _backward_sweep(eng, units_for=calib.get)
         exact_grads.append(exact)
         for p in params:
             e = _sq(approx[p] - exact[p])
@@ -274,53 +288,61 @@ def _backward_order(eng):
     return out
 
 
-def _measure_unit(eng, step, u, gamma, beta, local, inject, tensor_local, k0):
+def _deltas(cache, u, xhat, gamma, beta):
+    """(exact mask, {K: x-tilde_K - x-hat}) of unit u, computed once per batch (unit-sized arrays)."""
+    if u not in cache:
+        mask = (xhat * gamma[:, None]) + beta[:, None] > 0      # the forward's exact expression
+        cache[u] = mask, {k: quant.quantize_simulated(xhat, gamma, beta, k)[0] - xhat for k in BITS}
+    return cache[u]
+
+
+def _measure_unit(eng, step, u, gamma, beta, local, inject, tensor_local, k0, cache):
     """At unit u's backward step, before it runs: the exact incoming gradient dr and x-hat give
     delta dgamma and delta dx of quantizing u at each K."""
-    xp = eng.xp
     xhat = eng.slot(step.saved[0])
     rstd = eng.arrays[step.saved[1]]
     C, M = xhat.shape
-    dr = eng.rows(step.dout, step.out_shape)
-    mask = (xhat * gamma[:, None]) + beta[:, None] > 0      # the forward's exact expression
-    dy = dr * mask
+    mask, deltas = _deltas(cache, u, xhat, gamma, beta)
+    del cache[u]                                            # u's convs ran before it: done with u
+    dy = eng.rows(step.dout, step.out_shape) * mask
     s_exact = (dy * xhat).sum(axis=1)
     for k in BITS:
-        xt, _ = quant.quantize_simulated(xhat, gamma, beta, k)
-        delta = xt - xhat
-        s_approx = (dy * xt).sum(axis=1)
-        dgamma = s_approx - s_exact                          # delta dgamma, (C,)
-        # dx differs only in its last term: gamma*rstd/M * (x-hat*S(x-hat) - x-tilde*S(x-tilde))
-        ddx = (gamma * rstd / M)[:, None] * (xhat * s_exact[:, None] - xt * s_approx[:, None])
+        delta = deltas[k]
+        dgamma = (dy * delta).sum(axis=1)                    # delta dgamma = S(x-tilde) - S(x-hat), (C,)
+        # dx differs only in its last term, gamma*rstd/M * x*S(x): the difference of it at
+        # x-tilde = x-hat + delta and at x-hat
+        ddx = (gamma * rstd / M)[:, None] * (xhat * s_exact[:, None] - (xhat + delta) * (s_exact + dgamma)[:, None])
         e_local, e_inject = _sq(dgamma), _sq(ddx)
         local[u][k] += e_local
         inject[u][k] += e_inject
         if k == k0:
             tensor_local[step.params[0]] += e_local
-        del delta
 
 
-def _measure_conv(eng, step, u, local, tensor_local, k0):
-    """At the backward step of the conv reading unit u: delta dW for u's code at each K,
-    from the exact output gradient (one extra weight gradient per K)."""
+def _measure_conv(eng, step, u, local, tensor_local, k0, cache):
+    """At the backward step of a conv reading unit u: delta dW of u's code, from the exact output
+    gradient. One extra weight gradient, at K0; at the other widths it is scaled by the squared
+    norm of the conv-input error (rounding error is uncorrelated with the output gradient, so the
+    weight-gradient error grows with the input error's energy: checked by benchmarks/bits_validate.py)."""
     xp = eng.xp
     L, p = step.layer, eng.param(step.params[0])
     g, b = (eng.param(n).data for n in step.unit_params)
     xhat = eng.slot(step.unit_saved)
-    dout = eng.act(step.dout, step.out_shape)
-    c, h, w = step.in_shape
-    mask = (xhat * g[:, None]) + b[:, None] > 0
+    mask, deltas = _deltas(cache, u, xhat, g, b)
     du = eng.rows(step.scratch, step.in_shape)           # free until the handler rebuilds into it
-    dw = xp.empty_like(p.data)
+    energy = {}
     for k in BITS:
-        xt, _ = quant.quantize_simulated(xhat, g, b, k)
-        # approx's rebuilt input minus the exact one, where the mask is open (0 where closed)
-        xp.copyto(du, xp.where(mask, xp.maximum(xt * g[:, None] + b[:, None], 0)
+        # approx's rebuilt input minus the exact one where the mask is open (0 where closed)
+        xp.copyto(du, xp.where(mask, xp.maximum((xhat + deltas[k]) * g[:, None] + b[:, None], 0)
                                - (xhat * g[:, None] + b[:, None]), 0))
-        dw.fill(0)
-        conv2d_backward_weight(dw, eng.act(step.scratch, step.in_shape), dout, L.stride, L.pad,
-                               eng.arrays["conv.cols"])
-        e = _sq(dw)
+        energy[k] = _sq(du)
+        if k == k0:
+            dw = xp.zeros_like(p.data)
+            conv2d_backward_weight(dw, eng.act(step.scratch, step.in_shape), eng.act(step.dout, step.out_shape),
+                                   L.stride, L.pad, eng.arrays["conv.cols"])
+            e0 = _sq(dw)
+    for k in BITS:
+        e = e0 * energy[k] / energy[k0] if energy[k0] > 0 else 0.0
         local[u][k] += e
         if k == k0:
             tensor_local[step.params[0]] += e
@@ -335,9 +357,9 @@ def simulate(net, batches, allocation, dtype="float32"):
     for u in allocation:
         if u not in units:
             raise ValueError(f"unknown unit {u!r}")
-    sets = {u: SimulatedCodeUnits(k) for u, k in allocation.items() if k not in (None, FLOAT)}
     err, flat = 0.0, []
     for x, labels in batches:
+        sets = {u: SimulatedCodeUnits(k) for u, k in allocation.items() if k not in (None, FLOAT)}
         eng.forward(x, labels)
         exact = _backward_sweep(eng)
         approx = _backward_sweep(eng, units_for=sets.get)

@@ -69,6 +69,7 @@ from .rundir import CHECKPOINT, CONFIG, METRICS, PLAN, ResumeError, RunDirError 
 
 FORMAT = "lowmem-train/1"                     # meta["format"] of a training checkpoint
 SCHEDULES = ("step", "cosine", "constant")
+AUTO_BATCHES, AUTO_BATCH = 3, 64              # bits="auto": measured on 3 training batches of at most 64
 WARMUP_DIVISOR = 10                           # warm-up lr = lr / 10 (He et al.: 0.01 for lr 0.1)
 PAPER_WARMUP_ITERS = 400
 
@@ -89,7 +90,8 @@ class TrainConfig:
     model: str = "preact-cifar"
     depth: int = 20
     mode: str = "approx"            # exact | approx | naive
-    bits: int = 4
+    bits: int = 4                   # 8, 4, 2, 1; "auto" (resolved to a {unit: K} dict at the start); a dict
+    avg_bits: float = None          # bits "auto": the saved x-hat within every unit at avg_bits
     dtype: str = "float32"
     batch: int = 128
     epochs: int = 10
@@ -131,8 +133,17 @@ class TrainConfig:
                            ("schedule", SCHEDULES)):
             if str(getattr(self, f)) not in choices:
                 bad(f, f"one of {', '.join(choices)}")
-        if not isinstance(self.bits, numbers.Integral) or self.bits not in quant.BITS:
-            bad("bits", f"one of {', '.join(map(str, quant.BITS))}")
+        if self.bits == "auto":
+            if not (real("avg_bits") and 0 < self.avg_bits <= 32):
+                bad("avg_bits", "a number of bits in (0, 32] (bits='auto' fits the saved x-hat to it)")
+            if self.mode == "exact":
+                bad("bits", "a bit width or 'float' per unit only in approx / naive mode, not 'auto' with exact")
+        elif isinstance(self.bits, dict):
+            pass                        # per-unit widths: the engine checks them against the network
+        elif not isinstance(self.bits, numbers.Integral) or isinstance(self.bits, bool) or self.bits not in quant.BITS:
+            bad("bits", f"one of {', '.join(map(str, quant.BITS))}, 'auto' or a dict of per-unit widths")
+        if not (self.bits == "auto" or isinstance(self.bits, dict)) and self.avg_bits is not None:
+            bad("avg_bits", "None unless bits='auto' (a resumed auto run keeps it beside its widths)")
         for f in ("depth", "batch", "epochs"):
             integer(f, 1)
         integer("pad_to", 0)
@@ -268,6 +279,10 @@ class Trainer:
             self.part = distributed.shard(c.batch, self.comm)      # this rank's part of each batch
             self.net = build_model(c.model, c.depth, num_classes=self.data.num_classes,
                                    in_channels=self.data.input_shape[0], seed=c.seed)
+            self.allocation = None
+            if c.bits == "auto":        # measured once, at the start; the config keeps the widths (resume)
+                self.allocation = self._allocate(c)
+                c.bits = self.allocation.bits
             engine_args = dict(batch_size=c.batch // self.comm.size, input_shape=self.data.input_shape,
                                mode=c.mode, bits=c.bits, dtype=c.dtype, comm=self.comm, sync_bn=c.sync_bn)
             planned = Engine(self.net, allocate=False, **engine_args)
@@ -309,6 +324,25 @@ class Trainer:
                                   f"{self.iteration}), more than epochs={c.epochs}: pass --epochs "
                                   f"{math.ceil(done)} or more to continue it")
 
+    def _allocate(self, c):
+        """bits='auto': every unit's width from the sensitivity measured on the first
+        AUTO_BATCHES training batches (in order, not augmented; the same on every rank) at the
+        initial weights, fitted to avg_bits (lowmem/allocate.py). Returns the Allocation."""
+        if not hasattr(self.data, "x_train"):
+            raise ConfigError("bits='auto' measures on the in-memory training arrays; the folder dataset "
+                              "has none: give per-unit widths instead")
+        from .allocate import allocate_bits
+        n = min(c.batch // self.comm.size, AUTO_BATCH)
+        count = min(AUTO_BATCHES, len(self.data.x_train) // n)
+        if count < 2:
+            raise ConfigError(f"bits='auto' needs at least 2 batches of {n} training images to measure on")
+        xp = backend.xp
+        batches = [(xp.asarray(normalize(numpy.empty((n,) + self.data.input_shape, c.dtype),
+                                         self.data.x_train[i * n:(i + 1) * n], self.data.mean, self.data.std)),
+                    xp.asarray(self.data.y_train[i * n:(i + 1) * n])) for i in range(count)]
+        return allocate_bits(self.net, batches, batch_size=c.batch // self.comm.size, avg_bits=c.avg_bits,
+                             mode=c.mode, dtype=c.dtype)
+
     def close(self):
         """Release the run folder's lock (fit() does this when it returns; idempotent)."""
         if getattr(self, "_run", None) is not None:
@@ -325,7 +359,12 @@ class Trainer:
         """The memory plan summary (engine.summary() and totals by kind) and the run's shape."""
         by = self.engine.plan.bytes_by_kind()
         c = self.config
-        lines = [self.engine.summary(), "planned memory by kind:"]
+        lines = [self.engine.summary()]
+        if self.allocation is not None:
+            a = self.allocation
+            lines += [f"bits auto ({c.avg_bits:g} bits on average), measured on {AUTO_BATCHES} training "
+                      f"batches at the initial weights:", a.table()]
+        lines.append("planned memory by kind:")
         lines += [f"  {k:<10} {fmt_bytes(by[k]):>12}" for k in KINDS if by[k]]
         lines.append(f"  {'total':<10} {fmt_bytes(self.engine.plan.total_bytes):>12}")
         w = warmup_iters(c, self.total_iters)
