@@ -85,6 +85,29 @@ def unit_bits(bits, mode, units):
     return {n: None if K == FLOAT else K for n, K in widths.items()}
 
 
+def width_labels(mode, unit_bits):
+    """{unit: '4-bit' (x-hat saved as a code), 'float' (saved exact), or '' in exact mode}."""
+    if mode == "exact":
+        return dict.fromkeys(unit_bits, "")
+    return {u: "float" if K is None else f"{K}-bit" for u, K in unit_bits.items()}
+
+
+def bits_label(mode, unit_bits):
+    """'4-bit' when every unit has one width, else e.g. '4-bit x10, 8-bit x2, float x1'."""
+    labels = list(width_labels(mode, unit_bits).values())
+    counts = {w: labels.count(w) for w in dict.fromkeys(labels)}
+    return ", ".join(w if len(counts) == 1 else f"{w} x{c}" for w, c in counts.items())
+
+
+def batch_norm(unit_sizes, n, what):
+    """Refuse a batch n whose unit (C, H, W) would normalise one value per channel."""
+    for name, (c, h, w) in unit_sizes.items():
+        if n * h * w < 2:
+            raise ValueError(f"{what} {n}: batch norm {name} would normalise one value per channel "
+                             f"(input {(c, h, w)} per sample, N*H*W = {n * h * w}); its output "
+                             f"would not depend on the input. Use a batch of at least 2")
+
+
 def input_shape(input_shape, in_channels):
     try:
         shape = tuple(input_shape)

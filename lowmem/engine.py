@@ -1,21 +1,29 @@
-"""The engine: a network -> a memory plan and a schedule -> a training step.
+"""The engine: a network -> a schedule and a memory plan -> a training step.
 
     eng = Engine(net, batch_size=128, input_shape=(3, 32, 32), mode="approx", bits=4)
-    print(eng.schedule)          # every forward and backward step, with buffers and saved slots
+    print(eng.schedule)          # every step of a training step, with buffers and saved slots
     print(eng.plan.report())     # every allocation, totals by kind
     loss = eng.train_step(x, labels, opt)      # forward, backward, opt.step()
 
+Built once (__init__): `schedule.walk` checks the network (the rules of nn.check,
+raising NetworkError), infers every shape and plans the backward buffers; each
+BN->ReLU unit gets its kernel set for its own bit width (`kernels.select_units`);
+the op table (lowmem/optable.py) says what each layer keeps, so the plan lists
+every array before one exists; everything is allocated from the plan at once,
+and the handlers' view of it is one runstate.RunState.
+
 One training step, in the order the code runs it:
   1. `forward` checks the batch, copies it (and the labels) into the planned
-     "input" / "labels" slots, then runs every forward step of the schedule:
-     `layers.OPS[step.op].forward(self, step)`. Forward is exact; it runs
-     through three shared buffers (act0, act1 ping-pong, res for the residual
-     stream). A BN->ReLU unit keeps what its kernel set (lowmem/kernels)
-     saves: x-hat in float ("exact") or its packed K-bit code ("approx",
-     "naive"), plus rstd. Then the loss.
-  2. `backward` zeroes the gradients and runs every backward step, last layer
-     first, through the same three buffers, now holding gradients; which
-     buffer holds which gradient was decided once, by schedule.plan_backward.
+     "input" / "labels" slots, then runs every forward step of the schedule,
+     `OPS[step.op].forward(run, step)`: the layers, exact, through three
+     shared buffers (act0, act1 ping-pong, res for the residual stream), each
+     BN->ReLU unit keeping what its kernel set saves (x-hat in float, or its
+     packed K-bit code, plus rstd); under data parallelism the average of the
+     running statistics over ranks; then the loss.
+  2. `backward` zeroes the gradients and runs every backward step: the loss,
+     then the layers, last first, through the same three buffers, now holding
+     gradients (which buffer holds which was decided by the walk); under data
+     parallelism, the average of the gradients over ranks.
   3. `opt.step()` (optim.SGD) updates the parameters in place.
 
 Modes:
@@ -24,18 +32,20 @@ Modes:
   naive   the forward itself continues from the decoded relu(gamma*x-tilde + beta)
           (the paper's baseline: errors compound).
 
-The mode, the bit width and the backend are fixed once, in `kernels.select`;
-nothing below branches on them.
+The mode, each unit's bit width and the backend are fixed here, once, in the units'
+kernel sets; nothing that runs a step branches on them.
 """
 import math
 
 import numpy
 
-from . import backend, checks, distributed, kernels, layers, quant, threads
-from .layers import OPS, BatchStatisticsError
-from .ops import softmax_xent_forward, softmax_xent_backward
+from . import backend, checks, distributed, kernels, quant, threads
+from .network import BUFFERS
+from .ops.batchnorm import ROW_BLOCK
+from .optable import OPS, BatchStatisticsError
 from .plan import Plan, fmt_bytes
-from .schedule import BUFFERS, Schedule, forward_steps, plan_backward, resolve
+from .runstate import RunState
+from .schedule import walk
 
 MODES, DTYPES = checks.MODES, checks.DTYPES
 DEFAULT_WORKSPACE_BYTES = 16 << 20
@@ -56,175 +66,136 @@ class Engine:
         allocate=False builds only the plan and the schedule (no arrays, no weights drawn):
         for printing what a configuration would cost. Such an engine cannot train.
 
-        use_fast: the fused BN-ReLU kernels (numba on NumPy, CUDA on CuPy; see
-        lowmem/kernels). None: whenever they apply; False: the reference array ops.
+        use_fast: the fused BN-ReLU kernels (numba on NumPy, CUDA on CuPy; lowmem/kernels).
+        None: whenever they apply; False: the reference array ops.
 
         comm: a lowmem.distributed communicator for data-parallel training (batch_size is then
         the per-rank batch; gradients are averaged over ranks after backward). sync_bn: batch
         statistics over all ranks' batches (kernels/sync.py) instead of per replica."""
         self.mode, self.bits, self.dtype = checks.engine_args(net, batch_size, mode, bits, dtype)
-        self.net, self.N = net, int(batch_size)
+        self.net, self.N = net, int(batch_size)      # N: the planned batch (a call's batch n <= N)
         self.comm = comm if comm is not None else distributed.SingleProcess()
         self.sync_bn = bool(sync_bn)
         self.input_shape = checks.input_shape(input_shape, net.in_channels)
         self.xp = backend.xp
         threads.configure()                       # how lowmem uses the cores (lowmem/threads.py), once
-        self.in_shape, self.out_shape = self._infer_shapes()
-        self._unit_sizes = {L.name: self.in_shape[L.name] for L in net.layers if L.op == "bnrelu"}
+        unit_names = [L.name for L in net.layers if getattr(OPS.get(L.op), "unit", False)]
+        self.unit_bits = checks.unit_bits(self.bits, self.mode, unit_names)
+        ranks = self.comm.size > 1
+        self.schedule = walk(net, self.input_shape, {u for u, K in self.unit_bits.items() if K is not None},
+                             average_stats=ranks and not self.sync_bn, average_grads=ranks)
+        self.in_shape, self.out_shape = self.schedule.in_shape, self.schedule.out_shape
+        self._unit_sizes = {u: self.in_shape[u] for u in unit_names}
         self._check_batch_norm(self.N, "batch_size")
-        self.unit_bits = checks.unit_bits(self.bits, self.mode, list(self._unit_sizes))
         sizes = self._sizes(self.N)
-        self.use_fast = kernels.fused_applies(self.xp, self.dtype, sizes) if use_fast is None else bool(use_fast)
-        # each unit's kernel set, for its own bit width (kernels.select_units), chosen here once
-        self.selected = kernels.select_units(self.xp, mode, self.unit_bits, self.dtype, sizes, self.use_fast)
-        self.units = self.selected                # the sets the current batch runs on (see _start)
-        self.plan, self._slot_views = self._make_plan(workspace_bytes)
+        self.fused = kernels.fused_applies(self.xp, self.dtype, sizes) if use_fast is None else bool(use_fast)
+        self.selected = self._select_units(sizes)
+        self.plan, self.saved_slots = self._make_plan(workspace_bytes)
         self.nbytes = {e.name: e.nbytes for e in self.plan.entries}
-        self.arrays = None
+        self.schedule.fill_slots(self.saved_slots, self.nbytes, checks.width_labels(self.mode, self.unit_bits))
+        self.arrays = self.run = None
         if allocate:
             self.arrays = self.plan.allocate(self.xp)
             self._bind_parameters()
-            if "bn.partials" in self.arrays:      # the CUDA set's reductions use this workspace
-                self.selected = self.units = kernels.select_units(
-                    self.xp, mode, self.unit_bits, self.dtype, sizes, True, partials=self.arrays["bn.partials"])
-        self.reference_units = kernels.reference_units(mode, self.unit_bits)
-        if self.sync_bn:
-            buf = self.arrays["sync.bn"] if allocate else None
-            self.selected = self.units = _synchronized(self.selected, self.comm, buf)
-            self.reference_units = _synchronized(self.reference_units, self.comm, buf)
-        self.schedule = self._make_schedule()
-        self.n, self.training, self.input_grad = 0, False, False
+            self.selected = self._select_units(sizes, self.arrays)   # with the CUDA set's workspace
+            self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected)
+        self.reference_units = self._select_units(sizes, self.arrays, reference=True)
         self._ready = False                       # saved state holds a training forward
-        self._input_grad_buffer = self._find_input_grad()
+        stems = [s for s in self.schedule if s.phase == "bwd" and s.optional]
+        self._input_grad_buffer = stems[-1].dx if stems else None
 
-    # ------------------------------------------------------------ shapes, plan, schedule
-    def _infer_shapes(self):
-        """Per layer: (C, H, W) of its input and output, per sample (layers.OPS shape rules)."""
-        shape, ins, outs = {"input": self.input_shape}, {}, {}
-        for L in self.net.layers:
-            if L.op not in OPS:
-                raise ValueError(f"layer {L.name}: unknown op {L.op!r}; expected one of {sorted(OPS)}")
-            if L.src not in shape:
-                raise ValueError(f"layer {L.name} reads buffer {L.src!r} before any layer writes it")
-            c, h, w = shape[L.src] if L.op != "linear" else (L.cin, 1, 1)
-            if L.op in ("conv", "bnrelu") and c != L.cin:
-                raise ValueError(f"layer {L.name}: expects {L.cin} input channels, gets {c}")
-            if L.op == "add" and shape.get(L.dst) != (c, h, w):
-                raise ValueError(f"layer {L.name}: adds {(c, h, w)} to {L.dst} of shape {shape.get(L.dst)}")
-            out = OPS[L.op].out_shape(L, (c, h, w))
-            if min(out) < 1:
-                raise ValueError(f"input_shape {self.input_shape} is too small: layer {L.name} "
-                                 f"would produce shape {out}")
-            ins[L.name], outs[L.name] = (c, h, w), out
-            shape[L.dst] = out
-        if not any(L.op == "linear" for L in self.net.layers):
-            raise ValueError(f"network {self.net.name!r} has no classifier head (Network.head)")
-        return ins, outs
+    @property
+    def use_fast(self):
+        """Whether the units run on the fused kernels (the public name of `fused`)."""
+        return self.fused
 
+    @property
+    def units(self):
+        """{unit: kernel set} the current (or last) batch runs on."""
+        return self.run.units if self.run is not None else self.selected
+
+    # ------------------------------------------------------------ units, plan
     def _sizes(self, n):
         return [n * h * w for (_, h, w) in self._unit_sizes.values()]
 
     def _check_batch_norm(self, n, what):
-        for name, (c, h, w) in self._unit_sizes.items():
-            if n * h * w < 2:
-                raise ValueError(f"{what} {n}: batch norm {name} would normalise one value per channel "
-                                 f"(input {(c, h, w)} per sample, N*H*W = {n * h * w}); its output "
-                                 f"would not depend on the input. Use a batch of at least 2")
+        checks.batch_norm(self._unit_sizes, n, what)
+
+    def _select_units(self, sizes, arrays=None, reference=False):
+        """{unit: kernel set} for each unit's width: fused or reference (kernels.select_units),
+        synchronized over ranks with sync_bn."""
+        if reference:
+            units = kernels.reference_units(self.mode, self.unit_bits)
+        else:
+            partials = arrays.get("bn.partials") if arrays is not None else None
+            units = kernels.select_units(self.xp, self.mode, self.unit_bits, self.dtype, sizes, self.fused,
+                                         partials=partials)
+        if self.sync_bn:
+            buf = arrays["sync.bn"] if arrays is not None else None
+            wrapped = {id(u): kernels.synchronized(u, self.comm, buf) for u in units.values()}
+            units = {name: wrapped[id(u)] for name, u in units.items()}
+        return units
 
     def _make_plan(self, workspace_bytes):
-        """The memory plan, from shapes alone, and how each saved slot is viewed for a batch n."""
-        N, dt, plan, views = self.N, self.dtype, Plan(), {}
-        specs = self.net.param_shapes()
+        """The memory plan, from shapes alone; and {layer: its saved slot names}."""
+        N, dt, plan, net = self.N, self.dtype, Plan(), self.net
+        specs = net.param_shapes()
         for kind, suffix in (("params", ""), ("optimizer", ".momentum")):
             for name, shape, _ in specs:
                 plan.add(name + suffix, kind, shape, dt)
         # one flat buffer each for the gradients and the running statistics: p.grad and the
         # statistics are views into them, and a data-parallel step sums each in one allreduce
         plan.add("grads", "grads", (sum(int(math.prod(sh)) for _, sh, _ in specs),), dt)
-        plan.add("bn.running", "stats", (sum(int(math.prod(sh)) for _, sh in self.net.stat_shapes()),), dt)
+        plan.add("bn.running", "stats", (sum(int(math.prod(sh)) for _, sh in net.stat_shapes()),), dt)
         max_c = max((c for (c, _, _) in self._unit_sizes.values()), default=1)
         plan.add("bn.batch_mean", "stats", (max_c,), dt)
         plan.add("bn.batch_var", "stats", (max_c,), dt)
-        partials = kernels.partials_size(self.xp, max_c, self.use_fast)
+        partials = kernels.partials_size(self.xp, max_c, self.fused)
         if partials:
             plan.add("bn.partials", "workspace", (partials,), "float64")
         if self.sync_bn:                          # the 2C sums each unit exchanges
             plan.add("sync.bn", "workspace", (2 * max_c,), "float64")
 
-        # the three shared buffers: each holds the largest activation of the network
-        acts = [math.prod(self.out_shape[L.name]) for L in self.net.layers if L.op in ("conv", "bnrelu", "maxpool")]
-        acts.append(math.prod(self.input_shape))
+        # the three shared buffers: each holds the largest activation written there
+        acts = [math.prod(self.out_shape[L.name]) for L in net.layers if L.dst in BUFFERS]
         for b in BUFFERS:
-            plan.add(b, "buffers", (int(max(acts)) * N,), dt)
-        head = [L for L in self.net.layers if L.op == "linear"][-1]
+            plan.add(b, "buffers", (int(max(acts + [math.prod(self.input_shape)])) * N,), dt)
+        head = net.layers[-1]                     # the classifier (the walk checked the head)
         plan.add("logits", "buffers", (N, head.cout), dt)
         plan.add("dlogits", "buffers", (N, head.cout), dt)
         plan.add("dfeat", "buffers", (N, head.cin), dt)
 
-        # what backward needs: the batch itself, then what each layer keeps (layers.OPS)
+        # what backward needs: the batch itself, then what each layer keeps (optable: `plan`)
         plan.add("input", "input", (int(math.prod(self.input_shape)) * N,), dt)
         plan.add("labels", "input", (N,), "int64")
-        self.saved_slots, conv_ws = {}, 0
+        saved, shared = {}, {}
         budget = max(1, workspace_bytes // dt.itemsize)
-        for L in self.net.layers:
-            (c, h, w), (co, ho, wo) = self.in_shape[L.name], self.out_shape[L.name]
-            entries = OPS[L.op].saved(L, N, (c, h, w), (co, ho, wo), self.selected.get(L.name), dt)
-            for name, shape, dtype in entries:
-                plan.add(name, "saved", shape, dtype)
-            self.saved_slots[L.name] = [e[0] for e in entries]
-            if L.op == "bnrelu":
-                # the view is the same for the unit's fused and reference sets (same slot layout)
-                views[entries[0][0]] = lambda a, n, c=c, m=h * w, u=self.selected[L.name]: u.saved_view(a, c, n * m)
-            elif L.op == "maxpool":
-                plan.add(L.name + ".index", "workspace", (co, N, ho, wo), "uint8")
-                views[entries[0][0]] = lambda a, n, m=co * ho * wo: a[:(n * m * 4 + 7) // 8]
-            elif L.op == "conv":
-                per_sample = L.cin * L.k * L.k * ho * wo
-                conv_ws = max(conv_ws, per_sample * min(N, max(1, budget // per_sample)))
+        for L in net.layers:
+            entries = OPS[L.op].plan(L, N, self.in_shape[L.name], self.out_shape[L.name],
+                                     self.selected.get(L.name), dt, budget)
+            saved[L.name] = [name for name, kind, _, _ in entries if kind == "saved"]
+            for name, kind, shape, dtype in entries:
+                if name.startswith(L.name + "."):
+                    plan.add(name, kind, shape, dtype)
+                else:                             # shared by several layers: the largest request
+                    old = shared.get(name, (kind, (0,), dtype))
+                    shared[name] = max(old, (kind, shape, dtype), key=lambda e: math.prod(e[1]))
         plan.add("loss.probs", "saved", (N, head.cout), dt)
-        plan.add("conv.cols", "workspace", (conv_ws,), dt)
+        for name, (kind, shape, dtype) in shared.items():
+            plan.add(name, kind, shape, dtype)
         self._plan_temporaries(plan)
-        return plan, views
+        return plan, saved
 
     def _plan_temporaries(self, plan):
         """Bounds on the NumPy temporaries a step allocates (see lowmem/ops, lowmem/quant)."""
         it = self.dtype.itemsize
         weights = [int(math.prod(shape)) for _, shape, _ in self.net.param_shapes()]
         plan.add_temporary("a weight-sized GEMM result", max(weights) * it)
+        rows = [self.N * h * w for (_, h, w) in self._unit_sizes.values()] or [0]
         units = [c * self.N * h * w for (c, h, w) in self._unit_sizes.values()] or [0]
-        row_block = min(max(units), max(layers.ROW_BLOCK, max(self.N * h * w for (_, h, w) in
-                                                               self._unit_sizes.values())))
-        plan.add_temporary("a BN row block (x2)", 2 * row_block * it)
+        plan.add_temporary("a BN row block (x2)", 2 * min(max(units), max(ROW_BLOCK, max(rows))) * it)
         if any(u.decodes for u in self.selected.values()):
             plan.add_temporary("quantizer chunks", (2 * it + 4) * min(quant.CHUNK, max(units)))
-
-    def _make_schedule(self):
-        io = resolve(self.net)
-        args = (self.net, io, self.in_shape, self.out_shape, self.saved_slots, self.nbytes)
-        fwd = forward_steps(*args)
-        decodes = {name for name, u in self.selected.items() if u.decodes}
-        steps = Schedule(fwd + plan_backward(*args, decodes=decodes, start=len(fwd)))
-        for s in steps:
-            if s.op == "bnrelu":
-                s.width = self.width_label(s.layer.name)
-        return steps
-
-    def width_label(self, unit):
-        """'4-bit' (the unit's saved x-hat code), 'float' (x-hat saved exact), or '' (exact mode)."""
-        if self.mode == "exact":
-            return ""
-        K = self.unit_bits[unit]
-        return "float" if K is None else f"{K}-bit"
-
-    def bits_label(self):
-        """'4-bit' when every unit has one width, else e.g. '4-bit x10, 8-bit x2, float x1'."""
-        labels = [self.width_label(u) for u in self.unit_bits]
-        counts = {w: labels.count(w) for w in dict.fromkeys(labels)}
-        return ", ".join(w if len(counts) == 1 else f"{w} x{c}" for w, c in counts.items())
-
-    def _find_input_grad(self):
-        stems = [s for s in self.schedule if s.phase == "bwd" and s.optional]
-        return stems[-1].dest if stems else None
 
     def _bind_parameters(self):
         """Move parameter values and BN statistics into the plan's arrays (the engine owns them);
@@ -239,28 +210,8 @@ class Engine:
             view = running(s.shape)
             view[...] = xp.asarray(backend.to_numpy(s) if xp is not numpy else s)
             self.net.stats[name] = view
-        self.stats = self.net.stats
 
-    # ------------------------------------------------------------ views (for the handlers)
-    def act(self, buf, shape):
-        """(C, n, H, W) view at the start of a flat buffer (or the input slot) for batch n."""
-        c, h, w = shape
-        return self.arrays[buf][:c * self.n * h * w].reshape(c, self.n, h, w)
-
-    def rows(self, buf, shape):
-        """The same as (C, n*H*W) rows."""
-        c, h, w = shape
-        return self.arrays[buf][:c * self.n * h * w].reshape(c, self.n * h * w)
-
-    def slot(self, name):
-        """A saved slot (or head buffer) for the current batch."""
-        view = self._slot_views.get(name)
-        return view(self.arrays[name], self.n) if view else self.arrays[name][:self.n]
-
-    def param(self, name):
-        return self.net.params[name]
-
-    # ------------------------------------------------------------ forward
+    # ------------------------------------------------------------ a step
     def forward(self, x, labels):
         """Training-mode forward of x (N, C, H, W): returns (mean loss, logits (N, K) copy).
 
@@ -271,14 +222,10 @@ class Engine:
         self._check_batch_norm(x.shape[0], "forward: batch of")
         self._ready = False
         self._start(x, training=True)
-        self.arrays["labels"][:self.n] = labels
+        self.run.batch("labels")[...] = labels
         self._sweep("fwd")
-        if self.comm.size > 1 and not self.sync_bn:   # per-replica statistics: keep their average
-            self.comm.allreduce(self.arrays["bn.running"])
-            self.arrays["bn.running"] /= self.comm.size
-        loss = softmax_xent_forward(self.slot("loss.probs"), self.slot("logits"), self.slot("labels"))
         self._ready = True
-        return loss, self.slot("logits").copy()
+        return self.run.loss, self.run.batch("logits").copy()
 
     def predict(self, x):
         """Eval-mode logits (N, K) for any batch N <= batch_size (BN running statistics)."""
@@ -287,22 +234,23 @@ class Engine:
         self._ready = False                       # the saved state is overwritten
         self._start(x, training=False)
         self._sweep("fwd")
-        return self.slot("logits").copy()
+        return self.run.batch("logits").copy()
 
     def _start(self, x, training):
-        self.n, self.training = x.shape[0], training
+        run = self.run
+        run.n, run.training = x.shape[0], training
         # a batch whose units are not whole code bytes runs on the reference kernels, in every
         # mode alike (so exact and approx still compute the same forward)
-        aligned = kernels.fused_applies(self.xp, self.dtype, self._sizes(self.n))
-        self.units = self.selected if aligned or not self.use_fast else self.reference_units
-        self.xp.copyto(self.act("input", self.input_shape), x.transpose(1, 0, 2, 3))
+        aligned = kernels.fused_applies(self.xp, self.dtype, self._sizes(run.n))
+        run.units = self.selected if aligned or not self.fused else self.reference_units
+        self.xp.copyto(run.act("input", self.input_shape), x.transpose(1, 0, 2, 3))
 
     def _sweep(self, phase):
+        handler = "forward" if phase == "fwd" else "backward"
         for step in self.schedule:
-            if step.phase == phase and step.op != "loss":
-                getattr(OPS[step.op], "forward" if phase == "fwd" else "backward")(self, step)
+            if step.phase == phase:
+                getattr(OPS[step.op], handler)(self.run, step)
 
-    # ------------------------------------------------------------ backward
     def backward(self, input_grad=False):
         """Fill p.grad of every parameter (overwriting) for the last forward().
 
@@ -313,17 +261,12 @@ class Engine:
         self._check_ownership()
         self._ready = False
         self.arrays["grads"].fill(0)
-        self.input_grad = bool(input_grad)
-        softmax_xent_backward(self.slot("dlogits"), self.slot("loss.probs"), self.slot("labels"))
-        self._sweep("bwd")                         # self.units: the set that wrote the saved state
-        if self.comm.size > 1:                     # data parallel: the mean over ranks, one allreduce
-            self.comm.allreduce(self.arrays["grads"])
-            self.arrays["grads"] /= self.comm.size
+        self.run.input_grad = bool(input_grad)
+        self._sweep("bwd")                         # run.units: the sets that wrote the saved state
         if input_grad:
-            return self.act(self._input_grad_buffer, self.input_shape).transpose(1, 0, 2, 3).copy()
+            return self.run.act(self._input_grad_buffer, self.input_shape).transpose(1, 0, 2, 3).copy()
         return None
 
-    # ------------------------------------------------------------ train
     def train_step(self, x, labels, opt):
         """forward + backward + opt.step(); returns the loss. A non-finite loss raises
         FloatingPointError before any parameter changes."""
@@ -342,28 +285,19 @@ class Engine:
         if self.arrays is None:
             raise RuntimeError("this Engine was built with allocate=False: it has a plan and a "
                                "schedule but no arrays; build it with allocate=True to run it")
-        for p in self.net.parameters():
+        for p in self.run.params.values():
             if p.data is not self.arrays[p.name]:
                 raise RuntimeError(f"the parameters of {self.net.name} now belong to another Engine "
                                    f"(parameter {p.name} was rebound); build one Engine per network, "
                                    f"e.g. Engine(copy.deepcopy(net), ...) for a second one")
 
-    def plan_bytes(self, name):
-        return self.nbytes[name]
-
     def summary(self):
         by = self.plan.bytes_by_kind()
         return (f"{self.net.name}: {self.net.num_params():,} params, batch {self.N}, "
                 f"input {self.input_shape}, mode {self.mode}"
-                + (f" ({self.bits_label()})" if self.mode != "exact" and self.unit_bits else "")
+                + (f" ({checks.bits_label(self.mode, self.unit_bits)})" if self.mode != "exact" and self.unit_bits else "")
                 + f", {self.dtype}; planned {fmt_bytes(self.plan.total_bytes)} "
                   f"(saved {fmt_bytes(by['saved'])}, buffers {fmt_bytes(by['buffers'])})")
-
-
-def _synchronized(units, comm, buf):
-    """{unit: set} with each distinct set wrapped once for synchronized batch norm."""
-    wrapped = {id(u): kernels.synchronized(u, comm, buf) for u in units.values()}
-    return {name: wrapped[id(u)] for name, u in units.items()}
 
 
 def _views(flat):

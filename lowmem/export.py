@@ -14,10 +14,11 @@ strict=True)` works. BN's `num_batches_tracked` is not stored (lowmem keeps no
 batch counter); a plain `nn.BatchNorm2d` needs `strict=False` for just that key.
 
 ONNX (optional extra `lowmem[onnx]`): the inference graph of `Engine.predict`,
-opset 17 (OPSET), one node per operation: Conv (no bias), BatchNormalization
-(running statistics, epsilon 1e-5) + Relu for each BN-ReLU unit (not folded:
-in a pre-activation network most units follow an add, not a conv), Add,
-MaxPool, GlobalAveragePool + Flatten + Gemm for the head. Input "input"
+opset 17 (OPSET), one node per operation, each written by its op's entry in
+lowmem/optable.py (`onnx`): Conv (no bias), BatchNormalization (running
+statistics, epsilon 1e-5) + Relu for each BN-ReLU unit (not folded: in a
+pre-activation network most units follow an add, not a conv), Add, MaxPool,
+AveragePool, GlobalAveragePool + Flatten + Gemm for the head. Input "input"
 (batch, C, H, W), output "logits" (batch, num_classes); the batch dimension
 is symbolic, and so are H and W unless `input_shape` is given.
 
@@ -36,7 +37,7 @@ import numpy
 
 from . import __version__
 from .checkpoint import fsync_directory
-from .kernels import BN_EPS
+from .optable import OPS
 
 OPSET = 17
 FORMATS = {".safetensors": "safetensors", ".onnx": "onnx"}
@@ -136,32 +137,10 @@ def onnx_model(net, input_shape=None, opset=OPSET):
         names[(buf, version[buf])] = name
         return name
 
-    for L in net.layers:
-        if L.op == "conv":
-            nodes.append(helper.make_node("Conv", [read(L.src), L.name + ".weight"], [write(L.dst, L.name)],
-                                          name=L.name, kernel_shape=[L.k, L.k], strides=[L.stride] * 2,
-                                          pads=[L.pad] * 4))
-        elif L.op == "bnrelu":
-            bn = L.name + ".bn"
-            nodes.append(helper.make_node(
-                "BatchNormalization", [read(L.src)] + [L.name + s for s in (".weight", ".bias", ".running_mean",
-                                                                            ".running_var")],
-                [bn], name=bn, epsilon=BN_EPS))
-            nodes.append(helper.make_node("Relu", [bn], [write(L.dst, L.name)], name=L.name))
-        elif L.op == "add":
-            a, b = read("res"), read(L.src)
-            nodes.append(helper.make_node("Add", [a, b], [write("res", L.name)], name=L.name))
-        elif L.op == "maxpool":
-            nodes.append(helper.make_node("MaxPool", [read(L.src)], [write(L.dst, L.name)], name=L.name,
-                                          kernel_shape=[L.k, L.k], strides=[L.stride] * 2, pads=[L.pad] * 4))
-        elif L.op == "avgpool":
-            nodes.append(helper.make_node("GlobalAveragePool", [read(L.src)], ["pool.out"], name="pool"))
-            nodes.append(helper.make_node("Flatten", ["pool.out"], ["feat"], name="flatten", axis=1))
-        elif L.op == "linear":
-            nodes.append(helper.make_node("Gemm", ["feat", "fc.weight", "fc.bias"], ["logits"], name="fc",
-                                          transB=1))
-        else:
+    for L in net.layers:                                 # each op's node(s): lowmem/optable.py
+        if not hasattr(OPS.get(L.op), "onnx"):
             raise ExportError(f"layer {L.name!r}: op {L.op!r} has no ONNX translation")
+        nodes += OPS[L.op].onnx(L, helper, read, write)
     if input_shape is None:
         dims = ["batch", net.in_channels, "height", "width"]
     else:

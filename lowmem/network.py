@@ -6,7 +6,10 @@ each naming the buffer it reads (`src`) and writes (`dst`) — "input",
 parameters it owns. It holds no activations and no saved state: the engine
 (lowmem/engine.py) turns it into a schedule and a memory plan.
 
-Layer ops: conv, bnrelu, add (res += src), maxpool, avgpool, linear.
+Layer ops: conv, bnrelu, add (res += src), maxpool, avgpool2d, and the head's
+avgpool (global) and linear; what each does is its entry in lowmem/optable.py.
+`nn.check(net, input_shape)` says whether the engine can run a Network
+(the engine runs the same check on every network it is given).
 
 Weights are declared with their shapes while the network is built and drawn
 (seeded, in declaration order) only when first used, so the memory plan of
@@ -18,6 +21,12 @@ from dataclasses import dataclass, field
 import numpy
 
 from .backend import to_numpy
+
+BUFFERS = ("act0", "act1", "res")     # the engine's three shared activation / gradient buffers
+
+
+class NetworkError(ValueError):
+    """A network the engine cannot run (or would run wrongly); the message says which layer and why."""
 
 
 @dataclass(eq=False)
@@ -42,11 +51,11 @@ class Parameter:
 
 @dataclass
 class Layer:
-    op: str            # conv | bnrelu | add | maxpool | avgpool | linear
+    op: str            # a key of optable.OPS: conv | bnrelu | add | maxpool | avgpool2d | avgpool | linear
     name: str
     src: str
     dst: str
-    k: int = 1         # kernel size (conv, maxpool)
+    k: int = 1         # kernel size (conv, pools)
     stride: int = 1
     pad: int = 0
     cin: int = 0
@@ -90,11 +99,16 @@ class Network:
         self._stat_specs[name + ".running_var"] = ((c,), 1.0)
         self.layers.append(Layer("bnrelu", name, src, dst, cin=c, cout=c))
 
-    def add(self, name, src):
-        self.layers.append(Layer("add", name, src, "res"))
+    def add(self, name, src, dst="res"):
+        """res += src: the residual add (dst is always the residual buffer)."""
+        self.layers.append(Layer("add", name, src, dst))
 
     def maxpool(self, name, src, dst, k=3, stride=2, pad=1):
         self.layers.append(Layer("maxpool", name, src, dst, k, stride, pad))
+
+    def avgpool2d(self, name, src, dst, k=2, stride=None, pad=0):
+        """Mean over k x k windows (stride defaults to k); zero padding counts in the mean."""
+        self.layers.append(Layer("avgpool2d", name, src, dst, k, k if stride is None else stride, pad))
 
     def head(self, src, c):
         """Global average pool, then the fully connected classifier (PyTorch's init)."""
@@ -111,15 +125,23 @@ class Network:
     # -- using ------------------------------------------------------------
     @property
     def params(self):
-        """name -> Parameter, in forward order (draws any parameter not drawn yet)."""
+        """name -> Parameter, in forward order (draws any parameter not drawn yet).
+
+        O(1) once every declared parameter is drawn: only a new declaration walks the specs."""
+        if len(self._params) < len(self._param_specs):
+            self._draw()
+        return self._params
+
+    def _draw(self):
         for name, (shape, decay, init) in self._param_specs.items():
             if name not in self._params:
                 self._params[name] = Parameter(name, init(self._rng, shape), decay=decay)
-        return self._params
 
     @property
     def stats(self):
         """name -> array: the BN running statistics (mean 0, variance 1 when new)."""
+        if len(self._stats) == len(self._stat_specs):
+            return self._stats
         for name, (shape, value) in self._stat_specs.items():
             if name not in self._stats:
                 self._stats[name] = numpy.full(shape, value, numpy.float32)

@@ -13,6 +13,7 @@ The vocabulary is what the engine runs (lowmem/engine.py):
   conv(x, cout, k, stride=1, pad=(k-1)//2)   k x k convolution, no bias
   bn_relu(x)                                 batch norm (affine) then ReLU: one "unit"
   max_pool(x, k=2, stride=k, pad=0)          max over k x k windows (k <= 4)
+  avg_pool(x, k=2, stride=k, pad=0)          mean over k x k windows (zero padding counted)
   add(a, b)                                  a + b, same shape: the residual add
   head(x)                                    global average pool, then the linear classifier
 
@@ -20,7 +21,7 @@ The vocabulary is what the engine runs (lowmem/engine.py):
 model builders of lowmem/models.py write by hand, with the engine's three
 shared buffers (act0 / act1 ping-pong, res for the residual stream) assigned
 here, so you never name a buffer. A global average pool exists only inside
-`head`: the engine has no strided average pool.
+`head`.
 
 The method's rules are checked when a layer is added (or, for rules about
 how a tensor is used later, at `head`), and a broken rule raises
@@ -38,7 +39,7 @@ NetworkError (a ValueError) saying which layer and why:
   follow each other but not nest or overlap. Both operands share one gradient
   buffer in backward (no copy), so the later operand (the branch output) may
   feed nothing but the add.
-* A max_pool's input may feed other layers only before the pool (its backward
+* A pool's input may feed other layers only before the pool (its backward
   writes the input gradient instead of adding to it).
 * Every output must be used: the backward sweep needs a gradient for it.
 * At most three tensors may be alive at once (act0, act1, res).
@@ -50,17 +51,12 @@ input.
 """
 from dataclasses import dataclass
 
-from .network import Network
+from .network import BUFFERS, Network, NetworkError
 from .ops import conv_out_size
+from .optable import MAX_POOL_WINDOW, OPS
+from .schedule import walk
 
-BUFFERS = ("act0", "act1", "res")     # the engine's shared buffers (lowmem/schedule.py)
-ROLES = ("input",) + BUFFERS
 RESERVED = ("input", "pool", "fc")    # "pool" and "fc" are the head's layer names
-MAX_POOL_WINDOW = 16                  # the max-pool argmax is saved as a 4-bit index
-
-
-class NetworkError(ValueError):
-    """A network the engine cannot run (or would run wrongly); the message says which layer and why."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,7 +65,7 @@ class Tensor:
     graph: object
     index: int
     shape: tuple
-    op: str          # "input" | "conv" | "bnrelu" | "maxpool" | "add"
+    op: str          # "input", or the optable op that made it: "conv", "bnrelu", "maxpool", ...
     name: str        # the producing layer ("input" for the network input)
 
     def __repr__(self):
@@ -116,7 +112,7 @@ class Graph:
         pad = (k - 1) // 2 if pad is None else pad
         if not _int(pad) or pad < 0:
             raise NetworkError(f"conv {name!r}: pad must be an int >= 0, got {pad!r}")
-        if x.op not in ("input", "bnrelu"):
+        if x.op != "input" and not OPS[x.op].unit:
             raise NetworkError(
                 f"conv {name!r} reads the output of {x.op} {x.name!r}, but a conv must read the network "
                 f"input or a bn_relu output: backward rebuilds a conv's input as relu(gamma*x-hat + beta) "
@@ -155,6 +151,23 @@ class Graph:
         self._check_size(name, x, out)
         return self._node("maxpool", name, (x,), out, dict(k=k, stride=stride, pad=pad))
 
+    def avg_pool(self, x, k=2, stride=None, pad=0, name=None):
+        """Mean over k x k windows (stride defaults to k); zero padding counts in the mean."""
+        name = self._name(name, "avgpool")
+        self._own(x, name)
+        self._not_input(x, "avg_pool", name)
+        stride = k if stride is None else stride
+        for what, v, lo in (("k", k, 1), ("stride", stride, 1), ("pad", pad, 0)):
+            if not _int(v) or v < lo:
+                raise NetworkError(f"avg_pool {name!r}: {what} must be an int >= {lo}, got {v!r}")
+        if pad > k // 2:
+            raise NetworkError(f"avg_pool {name!r}: pad {pad} must be at most k // 2 = {k // 2} "
+                               f"(a larger pad makes windows of padding only)")
+        c, h, w = x.shape
+        out = (c, conv_out_size(h, k, stride, pad), conv_out_size(w, k, stride, pad))
+        self._check_size(name, x, out)
+        return self._node("avgpool2d", name, (x,), out, dict(k=k, stride=stride, pad=pad))
+
     def add(self, a, b, name=None):
         """a + b (same shape): a residual connection. The operand computed first is the skip."""
         name = self._name(name, "add")
@@ -182,15 +195,8 @@ class Graph:
         for n in self.nodes:
             src = [buf[i] for i in n.inputs]
             dst = buf[n.out]
-            a = n.args
-            if n.op == "conv":
-                net.conv(n.name, src[0], dst, a["cin"], a["cout"], a["k"], a["stride"], a["pad"])
-            elif n.op == "bnrelu":
-                net.bnrelu(n.name, src[0], dst, a["c"])
-            elif n.op == "maxpool":
-                net.maxpool(n.name, src[0], dst, a["k"], a["stride"], a["pad"])
-            else:
-                net.add(n.name, src[1])                  # res += branch (the skip is in res)
+            # the Network method named after the op; an add's dst is res, its src the branch
+            getattr(net, n.op)(n.name, src[-1], dst, **n.args)
         net.head(buf[x.index], x.shape[0])
         check(net, self.input_shape)                     # the engine's rules, once more, on the records
         self.network = net
@@ -276,12 +282,12 @@ class Graph:
                     raise NetworkError(f"add {n.name!r} adds into {skip.name!r} in place (the residual "
                                        f"buffer), but {', '.join(later)} reads {skip.name!r} after it; "
                                        f"use the add's result instead")
-            if n.op == "maxpool":
+            if not OPS[n.op].accumulates and n.op != "add":
                 later = [self._label(k) for k in uses[n.inputs[0]] if k > i]
                 if later:
                     src = self.tensors[n.inputs[0]].name
-                    raise NetworkError(f"max_pool {n.name!r}: its input {src!r} also feeds "
-                                       f"{', '.join(later)} after the pool; a max-pool's backward writes "
+                    raise NetworkError(f"{OPS[n.op].builder} {n.name!r}: its input {src!r} also feeds "
+                                       f"{', '.join(later)} after the pool; a pool's backward writes "
                                        f"its input gradient instead of adding to it, so its input may "
                                        f"feed other layers only before the pool")
 
@@ -351,139 +357,18 @@ class Graph:
 def check(net, input_shape):
     """Raise NetworkError unless the engine can plan and run `net` on (C, H, W) inputs correctly.
 
-    Checks the layer records themselves (lowmem/network.py's named buffers):
-    known ops and buffers, unique names, the head last; each layer reads a
-    buffer that was written and does not overwrite its own input; channels
-    and shapes; a conv reads the input or a BN->ReLU output; then walks the
-    backward sweep the way the engine plans it (lowmem/schedule.py
-    `plan_backward`: one gradient buffer per live tensor, an add's two
-    operands sharing one) and rejects what it cannot plan or would compute
-    wrongly: an output nobody reads, a gradient written in place or summed
-    into a buffer another tensor's gradient shares, a max-pool input that
-    already has a gradient, more than three gradients alive."""
-    shape = {"input": tuple(input_shape)}
-    version = dict.fromkeys(ROLES, 0)
-    tin, tout, producer, skip_of = {}, {}, {}, {}
-    names = set()
-    body, head = _split_head(net)
-    for L in body:
-        _check_record(L, names, version)
-        c, h, w = shape[L.src]
-        if L.op in ("conv", "bnrelu") and c != L.cin:
-            raise NetworkError(f"layer {L.name!r}: expects {L.cin} input channels, {L.src} holds {c}")
-        t = (L.src, version[L.src])
-        if L.op == "conv" and L.src != "input" and producer[t].op != "bnrelu":
-            raise NetworkError(f"conv {L.name!r} reads {L.src} as written by {producer[t].op} "
-                               f"{producer[t].name!r}; a conv must read the input or a BN->ReLU output "
-                               f"(backward rebuilds its input from that unit's saved x-hat)")
-        if L.op == "conv":
-            out = (L.cout, conv_out_size(h, L.k, L.stride, L.pad), conv_out_size(w, L.k, L.stride, L.pad))
-        elif L.op == "maxpool":
-            if L.k * L.k > MAX_POOL_WINDOW:
-                raise NetworkError(f"maxpool {L.name!r}: k*k = {L.k * L.k} > {MAX_POOL_WINDOW} "
-                                   f"(the argmax is saved as a 4-bit index)")
-            out = (c, conv_out_size(h, L.k, L.stride, L.pad), conv_out_size(w, L.k, L.stride, L.pad))
-        else:
-            out = (c, h, w)
-        if L.op == "add":
-            if version["res"] == 0:
-                raise NetworkError(f"add {L.name!r} adds into res before any layer wrote res")
-            if shape["res"] != (c, h, w):
-                raise NetworkError(f"add {L.name!r}: adds {L.src} of shape {(c, h, w)} to res of "
-                                   f"shape {shape['res']}; a residual add needs equal shapes")
-            skip_of[L.name] = ("res", version["res"])
-        if min(out) < 1:
-            raise NetworkError(f"input_shape {tuple(input_shape)} is too small: layer {L.name!r} "
-                               f"would produce {out}")
-        tin[L.name] = t
-        version[L.dst] += 1
-        shape[L.dst] = out
-        tout[L.name] = (L.dst, version[L.dst])
-        producer[tout[L.name]] = L
-    src = head[0].src
-    if src == "input" or version[src] == 0:
-        raise NetworkError(f"the head reads {src}, which no layer wrote")
-    if shape[src][0] != head[0].cin:
-        raise NetworkError(f"the head expects {head[0].cin} channels, {src} holds {shape[src][0]}")
-    _walk_backward(body, tin, tout, producer, skip_of, (src, version[src]))
-
-
-def _split_head(net):
-    layers = list(net.layers)
-    ops = [L.op for L in layers]
-    if ops[-2:] != ["avgpool", "linear"] or "avgpool" in ops[:-2] or "linear" in ops[:-2]:
-        raise NetworkError(f"network {net.name!r} must end with exactly one head (Network.head: "
-                           f"global average pool, then linear), and have no other avgpool/linear layer")
-    return layers[:-2], layers[-2:]
-
-
-def _check_record(L, names, version):
-    if L.op not in ("conv", "bnrelu", "add", "maxpool"):
-        raise NetworkError(f"layer {L.name!r}: unknown op {L.op!r}")
-    if L.name in names or L.name in RESERVED:
-        raise NetworkError(f"layer name {L.name!r} is used twice or reserved; names must be unique")
-    names.add(L.name)
-    if L.src not in ROLES or L.dst not in BUFFERS:
-        raise NetworkError(f"layer {L.name!r}: reads {L.src!r} and writes {L.dst!r}; layers read "
-                           f"{', '.join(ROLES)} and write {', '.join(BUFFERS)} (never the input)")
-    if L.src != "input" and version[L.src] == 0:
-        raise NetworkError(f"layer {L.name!r} reads {L.src} before any layer wrote it")
-    if L.op != "conv" and L.src == "input":
-        raise NetworkError(f"{L.op} {L.name!r} reads the network input, which may feed convs only")
-    if L.op in ("conv", "maxpool") and L.src == L.dst:
-        raise NetworkError(f"{L.op} {L.name!r} reads and writes {L.src}: it cannot run in place "
-                           f"(its output has another shape and is written while the input is read)")
-    if L.op == "add" and L.src == "res":
-        raise NetworkError(f"add {L.name!r}: res += res is not a residual add; add another buffer into res")
-
-
-def _walk_backward(body, tin, tout, producer, skip_of, head_input):
-    """The engine's backward buffer bookkeeping (approx mode: every unit needs a scratch buffer)."""
-    live, shared_by = {head_input: "act0"}, {}     # tensor -> gradient buffer; buffer -> add sharing it
-
-    def free(L, *busy):
-        taken = set(live.values()) | set(busy)
-        for b in BUFFERS:
-            if b not in taken:
-                return b
-        raise NetworkError(f"backward of {L.op} {L.name!r} needs a fourth buffer: three gradients "
-                           f"are alive there; restructure so fewer branches are open at once")
-
-    def sharing(buf, me):
-        return [t for t, b in live.items() if b == buf and t != me]
-
-    for L in reversed(body):
-        if tout[L.name] not in live:
-            raise NetworkError(f"the output of {L.op} {L.name!r} ({L.dst}) is never read before being "
-                               f"overwritten or the network ends; every output must feed a later layer")
-        dout = live.pop(tout[L.name])
-        t = tin[L.name]
-        if L.op == "add":
-            if t in live:
-                raise NetworkError(f"add {L.name!r}: {L.src} also feeds a layer after the add; the add's "
-                                   f"operands share one gradient buffer, so that gradient would be lost")
-            live[t] = live[skip_of[L.name]] = dout
-            shared_by[dout] = L.name
-            continue
-        if L.op == "bnrelu" and sharing(dout, None):
-            raise NetworkError(f"bnrelu {L.name!r} feeds add {shared_by[dout]!r} whose other operand is "
-                               f"still open in backward: the unit writes its input gradient in place "
-                               f"over a gradient buffer the two operands share. End the branch with a "
-                               f"conv, or compute the skip before the branch")
-        if t in live and sharing(live[t], t):
-            raise NetworkError(f"{L.op} {L.name!r}: its input also feeds add {shared_by[live[t]]!r} "
-                               f"while the add's other operand is still open in backward; summing its "
-                               f"gradient into the shared buffer would corrupt that operand's gradient. "
-                               f"Read the skip only before the branch starts")
-        if L.op == "maxpool" and t in live:
-            raise NetworkError(f"maxpool {L.name!r}: its input also feeds a later layer; a max-pool's "
-                               f"backward writes its input gradient, so that gradient would be lost")
-        if L.op == "conv" and L.src == "input":
-            free(L, dout)
-            continue
-        scratch = free(L, dout)
-        if t not in live:
-            live[t] = dout if L.op == "bnrelu" else scratch
+    This is the engine's own walk (schedule.walk, which the Engine runs on every
+    network): the layer records themselves (lowmem/network.py's named buffers:
+    known ops and buffers, unique names, the head last, each layer reads a
+    buffer that was written and does not overwrite its own input), each op's
+    rules from its optable entry (channels, shapes, a conv reads the input or a
+    BN->ReLU output, ...), then the backward sweep the way the engine plans it
+    (one gradient buffer per live tensor, an add's two operands sharing one),
+    rejecting what it cannot plan or would compute wrongly: an output nobody
+    reads, a gradient written in place or summed into a buffer another tensor's
+    gradient shares, a pool input that already has a gradient, more than three
+    gradients alive."""
+    walk(net, tuple(input_shape))
 
 
 def _int(v):

@@ -1,39 +1,45 @@
-"""The schedule: a network's forward and backward sweeps as an explicit list of steps.
+"""The schedule: a network's whole training step as an explicit list of steps, and the one
+walk over a network that checks it, infers its shapes and plans its backward buffers.
 
-Each Step carries everything its handler (lowmem/layers.py) needs: the buffers
+Each Step carries everything its handler (lowmem/optable.py) needs: the buffers
 it reads and writes, the per-sample shapes, the saved slots it fills (forward)
 or reads (backward), the parameter names, and for backward the buffer holding
-the output gradient (`dout`), the one receiving the input gradient (`dest`),
+the output gradient (`dout`), the one receiving the input gradient (`dx`),
 whether that one already holds a gradient (`accumulate`) and a free buffer to
-rebuild or decode into (`scratch`). The executor (lowmem/engine.py) runs the
-steps in order and reads nothing else. `print(schedule)` shows them all
+rebuild or decode into (`scratch`). The engine (lowmem/engine.py) runs the
+steps in order and reads nothing else. `print(schedule)` shows them all: the
+layers, the loss, and under data parallelism the averages over ranks
 (`schedule.format(max_rows)` summarises a long one).
 
 Buffers: "input" (the planned copy of the batch), the shared "act0", "act1",
 "res", the head's input slot "<fc>.input" (the network's "feat") and
 "logits"; gradients reuse act0/act1/res, then "dlogits" and "dfeat".
 
-Backward buffer assignment (`plan_backward`) is decided once, by liveness:
-tensors are (buffer, version) pairs of the forward pass; `live` maps each
-tensor whose gradient exists, but whose producer has not run backward yet,
-to the buffer holding that gradient. A residual add gives both of its inputs
-the *same* gradient storage (no copy); the later contribution to the skip
-path accumulates into it.
+`walk` visits the layer records once forward (each record's rules, the op's
+own rules and shape, tensor versions) and once backward, planning gradient
+buffers by liveness: tensors are (buffer, version) pairs of the forward pass;
+`live` maps each tensor whose gradient exists, but whose producer has not run
+backward yet, to the buffer holding that gradient. A residual add gives both
+of its inputs the *same* gradient storage (no copy); the later contribution
+to the skip path accumulates into it. What each op does there is its entry's
+`route`. A network the walk refuses raises network.NetworkError: `nn.check`
+is this walk, and the engine runs it on every network.
 """
 from dataclasses import dataclass
 
-from .layers import OPS
+from .network import BUFFERS, NetworkError
+from .optable import HEAD, OPS, STEP_ONLY
 
-BUFFERS = ("act0", "act1", "res")
+ROLES = ("input",) + BUFFERS
 
 
 @dataclass
 class Step:
     index: int
     phase: str                  # "fwd" | "bwd"
-    op: str                     # a key of layers.OPS, or "loss"
-    layer: object               # the network.Layer (None for the loss): name, k, stride, pad
-    src: str = ""               # fwd: buffer read
+    op: str                     # a key of optable.OPS
+    layer: object               # the network.Layer (None for the loss and averages): name, k, stride, pad
+    src: str = ""               # fwd: buffer read (average: the plan array averaged)
     dst: str = ""               # fwd: buffer written
     in_shape: tuple = ()        # per sample (C, H, W) of the layer's input
     out_shape: tuple = ()       # ... and output
@@ -41,37 +47,37 @@ class Step:
     saved_bytes: int = 0
     params: tuple = ()          # parameter names (weight, bias)
     dout: str = ""              # bwd: buffer holding the output gradient
-    dest: str = ""              # bwd: buffer receiving the input gradient ("" = none)
-    accumulate: bool = False    # bwd: dest already holds a gradient: add to it
+    dx: str = ""                # bwd: buffer receiving the input gradient ("" = none)
+    accumulate: bool = False    # bwd: dx already holds a gradient: add to it
     scratch: str = ""           # bwd: free buffer for the rebuilt conv input / decoded x-hat
     unit: str = ""              # bwd conv: the BN-ReLU unit whose slot rebuilds the input
     unit_saved: str = ""        # ... that slot's name
     unit_params: tuple = ()     # ... and its gamma, beta
-    optional: bool = False      # bwd: dest is the network input's gradient, only on request
+    optional: bool = False      # bwd: dx is the network input's gradient, only on request
     width: str = ""             # bnrelu: its saved slot's width, "4-bit" or "float" (approx, naive)
 
     @property
     def name(self):
-        return self.layer.name if self.layer is not None else "loss"
+        return self.layer.name if self.layer is not None else self.op
 
     def reads(self):
         if self.phase == "fwd":
-            return f"{self.src}+{self.dst}" if self.op == "add" else self.src
+            return f"{self.src}+{self.dst}" if OPS[self.op].reads_dst else self.src
         parts = [self.dout] + [s.rsplit(".", 1)[-1] if s.endswith((".code", ".xhat")) else s
                                for s in self.saved[:1]]
         if self.unit_saved:
             parts.append(self.unit_saved)
-        text = "+".join(p for p in parts if p)
+        text = "+".join(p for p in parts if p) or self.src
         return text + (f"->{self.scratch}" if self.scratch else "")
 
     def writes(self):
         if self.phase == "fwd":
             return self.dst
-        out = [self.dest + (" (+=)" if self.accumulate else "") + (" (dx, optional)" if self.optional else "")]
-        if self.params and self.op in ("conv", "linear"):
+        if self.dx and self.dx == self.dout and not OPS[self.op].unit:
+            return f"{self.dx} (shared)"
+        out = [self.dx + (" (+=)" if self.accumulate else "") + (" (dx, optional)" if self.optional else "")]
+        if self.params and not OPS[self.op].unit:
             out.insert(0, "dW")
-        if self.op == "add":
-            out = [f"{self.dest} (shared)"]
         return ", ".join(o for o in out if o)
 
     def __str__(self):
@@ -83,8 +89,11 @@ class Step:
 
 
 class Schedule(list):
-    """The list of Steps. str() prints every step; format(max_rows) elides the middle."""
+    """The list of Steps. str() prints every step; format(max_rows) elides the middle.
+
+    Also holds the walk's shapes: in_shape / out_shape {layer name: per-sample (C, H, W)}."""
     HEADER = f"{'step':>5} {'dir':<4} {'op':<8} {'layer':<24} {'reads':<26} {'writes':<20} saved slot"
+    in_shape = out_shape = None
 
     def format(self, max_rows=None):
         rows = [str(s) for s in self]
@@ -96,119 +105,146 @@ class Schedule(list):
     def __str__(self):
         return self.format()
 
-
-def resolve(net):
-    """{layer name: (src, dst)} with the head's "feat" named after its slot, "<fc>.input"."""
-    head = [L for L in net.layers if L.op == "linear"]
-    feat = f"{head[-1].name}.input" if head else "feat"
-    rename = {"feat": feat}
-    return {L.name: (rename.get(L.src, L.src), rename.get(L.dst, L.dst)) for L in net.layers}
-
-
-def forward_steps(net, io, in_shape, out_shape, saved, nbytes):
-    """One Step per layer, then the loss. saved: {layer name: [slot names]}; nbytes: {slot: bytes}."""
-    steps = []
-    for L in net.layers:
-        src, dst = io[L.name]
-        slots = tuple(saved.get(L.name, ()))
-        if L.op == "avgpool":
-            slots = (dst,)                   # fills the head's saved input
-        elif L.op == "linear":
-            slots = ()                       # reads it
-        steps.append(Step(len(steps), "fwd", L.op, L, src, dst, in_shape[L.name], out_shape[L.name],
-                          slots, sum(nbytes[s] for s in slots), params=_params(net, L)))
-    steps.append(Step(len(steps), "fwd", "loss", None, "logits", "loss.probs", saved=("loss.probs",),
-                      saved_bytes=nbytes["loss.probs"]))
-    return steps
+    def fill_slots(self, saved, nbytes, widths):
+        """Name each step's saved slots and their bytes, from the plan: saved {layer: slot
+        names}, nbytes {entry: bytes}; widths {unit: "4-bit" | "float" | ""} for printing."""
+        for s in self:
+            s.saved = tuple(OPS[s.op].slots(s, saved))
+            s.saved_bytes = sum(nbytes[x] for x in s.saved)
+            s.unit_saved = saved[s.unit][0] if s.unit else ""
+            s.width = widths.get(s.name, "") if s.layer is not None else ""
 
 
-def _params(net, L):
-    names = (L.name + ".weight", L.name + ".bias")
-    return tuple(n for n in names if n in net._param_specs)
+class Walk:
+    """The bookkeeping of one walk; the op table's `check` and `route` read and update it."""
 
+    def __init__(self, net, decodes):
+        self.net, self._decodes = net, decodes
+        self.shape, self.version = {}, dict.fromkeys(ROLES, 0)
+        self.tin, self.tout, self.producer, self.skip_of = {}, {}, {}, {}
+        self.live, self.shared_by = {}, {}       # tensor -> gradient buffer; buffer -> add sharing it
+        self.shape_in, self.shape_out = {}, {}   # layer -> per-sample (C, H, W) of its input, output
+        self.steps, self.io = [], {}             # backward steps; layer -> (src, dst) buffers
 
-def plan_backward(net, io, in_shape, out_shape, saved, nbytes, decodes, start):
-    """The backward Steps, numbered from `start`. decodes: the names of the BN-ReLU units whose
-    slot holds a code; each gets a scratch buffer to decode x-tilde into (reference kernels)."""
-    version = {"input": 0, "act0": 0, "act1": 0, "res": 0}
-    tin, tout, producer = {}, {}, {}
-    for L in net.layers:
-        src, dst = io[L.name]
-        version.setdefault(src, 0)
-        version.setdefault(dst, 0)
-        tin[L.name] = (src, version[src])
-        if L.op == "add":
-            tin[L.name + "/skip"] = (dst, version[dst])
-        version[dst] += 1
-        tout[L.name] = (dst, version[dst])
-        producer[tout[L.name]] = L
+    def params(self, L):
+        specs = self.net._param_specs
+        return tuple(n for n in (L.name + ".weight", L.name + ".bias") if n in specs)
 
-    live, steps = {}, []
+    def decodes(self, L):
+        return self._decodes is None or L.name in self._decodes
 
-    def free(*busy):
-        taken = set(live.values()) | set(busy)
+    def step(self, L, **kw):
+        src, dst = self.io[L.name]
+        self.steps.append(Step(len(self.steps), "bwd", L.op, L, src=src, in_shape=self.shape_in[L.name],
+                               out_shape=self.shape_out[L.name], params=self.params(L), **kw))
+
+    def output_grad(self, L):
+        """The buffer holding L's output gradient, which L's backward consumes."""
+        if self.tout[L.name] not in self.live:
+            raise NetworkError(f"the output of {L.op} {L.name!r} ({L.dst}) is never read before being "
+                               f"overwritten or the network ends; every output must feed a later layer")
+        return self.live.pop(self.tout[L.name])
+
+    def free(self, L, *busy):
+        taken = set(self.live.values()) | set(busy)
         for b in BUFFERS:
             if b not in taken:
                 return b
-        raise AssertionError("backward planning ran out of buffers")
+        raise NetworkError(f"backward of {L.op} {L.name!r} needs a fourth buffer: three gradients "
+                           f"are alive there; restructure so fewer branches are open at once")
 
-    def add(op, L, **kw):
-        steps.append(Step(start + len(steps), "bwd", op, L, **kw))
+    def sharing(self, buf, me):
+        return [t for t, b in self.live.items() if b == buf and t != me]
 
-    add("loss", None, dest="dlogits", saved=("loss.probs",), saved_bytes=nbytes["loss.probs"])
+    def no_sum_into_shared(self, L, t):
+        if t in self.live and self.sharing(self.live[t], t):
+            raise NetworkError(f"{L.op} {L.name!r}: its input also feeds add {self.shared_by[self.live[t]]!r} "
+                               f"while the add's other operand is still open in backward; summing its "
+                               f"gradient into the shared buffer would corrupt that operand's gradient. "
+                               f"Read the skip only before the branch starts")
+
+
+def walk(net, input_shape, decodes=None, average_stats=False, average_grads=False):
+    """The network's Schedule (saved slots not yet named: Schedule.fill_slots), after checking
+    every rule; raises NetworkError naming the layer. decodes: the units whose slot is a code
+    (they get a scratch buffer; None: all). average_*: data parallel, the mean over ranks of
+    the running statistics after forward / of the gradients after backward."""
+    w = Walk(net, decodes)
+    body, head = _split_head(net)
+    feat = f"{head[-1].name}.input"
+    w.shape["input"] = tuple(input_shape)
+    fwd, names = [], {"input"} | {L.name for L in head}     # the input's and the head's names
+    for L in body:
+        _check_record(L, names, w.version)
+        _forward(w, L, L.src, L.dst)
+    src = head[0].src
+    if src == "input" or w.version[src] == 0:
+        raise NetworkError(f"the head reads {src}, which no layer wrote")
+    if w.shape[src][0] != head[0].cin:
+        raise NetworkError(f"the head expects {head[0].cin} channels, {src} holds {w.shape[src][0]}")
+    _forward(w, head[0], src, feat)
+    _forward(w, head[1], feat, "logits")
+    for L in net.layers:
+        fwd.append(Step(len(fwd), "fwd", L.op, L, *w.io[L.name], w.shape_in[L.name], w.shape_out[L.name],
+                        params=w.params(L)))
+    if average_stats:
+        fwd.append(Step(len(fwd), "fwd", "average", None, src="bn.running"))
+    fwd.append(Step(len(fwd), "fwd", "loss", None, src="logits", dst="loss.probs"))
+    w.steps.append(Step(0, "bwd", "loss", None, dx="dlogits"))
     for L in reversed(net.layers):
-        src, dst = io[L.name]
-        shapes = dict(src=src, in_shape=in_shape[L.name], out_shape=out_shape[L.name], params=_params(net, L))
-        slots = tuple(saved.get(L.name, ()))
-        t = tin[L.name]
-        if L.op == "linear":
-            add("linear", L, dout="dlogits", dest="dfeat", saved=(src,), saved_bytes=nbytes[src], **shapes)
-            continue
-        if L.op == "avgpool":
-            dest = free()
-            live[t] = dest
-            add("avgpool", L, dout="dfeat", dest=dest, **shapes)
-            continue
-        dout = live.pop(tout[L.name])
-        rule = OPS[L.op].grad
-        if rule == "shared":
-            skip = tin[L.name + "/skip"]
-            if t in live or skip in live:       # sharing would overwrite that other gradient
-                raise ValueError(f"{L.name}: an input of this residual add is also read by a layer "
-                                 f"after it; the engine shares the add's gradient storage and cannot "
-                                 f"plan that network (copy the tensor through a conv or unit first)")
-            live[t] = dout                      # branch gradient = output gradient
-            live[skip] = dout                   # skip gradient: same storage
-            add(L.op, L, dout=dout, dest=dout, **shapes)
-        elif rule == "same":
-            if [k for k, b in live.items() if b == dout]:
-                raise ValueError(f"{L.name}: its output gradient is shared with a residual add's other "
-                                 f"input, and a BN-ReLU computes its input gradient in place; the engine "
-                                 f"cannot plan a branch that is only a BN-ReLU unit")
-            scratch = free(dout) if L.name in decodes else ""
-            acc = t in live
-            dest = live[t] if acc else dout     # in place unless the input already has a gradient
-            live[t] = dest
-            add(L.op, L, dout=dout, dest=dest, accumulate=acc, scratch=scratch, saved=slots,
-                saved_bytes=sum(nbytes[s] for s in slots), **shapes)
-        elif L.op == "conv":
-            acc = t in live
-            if src == "input":                  # the stem: input gradient only on request
-                dest = live[t] if acc else free(dout)
-                live[t] = dest
-                add("conv", L, dout=dout, dest=dest, accumulate=acc, optional=True, **shapes)
-                continue
-            unit = producer.get(t)
-            assert unit is not None and unit.op == "bnrelu", f"{L.name} must read a BN-ReLU output"
-            scratch = free(dout)
-            dest = live[t] if acc else scratch  # the rebuilt input is dead once dW is done
-            live[t] = dest
-            unit_slot = saved[unit.name][0]
-            add("conv", L, dout=dout, dest=dest, accumulate=acc, scratch=scratch, unit=unit.name,
-                unit_saved=unit_slot, unit_params=_params(net, unit), **shapes)
-        else:                                   # "other" without accumulation: the max-pool
-            assert t not in live, f"{L.name}: its input has a second consumer ({L.op} cannot accumulate)"
-            dest = free(dout)
-            live[t] = dest
-            add(L.op, L, dout=dout, dest=dest, saved=slots, saved_bytes=sum(nbytes[s] for s in slots), **shapes)
+        OPS[L.op].route(L, w)
+    if average_grads:
+        w.steps.append(Step(0, "bwd", "average", None, src="grads"))
+    steps = Schedule(fwd + w.steps)
+    for i, s in enumerate(steps):
+        s.index = i
+    steps.in_shape, steps.out_shape = w.shape_in, w.shape_out
     return steps
+
+
+def _forward(w, L, src, dst):
+    """One layer of the forward walk: its op's rules and shape, and the tensor versions."""
+    w.io[L.name] = (src, dst)
+    w.version.setdefault(dst, 0)
+    t = (src, w.version[src])
+    c, h, wd = w.shape[src]
+    w.tin[L.name] = t
+    OPS[L.op].check(L, (c, h, wd), w)
+    out = tuple(OPS[L.op].out_shape(L, (c, h, wd)))
+    if min(out) < 1:
+        raise NetworkError(f"input_shape {w.shape['input']} is too small: layer {L.name!r} "
+                           f"would produce {out}")
+    w.shape_in[L.name], w.shape_out[L.name] = (c, h, wd), out
+    w.version[dst] += 1
+    w.shape[dst] = out
+    w.tout[L.name] = (dst, w.version[dst])
+    w.producer[w.tout[L.name]] = L
+
+
+def _split_head(net):
+    layers = list(net.layers)
+    ops = [L.op for L in layers]
+    if tuple(ops[-2:]) != HEAD or any(op in HEAD for op in ops[:-2]):
+        raise NetworkError(f"network {net.name!r} must end with exactly one head (Network.head: "
+                           f"global average pool, then linear), and have no other "
+                           f"{'/'.join(HEAD)} layer")
+    return layers[:-2], layers[-2:]
+
+
+def _check_record(L, names, version):
+    """The rules every layer record obeys, whatever its op."""
+    if L.op not in OPS or L.op in HEAD or L.op in STEP_ONLY:
+        raise NetworkError(f"layer {L.name!r}: unknown op {L.op!r}")
+    if L.name in names:
+        raise NetworkError(f"layer name {L.name!r} is used twice or reserved; names must be unique")
+    names.add(L.name)
+    if L.src not in ROLES or L.dst not in BUFFERS:
+        raise NetworkError(f"layer {L.name!r}: reads {L.src!r} and writes {L.dst!r}; layers read "
+                           f"{', '.join(ROLES)} and write {', '.join(BUFFERS)} (never the input)")
+    if L.src != "input" and version[L.src] == 0:
+        raise NetworkError(f"layer {L.name!r} reads {L.src} before any layer wrote it")
+    if L.src == "input" and not OPS[L.op].reads_input:
+        raise NetworkError(f"{L.op} {L.name!r} reads the network input, which may feed convs only")
+    if L.src == L.dst and not OPS[L.op].in_place:
+        raise NetworkError(f"{L.op} {L.name!r} reads and writes {L.src}: it cannot run in place "
+                           f"(its output has another shape and is written while the input is read)")

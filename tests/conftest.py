@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 
 import lowmem  # noqa: E402
 from lowmem.network import Parameter  # noqa: E402
+from reference import central_difference  # noqa: E402  (tests/reference.py)
 
 lowmem.set_backend("numpy")
 
@@ -26,22 +27,9 @@ def rng():
     return np.random.default_rng(1234)
 
 
-def central_difference(f, x, d, eps):
-    """(f(x + eps*d) - f(x - eps*d)) / (2*eps), perturbing the array x in place and restoring it."""
-    x0 = x.copy()
-    try:
-        x[...] = x0 + eps * d
-        fp = f()
-        x[...] = x0 - eps * d
-        fm = f()
-    finally:
-        x[...] = x0
-    return (fp - fm) / (2 * eps)
-
-
 @pytest.fixture
 def fd():
-    """The central-difference helper, as a fixture (test modules are not importable packages)."""
+    """reference.central_difference, as a fixture."""
     return central_difference
 
 

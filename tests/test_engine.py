@@ -458,7 +458,7 @@ def test_input_too_small_for_the_network():
     net.bnrelu("bn_final", "res", "act0", 4)
     net.head("act0", 4)
     Engine(net, batch_size=2, input_shape=(3, 3, 3))      # (batch 1: BN over one value, refused)
-    with pytest.raises(ValueError, match=r"input_shape \(3, 2, 2\) is too small: layer conv1"):
+    with pytest.raises(ValueError, match=r"input_shape \(3, 2, 2\) is too small: layer 'conv1' would produce \(4, 0, 0\)"):
         Engine(copy.deepcopy(net), batch_size=1, input_shape=(3, 2, 2))
 
 

@@ -12,6 +12,8 @@ aliasing the docstrings allow, and row-block/chunk boundaries.
 import numpy as np
 import pytest
 
+from reference import check_grad, conv_ref, maxpool_backward_ref, maxpool_ref
+
 from lowmem.ops import batchnorm as bn
 from lowmem.ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size,
                         bn_normalize_forward, bn_relu_apply_forward, bn_eval_relu_forward,
@@ -22,38 +24,7 @@ from lowmem.ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_w
 EPS_BN = 1e-5
 
 
-def check_grad(fd, f, x, grad, rng, eps=1e-6, n_dirs=3, n_coords=4, rtol=1e-6, atol=1e-10):
-    """Analytic `grad` of scalar f() w.r.t. array x vs central differences:
-    random directions, then single coordinates."""
-    dirs = [rng.standard_normal(x.shape) for _ in range(n_dirs)]
-    for flat in rng.choice(x.size, size=min(n_coords, x.size), replace=False):
-        d = np.zeros(x.size)
-        d[flat] = 1
-        dirs.append(d.reshape(x.shape))
-    for d in dirs:
-        numeric = fd(f, x, d, eps)
-        analytic = float(np.sum(grad * d))
-        assert abs(numeric - analytic) <= rtol * abs(analytic) + atol, (numeric, analytic)
-
-
 # ------------------------------------------------------------------- conv
-
-def conv_ref(x, w, stride, pad):
-    """Naive float64 loops: out[o, n, i, j] = sum over (c, a, b) of xpad[c, n, s*i + a, s*j + b] * w[o, c, a, b]."""
-    Cin, N, H, W = x.shape
-    Cout, _, kh, kw = w.shape
-    xpad = np.zeros((Cin, N, H + 2 * pad, W + 2 * pad))
-    xpad[:, :, pad:pad + H, pad:pad + W] = x
-    Ho, Wo = (H + 2 * pad - kh) // stride + 1, (W + 2 * pad - kw) // stride + 1
-    out = np.zeros((Cout, N, Ho, Wo))
-    for o in range(Cout):
-        for n in range(N):
-            for i in range(Ho):
-                for j in range(Wo):
-                    patch = xpad[:, n, stride * i:stride * i + kh, stride * j:stride * j + kw]
-                    out[o, n, i, j] = np.sum(patch * w[o])
-    return out
-
 
 # (k, stride, pad, H, W)
 CONV_CASES = [
@@ -123,8 +94,8 @@ def test_conv_backward_finite_differences(rng, fd, k, stride, pad, H, W):
     w_grad0 = rng.standard_normal(w.shape)  # parameter gradients accumulate
     dw = w_grad0.copy()
     conv2d_backward_weight(dw, x, G, stride, pad, ws)
-    check_grad(fd, loss, x, dx, rng, eps=1e-3)      # conv is linear: any eps works
-    check_grad(fd, loss, w, dw - w_grad0, rng, eps=1e-3)
+    check_grad(loss, x, dx, rng, eps=1e-3)      # conv is linear: any eps works
+    check_grad(loss, w, dw - w_grad0, rng, eps=1e-3)
     # the adjoint identity <conv(x), G> = <x, dx>, to rounding
     assert np.isclose(loss(), np.sum(x * dx), rtol=1e-12)
 
@@ -253,9 +224,9 @@ def test_bn_relu_unit_backward_finite_differences(rng, fd, variant):
                      accumulate=variant == "accumulate")
     if variant == "accumulate":
         dx = dx - prior
-    check_grad(fd, loss, x, dx, rng)
-    check_grad(fd, loss, gamma, dgamma - g0, rng)
-    check_grad(fd, loss, beta, dbeta - b0, rng)
+    check_grad(loss, x, dx, rng)
+    check_grad(loss, gamma, dgamma - g0, rng)
+    check_grad(loss, beta, dbeta - b0, rng)
     # the zero-gamma channel passes no gradient to x
     assert np.all(dx[2] == 0)
 
@@ -336,32 +307,6 @@ def test_bn_row_blocks_give_identical_results(rng, monkeypatch, rows_per_block):
 
 # ---------------------------------------------------------------- pooling
 
-def maxpool_ref(x, k=3, stride=2, pad=1):
-    """Naive loops with -inf padding: max and row-major index of the FIRST maximum per window."""
-    C, N, H, W = x.shape
-    Ho, Wo = conv_out_size(H, k, stride, pad), conv_out_size(W, k, stride, pad)
-    xpad = np.full((C, N, H + 2 * pad, W + 2 * pad), -np.inf)
-    xpad[:, :, pad:pad + H, pad:pad + W] = x
-    out, idx = np.empty((C, N, Ho, Wo)), np.empty((C, N, Ho, Wo), np.uint8)
-    for c in range(C):
-        for n in range(N):
-            for i in range(Ho):
-                for j in range(Wo):
-                    win = xpad[c, n, stride * i:stride * i + k, stride * j:stride * j + k].ravel()
-                    idx[c, n, i, j] = np.argmax(win)           # first occurrence
-                    out[c, n, i, j] = win[idx[c, n, i, j]]
-    return out, idx
-
-
-def maxpool_backward_ref(dout, idx, H, W, k=3, stride=2, pad=1):
-    C, N, Ho, Wo = dout.shape
-    dx = np.zeros((C, N, H, W))
-    for c, n, i, j in np.ndindex(C, N, Ho, Wo):
-        a, b = divmod(int(idx[c, n, i, j]), k)
-        dx[c, n, stride * i + a - pad, stride * j + b - pad] += dout[c, n, i, j]
-    return dx
-
-
 @pytest.mark.parametrize("H,W", [(7, 7), (8, 6), (2, 3), (1, 1)])
 @pytest.mark.parametrize("ties", [False, True])
 def test_maxpool_forward_backward_against_loops(rng, H, W, ties):
@@ -393,7 +338,7 @@ def test_maxpool_backward_finite_differences(rng, fd):
     loss()
     dx = np.empty_like(x)
     maxpool_backward(dx, G, idx)
-    check_grad(fd, loss, x, dx, rng, eps=1e-6, n_coords=8)
+    check_grad(loss, x, dx, rng, eps=1e-6, n_coords=8)
 
 
 def test_avgpool_forward_backward(rng, fd):
@@ -410,7 +355,7 @@ def test_avgpool_forward_backward(rng, fd):
     np.testing.assert_allclose(out, x.mean(axis=(2, 3)).T, rtol=1e-13)
     dx = np.full_like(x, np.nan)
     avgpool_backward(dx, G)
-    check_grad(fd, loss, x, dx, rng, eps=1e-3)
+    check_grad(loss, x, dx, rng, eps=1e-3)
 
 
 # ----------------------------------------------------------------- linear
@@ -430,9 +375,9 @@ def test_linear_forward_backward(rng, fd):
     w0, b0 = rng.standard_normal(w.shape), rng.standard_normal(K)
     dw, db, dx = w0.copy(), b0.copy(), np.full_like(x, np.nan)
     linear_backward(dx, dw, db, G, x, w)
-    check_grad(fd, loss, x, dx, rng, eps=1e-3)
-    check_grad(fd, loss, w, dw - w0, rng, eps=1e-3)
-    check_grad(fd, loss, b, db - b0, rng, eps=1e-3)
+    check_grad(loss, x, dx, rng, eps=1e-3)
+    check_grad(loss, w, dw - w0, rng, eps=1e-3)
+    check_grad(loss, b, db - b0, rng, eps=1e-3)
     dw2, db2 = w0.copy(), b0.copy()
     linear_backward(None, dw2, db2, G, x, w)        # dx is optional
     np.testing.assert_array_equal(dw2, dw)
@@ -461,7 +406,7 @@ def test_softmax_xent_forward_backward(rng, fd):
     np.testing.assert_allclose(probs, ref_probs, rtol=1e-12)
     dlogits = np.full((N, K), np.nan)
     softmax_xent_backward(dlogits, probs, labels)
-    check_grad(fd, loss, logits, dlogits, rng, eps=1e-6, n_coords=6)
+    check_grad(loss, logits, dlogits, rng, eps=1e-6, n_coords=6)
 
 
 def test_softmax_xent_is_stable_for_large_logits():

@@ -18,7 +18,7 @@ def test_every_buffer_and_slot_a_step_names_is_in_the_plan():
     for eng in engines():
         names = {e.name for e in eng.plan.entries}
         for s in eng.schedule:
-            for buf in (s.src, s.dst, s.dout, s.dest, s.scratch, s.unit_saved, *s.saved, *s.params):
+            for buf in (s.src, s.dst, s.dout, s.dx, s.scratch, s.unit_saved, *s.saved, *s.params):
                 assert not buf or buf in names, (eng.net.name, str(s), buf)
             assert "feat" not in (s.src, s.dst), str(s)       # one name per buffer: "fc.input"
 
@@ -30,11 +30,11 @@ def test_backward_buffers_never_collide():
         for s in eng.schedule:
             if s.phase != "bwd" or s.op in ("loss", "linear", "avgpool"):
                 continue
-            assert s.dout in BUFFERS and (s.dest in BUFFERS or s.dest == "")
+            assert s.dout in BUFFERS and (s.dx in BUFFERS or s.dx == "")
             if s.scratch:
-                assert s.scratch not in (s.dout,) and (s.op != "conv" or s.accumulate or s.dest == s.scratch)
+                assert s.scratch not in (s.dout,) and (s.op != "conv" or s.accumulate or s.dx == s.scratch)
             if s.op == "conv" and s.accumulate:
-                assert len({s.dout, s.dest, s.scratch}) == 3, str(s)
+                assert len({s.dout, s.dx, s.scratch}) == 3, str(s)
 
 
 def test_conv_backward_names_the_unit_that_rebuilds_its_input():
@@ -58,7 +58,7 @@ def test_printing_shows_every_step_and_format_summarises():
 def test_the_residual_add_shares_gradient_storage():
     eng = Engine(preact_resnet_cifar(8), 2, (3, 8, 8), "exact", allocate=False)
     adds = [s for s in eng.schedule if s.phase == "bwd" and s.op == "add"]
-    assert adds and all(s.dest == s.dout and "(shared)" in s.writes() for s in adds)
+    assert adds and all(s.dx == s.dout and "(shared)" in s.writes() for s in adds)
     # the skip path's second contribution accumulates: the first block's bn1 adds into res
     accum = [s for s in eng.schedule if s.phase == "bwd" and s.accumulate]
     assert accum and np.all([s.op in ("conv", "bnrelu") for s in accum])

@@ -49,7 +49,7 @@ def run(net, mode, bits, use_fast=None, steps=2):
     for _ in range(steps):
         loss, logits = eng.forward(x, y)
         if slots is None:
-            slots = {L: eng.slot(eng.saved_slots[L][0]).copy() for L in units(net)}
+            slots = {L: eng.arrays[eng.saved_slots[L][0]].copy() for L in units(net)}   # n = N: whole
         eng.backward()
         if grads is None:
             grads = {p.name: p.grad.copy() for p in eng.net.parameters()}

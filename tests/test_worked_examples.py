@@ -95,9 +95,9 @@ def test_the_only_accumulating_steps_are_the_skip_and_shortcut_ones():
     for b in blocks:
         if b + ".shortcut" in bwd:
             want.append(b + ".shortcut")
-            assert bwd[b + ".shortcut"].dest == bwd[b + ".conv1"].dest
-            assert bwd[b + ".shortcut"].dout == bwd[b + ".add"].dest
+            assert bwd[b + ".shortcut"].dx == bwd[b + ".conv1"].dx
+            assert bwd[b + ".shortcut"].dout == bwd[b + ".add"].dx
         else:
             want.append(b + ".bn1")
-            assert bwd[b + ".bn1"].dest == bwd[b + ".add"].dest != bwd[b + ".bn1"].dout
+            assert bwd[b + ".bn1"].dx == bwd[b + ".add"].dx != bwd[b + ".bn1"].dout
     assert acc == sorted(want)

@@ -16,8 +16,7 @@ mask to the output gradient chunk by chunk, so no mask array is needed.
 from .. import quant
 from ..backend import array_module
 from ..ops import bn_normalize, bn_relu_apply_forward, bn_relu_backward, bn_stats
-
-BN_EPS = 1e-5
+from ..ops.batchnorm import BN_EPS
 
 
 class ExactUnits:

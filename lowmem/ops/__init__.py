@@ -14,6 +14,7 @@ from .conv import conv2d_forward, conv2d_backward_input, conv2d_backward_weight,
 from .batchnorm import (bn_stats, bn_normalize, bn_normalize_forward, bn_relu_apply_forward,
                         relu_mask, bn_relu_backward, bn_relu_backward_sums, bn_relu_backward_apply,
                         update_running_stats, bn_eval_relu_forward)
-from .pool import (maxpool_forward, maxpool_backward, avgpool_forward, avgpool_backward)
+from .pool import (maxpool_forward, maxpool_backward, avgpool_forward, avgpool_backward,
+                   avgpool2d_forward, avgpool2d_backward)
 from .linear import linear_forward, linear_backward
 from .loss import softmax_xent_forward, softmax_xent_backward

@@ -18,6 +18,7 @@ are bounded and never activation-sized.
 from ..backend import array_module
 
 ROW_BLOCK = 1 << 16
+BN_EPS = 1e-5           # added to the variance (PyTorch's default)
 
 
 def row_blocks(C, M, max_elems=None):

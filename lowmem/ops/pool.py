@@ -1,7 +1,8 @@
-"""Pooling: 3x3/2 max-pool (ImageNet stem) and global average pool (head).
+"""Pooling: 3x3/2 max-pool (ImageNet stem), k x k average pool, global average pool (head).
 
 Dimensions: C channels, N batch, H, W input, Ho, Wo output.
-Layout: x (C, N, H, W); max-pool out (C, N, Ho, Wo); avg-pool out (N, C).
+Layout: x (C, N, H, W); max-pool and k x k average pool out (C, N, Ho, Wo); global
+average pool out (N, C).
 """
 from ..backend import array_module
 from .conv import window_slices
@@ -51,3 +52,26 @@ def avgpool_backward(dx, dout):
     xp = array_module(dx)
     H, W = dx.shape[2:]
     xp.multiply(dout.T[:, :, None, None], 1.0 / (H * W), out=dx)
+
+
+def avgpool2d_forward(out, x, k, stride, pad):
+    """out (C, N, Ho, Wo) = mean of x (C, N, H, W) over each k x k window; zero padding
+    counts in the mean (divide by k*k everywhere, as PyTorch's count_include_pad=True)."""
+    H, W = x.shape[2:]
+    Ho, Wo = out.shape[2:]
+    out.fill(0)
+    for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, k, k, stride, pad):
+        out[:, :, oh, ow] += x[:, :, ih, iw]
+    out *= 1.0 / (k * k)
+
+
+def avgpool2d_backward(dx, dout, k, stride, pad):
+    """dx (C, N, H, W) = each dout (C, N, Ho, Wo) / (k*k), spread over its window.
+
+    # saved: nothing (the backward needs only the shapes)."""
+    H, W = dx.shape[2:]
+    Ho, Wo = dout.shape[2:]
+    dx.fill(0)
+    for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, k, k, stride, pad):
+        dx[:, :, ih, iw] += dout[:, :, oh, ow]          # in place: no temporary
+    dx *= 1.0 / (k * k)
