@@ -56,8 +56,8 @@ import numpy
 from . import backend, quant
 from .engine import Engine
 from .kernels.reference import ExactUnits
-from .layers import OPS
-from .ops import bn_relu_backward, conv2d_backward_weight, softmax_xent_backward
+from .ops import bn_relu_backward, conv2d_backward_weight
+from .optable import OPS
 
 BITS = (1, 2, 4, 8)
 FLOAT = "float"
@@ -105,26 +105,34 @@ def _exact_engine(net, batches, dtype):
 
 
 def _units(eng):
-    return [L.name for L in eng.net.layers if L.op == "bnrelu"]
+    return list(eng.unit_bits)
+
+
+def _xhat(eng, slot, shape):
+    """A unit's saved x-hat (exact engine) for the current batch: (C, n*H*W) rows."""
+    c, h, w = shape
+    return eng.arrays[slot][:, :eng.run.n * h * w]
 
 
 def _backward_sweep(eng, units_for=None, before=None):
     """One backward sweep over the current forward state of `eng` (the saved slots stay intact,
     so it can run again). units_for(unit name) -> the kernel set of that unit (None: exact);
     before(step): called before each backward step's handler. Returns {param name: grad copy}."""
-    exact = eng.units                             # {unit: set}
+    run = eng.run
+    exact = run.units                             # {unit: set}
     swept = {u: (units_for(u) if units_for else None) or s for u, s in exact.items()}
     eng.arrays["grads"].fill(0)
-    eng.input_grad = False
-    softmax_xent_backward(eng.slot("dlogits"), eng.slot("loss.probs"), eng.slot("labels"))
-    for step in eng.schedule:
-        if step.phase != "bwd" or step.op == "loss":
-            continue
-        if before is not None:
-            before(step)
-        eng.units = swept
-        OPS[step.op].backward(eng, step)
-    eng.units = exact
+    run.input_grad = False
+    run.units = swept
+    try:
+        for step in eng.schedule:                 # the loss first, then the layers, last first
+            if step.phase != "bwd":
+                continue
+            if before is not None:
+                before(step)
+            OPS[step.op].backward(run, step)
+    finally:
+        run.units = exact
     return {p.name: backend.to_numpy(p.grad).astype(numpy.float64) for p in eng.net.parameters()}
 
 
@@ -214,7 +222,7 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
         def before(step):
             if step.op == "bnrelu":
                 u = step.layer.name
-                g, b = (eng.param(n).data for n in step.params)
+                g, b = (eng.run.params[n].data for n in step.params)
                 owner[step.params[0]] = u
                 for p in step.params:
                     arrival[p] += injected_so_far[0]
@@ -299,12 +307,12 @@ def _deltas(cache, u, xhat, gamma, beta):
 def _measure_unit(eng, step, u, gamma, beta, local, inject, tensor_local, k0, cache):
     """At unit u's backward step, before it runs: the exact incoming gradient dr and x-hat give
     delta dgamma and delta dx of quantizing u at each K."""
-    xhat = eng.slot(step.saved[0])
+    xhat = _xhat(eng, step.saved[0], step.in_shape)
     rstd = eng.arrays[step.saved[1]]
     C, M = xhat.shape
     mask, deltas = _deltas(cache, u, xhat, gamma, beta)
     del cache[u]                                            # u's convs ran before it: done with u
-    dy = eng.rows(step.dout, step.out_shape) * mask
+    dy = eng.run.rows(step.dout, step.out_shape) * mask
     s_exact = (dy * xhat).sum(axis=1)
     for k in BITS:
         delta = deltas[k]
@@ -325,11 +333,12 @@ def _measure_conv(eng, step, u, local, tensor_local, k0, cache):
     norm of the conv-input error (rounding error is uncorrelated with the output gradient, so the
     weight-gradient error grows with the input error's energy: checked by benchmarks/bits_validate.py)."""
     xp = eng.xp
-    L, p = step.layer, eng.param(step.params[0])
-    g, b = (eng.param(n).data for n in step.unit_params)
-    xhat = eng.slot(step.unit_saved)
+    run = eng.run
+    L, p = step.layer, run.params[step.params[0]]
+    g, b = (run.params[n].data for n in step.unit_params)
+    xhat = _xhat(eng, step.unit_saved, step.in_shape)
     mask, deltas = _deltas(cache, u, xhat, g, b)
-    du = eng.rows(step.scratch, step.in_shape)           # free until the handler rebuilds into it
+    du = run.rows(step.scratch, step.in_shape)           # free until the handler rebuilds into it
     energy = {}
     for k in BITS:
         # approx's rebuilt input minus the exact one where the mask is open (0 where closed)
@@ -338,7 +347,7 @@ def _measure_conv(eng, step, u, local, tensor_local, k0, cache):
         energy[k] = _sq(du)
         if k == k0:
             dw = xp.zeros_like(p.data)
-            conv2d_backward_weight(dw, eng.act(step.scratch, step.in_shape), eng.act(step.dout, step.out_shape),
+            conv2d_backward_weight(dw, run.act(step.scratch, step.in_shape), run.act(step.dout, step.out_shape),
                                    L.stride, L.pad, eng.arrays["conv.cols"])
             e0 = _sq(dw)
     for k in BITS:
