@@ -38,14 +38,34 @@ The grid, per channel c (all in units of x̂, i.e. of the batch std):
 
 The grid needs only γ and β: no min/max pass over the data, deterministic.
 
+Rounding (`rounding=`): "nearest" (the default) takes code = floor((u − lo)/w),
+the bin whose midpoint is nearest. "stochastic" takes floor((u − lo)/w + d)
+with d uniform in [−1/2, 1/2) from a counter-based stream (`random_offsets`):
+between two neighbouring midpoints it picks the upper with probability equal
+to the distance from the lower over w, so E[x̃] = x̂. The same two clamps
+follow (window, then the exact mask's side), so the mask stays exact on every
+draw, and the decode is unchanged (the midpoint). Unbiased where u lies
+between the midpoints of the lowest and highest code its side of the
+threshold allows; outside that (within half a bin of the threshold, at the
+window's ends, beyond them) the clamp gives that end code, as nearest rounding
+does. docs/quantizer.md §6.
+
+The random stream: element i (flat C order) of a call with key K gets
+h = mix64(mix64(K) + (i + 1)·φ mod 2**64) (SplitMix64 seeded with mix64(K):
+φ = 0x9E3779B97F4A7C15, mix64 its finaliser) and d = ((h >> 40) − 2**23)·2**−24,
+24 bits, exact in float32 and float64. Integer-only, so NumPy, numba and
+CUDA compute the same d and, with the same float operations, the same codes.
+`stream_key(seed, step, unit, rank)` derives a key per unit and step.
+
 Codes are packed 8/K per byte, little end first: element i (flat C order)
 lives at bits (i % (8/K))·K of byte i // (8/K); `ceil(n·K/8)` bytes.
 
 Memory: `quantize_pack`, `unpack_decode`, `decode_relu`, `pack_codes` and
 `unpack_codes` walk the array in chunks of `CHUNK` flat elements (a multiple
 of 8, so every chunk starts on a byte boundary for every K) and allocate
-only chunk-sized scratch, about 20 bytes per CHUNK element in all, whatever
-the array size. `quantize_simulated` is the whole-array float reference
+only chunk-sized scratch, about 20 bytes per CHUNK element in all (44 with
+stochastic rounding: three uint64 arrays for the stream), whatever the
+array size. `quantize_simulated` is the whole-array float reference
 (readable, allocates freely) that the packed path must match bit for bit.
 
 Not here: choosing K, storing rstd, the backward maths (batchnorm/relu ops).
@@ -68,6 +88,15 @@ CHUNK = 1 << 16     # flat elements per chunk; a multiple of 8 (tests lower it)
 # docs/quantizer.md §1b); the paper's ±3 for every K saturates too much at 8 bits.
 WINDOWS = {8: 5.5, 4: 3.5, 2: 2.5, 1: 2.0}
 MAX_ODD = 64        # w = m·2**e with odd m < MAX_ODD keeps (code + 0.5)·w exact in float32
+ROUNDINGS = ("nearest", "stochastic")
+
+# The random stream of stochastic rounding: SplitMix64 (Steele, Lea, Flood 2014; the
+# finaliser is Stafford's "Mix13"), in uint64 arithmetic that wraps the same everywhere.
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15     # φ·2**64, the stream's increment
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+OFFSET_BITS = 24                # d has 24 random bits: exact in float32 and float64
 
 
 def check_bits(bits):
@@ -107,6 +136,80 @@ def bin_width(bits):
 def packed_nbytes(n, bits):
     """Bytes holding n K-bit codes: ceil(n*bits/8)."""
     return (int(n) * check_bits(bits) + 7) // 8
+
+
+def check_rounding(rounding):
+    """Return `rounding` if it is "nearest" or "stochastic"; else ValueError."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    return rounding
+
+
+def check_key(key):
+    """Return `key` as an int if it is an integer in [0, 2**64); else ValueError."""
+    ok = isinstance(key, numbers.Integral) and not isinstance(key, bool) and 0 <= int(key) <= MASK64
+    if not ok:
+        raise ValueError(f"key must be an integer in [0, 2**64), got {key!r}")
+    return int(key)
+
+
+def mix64(z):
+    """SplitMix64's finaliser on a Python int (taken mod 2**64): a bijection of uint64 whose
+    every output bit depends on every input bit."""
+    z &= MASK64
+    z = ((z ^ (z >> 30)) * MIX1) & MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & MASK64
+    return z ^ (z >> 31)
+
+
+def stream_key(seed, step, unit, rank=0):
+    """The key of one unit's stochastic rounding in one training step: a uint64 (Python int)
+    mixing the run's seed, the step number, the unit's index and the data-parallel rank (each
+    a non-negative integer), so every unit, step and rank draws its own stream and a rerun
+    with the same seed draws the same ones."""
+    z = 0
+    for part in (seed, step, unit, rank):
+        z = mix64(z ^ check_key(part)) + GOLDEN      # a new, well-mixed value per part
+    return mix64(z)
+
+
+def stream_base(rounding, key):
+    """The stream's start mix64(key) (an int) for stochastic rounding; None for nearest
+    (which ignores key). Stochastic rounding without a key is a ValueError."""
+    if check_rounding(rounding) == "nearest":
+        return None
+    if key is None:
+        raise ValueError("rounding='stochastic' needs a key: an integer in [0, 2**64), "
+                         "e.g. quant.stream_key(seed, step, unit)")
+    return mix64(check_key(key))
+
+
+def _mix64_array(z, tmp):
+    """mix64 of uint64 array z in place (tmp: uint64 scratch of z's size). Array ops wrap
+    mod 2**64 silently (NumPy warns only for scalars)."""
+    xp = array_module(z)
+    for shift, mult in ((30, MIX1), (27, MIX2)):
+        xp.right_shift(z, numpy.uint64(shift), out=tmp)
+        xp.bitwise_xor(z, tmp, out=z)
+        xp.multiply(z, numpy.uint64(mult), out=z)
+    xp.right_shift(z, numpy.uint64(31), out=tmp)
+    xp.bitwise_xor(z, tmp, out=z)
+
+
+def random_offsets(key, n, dtype, start=0, xp=numpy):
+    """d (n,) in dtype: stochastic rounding's offsets of elements start .. start+n−1 of a call
+    with `key`; d = ((h >> 40) − 2**23)·2**−24 in [−1/2, 1/2), h = mix64(mix64(key) +
+    (i + 1)·φ). Readable whole-array form (allocates freely); quantize_pack computes the same
+    per chunk."""
+    base = stream_base("stochastic", key)
+    z = xp.arange(start + 1, start + n + 1, dtype=numpy.uint64)
+    z *= numpy.uint64(GOLDEN)
+    z += numpy.uint64(base)
+    _mix64_array(z, xp.empty_like(z))
+    d = (z >> numpy.uint64(64 - OFFSET_BITS)).astype(dtype)    # < 2**24: exact
+    d -= 1 << (OFFSET_BITS - 1)
+    d *= 2.0 ** -OFFSET_BITS
+    return d
 
 
 def _chunk(n=None):
@@ -184,11 +287,13 @@ def quant_params(gamma, beta, bits):
     return QuantParams(bits, s, lo, k, gamma.copy(), beta.copy())
 
 
-def quantize_simulated(xhat, gamma, beta, bits):
+def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
     """Reference path: (x̃, mask), both (C, M), as the packed path computes them.
 
     Whole arrays, plain float maths, no chunking, no packing: the readable
     statement of the rule. Allocates several x̂-sized temporaries.
+    rounding="stochastic" adds random_offsets(key, ...) to the bin position
+    before the floor (key: an integer in [0, 2**64)); "nearest" ignores key.
     """
     xp = array_module(xhat)
     qp = quant_params(gamma, beta, bits)
@@ -196,7 +301,10 @@ def quantize_simulated(xhat, gamma, beta, bits):
     s, lo = qp.s[:, None], qp.lo[:, None]
     k = qp.k.astype(xhat.dtype)[:, None]
     mask = (xhat * gamma[:, None]) + beta[:, None] > 0      # exactly as the engine
-    code = xp.clip(xp.floor((xhat * s - lo) / w), 0, L - 1)
+    position = (xhat * s - lo) / w                           # u in bins from lo
+    if stream_base(rounding, key) is not None:               # + d: floor picks the upper
+        position = position + random_offsets(key, xhat.size, xhat.dtype, xp=xp).reshape(xhat.shape)
+    code = xp.clip(xp.floor(position), 0, L - 1)
     code = xp.where(mask, xp.maximum(code, k), xp.minimum(code, k - 1))
     xtilde = s * (lo + (code + 0.5) * w)
     return xtilde, mask
@@ -323,19 +431,22 @@ def unpack_codes(codes_out, packed, bits):
 
 # ---- quantize / decode ----------------------------------------------------
 
-def quantize_pack(packed_out, xhat, qp):
+def quantize_pack(packed_out, xhat, qp, rounding="nearest", key=None):
     """Quantize x̂ and pack its codes.
 
     packed_out (packed_nbytes(C*M, bits),) uint8   written
     xhat       (C, M) C-contiguous, dtype qp.dtype read
+    rounding   "nearest" or "stochastic"; key: the stream's key, an integer in
+               [0, 2**64), required by "stochastic" (ignored by "nearest")
     Computes the exact ReLU mask `(x̂·γ) + β > 0` itself. Scratch: about
-    (2·itemsize + 2.5)·CHUNK bytes, independent of the array size.
+    (2·itemsize + 2.5)·CHUNK bytes (+ 24·CHUNK stochastic), independent of the array size.
     """
     xp = array_module(xhat)
     C, L, w, bits = qp.channels, qp.levels, qp.w, qp.bits
     x2 = _rows(xhat, C, "xhat", qp.dtype)
     n, M = x2.size, x2.shape[1]
     _check_packed(packed_out, n, bits, "packed_out")
+    base = stream_base(rounding, key)
     # the mask clamp as one clip per element: [lower, upper] =
     # mask ? [k, L-1] : [0, k-1], i.e. lower = mask*k, upper = mask*(L-k) + k-1
     kf = qp.k.astype(qp.dtype)
@@ -347,12 +458,25 @@ def quantize_pack(packed_out, xhat, qp):
     mask = xp.empty(step, bool)
     codes = xp.empty(step, numpy.uint8)
     tmp = xp.empty(step * bits // 8, numpy.uint8)
+    if base is not None:                # the stream: element i's counter is (i + 1)·φ + base
+        iphi = xp.arange(step, dtype=numpy.uint64)
+        iphi *= numpy.uint64(GOLDEN)
+        z, ztmp = xp.empty(step, numpy.uint64), xp.empty(step, numpy.uint64)
     for a, b, pieces in _chunks(n, M):
+        if base is not None:            # this chunk's offsets d, into `bound` (used after them)
+            zz = z[:b - a]
+            xp.add(iphi[:b - a], numpy.uint64((base + (a + 1) * GOLDEN) & MASK64), out=zz)
+            _mix64_array(zz, ztmp[:b - a])
+            xp.right_shift(zz, numpy.uint64(64 - OFFSET_BITS), out=zz)
+            d = bound[:b - a]
+            xp.copyto(d, zz, casting="unsafe")                  # < 2**24: exact
+            xp.subtract(d, 1 << (OFFSET_BITS - 1), out=d)
+            xp.multiply(d, 2.0 ** -OFFSET_BITS, out=d)
         for r0, r1, c0, c1, off in pieces:
             shape, cnt = (r1 - r0, c1 - c0), (r1 - r0) * (c1 - c0)
             x = x2[r0:r1, c0:c1]
             vv = v[:cnt].reshape(shape)
-            bb = bound[:cnt].reshape(shape)
+            bb = bound[off:off + cnt].reshape(shape)    # the piece's own part: its offsets
             mm = mask[:cnt].reshape(shape)
             rows = slice(r0, r1)
             # exact mask, the engine's expression: multiply, then add
@@ -363,6 +487,8 @@ def quantize_pack(packed_out, xhat, qp):
             xp.multiply(x, qp.s[rows, None], out=vv)
             xp.subtract(vv, qp.lo[rows, None], out=vv)
             xp.divide(vv, w, out=vv)
+            if base is not None:
+                xp.add(vv, bb, out=vv)                          # + d (stochastic)
             xp.floor(vv, out=vv)
             # clip into [0, L-1] and into what the exact mask allows, in one go
             xp.multiply(mm, kf[rows, None], out=bb)
@@ -424,11 +550,20 @@ def unpack_decode(xhat_out, packed, qp, mask_out=None):
 
 
 def decode_relu(out, packed, qp, gamma, beta):
-    """The naive mode's conv input: relu(γ·x̃ + β) under the exact decoded mask.
+    """The conv input rebuilt from the code (and the naive mode's forward output):
+    relu(γ·x̃ + β) under the exact decoded mask.
 
-    out (C, M) float, C-contiguous   written: (x̃·γ) + β where code >= k, else 0
+    out (C, M) float, C-contiguous   written: (x̃·γ) + β where code >= k and that value
+                                     is > 0, else +0
     packed, qp as for unpack_decode; gamma, beta (C,) as given to quant_params.
     Scratch: 2·CHUNK bytes.
+
+    Both conditions are needed. The decoded mask (code >= k) zeroes every closed element,
+    whatever x̃ is. The value's own sign matters only for an open element whose bin lies on
+    the closed side of the threshold: when t lies beyond the window's top midpoint (k clamped
+    to L−1, the `lo` clip), x̃ of the top code is below t and (x̃·γ) + β < 0 while the true
+    input is > 0. Such an element gets 0, the nearest value its side allows; every other open
+    element already has (x̃·γ) + β > 0 and is unchanged (docs/quantizer.md §3b).
     """
     xp = array_module(packed)
     off_mask = xp.empty(_chunk(out.size), bool)
@@ -436,8 +571,11 @@ def decode_relu(out, packed, qp, gamma, beta):
     def affine_relu(ob, cb, r0, r1, c0, c1):
         xp.multiply(ob, gamma[r0:r1, None], out=ob)
         xp.add(ob, beta[r0:r1, None], out=ob)
-        # zero by the decoded mask, not by the sign of γ·x̃ + β: the mask is exact
         nm = off_mask[:ob.size].reshape(ob.shape)
+        # an open element decoded to the closed side (t beyond the window): 0, not < 0
+        xp.less_equal(ob, 0, out=nm)
+        xp.copyto(ob, 0, where=nm)
+        # zero by the decoded mask, not by the sign of γ·x̃ + β alone: the mask is exact
         xp.less(cb, qp.k[r0:r1, None], out=nm)
         xp.copyto(ob, 0, where=nm)
 

@@ -19,7 +19,12 @@ def unit(C=6, M=1024, seed=0):
     gamma = rng.standard_normal(C).astype(F)
     gamma[0], gamma[1] = 0, -1e-30             # zero and tiny gamma
     beta = (rng.standard_normal(C) * 2).astype(F)
-    beta[2] = 10 * abs(gamma[2])               # threshold far outside the window
+    beta[2] = 10 * abs(gamma[2])               # threshold far below the window
+    if C >= 5:                                 # thresholds beyond the window's top (t = 6, both
+        for c, sign in ((3, 1), (4, -1)):      # signs of gamma), with x-hat outliers past them
+            x[c, ::64] += sign * 40            # (about 7.4 sigma): open elements decoded below t
+            gamma[c] = sign * abs(gamma[c])
+            beta[c] = -6 * abs(gamma[c])
     return x, gamma, beta
 
 
@@ -83,6 +88,12 @@ def test_conv_input_equals_decode_relu(bits):
     fast.conv_input(u, None, packed, qp, g, b)
     quant.decode_relu(ref, packed, qp, g, b)
     assert np.array_equal(u, ref)
+    assert not np.signbit(u).any()              # >= 0, and +0 rather than -0
+    # the data reach the beyond-the-window case: open elements whose bin midpoint gives
+    # gamma*x-tilde + beta < 0 (channels 3, 4: gamma > 0 and < 0), rebuilt as 0
+    xs, ms = quant.quantize_simulated(xhat, g, b, bits)
+    for c in (3, 4):
+        assert (ms[c] & (xs[c] * g[c] + b[c] < 0)).any(), c
     fast.conv_input(u, xhat, None, None, g, b)
     bn_relu_apply_forward(ref, xhat, g, b)
     assert np.array_equal(u, ref)
@@ -217,3 +228,65 @@ def test_col2im_equals_numpy_reference(dtype, k, stride, pad, H, W):
     fast.col2im_add(got, cols, k, k, stride, pad, n0)
     assert np.array_equal(got, ref)
     assert not fast.supports_col2im(got[:, 1:], cols)    # a strided dx takes the reference path
+
+
+# ---- stochastic rounding: the same codes as quant.quantize_pack for the same key --------------
+
+@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("naive", [False, True])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_stochastic_codes_equal_numpy_across_blocks_and_threads(long_rows, bits, naive, inplace):
+    """rounding="stochastic": the numba codes (and naive's decoded output) equal
+    quant.quantize_pack's for the same key bit for bit, with rows of 2.5 blocks split over
+    threads (the stream counts the global element index c*M + i); another key gives other codes,
+    the same key the same ones, and the mask stays exact."""
+    x, g, b = unit(C=5, M=long_rows, seed=50 + bits)
+    mean, var, rstd = stats(x)
+    xhat = (x - mean[:, None]) * rstd[:, None]
+    qp = quant.quant_params(g, b, bits)
+    key = quant.stream_key(7, 3, 2)
+    packed, ref = (np.empty(quant.packed_nbytes(x.size, bits), np.uint8) for _ in range(2))
+    out = x.copy() if inplace else np.full_like(x, np.nan)
+    fast.unit_forward_code(out, packed, out if inplace else x, mean, rstd, g, b, qp, naive, "stochastic", key)
+    quant.quantize_pack(ref, xhat, qp, "stochastic", key)
+    assert np.array_equal(packed, ref)
+    ref_out = np.empty_like(x)
+    if naive:
+        quant.decode_relu(ref_out, ref, qp, g, b)
+    else:
+        bn_relu_apply_forward(ref_out, xhat, g, b)       # approx: the forward is exact still
+    assert np.array_equal(out, ref_out)
+    xt, mask = np.empty_like(x), np.empty(x.shape, bool)
+    quant.unpack_decode(xt, packed, qp, mask_out=mask)
+    assert np.array_equal(mask, (xhat * g[:, None]) + b[:, None] > 0)
+    near = np.empty_like(packed)
+    quant.quantize_pack(near, xhat, qp)
+    again, other = np.empty_like(packed), np.empty_like(packed)
+    fast.unit_forward_code(np.empty_like(x), again, x, mean, rstd, g, b, qp, naive, "stochastic", key)
+    fast.unit_forward_code(np.empty_like(x), other, x, mean, rstd, g, b, qp, naive, "stochastic", key + 1)
+    assert np.array_equal(again, packed) and not np.array_equal(other, packed)
+    assert not np.array_equal(near, packed)
+
+
+def test_the_code_sets_round_stochastically_alike():
+    """FusedCodeUnits(cpu, rounding="stochastic") and CodeUnits(rounding="stochastic"): the same
+    saved codes and conv input for the same key; forward without a key is refused."""
+    from lowmem.kernels import fused
+    from lowmem.kernels.reference import CodeUnits
+    x, g, b = unit(C=6, M=2048, seed=60)
+    C, M = x.shape
+    mean, var, rstd = stats(x)
+    got = {}
+    for name, units in (("ref", CodeUnits(2, rounding="stochastic")),
+                        ("numba", fused.FusedCodeUnits(fast, 2, rounding="stochastic"))):
+        shape, dt = units.saved_entry(C, M, F)
+        slot, out, u = np.zeros(shape, dt), np.empty_like(x), np.empty_like(x)
+        with pytest.raises(ValueError, match="needs a key"):
+            units.forward(out, units.saved_view(slot, C, M), x, mean, rstd, g, b)
+        units.forward(out, units.saved_view(slot, C, M), x, mean, rstd, g, b, key=99)
+        units.conv_input(u, units.saved_view(slot, C, M), g, b)
+        got[name] = (slot, out, u)
+    for a, c in zip(got["ref"], got["numba"]):
+        assert np.array_equal(a, c)
+    with pytest.raises(ValueError, match="rounding must be"):
+        CodeUnits(4, rounding="floor")

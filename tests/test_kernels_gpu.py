@@ -172,7 +172,8 @@ class Emulated:
 
     def _ctype(self, t):
         return {"real*": self.dtype, "double*": np.dtype(np.float64), "unsigned char*": np.dtype(np.uint8),
-                "real": self.dtype.type, "double": np.float64, "int": np.int32, "long long": np.int64}[t]
+                "real": self.dtype.type, "double": np.float64, "int": np.int32, "long long": np.int64,
+                "unsigned long long": np.uint64}[t]
 
     def get_function(self, name):
         fn, sig = getattr(self.lib, "launch_" + name), self.signatures[name]
@@ -248,7 +249,8 @@ def dev(request, monkeypatch):
 
 def unit(dtype, C=7, M=1024, seed=0):
     """x (C, M) and gamma, beta covering the quantizer's cases: gamma = 0, tiny negative gamma,
-    a threshold far outside the window, negative gammas, a threshold inside it."""
+    a threshold far below the window, negative gammas, a threshold inside it, and (C >= 6)
+    thresholds beyond the window's top with open elements past them."""
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(dtype)
     gamma = rng.standard_normal(C).astype(dtype)
@@ -257,6 +259,11 @@ def unit(dtype, C=7, M=1024, seed=0):
     beta[2] = 10 * abs(gamma[2])
     beta[0] = -0.5
     gamma[3], beta[3] = -0.7, 0.2
+    if C >= 6:                                 # thresholds beyond the window's top (t = 6, both
+        for c, sign in ((4, 1), (5, -1)):      # signs of gamma), with x-hat outliers past them
+            x[c, ::64] += sign * 40            # (about 7.4 sigma): open elements decoded below t
+            gamma[c] = sign * abs(gamma[c])
+            beta[c] = -6 * abs(gamma[c])
     return x, gamma, beta
 
 
@@ -318,6 +325,41 @@ def test_forward_code_packs_bit_identical_codes(dev, dtype, bits, naive):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("naive", [False, True])
+def test_stochastic_forward_code_packs_numpys_codes(dev, dtype, bits, naive):
+    """rounding="stochastic": the CUDA codes (uint64 stream in-kernel) equal quant.quantize_pack's
+    for the same key bit for bit, and naive's decoded output; the same key gives the same codes,
+    another key other ones; the mask stays exact."""
+    x, g, b = unit(dtype, seed=40 + bits)
+    xhat, mean, _, rstd = host_stats(x)
+    qp = quant.quant_params(g, b, bits)
+    key = quant.stream_key(1, 2, 3)
+    ref = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
+    quant.quantize_pack(ref, xhat, qp, "stochastic", key)
+    ref_out = np.empty_like(x)
+    if naive:
+        quant.decode_relu(ref_out, ref, qp, g, b)
+    else:
+        bn_relu_apply_forward(ref_out, xhat, g, b)
+    args = [dev.put(a) for a in (mean, rstd, g, b)]
+    packed, xd = dev.put(np.zeros_like(ref)), dev.put(x)
+    cuda.unit_forward_code(xd, packed, xd, *args, bits, naive, "stochastic", key)
+    assert np.array_equal(dev.get(packed), ref)
+    assert np.array_equal(dev.get(xd), ref_out)
+    xt, mask = np.empty_like(x), np.empty(x.shape, bool)
+    quant.unpack_decode(xt, ref, qp, mask_out=mask)
+    assert np.array_equal(mask, (xhat * g[:, None]) + b[:, None] > 0)
+    again, other = dev.put(np.zeros_like(ref)), dev.put(np.zeros_like(ref))
+    cuda.unit_forward_code(dev.put(np.empty_like(x)), again, dev.put(x), *args, bits, naive, "stochastic", key)
+    cuda.unit_forward_code(dev.put(np.empty_like(x)), other, dev.put(x), *args, bits, naive, "stochastic",
+                           key ^ 1)
+    assert np.array_equal(dev.get(again), ref) and not np.array_equal(dev.get(other), ref)
+    with pytest.raises(ValueError, match="needs a key"):
+        cuda.unit_forward_code(xd, packed, xd, *args, bits, naive, "stochastic")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", quant.BITS)
 def test_conv_input_is_bit_identical(dev, dtype, bits):
     x, g, b = unit(dtype, seed=10 + bits)
     xhat, mean, _, rstd = host_stats(x)
@@ -329,6 +371,12 @@ def test_conv_input_is_bit_identical(dev, dtype, bits):
     u, gd, bd = dev.put(np.zeros_like(x)), dev.put(g), dev.put(b)
     cuda.conv_input(u, None, dev.put(packed), qp, gd, bd)          # a QuantParams is accepted too
     assert np.array_equal(dev.get(u), ref)
+    assert not np.signbit(ref).any()            # >= 0, and +0 rather than -0
+    # the data reach the beyond-the-window case: open elements whose bin midpoint gives
+    # gamma*x-tilde + beta < 0 (channels 4, 5: gamma > 0 and < 0), rebuilt as 0
+    xs, ms = quant.quantize_simulated(xhat, g, b, bits)
+    for c in (4, 5):
+        assert (ms[c] & (xs[c] * g[c] + b[c] < 0)).any(), c
     bn_relu_apply_forward(ref, xhat, g, b)
     C, M = x.shape
     slot = np.zeros((C, M + 8), dtype)

@@ -8,6 +8,7 @@ K on data and thresholds placed relative to *that* K's window.
 """
 import fractions
 import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
@@ -350,9 +351,251 @@ def test_decode_relu(dtype, bits, monkeypatch):
     out = np.full_like(x, np.nan)
     q.decode_relu(out, packed, qp, gamma, beta)
     xs, ms = q.quantize_simulated(x, gamma, beta, bits)
-    want = np.where(ms, (xs * gamma[:, None]) + beta[:, None], 0)
+    affine = (xs * gamma[:, None]) + beta[:, None]
+    want = np.where(ms & (affine > 0), affine, 0)
     np.testing.assert_array_equal(out, want)
-    assert not np.signbit(out[~ms]).any()      # masked entries are +0, not -0
+    assert not np.signbit(out).any()           # never negative, and +0 rather than -0
+    # the rule changes only open elements decoded to the closed side (t beyond the window's
+    # top: CASES' beta/gamma = -10, x-hat = ±1e6), and make_case has them
+    changed = out != np.where(ms, affine, 0)
+    assert changed.any() and ms[changed].all() and (affine[changed] < 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_conv_input_past_the_window(dtype, bits, sign):
+    """The conv input rebuilt from the code is >= 0 on the open side and 0 on the closed side
+    for every threshold, inside the window or far outside it on either side, for both signs of
+    gamma; strictly positive where the threshold lies below the top bin's midpoint."""
+    W, w = q.window(bits), q.bin_width(bits)
+    ts = np.array([-1e6, -10 * W, -2 * W, -W - w, -W, 0.0, W - w, W, W + w / 4, W + w, 2 * W,
+                   10 * W, 1e6])
+    gamma = np.full(ts.size, sign * 0.5, dtype)
+    beta = (-ts * 0.5).astype(dtype)            # t = -beta/|gamma|
+    u = np.concatenate([np.linspace(-3, 3, 61) * W, ts[ts < 0] * 2, np.abs(ts) * 2])
+    u = np.broadcast_to(u, (ts.size, u.size)) + ts[:, None] * 0   # the same u for every channel
+    x = np.ascontiguousarray(sign * np.concatenate([u, (ts + 1e-3 * np.maximum(1, np.abs(ts)))[:, None]], axis=1),
+                             dtype=dtype)       # x-hat = s*u; the last column is just past t
+    packed, xt, mask, qp = packed_roundtrip(x, gamma, beta, bits)
+    out = np.full_like(x, np.nan)
+    q.decode_relu(out, packed, qp, gamma, beta)
+    want_mask = exact_mask(x, gamma, beta)
+    np.testing.assert_array_equal(mask, want_mask)
+    assert want_mask[:, -1].all() and want_mask.any(axis=1).all() and (~want_mask).any()
+    assert not np.signbit(out).any()            # >= 0 everywhere, +0 not -0
+    assert (out[~want_mask] == 0).all()         # closed: 0
+    top_mid = qp.lo + (2 ** bits - 0.5) * w     # in u units
+    inside = ts < top_mid                       # the open side has a midpoint above t
+    assert (out[inside][want_mask[inside]] > 0).all()
+    # beyond the top midpoint every open element is rebuilt as 0 (the nearest value its side
+    # allows): the bug was gamma*x-tilde + beta < 0, e.g. -0.5 at gamma=1, beta=-4, 4 bits
+    assert inside.sum() >= 7 and (~inside).sum() >= 3
+    assert (out[~inside] == 0).all()
+    affine = (xt * gamma[:, None]) + beta[:, None]
+    assert (affine[~inside][want_mask[~inside]] <= 0).all()     # = 0: t on the top midpoint
+
+
+def test_conv_input_example_of_the_issue():
+    # gamma = 1, beta = -4, 4 bits: the open elements (x-hat > 4) used to be rebuilt as -0.5
+    gamma, beta = np.array([1.0]), np.array([-4.0])
+    x = np.array([[0.0, 3.9, 4.1, 5.0, 8.0, 1e3]])
+    packed, xt, mask, qp = packed_roundtrip(x, gamma, beta, 4)
+    assert (xt[0, 2:] * gamma + beta == -0.5).all()      # the decoded bin: 3.5 < t
+    out = np.full_like(x, np.nan)
+    q.decode_relu(out, packed, qp, gamma, beta)
+    np.testing.assert_array_equal(out, np.zeros_like(x))
+    np.testing.assert_array_equal(mask, x > 4)
+
+
+# ---- stochastic rounding ------------------------------------------------------
+
+def stochastic_roundtrip(xhat, gamma, beta, bits, key):
+    qp = q.quant_params(gamma, beta, bits)
+    packed = np.empty(q.packed_nbytes(xhat.size, bits), np.uint8)
+    q.quantize_pack(packed, xhat, qp, "stochastic", key)
+    xt = np.empty_like(xhat)
+    mask = np.empty(xhat.shape, bool)
+    q.unpack_decode(xt, packed, qp, mask_out=mask)
+    return packed, xt, mask, qp
+
+
+def test_the_stream_is_splitmix64():
+    # SplitMix64 seeded with 0: its published first outputs are mix64(i*phi), i = 1, 2, 3
+    assert [q.mix64(i * q.GOLDEN) for i in (1, 2, 3)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4,
+                                                          0x06C45D188009454F]
+    # random_offsets is that stream seeded with mix64(key), 24 bits, exact; no overflow warnings
+    key = 0xFFFF_FFFF_FFFF_FFFF
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for dtype in DTYPES:
+            d = q.random_offsets(key, 300, dtype, start=2 ** 40)
+            want = [((q.mix64(q.mix64(key) + (i + 1) * q.GOLDEN) >> 40) - 2 ** 23) / 2 ** 24
+                    for i in range(2 ** 40, 2 ** 40 + 300)]
+            assert d.dtype == dtype
+            np.testing.assert_array_equal(d, np.array(want, dtype))
+    d = q.random_offsets(3, 1 << 16, np.float64)
+    assert d.min() >= -0.5 and d.max() < 0.5 and (d * 2 ** 24 == np.round(d * 2 ** 24)).all()
+    # uniform: 16 equal bins each within 5 standard deviations of 4096 draws
+    counts = np.histogram(d, 16, (-0.5, 0.5))[0]
+    assert (np.abs(counts - 4096) < 5 * np.sqrt(4096 * 15 / 16)).all(), counts
+
+
+def test_stream_key():
+    keys = {q.stream_key(seed, step, unit, rank) for seed in range(3) for step in range(20)
+            for unit in range(10) for rank in range(2)}
+    assert len(keys) == 3 * 20 * 10 * 2 and all(0 <= k < 2 ** 64 for k in keys)
+    assert q.stream_key(1, 2, 3) == q.stream_key(1, 2, 3, 0) == q.stream_key(np.int64(1), 2, 3)
+    with pytest.raises(ValueError, match=r"key must be an integer in \[0, 2\*\*64\)"):
+        q.stream_key(-1, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", q.BITS)
+def test_stochastic_packed_equals_simulated(dtype, bits, monkeypatch):
+    gamma, beta, x = make_case(dtype, seed=2, bits=bits)
+    xs, ms = q.quantize_simulated(x, gamma, beta, bits, "stochastic", 12345)
+    for chunk in (q.CHUNK, 8, 24, 64):                  # pieces and chunks split rows
+        monkeypatch.setattr(q, "CHUNK", chunk)
+        _, xt, mask, _ = stochastic_roundtrip(x, gamma, beta, bits, 12345)
+        np.testing.assert_array_equal(xt, xs)
+        np.testing.assert_array_equal(mask, ms)
+    np.testing.assert_array_equal(ms, exact_mask(x, gamma, beta))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", q.BITS)
+def test_stochastic_mask_exact_on_every_draw(dtype, bits):
+    # make_case: gamma of both signs, 0, -0, tiny; thresholds in, on the edge of and far outside
+    # the window on both sides; x-hat within ulps of every threshold
+    gamma, beta, x = make_case(dtype, bits=bits)
+    want = exact_mask(x, gamma, beta)
+    nearest = packed_roundtrip(x, gamma, beta, bits)[0]
+    near_codes = np.empty(x.shape, np.uint8)
+    q.unpack_codes(near_codes, nearest, bits)
+    differs = 0
+    for draw in range(20):
+        packed, _, mask, qp = stochastic_roundtrip(x, gamma, beta, bits, q.stream_key(0, draw, 3))
+        np.testing.assert_array_equal(mask, want)
+        codes = np.empty(x.shape, np.uint8)
+        q.unpack_codes(codes, packed, bits)
+        np.testing.assert_array_equal(codes >= qp.k[:, None], want)
+        assert codes.max() < 2 ** bits
+        differs += not np.array_equal(packed, nearest)
+        if bits == 1:                   # one code per side where gamma != 0: nothing to choose
+            np.testing.assert_array_equal(codes[gamma != 0], near_codes[gamma != 0])
+    assert differs == 20          # the draws do round differently (at 1 bit: the gamma = 0 channels)
+
+
+@pytest.mark.parametrize("bits", q.BITS)
+def test_stochastic_is_deterministic_per_key(bits):
+    gamma, beta, x = make_case(np.float32, bits=bits)
+    a = stochastic_roundtrip(x, gamma, beta, bits, 77)[0]
+    b = stochastic_roundtrip(x, gamma, beta, bits, 77)[0]
+    c = stochastic_roundtrip(x, gamma, beta, bits, 78)[0]
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)     # at 1 bit through the gamma = 0 channels (both codes allowed)
+    # nearest ignores the key; stochastic needs one
+    qp = q.quant_params(gamma, beta, bits)
+    n0, n1 = (np.empty(q.packed_nbytes(x.size, bits), np.uint8) for _ in range(2))
+    q.quantize_pack(n0, x, qp)
+    q.quantize_pack(n1, x, qp, "nearest", 77)
+    np.testing.assert_array_equal(n0, n1)
+    with pytest.raises(ValueError, match="rounding='stochastic' needs a key"):
+        q.quantize_pack(n0, x, qp, "stochastic")
+    with pytest.raises(ValueError, match="rounding must be 'nearest' or 'stochastic', got 'up'"):
+        q.quantize_pack(n0, x, qp, "up", 1)
+    for bad in (-1, 2 ** 64, 1.0, True, "1"):
+        with pytest.raises(ValueError, match=r"key must be an integer in \[0, 2\*\*64\)"):
+            q.quantize_simulated(x, gamma, beta, bits, "stochastic", bad)
+
+
+def allowed_codes(x, gamma, beta, qp):
+    """(lowest, highest) code each element's side of the threshold allows, (C, M) each."""
+    L, k = qp.levels, qp.k[:, None]
+    on = exact_mask(x, gamma, beta)
+    return np.where(on, k, 0), np.where(on, L - 1, k - 1)
+
+
+@pytest.mark.parametrize("bits", (8, 4, 2))
+def test_stochastic_rounding_is_unbiased_within_the_window(bits):
+    """E[x-tilde] = x-hat wherever u lies between the midpoints of the lowest and highest code its
+    side of the threshold allows; elsewhere (within half a bin of the threshold, at and beyond
+    the window's ends) every draw gives nearest rounding's code.
+
+    Statistics: K = 400 draws (keys stream_key(0, draw, 0)). Per element the decoded value takes
+    two neighbouring midpoints, the upper with probability p, so the mean's standard error is
+    w*sqrt(p(1-p)/K); tolerance 6 standard errors plus 3 flips' worth (3w/K: the binomial's skew
+    where K*p is small). Over all elements together, the mean deviation within 5 of its
+    standard errors. Fixed data and keys: deterministic."""
+    W, w, L = q.window(bits), q.bin_width(bits), 2 ** bits
+    # gamma of both signs and 0; thresholds inside, beyond the top and below the bottom
+    gamma = np.array([1.0, -0.7, 2.0, 1.0, -1.0, 1.0, 0.0, 0.0, -0.5])
+    beta = np.array([0.3, -0.2, 1.1, -10 * W, -10 * W, 10 * W, 1.0, -1.0, 0.8]) * np.abs(gamma + (gamma == 0))
+    rng = np.random.default_rng(11)
+    x = rng.uniform(-W - 2 * w, W + 2 * w, (gamma.size, 600))
+    # and elements within half a bin of each threshold (beyond the window: saturated ones)
+    sgn = np.where(gamma < 0, -1.0, 1.0)
+    t = np.where(gamma == 0, 0.0, -beta / np.abs(gamma + (gamma == 0)))
+    near = sgn[:, None] * (t[:, None] + w * np.array([-0.45, -0.3, -0.1, 0.1, 0.3, 0.45]))
+    x = np.concatenate([x, near], axis=1)
+    qp = q.quant_params(gamma, beta, bits)
+    K = 400
+    total = np.zeros_like(x)
+    nearest, _ = q.quantize_simulated(x, gamma, beta, bits)
+    want_mask = exact_mask(x, gamma, beta)
+    all_nearest = np.ones(x.shape, bool)
+    for draw in range(K):
+        xt, mask = q.quantize_simulated(x, gamma, beta, bits, "stochastic", q.stream_key(0, draw, 0))
+        np.testing.assert_array_equal(mask, want_mask)
+        total += xt
+        all_nearest &= xt == nearest
+    mean = total / K
+    # classify by u = s*x-hat against the allowed end codes' midpoints (a 1e-9 band left out)
+    s, lo = qp.s[:, None], qp.lo[:, None]
+    u = x * s
+    cmin, cmax = allowed_codes(x, gamma, beta, qp)
+    mid = lambda c: lo + (c + 0.5) * w
+    eps = 1e-9
+    inside = (u > mid(cmin) + eps) & (u < mid(cmax) - eps)
+    outside = (u < mid(cmin) - eps) | (u > mid(cmax) + eps)
+    assert inside.sum() > 1000 and outside.sum() > 100
+    # every kind of channel has elements inside (cases: t in, above, below the window; gamma 0)
+    assert inside.any(axis=1).all()
+    # outside: deterministic, nearest rounding's code on every draw
+    assert all_nearest[outside].all()
+    # inside: unbiased
+    p = ((u - lo) / w - 0.5) % 1.0
+    se = w * np.sqrt(p * (1 - p) / K)
+    dev = np.abs(mean - x)
+    tol = 6 * se + 3 * w / K
+    assert (dev[inside] <= tol[inside]).all(), (dev - tol)[inside].max()
+    agg = (mean - x)[inside].mean()
+    agg_se = np.sqrt((se[inside] ** 2).sum()) / inside.sum()
+    assert abs(agg) <= 5 * agg_se, (agg, agg_se)
+    # the test has power: nearest rounding (deterministic midpoints) fails it on most elements
+    assert ((np.abs(nearest - x) > tol)[inside]).mean() > 0.5
+
+
+def test_stochastic_bias_regions_are_half_a_bin_at_the_threshold():
+    # an element in (t, t + w/2) always gets code k (decoded t + w/2), whatever the key;
+    # one in (t + w/2, t + w) gets k or k+1 depending on the key
+    bits, w = 4, q.bin_width(4)
+    gamma, beta = np.array([1.0]), np.array([-0.6])         # t = 0.6 inside the window
+    qp = q.quant_params(gamma, beta, bits)
+    t = 0.6
+    x = np.array([[t + w / 8, t + 3 * w / 8, t + 5 * w / 8, t + 7 * w / 8]])
+    codes = []
+    for draw in range(200):
+        packed = np.empty(q.packed_nbytes(4, bits), np.uint8)
+        q.quantize_pack(packed, x, qp, "stochastic", draw)
+        c = np.empty(4, np.uint8)
+        q.unpack_codes(c, packed, bits)
+        codes.append(c)
+    codes = np.array(codes) - qp.k[0]
+    assert (codes[:, :2] == 0).all()
+    assert set(codes[:, 2]) == {0, 1} and set(codes[:, 3]) == {0, 1}
+    assert codes[:, 2].mean() < codes[:, 3].mean()          # p = 1/8 vs 3/8
 
 
 # ---- memory: scratch bounded by CHUNK, not by the array ---------------------
@@ -379,6 +622,12 @@ def test_scratch_bounded_by_chunk():
             call()
             peak = tracemalloc.get_traced_memory()[1] - base
             assert peak < bound, (peak, bound)
+        # stochastic rounding: + three uint64 arrays of CHUNK (the stream)
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        q.quantize_pack(packed, x, qp, "stochastic", 5)
+        peak = tracemalloc.get_traced_memory()[1] - base
+        assert peak < bound + 24 * q.CHUNK, (peak, bound)
     finally:
         tracemalloc.stop()
 

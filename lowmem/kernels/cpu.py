@@ -42,7 +42,7 @@ import os
 
 import numpy
 
-from .. import threads
+from .. import quant, threads
 
 try:
     if os.environ.get("LOWMEM_FAST", "1").strip() in ("0", "false", "no"):
@@ -52,6 +52,11 @@ try:
     AVAILABLE = True
     F32 = numpy.float32
     F0, HALF = F32(0), F32(0.5)
+    # stochastic rounding's stream (quant.random_offsets), as uint64 / float32 constants
+    U64 = numpy.uint64
+    GOLDEN, MIX1, MIX2 = U64(quant.GOLDEN), U64(quant.MIX1), U64(quant.MIX2)
+    S30, S27, S31, S_OFF = U64(30), U64(27), U64(31), U64(64 - quant.OFFSET_BITS)
+    OFF_MID, OFF_SCALE = F32(1 << (quant.OFFSET_BITS - 1)), F32(2.0 ** -quant.OFFSET_BITS)
 except ImportError:                                        # pragma: no cover - optional
     AVAILABLE = False
 
@@ -165,17 +170,39 @@ if AVAILABLE:
             ys[t] = y if pos else F0
 
     @njit(**_opts)
+    def _quantize_block_stochastic(codes, ys, xr, m, r, g, b, sc, l0, kf, km1, ftop, w, z0):
+        """_quantize_block with stochastic rounding: + d before the floor, d of element t from
+        counter z0 + t*GOLDEN (z0: the block's first element's counter, quant.random_offsets's
+        mix64(key) + (i + 1)*GOLDEN), the same integer and float operations as quant.quantize_pack."""
+        for t in range(xr.size):
+            xh = (xr[t] - m) * r
+            y = xh * g + b
+            pos = y > F0
+            z = z0 + U64(t) * GOLDEN
+            z = (z ^ (z >> S30)) * MIX1
+            z = (z ^ (z >> S27)) * MIX2
+            z = z ^ (z >> S31)
+            d = (F32(numpy.int32(z >> S_OFF)) - OFF_MID) * OFF_SCALE    # exact
+            v = numpy.floor((xh * sc - l0) / w + d)
+            v = max(v, kf if pos else F0)
+            v = min(v, ftop if pos else km1)
+            codes[t] = numpy.uint8(numpy.int32(v))
+            ys[t] = y if pos else F0
+
+    @njit(**_opts)
     def _copy(dst, src):
         for t in range(dst.size):
             dst[t] = src[t]
 
     @njit(**_opts)
     def _decode_relu_block(orow, codes, sc, l0, kf, w, g, b):
-        """orow <- x-tilde*g + b where the decoded mask (code >= k) is set, else 0 (quant.decode_relu)."""
+        """orow <- x-tilde*g + b where the decoded mask (code >= k) is set and that value is > 0,
+        else 0 (quant.decode_relu: an open code decoded below the threshold gives 0)."""
         for t in range(orow.size):
             v = F32(codes[t])
             xt = ((v + HALF) * w + l0) * sc
-            orow[t] = xt * g + b if v >= kf else F0
+            y = xt * g + b
+            orow[t] = y if (v >= kf) & (y > F0) else F0
 
     @njit(**_reduce)
     def _decode_sums(codes, drow, sc, l0, kf, w):
@@ -237,10 +264,13 @@ if AVAILABLE:
     # ---- whole (C, M) arrays ----
 
     @njit(**_opts)
-    def _forward_code(out, packed, x, mean, rstd, gamma, beta, s, lo, k, w, top, bits, naive, inplace):
+    def _forward_code(out, packed, x, mean, rstd, gamma, beta, s, lo, k, w, top, bits, naive, inplace,
+                      stochastic, base, c_first, m_all):
         """Normalise, quantize and pack x-hat; out = relu(y) (approx) or the decoded
         relu(x-tilde*gamma + beta) (naive). inplace: out overlaps x, so relu(y) goes through
-        scratch (see _quantize_block); else straight into out."""
+        scratch (see _quantize_block); else straight into out. stochastic: round with the
+        stream starting at base (uint64); row c here is row c_first + c of a (C, m_all) array
+        (the element index the stream counts)."""
         C, M = x.shape
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)
@@ -252,8 +282,13 @@ if AVAILABLE:
                 i1 = min(M, i0 + BLOCK)
                 cb, orow = codes[:i1 - i0], out[c, i0:i1]
                 yb = ys[:i1 - i0] if inplace or naive else orow
-                _quantize_block(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
-                                s[c], lo[c], kf, km1, ftop, w)
+                if stochastic:
+                    z0 = base + U64((c_first + c) * m_all + i0 + 1) * GOLDEN
+                    _quantize_block_stochastic(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
+                                               s[c], lo[c], kf, km1, ftop, w, z0)
+                else:
+                    _quantize_block(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
+                                    s[c], lo[c], kf, km1, ftop, w)
                 if naive:                                  # continue from the decoded value
                     _decode_relu_block(orow, cb, s[c], lo[c], kf, w, gamma[c], beta[c])
                 elif inplace:
@@ -262,7 +297,7 @@ if AVAILABLE:
 
     @njit(**_opts)
     def _conv_input_code(u, packed, s, lo, k, w, gamma, beta, bits):
-        """u = x-tilde*gamma + beta where the decoded mask is set, else 0 (quant.decode_relu)."""
+        """u = relu(x-tilde*gamma + beta) where the decoded mask is set, else 0 (quant.decode_relu)."""
         C, M = u.shape
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)
@@ -384,14 +419,18 @@ def unit_forward_exact(out, xhat, x, mean, rstd, gamma, beta):
                                                  rstd[c0:c1], gamma[c0:c1], beta[c0:c1]), C, M)
 
 
-def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive):
+def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive, rounding="nearest", key=None):
+    """Normalise, quantize (rounding "nearest" or "stochastic" with the stream of `key`, as
+    quant.quantize_pack) and pack x-hat; out = relu(y), or naive's decoded relu."""
     C, M = x.shape
     w, top, bits, inplace = _w(qp), qp.levels - 1, qp.bits, _overlap(out, x)
+    base = quant.stream_base(rounding, key)
+    stochastic, base = base is not None, numpy.uint64(base or 0)
 
     def rows(c0, c1):
         _forward_code(out[c0:c1], _code_rows(packed, c0, c1, M, bits), x[c0:c1], mean[c0:c1], rstd[c0:c1],
                       gamma[c0:c1], beta[c0:c1], qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, top, bits, naive,
-                      inplace)
+                      inplace, stochastic, base, c0, M)
     _over_channels(rows, C, M)
 
 

@@ -33,7 +33,7 @@ class FusedExactUnits(ExactUnits):
     def stats(self, mean, var, rstd, x):
         self.k.bn_stats(mean, var, rstd, x, BN_EPS, **self._extra)
 
-    def forward(self, out, saved, x, mean, rstd, gamma, beta):
+    def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
         self.k.unit_forward_exact(out, saved, x, mean, rstd, gamma, beta)
 
     def conv_input(self, u, saved, gamma, beta):
@@ -49,8 +49,8 @@ class FusedCodeUnits(CodeUnits):
     """x-hat saved as a K-bit code; the kernels decode it inline (no decode buffer)."""
     fused = True
 
-    def __init__(self, module, bits, naive=False, partials=None):
-        super().__init__(bits, naive)
+    def __init__(self, module, bits, naive=False, partials=None, rounding="nearest"):
+        super().__init__(bits, naive, rounding)
         self.k, self.partials = module, partials
         self._extra = {} if partials is None else {"partials": partials}
 
@@ -60,8 +60,9 @@ class FusedCodeUnits(CodeUnits):
 
     stats = FusedExactUnits.stats
 
-    def forward(self, out, saved, x, mean, rstd, gamma, beta):
-        self.k.unit_forward_code(out, saved, x, mean, rstd, gamma, beta, self.grid(gamma, beta), self.naive)
+    def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
+        self.k.unit_forward_code(out, saved, x, mean, rstd, gamma, beta, self.grid(gamma, beta), self.naive,
+                                 self.rounding, key)
 
     def conv_input(self, u, saved, gamma, beta):
         self.k.conv_input(u, None, saved, self.grid(gamma, beta), gamma, beta)

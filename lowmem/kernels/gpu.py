@@ -12,7 +12,8 @@ What each kernel fuses (layout (C, M) rows, M = N*H*W, as everywhere):
   unit_forward_exact             x-hat = (x - mean)*rstd saved, out = relu(γ·x-hat + β)
   unit_forward_code              BN apply + ReLU + quantize + pack in one pass; one
                                  thread per code byte; naive mode writes the decoded
-                                 relu(γ·x-tilde + β) instead
+                                 relu(γ·x-tilde + β) instead; nearest or stochastic
+                                 rounding (quant.random_offsets's stream, in uint64)
   conv_input_exact / _code       the conv's input relu(γ·x-tilde + β) under the exact
                                  decoded mask (backward's weight gradient)
   unit_backward_partial_* + _finalize + _apply_*
@@ -98,10 +99,23 @@ __device__ Grid unit_grid(real g, real b, int bits, real w, real window)
     return q;
 }
 
-// code of one x-hat, clamped into the range its exact mask allows (quant.quantize_pack)
-__device__ __forceinline__ int encode(real xh, bool on, Grid q, real w, int L)
+// stochastic rounding's offset d in [-1/2, 1/2) of element i (quant.random_offsets): SplitMix64
+// seeded with base = mix64(key), element i's counter base + (i + 1)*phi; 24 bits, exact in float
+__device__ __forceinline__ real offset(unsigned long long base, long long i)
 {
-    real v = floor_(rn_div(rn_sub(rn_mul(xh, q.s), q.lo), w));
+    unsigned long long z = base + (unsigned long long)(i + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return rn_mul(rn_sub((real)(int)(z >> 40), (real)8388608), (real)5.9604644775390625e-08);
+}
+
+// code of one x-hat, clamped into the range its exact mask allows (quant.quantize_pack);
+// stochastic: + d before the floor
+__device__ __forceinline__ int encode(real xh, bool on, Grid q, real w, int L, bool stochastic, real d)
+{
+    const real p = rn_div(rn_sub(rn_mul(xh, q.s), q.lo), w);
+    real v = floor_(stochastic ? rn_add(p, d) : p);
     const real lower = on ? (real)q.k : (real)0;
     const real upper = on ? (real)(L - 1) : (real)(q.k - 1);
     v = v < lower ? lower : v;
@@ -113,6 +127,15 @@ __device__ __forceinline__ int encode(real xh, bool on, Grid q, real w, int L)
 __device__ __forceinline__ real decode(int code, Grid q, real w)
 {
     return rn_mul(rn_add(rn_mul(rn_add((real)code, (real)0.5), w), q.lo), q.s);
+}
+
+// the conv input of one code: relu(gamma*x-tilde + beta) under the decoded mask (quant.decode_relu):
+// 0 for a closed code, and 0 for an open one whose bin lies below the threshold (t beyond the window)
+__device__ __forceinline__ real open_relu(int code, Grid q, real w, real g, real b)
+{
+    if (code < q.k) return (real)0;
+    const real y = rn_add(rn_mul(decode(code, q, w), g), b);
+    return y > (real)0 ? y : (real)0;
 }
 
 // Block-wide sums of a and b (BLOCK threads, fixed tree order); totals land in sa[0], sb[0].
@@ -202,10 +225,12 @@ extern "C" __global__ void unit_forward_exact(real* out, real* xhat, const real*
 
 // grid (ceil(rowbytes / BLOCK), C), one thread per code byte (8/bits elements).
 // out may alias x. naive: out = the decoded relu(gamma*x-tilde + beta) instead of relu(y).
+// stochastic: round with the stream starting at base (element index c*M + i).
 extern "C" __global__ void unit_forward_code(real* out, unsigned char* packed, const real* x,
                                              const real* mean, const real* rstd, const real* gamma,
                                              const real* beta, long long M, int bits, real w,
-                                             real window, int naive)
+                                             real window, int naive, int stochastic,
+                                             unsigned long long base)
 {
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
     const long long rowbytes = M / per;
@@ -219,10 +244,11 @@ extern "C" __global__ void unit_forward_code(real* out, unsigned char* packed, c
         const real xh = rn_mul(rn_sub(x[e0 + e], m), r);
         const real y = rn_add(rn_mul(xh, g), b);      // the exact mask's expression
         const bool on = y > (real)0;
-        const int code = encode(xh, on, q, w, L);
+        const real d = stochastic ? offset(base, e0 + e) : (real)0;
+        const int code = encode(xh, on, q, w, L, stochastic != 0, d);
         byte |= (unsigned int)code << (e * bits);
         if (naive)
-            out[e0 + e] = code >= q.k ? rn_add(rn_mul(decode(code, q, w), g), b) : (real)0;
+            out[e0 + e] = open_relu(code, q, w, g, b);
         else
             out[e0 + e] = on ? y : (real)0;
     }
@@ -253,7 +279,7 @@ extern "C" __global__ void conv_input_code(real* u, const unsigned char* packed,
     const long long e0 = (long long)c * M + j * per;
     for (int e = 0; e < per; ++e) {
         const int code = (byte >> (e * bits)) & top;
-        u[e0 + e] = code >= q.k ? rn_add(rn_mul(decode(code, q, w), g), b) : (real)0;
+        u[e0 + e] = open_relu(code, q, w, g, b);
     }
 }
 
@@ -595,17 +621,19 @@ def unit_forward_exact(out, xhat, x, mean, rstd, gamma, beta):
             (out, xhat, x, mean, rstd, gamma, beta, _i64(M), ldx))
 
 
-def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive):
+def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive, rounding="nearest", key=None):
     """Normalise, quantize and pack x-hat into packed; out = relu(y) (approx) or the decoded
-    relu(x-tilde*gamma + beta) (naive). qp: quant.QuantParams or the bit width."""
+    relu(x-tilde*gamma + beta) (naive). qp: quant.QuantParams or the bit width. rounding:
+    "nearest", or "stochastic" with the stream of `key` (quant.quantize_pack's codes)."""
     _rows(x, "x")
     _rows(out, "out", x.dtype)
     C, M = x.shape
     bits = _bits(qp)
     _check_code(packed, C, M, bits)
+    base = quant.stream_base(rounding, key)
     _launch("unit_forward_code", x.dtype, (_blocks(M * bits // 8), C),
             (out, packed, x, mean, rstd, gamma, beta, _i64(M), *_grid_args(bits, x.dtype),
-             _i32(bool(naive))))
+             _i32(bool(naive)), _i32(base is not None), numpy.uint64(base or 0)))
 
 
 def conv_input(u, xhat, packed, qp, gamma, beta):

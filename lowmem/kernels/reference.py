@@ -6,7 +6,8 @@ these. Two sets, both with the interface of lowmem/kernels/__init__.py:
 
   ExactUnits          the saved slot is x-hat itself, float (C, M_planned)
   CodeUnits(bits)     the saved slot is x-hat's packed K-bit code (approx);
-                      naive=True: the forward continues from the decoded value
+                      naive=True: the forward continues from the decoded value;
+                      rounding="stochastic": forward(..., key=) rounds with key's stream
 
 Scratch: only the row-block and quantizer-chunk temporaries their ops
 document (bounded, never activation-sized). The code backward decodes x-tilde
@@ -40,8 +41,9 @@ class ExactUnits:
     def stats(self, mean, var, rstd, x):
         bn_stats(mean, var, rstd, x, BN_EPS)
 
-    def forward(self, out, saved, x, mean, rstd, gamma, beta):
-        """saved <- x-hat = (x - mean)*rstd; out = relu(gamma*x-hat + beta). out may alias x."""
+    def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
+        """saved <- x-hat = (x - mean)*rstd; out = relu(gamma*x-hat + beta). out may alias x.
+        key: stochastic rounding's stream key (CodeUnits); nothing is rounded here, ignored."""
         bn_normalize(saved, x, mean, rstd)
         bn_relu_apply_forward(out, saved, gamma, beta)
 
@@ -59,8 +61,9 @@ class CodeUnits(ExactUnits):
 
     decodes = True
 
-    def __init__(self, bits, naive=False):
+    def __init__(self, bits, naive=False, rounding="nearest"):
         self.bits, self.naive = quant.check_bits(bits), bool(naive)
+        self.rounding = quant.check_rounding(rounding)
         self.saved_suffix = "code"
 
     def saved_entry(self, C, M, dtype):
@@ -69,12 +72,14 @@ class CodeUnits(ExactUnits):
     def saved_view(self, slot, C, M):
         return slot[:quant.packed_nbytes(C * M, self.bits)]
 
-    def forward(self, out, saved, x, mean, rstd, gamma, beta):
+    def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
         """saved <- code(x-hat); out = relu(gamma*x-hat + beta) (approx: exact, as ExactUnits)
-        or relu(gamma*x-tilde + beta) under the exact mask (naive). x-hat passes through out."""
+        or relu(gamma*x-tilde + beta) under the exact mask (naive). x-hat passes through out.
+        key: the unit's stream key for this step (quant.stream_key), required when
+        self.rounding == "stochastic", ignored when "nearest"."""
         bn_normalize(out, x, mean, rstd)
         qp = quant.quant_params(gamma, beta, self.bits)
-        quant.quantize_pack(saved, out, qp)
+        quant.quantize_pack(saved, out, qp, self.rounding, key)
         if self.naive:
             quant.decode_relu(out, saved, qp, gamma, beta)
         else:
