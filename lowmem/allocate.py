@@ -196,7 +196,7 @@ def fixed_plan_bytes(net, batch_size, input_shape, mode="approx", dtype="float32
 
 def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None, budget=None,
                   input_shape=None, mode="approx", dtype="float32", workspace_bytes=None,
-                  choices=CHOICES, sens=None):
+                  choices=CHOICES, sens=None, rounding="nearest"):
     """Measure `net`'s sensitivity on `batches` (a few (x, labels), B >= 2; not consumed: the
     measurement runs on a copy) and choose every unit's width for an engine at `batch_size`
     (default: the batches' size). Exactly one budget:
@@ -206,12 +206,13 @@ def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None,
       budget      the WHOLE plan total (lowmem plan / maxbatch's sense) within this many bytes
 
     Returns an Allocation; `Engine(net, ..., mode="approx", bits=allocation.bits)` uses it.
-    sens: a sensitivity.Sensitivity already measured (then batches may be None)."""
+    sens: a sensitivity.Sensitivity already measured (then batches may be None). rounding: the
+    engine's ("stochastic" codes have larger, unbiased errors: measured as such)."""
     from .sensitivity import measure_sensitivity
     if sum(b is not None for b in (avg_bits, code_bytes, budget)) != 1:
         raise ValueError("give exactly one of avg_bits, code_bytes and budget (the whole plan's bytes)")
     if sens is None:
-        sens = measure_sensitivity(net, batches, dtype=dtype)
+        sens = measure_sensitivity(net, batches, dtype=dtype, rounding=rounding)
     if batch_size is None:
         batch_size = sens.batch
     itemsize = numpy.dtype(dtype).itemsize

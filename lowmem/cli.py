@@ -346,6 +346,8 @@ def train_arguments(parser):
         type=argtypes.bits, metavar="{8,4,2,1,auto}")
     opt("--avg-bits", "avg_bits", "with --bits auto: the saved x-hat within what every unit at A bits would take",
         type=argtypes.average_bits, metavar="A")
+    opt("--rounding", "rounding", "how x-hat becomes a code: nearest, or stochastic (unbiased within the window, "
+        "the ReLU mask exact; the draws follow --seed and the iteration)", choices=quant.ROUNDINGS)
     opt("--dtype", "dtype", "float32 | float64", choices=DTYPES)
     opt("--batch", "batch", "batch size (also the planned batch of the engine)", type=argtypes.positive)
     opt("--epochs", "epochs", "epochs to train in total (including those already done)", type=argtypes.positive)

@@ -69,15 +69,15 @@ class SimulatedCodeUnits(ExactUnits):
     mode's backward (exact mask, x-tilde in the BN terms and in the conv input), for one unit.
     Allocates a few unit-sized temporaries per call (a measurement tool, not a training path)."""
 
-    def __init__(self, bits):
-        self.bits = quant.check_bits(bits)
+    def __init__(self, bits, rounding="nearest", key=0):
+        self.bits, self.rounding, self.key = quant.check_bits(bits), quant.check_rounding(rounding), key
         self._kept = None        # (x-tilde, mask) from conv_input, for this unit's backward next
 
     def _quantize(self, saved, gamma, beta, keep):
         # one set per unit (simulate): its convs' backward steps run just before its own, on
         # the same x-hat, so the quantization is done once per sweep
         if self._kept is None:
-            self._kept = quant.quantize_simulated(saved, gamma, beta, self.bits)
+            self._kept = quant.quantize_simulated(saved, gamma, beta, self.bits, self.rounding, self.key)
         out = self._kept
         if not keep:
             self._kept = None
@@ -192,10 +192,12 @@ class Sensitivity:
         return self.predict(allocation) / self.noise_norm
 
 
-def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="float32"):
+def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="float32", rounding="nearest"):
     """Measure L_u(K), D_u(K) for K in 1, 2, 4, 8 and G_u for every unit of `net` on `batches`
     (a list of B >= 2 (x, labels) of equal batch size; the noise needs several). `net` is not
-    consumed (the exact engine gets a deep copy). Returns a Sensitivity."""
+    consumed (the exact engine gets a deep copy). rounding="stochastic": the errors of
+    stochastic codes (one draw per unit, K and batch, from fixed keys). Returns a Sensitivity."""
+    rounding = quant.check_rounding(rounding)
     B = len(batches)
     if B < 2:
         raise ValueError(f"measure_sensitivity needs at least 2 batches to measure SGD noise, got {B}")
@@ -214,8 +216,9 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
     arrival = {p: 0.0 for p in params}            # sum of D_u(K0) over units above tensor p
     measured_tensor = {p: 0.0 for p in params}
     exact_grads, measured_total = [], 0.0
-    for x, labels in batches:
+    for bi, (x, labels) in enumerate(batches):
         eng.forward(x, labels)
+        keys = {u: quant.stream_key(bi, 0, i) for i, u in enumerate(units)}
         injected_so_far = [0.0]                   # sum of D_u(K0) of the units swept so far
         cache = {}                                # unit -> (mask, {K: x-tilde - x-hat}), until u's own step
 
@@ -226,20 +229,21 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
                 owner[step.params[0]] = u
                 for p in step.params:
                     arrival[p] += injected_so_far[0]
-                _measure_unit(eng, step, u, g, b, local, inject, tensor_local, calibration_bits, cache)
+                _measure_unit(eng, step, u, g, b, local, inject, tensor_local, calibration_bits, cache,
+                              rounding, keys[u])
                 injected_so_far[0] += inject_batch[u]
             elif step.op == "conv" and step.unit:
                 u = step.unit
                 owner[step.params[0]] = u
                 arrival[step.params[0]] += injected_so_far[0]
-                _measure_conv(eng, step, u, local, tensor_local, calibration_bits, cache)
+                _measure_conv(eng, step, u, local, tensor_local, calibration_bits, cache, rounding, keys[u])
             else:
                 for p in step.params:
                     arrival[p] += injected_so_far[0]
 
         inject_batch = _InjectView(inject, calibration_bits)
         exact = _backward_sweep(eng, before=before)
-        calib = {u: SimulatedCodeUnits(calibration_bits) for u in units}
+        calib = {u: SimulatedCodeUnits(calibration_bits, rounding, keys[u]) for u in units}
         approx = _backward_sweep(eng, units_for=calib.get)
         exact_grads.append(exact)
         for p in params:
@@ -296,21 +300,22 @@ def _backward_order(eng):
     return out
 
 
-def _deltas(cache, u, xhat, gamma, beta):
+def _deltas(cache, u, xhat, gamma, beta, rounding, key):
     """(exact mask, {K: x-tilde_K - x-hat}) of unit u, computed once per batch (unit-sized arrays)."""
     if u not in cache:
         mask = (xhat * gamma[:, None]) + beta[:, None] > 0      # the forward's exact expression
-        cache[u] = mask, {k: quant.quantize_simulated(xhat, gamma, beta, k)[0] - xhat for k in BITS}
+        cache[u] = mask, {k: quant.quantize_simulated(xhat, gamma, beta, k, rounding, key)[0] - xhat
+                          for k in BITS}
     return cache[u]
 
 
-def _measure_unit(eng, step, u, gamma, beta, local, inject, tensor_local, k0, cache):
+def _measure_unit(eng, step, u, gamma, beta, local, inject, tensor_local, k0, cache, rounding, key):
     """At unit u's backward step, before it runs: the exact incoming gradient dr and x-hat give
     delta dgamma and delta dx of quantizing u at each K."""
     xhat = _xhat(eng, step.saved[0], step.in_shape)
     rstd = eng.arrays[step.saved[1]]
     C, M = xhat.shape
-    mask, deltas = _deltas(cache, u, xhat, gamma, beta)
+    mask, deltas = _deltas(cache, u, xhat, gamma, beta, rounding, key)
     del cache[u]                                            # u's convs ran before it: done with u
     dy = eng.run.rows(step.dout, step.out_shape) * mask
     s_exact = (dy * xhat).sum(axis=1)
@@ -327,7 +332,7 @@ def _measure_unit(eng, step, u, gamma, beta, local, inject, tensor_local, k0, ca
             tensor_local[step.params[0]] += e_local
 
 
-def _measure_conv(eng, step, u, local, tensor_local, k0, cache):
+def _measure_conv(eng, step, u, local, tensor_local, k0, cache, rounding, key):
     """At the backward step of a conv reading unit u: delta dW of u's code, from the exact output
     gradient. One extra weight gradient, at K0; at the other widths it is scaled by the squared
     norm of the conv-input error (rounding error is uncorrelated with the output gradient, so the
@@ -337,7 +342,7 @@ def _measure_conv(eng, step, u, local, tensor_local, k0, cache):
     L, p = step.layer, run.params[step.params[0]]
     g, b = (run.params[n].data for n in step.unit_params)
     xhat = _xhat(eng, step.unit_saved, step.in_shape)
-    mask, deltas = _deltas(cache, u, xhat, g, b)
+    mask, deltas = _deltas(cache, u, xhat, g, b, rounding, key)
     du = run.rows(step.scratch, step.in_shape)           # free until the handler rebuilds into it
     energy = {}
     for k in BITS:
@@ -357,7 +362,7 @@ def _measure_conv(eng, step, u, local, tensor_local, k0, cache):
             tensor_local[step.params[0]] += e
 
 
-def simulate(net, batches, allocation, dtype="float32"):
+def simulate(net, batches, allocation, dtype="float32", rounding="nearest"):
     """Measured rms gradient error norm (all parameters) of approx mode with per-unit widths
     `allocation` {unit: K or FLOAT} (missing units: FLOAT) against exact, on the same weights and
     batches, and the exact gradients' noise norm: returns (error_norm, noise_norm)."""
@@ -367,8 +372,10 @@ def simulate(net, batches, allocation, dtype="float32"):
         if u not in units:
             raise ValueError(f"unknown unit {u!r}")
     err, flat = 0.0, []
-    for x, labels in batches:
-        sets = {u: SimulatedCodeUnits(k) for u, k in allocation.items() if k not in (None, FLOAT)}
+    order = {u: i for i, u in enumerate(_units(eng))}
+    for bi, (x, labels) in enumerate(batches):
+        sets = {u: SimulatedCodeUnits(k, rounding, quant.stream_key(bi, 0, order[u]))
+                for u, k in allocation.items() if k not in (None, FLOAT)}
         eng.forward(x, labels)
         exact = _backward_sweep(eng)
         approx = _backward_sweep(eng, units_for=sets.get)

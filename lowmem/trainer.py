@@ -92,6 +92,7 @@ class TrainConfig:
     mode: str = "approx"            # exact | approx | naive
     bits: int = 4                   # 8, 4, 2, 1; "auto" (resolved to a {unit: K} dict at the start); a dict
     avg_bits: float = None          # bits "auto": the saved x-hat within every unit at avg_bits
+    rounding: str = "nearest"       # nearest | stochastic (codes drawn from the seed and the iteration)
     dtype: str = "float32"
     batch: int = 128
     epochs: int = 10
@@ -110,7 +111,7 @@ class TrainConfig:
     image_size: int = 224           # folder only: images are cropped / resized to this square
     workers: int = 4                # folder only: decoding threads (lowmem.images)
 
-    FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "dtype",
+    FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "rounding", "dtype",
              "batch", "augment", "seed", "image_size")
 
     def validate(self):
@@ -130,7 +131,7 @@ class TrainConfig:
                 bad(f, f"an integer >= {low}" + (" or None" if optional else ""))
 
         for f, choices in (("model", tuple(MODELS)), ("mode", MODES), ("dtype", DTYPES),
-                           ("schedule", SCHEDULES)):
+                           ("schedule", SCHEDULES), ("rounding", quant.ROUNDINGS)):
             if str(getattr(self, f)) not in choices:
                 bad(f, f"one of {', '.join(choices)}")
         if self.bits == "auto":
@@ -284,7 +285,8 @@ class Trainer:
                 self.allocation = self._allocate(c)
                 c.bits = self.allocation.bits
             engine_args = dict(batch_size=c.batch // self.comm.size, input_shape=self.data.input_shape,
-                               mode=c.mode, bits=c.bits, dtype=c.dtype, comm=self.comm, sync_bn=c.sync_bn)
+                               mode=c.mode, bits=c.bits, dtype=c.dtype, comm=self.comm, sync_bn=c.sync_bn,
+                               rounding=c.rounding, seed=c.seed)
             planned = Engine(self.net, allocate=False, **engine_args)
         except ValueError as e:                     # the builder or the engine refuses these settings
             raise ConfigError(str(e)) from None
@@ -341,7 +343,7 @@ class Trainer:
                                          self.data.x_train[i * n:(i + 1) * n], self.data.mean, self.data.std)),
                     xp.asarray(self.data.y_train[i * n:(i + 1) * n])) for i in range(count)]
         return allocate_bits(self.net, batches, batch_size=c.batch // self.comm.size, avg_bits=c.avg_bits,
-                             mode=c.mode, dtype=c.dtype)
+                             mode=c.mode, dtype=c.dtype, rounding=c.rounding)
 
     def close(self):
         """Release the run folder's lock (fit() does this when it returns; idempotent)."""
@@ -475,6 +477,7 @@ class Trainer:
         t = time.perf_counter()
         x, y = self._batch(xb, yb, train=True)
         self.opt.lr = lr_at(self.iteration, self.total_iters, self.config)
+        self.engine.step = self.iteration        # stochastic rounding's streams follow the iteration (resume)
         try:
             loss = self.engine.train_step(x, y, self.opt)     # refuses a non-finite loss before backward
         except FloatingPointError as e:
