@@ -206,6 +206,19 @@ def lr_at(it, total, config):
     return config.lr
 
 
+def auto_batches(data, batch, dtype="float32"):
+    """What bits="auto" measures on: the first AUTO_BATCHES training batches of min(batch,
+    AUTO_BATCH) images, in order, normalised, not augmented: [(x, labels)] on the backend."""
+    n = min(batch, AUTO_BATCH)
+    count = min(AUTO_BATCHES, len(data.x_train) // n)
+    if count < 2:
+        raise ConfigError(f"bits='auto' needs at least 2 batches of {n} training images to measure on")
+    xp = backend.xp
+    return [(xp.asarray(normalize(numpy.empty((n,) + data.input_shape, dtype), data.x_train[i * n:(i + 1) * n],
+                                  data.mean, data.std)),
+             xp.asarray(data.y_train[i * n:(i + 1) * n])) for i in range(count)]
+
+
 class TrainingDiverged(FloatingPointError):
     """A non-finite loss or parameter: the run stopped and no checkpoint was written."""
 
@@ -334,14 +347,7 @@ class Trainer:
             raise ConfigError("bits='auto' measures on the in-memory training arrays; the folder dataset "
                               "has none: give per-unit widths instead")
         from .allocate import allocate_bits
-        n = min(c.batch // self.comm.size, AUTO_BATCH)
-        count = min(AUTO_BATCHES, len(self.data.x_train) // n)
-        if count < 2:
-            raise ConfigError(f"bits='auto' needs at least 2 batches of {n} training images to measure on")
-        xp = backend.xp
-        batches = [(xp.asarray(normalize(numpy.empty((n,) + self.data.input_shape, c.dtype),
-                                         self.data.x_train[i * n:(i + 1) * n], self.data.mean, self.data.std)),
-                    xp.asarray(self.data.y_train[i * n:(i + 1) * n])) for i in range(count)]
+        batches = auto_batches(self.data, c.batch // self.comm.size, c.dtype)
         return allocate_bits(self.net, batches, batch_size=c.batch // self.comm.size, avg_bits=c.avg_bits,
                              mode=c.mode, dtype=c.dtype, rounding=c.rounding)
 
