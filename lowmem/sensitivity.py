@@ -333,30 +333,24 @@ def _measure_unit(eng, step, u, gamma, beta, local, inject, tensor_local, k0, ca
 
 
 def _measure_conv(eng, step, u, local, tensor_local, k0, cache, rounding, key):
-    """At the backward step of a conv reading unit u: delta dW of u's code, from the exact output
-    gradient. One extra weight gradient, at K0; at the other widths it is scaled by the squared
-    norm of the conv-input error (rounding error is uncorrelated with the output gradient, so the
-    weight-gradient error grows with the input error's energy: checked by benchmarks/bits_validate.py)."""
-    xp = eng.xp
-    run = eng.run
+    """At the backward step of a conv reading unit u: delta dW of u's code at each K, from the
+    exact output gradient: one extra weight gradient per width (the conv input's error at each
+    K, rebuilt into the scratch buffer the handler is about to overwrite)."""
+    xp, run = eng.xp, eng.run
     L, p = step.layer, run.params[step.params[0]]
     g, b = (run.params[n].data for n in step.unit_params)
     xhat = _xhat(eng, step.unit_saved, step.in_shape)
     mask, deltas = _deltas(cache, u, xhat, g, b, rounding, key)
-    du = run.rows(step.scratch, step.in_shape)           # free until the handler rebuilds into it
-    energy = {}
+    du = run.rows(step.scratch, step.in_shape)
+    dw = xp.empty_like(p.data)
     for k in BITS:
         # approx's rebuilt input minus the exact one where the mask is open (0 where closed)
         xp.copyto(du, xp.where(mask, xp.maximum((xhat + deltas[k]) * g[:, None] + b[:, None], 0)
                                - (xhat * g[:, None] + b[:, None]), 0))
-        energy[k] = _sq(du)
-        if k == k0:
-            dw = xp.zeros_like(p.data)
-            conv2d_backward_weight(dw, run.act(step.scratch, step.in_shape), run.act(step.dout, step.out_shape),
-                                   L.stride, L.pad, eng.arrays["conv.cols"])
-            e0 = _sq(dw)
-    for k in BITS:
-        e = e0 * energy[k] / energy[k0] if energy[k0] > 0 else 0.0
+        dw.fill(0)
+        conv2d_backward_weight(dw, run.act(step.scratch, step.in_shape), run.act(step.dout, step.out_shape),
+                               L.stride, L.pad, eng.arrays["conv.cols"])
+        e = _sq(dw)
         local[u][k] += e
         if k == k0:
             tensor_local[step.params[0]] += e
