@@ -94,3 +94,15 @@ def test_bad_auto_command_lines_exit_2(capsys, tmp_path, argv, words):
     assert rc == 2, (out, err)
     assert words in err.strip().splitlines()[-1], err
     assert "Traceback" not in err
+
+
+def test_train_rounding_is_kept_with_the_run(capsys, tmp_path):
+    out_dir = tmp_path / "run"
+    rc, out, err = run(capsys, "train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test", "16",
+                       "--depth", "8", "--batch", "16", "--epochs", "1", "--no-progress", "--bits", "2",
+                       "--rounding", "stochastic", "--out", str(out_dir))
+    assert rc == 0, err
+    assert "(2-bit, stochastic rounding)" in out
+    assert json.loads((out_dir / "config.json").read_text())["rounding"] == "stochastic"
+    rc, out, err = run(capsys, "train", "--out", str(out_dir), "--resume", "--rounding", "nearest")
+    assert rc == 1 and "rounding (checkpoint 'stochastic', this run 'nearest')" in err
