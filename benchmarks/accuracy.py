@@ -397,6 +397,13 @@ def plots(results, modes, seeds, doc_dir, stem):
     return files
 
 
+def total_ratio(rec, mode_rec):
+    """Error over noise of all parameters as one vector: squared norms add over tensors."""
+    err = math.sqrt(sum(e * e for e in mode_rec["error_norm"]))
+    noise = math.sqrt(sum(n * n for n in rec["noise_norm"]))
+    return err / noise if noise > 0 else float("nan")
+
+
 def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_note):
     s = summarise(results, modes, seeds)
     doc_dir = os.path.dirname(os.path.abspath(path))
@@ -423,7 +430,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
           f"{cifar_note}", "",
           f"Network: {MODELS['preact-cifar'].build.__name__}(depth={args.depth}); SGD momentum 0.9, weight "
           f"decay 5e-4, lr {args.lr:g} (warm-up then cosine), batch {args.batch}, {args.epochs} epochs "
-          f"({steps} iterations), random crop + flip. Seeds {', '.join(map(str, seeds))}: a seed fixes "
+          f"({steps} iterations), {'no augmentation' if args.no_augment else 'random crop + flip'}. Seeds {', '.join(map(str, seeds))}: a seed fixes "
           f"the initial weights, batch order and augmentation, the same for every mode. Quantizer "
           f"windows (half-widths W per bit width, docs/quantizer.md): "
           + ", ".join(f"{k}-bit ±{quant.WINDOWS[k]:g}" for k in quant.BITS) + ".", "",
@@ -458,7 +465,8 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
               "| run | widths (units in forward order) | saved x-hat | uniform 2-bit | predicted error/noise |",
               "|---|---|---|---|---|"]
         for k, r in autos:
-            L.append(f"| {k} | {' '.join(str(b) for b in r['bits'].values())} | {r['saved_code_bytes']:,} B | "
+            L.append(f"| {k.replace('|', ', seed ')} | {' '.join(str(b) for b in r['bits'].values())} | "
+                     f"{r['saved_code_bytes']:,} B | "
                      f"{r['uniform2_bytes']:,} B | {r['predicted_ratio']:.3g} |")
     L += ["", "## 2. Gradient error against SGD noise through training", "",
           "Along the exact run of the first seed, at evenly spaced iterations (0: before the first "
@@ -472,12 +480,15 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
           "one mini-batch gradient lies from the expected one (B/(B−1): ḡ is a sample mean);",
           "* **ratio** `e_m(p) / σ(p)`; ‖·‖ is the Euclidean norm over the tensor's elements. Below 1 the "
           "approximation adds less to the gradient's error than SGD's sampling already has.", "",
-          "| iteration | epoch | " + " | ".join(f"{m}: median / worst ratio" for m in
+          "The last number in each cell is the ratio of all parameters taken as one vector (what the "
+          "auto allocation minimises): `sqrt(Σ_p e_m(p)²) / sqrt(Σ_p σ(p)²)`.", "",
+          "| iteration | epoch | " + " | ".join(f"{m}: median / worst / all" for m in
                                                  (noise[0]["modes"] if noise else [])) + " |",
           "|---|---|" + "---|" * (len(noise[0]["modes"]) if noise else 0)]
     for r in noise:
         L.append(f"| {r['iteration']} | {r['epoch']:.2f} | " + " | ".join(
-            f"{v['median_ratio']:.3g} / {v['worst_ratio']:.3g}" for v in r["modes"].values()) + " |")
+            f"{v['median_ratio']:.3g} / {v['worst_ratio']:.3g} / {total_ratio(r, v):.3g}"
+            for v in r["modes"].values()) + " |")
     if noise:
         L += ["", "Median over tensors of the ratio, over all checkpoints: " + "; ".join(
             f"{m} {statistics.median(r['modes'][m]['median_ratio'] for r in noise):.3g} "

@@ -94,16 +94,21 @@ def validate(name, args, data):
 
 
 def cost(args):
+    """Steps timed just before and just after the estimate (their mean), so that a change in the
+    machine's load during the run biases the ratio less."""
     net = preact_resnet_cifar(args.cost_depth)
     shape = (3, 32, 32)
     batches = synthetic_batches(args.batches, args.batch, shape, 10, seed=0)
+    before = step_seconds(net, args.batch, shape, 10)
+    big = step_seconds(net, args.train_batch, shape, 10, steps=2) if args.train_batch != args.batch else None
     sens = measure_sensitivity(net, batches)
+    after = step_seconds(net, args.batch, shape, 10)
     out = {"depth": args.cost_depth, "units": len(sens.units), "batch": args.batch, "batches": args.batches,
-           "sens_seconds": sens.seconds}
-    out["step_seconds"] = step_seconds(net, args.batch, shape, 10)
-    if args.train_batch != args.batch:
-        out["train_batch"] = args.train_batch
-        out["train_step_seconds"] = step_seconds(net, args.train_batch, shape, 10, steps=2)
+           "sens_seconds": sens.seconds, "step_seconds": (before + after) / 2, "step_before": before,
+           "step_after": after}
+    if big is not None:
+        big = (big + step_seconds(net, args.train_batch, shape, 10, steps=2)) / 2
+        out["train_batch"], out["train_step_seconds"] = args.train_batch, big
     return out
 
 
@@ -121,7 +126,7 @@ def main(argv=None):
     data = load_dataset("fashion-mnist", None, download=False, limit_train=args.limit_train, limit_test=100)
     res = {"command": "python benchmarks/bits_validate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": platform.processor() or "?", "load": os.getloadavg()[0], "nets": []}
-    for name in args.nets.split(","):
+    for name in filter(None, args.nets.split(",")):
         res["nets"].append(validate(name, args, data))
     if args.cost_depth:
         res["cost"] = cost(args)
