@@ -84,17 +84,18 @@ def folder(text):
     return text
 
 
+BITS_CHOICES = (8, 4, 2, 1, "auto")
+
+
 def bits(text):
-    """A bit width 1, 2, 4 or 8, or 'auto' (a width per unit, chosen to fit a budget)."""
+    """--bits: an integer, or 'auto' (a width per unit, chosen to fit a budget); argparse's
+    choices=BITS_CHOICES then refuses any other width ("invalid choice: 3")."""
     if str(text).strip().lower() == "auto":
         return "auto"
     try:
-        k = int(text)
+        return int(text)
     except ValueError:
-        k = None
-    if k not in (1, 2, 4, 8):
-        raise argparse.ArgumentTypeError(f"expected 1, 2, 4, 8 or auto, got {text!r}")
-    return k
+        raise argparse.ArgumentTypeError(f"expected 1, 2, 4, 8 or auto, got {text!r}") from None
 
 
 def average_bits(text):

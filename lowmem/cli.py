@@ -180,7 +180,7 @@ def describe(net, batch, shape, dtype, what):
 def plan_arguments(p):
     model_arguments(p, depth=164, batch=128)
     p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
-    p.add_argument("--bits", type=argtypes.bits, default=4, metavar="{8,4,2,1,auto}",
+    p.add_argument("--bits", type=argtypes.bits, choices=argtypes.BITS_CHOICES, default=4,
                    help="bits per stored activation in approx/naive mode; auto: a width per unit, "
                         "chosen from measured error to fit --budget or --avg-bits (default: %(default)s)")
     p.add_argument("--budget", type=_budget, default=None,
@@ -343,7 +343,7 @@ def train_arguments(parser):
     opt("--mode", "mode", "exact | approx (the method) | naive (the paper's baseline)", choices=MODES)
     opt("--bits", "bits", "bits per stored activation in approx / naive mode: 8, 4, 2, 1, or auto (a width "
         "per unit, chosen from error measured on the first training batches to fit --avg-bits)",
-        type=argtypes.bits, metavar="{8,4,2,1,auto}")
+        type=argtypes.bits, choices=argtypes.BITS_CHOICES)
     opt("--avg-bits", "avg_bits", "with --bits auto: the saved x-hat within what every unit at A bits would take",
         type=argtypes.average_bits, metavar="A")
     opt("--rounding", "rounding", "how x-hat becomes a code: nearest, or stochastic (unbiased within the window, "
@@ -482,7 +482,7 @@ def maxbatch_arguments(p):
     p.add_argument("--budget", type=_budget, required=True,
                    help="memory budget, e.g. 2GiB, 512MiB, 1.5GB or 1000000 (bytes)")
     p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
-    p.add_argument("--bits", type=argtypes.bits, default=4, metavar="{8,4,2,1,auto}",
+    p.add_argument("--bits", type=argtypes.bits, choices=argtypes.BITS_CHOICES, default=4,
                    help="bits per stored activation; auto: a width per unit, chosen from measured error "
                         "so that the saved x-hat is within --avg-bits on average (default: %(default)s)")
     auto_arguments(p)

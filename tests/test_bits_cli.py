@@ -78,7 +78,8 @@ def test_train_auto_keeps_its_widths_in_the_config(capsys, tmp_path):
 @pytest.mark.parametrize("argv, words", [
     (["plan", "--bits", "auto"], "--bits auto needs one of --budget (the whole plan) and --avg-bits"),
     (["plan", "--bits", "auto", "--avg-bits", "2", "--budget", "1GiB"], "--bits auto needs one of --budget"),
-    (["plan", "--bits", "3"], "argument --bits: expected 1, 2, 4, 8 or auto, got '3'"),
+    (["plan", "--bits", "3"], "argument --bits: invalid choice: 3"),
+    (["plan", "--bits", "four"], "argument --bits: expected 1, 2, 4, 8 or auto, got 'four'"),
     (["plan", "--bits", "4", "--avg-bits", "2"], "--budget and --avg-bits choose the widths of --bits auto"),
     (["plan", "--mode", "exact", "--bits", "auto", "--avg-bits", "2"], "mode exact saves every x-hat in float"),
     (["plan", "--bits", "auto", "--avg-bits", "0"], "argument --avg-bits: expected a number of bits in (0, 32]"),
