@@ -59,7 +59,8 @@ from lowmem import quant                        # noqa: E402
 from lowmem.atomic import atomic_write as write_atomically    # noqa: E402
 from lowmem.data import DataError, load_dataset, normalize      # noqa: E402
 from lowmem.models import MODELS                                  # noqa: E402
-from lowmem.trainer import TrainConfig, Trainer                  # noqa: E402
+from lowmem.allocate import allocate_bits                         # noqa: E402
+from lowmem.trainer import TrainConfig, Trainer, auto_batches    # noqa: E402
 
 # The full study: sized from measured step rates on the 2-core machine (docs/accuracy.md):
 # 18 runs of 150 steps of 128 images, 7 noise checkpoints.
@@ -71,16 +72,36 @@ SMOKE = dict(FULL, epochs=2, limit_train=768, limit_test=256, seeds="0,1",
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
+class Spec(tuple):
+    """(mode, bits, rounding, avg): bits an int, or "auto" with avg the average bits it fits."""
+    __slots__ = ()
+
+    def __new__(cls, mode, bits, rounding="nearest", avg=None):
+        return super().__new__(cls, (mode, bits, rounding, avg))
+
+    mode, bits, rounding, avg = (property(lambda self, i=i: self[i]) for i in range(4))
+
+
 def parse_mode(text):
-    """'exact' -> ('exact', 4); 'approx4' -> ('approx', 4); 'naive4' -> ('naive', 4)."""
-    m = re.fullmatch(r"(exact)|(approx|naive)([1248])", text.strip())
+    """'exact'; 'approx4' / 'naive4' (K in 1, 2, 4, 8); 'auto2' (approx, a width per unit chosen
+    to fit an average of 2 bits, lowmem/allocate.py); a trailing 's': stochastic rounding."""
+    m = re.fullmatch(r"(exact)|(approx|naive)([1248])(s?)|auto(\d+(?:\.\d+)?)(s?)", text.strip())
     if not m:
-        raise ValueError(f"unknown mode {text!r}: expected exact, approxK or naiveK with K in 1, 2, 4, 8")
-    return ("exact", 4) if m.group(1) else (m.group(2), int(m.group(3)))
+        raise ValueError(f"unknown mode {text!r}: expected exact, approxK, naiveK (K in 1, 2, 4, 8) or autoA, "
+                         f"each but exact with an optional s (stochastic rounding)")
+    if m.group(1):
+        return Spec("exact", 4)
+    if m.group(2):
+        return Spec(m.group(2), int(m.group(3)), "stochastic" if m.group(4) else "nearest")
+    return Spec("approx", "auto", "stochastic" if m.group(6) else "nearest", float(m.group(5)))
 
 
-def label(mode, bits):
-    return mode if mode == "exact" else f"{mode} {bits}-bit"
+def label(spec):
+    mode, bits, rounding, avg = spec
+    if mode == "exact":
+        return mode
+    text = f"auto {avg:g}-bit avg" if bits == "auto" else f"{mode} {bits}-bit"
+    return text + (" stochastic" if rounding == "stochastic" else "")
 
 
 def seeds_of(text):
@@ -109,24 +130,33 @@ def load_results(path, settings):
 
 # ---- part 1: one training run -----------------------------------------------------------
 
-def config_for(args, mode, bits, seed):
+def config_for(args, spec, seed):
     return TrainConfig(dataset=args.dataset, data_dir=args.data_dir, download=False, pad_to=args.pad_to,
                        limit_train=args.limit_train, limit_test=args.limit_test, depth=args.depth,
-                       mode=mode, bits=bits, batch=args.batch, epochs=args.epochs, lr=args.lr,
-                       schedule="cosine", seed=seed, out=None, progress=False)
+                       mode=spec.mode, bits=spec.bits, avg_bits=spec.avg, rounding=spec.rounding,
+                       batch=args.batch, epochs=args.epochs, lr=args.lr, schedule="cosine", seed=seed,
+                       augment=not args.no_augment, out=None, progress=False)
 
 
-def train_run(args, data, mode, bits, seed, on_step=None, log=print):
-    """Train one (mode, bits, seed); returns {"final_test_acc", "history", "seconds"}."""
+def train_run(args, data, spec, seed, on_step=None, log=print):
+    """Train one (spec, seed); returns {"final_test_acc", "history", "seconds"} (auto: also the
+    widths chosen, their saved bytes and uniform 2-bit's, the predicted error/noise)."""
     t0 = time.time()
-    trainer = Trainer(config_for(args, mode, bits, seed), dataset=data, on_step=on_step,
+    trainer = Trainer(config_for(args, spec, seed), dataset=data, on_step=on_step,
                       log=lambda s: log(f"    {s}"))
+    extra = {}
+    if trainer.allocation is not None:
+        a = trainer.allocation
+        extra = {"bits": a.bits, "saved_code_bytes": a.total_bytes, "uniform2_bytes": a.uniform_bytes[2],
+                 "predicted_ratio": a.predicted_ratio, "measure_seconds": None}
+        log("    allocation: " + ", ".join(f"{u} {k}" for u, k in a.bits.items())
+            + f"; saved x-hat {a.total_bytes:,} B (uniform 2-bit {a.uniform_bytes[2]:,} B)")
     if on_step is not None:
         on_step(trainer, None)                  # the checkpoint before the first step
     result = trainer.fit()
     hist = [{k: r[k] for k in ("epoch", "iteration", "train_loss", "train_acc", "test_loss", "test_acc",
                                "train_time_s", "eval_time_s")} for r in result.history]
-    return {"final_test_acc": result.test_acc, "history": hist, "seconds": time.time() - t0}
+    return {"final_test_acc": result.test_acc, "history": hist, "seconds": time.time() - t0, **extra}
 
 
 # ---- part 2: gradient error against SGD noise at checkpoints -----------------------------
@@ -142,8 +172,9 @@ def noise_batches(data, batch, count, seed, dtype="float32"):
     return out
 
 
-def measure_checkpoint(net, batches, modes):
-    """Per tensor, the error and noise norms of ratio(p) (module docstring) for each (mode, bits)."""
+def measure_checkpoint(net, batches, modes, auto_bits):
+    """Per tensor, the error and noise norms of ratio(p) (module docstring) for each mode spec
+    (auto: the widths in auto_bits[label], those its run of the first seed trains with)."""
     exact = D.parameter_grads(net, batches, "exact")
     names = list(exact)
     B = len(batches)
@@ -152,20 +183,21 @@ def measure_checkpoint(net, batches, modes):
                          for n in names])
     grad = numpy.array([math.sqrt(sq(exact[n]).mean()) for n in names])
     rec = {"names": names, "noise_norm": noise.tolist(), "grad_norm": grad.tolist(), "modes": {}}
-    for mode, bits in modes:
-        g = D.parameter_grads(net, batches, mode, bits)
+    for spec in modes:
+        bits = auto_bits[label(spec)] if spec.bits == "auto" else spec.bits
+        g = D.parameter_grads(net, batches, spec.mode, bits, rounding=spec.rounding)
         err = numpy.array([math.sqrt(sq(g[n] - exact[n]).mean()) for n in names])
         ratio = err / numpy.where(noise > 0, noise, numpy.nan)
         rel = err / numpy.where(grad > 0, grad, numpy.nan)
         worst = int(numpy.nanargmax(ratio))
-        rec["modes"][label(mode, bits)] = {
+        rec["modes"][label(spec)] = {
             "error_norm": err.tolist(), "median_ratio": float(numpy.nanmedian(ratio)),
             "worst_ratio": float(ratio[worst]), "worst_tensor": names[worst],
             "median_rel_error": float(numpy.nanmedian(rel))}
     return rec
 
 
-def noise_hook(args, data, template, checkpoints, total_iters, modes, store, log):
+def noise_hook(args, data, template, checkpoints, total_iters, modes, store, log, auto_bits):
     """on_step callback measuring at `checkpoints` (iteration numbers); records go to `store`."""
     batches = noise_batches(data, args.batch, args.noise_batches, args.noise_seed)
 
@@ -176,7 +208,7 @@ def noise_hook(args, data, template, checkpoints, total_iters, modes, store, log
         t = time.time()
         net = copy.deepcopy(template)
         net.load_state_dict(trainer.net.state_dict())
-        rec = measure_checkpoint(net, batches, modes)
+        rec = measure_checkpoint(net, batches, modes, auto_bits)
         rec["iteration"] = it
         rec["epoch"] = it / trainer.steps_per_epoch
         rec["seconds"] = time.time() - t
@@ -191,8 +223,7 @@ def noise_hook(args, data, template, checkpoints, total_iters, modes, store, log
 
 def summarise(results, modes, seeds):
     """Per mode label: accuracies per seed, mean, sd, and the paired difference to exact."""
-    acc = {label(m, b): [results["runs"][f"{label(m, b)}|{s}"]["final_test_acc"] for s in seeds]
-           for m, b in modes}
+    acc = {label(m): [results["runs"][f"{label(m)}|{s}"]["final_test_acc"] for s in seeds] for m in modes}
     out = {}
     for name, a in acc.items():
         row = {"acc": a, "mean": statistics.mean(a), "sd": statistics.stdev(a) if len(a) > 1 else float("nan")}
@@ -219,9 +250,28 @@ def _within(r, bound):
     return "not resolved"
 
 
+def gap_halved(s, auto, uniform):
+    """Issue 20: auto's gap to exact at most half uniform's (paired means), with both numbers."""
+    a, u = s[auto]["diff"], s[uniform]["diff"]
+    ok = abs(a) <= 0.5 * abs(u)
+    return (f"* {auto} vs {uniform}: the gap to exact at least halved: {'met' if ok else 'missed'} "
+            f"({100 * a:+.2f} pp against {100 * u:+.2f} pp, paired means)")
+
+
 def targets(s, noise):
-    """Lines judging the measured numbers against the issue's targets (met / missed / not resolved)."""
+    """Lines judging the measured numbers against the targets set before the runs (met / missed / not resolved)."""
     out = []
+    auto = [n for n in s if n.startswith("auto 2-bit avg") and "diff" in s[n]]
+    for name in auto:                           # within 0.5 pp of exact (paired mean)
+        r = s[name]
+        out.append(f"* {name} within 0.5 pp of exact (paired mean): {'met' if abs(r['diff']) <= 0.005 else 'missed'}"
+                   f"; stretch, interval inside ±0.5 pp: {_within(r, 0.005)} (difference {100 * r['diff']:+.2f} pp, "
+                   f"95% interval [{100 * r['diff_ci'][0]:+.2f}, {100 * r['diff_ci'][1]:+.2f}])")
+        uniform = "approx 2-bit" + (" stochastic" if name.endswith("stochastic") else "")
+        if uniform in s and "diff" in s[uniform]:
+            out.append(gap_halved(s, name, uniform))
+        if name.endswith("stochastic") and "approx 2-bit" in s and "diff" in s.get("approx 2-bit", {}):
+            out.append(gap_halved(s, name, "approx 2-bit"))
     for name, bound in (("approx 4-bit", 0.003), ("approx 2-bit", 0.01)):
         if name in s and "diff" in s[name]:
             r = s[name]
@@ -260,7 +310,7 @@ def estimate_full(results, args):
     base = rate.get("approx 4-bit", max(rate.values()))
     F = FULL
     per_run_imgs = (F["limit_train"] // F["batch"]) * F["batch"] * F["epochs"]
-    train = len(seeds_of(F["seeds"])) * sum(per_run_imgs * rate.get(label(*parse_mode(m)), base)
+    train = len(seeds_of(F["seeds"])) * sum(per_run_imgs * rate.get(label(parse_mode(m)), base)
                                              for m in F["modes"].split(","))
     evals = len(seeds_of(F["seeds"])) * len(F["modes"].split(",")) * F["epochs"] * F["limit_test"] * statistics.mean(ev)
     noise = results.get("noise") or []
@@ -294,14 +344,14 @@ def plots(results, modes, seeds, doc_dir, stem):
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     # exact last, black and thick, so it stays visible above the modes that track it; the shaded
     # band is the spread (min to max) over the seeds, the line their mean
-    order = [mb for mb in modes if mb[0] != "exact"] + [mb for mb in modes if mb[0] == "exact"]
-    for k, (m, b) in enumerate(order):
-        hs = [results["runs"][f"{label(m, b)}|{s}"]["history"] for s in seeds]
+    order = [m for m in modes if m[0] != "exact"] + [m for m in modes if m[0] == "exact"]
+    for k, m in enumerate(order):
+        hs = [results["runs"][f"{label(m)}|{s}"]["history"] for s in seeds]
         ep = [r["epoch"] for r in hs[0]]
-        style = (dict(color="k", lw=2.2, ls="--", zorder=5) if m == "exact" else dict(color=f"C{k}", lw=1.3))
+        style = (dict(color="k", lw=2.2, ls="--", zorder=5) if m[0] == "exact" else dict(color=f"C{k}", lw=1.3))
         for ax, key, scale in ((a1, "test_acc", 100), (a2, "train_loss", 1)):
             v = [[scale * h[i][key] for h in hs] for i in range(len(ep))]
-            ax.plot(ep, [statistics.mean(x) for x in v], marker="o", label=label(m, b), **style)
+            ax.plot(ep, [statistics.mean(x) for x in v], marker="o", label=label(m), **style)
             ax.fill_between(ep, [min(x) for x in v], [max(x) for x in v], color=style["color"],
                             alpha=0.12, lw=0)
     a1.set(xlabel="epoch", ylabel=f"test accuracy, % (mean; band: min-max over {len(seeds)} seeds)",
@@ -340,6 +390,13 @@ def plots(results, modes, seeds, doc_dir, stem):
     return files
 
 
+def total_ratio(rec, mode_rec):
+    """Error over noise of all parameters as one vector: squared norms add over tensors."""
+    err = math.sqrt(sum(e * e for e in mode_rec["error_norm"]))
+    noise = math.sqrt(sum(n * n for n in rec["noise_norm"]))
+    return err / noise if noise > 0 else float("nan")
+
+
 def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_note):
     s = summarise(results, modes, seeds)
     doc_dir = os.path.dirname(os.path.abspath(path))
@@ -366,7 +423,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
           f"{cifar_note}", "",
           f"Network: {MODELS['preact-cifar'].build.__name__}(depth={args.depth}); SGD momentum 0.9, weight "
           f"decay 5e-4, lr {args.lr:g} (warm-up then cosine), batch {args.batch}, {args.epochs} epochs "
-          f"({steps} iterations), random crop + flip. Seeds {', '.join(map(str, seeds))}: a seed fixes "
+          f"({steps} iterations), {'no augmentation' if args.no_augment else 'random crop + flip'}. Seeds {', '.join(map(str, seeds))}: a seed fixes "
           f"the initial weights, batch order and augmentation, the same for every mode. Quantizer "
           f"windows (half-widths W per bit width, docs/quantizer.md): "
           + ", ".join(f"{k}-bit ±{quant.WINDOWS[k]:g}" for k in quant.BITS) + ".", "",
@@ -393,7 +450,17 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
     if figs:
         L += ["", f"![training curves]({figs[0]})"]
     noise = results.get("noise") or []
-    L += ["", "### Against the targets of issue 12", ""] + targets(s, noise)
+    L += ["", "### Against the targets set before the runs", ""] + targets(s, noise)
+    autos = [(k, r) for k, r in results["runs"].items() if "bits" in r]
+    if autos:
+        L += ["", "Auto allocations (chosen by each run at its start from the first 3 training batches, "
+              "lowmem/allocate.py; saved x-hat bytes against uniform 2-bit's):", "",
+              "| run | widths (units in forward order) | saved x-hat | uniform 2-bit | predicted error/noise |",
+              "|---|---|---|---|---|"]
+        for k, r in autos:
+            L.append(f"| {k.replace('|', ', seed ')} | {' '.join(str(b) for b in r['bits'].values())} | "
+                     f"{r['saved_code_bytes']:,} B | "
+                     f"{r['uniform2_bytes']:,} B | {r['predicted_ratio']:.3g} |")
     L += ["", "## 2. Gradient error against SGD noise through training", "",
           "Along the exact run of the first seed, at evenly spaced iterations (0: before the first "
           f"step), on B = {args.noise_batches} fixed training batches of {args.batch} images (drawn once, "
@@ -406,12 +473,15 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
           "one mini-batch gradient lies from the expected one (B/(B−1): ḡ is a sample mean);",
           "* **ratio** `e_m(p) / σ(p)`; ‖·‖ is the Euclidean norm over the tensor's elements. Below 1 the "
           "approximation adds less to the gradient's error than SGD's sampling already has.", "",
-          "| iteration | epoch | " + " | ".join(f"{m}: median / worst ratio" for m in
+          "The last number in each cell is the ratio of all parameters taken as one vector (what the "
+          "auto allocation minimises): `sqrt(Σ_p e_m(p)²) / sqrt(Σ_p σ(p)²)`.", "",
+          "| iteration | epoch | " + " | ".join(f"{m}: median / worst / all" for m in
                                                  (noise[0]["modes"] if noise else [])) + " |",
           "|---|---|" + "---|" * (len(noise[0]["modes"]) if noise else 0)]
     for r in noise:
         L.append(f"| {r['iteration']} | {r['epoch']:.2f} | " + " | ".join(
-            f"{v['median_ratio']:.3g} / {v['worst_ratio']:.3g}" for v in r["modes"].values()) + " |")
+            f"{v['median_ratio']:.3g} / {v['worst_ratio']:.3g} / {total_ratio(r, v):.3g}"
+            for v in r["modes"].values()) + " |")
     if noise:
         L += ["", "Median over tensors of the ratio, over all checkpoints: " + "; ".join(
             f"{m} {statistics.median(r['modes'][m]['median_ratio'] for r in noise):.3g} "
@@ -447,6 +517,7 @@ def main(argv=None):
     p.add_argument("--noise-batches", type=int, default=None)
     p.add_argument("--noise-modes", default=None)
     p.add_argument("--noise-seed", type=int, default=0)
+    p.add_argument("--no-augment", action="store_true", help="no random crop / flip (shorter runs converge faster)")
     p.add_argument("--out", default=None, help="results directory (default runs/accuracy[-smoke])")
     p.add_argument("--doc", default="docs/accuracy.md")
     args = p.parse_args(argv)
@@ -457,12 +528,12 @@ def main(argv=None):
     args.out = args.out or ("runs/accuracy-smoke" if args.smoke else "runs/accuracy")
     modes = [parse_mode(m) for m in args.modes.split(",")]
     noise_modes = [parse_mode(m) for m in args.noise_modes.split(",")] if args.checkpoints else []
-    if any(m == "exact" for m, _ in noise_modes):
+    if any(m.mode == "exact" for m in noise_modes):
         raise SystemExit("--noise-modes compares with exact: list approxK / naiveK modes only")
     if args.checkpoints and args.noise_batches < 2:
         raise SystemExit(f"--noise-batches must be >= 2 (the noise compares batches), got {args.noise_batches}")
-    if ("exact", 4) not in modes:
-        modes.insert(0, ("exact", 4))           # the reference of every difference
+    if Spec("exact", 4) not in modes:
+        modes.insert(0, Spec("exact", 4))       # the reference of every difference
     seeds = seeds_of(args.seeds)
     command = "python benchmarks/accuracy.py " + " ".join(argv)
     log = lambda s: print(s, flush=True)        # noqa: E731
@@ -477,10 +548,12 @@ def main(argv=None):
                 cifar_note += f"{name}: not present on this machine (not run). "
     data = load_dataset(args.dataset, args.data_dir, download=False, pad_to=args.pad_to or None,
                         limit_train=args.limit_train, limit_test=args.limit_test)
-    log(f"{data!r}; modes {[label(*m) for m in modes]}; seeds {seeds}; {args.epochs} epochs of batch {args.batch}")
+    log(f"{data!r}; modes {[label(m) for m in modes]}; seeds {seeds}; {args.epochs} epochs of batch {args.batch}")
     settings = {k: getattr(args, k) for k in ("dataset", "pad_to", "depth", "batch", "epochs", "lr",
                                               "limit_train", "limit_test", "noise_batches", "noise_seed",
                                               "checkpoints", "noise_modes")}
+    if args.no_augment:                         # (absent when off: older studies' settings still match)
+        settings["no_augment"] = True
     settings["windows"] = {str(k): quant.WINDOWS[k] for k in quant.BITS}
     path = os.path.join(args.out, "results.json")
     results = load_results(path, settings)
@@ -488,21 +561,27 @@ def main(argv=None):
     results["load"] = f"{results['load']}, {load}" if results.get("load") else load
     t0 = time.time()
     for seed in seeds:
-        for mode, bits in modes:
-            key = f"{label(mode, bits)}|{seed}"
+        for spec in modes:
+            key = f"{label(spec)}|{seed}"
             if key in results["runs"]:
                 log(f"{key}: done before ({100 * results['runs'][key]['final_test_acc']:.2f}%)")
                 continue
             hook, store = None, []
-            if mode == "exact" and seed == seeds[0] and args.checkpoints and results.get("noise") is None:
+            if spec.mode == "exact" and seed == seeds[0] and args.checkpoints and results.get("noise") is None:
                 spe = len(data.x_train) // args.batch
                 total = spe * args.epochs
                 cps = sorted({round(i * total / max(1, args.checkpoints - 1)) for i in range(args.checkpoints)})
                 template = MODELS["preact-cifar"].build(args.depth, num_classes=data.num_classes,
                                                   in_channels=data.input_shape[0], seed=seed)
-                hook = noise_hook(args, data, template, set(cps), total, noise_modes, store, log)
+                # auto modes: the widths their run of this seed will choose (the trainer's own
+                # measurement: the same first batches and initial weights), for the whole curve
+                auto_bits = {label(m): allocate_bits(template, auto_batches(data, args.batch), batch_size=args.batch,
+                                                     avg_bits=m.avg, rounding=m.rounding).bits
+                             for m in noise_modes if m.bits == "auto"}
+                results["noise_bits"] = auto_bits
+                hook = noise_hook(args, data, template, set(cps), total, noise_modes, store, log, auto_bits)
             log(f"{key}: training")
-            run = train_run(args, data, mode, bits, seed, on_step=hook, log=log)
+            run = train_run(args, data, spec, seed, on_step=hook, log=log)
             results["runs"][key] = run
             if hook is not None:
                 results["noise"] = sorted(store, key=lambda r: r["iteration"])

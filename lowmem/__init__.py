@@ -9,8 +9,13 @@ each unit's normalised activation for the backward sweep.
     eng = lm.Engine(net, batch_size=128, input_shape=(3, 32, 32), mode="approx", bits=4)
     opt = lm.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     loss = eng.train_step(x, labels, opt)
+
+    # a width per unit, chosen from measured error to fit a budget (docs/bits.md)
+    alloc = lm.allocate_bits(net, batches, batch_size=128, avg_bits=2)   # batches: a few (x, labels)
+    eng = lm.Engine(net, 128, (3, 32, 32), mode="approx", bits=alloc.bits)
 """
 from . import backend, diagnostics, distributed, models, nn
+from .allocate import allocate_bits
 from .backend import set_backend, get_backend
 from .engine import Engine
 from .network import Network, Parameter
@@ -19,4 +24,4 @@ from .plan import Plan
 
 __version__ = "0.1.0"
 __all__ = ["backend", "distributed", "models", "nn", "set_backend", "get_backend", "Engine", "Network",
-           "Parameter", "SGD", "Plan"]
+           "Parameter", "SGD", "Plan", "allocate_bits"]

@@ -99,3 +99,25 @@ def model(text):
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+BITS_CHOICES = (8, 4, 2, 1, "auto")
+
+
+def bits(text):
+    """--bits: an integer, or 'auto' (a width per unit, chosen to fit a budget); argparse's
+    choices=BITS_CHOICES then refuses any other width ("invalid choice: 3")."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 1, 2, 4, 8 or auto, got {text!r}") from None
+
+
+def average_bits(text):
+    """Average bits per saved x-hat element for --bits auto: a number in (0, 32]."""
+    x = _finite(text)
+    if not 0 < x <= 32:
+        raise argparse.ArgumentTypeError(f"expected a number of bits in (0, 32], got {text!r}")
+    return x

@@ -110,8 +110,65 @@ def build_network(args):
 
 
 def mode_label(mode, bits):
-    """'exact' or e.g. 'approx 4-bit'."""
-    return mode if mode == "exact" else f"{mode} {bits}-bit"
+    """'exact', e.g. 'approx 4-bit', or 'approx auto (2.00 bits on average)' for per-unit widths."""
+    if mode == "exact":
+        return mode
+    if isinstance(bits, dict):            # e.g. 'approx 2-bit x16, 4-bit x2, 1-bit x1'
+        widths = ["float" if k == "float" else f"{k}-bit" for k in bits.values()]
+        return mode + " " + ", ".join(f"{w} x{widths.count(w)}" for w in dict.fromkeys(widths))
+    return f"{mode} {bits}-bit"
+
+
+# ---- --bits auto: a width per unit -------------------------------------------------
+
+def auto_arguments(p):
+    """The options of --bits auto shared by plan, train and maxbatch (--avg-bits; the measurement)."""
+    g = p.add_argument_group("--bits auto (docs/bits.md)")
+    g.add_argument("--avg-bits", type=argtypes.average_bits, default=None, metavar="A",
+                   help="the saved x-hat within what every unit at A bits would take, e.g. 2")
+    g.add_argument("--measure-batches", type=argtypes.positive, default=3, metavar="B",
+                   help="mini-batches the sensitivity is measured on, >= 2 (default: %(default)s)")
+    g.add_argument("--measure-batch", type=argtypes.positive, default=None, metavar="N",
+                   help="their batch size (default: the batch, at most 32)")
+    return g
+
+
+def check_auto(args, budget_ok):
+    """--bits auto needs approx or naive mode and one budget (--budget only where budget_ok)."""
+    if args.mode == "exact":
+        raise ValueError("--bits auto chooses code widths; mode exact saves every x-hat in float")
+    given = [n for n, v in (("--budget", getattr(args, "budget", None) if budget_ok else None),
+                            ("--avg-bits", args.avg_bits)) if v is not None]
+    if len(given) != 1:
+        raise ValueError("--bits auto needs " + ("one of --budget (the whole plan) and --avg-bits"
+                                                 if budget_ok else "--avg-bits"))
+    if args.measure_batches < 2:
+        raise ValueError(f"--measure-batches must be at least 2 (the SGD noise compares batches), "
+                         f"got {args.measure_batches}")
+
+
+def measure_sensitivity_synthetic(args, net, shape, batch):
+    """The sensitivity of `net` on learnable synthetic batches (plan and maxbatch have no data)."""
+    from . import diagnostics as D
+    from .sensitivity import measure_sensitivity
+    n = args.measure_batch or min(batch, 32)
+    batches = D.synthetic_batches(args.measure_batches, n, shape, net.num_classes, 0, args.dtype)
+    sens = measure_sensitivity(net, batches, dtype=args.dtype)
+    print(f"sensitivity: {args.measure_batches} synthetic batches of {n} (lowmem.data.synthetic, "
+          f"untrained weights), measured in {sens.seconds:.1f} s")
+    return sens
+
+
+def auto_allocation(args, net, shape, batch, ws):
+    """Measure, allocate for --budget or --avg-bits at `batch`, print the table; the Allocation."""
+    from .allocate import allocate_bits
+    sens = measure_sensitivity_synthetic(args, net, shape, batch)
+    a = allocate_bits(net, None, batch_size=batch, avg_bits=args.avg_bits, budget=getattr(args, "budget", None),
+                      mode=args.mode, dtype=args.dtype, workspace_bytes=ws, sens=sens)
+    print(f"allocation (batch {batch}):")
+    print(a.table())
+    print()
+    return a
 
 
 def describe(net, batch, shape, dtype, what):
@@ -126,8 +183,12 @@ def describe(net, batch, shape, dtype, what):
 def plan_arguments(p):
     model_arguments(p, depth=164, batch=128)
     p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
-    p.add_argument("--bits", type=int, choices=quant.BITS[::-1], default=4,
-                   help="bits per stored activation in approx/naive mode (default: %(default)s)")
+    p.add_argument("--bits", type=argtypes.bits, choices=argtypes.BITS_CHOICES, default=4,
+                   help="bits per stored activation in approx/naive mode; auto: a width per unit, "
+                        "chosen from measured error to fit --budget or --avg-bits (default: %(default)s)")
+    p.add_argument("--budget", type=_budget, default=None,
+                   help="with --bits auto: the whole plan within this many bytes, e.g. 300MiB")
+    auto_arguments(p)
     p.add_argument("--workspace-mib", type=argtypes.positive, default=DEFAULT_WORKSPACE_BYTES >> 20,
                    help="bound on the conv workspace, MiB (default: %(default)s)")
     p.add_argument("--compare", action="store_true",
@@ -160,6 +221,12 @@ def compare_table(plans):
 def plan_command(args):
     net, shape = build_network(args)
     ws = args.workspace_mib << 20
+    if args.bits == "auto":
+        check_auto(args, budget_ok=True)
+        args.bits = auto_allocation(args, net, shape, args.batch, ws).bits
+    elif args.budget is not None or args.avg_bits is not None:
+        raise ValueError("--budget and --avg-bits choose the widths of --bits auto; "
+                         "with a fixed --bits drop them")
     eng = Engine(net, args.batch, shape, args.mode, args.bits, args.dtype, ws, allocate=False)
     print(describe(net, args.batch, shape, args.dtype, "mode " + mode_label(args.mode, args.bits)))
     if not args.no_schedule:
@@ -171,7 +238,8 @@ def plan_command(args):
     print(f"saved for backward: {fmt_bytes(saved)} ({saved / args.batch / 1e6:.3f} MB per sample)")
     if args.compare:
         other = "exact" if args.mode != "exact" else "approx"
-        ref = Engine(net, args.batch, shape, other, args.bits, args.dtype, ws, allocate=False)
+        ref = Engine(net, args.batch, shape, other, 4 if isinstance(args.bits, dict) else args.bits,
+                     args.dtype, ws, allocate=False)
         first, second = (ref, eng) if other == "exact" else (eng, ref)
         print(f"\ncompare (batch {args.batch}):")
         print(compare_table({mode_label(e.mode, e.bits): e.plan for e in (first, second)}))
@@ -279,8 +347,13 @@ def train_arguments(parser):
     opt("--depth", "depth", "; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items()),
         type=argtypes.positive)
     opt("--mode", "mode", "exact | approx (the method) | naive (the paper's baseline)", choices=MODES)
-    opt("--bits", "bits", "bits per stored activation in approx / naive mode", type=int,
-        choices=quant.BITS[::-1])
+    opt("--bits", "bits", "bits per stored activation in approx / naive mode: 8, 4, 2, 1, or auto (a width "
+        "per unit, chosen from error measured on the first training batches to fit --avg-bits)",
+        type=argtypes.bits, choices=argtypes.BITS_CHOICES)
+    opt("--avg-bits", "avg_bits", "with --bits auto: the saved x-hat within what every unit at A bits would take",
+        type=argtypes.average_bits, metavar="A")
+    opt("--rounding", "rounding", "how x-hat becomes a code: nearest, or stochastic (unbiased within the window, "
+        "the ReLU mask exact; the draws follow --seed and the iteration)", choices=quant.ROUNDINGS)
     opt("--dtype", "dtype", "float32 | float64", choices=DTYPES)
     opt("--batch", "batch", "batch size (also the planned batch of the engine)", type=argtypes.positive)
     opt("--epochs", "epochs", "epochs to train in total (including those already done)", type=argtypes.positive)
@@ -421,7 +494,12 @@ def maxbatch_arguments(p):
     p.add_argument("--budget", type=_budget, required=True,
                    help="memory budget, e.g. 2GiB, 512MiB, 1.5GB or 1000000 (bytes)")
     p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
-    p.add_argument("--bits", type=int, choices=quant.BITS[::-1], default=4, help="default: %(default)s")
+    p.add_argument("--bits", type=argtypes.bits, choices=argtypes.BITS_CHOICES, default=4,
+                   help="bits per stored activation; auto: a width per unit, chosen from measured error "
+                        "so that the saved x-hat is within --avg-bits on average (default: %(default)s)")
+    auto_arguments(p)
+    p.add_argument("--batch", type=argtypes.positive, default=32,
+                   help="with --bits auto: the batch the widths are measured at (default: %(default)s)")
     p.add_argument("--workspace-mib", type=argtypes.positive, default=DEFAULT_WORKSPACE_BYTES >> 20,
                    help="bound on the conv workspace, MiB (default: %(default)s)")
     p.add_argument("--reserve", type=_reserve, default=0,
@@ -459,6 +537,17 @@ def maxbatch_command(args):
         raise ValueError(f"--reserve ({fmt_bytes(args.reserve)}) must be smaller than --budget "
                          f"({fmt_bytes(args.budget)})")
     planned_budget = args.budget - args.reserve
+    sens = None
+    if args.bits == "auto":
+        # the widths for an average of --avg-bits do not depend on the batch (every unit's bytes
+        # scale with it alike), so they are chosen once and the search runs over the batch
+        from .allocate import allocate, allocation_for
+        check_auto(args, budget_ok=False)
+        sens = measure_sensitivity_synthetic(args, factory(), shape, args.batch)
+        args.bits = allocate(sens, args.batch, avg_bits=args.avg_bits,
+                             itemsize=numpy.dtype(args.dtype).itemsize).bits
+    elif args.avg_bits is not None:
+        raise ValueError("--avg-bits chooses the widths of --bits auto; with a fixed --bits drop it")
     n = max_batch(factory, shape, planned_budget, args.mode, args.bits, args.dtype, ws)
     eng = planned_engine(factory, n, shape, args.mode, args.bits, args.dtype, ws)
     over = planned_engine(factory, n + 1, shape, args.mode, args.bits, args.dtype, ws).plan.total_bytes
@@ -473,6 +562,9 @@ def maxbatch_command(args):
     else:
         print(f"budget {fmt_bytes(args.budget)} ({args.budget:,} B{reserve}): largest batch {n} "
               f"(batch {n + 1} would plan {fmt_bytes(over)})")
+    if sens is not None:
+        print(f"\nallocation (batch {n}):")
+        print(allocation_for(sens, args.bits, n, itemsize=numpy.dtype(args.dtype).itemsize).table())
     print(f"\nplanned at batch {n}:")
     by = eng.plan.bytes_by_kind()
     for k in KINDS:

@@ -82,12 +82,13 @@ def warm_up(net, batches, steps, lr=0.05, dtype="float32"):
 
 # ---- gradient error ----------------------------------------------------------
 
-def parameter_grads(net, batches, mode, bits=4, dtype="float32"):
+def parameter_grads(net, batches, mode, bits=4, dtype="float32", rounding="nearest"):
     """Per parameter name, the float64 host gradients on each batch: {name: (B, *shape)}.
 
-    Uses an Engine on a deep copy of `net` (so `net` is not consumed)."""
+    Uses an Engine on a deep copy of `net` (so `net` is not consumed). bits: K or per-unit
+    widths (Engine's bits); rounding="stochastic": batch b draws the codes of engine step b, seed 0."""
     x0 = batches[0][0]
-    eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], mode, bits, dtype)
+    eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], mode, bits, dtype, rounding=rounding)
     params = eng.net.parameters()
     out = {p.name: numpy.empty((len(batches),) + p.shape) for p in params}
     for b, (x, labels) in enumerate(batches):

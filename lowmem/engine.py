@@ -57,7 +57,7 @@ __all__ = ["Engine", "MODES", "DTYPES", "DEFAULT_WORKSPACE_BYTES", "BatchStatist
 class Engine:
     def __init__(self, net, batch_size, input_shape, mode="exact", bits=4, dtype="float32",
                  workspace_bytes=DEFAULT_WORKSPACE_BYTES, allocate=True, use_fast=None,
-                 comm=None, sync_bn=False):
+                 comm=None, sync_bn=False, rounding="nearest", seed=0):
         """bits: K in {1, 2, 4, 8} for every BN-ReLU unit, or a dict {"*": K, "<unit>": K or
         "float"} giving each unit its own width ("*": the default for units not named; "float":
         that unit saves x-hat exactly, as in exact mode). `engine.unit_bits` is {unit: K, or
@@ -72,13 +72,19 @@ class Engine:
 
         comm: a lowmem.distributed communicator for data-parallel training (batch_size is then
         the per-rank batch; gradients are averaged over ranks after backward). sync_bn: batch
-        statistics over all ranks' batches (kernels/sync.py) instead of per replica."""
+        statistics over all ranks' batches (kernels/sync.py) instead of per replica.
+
+        rounding: how x-hat becomes a code, "nearest" (the default) or "stochastic" (unbiased
+        within the window, the ReLU mask still exact; docs/quantizer.md). Stochastic codes are
+        drawn from quant.stream_key(seed, step, unit index, rank): `engine.step` counts the
+        training forwards (set it to resume a run's stream; the Trainer sets it every step)."""
         self.mode, self.bits, self.dtype = checks.engine_args(net, batch_size, mode, bits, dtype)
         self.net, self.N = net, int(batch_size)      # N: the planned batch (a call's batch n <= N)
         self.comm = comm if comm is not None else distributed.SingleProcess()
         self.sync_bn = bool(sync_bn)
         self.input_shape = checks.input_shape(input_shape, net.in_channels)
         self.xp = backend.xp
+        self.rounding, self.seed, self.step = quant.check_rounding(rounding), quant.check_key(seed), 0
         threads.configure()                       # how lowmem uses the cores (lowmem/threads.py), once
         unit_names = [L.name for L in net.layers if getattr(OPS.get(L.op), "unit", False)]
         self.unit_bits = checks.unit_bits(self.bits, self.mode, unit_names)
@@ -127,11 +133,11 @@ class Engine:
         """{unit: kernel set} for each unit's width: fused or reference (kernels.select_units),
         synchronized over ranks with sync_bn."""
         if reference:
-            units = kernels.reference_units(self.mode, self.unit_bits)
+            units = kernels.reference_units(self.mode, self.unit_bits, self.rounding)
         else:
             partials = arrays.get("bn.partials") if arrays is not None else None
             units = kernels.select_units(self.xp, self.mode, self.unit_bits, self.dtype, sizes, self.fused,
-                                         partials=partials)
+                                         partials=partials, rounding=self.rounding)
         if self.sync_bn:
             buf = arrays["sync.bn"] if arrays is not None else None
             wrapped = {id(u): kernels.synchronized(u, self.comm, buf) for u in units.values()}
@@ -221,6 +227,7 @@ class Engine:
         self._start(x, training=True)
         self.run.batch("labels")[...] = labels
         self._sweep("fwd")
+        self.step += 1                            # the next training forward draws new streams
         self._ready = True
         return self.run.loss, self.run.batch("logits").copy()
 
@@ -240,6 +247,11 @@ class Engine:
         # mode alike (so exact and approx still compute the same forward)
         aligned = kernels.fused_applies(self.xp, self.dtype, self._sizes(run.n))
         run.units = self.selected if aligned or not self.fused else self.reference_units
+        # stochastic rounding: each coded unit's stream key for this training step
+        run.keys = {}
+        if training and self.rounding == "stochastic":
+            run.keys = {u: quant.stream_key(self.seed, self.step, i, self.comm.rank)
+                        for i, (u, K) in enumerate(self.unit_bits.items()) if K is not None}
         self.xp.copyto(run.act("input", self.input_shape), x.transpose(1, 0, 2, 3))
 
     def _sweep(self, phase):
@@ -292,7 +304,9 @@ class Engine:
         by = self.plan.bytes_by_kind()
         return (f"{self.net.name}: {self.net.num_params():,} params, batch {self.N}, "
                 f"input {self.input_shape}, mode {self.mode}"
-                + (f" ({checks.bits_label(self.mode, self.unit_bits)})" if self.mode != "exact" and self.unit_bits else "")
+                + (f" ({checks.bits_label(self.mode, self.unit_bits)}"
+                   + (", stochastic rounding" if self.rounding == "stochastic" else "") + ")"
+                   if self.mode != "exact" and self.unit_bits else "")
                 + f", {self.dtype}; planned {fmt_bytes(self.plan.total_bytes)} "
                   f"(saved {fmt_bytes(by['saved'])}, buffers {fmt_bytes(by['buffers'])})")
 

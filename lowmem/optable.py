@@ -235,7 +235,8 @@ class BNReLU(Op):
             raise BatchStatisticsError(
                 f"{step.name}: non-finite batch statistics (the input has values too "
                 f"large for {x.dtype}?); the step was refused, running statistics unchanged")
-        units.forward(out, units.saved_view(run.arrays[step.saved[0]], c, M), x, mean, rstd, g, b)
+        units.forward(out, units.saved_view(run.arrays[step.saved[0]], c, M), x, mean, rstd, g, b,
+                      key=run.keys.get(step.name))
         update_running_stats(running_mean, running_var, mean, var, units.count(M), BN_MOMENTUM)
 
     @staticmethod

@@ -14,6 +14,7 @@ each forward or backward. A handler reads its `schedule.Step` and this, nothing 
     training    a training forward (batch statistics, saved state) or eval (running statistics)
     input_grad  backward also computes the gradient of the network input
     loss        the mean loss of the last training forward (the loss step writes it)
+    keys        {unit: stochastic rounding's stream key} of the current training forward ({}: nearest)
 """
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ class RunState:
     training: bool = False
     input_grad: bool = False
     loss: float = None
+    keys: dict = field(default_factory=dict)
 
     def act(self, buf, shape):
         """(C, n, H, W) view at the start of a flat buffer (or the input slot), shape = (C, H, W)."""

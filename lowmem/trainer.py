@@ -91,6 +91,7 @@ from .trainstate import (FORMAT, TrainState, TrainingDiverged, check_training_me
 from .stop import Stop
 
 SCHEDULES = ("step", "cosine", "constant")
+AUTO_BATCHES, AUTO_BATCH = 3, 64              # bits="auto": measured on 3 training batches of at most 64
 WARMUP_DIVISOR = 10                           # warm-up lr = lr / 10 (He et al.: 0.01 for lr 0.1)
 PAPER_WARMUP_ITERS = 400
 
@@ -111,7 +112,9 @@ class TrainConfig:
     model: str = "preact-cifar"
     depth: int = 20
     mode: str = "approx"            # exact | approx | naive
-    bits: int = 4
+    bits: int = 4                   # 8, 4, 2, 1; "auto" (resolved to a {unit: K} dict at the start); a dict
+    avg_bits: float = None          # bits "auto": the saved x-hat within every unit at avg_bits
+    rounding: str = "nearest"       # nearest | stochastic (codes drawn from the seed and the iteration)
     dtype: str = "float32"
     batch: int = 128
     epochs: int = 10
@@ -131,7 +134,7 @@ class TrainConfig:
     workers: int = 4                # folder only: decoding threads (lowmem.images)
     skip_bad: bool = False          # folder only: replace unreadable images by the next readable one
 
-    FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "dtype",
+    FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "rounding", "dtype",
              "batch", "augment", "seed", "image_size")
 
     def validate(self):
@@ -155,11 +158,21 @@ class TrainConfig:
         except ValueError:
             bad("model", f"one of {', '.join(m for m in MODELS if not m.startswith('wrn-'))} or wrn-K "
                          f"(K a positive integer)")
-        for f, choices in (("mode", MODES), ("dtype", DTYPES), ("schedule", SCHEDULES)):
+        for f, choices in (("mode", MODES), ("dtype", DTYPES), ("schedule", SCHEDULES),
+                           ("rounding", quant.ROUNDINGS)):
             if str(getattr(self, f)) not in choices:
                 bad(f, f"one of {', '.join(choices)}")
-        if not isinstance(self.bits, numbers.Integral) or self.bits not in quant.BITS:
-            bad("bits", f"one of {', '.join(map(str, quant.BITS))}")
+        if self.bits == "auto":
+            if not (real("avg_bits") and 0 < self.avg_bits <= 32):
+                bad("avg_bits", "a number of bits in (0, 32] (bits='auto' fits the saved x-hat to it)")
+            if self.mode == "exact":
+                bad("bits", "a bit width or 'float' per unit only in approx / naive mode, not 'auto' with exact")
+        elif isinstance(self.bits, dict):
+            pass                        # per-unit widths: the engine checks them against the network
+        elif not isinstance(self.bits, numbers.Integral) or isinstance(self.bits, bool) or self.bits not in quant.BITS:
+            bad("bits", f"one of {', '.join(map(str, quant.BITS))}, 'auto' or a dict of per-unit widths")
+        if not (self.bits == "auto" or isinstance(self.bits, dict)) and self.avg_bits is not None:
+            bad("avg_bits", "None unless bits='auto' (a resumed auto run keeps it beside its widths)")
         for f in ("depth", "batch", "epochs"):
             integer(f, 1)
         integer("pad_to", 0)
@@ -221,6 +234,34 @@ def lr_at(it, total, config):
     return config.lr
 
 
+def auto_batches(data, batch, dtype="float32"):
+    """What bits="auto" measures on: the first AUTO_BATCHES training batches of min(batch,
+    AUTO_BATCH) images, in order, normalised, not augmented: [(x, labels)] on the backend."""
+    n = min(batch, AUTO_BATCH)
+    count = min(AUTO_BATCHES, len(data.x_train) // n)
+    if count < 2:
+        raise ConfigError(f"bits='auto' needs at least 2 batches of {n} training images to measure on")
+    xp = backend.xp
+    return [(xp.asarray(normalize(numpy.empty((n,) + data.input_shape, dtype), data.x_train[i * n:(i + 1) * n],
+                                  data.mean, data.std)),
+             xp.asarray(data.y_train[i * n:(i + 1) * n])) for i in range(count)]
+
+
+
+def allocate_widths(data, c, comm):
+    """bits='auto': every unit's width from the sensitivity measured on the first
+    AUTO_BATCHES training batches (in order, not augmented; the same on every rank) at the
+    initial weights, fitted to c.avg_bits (lowmem/allocate.py). Returns the Allocation."""
+    if not hasattr(data, "x_train"):
+        raise ConfigError("bits='auto' measures on the in-memory training arrays; the folder dataset "
+                          "has none: give per-unit widths instead")
+    from .allocate import allocate_bits
+    net = build_model(c.model, c.depth, num_classes=data.num_classes, in_channels=data.input_shape[0],
+                      seed=c.seed)
+    batches = auto_batches(data, c.batch // comm.size, c.dtype)
+    return allocate_bits(net, batches, batch_size=c.batch // comm.size, avg_bits=c.avg_bits,
+                         mode=c.mode, dtype=c.dtype, rounding=c.rounding)
+
 
 @dataclasses.dataclass
 class TrainResult:
@@ -278,7 +319,11 @@ def iterators(data, c):
 def describe(t):
     """Trainer.describe: the engine's summary, the plan by kind, ranks, data and the schedule of epochs."""
     by, c = t.engine.plan.bytes_by_kind(), t.config
-    lines = [t.engine.summary(), "planned memory by kind:"]
+    lines = [t.engine.summary()]
+    if t.allocation is not None:
+        lines += [f"bits auto ({c.avg_bits:g} bits on average), measured on {AUTO_BATCHES} training "
+                  f"batches at the initial weights:", t.allocation.table()]
+    lines.append("planned memory by kind:")
     lines += [f"  {k:<10} {fmt_bytes(by[k]):>12}" for k in KINDS if by[k]]
     lines.append(f"  {'total':<10} {fmt_bytes(t.engine.plan.total_bytes):>12}")
     w = warmup_iters(c, t.total_iters)
@@ -364,8 +409,13 @@ class Trainer:
             distributed.shard(c.batch, self.comm)                 # refuses a batch the ranks do not divide
             self.net = build_model(c.model, c.depth, num_classes=self.data.num_classes,
                                    in_channels=self.data.input_shape[0], seed=c.seed)
+            self.allocation = None
+            if c.bits == "auto":        # measured once, at the start; the config keeps the widths (resume)
+                self.allocation = allocate_widths(self.data, c, self.comm)
+                c.bits = self.allocation.bits
             self.engine = Engine(self.net, batch_size=local, input_shape=self.data.input_shape, mode=c.mode,
-                                 bits=c.bits, dtype=c.dtype, comm=self.comm, sync_bn=c.sync_bn)
+                                 bits=c.bits, dtype=c.dtype, comm=self.comm, sync_bn=c.sync_bn,
+                                 rounding=c.rounding, seed=c.seed)
         except sysmem.NotEnoughMemory as e:         # the plan's check before it allocates
             raise sysmem.NotEnoughMemory(f"training {self.net.name} at batch {c.batch}: {e}") from None
         except ValueError as e:                     # the builder or the engine refuses these settings
@@ -489,6 +539,7 @@ class Trainer:
         t, s = time.perf_counter(), self.state
         x, y = self._batch(xb, yb, train=True)
         self.opt.lr = lr_at(self.iteration, self.total_iters, self.config)
+        self.engine.step = self.iteration        # stochastic rounding's streams follow the iteration (resume)
         try:
             loss = self.engine.train_step(x, y, self.opt)     # refuses a non-finite loss before backward
         except FloatingPointError as e:

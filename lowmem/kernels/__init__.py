@@ -32,9 +32,9 @@ from .reference import BN_EPS, CodeUnits, ExactUnits
 MODES = ("exact", "approx", "naive")
 
 
-def reference(mode, bits):
-    """The array-op set for a mode and bit width."""
-    return ExactUnits() if mode == "exact" else CodeUnits(bits, naive=(mode == "naive"))
+def reference(mode, bits, rounding="nearest"):
+    """The array-op set for a mode, bit width and rounding ("nearest" or "stochastic")."""
+    return ExactUnits() if mode == "exact" else CodeUnits(bits, naive=(mode == "naive"), rounding=rounding)
 
 
 def fused_applies(xp, dtype, sizes):
@@ -48,7 +48,7 @@ def synchronized(units, comm, buf):
     return SyncUnits(units, comm, buf)
 
 
-def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None):
+def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None, rounding="nearest"):
     """The kernel set for an engine: fused when use_fast (None: whenever they apply), else reference.
 
     sizes: every unit's M at the planned batch. partials: the plan's `bn.partials` workspace
@@ -60,14 +60,14 @@ def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None):
         raise ValueError("use_fast=True needs numba (pip install lowmem[fast]) and float32 on the "
                          "NumPy backend, or the CuPy backend, and N*H*W a multiple of 8 in every unit")
     if not use_fast:
-        return reference(mode, bits)
+        return reference(mode, bits, rounding)
     module = fused.module_for(xp)
     if mode == "exact":
         return fused.FusedExactUnits(module, partials)
-    return fused.FusedCodeUnits(module, bits, naive=(mode == "naive"), partials=partials)
+    return fused.FusedCodeUnits(module, bits, naive=(mode == "naive"), partials=partials, rounding=rounding)
 
 
-def select_units(xp, mode, unit_bits, dtype, sizes, use_fast=None, partials=None):
+def select_units(xp, mode, unit_bits, dtype, sizes, use_fast=None, partials=None, rounding="nearest"):
     """{unit name: kernel set}, each unit's own: `mode` at the unit's bit width, or the exact
     set for a unit whose width is None (x-hat saved in float). unit_bits: {unit: K or None}.
 
@@ -76,13 +76,13 @@ def select_units(xp, mode, unit_bits, dtype, sizes, use_fast=None, partials=None
     the same width share one set object."""
     made = {}
     for K in set(unit_bits.values()):
-        made[K] = select(xp, mode if K is not None else "exact", K, dtype, sizes, use_fast, partials)
+        made[K] = select(xp, mode if K is not None else "exact", K, dtype, sizes, use_fast, partials, rounding)
     return {name: made[K] for name, K in unit_bits.items()}
 
 
-def reference_units(mode, unit_bits):
+def reference_units(mode, unit_bits, rounding="nearest"):
     """{unit name: the array-op set} for the same widths as `select_units`."""
-    made = {K: reference(mode if K is not None else "exact", K) for K in set(unit_bits.values())}
+    made = {K: reference(mode if K is not None else "exact", K, rounding) for K in set(unit_bits.values())}
     return {name: made[K] for name, K in unit_bits.items()}
 
 

@@ -1,0 +1,94 @@
+"""Stochastic rounding wired through the engine: Engine(..., rounding="stochastic", seed=s).
+
+* The forward (loss, logits) is exact mode's, bit for bit: only the saved codes change.
+* The codes are those of quant.quantize_pack with the key quant.stream_key(seed, step, unit
+  index, rank) for every unit, on the reference and the fused kernels alike; a new training
+  forward (engine.step + 1) draws new codes, the same step and seed draw the same ones.
+* Nearest rounding (the default) is untouched (tests/test_unit_bits.py: bit for bit).
+* The trainer keeps `rounding` with the run and sets engine.step to the iteration, so a
+  resumed run draws what an uninterrupted one would.
+"""
+import copy
+
+import numpy as np
+import pytest
+
+from lowmem import quant
+from lowmem.engine import Engine
+from lowmem.models import preact_resnet_cifar
+from lowmem.trainer import TrainConfig, Trainer
+
+N, SHAPE = 4, (3, 8, 8)
+
+
+def batch(seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((N,) + SHAPE).astype(np.float32), rng.integers(0, 10, N)
+
+
+def codes(eng):
+    return {u: eng.arrays[eng.saved_slots[u][0]].copy() for u in eng.unit_bits}
+
+
+@pytest.mark.parametrize("use_fast", [False, None])
+def test_stochastic_codes_are_quantize_pack_with_the_unit_keys(use_fast):
+    net = preact_resnet_cifar(8)
+    x, y = batch()
+    exact = Engine(copy.deepcopy(net), N, SHAPE, "exact", use_fast=use_fast)
+    eng = Engine(copy.deepcopy(net), N, SHAPE, "approx", {"*": 2, "layer2.0.bn1": 4}, rounding="stochastic",
+                 seed=7, use_fast=use_fast)
+    nearest = Engine(copy.deepcopy(net), N, SHAPE, "approx", {"*": 2, "layer2.0.bn1": 4}, use_fast=use_fast)
+    eng.step = 5
+    loss_e, logits_e = exact.forward(x, y)
+    loss, logits = eng.forward(x, y)
+    assert loss == loss_e and np.array_equal(logits, logits_e)        # the forward stays exact
+    assert eng.step == 6
+    nearest.forward(x, y)
+    got, near = codes(eng), codes(nearest)
+    for i, u in enumerate(eng.unit_bits):
+        xhat = exact.arrays[exact.saved_slots[u][0]]
+        g, b = (exact.net.params[n].data for n in (u + ".weight", u + ".bias"))
+        qp = quant.quant_params(g, b, eng.unit_bits[u])
+        want = np.empty_like(got[u])
+        quant.quantize_pack(want, np.ascontiguousarray(xhat), qp, "stochastic", quant.stream_key(7, 5, i))
+        assert np.array_equal(got[u], want), u
+    assert any(not np.array_equal(got[u], near[u]) for u in got)      # stochastic codes differ from nearest
+
+
+def test_stochastic_draws_follow_seed_and_step_and_match_across_kernels():
+    net = preact_resnet_cifar(8)
+    x, y = batch()
+    make = lambda seed, fast: Engine(copy.deepcopy(net), N, SHAPE, "approx", 2, rounding="stochastic",  # noqa
+                                     seed=seed, use_fast=fast)
+    a, b, c, ref = make(1, None), make(1, None), make(2, None), make(1, False)
+    for e in (a, b, c, ref):
+        e.forward(x, y)
+    first = codes(a)
+    assert all(np.array_equal(first[u], codes(b)[u]) for u in first)            # same seed, same step
+    assert all(np.array_equal(first[u], codes(ref)[u]) for u in first)          # reference == fused
+    assert any(not np.array_equal(first[u], codes(c)[u]) for u in first)        # another seed
+    a.forward(x, y)
+    assert any(not np.array_equal(first[u], codes(a)[u]) for u in first)        # the next step
+
+
+def test_rounding_is_checked():
+    with pytest.raises(ValueError, match="rounding must be 'nearest' or 'stochastic', got 'up'"):
+        Engine(preact_resnet_cifar(8), N, SHAPE, "approx", 2, rounding="up", allocate=False)
+    with pytest.raises(Exception, match=r"rounding='up': expected one of nearest, stochastic"):
+        TrainConfig(dataset="synthetic", rounding="up").validate()
+
+
+def test_trainer_resume_draws_the_same_stream(tmp_path):
+    def cfg(epochs, out):
+        return TrainConfig(dataset="synthetic", limit_train=32, limit_test=8, depth=8, batch=16, epochs=epochs,
+                           mode="approx", bits=2, rounding="stochastic", seed=3, out=str(out), progress=False,
+                           schedule="constant", warmup_iters=0)   # the lr does not depend on the length
+    whole = Trainer(cfg(2, tmp_path / "a"), log=lambda s: None)
+    assert "stochastic rounding" in whole.describe()
+    whole.fit()
+    first = Trainer(cfg(1, tmp_path / "b"), log=lambda s: None)
+    first.fit()
+    resumed = Trainer(cfg(2, tmp_path / "b"), resume=True, log=lambda s: None)
+    resumed.fit()
+    for p, q in zip(whole.net.parameters(), resumed.net.parameters()):
+        assert np.array_equal(p.data, q.data), p.name
