@@ -40,9 +40,11 @@ def n_threads(request):
 def test_floor_gemms_are_the_steps_conv_gemms(n_threads, monkeypatch):
     # bottleneck ResNet-11 on 16x16 images: the stem and the stride-2 3x3 convs (im2col), 1x1
     # convs (plain GEMMs; im2col where the input gradient accumulates), stride-1 3x3 convs with
-    # 16+ channels (Winograd where numba is there); a one-sample workspace forces many chunks
+    # 16+ channels (Winograd where numba is there); a workspace of three samples of the
+    # largest im2col (16*9 x 16*16 floats) gives several chunks per range; batch 32 makes the
+    # 1x1 GEMMs wide enough (32*16*16 columns) to be split over two threads
     net = lowmem.models.preact_resnet_cifar(11, num_classes=10, block="bottleneck")
-    eng = lowmem.Engine(net, 6, (3, 16, 16), "approx", 4, "float32", workspace_bytes=1)
+    eng = lowmem.Engine(net, 32, (3, 16, 16), "approx", 4, "float32", workspace_bytes=3 * 16 * 9 * 256 * 4)
     products = compare_torch.step_gemms(eng)
     expected = collections.Counter(signature(a, b, c) for p in products for r in p["ranges"] for a, b, c in r)
 
@@ -54,8 +56,8 @@ def test_floor_gemms_are_the_steps_conv_gemms(n_threads, monkeypatch):
         return real(a, b, *args, **kwargs)
     monkeypatch.setattr(numpy, "matmul", recording)
     rng = numpy.random.default_rng(0)
-    x = rng.standard_normal((6, 3, 16, 16)).astype(numpy.float32)
-    eng.train_step(x, rng.integers(0, 10, 6), lowmem.SGD(net.parameters(), lr=0.01))
+    x = rng.standard_normal((32, 3, 16, 16)).astype(numpy.float32)
+    eng.train_step(x, rng.integers(0, 10, 32), lowmem.SGD(net.parameters(), lr=0.01))
     monkeypatch.setattr(numpy, "matmul", real)
 
     assert len(seen) == sum(expected.values())
@@ -66,9 +68,11 @@ def test_floor_gemms_are_the_steps_conv_gemms(n_threads, monkeypatch):
     paths = {p["path"] for p in products}
     assert {"1x1", "im2col"} <= paths
     assert ("winograd" in paths) == eng.run.columns.winograd
-    assert any(len(r) > 1 for p in products for r in p["ranges"])          # chunked
+    for path in paths - {"1x1"}:                               # chunked (a 1x1 GEMM never is)
+        assert any(len(r) > 1 for p in products if p["path"] == path for r in p["ranges"]), path
     if n_threads > 1:
-        assert any(len(p["ranges"]) > 1 for p in products)                 # split over threads
+        for path in paths:                                     # split over threads
+            assert any(len(p["ranges"]) > 1 for p in products if p["path"] == path), path
     for p in products:                                         # Winograd on even images: 2.25x fewer
         if p["path"] == "winograd":
             assert 4 * p["direct_flop"] == 9 * p["flop"], p["layer"]
