@@ -348,6 +348,37 @@ def divergence_message(what, ckpt_path, out):
                   "this --out)." if out else "No checkpoint was written.")
 
 
+class BatchPipeline:
+    """A uint8 batch -> this rank's normalised shard in the engine's dtype, through arrays
+    allocated once (uint8 after augmentation, then the engine's dtype; a device copy on CuPy).
+
+    The whole (global) batch is augmented, so every rank makes the same random draws; then this
+    rank keeps its shard: rows [n*r/R, n*(r+1)/R) of n. Image folders are augmented while decoding."""
+
+    def __init__(self, data, config, comm, engine):
+        self.data, self.comm, self.xp = data, comm, engine.xp
+        self.augment = config.augment and config.dataset != "folder"
+        shape, local = data.input_shape, config.batch // comm.size
+        self.u8 = numpy.empty((config.batch,) + shape, numpy.uint8)           # the global batch, augmented
+        self.u8_device = self.xp.empty((local,) + shape, numpy.uint8) if self.xp is not numpy else self.u8
+        self.x = self.xp.empty((local,) + shape, engine.dtype)
+
+    def __call__(self, xb, yb, rng, train):
+        n, r, size = len(xb), self.comm.rank, self.comm.size
+        u8 = self.u8[:n]
+        if train and self.augment:
+            augment(u8, xb, rng)
+        else:
+            u8[...] = xb
+        lo, hi = n * r // size, n * (r + 1) // size
+        u8, yb = u8[lo:hi], yb[lo:hi]
+        if self.u8_device is not self.u8:
+            self.u8_device[:hi - lo].set(u8)
+            u8 = self.u8_device[:hi - lo]
+        x = normalize(self.x[:hi - lo], u8, self.data.mean, self.data.std)
+        return x, self.xp.asarray(yb)
+
+
 class Trainer:
     """One run: data, network, engine, optimizer, iterators; `fit()` trains it.
 
@@ -427,11 +458,8 @@ class Trainer:
         self.steps_per_epoch = len(batches)
         self.total_iters = self.steps_per_epoch * c.epochs
         self.state = TrainState(self.net, self.opt, batches, self.rng, self.steps_per_epoch)
-        # the batch pipeline's preallocated arrays: uint8 after augmentation, then the engine's dtype
-        xp, shape = self.engine.xp, self.data.input_shape
-        self._x_u8 = numpy.empty((c.batch,) + shape, numpy.uint8)           # the global batch, augmented
-        self._x_u8_dev = xp.empty((local,) + shape, numpy.uint8) if xp is not numpy else self._x_u8
-        self._x = xp.empty((local,) + shape, self.engine.dtype)
+        self.pipeline = BatchPipeline(self.data, c, self.comm, self.engine)
+        xp = self.engine.xp
         self.history = []
         self._resumed = saved is not None
         self.stop = Stop(self.comm, c.time_limit)
@@ -467,25 +495,6 @@ class Trainer:
     def request_stop(self, reason="stopped"):
         """Stop at the next step boundary, after writing a checkpoint."""
         self.stop.request(reason)
-
-    def _batch(self, xb, yb, train):
-        """Augment (training) and normalise a uint8 batch into the preallocated arrays.
-
-        The whole (global) batch is augmented, so every rank makes the same random draws;
-        then this rank keeps its shard: rows [n*r/R, n*(r+1)/R) of n."""
-        n, r, size = len(xb), self.comm.rank, self.comm.size
-        u8 = self._x_u8[:n]
-        if train and self.config.augment and self.config.dataset != "folder":   # folder: done decoding
-            augment(u8, xb, self.rng)
-        else:
-            u8[...] = xb
-        lo, hi = n * r // size, n * (r + 1) // size
-        u8, yb = u8[lo:hi], yb[lo:hi]
-        if self._x_u8_dev is not self._x_u8:
-            self._x_u8_dev[:hi - lo].set(u8)
-            u8 = self._x_u8_dev[:hi - lo]
-        x = normalize(self._x[:hi - lo], u8, self.data.mean, self.data.std)
-        return x, self.engine.xp.asarray(yb)
 
     # ------------------------------------------------------------------ the loop
     def fit(self):
@@ -537,7 +546,7 @@ class Trainer:
 
     def _step(self, xb, yb):
         t, s = time.perf_counter(), self.state
-        x, y = self._batch(xb, yb, train=True)
+        x, y = self.pipeline(xb, yb, self.rng, train=True)
         self.opt.lr = lr_at(self.iteration, self.total_iters, self.config)
         self.engine.step = self.iteration        # stochastic rounding's streams follow the iteration (resume)
         try:
@@ -560,7 +569,7 @@ class Trainer:
         loss, correct, n = 0.0, 0, 0
         self.test_batches.set_epoch(0)
         for xb, yb in self.test_batches:
-            x, y = self._batch(xb, yb, train=False)          # this rank's shard of the batch
+            x, y = self.pipeline(xb, yb, self.rng, train=False)          # this rank's shard of the batch
             if len(x) == 0:
                 continue
             y = backend.to_numpy(y)
