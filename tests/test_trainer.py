@@ -118,12 +118,13 @@ def test_evaluation_covers_the_whole_test_split(tiny_data):
 def test_batches_go_through_preallocated_arrays(tiny_data):
     trainer = Trainer(tiny_config(), dataset=tiny_data, log=quiet)
     xb, yb = tiny_data.x_train[:16], tiny_data.y_train[:16]
-    plain = trainer._batch(xb, yb, train=False)[0].copy()
-    x, y = trainer._batch(xb, yb, train=True)
-    assert x.base is trainer._x and trainer._x.shape == (16, 3, 16, 16) and x.dtype == numpy.float32
+    pipe = trainer.pipeline
+    plain = pipe(xb, yb, trainer.rng, train=False)[0].copy()
+    x, y = pipe(xb, yb, trainer.rng, train=True)
+    assert x.base is pipe.x and pipe.x.shape == (16, 3, 16, 16) and x.dtype == numpy.float32
     assert abs(float(plain.mean())) < 0.2 and abs(float(plain.std()) - 1) < 0.2     # normalised
     assert not numpy.array_equal(x, plain)                                             # augmented
-    assert trainer._batch(xb[:5], yb[:5], train=False)[0].base is trainer._x
+    assert pipe(xb[:5], yb[:5], trainer.rng, train=False)[0].base is pipe.x
 
 
 def test_a_fresh_run_refuses_to_overwrite_a_checkpoint(tiny_data, tmp_path):
