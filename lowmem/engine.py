@@ -41,9 +41,8 @@ import numpy
 
 from . import backend, checks, distributed, kernels, quant, threads
 from .network import BUFFERS
-from .ops.batchnorm import ROW_BLOCK
 from .ops.conv import columns_for
-from .optable import OPS, BatchStatisticsError
+from .optable import OPS, BatchStatisticsError, step_temporaries
 from .plan import Plan, bind_parameters, fmt_bytes
 from .runstate import RunState
 from .schedule import walk
@@ -191,30 +190,11 @@ class Engine:
         plan.add("loss.probs", "saved", (N, head.cout), dt)
         for name, (kind, shape, dtype) in shared.items():
             plan.add(name, kind, shape, dtype)
-        self._plan_temporaries(plan)
+        decodes = any(u.decodes for u in self.selected.values())
+        for what, nbytes in step_temporaries(net, self.out_shape, self._unit_sizes, N, dt.itemsize, decodes):
+            plan.add_temporary(what, nbytes)            # bounds, not held (lowmem/optable.py)
         return plan, saved
 
-    def _plan_temporaries(self, plan):
-        """Bounds on the NumPy temporaries a step allocates (see lowmem/ops, lowmem/quant)."""
-        it = self.dtype.itemsize
-        weights = [int(math.prod(shape)) for _, shape, _ in self.net.param_shapes()]
-        # conv2d_backward_weight: one partial sum per thread plus the GEMM result being added
-        per = threads.threads() + 1
-        plan.add_temporary(f"weight-sized GEMM results (x{per})", per * max(weights) * it)
-        rows = [self.N * h * w for (_, h, w) in self._unit_sizes.values()] or [0]
-        units = [c * self.N * h * w for (c, h, w) in self._unit_sizes.values()] or [0]
-        plan.add_temporary("a BN row block (x2)", 2 * min(max(units), max(ROW_BLOCK, max(rows))) * it)
-        if any(u.decodes for u in self.selected.values()):
-            plan.add_temporary("quantizer chunks", (2 * it + 4) * min(quant.CHUNK, max(units)))
-        per_op = {}                               # the ops' own bounds (optable: `temporary`)
-        for L in self.net.layers:
-            what, nbytes = OPS[L.op].temporary(L, self.out_shape[L.name], it) or ("", 0)
-            if what:
-                per_op[what] = max(per_op.get(what, 0), nbytes)
-        for what, nbytes in per_op.items():
-            plan.add_temporary(what, nbytes)
-
-    # ------------------------------------------------------------ a step
     def forward(self, x, labels):
         """Training-mode forward of x (N, C, H, W): returns (mean loss, logits (N, K) copy).
 

@@ -31,7 +31,9 @@ Adding an op: its functions in lowmem/ops, one class here (and its key in
 OPS), a builder method in lowmem/network.py and lowmem/nn.py (docs/engine.md
 walks through the k x k average pool, added that way).
 """
-from . import quant
+import math
+
+from . import quant, threads
 from .backend import array_module
 from .network import NetworkError
 from .ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size,
@@ -39,7 +41,7 @@ from .ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight,
                   avgpool_forward, avgpool_backward, avgpool2d_forward, avgpool2d_backward,
                   linear_forward, linear_backward, softmax_xent_forward, softmax_xent_backward,
                   add_forward)
-from .ops.batchnorm import BN_EPS
+from .ops.batchnorm import BN_EPS, ROW_BLOCK
 from .ops import pool, winograd
 
 BN_MOMENTUM = 0.1
@@ -496,3 +498,24 @@ OPS = {"conv": Conv, "bnrelu": BNReLU, "add": Add, "maxpool": MaxPool, "avgpool2
        "avgpool": GlobalAvgPool, "linear": Linear, "loss": Loss, "average": Average}
 HEAD = ("avgpool", "linear")            # every network ends with these two (Network.head)
 STEP_ONLY = ("loss", "average")         # ops of the schedule, never of a network's layers
+
+
+def step_temporaries(net, out_shape, unit_sizes, N, itemsize, decodes):
+    """[(what, bytes)]: bounds on the NumPy temporaries one step allocates beyond the plan
+    (lowmem/ops, lowmem/quant), which the plan states but does not hold. out_shape: {layer:
+    per-sample output shape}; unit_sizes: {unit: its input (C, H, W)}; decodes: some unit's
+    kernel set decodes codes through quantizer chunks."""
+    weights = [int(math.prod(shape)) for _, shape, _ in net.param_shapes()]
+    per = threads.threads() + 1         # conv2d_backward_weight: a partial per thread + the GEMM result
+    out = [(f"weight-sized GEMM results (x{per})", per * max(weights) * itemsize)]
+    rows = [N * h * w for (_, h, w) in unit_sizes.values()] or [0]
+    units = [c * N * h * w for (c, h, w) in unit_sizes.values()] or [0]
+    out.append(("a BN row block (x2)", 2 * min(max(units), max(ROW_BLOCK, max(rows))) * itemsize))
+    if decodes:
+        out.append(("quantizer chunks", (2 * itemsize + 4) * min(quant.CHUNK, max(units))))
+    per_op = {}                         # the ops' own bounds (each entry's `temporary`)
+    for L in net.layers:
+        what, nbytes = OPS[L.op].temporary(L, out_shape[L.name], itemsize) or ("", 0)
+        if what:
+            per_op[what] = max(per_op.get(what, 0), nbytes)
+    return out + list(per_op.items())
