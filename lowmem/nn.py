@@ -238,7 +238,7 @@ class Graph:
         if name.rsplit(".", 1)[-1] in PARAM_SUFFIXES:
             raise NetworkError(f"layer name {name!r} ends in a parameter's name (.{name.rsplit('.', 1)[-1]}); "
                                f"it would clash with a layer's parameters ({', '.join(PARAM_SUFFIXES)})")
-        unit = {n.name for n in self.nodes if n.op == "bnrelu"}
+        unit = {n.name for n in self.nodes if getattr(OPS.get(n.op), "unit", False)}
         if (name.endswith(".bn") and name[:-3] in unit) or (prefix == "bn" and f"{name}.bn" in self._names):
             raise NetworkError(f"layer name {name!r} clashes with the batch-norm value of bn_relu "
                                f"{name if prefix == 'bn' else name[:-3]!r} (its export names it <unit>.bn)")

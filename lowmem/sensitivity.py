@@ -223,7 +223,7 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
         cache = {}                                # unit -> (mask, {K: x-tilde - x-hat}), until u's own step
 
         def before(step):
-            if step.op == "bnrelu":
+            if OPS[step.op].unit:                 # a BN-ReLU unit (the op table's flag)
                 u = step.layer.name
                 g, b = (eng.run.params[n].data for n in step.params)
                 owner[step.params[0]] = u
@@ -232,7 +232,7 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
                 _measure_unit(eng, step, u, g, b, local, inject, tensor_local, calibration_bits, cache,
                               rounding, keys[u])
                 injected_so_far[0] += inject_batch[u]
-            elif step.op == "conv" and step.unit:
+            elif step.unit:                       # a conv whose input a unit's slot rebuilds
                 u = step.unit
                 owner[step.params[0]] = u
                 arrival[step.params[0]] += injected_so_far[0]
@@ -295,8 +295,8 @@ def _backward_order(eng):
     backward order; a unit's entry lists its gamma and beta."""
     out = []
     for step in eng.schedule:
-        if step.phase == "bwd" and step.op != "loss":
-            out.append((step.layer.name if step.op == "bnrelu" else None, list(step.params)))
+        if step.phase == "bwd" and step.layer is not None:          # not the loss
+            out.append((step.layer.name if OPS[step.op].unit else None, list(step.params)))
     return out
 
 
