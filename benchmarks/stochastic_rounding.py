@@ -1,4 +1,4 @@
-"""Gradient error of stochastic against nearest rounding (issue 20, item 4), at a few bit widths.
+"""Gradient error of stochastic against nearest rounding, at a few bit widths.
 
     python benchmarks/stochastic_rounding.py                      # ResNet-20, 4 and 2 bits
     python benchmarks/stochastic_rounding.py --depth 8 --bits 2 --batches 4
@@ -18,13 +18,10 @@ vector):
                 how much of the error is zero-mean (it shrinks as 1/sqrt(R) where it is).
                 For nearest rounding both are its (deterministic) error on batch 0.
 
-Stochastic rounding runs through a kernel-set swap, not an engine option (the engine wiring is
-separate work): every unit's set is wrapped so that each forward call gets its own key,
-quant.stream_key(seed, call number, 0). Works with an engine holding one set (engine.units) or
-one per unit ({unit: set}).
+Stochastic rounding is the engine's option (Engine(..., rounding="stochastic")): each unit of
+each training forward draws from quant.stream_key(0, engine step, unit index).
 """
 import argparse
-import copy
 import os
 import sys
 import time
@@ -33,66 +30,15 @@ import numpy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lowmem import backend, quant                       # noqa: E402
 from lowmem import diagnostics as D                     # noqa: E402
-from lowmem.engine import Engine                        # noqa: E402
-from lowmem.kernels import fused                        # noqa: E402
-from lowmem.kernels.reference import CodeUnits          # noqa: E402
 from lowmem.models import preact_resnet_cifar           # noqa: E402
 
 
-class Keyed:
-    """A code kernel set with stochastic rounding whose forward draws a fresh key per call."""
-
-    def __init__(self, inner, counter, seed):
-        self.inner, self.counter, self.seed = inner, counter, seed
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def forward(self, *args, key=None):
-        key = quant.stream_key(self.seed, self.counter[0], 0)
-        self.counter[0] += 1
-        return self.inner.forward(*args, key=key)
-
-
-def stochastic_twin(units):
-    """The same kind of set as `units` (fused or reference), rounding stochastically."""
-    if getattr(units, "fused", False):
-        return fused.FusedCodeUnits(units.k, units.bits, units.naive, units.partials, rounding="stochastic")
-    return CodeUnits(units.bits, units.naive, rounding="stochastic")
-
-
-def swap_stochastic(eng, seed):
-    """Replace every code set of the engine by a Keyed stochastic twin (one counter for all)."""
-    counter = [0]
-    made = {}
-
-    def twin(u):
-        if id(u) not in made:
-            made[id(u)] = Keyed(stochastic_twin(u), counter, seed) if hasattr(u, "bits") else u
-        return made[id(u)]
-
-    for attr in ("selected", "units", "reference_units"):
-        sets = getattr(eng, attr)
-        setattr(eng, attr, {n: twin(u) for n, u in sets.items()} if isinstance(sets, dict) else twin(sets))
-
-
-def grads(net, batches, mode, bits, rounding, seed=0, repeat_first=1):
-    """{name: (B', *shape)} float64 gradients, one per batch (batch 0 repeated repeat_first times)."""
-    x0 = batches[0][0]
-    eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], mode, bits, "float32")
-    if rounding == "stochastic":
-        swap_stochastic(eng, seed)
-    params = eng.net.parameters()
+def grads(net, batches, mode, bits, rounding, repeat_first=1):
+    """{name: (B', *shape)} float64 gradients, one per batch (batch 0 repeated repeat_first
+    times: each repeat is a new engine step, so stochastic rounding draws new codes)."""
     order = [batches[0]] * repeat_first + list(batches[1:] if repeat_first == 1 else [])
-    out = {p.name: numpy.empty((len(order),) + p.shape) for p in params}
-    for b, (x, labels) in enumerate(order):
-        eng.forward(x, labels)
-        eng.backward()
-        for p in params:
-            out[p.name][b] = backend.to_numpy(p.grad)
-    return out
+    return D.parameter_grads(net, order, mode, bits, "float32", rounding)
 
 
 def flat(d):
@@ -122,13 +68,13 @@ def main(argv=None):
           f"{'draw-mean (R)':>14} {'single draw':>12}")
     for K in a.bits:
         for rounding in ("nearest", "stochastic"):
-            g = flat(grads(net, batches, "approx", K, rounding, seed=a.seed + 1))
+            g = flat(grads(net, batches, "approx", K, rounding))
             err = numpy.sqrt(((g - exact) ** 2).sum(axis=1).mean())
             mean_err = numpy.linalg.norm((g - exact).mean(axis=0)) / numpy.linalg.norm(mean)
             e0 = numpy.linalg.norm(g[0] - exact[0]) / numpy.linalg.norm(exact[0])
             extra = f" {e0:>10.4f} (det) {e0:>12.4f}"          # deterministic: every draw alike
             if rounding == "stochastic" and a.draws > 1:
-                r = flat(grads(net, batches, "approx", K, rounding, seed=a.seed + 2, repeat_first=a.draws))
+                r = flat(grads(net, batches, "approx", K, rounding, repeat_first=a.draws))
                 g0 = numpy.linalg.norm(exact[0])
                 dm = numpy.linalg.norm(r.mean(axis=0) - exact[0]) / g0
                 single = numpy.sqrt(((r - exact[0]) ** 2).sum(axis=1).mean()) / g0

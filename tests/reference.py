@@ -50,6 +50,38 @@ def conv_ref(x, w, stride, pad):
     return out
 
 
+def conv_offsets_ref(x, w, stride, pad):
+    """float64, fast enough for real layer shapes (conv_ref's loops are not): the sum over kernel offsets of a channel contraction of shifted input slices."""
+    Cin, N, H, W = x.shape
+    Cout, _, kh, kw = w.shape
+    xp = np.zeros((Cin, N, H + 2 * pad, W + 2 * pad))
+    xp[:, :, pad:pad + H, pad:pad + W] = x
+    Ho, Wo = (H + 2 * pad - kh) // stride + 1, (W + 2 * pad - kw) // stride + 1
+    out = np.zeros((Cout, N, Ho, Wo))
+    for a in range(kh):
+        for b in range(kw):
+            out += np.einsum("oc,cnhw->onhw", w[:, :, a, b],
+                             xp[:, :, a:a + stride * Ho:stride, b:b + stride * Wo:stride])
+    return out
+
+
+def conv_offsets_backward_ref(x, w, g, stride, pad):
+    """float64 (dx, dw) of sum(out * g): the adjoint of conv_offsets_ref, offset by offset."""
+    Cin, N, H, W = x.shape
+    Cout, _, kh, kw = w.shape
+    Ho, Wo = g.shape[2:]
+    xp = np.zeros((Cin, N, H + 2 * pad, W + 2 * pad))
+    xp[:, :, pad:pad + H, pad:pad + W] = x
+    dxp = np.zeros_like(xp)
+    dw = np.zeros(w.shape)
+    for a in range(kh):
+        for b in range(kw):
+            win = (slice(None), slice(None), slice(a, a + stride * Ho, stride), slice(b, b + stride * Wo, stride))
+            dxp[win] += np.einsum("oc,onhw->cnhw", w[:, :, a, b], g)
+            dw[:, :, a, b] = np.einsum("onhw,cnhw->oc", g, xp[win])
+    return dxp[:, :, pad:pad + H, pad:pad + W], dw
+
+
 def maxpool_ref(x, k=3, stride=2, pad=1):
     """Naive loops with -inf padding: max and row-major index of the FIRST maximum per window."""
     C, N, H, W = x.shape

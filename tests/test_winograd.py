@@ -13,40 +13,9 @@ import pytest
 from lowmem import threads
 from lowmem.kernels import cpu as fast
 from lowmem.ops import conv, winograd
+from reference import conv_offsets_backward_ref as ref_backward, conv_offsets_ref as ref_forward, conv_ref
 
 pytestmark = pytest.mark.skipif(not fast.AVAILABLE, reason="Winograd runs with numba only")
-
-
-def ref_forward(x, w, stride, pad):
-    """float64: the sum over kernel offsets of a channel contraction of shifted input slices."""
-    Cin, N, H, W = x.shape
-    Cout, _, kh, kw = w.shape
-    xp = np.zeros((Cin, N, H + 2 * pad, W + 2 * pad))
-    xp[:, :, pad:pad + H, pad:pad + W] = x
-    Ho, Wo = (H + 2 * pad - kh) // stride + 1, (W + 2 * pad - kw) // stride + 1
-    out = np.zeros((Cout, N, Ho, Wo))
-    for a in range(kh):
-        for b in range(kw):
-            out += np.einsum("oc,cnhw->onhw", w[:, :, a, b],
-                             xp[:, :, a:a + stride * Ho:stride, b:b + stride * Wo:stride])
-    return out
-
-
-def ref_backward(x, w, g, stride, pad):
-    """float64 (dx, dw) of sum(out * g): the adjoint of ref_forward, offset by offset."""
-    Cin, N, H, W = x.shape
-    Cout, _, kh, kw = w.shape
-    Ho, Wo = g.shape[2:]
-    xp = np.zeros((Cin, N, H + 2 * pad, W + 2 * pad))
-    xp[:, :, pad:pad + H, pad:pad + W] = x
-    dxp = np.zeros_like(xp)
-    dw = np.zeros(w.shape)
-    for a in range(kh):
-        for b in range(kw):
-            win = (slice(None), slice(None), slice(a, a + stride * Ho, stride), slice(b, b + stride * Wo, stride))
-            dxp[win] += np.einsum("oc,onhw->cnhw", w[:, :, a, b], g)
-            dw[:, :, a, b] = np.einsum("onhw,cnhw->oc", g, xp[win])
-    return dxp[:, :, pad:pad + H, pad:pad + W], dw
 
 
 def products(x, w, g, stride, pad, ws):
@@ -249,3 +218,24 @@ def test_tile_references_against_the_float64_definitions():
                     np.testing.assert_allclose(Mg[:, c, t], g.ravel(), rtol=1e-6, atol=1e-6)
                     Y[c, s, 2 * a:2 * a + 2, 2 * b:2 * b + 2] = A.T @ M[:, c, t].reshape(4, 4).astype(float) @ A
     np.testing.assert_allclose(out, Y[:, :, :H, :W], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k, stride, pad", [(3, 1, 1), (3, 2, 1), (1, 1, 0), (7, 2, 3)])
+def test_the_offsets_reference_equals_the_naive_loops(k, stride, pad):
+    """The float64 reference used above (fast enough for real layer shapes) against
+    tests/reference.conv_ref's naive loops, and its backward against a finite difference of it."""
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((3, 2, 9, 9)), rng.standard_normal((4, 3, k, k))
+    out = ref_forward(x, w, stride, pad)
+    np.testing.assert_allclose(out, conv_ref(x, w, stride, pad), rtol=1e-12, atol=1e-12)
+    g = rng.standard_normal(out.shape)
+    dx, dw = ref_backward(x, w, g, stride, pad)
+    for arr, grad in ((x, dx), (w, dw)):
+        d = rng.standard_normal(arr.shape)
+        h = 1e-6
+        arr += h * d
+        up = float(np.sum(ref_forward(x, w, stride, pad) * g))
+        arr -= 2 * h * d
+        down = float(np.sum(ref_forward(x, w, stride, pad) * g))
+        arr += h * d
+        assert abs((up - down) / (2 * h) - float(np.sum(grad * d))) <= 1e-6 * abs(float(np.sum(grad * d))) + 1e-9
