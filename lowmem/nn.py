@@ -140,40 +140,32 @@ class Graph:
 
     def max_pool(self, x, k=2, stride=None, pad=0, name=None):
         """Max over k x k windows (stride defaults to k), -inf padding; k*k <= 16."""
-        name = self._name(name, "pool")
-        self._own(x, name)
-        self._not_input(x, "max_pool", name)
-        stride = k if stride is None else stride
-        for what, v, lo in (("k", k, 1), ("stride", stride, 1), ("pad", pad, 0)):
-            if not _int(v) or v < lo:
-                raise NetworkError(f"max_pool {name!r}: {what} must be an int >= {lo}, got {v!r}")
-        if k * k > MAX_POOL_WINDOW:
-            raise NetworkError(f"max_pool {name!r}: a {k}x{k} window is too large: the engine saves "
-                               f"the argmax as a 4-bit index, so k*k must be <= {MAX_POOL_WINDOW} (k <= 4)")
-        if pad > k // 2:
-            raise NetworkError(f"max_pool {name!r}: pad {pad} must be at most k // 2 = {k // 2} "
-                               f"(a larger pad makes windows of padding only)")
-        c, h, w = x.shape
-        out = (c, conv_out_size(h, k, stride, pad), conv_out_size(w, k, stride, pad))
-        self._check_size(name, x, out)
-        return self._node("maxpool", name, (x,), out, dict(k=k, stride=stride, pad=pad))
+        return self._pool("maxpool", "max_pool", "pool", x, k, stride, pad, name, max_window=MAX_POOL_WINDOW)
 
     def avg_pool(self, x, k=2, stride=None, pad=0, name=None):
         """Mean over k x k windows (stride defaults to k); zero padding counts in the mean."""
-        name = self._name(name, "avgpool")
+        return self._pool("avgpool2d", "avg_pool", "avgpool", x, k, stride, pad, name)
+
+    def _pool(self, op, method, prefix, x, k, stride, pad, name, max_window=None):
+        """A k x k pooling node (max_pool, avg_pool): the argument checks both share;
+        max_window: the largest k*k the op can save (max-pool's 4-bit argmax)."""
+        name = self._name(name, prefix)
         self._own(x, name)
-        self._not_input(x, "avg_pool", name)
+        self._not_input(x, method, name)
         stride = k if stride is None else stride
         for what, v, lo in (("k", k, 1), ("stride", stride, 1), ("pad", pad, 0)):
             if not _int(v) or v < lo:
-                raise NetworkError(f"avg_pool {name!r}: {what} must be an int >= {lo}, got {v!r}")
+                raise NetworkError(f"{method} {name!r}: {what} must be an int >= {lo}, got {v!r}")
+        if max_window is not None and k * k > max_window:
+            raise NetworkError(f"{method} {name!r}: a {k}x{k} window is too large: the engine saves "
+                               f"the argmax as a 4-bit index, so k*k must be <= {max_window} (k <= 4)")
         if pad > k // 2:
-            raise NetworkError(f"avg_pool {name!r}: pad {pad} must be at most k // 2 = {k // 2} "
+            raise NetworkError(f"{method} {name!r}: pad {pad} must be at most k // 2 = {k // 2} "
                                f"(a larger pad makes windows of padding only)")
         c, h, w = x.shape
         out = (c, conv_out_size(h, k, stride, pad), conv_out_size(w, k, stride, pad))
         self._check_size(name, x, out)
-        return self._node("avgpool2d", name, (x,), out, dict(k=k, stride=stride, pad=pad))
+        return self._node(op, name, (x,), out, dict(k=k, stride=stride, pad=pad))
 
     def add(self, a, b, name=None):
         """a + b (same shape): a residual connection. The operand computed first is the skip."""

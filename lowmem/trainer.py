@@ -248,16 +248,14 @@ def auto_batches(data, batch, dtype="float32"):
 
 
 
-def allocate_widths(data, c, comm):
-    """bits='auto': every unit's width from the sensitivity measured on the first
-    AUTO_BATCHES training batches (in order, not augmented; the same on every rank) at the
-    initial weights, fitted to c.avg_bits (lowmem/allocate.py). Returns the Allocation."""
+def allocate_widths(net, data, c, comm):
+    """bits='auto': every unit's width from the sensitivity of `net` (not consumed) measured on
+    the first AUTO_BATCHES training batches (in order, not augmented; the same on every rank) at
+    the initial weights, fitted to c.avg_bits (lowmem/allocate.py). Returns the Allocation."""
     if not hasattr(data, "x_train"):
         raise ConfigError("bits='auto' measures on the in-memory training arrays; the folder dataset "
                           "has none: give per-unit widths instead")
     from .allocate import allocate_bits
-    net = build_model(c.model, c.depth, num_classes=data.num_classes, in_channels=data.input_shape[0],
-                      seed=c.seed)
     batches = auto_batches(data, c.batch // comm.size, c.dtype)
     return allocate_bits(net, batches, batch_size=c.batch // comm.size, avg_bits=c.avg_bits,
                          mode=c.mode, dtype=c.dtype, rounding=c.rounding)
@@ -442,7 +440,7 @@ class Trainer:
                                    in_channels=self.data.input_shape[0], seed=c.seed)
             self.allocation = None
             if c.bits == "auto":        # measured once, at the start; the config keeps the widths (resume)
-                self.allocation = allocate_widths(self.data, c, self.comm)
+                self.allocation = allocate_widths(self.net, self.data, c, self.comm)
                 c.bits = self.allocation.bits
             self.engine = Engine(self.net, batch_size=local, input_shape=self.data.input_shape, mode=c.mode,
                                  bits=c.bits, dtype=c.dtype, comm=self.comm, sync_bn=c.sync_bn,
