@@ -6,7 +6,7 @@ gradient error against SGD noise through training.
     python benchmarks/accuracy.py --dataset cifar10 --depth 20 --epochs 30   # where CIFAR is present
 
 Part 1, accuracy. The same network (pre-activation ResNet, lowmem.models) is trained with
-lowmem.trainer in every mode of --modes (default exact, approx 8/4/2/1-bit, naive 4-bit) for
+lowmem.train.trainer in every mode of --modes (default exact, approx 8/4/2/1-bit, naive 4-bit) for
 every seed of --seeds. A seed fixes the initial weights, the batch order and the augmentation
 (random crop + flip), so for one seed every mode sees exactly the same data in the same order
 and starts from the same weights: the modes differ only in what the backward pass uses. Per
@@ -18,7 +18,7 @@ Part 2, gradient error against SGD noise through training. Along the exact run o
 seed, at --checkpoints evenly spaced iterations (the first before any step), the network's
 current weights are copied and, on B = --noise-batches fixed training batches of the training
 batch size (drawn once, normalised, not augmented), every parameter tensor p gets
-(lowmem.diagnostics' definitions):
+(lowmem.tools.diagnostics' definitions):
 
     g_m,b(p)   the gradient of mode m on batch b (training-mode BN, the batch's own statistics)
     error(p)   = rms_b ||g_m,b(p) − g_exact,b(p)||                      (the approximation's error)
@@ -36,7 +36,7 @@ settings match are not repeated). Then --doc (default docs/accuracy.md) and its 
 (docs/accuracy_curves.png, docs/accuracy_noise.png; need matplotlib, `pip install lowmem[plot]`:
 without it the doc is written without them). --smoke labels everything as a smoke run.
 
-Data: Fashion-MNIST from the Debian package (/usr/share/datasets/fashion-mnist, see lowmem.data)
+Data: Fashion-MNIST from the Debian package (/usr/share/datasets/fashion-mnist, see lowmem.data.datasets)
 or --data-dir; CIFAR-10/100 only where the archive is already present (never downloaded here).
 """
 import argparse
@@ -54,13 +54,13 @@ import numpy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lowmem import diagnostics as D             # noqa: E402
-from lowmem import quant                        # noqa: E402
-from lowmem.atomic import atomic_write as write_atomically    # noqa: E402
-from lowmem.data import DataError, load_dataset, normalize      # noqa: E402
+from lowmem.tools import diagnostics as D  # noqa: E402
+from lowmem.units import quant  # noqa: E402
+from lowmem.system.atomic import atomic_write as write_atomically    # noqa: E402
+from lowmem.data.datasets import DataError, load_dataset, normalize      # noqa: E402
 from lowmem.models import MODELS                                  # noqa: E402
-from lowmem.allocate import allocate_bits                         # noqa: E402
-from lowmem.trainer import TrainConfig, Trainer, auto_batches    # noqa: E402
+from lowmem.bits.allocate import allocate_bits                         # noqa: E402
+from lowmem.train.trainer import TrainConfig, Trainer, auto_batches    # noqa: E402
 
 # The full study: sized from measured step rates on the 2-core machine (docs/accuracy.md):
 # 18 runs of 150 steps of 128 images, 7 noise checkpoints.
@@ -84,7 +84,7 @@ class Spec(tuple):
 
 def parse_mode(text):
     """'exact'; 'approx4' / 'naive4' (K in 1, 2, 4, 8); 'auto2' (approx, a width per unit chosen
-    to fit an average of 2 bits, lowmem/allocate.py); a trailing 's': stochastic rounding."""
+    to fit an average of 2 bits, lowmem/bits/allocate.py); a trailing 's': stochastic rounding."""
     m = re.fullmatch(r"(exact)|(approx|naive)([1248])(s?)|auto(\d+(?:\.\d+)?)(s?)", text.strip())
     if not m:
         raise ValueError(f"unknown mode {text!r}: expected exact, approxK, naiveK (K in 1, 2, 4, 8) or autoA, "
@@ -111,7 +111,7 @@ def seeds_of(text):
 # ---- results file ---------------------------------------------------------------------
 
 def atomic_write(path, text):
-    """Write `text` to `path` (its folder made if missing) via lowmem.atomic: never half-written."""
+    """Write `text` to `path` (its folder made if missing) via lowmem.system.atomic: never half-written."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_atomically(path, text)
 
@@ -454,7 +454,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
     autos = [(k, r) for k, r in results["runs"].items() if "bits" in r]
     if autos:
         L += ["", "Auto allocations (chosen by each run at its start from the first 3 training batches, "
-              "lowmem/allocate.py; saved x-hat bytes against uniform 2-bit's):", "",
+              "lowmem/bits/allocate.py; saved x-hat bytes against uniform 2-bit's):", "",
               "| run | widths (units in forward order) | saved x-hat | uniform 2-bit | predicted error/noise |",
               "|---|---|---|---|---|"]
         for k, r in autos:

@@ -1,4 +1,4 @@
-"""Validate the per-unit error estimate (lowmem/sensitivity.py) and time it.
+"""Validate the per-unit error estimate (lowmem/bits/sensitivity.py) and time it.
 
     python benchmarks/bits_validate.py                       # ResNet-8, -20, bottleneck -29 on Fashion-MNIST
     python benchmarks/bits_validate.py --cost-depth 164      # also the cost on ResNet-164 (CIFAR shape)
@@ -31,12 +31,12 @@ import numpy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lowmem import SGD, Engine                                      # noqa: E402
-from lowmem.allocate import CHOICES, allocate                       # noqa: E402
-from lowmem.data import load_dataset, normalize                     # noqa: E402
-from lowmem.diagnostics import synthetic_batches, warm_up           # noqa: E402
+from lowmem import SGD, Engine  # noqa: E402
+from lowmem.bits.allocate import CHOICES, allocate                       # noqa: E402
+from lowmem.data.datasets import load_dataset, normalize                     # noqa: E402
+from lowmem.tools.diagnostics import synthetic_batches, warm_up           # noqa: E402
 from lowmem.models import preact_resnet_cifar                        # noqa: E402
-from lowmem.sensitivity import measure_sensitivity, simulate        # noqa: E402
+from lowmem.bits.sensitivity import measure_sensitivity, simulate        # noqa: E402
 
 NETS = {"resnet8": (8, None), "resnet20": (20, None), "resnet29-bottleneck": (29, "bottleneck"),
         "resnet56": (56, None)}

@@ -45,7 +45,7 @@ OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are reported, never changed silently
 (--unset-openblas-env removes the latter two in the workers).
 
 Threads: PyTorch workers use torch.set_num_threads(--threads) and BLAS at --threads; lowmem
-workers call lowmem.threads.configure(--threads) (lowmem's own policy: BLAS at one thread,
+workers call lowmem.system.threads.configure(--threads) (lowmem's own policy: BLAS at one thread,
 its pool of threads for kernels and conv ranges; docs/performance.md).
 """
 import argparse
@@ -121,7 +121,7 @@ def cpu_busy(seconds=2.0):
 
 
 def parse_bytes(text):
-    from lowmem.maxbatch import parse_bytes as parse
+    from lowmem.tools.maxbatch import parse_bytes as parse
     try:
         return parse(text)
     except ValueError as e:
@@ -214,7 +214,7 @@ def peak_flops(cores):
 def _column_ranges(M, grain):
     """The column ranges threads.parallel_for(body, M, grain) cuts (what ops/conv.py's
     _over_columns runs a 1x1 conv's GEMM over)."""
-    from lowmem import threads
+    from lowmem.system import threads
     parts = min(threads.threads(), M // max(1, grain))
     if parts <= 1:
         return [(0, M)]
@@ -225,7 +225,7 @@ def _column_ranges(M, grain):
 def _batch_ranges(N, ws, per):
     """[(n0, n1, workspace part)]: the batch ranges ops/conv.py's _over_batch cuts (one per
     lowmem thread, each with its own slice of the workspace)."""
-    from lowmem import threads
+    from lowmem.system import threads
     from lowmem.ops import conv
     parts = max(1, min(threads.threads(), N, ws.size // per, N * per // conv.COLS_GRAIN))
     cut, size = threads.bounds(N, parts), ws.size // parts
@@ -370,7 +370,7 @@ def run_gemms(products):
     """Run the GEMMs of step_gemms: each product's ranges over lowmem's threads, one range
     per thread, as the step splits them."""
     import numpy as np
-    from lowmem import threads
+    from lowmem.system import threads
     for p in products:
         ranges = p["ranges"]
 
@@ -401,7 +401,7 @@ def floor_worker(args):
     threads, counting read + write bytes. Floor step = GEMM time + bytes / copy rate."""
     import numpy as np
     import lowmem
-    from lowmem import threads
+    from lowmem.system import threads
     threads.configure(args.threads)
     T = threads.threads()
     net = lowmem.models.preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)
@@ -492,8 +492,8 @@ def worker(args):
             pass
     else:
         import lowmem  # noqa: F401   (imports numba when installed)
-        from lowmem import threads
-        from lowmem.kernels import cpu as fast
+        from lowmem.system import threads
+        from lowmem.units import cpu as fast
         threads.configure(args.threads)     # lowmem's own policy: BLAS at 1 thread, its pool for the rest
     base = proc_status()
     try:
@@ -572,8 +572,9 @@ def kernel_cases(C, M, bits):
     """(name, exact twin, bytes moved per element, call, setup) for one unit shape. The calls are
     the engine's: forward in place (out is x), backward in place (dx is dr, restored untimed)."""
     import numpy as np
-    from lowmem import quant, threads
-    from lowmem.kernels import cpu as fast
+    from lowmem.units import quant
+    from lowmem.system import threads
+    from lowmem.units import cpu as fast
     F = np.float32
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(F)
@@ -610,8 +611,8 @@ def kernel_worker(args):
     """Time every fused kernel on ResNet-164's unit shapes (this process, args.threads lowmem
     threads); count the vector registers in their compiled code. Prints RESULT json."""
     import re
-    from lowmem import threads          # the parent gave this process an empty NUMBA_CACHE_DIR:
-    from lowmem.kernels import cpu as fast          # first calls time the JIT, and inspect_asm works
+    from lowmem.system import threads  # the parent gave this process an empty NUMBA_CACHE_DIR:
+    from lowmem.units import cpu as fast          # first calls time the JIT, and inspect_asm works
     threads.configure(args.threads)
     if not fast.AVAILABLE:
         print("RESULT " + json.dumps({"status": "numba not installed"}), flush=True)
@@ -912,7 +913,7 @@ def torch_max_batch(args, budget, log):
 
 
 def maxbatch_section(args, budget, log):
-    from lowmem.maxbatch import max_batch, planned_engine
+    from lowmem.tools.maxbatch import max_batch, planned_engine
     from lowmem.models import preact_resnet_cifar
     factory = lambda: preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)  # noqa: E731
     rows = []

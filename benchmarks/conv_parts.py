@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from layout import best                 # the fastest of `repeat` timed calls, after one untimed
-from lowmem import threads
+from lowmem.system import threads
 from lowmem.ops import conv, winograd
 
 STAGES = [(16, 32), (32, 16), (64, 8)]          # ResNet-164's 3x3 convs: channels, H = W

@@ -3,7 +3,7 @@
     python benchmarks/distributed.py --depth 56 --batch 128 --steps 5 --json benchmarks/results/distributed.json
 
 Each configuration runs in its own process(es), same global batch, same network, approx 4-bit:
-  single   one process, LOWMEM_THREADS=T (default: the core count; lowmem/threads.py keeps
+  single   one process, LOWMEM_THREADS=T (default: the core count; lowmem/system/threads.py keeps
            BLAS at one thread and splits the work itself), and the same at one thread
   mpi      `mpiexec -n N`, one thread per rank (LOWMEM_THREADS=1), per-rank batch = batch / N
 and reports the median step time, images/s, and for MPI the share of a step spent in the
@@ -26,7 +26,7 @@ def worker(args):
     """One rank (or the single process): time steps, print one JSON line from rank 0."""
     import numpy as np
     import lowmem as lm
-    from lowmem import distributed
+    from lowmem.system import distributed
 
     comm = distributed.get_communicator()
     spent = []

@@ -14,7 +14,7 @@
      lowmem exact/approx4 slices            the same with im2col/col2im as lowmem.ops.conv's
                                             Python loop of CuPy slice copies instead of the one-launch
                                             kernels of lowmem/ops/columns_gpu.py (the engine's default)
-     lowmem approx4, largest batch          lowmem.maxbatch within --budget less a reserve of
+     lowmem approx4, largest batch          lowmem.tools.maxbatch within --budget less a reserve of
                                             2% (from the plan), then measured: peak <= budget?
      lowmem approx4 ResNet-1001, batch 128  peak (target: under 11 GB) and step time
      torch exact (cuDNN)                    tests/torch_reference.py in a subprocess, batch 128:
@@ -95,7 +95,7 @@ def run_tests():
 def cuda_im2col(enabled):
     """lowmem/ops/columns_gpu.py's im2col/col2im_add (the default on CuPy) or, when not enabled,
     the reference CuPy slice copies of lowmem.ops.conv, in the engines built while active."""
-    from lowmem import engine
+    from lowmem.core import engine
     from lowmem.ops import conv
     saved = engine.columns_for
     if not enabled:
@@ -117,8 +117,8 @@ def lowmem_config(name, depth, n, mode, bits, args, im2col=True, steps=None, war
     """Measured peak (a fresh engine, 2 steps, MemoryHook) and step times (another engine)."""
     import cupy
     import lowmem
-    from lowmem.diagnostics import measure_peak
-    from lowmem.maxbatch import parse_bytes
+    from lowmem.tools.diagnostics import measure_peak
+    from lowmem.tools.maxbatch import parse_bytes
     steps = args.steps if steps is None else steps
     warmup = args.warmup if warmup is None else warmup
     ws = parse_bytes(args.workspace)
@@ -155,7 +155,7 @@ def lowmem_config(name, depth, n, mode, bits, args, im2col=True, steps=None, war
 
 def lowmem_maxbatch(args):
     from lowmem import models
-    from lowmem.maxbatch import max_batch, parse_bytes
+    from lowmem.tools.maxbatch import max_batch, parse_bytes
     budget = parse_bytes(args.budget)
     # the plan leaves out a step's transients (strided-GEMM copies of a chunked conv: tens of MB
     # at a batch of thousands): plan for the budget less a reserve, then measure against it all
@@ -176,7 +176,7 @@ def torch_worker(args):
     from torch.nn import functional as F
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import torch_reference as ref
-    from lowmem.maxbatch import parse_bytes
+    from lowmem.tools.maxbatch import parse_bytes
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = args.tf32
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -334,7 +334,7 @@ def nccl_smoke():
     import cupy
     import numpy
     import lowmem as lm
-    from lowmem import distributed
+    from lowmem.system import distributed
     try:
         comm = distributed.NCCL()
         a = cupy.arange(1000, dtype=cupy.float32)

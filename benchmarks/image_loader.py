@@ -1,4 +1,4 @@
-"""Images per second of lowmem.images' loader alone, against the engine's training step rate.
+"""Images per second of lowmem.data.images' loader alone, against the engine's training step rate.
 
     python benchmarks/image_loader.py                       # 64x64 and 224x224, workers 1, 2, 4
     python benchmarks/image_loader.py --sizes 224 --workers 2 --images 256 --engine-steps 2
@@ -79,7 +79,7 @@ def main():
     p.add_argument("--engine-steps", type=int, default=3, help="timed engine steps (0: skip the engine)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
-    from lowmem import images
+    from lowmem.data import images
     results = {"load_before": os.getloadavg(), "cpus": os.cpu_count(), "runs": []}
     for size in args.sizes:
         source = (64, 64) if size <= 64 else (500, 375)

@@ -17,7 +17,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from lowmem.maxbatch import planned_engine          # noqa: E402
+from lowmem.tools.maxbatch import planned_engine          # noqa: E402
 from lowmem.models import preact_resnet_cifar       # noqa: E402
 
 DEPTHS = (29, 56, 110, 164, 272, 542, 1001)

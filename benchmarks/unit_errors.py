@@ -46,9 +46,9 @@ import numpy
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from lowmem import diagnostics as D                 # noqa: E402
-from lowmem import quant                            # noqa: E402
-from lowmem.data import channel_mean_std, load_fashion_mnist, normalize   # noqa: E402
+from lowmem.tools import diagnostics as D  # noqa: E402
+from lowmem.units import quant  # noqa: E402
+from lowmem.data.datasets import channel_mean_std, load_fashion_mnist, normalize   # noqa: E402
 from lowmem.models import preact_resnet_cifar       # noqa: E402
 
 EPS = 1e-5

@@ -5,11 +5,11 @@
     python benchmarks/window_sweep.py --bits 8 --windows 8:3,4,5 --nets resnet20   # a quick look
     python benchmarks/window_sweep.py --xhat-table     # x̂ error: rounding vs clipping, ±3 and quant.WINDOWS
 
-The grid of lowmem/quant.py covers about ±W in x̂ units with L = 2**K bins of
+The grid of lowmem/units/quant.py covers about ±W in x̂ units with L = 2**K bins of
 width w = 2·W/L; W = quant.WINDOWS[K]. For every candidate W of every K this
 measures, on the same weights and the same batches:
 
-  gradient error   per parameter tensor p, over B batches b (as lowmem.diagnostics):
+  gradient error   per parameter tensor p, over B batches b (as lowmem.tools.diagnostics):
                    err(p) = rms_b ||g_approx,b(p) − g_exact,b(p)|| / rms_b ||g_exact,b(p)||
                    reported as the median and the worst over the network's tensors;
                    approx mode, float32, learnable synthetic data (diagnostics.synthetic_batches)
@@ -46,9 +46,9 @@ import numpy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lowmem import diagnostics as D             # noqa: E402
-from lowmem import quant                        # noqa: E402
-from lowmem.engine import Engine                # noqa: E402
+from lowmem.tools import diagnostics as D  # noqa: E402
+from lowmem.units import quant  # noqa: E402
+from lowmem.core.engine import Engine                # noqa: E402
 from lowmem.models import preact_resnet_cifar   # noqa: E402
 
 CANDIDATES = {8: (3.0, 5.0, 5.5, 6.0, 6.5, 7.0),
@@ -370,7 +370,7 @@ def main(argv=None):
         if n not in results:
             results[n] = sweep_net(n, args, bits_list, candidates, log)
         done = [m for m in nets if m in results]
-        meta = (f"batch {args.batch}, {args.batches} batches of lowmem.data.synthetic (seed {args.seed}), "
+        meta = (f"batch {args.batch}, {args.batches} batches of lowmem.data.datasets.synthetic (seed {args.seed}), "
                 f"float32, approx mode; nets: " + ", ".join(
                     f"{m} (depth {NETS[m][0]} {NETS[m][1]}, {NETS[m][2]} exact warm-up steps)" for m in done)
                 + (f"; rebuilt from the log {args.from_log}" if args.from_log else

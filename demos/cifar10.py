@@ -12,7 +12,7 @@ of training (32k and 48k of 64k iterations = 164 epochs of 390 steps),
 random crop from the 4-px padded image + horizontal flip. The paper reports
 test accuracy within ~0.5% of exact training at 4 bits.
 
-A thin script over lowmem.trainer; `lowmem train` takes the same settings.
+A thin script over lowmem.train.trainer; `lowmem train` takes the same settings.
 CIFAR-10 is read from --data (the python release, `cifar-10-python.tar.gz`
 or its extracted folder) or downloaded; see docs/training.md for offline
 machines.
@@ -20,7 +20,7 @@ machines.
 import argparse
 import sys
 
-from lowmem.trainer import TrainConfig, Trainer, TrainingDiverged
+from lowmem.train.trainer import TrainConfig, Trainer, TrainingDiverged
 
 
 def main(argv=None):

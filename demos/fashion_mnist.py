@@ -9,12 +9,12 @@ Reads the IDX files of the Debian package dataset-fashion-mnist
 or --data DIR. The 28x28 images go in unpadded (the CIFAR network adapts:
 28 -> 14 -> 7); random crop + flip; SGD momentum 0.9, weight decay 5e-4,
 lr 0.1 with a short warm-up and cosine decay. A thin script over
-lowmem.trainer; `lowmem train --dataset fashion-mnist --pad-to 0 ...` is the same.
+lowmem.train.trainer; `lowmem train --dataset fashion-mnist --pad-to 0 ...` is the same.
 """
 import argparse
 import sys
 
-from lowmem.trainer import TrainConfig, Trainer, TrainingDiverged
+from lowmem.train.trainer import TrainConfig, Trainer, TrainingDiverged
 
 
 def main(argv=None):

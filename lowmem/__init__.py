@@ -14,13 +14,15 @@ each unit's normalised activation for the backward sweep.
     alloc = lm.allocate_bits(net, batches, batch_size=128, avg_bits=2)   # batches: a few (x, labels)
     eng = lm.Engine(net, 128, (3, 32, 32), mode="approx", bits=alloc.bits)
 """
-from . import backend, diagnostics, distributed, models, nn
-from .allocate import allocate_bits
-from .backend import set_backend, get_backend
-from .engine import Engine
-from .network import Network, Parameter
-from .optim import SGD
-from .plan import Plan
+from .system import backend, distributed
+from .tools import diagnostics
+from . import models, nn
+from .bits.allocate import allocate_bits
+from .system.backend import set_backend, get_backend
+from .core.engine import Engine
+from .core.network import Network, Parameter
+from .train.optim import SGD
+from .core.plan import Plan
 
 __version__ = "0.1.0"
 __all__ = ["backend", "distributed", "models", "nn", "set_backend", "get_backend", "Engine", "Network",

@@ -1,6 +1,6 @@
-"""`python -m lowmem ...`: the same command line as the `lowmem` script (lowmem/cli.py)."""
+"""`python -m lowmem ...`: the same command line as the `lowmem` script (lowmem/tools/cli.py)."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from .network import Network
+from .core.network import Network
 
 CIFAR_WIDTHS = (16, 32, 64)
 IMAGENET_WIDTHS = (64, 128, 256, 512)

@@ -8,7 +8,7 @@
     x = g.add(x, h)                            # a residual connection
     net = g.head(g.bn_relu(x))                 # global average pool + linear -> lowmem.Network
 
-The vocabulary is what the engine runs (lowmem/engine.py):
+The vocabulary is what the engine runs (lowmem/core/engine.py):
 
   conv(x, cout, k, stride=1, pad=(k-1)//2)   k x k convolution, no bias
   bn_relu(x)                                 batch norm (affine) then ReLU: one "unit"
@@ -17,7 +17,7 @@ The vocabulary is what the engine runs (lowmem/engine.py):
   add(a, b)                                  a + b, same shape: the residual add
   head(x)                                    global average pool, then the linear classifier
 
-`head` returns a `lowmem.network.Network`: the same Layer records the
+`head` returns a `lowmem.core.network.Network`: the same Layer records the
 model builders of lowmem/models.py write by hand, with the engine's three
 shared buffers (act0 / act1 ping-pong, res for the residual stream) assigned
 here, so you never name a buffer. A global average pool exists only inside
@@ -45,16 +45,16 @@ NetworkError (a ValueError) saying which layer and why:
 * At most three tensors may be alive at once (act0, act1, res).
 
 `check(net, input_shape)` applies the same rules to a Network written with
-the low-level methods of lowmem/network.py (named buffers), where it also
+the low-level methods of lowmem/core/network.py (named buffers), where it also
 catches a buffer read before it is written and a layer overwriting its own
 input.
 """
 from dataclasses import dataclass
 
-from .network import BUFFERS, Network, NetworkError
+from .core.network import BUFFERS, Network, NetworkError
 from .ops import conv_out_size
-from .optable import MAX_POOL_WINDOW, OPS
-from .schedule import walk
+from .core.optable import MAX_POOL_WINDOW, OPS
+from .core.schedule import walk
 
 RESERVED = ("input", "pool", "fc")    # "pool" and "fc" are the head's layer names
 # names the engine and the exports give values of their own: the head's outputs (ONNX "pool.out",
@@ -370,7 +370,7 @@ def check(net, input_shape):
     """Raise NetworkError unless the engine can plan and run `net` on (C, H, W) inputs correctly.
 
     This is the engine's own walk (schedule.walk, which the Engine runs on every
-    network): the layer records themselves (lowmem/network.py's named buffers:
+    network): the layer records themselves (lowmem/core/network.py's named buffers:
     known ops and buffers, unique names, the head last, each layer reads a
     buffer that was written and does not overwrite its own input), each op's
     rules from its optable entry (channels, shapes, a conv reads the input or a

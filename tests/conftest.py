@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import lowmem  # noqa: E402
-from lowmem.network import Parameter  # noqa: E402
+from lowmem.core.network import Parameter  # noqa: E402
 from reference import central_difference  # noqa: E402  (tests/reference.py)
 
 lowmem.set_backend("numpy")

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 import lowmem as lm
-from lowmem import distributed
+from lowmem.system import distributed
 
 GLOBAL_BATCH, SHAPE, STEPS = 8, (3, 8, 8), 3
 

@@ -1,4 +1,4 @@
-"""lowmem.allocate (the multiple-choice knapsack over per-unit bit widths) and lowmem.sensitivity
+"""lowmem.bits.allocate (the multiple-choice knapsack over per-unit bit widths) and lowmem.bits.sensitivity
 (the per-unit error estimate and the simulated per-unit approx gradients it is checked against)."""
 import copy
 import itertools
@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from lowmem import allocate, quant, sensitivity
-from lowmem.diagnostics import gradient_errors, synthetic_batches, warm_up
-from lowmem.engine import Engine
+from lowmem.bits import allocate, sensitivity
+from lowmem.units import quant
+from lowmem.tools.diagnostics import gradient_errors, synthetic_batches, warm_up
+from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
 
 
@@ -155,7 +156,7 @@ def test_simulated_mixed_widths_are_the_per_unit_engine(small):
 
 
 def diagnostics_grads(net, batches, mode, bits):
-    from lowmem.diagnostics import parameter_grads
+    from lowmem.tools.diagnostics import parameter_grads
     return parameter_grads(net, batches, mode, bits, dtype="float64")
 
 

@@ -20,8 +20,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from lowmem import diagnostics, quant
-from lowmem.engine import Engine
+from lowmem.tools import diagnostics
+from lowmem.units import quant
+from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
 from reference import randomize_units
 

@@ -1,11 +1,11 @@
-"""lowmem.argtypes: each argparse value type accepts what it documents and refuses the rest with
+"""lowmem.tools.argtypes: each argparse value type accepts what it documents and refuses the rest with
 argparse.ArgumentTypeError naming the bad value (argparse prints it as `argument --x: <message>`)."""
 import argparse
 import math
 
 import pytest
 
-from lowmem import argtypes
+from lowmem.tools import argtypes
 
 
 @pytest.mark.parametrize("fn,text,want", [

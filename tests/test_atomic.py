@@ -1,10 +1,10 @@
-"""lowmem.atomic.atomic_write: the target holds the old file or the new one, never a mix, and no
+"""lowmem.system.atomic.atomic_write: the target holds the old file or the new one, never a mix, and no
 temporary file stays behind, whatever fails on the way."""
 import os
 
 import pytest
 
-from lowmem.atomic import atomic_write
+from lowmem.system.atomic import atomic_write
 
 
 def test_writes_text_bytes_and_a_streaming_writer(tmp_path):

@@ -1,4 +1,4 @@
-"""lowmem.backend: choosing NumPy or CuPy, and the helpers every op uses (array_module, to_numpy,
+"""lowmem.system.backend: choosing NumPy or CuPy, and the helpers every op uses (array_module, to_numpy,
 numba_allowed). CuPy itself is not needed: where it is absent, asking for it must fail clearly."""
 import types
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import lowmem
-from lowmem import backend
+from lowmem.system import backend
 
 
 @pytest.fixture

@@ -5,8 +5,9 @@ import re
 
 import pytest
 
-from lowmem import Engine, cli
-from lowmem.maxbatch import parse_bytes
+from lowmem import Engine
+from lowmem.tools import cli
+from lowmem.tools.maxbatch import parse_bytes
 from lowmem.models import preact_resnet_cifar
 
 SMALL = ["--depth", "8", "--batch", "8", "--input", "3x8x8", "--measure-batch", "8", "--measure-batches", "2"]

@@ -5,8 +5,8 @@ import os
 import numpy
 import pytest
 
-from lowmem import checkpoint
-from lowmem.checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
+from lowmem.train import checkpoint
+from lowmem.train.checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
 
 
 def sample_arrays():

@@ -1,11 +1,11 @@
-"""lowmem.checks, called directly: each refusal is the documented exception with a message that
+"""lowmem.core.checks, called directly: each refusal is the documented exception with a message that
 names the problem (the Engine runs these before it plans or touches its arrays)."""
 import numpy as np
 import pytest
 
-from lowmem import checks
+from lowmem.core import checks
 from lowmem.models import preact_resnet_cifar
-from lowmem.network import Network
+from lowmem.core.network import Network
 
 NET = preact_resnet_cifar(8)
 UNITS = ["bn1", "layer1.0.bn2", "bn_final"]

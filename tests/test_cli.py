@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lowmem import cli, models
+from lowmem.tools import cli
+from lowmem import models
 
 SMALL = ["--depth", "8", "--batch", "4", "--input", "3x16x16"]
 
@@ -137,7 +138,7 @@ def test_registry():
 
 
 def test_module_entry_point_runs():
-    r = subprocess.run([sys.executable, "-m", "lowmem.cli", "plan", *SMALL, "--no-schedule", "--rows", "3"],
+    r = subprocess.run([sys.executable, "-m", "lowmem.tools.cli", "plan", *SMALL, "--no-schedule", "--rows", "3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "memory plan:" in r.stdout
@@ -224,7 +225,7 @@ def test_bad_command_lines_end_in_one_line_and_exit_2(capsys, tmp_path, argv, wo
 
 def test_fashion_mnist_pad_to_with_a_small_limit_is_refused_before_loading(capsys, tmp_path, monkeypatch):
     # the limit is checked before any image is padded (it padded all 60,000 to 1000x1000 first)
-    from lowmem import data
+    from lowmem.data import datasets as data
     monkeypatch.setattr(data, "load_fashion_mnist", lambda *a, **k: pytest.fail("data were loaded"))
     rc, _, err = run(capsys, "train", "--dataset", "fashion-mnist", "--pad-to", "1000", "--limit-train", "16",
                      "--out", str(tmp_path / "run"))
@@ -252,7 +253,7 @@ def test_ctrl_c_in_any_command_exits_130_with_a_message(capsys, monkeypatch):
 
 def test_model_wrn_k_takes_any_positive_widening_factor(capsys):
     from lowmem import models
-    from lowmem.trainer import TrainConfig
+    from lowmem.train.trainer import TrainConfig
     rc, out, err = run(capsys, "plan", "--model", "wrn-3", "--depth", "10", "--input", "3x8x8", "--batch", "2",
                        "--no-schedule")
     assert rc == 0, err

@@ -1,4 +1,4 @@
-"""Tests for lowmem.data: loaders on tiny files written in the real formats,
+"""Tests for lowmem.data.datasets: loaders on tiny files written in the real formats,
 preprocessing against per-sample references, batching order and resume."""
 import gzip
 import hashlib
@@ -11,8 +11,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from lowmem import data
-from lowmem.data import (BatchIterator, DataError, augment, channel_mean_std, crop_flip,
+from lowmem.data import datasets as data
+from lowmem.data.datasets import (BatchIterator, DataError, augment, channel_mean_std, crop_flip,
                          draw_crop_flip, load_cifar, load_dataset, load_fashion_mnist,
                          normalize, read_idx, synthetic)
 
@@ -611,7 +611,7 @@ def test_batch_iterator_exact_resume():
 
 def test_fashion_mnist_limits_apply_before_padding(no_env, monkeypatch):
     """Only the images kept are padded: the limit is what decides the memory padding takes."""
-    from lowmem import sysmem
+    from lowmem.system import memory as sysmem
     arrays = _make_fashion(no_env / "d", gz=False, n_train=50, n_test=20)
     padded = []
     real_pad = data.pad_images

@@ -1,4 +1,4 @@
-"""lowmem.diagnostics: the gradient-error summary's edge cases, and measure_peak's memory check.
+"""lowmem.tools.diagnostics: the gradient-error summary's edge cases, and measure_peak's memory check.
 (The gradient error itself is tested in test_approx.py, the measured peak in test_cli.py.)"""
 import tracemalloc
 import warnings
@@ -6,7 +6,8 @@ import warnings
 import numpy as np
 import pytest
 
-from lowmem import diagnostics, sysmem
+from lowmem.tools import diagnostics
+from lowmem.system import memory as sysmem
 from lowmem.models import preact_resnet_cifar
 
 

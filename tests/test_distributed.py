@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lowmem import distributed
+from lowmem.system import distributed
 
 pytest.importorskip("mpi4py")
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
@@ -104,7 +104,7 @@ def lowmem_cli(args, n=1, timeout=240):
 
 
 def weights(run_dir):
-    from lowmem.checkpoint import load_checkpoint
+    from lowmem.train.checkpoint import load_checkpoint
     arrays, meta = load_checkpoint(str(run_dir / "checkpoint.ckpt"))
     return {k: v for k, v in arrays.items() if k.startswith(("net/", "momentum/"))}, meta
 

@@ -18,11 +18,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from lowmem.kernels import cpu as fast
-from lowmem.engine import Engine
+from lowmem.units import cpu as fast
+from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar, preact_resnet_imagenet
-from lowmem.network import Network
-from lowmem.optim import SGD
+from lowmem.core.network import Network
+from lowmem.train.optim import SGD
 from reference import randomize_units
 
 BN_EPS = 1e-5

@@ -1,9 +1,9 @@
-"""lowmem.epochs.EpochOrder: the seeded order and resumable position that BatchIterator and ImageLoader share."""
+"""lowmem.data.batches.EpochOrder: the seeded order and resumable position that BatchIterator and ImageLoader share."""
 import numpy as np
 import pytest
 
-from lowmem.data import BatchIterator, DataError
-from lowmem.epochs import EpochOrder, EpochOrderError
+from lowmem.data.datasets import BatchIterator, DataError
+from lowmem.data.batches import EpochOrder, EpochOrderError
 
 
 def test_the_order_is_a_seeded_permutation_per_epoch():

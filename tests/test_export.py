@@ -1,4 +1,4 @@
-"""lowmem.export: safetensors and ONNX files, and the `lowmem export` subcommand's pair.
+"""lowmem.tools.export: safetensors and ONNX files, and the `lowmem export` subcommand's pair.
 
 * ONNX: onnxruntime's logits equal Engine.predict's (eval mode, non-trivial BN
   running statistics, some negative gammas) within 1e-5 of the logit scale,
@@ -16,8 +16,9 @@ import os
 import numpy as np
 import pytest
 
-from lowmem import export, models
-from lowmem.engine import Engine
+from lowmem.tools import export
+from lowmem import models
+from lowmem.core.engine import Engine
 from test_engine import randomize_units
 
 NETS = {
@@ -187,7 +188,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, mon
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A real tiny training run (synthetic data, ResNet-8, one epoch) with its checkpoint."""
-    from lowmem.trainer import Trainer, TrainConfig
+    from lowmem.train.trainer import Trainer, TrainConfig
     out = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(dataset="synthetic", model="preact-cifar", depth=8, batch=16, epochs=1,
                       limit_train=32, limit_test=16, out=str(out), progress=False)
@@ -202,7 +203,7 @@ def parse(*argv):
 def test_export_command_writes_both_formats(run_dir, tmp_path, capsys):
     pytest.importorskip("safetensors")
     ort = pytest.importorskip("onnxruntime")
-    from lowmem.trainer import load_model_state
+    from lowmem.train.trainer import load_model_state
     net = models.preact_resnet_cifar(8)
     load_model_state(os.path.join(run_dir, "checkpoint.ckpt"), net)
     assert export.run(parse(str(run_dir), str(tmp_path / "m.safetensors"))) == 0
@@ -243,7 +244,7 @@ def test_a_missing_extra_names_the_pip_install(run_dir, tmp_path, monkeypatch, c
 
 @pytest.mark.parametrize("opset", ["5", "-1", "99", "6", "seven"])
 def test_unsupported_opsets_are_refused_on_the_command_line(run_dir, tmp_path, capsys, opset):
-    from lowmem.cli import main
+    from lowmem.tools.cli import main
     pytest.importorskip("onnx")
     rc = main(["export", str(run_dir), str(tmp_path / "m.onnx"), "--opset", opset])
     err = capsys.readouterr().err
@@ -270,7 +271,7 @@ def test_every_supported_opset_runs_in_onnxruntime():
 
 
 def test_command_line_errors_carry_the_prefix_and_the_documented_code(run_dir, tmp_path, capsys):
-    from lowmem.cli import main
+    from lowmem.tools.cli import main
     assert main(["export", str(run_dir), str(tmp_path / "m.pt")]) == 2
     assert capsys.readouterr().err.strip() == (f"lowmem export: error: {tmp_path / 'm.pt'}: unknown format; "
                                                f"the output must end in .safetensors or .onnx")
@@ -280,7 +281,7 @@ def test_command_line_errors_carry_the_prefix_and_the_documented_code(run_dir, t
 
 
 def test_a_checkpoint_without_a_depth_is_a_clear_error(run_dir, tmp_path, capsys):
-    from lowmem.checkpoint import load_checkpoint, save_checkpoint
+    from lowmem.train.checkpoint import load_checkpoint, save_checkpoint
     arrays, meta = load_checkpoint(os.path.join(run_dir, "checkpoint.ckpt"))
     del meta["config"]["depth"]
     save_checkpoint(tmp_path / "nodepth.ckpt", arrays, meta)
@@ -321,7 +322,7 @@ def test_a_graph_needs_a_name(name):
 
 def test_a_hand_built_network_with_clashing_names_is_refused_by_the_onnx_export():
     pytest.importorskip("onnx")
-    from lowmem.network import Network
+    from lowmem.core.network import Network
     net = Network("hand", 3, 4)
     net.conv("logits", "input", "act0", 3, 8, 3)
     net.bnrelu("bn", "act0", "act0", 8)

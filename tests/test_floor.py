@@ -14,7 +14,7 @@ import numpy
 import pytest
 
 import lowmem
-from lowmem import threads
+from lowmem.system import threads
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import compare_torch                                             # noqa: E402

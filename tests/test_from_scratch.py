@@ -14,8 +14,8 @@ import os
 import numpy as np
 import pytest
 
-from lowmem import quant
-from lowmem.engine import Engine
+from lowmem.units import quant
+from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,4 +1,4 @@
-"""Issue 22 case 8: hand-built Networks (lowmem/network.py's named buffers) that nn.check refuses
+"""Issue 22 case 8: hand-built Networks (lowmem/core/network.py's named buffers) that nn.check refuses
 must be refused by the engine too, with the same message, never an AssertionError, a bare
 KeyError such as ('act1', 1), or a run that silently computes something else.
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from lowmem import nn
-from lowmem.engine import Engine
-from lowmem.network import Network
-from lowmem.optim import SGD
+from lowmem.core.engine import Engine
+from lowmem.core.network import Network
+from lowmem.train.optim import SGD
 
 SHAPE = (3, 8, 8)
 

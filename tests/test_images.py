@@ -1,4 +1,4 @@
-"""lowmem.images on small generated JPEG/PNG folders (skipped without Pillow).
+"""lowmem.data.images on small generated JPEG/PNG folders (skipped without Pillow).
 
 Scanning and its errors (empty class, mismatched classes, missing splits,
 unreadable files: named, or skipped and counted); the eval transform
@@ -14,10 +14,11 @@ import pytest
 
 Image = pytest.importorskip("PIL.Image")
 
-from lowmem import data, images, nn                    # noqa: E402
-from lowmem.data import DataError                      # noqa: E402
-from lowmem.engine import Engine                        # noqa: E402
-from lowmem.optim import SGD                            # noqa: E402
+from lowmem.data import datasets as data, images
+from lowmem import nn  # noqa: E402
+from lowmem.data.datasets import DataError                      # noqa: E402
+from lowmem.core.engine import Engine                        # noqa: E402
+from lowmem.train.optim import SGD                            # noqa: E402
 
 COLOURS = {"bird": (200, 40, 40), "cat": (40, 200, 40), "dog": (40, 40, 200)}
 
@@ -307,8 +308,8 @@ def test_the_trainer_loop_runs_on_folder_loaders(tmp_path):
     normalises itself): Trainer.fit runs two epochs with the loaders in place of its
     BatchIterators and checkpoints the loader's position. (Until `--dataset folder` is wired in,
     the trainer is built on a same-sized stand-in Dataset whose iterators are then replaced.)"""
-    from lowmem.checkpoint import load_checkpoint
-    from lowmem.trainer import Trainer, TrainConfig
+    from lowmem.train.checkpoint import load_checkpoint
+    from lowmem.train.trainer import Trainer, TrainConfig
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
     d = images.load_image_folders(root, 16)
     u8 = np.zeros((48,) + d.input_shape, np.uint8)
@@ -329,8 +330,8 @@ def test_the_trainer_loop_runs_on_folder_loaders(tmp_path):
 def test_lowmem_train_dataset_folder_trains_and_resumes(tmp_path, capsys):
     """`lowmem train --dataset folder --data DIR`: the folder's classes, random-resized crops decoded
     on worker threads; a run stopped after one epoch and resumed ends bitwise where one run does."""
-    from lowmem import cli
-    from lowmem.checkpoint import load_checkpoint
+    from lowmem.tools import cli
+    from lowmem.train.checkpoint import load_checkpoint
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
     args = ["train", "--dataset", "folder", "--data", root, "--image-size", "16", "--depth", "8",
             "--batch", "12", "--lr", "0.05", "--schedule", "constant", "--warmup-iters", "0",
@@ -435,7 +436,7 @@ def test_the_unreadable_image_error_names_the_flag(folders):
 def test_lowmem_train_skip_bad(tmp_path, capsys):
     """--skip-bad reaches the statistics pass and both loaders: a corrupt training image is
     replaced, not fatal; without the flag the run stops with one line naming the flag."""
-    from lowmem import cli
+    from lowmem.tools import cli
     root = make_folders(str(tmp_path / "p"), per_class=(4, 2))
     corrupt(root)
     args = ["train", "--dataset", "folder", "--data", root, "--image-size", "16", "--depth", "8",
@@ -456,7 +457,7 @@ FOLDER_TRAIN = ["train", "--dataset", "folder", "--image-size", "16", "--depth",
 def test_folder_runs_honour_no_augment_and_the_limits(tmp_path):
     """--no-augment: the eval transform (no random crop or flip), still shuffled; --limit-train /
     --limit-test: seeded subsets of the splits (issue 22, case 3: both were ignored)."""
-    from lowmem.trainer import Trainer, TrainConfig
+    from lowmem.train.trainer import Trainer, TrainConfig
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
     cfg = TrainConfig(dataset="folder", data_dir=root, image_size=16, depth=8, batch=12, epochs=1,
                       augment=False, limit_train=30, limit_test=5, workers=2, progress=False)
@@ -474,7 +475,7 @@ def test_folder_runs_honour_no_augment_and_the_limits(tmp_path):
 
 def test_a_bad_val_image_stops_the_run_before_its_first_epoch(tmp_path, capsys):
     """Issue 22, case 10: found at start-up, so no epoch is lost and no folder needs --overwrite."""
-    from lowmem import cli
+    from lowmem.tools import cli
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
     bad = os.path.join(root, "val", "cat", "002.jpg")
     with open(bad, "r+b") as f:                                  # a JPEG cut off half-way
@@ -490,8 +491,8 @@ def test_class_names_and_preprocessing_travel_with_the_weights(tmp_path, capsys)
     """Issue 22, case 2: the checkpoint and both exports hold the classes, image size and mean/std;
     a resume after a class folder was renamed is refused naming it; `lowmem predict` on an exported
     model prints class names."""
-    from lowmem import cli, export
-    from lowmem.checkpoint import load_checkpoint
+    from lowmem.tools import cli, export
+    from lowmem.train.checkpoint import load_checkpoint
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
     run = tmp_path / "run"
     assert cli.main(FOLDER_TRAIN + ["--data", root, "--epochs", "2", "--out", str(run)]) == 0

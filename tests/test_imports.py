@@ -12,7 +12,7 @@ MODULES = sorted("lowmem." + ".".join(p.relative_to(PACKAGE).with_suffix("").par
 
 
 def test_modules_found():
-    assert {"lowmem.optable", "lowmem.schedule", "lowmem.engine", "lowmem.ops.conv"} <= set(MODULES)
+    assert {"lowmem.core.optable", "lowmem.core.schedule", "lowmem.core.engine", "lowmem.ops.conv"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -22,8 +22,8 @@ def test_each_module_imports_first(module):
 
 
 LAYERS = {   # a module -> lowmem packages it must not import, even indirectly
-    "lowmem.ops": ("lowmem.kernels", "lowmem.engine", "lowmem.optable", "lowmem.schedule"),
-    "lowmem.cuda": ("lowmem.kernels", "lowmem.ops", "lowmem.optim"),
+    "lowmem.ops": ("lowmem.units", "lowmem.core.engine", "lowmem.core.optable", "lowmem.core.schedule"),
+    "lowmem.system.cuda": ("lowmem.units", "lowmem.ops", "lowmem.train.optim"),
 }
 
 

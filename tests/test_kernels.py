@@ -1,4 +1,4 @@
-"""lowmem/kernels: every kernel set against the reference set, through the one interface.
+"""lowmem/units: every kernel set against the reference set, through the one interface.
 
 The raw numba and CUDA kernels have their own tests (test_kernels_cpu.py, test_kernels_gpu.py);
 this checks the sets the engine selects: same slot layout, bit-identical forward outputs and
@@ -6,9 +6,9 @@ codes, backward to float tolerance (the fused reductions accumulate in float64).
 import numpy as np
 import pytest
 
-from lowmem import kernels
-from lowmem.kernels import cpu, fused
-from lowmem.kernels.reference import CodeUnits, ExactUnits
+from lowmem import units as kernels
+from lowmem.units import cpu, fused
+from lowmem.units.reference import CodeUnits, ExactUnits
 from reference import unit_case
 
 C, M = 6, 512

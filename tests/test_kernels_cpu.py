@@ -1,9 +1,10 @@
-"""The numba kernels (lowmem/kernels/cpu.py) against the NumPy reference ops and quantizer."""
+"""The numba kernels (lowmem/units/cpu.py) against the NumPy reference ops and quantizer."""
 import numpy as np
 import pytest
 
-from lowmem import quant, threads
-from lowmem.kernels import cpu as fast
+from lowmem.units import quant
+from lowmem.system import threads
+from lowmem.units import cpu as fast
 from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
 from reference import beyond_window_channels, bn_normalize_forward, unit_case
 
@@ -262,8 +263,8 @@ def test_stochastic_codes_equal_numpy_across_blocks_and_threads(long_rows, bits,
 def test_the_code_sets_round_stochastically_alike():
     """FusedCodeUnits(cpu, rounding="stochastic") and CodeUnits(rounding="stochastic"): the same
     saved codes and conv input for the same key; forward without a key is refused."""
-    from lowmem.kernels import fused
-    from lowmem.kernels.reference import CodeUnits
+    from lowmem.units import fused
+    from lowmem.units.reference import CodeUnits
     x, g, b = unit(C=6, M=2048, seed=60)
     C, M = x.shape
     mean, var, rstd = stats(x)

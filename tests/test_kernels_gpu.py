@@ -1,10 +1,10 @@
 """The CUDA kernels against the NumPy reference ops and quantizer: the unit kernels
-(lowmem/kernels/gpu.py), the conv columns (lowmem/ops/columns_gpu.py) and the SGD update
-(lowmem/optim_gpu.py), all built through lowmem/cuda.py.
+(lowmem/units/gpu.py), the conv columns (lowmem/ops/columns_gpu.py) and the SGD update
+(lowmem/train/optim_gpu.py), all built through lowmem/system/cuda.py.
 
 Three levels, each skipped where its tool is missing:
 
-* compile: every program's CUDA sources (lowmem.cuda.PROGRAMS) are compiled with `nvcc`
+* compile: every program's CUDA sources (lowmem.system.cuda.PROGRAMS) are compiled with `nvcc`
   for sm_80 and sm_90 (--Werror all-warnings); with --fmad=false the PTX has
   no FMA at all, and the float32 module has no float32 FMA even without the
   flag (the kernels' round-to-nearest intrinsics alone keep NumPy's rounding).
@@ -37,14 +37,15 @@ import numpy as np
 import pytest
 
 import lowmem
-from lowmem import cuda as cuda_helper
-from lowmem import optim, optim_gpu, quant
-from lowmem.kernels import gpu as cuda
-from lowmem.network import Parameter
+from lowmem.system import cuda as cuda_helper
+from lowmem.train import optim, optim_gpu
+from lowmem.units import quant
+from lowmem.units import gpu as cuda
+from lowmem.core.network import Parameter
 from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
 from lowmem.ops import columns_gpu
 from lowmem.ops import conv as conv_ops
-from lowmem.optim import SGD
+from lowmem.train.optim import SGD
 from reference import beyond_window_channels, bn_normalize_forward, unit_case
 
 DTYPES = ["float32", "float64"]
@@ -234,7 +235,7 @@ def emulator(tmp_path_factory):
 
 
 def emulate(monkeypatch, libs):
-    """Every program builds for the CPU emulator (lowmem/cuda.py's `build` swapped)."""
+    """Every program builds for the CPU emulator (lowmem/system/cuda.py's `build` swapped)."""
     cuda_helper.reset()
     monkeypatch.setattr(cuda_helper, "build", lambda program, dtype: Emulated(
         libs[program.name, np.dtype(dtype).name], dtype, program))
@@ -520,7 +521,7 @@ def gpu_backend():
 
 
 def small_nets():
-    from lowmem.network import Network
+    from lowmem.core.network import Network
     net = Network("tiny-imagenet-style", in_channels=3, num_classes=5)
     net.conv("conv1", "input", "act0", 3, 8, k=7, stride=2, pad=3)
     net.bnrelu("bn1", "act0", "act0", 8)
@@ -554,7 +555,7 @@ def run(net, shape, x, y, xp, dtype, steps=0, **kw):
     """(loss, logits, input grad, {param: grad}, {param: value after `steps` SGD steps}) as NumPy."""
     eng = lowmem.Engine(copy.deepcopy(net), batch_size=kw.pop("N", len(x)), input_shape=shape,
                         dtype=dtype, **kw)
-    get = lowmem.backend.to_numpy
+    get = lowmem.system.backend.to_numpy
     xd, yd = xp.asarray(x.astype(dtype)), xp.asarray(y)
     loss, logits = eng.forward(xd, yd)
     dx = eng.backward(input_grad=True)
@@ -598,7 +599,7 @@ def test_engine_gpu_path_on_emulated_kernels(emulator, monkeypatch, mode, n):
     rng = np.random.default_rng(8)
     x, y = rng.standard_normal((n,) + shape), rng.integers(0, net.num_classes, n)
     ref = run(net, shape, x, y, np, "float64", mode=mode, bits=2, N=8, steps=2)
-    monkeypatch.setattr(lowmem.backend, "xp", NumpyAsCupy("cupy"))
+    monkeypatch.setattr(lowmem.system.backend, "xp", NumpyAsCupy("cupy"))
     got = run(net, shape, x, y, np, "float64", mode=mode, bits=2, N=8, steps=2)
     eng = got[5]
     assert eng.use_fast and eng.units and eng.run.columns is conv_ops.CUDA
@@ -655,7 +656,7 @@ def test_gpu_step_allocates_nothing_beyond_the_plan(gpu_backend):
     """CuPy's pool, through a MemoryHook: building the engine holds the plan (up to the pool's
     512-byte rounding) and a steady-state step's peak stays within 5% of it. The workspace fits a
     whole-batch im2col, so no GEMM needs a strided-output copy."""
-    from lowmem.diagnostics import measure_peak
+    from lowmem.tools.diagnostics import measure_peak
     net = lowmem.models.preact_resnet_cifar(20)
     m = measure_peak(net, 64, (3, 32, 32), "approx", 4, steps=3, workspace_bytes=64 << 20)
     assert m.how == "cupy pool"

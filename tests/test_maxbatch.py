@@ -1,12 +1,12 @@
-"""lowmem.maxbatch: the largest batch whose plan fits a budget, the budget parser; `lowmem maxbatch` (cli.py)."""
+"""lowmem.tools.maxbatch: the largest batch whose plan fits a budget, the budget parser; `lowmem maxbatch` (cli.py)."""
 import argparse
 import re
 
 import pytest
 
 from lowmem import models
-from lowmem.cli import maxbatch_arguments, maxbatch_command
-from lowmem.maxbatch import max_batch, parse_bytes, planned_engine
+from lowmem.tools.cli import maxbatch_arguments, maxbatch_command
+from lowmem.tools.maxbatch import max_batch, parse_bytes, planned_engine
 
 TINY = (3, 8, 8)
 
@@ -155,8 +155,8 @@ def test_cli_maxbatch_vgg_bn_at_32x32(capsys):
 def test_verify_names_what_went_over(capsys, monkeypatch):
     """--verify, when over: the step's temporaries beyond the plan's stated bound are named as
     arrays the plan does not count, apart from the engine's Python objects."""
-    from lowmem import diagnostics
-    from lowmem.diagnostics import MemoryMeasurement
+    from lowmem.tools import diagnostics
+    from lowmem.tools.diagnostics import MemoryMeasurement
     seen = {}
 
     def fake(net, n, shape, mode, bits, dtype, steps, workspace_bytes):

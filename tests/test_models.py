@@ -4,9 +4,9 @@ import copy
 import numpy as np
 import pytest
 
-from lowmem.engine import Engine
+from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar, preact_resnet_imagenet
-from lowmem.optim import SGD
+from lowmem.train.optim import SGD
 
 
 def weighted_layers(net):
@@ -203,7 +203,7 @@ def test_load_state_dict_rejects_wrong_names_and_shapes():
 # ---------------------------------------------------------------- WideResNet and VGG-BN
 
 from lowmem.models import vgg_bn, wide_resnet          # noqa: E402
-from lowmem import nn as lnn                            # noqa: E402
+from lowmem import nn as lnn  # noqa: E402
 
 
 def count_wrn_by_hand(depth, k, num_classes, in_channels=3):

@@ -1,13 +1,13 @@
-"""lowmem/network.py: declared parameters drawn lazily, and per-step bookkeeping that stays
+"""lowmem/core/network.py: declared parameters drawn lazily, and per-step bookkeeping that stays
 O(layers): a training step never walks every parameter spec once per layer (issue 21: that
 made a ResNet-1001 step grow with depth squared)."""
 import numpy as np
 import pytest
 
-from lowmem.engine import Engine
+from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
-from lowmem.network import BUFFERS, Network, NetworkError
-from lowmem.optim import SGD
+from lowmem.core.network import BUFFERS, Network, NetworkError
+from lowmem.train.optim import SGD
 
 
 def test_parameters_are_declared_then_drawn_once_in_order():

@@ -15,10 +15,11 @@
 import numpy as np
 import pytest
 
-from lowmem import data, models, nn
-from lowmem.engine import Engine
-from lowmem.network import Network
-from lowmem.optim import SGD
+from lowmem.data import datasets as data
+from lowmem import models, nn
+from lowmem.core.engine import Engine
+from lowmem.core.network import Network
+from lowmem.train.optim import SGD
 from test_engine import batch, check_directional, randomize_units
 
 

@@ -124,7 +124,7 @@ def test_conv_split_over_two_threads_matches_one(rng, monkeypatch, k, stride, pa
     counts (BLAS may pick other kernels) and weight gradients add per-range partial sums.
     The col2im is the numba loop when numba is installed, else the reference."""
     pytest.importorskip("threadpoolctl")
-    from lowmem import threads
+    from lowmem.system import threads
     from lowmem.ops import conv
     monkeypatch.setattr(conv, "GEMM_GRAIN", 4)
     monkeypatch.setattr(conv, "COLS_GRAIN", 8)
@@ -469,7 +469,7 @@ def test_add_forward_split_over_threads_is_plain_add(rng, monkeypatch):
     """ops.add_forward: out += x, split over lowmem's threads in flat ranges: bit for bit the
     plain NumPy add, for 1 and 2 threads, ranges not a multiple of anything; strided views
     fall back to the plain add; unequal shapes raise."""
-    from lowmem import threads
+    from lowmem.system import threads
     from lowmem.ops import add, add_forward
     monkeypatch.setattr(add, "GRAIN", 7)
     base = rng.standard_normal((3, 5, 7, 9)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""lowmem/optable.py: every op's entry is complete, and the op added through it (the k x k
+"""lowmem/core/optable.py: every op's entry is complete, and the op added through it (the k x k
 average pool, docs/engine.md) is right: its ops against a naive reference and float64 finite
 differences, its engine gradients against finite differences of the engine's own loss, its
 ONNX node against onnxruntime."""
@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 import reference
-from lowmem import export, nn
-from lowmem.engine import Engine
-from lowmem.network import Network
+from lowmem.tools import export
+from lowmem import nn
+from lowmem.core.engine import Engine
+from lowmem.core.network import Network
 from lowmem.ops import avgpool2d_backward, avgpool2d_forward, conv_out_size
-from lowmem.optable import HEAD, OPS, STEP_ONLY
+from lowmem.core.optable import HEAD, OPS, STEP_ONLY
 
 LAYER_OPS = [op for op in OPS if op not in STEP_ONLY]
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from lowmem.optim import SGD
+from lowmem.train.optim import SGD
 
 
 @pytest.fixture

@@ -1,12 +1,12 @@
-"""lowmem/plan.py and the engine's planning: computable from shapes alone, one entry per array."""
+"""lowmem/core/plan.py and the engine's planning: computable from shapes alone, one entry per array."""
 import tracemalloc
 
 import numpy as np
 import pytest
 
-from lowmem.engine import Engine
+from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
-from lowmem.plan import KINDS, Plan
+from lowmem.core.plan import KINDS, Plan
 
 
 def test_a_plan_draws_no_weight():
@@ -80,7 +80,7 @@ def _steady_net(name):
 
 
 def _check_steady_step(name):
-    from lowmem.diagnostics import measure_peak
+    from lowmem.tools.diagnostics import measure_peak
     factory, n, shape = _steady_net(name)
     for mode in ("approx", "exact"):
         bound = Engine(factory(), n, shape, mode, 4, allocate=False).plan.temporary_bytes
@@ -94,7 +94,7 @@ def _check_steady_step(name):
 
 @pytest.fixture
 def one_thread():
-    from lowmem import threads
+    from lowmem.system import threads
     before = threads.threads()
     threads.configure(1)
     yield

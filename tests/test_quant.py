@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import pytest
 
-from lowmem import quant as q
+from lowmem.units import quant as q
 
 DTYPES = (np.float64, np.float32)
 

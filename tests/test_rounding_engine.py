@@ -13,10 +13,10 @@ import copy
 import numpy as np
 import pytest
 
-from lowmem import quant
-from lowmem.engine import Engine
+from lowmem.units import quant
+from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
-from lowmem.trainer import TrainConfig, Trainer
+from lowmem.train.trainer import TrainConfig, Trainer
 
 N, SHAPE = 4, (3, 8, 8)
 

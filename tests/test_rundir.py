@@ -8,8 +8,9 @@ import textwrap
 
 import pytest
 
-from lowmem import cli, rundir
-from lowmem.rundir import LOCK, MARKER, ResumeError, RunDirError, claim
+from lowmem.tools import cli
+from lowmem.train import rundir
+from lowmem.train.rundir import LOCK, MARKER, ResumeError, RunDirError, claim
 
 TRAIN = ["train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8", "--depth", "8",
          "--batch", "16", "--epochs", "1", "--no-progress"]
@@ -100,7 +101,7 @@ def test_a_second_run_in_this_process_is_refused(capsys, tmp_path):
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from lowmem.rundir import claim
+    from lowmem.train.rundir import claim
     run = claim(sys.argv[1])
     print("holding", flush=True)
     time.sleep(60)

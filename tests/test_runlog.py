@@ -1,12 +1,12 @@
-"""lowmem.runlog: the run folder's config, plan and metrics; metrics rewritten atomically."""
+"""lowmem.train.runlog: the run folder's config, plan and metrics; metrics rewritten atomically."""
 import json
 import math
 import os
 
 import pytest
 
-from lowmem import atomic
-from lowmem.runlog import RunLog, json_line, read_metrics
+from lowmem.system import atomic
+from lowmem.train.runlog import RunLog, json_line, read_metrics
 
 
 class Config:

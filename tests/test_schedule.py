@@ -1,9 +1,9 @@
-"""lowmem/schedule.py: the steps carry every buffer, shape, slot and parameter their handlers use."""
+"""lowmem/core/schedule.py: the steps carry every buffer, shape, slot and parameter their handlers use."""
 import numpy as np
 
-from lowmem.engine import Engine
+from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar, preact_resnet_imagenet
-from lowmem.schedule import BUFFERS
+from lowmem.core.schedule import BUFFERS
 
 HEAD_BUFFERS = {"fc.input", "logits", "dlogits", "dfeat", "loss.probs"}
 

@@ -1,11 +1,11 @@
-"""lowmem.stop: signals, the time limit, requests, and the agreement of ranks on one stop."""
+"""lowmem.train.stop: signals, the time limit, requests, and the agreement of ranks on one stop."""
 import os
 import signal
 
 import numpy as np
 
-from lowmem import distributed
-from lowmem.stop import Stop
+from lowmem.system import distributed
+from lowmem.train.stop import Stop
 
 
 def test_the_first_reason_wins_and_the_time_limit_counts_from_the_start():

@@ -1,8 +1,8 @@
-"""lowmem.sysmem: free memory, checked before a large allocation."""
+"""lowmem.system.memory: free memory, checked before a large allocation."""
 import numpy as np
 import pytest
 
-from lowmem import sysmem
+from lowmem.system import memory as sysmem
 
 
 def test_meminfo_is_read(tmp_path):

@@ -1,9 +1,9 @@
-"""lowmem/threads.py: the split of work over lowmem's threads, and its configuration."""
+"""lowmem/system/threads.py: the split of work over lowmem's threads, and its configuration."""
 import threading
 
 import pytest
 
-from lowmem import threads
+from lowmem.system import threads
 
 threadpoolctl = pytest.importorskip("threadpoolctl")
 

@@ -11,14 +11,14 @@ import signal
 import numpy
 import pytest
 
-from lowmem import atomic
-from lowmem.checkpoint import CheckpointError, load_checkpoint
-from lowmem.data import Dataset, channel_mean_std, synthetic
+from lowmem.system import atomic
+from lowmem.train.checkpoint import CheckpointError, load_checkpoint
+from lowmem.data.datasets import Dataset, channel_mean_std, synthetic
 from lowmem.models import preact_resnet_cifar
-from lowmem import cli
-from lowmem.cli import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_TIME_LIMIT, EXIT_USAGE
-from lowmem.checkpoint import save_checkpoint
-from lowmem.trainer import (CHECKPOINT, METRICS, ConfigError, ResumeError, TrainConfig, Trainer, TrainingDiverged,
+from lowmem.tools import cli
+from lowmem.tools.cli import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_TIME_LIMIT, EXIT_USAGE
+from lowmem.train.checkpoint import save_checkpoint
+from lowmem.train.trainer import (CHECKPOINT, METRICS, ConfigError, ResumeError, TrainConfig, Trainer, TrainingDiverged,
                             load_model_state, lr_at, read_metrics)
 
 STEPS = 8       # per epoch: 128 training images, batch 16

@@ -1,14 +1,14 @@
-"""lowmem.trainstate: what a checkpoint holds, restored exactly; what it refuses."""
+"""lowmem.train.trainstate: what a checkpoint holds, restored exactly; what it refuses."""
 import numpy as np
 import pytest
 
-from lowmem import trainstate
-from lowmem.checkpoint import load_checkpoint
-from lowmem.data import BatchIterator
+from lowmem.train import trainstate
+from lowmem.train.checkpoint import load_checkpoint
+from lowmem.data.datasets import BatchIterator
 from lowmem.models import preact_resnet_cifar
-from lowmem.optim import SGD
-from lowmem.rundir import ResumeError
-from lowmem.trainer import TrainConfig
+from lowmem.train.optim import SGD
+from lowmem.train.rundir import ResumeError
+from lowmem.train.trainer import TrainConfig
 
 INFO = {"classes": ["a", "b"], "input_shape": [3, 8, 8], "image_size": 8, "resize": 9, "mean": [0.5] * 3,
         "std": [0.25] * 3, "dataset": "folder"}

@@ -14,10 +14,10 @@ import copy
 import numpy as np
 import pytest
 
-from lowmem import quant
-from lowmem.engine import Engine
+from lowmem.units import quant
+from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
-from lowmem.optim import SGD
+from lowmem.train.optim import SGD
 
 PATHS = [False, None]          # the reference array ops; the fused kernels where they apply
 N, SHAPE = 4, (3, 8, 8)

@@ -10,8 +10,8 @@ Shapes Winograd does not take (stride 2, the 7x7 stem) must run the im2col path 
 import numpy as np
 import pytest
 
-from lowmem import threads
-from lowmem.kernels import cpu as fast
+from lowmem.system import threads
+from lowmem.units import cpu as fast
 from lowmem.ops import conv, winograd
 from reference import conv_offsets_backward_ref as ref_backward, conv_offsets_ref as ref_forward, conv_ref
 

@@ -12,7 +12,7 @@ import numpy
 import pytest
 
 import lowmem as lm
-from lowmem import quant
+from lowmem.units import quant
 
 GAMMA = numpy.array([1.5, -0.5], numpy.float32)
 BETA = numpy.array([0.4, 0.6], numpy.float32)

@@ -1,7 +1,7 @@
 import sys, time, os, statistics
 import numpy as np
 import lowmem
-from lowmem import threads
+from lowmem.system import threads
 depth, mode, bits, T = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 threads.configure(T)
 net = lowmem.models.preact_resnet_cifar(depth, num_classes=10)

@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 import lowmem as lm                 # noqa: E402
-from lowmem.schedule import BUFFERS  # noqa: E402
+from lowmem.core.schedule import BUFFERS  # noqa: E402
 
 SHORT = {"bn1": "r1", "bn2": "r2", "bn3": "r3", "conv1": "h1", "conv2": "h2", "conv3": "h3",
          "shortcut": "p", "add": "x'"}

@@ -2,7 +2,7 @@
 
     python docs/figures/quantizer_grid.py [--bits 4] [--out docs/quantizer_grid.png]
 
-Two channels of a 4-bit unit, decoded by lowmem.quant itself (quant_params and
+Two channels of a 4-bit unit, decoded by lowmem.units.quant itself (quant_params and
 quantize_simulated, which the packed path matches bit for bit): x-tilde as a
 function of x-hat (the staircase), every bin edge, the window [lo, lo + L*w], and
 the ReLU threshold t = -beta/|gamma|. Left, gamma = 1.5, beta = 0.4 (the worked
@@ -21,7 +21,7 @@ import numpy
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from lowmem import quant        # noqa: E402
+from lowmem.units import quant  # noqa: E402
 
 CASES = ((1.5, 0.4, "t inside the window"), (1.0, -4.0, "t beyond the window (k clamped, lo clipped)"))
 

@@ -4,8 +4,8 @@ One pass over two activation-sized arrays: on ResNet-164 at batch 128 it was the
 piece of a step that ran on one core only (54 adds, ~0.1 s a step). Elementwise, so the
 split changes nothing: bit for bit `out += x` for every thread count.
 """
-from .. import threads
-from ..backend import array_module
+from ..system import threads
+from ..system.backend import array_module
 
 GRAIN = 1 << 16         # elements per thread below which the add is not split
 

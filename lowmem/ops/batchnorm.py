@@ -15,7 +15,7 @@ Row blocks: work that needs a temporary (squares, masks, products) runs over
 blocks of whole channel rows of at most ROW_BLOCK elements, so temporaries
 are bounded and never activation-sized.
 """
-from ..backend import array_module
+from ..system.backend import array_module
 
 ROW_BLOCK = 1 << 16
 BN_EPS = 1e-5           # added to the variance (PyTorch's default)
@@ -93,7 +93,7 @@ def bn_relu_backward(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, relu_mask=N
         dgamma += sum(dy * xhat),  dbeta += sum(dy)
         dx = gamma*rstd * (dy - mean(dy) - xhat * mean(dy*xhat))
     Two passes (sums, then dx), so synchronized batch norm can sum the sums over ranks between
-    them (kernels/sync.py).
+    them (units/sync.py).
     """
     sum_dy, sum_dyx = bn_relu_backward_sums(dr, xhat, gamma, beta, relu_mask, dr_already_masked)
     dgamma += sum_dyx

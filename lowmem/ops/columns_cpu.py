@@ -16,7 +16,7 @@ flat); cols (Cin, kh, kw, n, Ho, Wo) for samples n0 .. n0+n.
 """
 import numpy
 
-from ..backend import numba_allowed
+from ..system.backend import numba_allowed
 
 try:
     if not numba_allowed():

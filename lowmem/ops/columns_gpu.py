@@ -4,13 +4,13 @@ ops/conv.py's `im2col` / `col2im_add` are Python loops of kernel-offset slice
 copies: about 45 launches per 3x3 conv on CuPy. These two kernels do the same
 in one launch each, with the same results bit for bit (tests/test_kernels_gpu.py,
 on a real GPU and on the CPU emulator). ops/conv.py's `columns_for` picks them
-for CuPy arrays; they are compiled through lowmem/cuda.py (program "columns").
+for CuPy arrays; they are compiled through lowmem/system/cuda.py (program "columns").
 
 Layout: x, dx (Cin, n, H, W), any strides; cols (Cin, kh, kw, n, Ho, Wo),
 C-contiguous.
 """
-from .. import cuda
-from ..cuda import i32
+from ..system import cuda
+from ..system.cuda import i32
 
 SOURCE = r"""
 // cols (Cin, kh, kw, n, Ho, Wo) <- patches of x (Cin, n, H, W) with element strides sx*;

@@ -10,7 +10,7 @@ is processed in chunks of nc = ws.size // (K*Ho*Wo) samples: the workspace
 bounds memory, whatever N is. A 1x1/stride-1/pad-0 conv on a contiguous
 input needs no columns at all: it is the GEMM w(Cout, Cin) @ x(Cin, N*H*W).
 
-Cores (lowmem/threads.py): with T lowmem threads the batch is split into T
+Cores (lowmem/system/threads.py): with T lowmem threads the batch is split into T
 ranges, each with its own 1/T of the workspace, running its own im2col, GEMM
 and col2im (a 1x1 conv's GEMM: T column ranges). Weight gradients are summed
 per range into a weight-sized temporary each, then added in range order. So
@@ -32,8 +32,8 @@ engine with use_fast=False runs) never does: its results are im2col's, bit for b
 """
 from typing import Callable, NamedTuple
 
-from .. import threads
-from ..backend import array_module
+from ..system import threads
+from ..system.backend import array_module
 from . import columns_cpu, columns_gpu
 from . import winograd as _winograd
 

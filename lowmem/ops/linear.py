@@ -3,7 +3,7 @@
 Dimensions: N batch, C in features, K out features.
 Layout: x (N, C), w (K, C) as PyTorch's nn.Linear, b (K,), out (N, K).
 """
-from ..backend import array_module
+from ..system.backend import array_module
 
 
 def linear_forward(out, x, w, b):

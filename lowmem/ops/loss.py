@@ -2,7 +2,7 @@
 
 Dimensions: N batch, K classes. logits (N, K), labels (N,) int in [0, K).
 """
-from ..backend import array_module
+from ..system.backend import array_module
 
 
 def softmax_xent_forward(probs, logits, labels):

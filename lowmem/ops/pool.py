@@ -4,7 +4,7 @@ Dimensions: C channels, N batch, H, W input, Ho, Wo output.
 Layout: x (C, N, H, W); max-pool and k x k average pool out (C, N, Ho, Wo); global
 average pool out (N, C).
 """
-from ..backend import array_module
+from ..system.backend import array_module
 from .conv import window_slices
 
 

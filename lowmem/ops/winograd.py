@@ -41,7 +41,7 @@ import os
 
 import numpy
 
-from . import columns_cpu as _fast      # its AVAILABLE: numba installed and LOWMEM_FAST not 0
+from . import columns_cpu as _fast  # its AVAILABLE: numba installed and LOWMEM_FAST not 0
 from . import conv as _conv
 
 ENABLED = os.environ.get("LOWMEM_WINOGRAD", "1").strip() not in ("0", "false", "no")   # the switch

@@ -1,0 +1,382 @@
+"""Sensitivity: the gradient error each BN-ReLU unit's K-bit code would cause, estimated cheaply.
+
+The forward pass is exact, so quantizing unit u changes nothing but u's own
+backward step: three places read x-tilde instead of x-hat (docs/modes.md),
+
+    dgamma_u   = sum(dy * x)                      over u's elements, per channel
+    dx_u       = gamma*rstd * (dy - mean(dy) - x * mean(dy * x))
+    dW_conv(u) = the weight gradient of the conv that reads relu(gamma*x + beta),
+
+and from dx_u the error flows on into the gradients of every layer below.
+The error vector of the whole gradient is then, to first order, a sum over
+units of independent terms (independent rounding errors: cross terms average
+out), so its squared norm is additive:
+
+    E(allocation) = sum_u E_u(K_u),    E_u(K) = L_u(K) + G_u * D_u(K)
+
+    L_u(K) = ||delta dgamma_u||^2 + ||delta dW_conv(u)||^2      local, measured directly
+    D_u(K) = ||delta dx_u||^2                                   what u injects below
+    G_u    = sum over parameter tensors l below u of h_l        how much of it reaches them
+
+All three quantities of a unit are measured at every K in one backward sweep
+of an exact-mode engine: at u's steps the exact incoming gradient and the
+exact x-hat are at hand, so x-tilde_K = quant.quantize_simulated(x-hat, K)
+gives each delta exactly, for all four widths (the saturation beyond the
+window included: no scaling law is assumed). The gain h_l of tensor l (the
+squared error that reaches l per unit of squared dx error injected above it)
+comes from ONE more backward sweep on the same forward state with every unit
+at the calibration width K0 (`simulate`): there the measured error of tensor
+l minus its local part is what arrived from above, and
+
+    h_l = (measured_l(K0) - local_l(K0)) / sum over units u above l of D_u(K0).
+
+Cost per batch: one forward, two backward sweeps, and for each unit four
+quantizations and four extra conv weight gradients: a few training steps in
+all (`Sensitivity.seconds`; benchmarks/bits_validate.py reports it as a
+multiple of a step). All errors are squared norms summed over parameters,
+averaged over the batches; `noise_norm` is the SGD noise of all parameters
+taken as one vector, as lowmem.tools.diagnostics defines it, so
+sqrt(E) / noise_norm is the predicted error-to-noise ratio of `lowmem diagnose`.
+
+`simulate` is also the measurement the estimate is validated against: the
+gradients of approx mode with any per-unit widths (float for a unit missing
+from the allocation), computed from the exact engine's saved x-hat with
+quant.quantize_simulated, which the packed codes match bit for bit.
+
+    sens = measure_sensitivity(net, batches)        # batches: B >= 2 (x, labels)
+    sens.predict({"stage1.block0.bn1": 2, ...})     # predicted error norm
+"""
+import copy
+import math
+import time
+from dataclasses import dataclass
+
+import numpy
+
+from ..system import backend
+from ..units import quant
+from ..core.engine import Engine
+from ..units.reference import ExactUnits
+from ..ops import bn_relu_backward, conv2d_backward_weight
+from ..core.optable import OPS
+
+BITS = (1, 2, 4, 8)
+FLOAT = "float"
+CALIBRATION_BITS = 2
+
+
+class SimulatedCodeUnits(ExactUnits):
+    """Reads the exact engine's float x-hat slot but backward sees x-tilde at `bits`: the approx
+    mode's backward (exact mask, x-tilde in the BN terms and in the conv input), for one unit.
+    Allocates a few unit-sized temporaries per call (a measurement tool, not a training path)."""
+
+    def __init__(self, bits, rounding="nearest", key=0):
+        self.bits, self.rounding, self.key = quant.check_bits(bits), quant.check_rounding(rounding), key
+        self._kept = None        # (x-tilde, mask) from conv_input, for this unit's backward next
+
+    def _quantize(self, saved, gamma, beta, keep):
+        # one set per unit (simulate): its convs' backward steps run just before its own, on
+        # the same x-hat, so the quantization is done once per sweep
+        if self._kept is None:
+            self._kept = quant.quantize_simulated(saved, gamma, beta, self.bits, self.rounding, self.key)
+        out = self._kept
+        if not keep:
+            self._kept = None
+        return out
+
+    def conv_input(self, u, saved, gamma, beta):
+        xt, mask = self._quantize(saved, gamma, beta, keep=True)
+        xp = backend.array_module(u)
+        # approx mode's rebuilt input: relu(gamma*x-tilde + beta) where the exact mask is open,
+        # else 0 (docs/quantizer.md: the decoded conv input of an open element is never negative)
+        xp.copyto(u, xp.where(mask, xp.maximum(xt * gamma[:, None] + beta[:, None], 0), 0))
+
+    def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
+        xt, mask = self._quantize(saved, gamma, beta, keep=False)
+        dr *= mask
+        bn_relu_backward(dx, dgamma, dbeta, dr, xt, gamma, beta, rstd, dr_already_masked=True, accumulate=accumulate)
+
+
+def _exact_engine(net, batches, dtype):
+    x0 = batches[0][0]
+    eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], "exact", dtype=dtype)
+    if any(u.saved_suffix != "xhat" for u in eng.selected.values()):
+        raise RuntimeError("the sensitivity measurement needs an exact-mode float x-hat slot")
+    return eng
+
+
+def _units(eng):
+    return list(eng.unit_bits)
+
+
+def _xhat(eng, slot, shape):
+    """A unit's saved x-hat (exact engine) for the current batch: (C, n*H*W) rows."""
+    c, h, w = shape
+    return eng.arrays[slot][:, :eng.run.n * h * w]
+
+
+def _backward_sweep(eng, units_for=None, before=None):
+    """One backward sweep over the current forward state of `eng` (the saved slots stay intact,
+    so it can run again). units_for(unit name) -> the kernel set of that unit (None: exact);
+    before(step): called before each backward step's handler. Returns {param name: grad copy}."""
+    run = eng.run
+    exact = run.units                             # {unit: set}
+    swept = {u: (units_for(u) if units_for else None) or s for u, s in exact.items()}
+    eng.arrays["grads"].fill(0)
+    run.input_grad = False
+    run.units = swept
+    try:
+        for step in eng.schedule:                 # the loss first, then the layers, last first
+            if step.phase != "bwd":
+                continue
+            if before is not None:
+                before(step)
+            OPS[step.op].backward(run, step)
+    finally:
+        run.units = exact
+    return {p.name: backend.to_numpy(p.grad).astype(numpy.float64) for p in eng.net.parameters()}
+
+
+def _sq(a):
+    """||a||^2 as a Python float (a dot product: no float64 copy of an activation-sized array)."""
+    xp = backend.array_module(a)
+    a = a.reshape(-1) if a.flags.c_contiguous else xp.ascontiguousarray(a).reshape(-1)
+    return float(xp.dot(a, a))
+
+
+@dataclass
+class Sensitivity:
+    """Per unit (`units`, in forward order), every value averaged over the batches:
+
+    shapes[u]        (C, H, W) per sample;  elements[u] = C*N*H*W at the measured batch N
+    local[u][K]      L_u(K): squared error of u's own dgamma and its conv's dW
+    inject[u][K]     D_u(K): squared error of u's dx
+    gain[u]          G_u: the fraction of injected squared error reaching the gradients below
+    noise_norm       SGD noise of all parameters (diagnostics' sigma, one vector)
+    grad_norm        rms over batches of the exact gradient's norm
+    calibration      {"bits": K0, "measured": measured squared error at uniform K0}
+    seconds          wall time of the measurement; batch, num_batches, input_shape (C, H, W)"""
+    units: list
+    shapes: dict
+    elements: dict
+    local: dict
+    inject: dict
+    gain: dict
+    noise_norm: float
+    grad_norm: float
+    calibration: dict
+    seconds: float
+    batch: int
+    num_batches: int
+    input_shape: tuple = ()
+
+    def error2(self, unit, bits):
+        """E_u(K): predicted squared gradient error (all parameters) of `unit` at `bits`
+        (FLOAT or None: 0, x-hat is exact)."""
+        if bits in (None, FLOAT):
+            return 0.0
+        return self.local[unit][bits] + self.gain[unit] * self.inject[unit][bits]
+
+    def predict2(self, allocation):
+        """Predicted squared error norm of an allocation {unit: K or FLOAT} (missing: FLOAT)."""
+        for u in allocation:
+            if u not in self.shapes:
+                raise ValueError(f"unknown unit {u!r}; the units are {', '.join(self.units)}")
+        return sum(self.error2(u, allocation.get(u, FLOAT)) for u in self.units)
+
+    def predict(self, allocation):
+        """Predicted rms norm of the gradient error of an allocation (diagnostics' error_norm)."""
+        return math.sqrt(self.predict2(allocation))
+
+    def ratio(self, allocation):
+        """Predicted error-to-noise ratio of all parameters (diagnostics' total_ratio)."""
+        return self.predict(allocation) / self.noise_norm
+
+
+def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="float32", rounding="nearest"):
+    """Measure L_u(K), D_u(K) for K in 1, 2, 4, 8 and G_u for every unit of `net` on `batches`
+    (a list of B >= 2 (x, labels) of equal batch size; the noise needs several). `net` is not
+    consumed (the exact engine gets a deep copy). rounding="stochastic": the errors of
+    stochastic codes (one draw per unit, K and batch, from fixed keys). Returns a Sensitivity."""
+    rounding = quant.check_rounding(rounding)
+    B = len(batches)
+    if B < 2:
+        raise ValueError(f"measure_sensitivity needs at least 2 batches to measure SGD noise, got {B}")
+    calibration_bits = quant.check_bits(calibration_bits)
+    t0 = time.perf_counter()
+    eng = _exact_engine(net, batches, dtype)
+    xp = eng.xp
+    units = _units(eng)
+    shapes = {u: eng.in_shape[u] for u in units}
+    params = [p.name for p in eng.net.parameters()]
+    owner = {}                                    # parameter tensor -> the unit whose code it reads locally
+    layer_of = {L.name: L for L in eng.net.layers}
+    local = {u: dict.fromkeys(BITS, 0.0) for u in units}
+    inject = {u: dict.fromkeys(BITS, 0.0) for u in units}
+    tensor_local = {p: 0.0 for p in params}       # L at K0, by parameter tensor (for the gains)
+    arrival = {p: 0.0 for p in params}            # sum of D_u(K0) over units above tensor p
+    measured_tensor = {p: 0.0 for p in params}
+    exact_grads, measured_total = [], 0.0
+    for bi, (x, labels) in enumerate(batches):
+        eng.forward(x, labels)
+        keys = {u: quant.stream_key(bi, 0, i) for i, u in enumerate(units)}
+        injected_so_far = [0.0]                   # sum of D_u(K0) of the units swept so far
+        cache = {}                                # unit -> (mask, {K: x-tilde - x-hat}), until u's own step
+
+        def before(step):
+            if OPS[step.op].unit:                 # a BN-ReLU unit (the op table's flag)
+                u = step.layer.name
+                g, b = (eng.run.params[n].data for n in step.params)
+                owner[step.params[0]] = u
+                for p in step.params:
+                    arrival[p] += injected_so_far[0]
+                _measure_unit(eng, step, u, g, b, local, inject, tensor_local, calibration_bits, cache,
+                              rounding, keys[u])
+                injected_so_far[0] += inject_batch[u]
+            elif step.unit:                       # a conv whose input a unit's slot rebuilds
+                u = step.unit
+                owner[step.params[0]] = u
+                arrival[step.params[0]] += injected_so_far[0]
+                _measure_conv(eng, step, u, local, tensor_local, calibration_bits, cache, rounding, keys[u])
+            else:
+                for p in step.params:
+                    arrival[p] += injected_so_far[0]
+
+        inject_batch = _InjectView(inject, calibration_bits)
+        exact = _backward_sweep(eng, before=before)
+        calib = {u: SimulatedCodeUnits(calibration_bits, rounding, keys[u]) for u in units}
+        approx = _backward_sweep(eng, units_for=calib.get)
+        exact_grads.append(exact)
+        for p in params:
+            e = _sq(approx[p] - exact[p])
+            measured_tensor[p] += e
+            measured_total += e
+    # averages over batches
+    for d in (local, inject):
+        for u in units:
+            for k in BITS:
+                d[u][k] /= B
+    for d in (tensor_local, arrival, measured_tensor):
+        for p in params:
+            d[p] /= B
+    measured_total /= B
+    # the gain of each tensor, then G_u = the sum of the gains of the tensors below u
+    h = {p: (max(measured_tensor[p] - tensor_local[p], 0.0) / arrival[p] if arrival[p] > 0 else 0.0)
+         for p in params}
+    order = _backward_order(eng)                 # (unit or None, [param names]) in backward order
+    gain, below = {}, 0.0
+    for unit, ps in reversed(order):             # from the input up: accumulate what lies below
+        if unit is not None:
+            gain[unit] = below                   # tensors strictly below u's dx (its own gamma excluded)
+        below += sum(h[p] for p in ps)
+    flat = numpy.stack([numpy.concatenate([g[p].ravel() for p in params]) for g in exact_grads])
+    mean = flat.mean(axis=0)
+    noise_norm = math.sqrt(((flat - mean) ** 2).sum(axis=1).mean() * B / (B - 1))
+    grad_norm = math.sqrt((flat ** 2).sum(axis=1).mean())
+    n = batches[0][0].shape[0]
+    del layer_of
+    return Sensitivity(units, shapes, {u: int(math.prod(shapes[u])) * n for u in units}, local, inject,
+                       gain, noise_norm, grad_norm, {"bits": calibration_bits, "measured": measured_total},
+                       time.perf_counter() - t0, n, B, tuple(batches[0][0].shape[1:]))
+
+
+class _InjectView:
+    """inject[u][K0] of the current batch (the running sum minus what it held before)."""
+
+    def __init__(self, inject, k0):
+        self.inject, self.k0 = inject, k0
+        self.before = {u: d[k0] for u, d in inject.items()}
+
+    def __getitem__(self, u):
+        return self.inject[u][self.k0] - self.before[u]
+
+
+def _backward_order(eng):
+    """[(unit name or None, [parameter tensors whose gradient this backward step writes])] in
+    backward order; a unit's entry lists its gamma and beta."""
+    out = []
+    for step in eng.schedule:
+        if step.phase == "bwd" and step.layer is not None:          # not the loss
+            out.append((step.layer.name if OPS[step.op].unit else None, list(step.params)))
+    return out
+
+
+def _deltas(cache, u, xhat, gamma, beta, rounding, key):
+    """(exact mask, {K: x-tilde_K - x-hat}) of unit u, computed once per batch (unit-sized arrays)."""
+    if u not in cache:
+        mask = (xhat * gamma[:, None]) + beta[:, None] > 0      # the forward's exact expression
+        cache[u] = mask, {k: quant.quantize_simulated(xhat, gamma, beta, k, rounding, key)[0] - xhat
+                          for k in BITS}
+    return cache[u]
+
+
+def _measure_unit(eng, step, u, gamma, beta, local, inject, tensor_local, k0, cache, rounding, key):
+    """At unit u's backward step, before it runs: the exact incoming gradient dr and x-hat give
+    delta dgamma and delta dx of quantizing u at each K."""
+    xhat = _xhat(eng, step.saved[0], step.in_shape)
+    rstd = eng.arrays[step.saved[1]]
+    C, M = xhat.shape
+    mask, deltas = _deltas(cache, u, xhat, gamma, beta, rounding, key)
+    del cache[u]                                            # u's convs ran before it: done with u
+    dy = eng.run.rows(step.dout, step.out_shape) * mask
+    s_exact = (dy * xhat).sum(axis=1)
+    for k in BITS:
+        delta = deltas[k]
+        dgamma = (dy * delta).sum(axis=1)                    # delta dgamma = S(x-tilde) - S(x-hat), (C,)
+        # dx differs only in its last term, gamma*rstd/M * x*S(x): the difference of it at
+        # x-tilde = x-hat + delta and at x-hat
+        ddx = (gamma * rstd / M)[:, None] * (xhat * s_exact[:, None] - (xhat + delta) * (s_exact + dgamma)[:, None])
+        e_local, e_inject = _sq(dgamma), _sq(ddx)
+        local[u][k] += e_local
+        inject[u][k] += e_inject
+        if k == k0:
+            tensor_local[step.params[0]] += e_local
+
+
+def _measure_conv(eng, step, u, local, tensor_local, k0, cache, rounding, key):
+    """At the backward step of a conv reading unit u: delta dW of u's code at each K, from the
+    exact output gradient: one extra weight gradient per width (the conv input's error at each
+    K, rebuilt into the scratch buffer the handler is about to overwrite)."""
+    xp, run = eng.xp, eng.run
+    L, p = step.layer, run.params[step.params[0]]
+    g, b = (run.params[n].data for n in step.unit_params)
+    xhat = _xhat(eng, step.unit_saved, step.in_shape)
+    mask, deltas = _deltas(cache, u, xhat, g, b, rounding, key)
+    du = run.rows(step.scratch, step.in_shape)
+    dw = xp.empty_like(p.data)
+    for k in BITS:
+        # approx's rebuilt input minus the exact one where the mask is open (0 where closed)
+        xp.copyto(du, xp.where(mask, xp.maximum((xhat + deltas[k]) * g[:, None] + b[:, None], 0)
+                               - (xhat * g[:, None] + b[:, None]), 0))
+        dw.fill(0)
+        conv2d_backward_weight(dw, run.act(step.scratch, step.in_shape), run.act(step.dout, step.out_shape),
+                               L.stride, L.pad, eng.arrays["conv.cols"])
+        e = _sq(dw)
+        local[u][k] += e
+        if k == k0:
+            tensor_local[step.params[0]] += e
+
+
+def simulate(net, batches, allocation, dtype="float32", rounding="nearest"):
+    """Measured rms gradient error norm (all parameters) of approx mode with per-unit widths
+    `allocation` {unit: K or FLOAT} (missing units: FLOAT) against exact, on the same weights and
+    batches, and the exact gradients' noise norm: returns (error_norm, noise_norm)."""
+    eng = _exact_engine(net, batches, dtype)
+    units = set(_units(eng))
+    for u in allocation:
+        if u not in units:
+            raise ValueError(f"unknown unit {u!r}")
+    err, flat = 0.0, []
+    order = {u: i for i, u in enumerate(_units(eng))}
+    for bi, (x, labels) in enumerate(batches):
+        sets = {u: SimulatedCodeUnits(k, rounding, quant.stream_key(bi, 0, order[u]))
+                for u, k in allocation.items() if k not in (None, FLOAT)}
+        eng.forward(x, labels)
+        exact = _backward_sweep(eng)
+        approx = _backward_sweep(eng, units_for=sets.get)
+        err += sum(_sq(approx[p] - exact[p]) for p in exact)
+        flat.append(numpy.concatenate([exact[p].ravel() for p in exact]))
+    B = len(batches)
+    flat = numpy.stack(flat)
+    noise = math.sqrt(((flat - flat.mean(axis=0)) ** 2).sum(axis=1).mean() * B / (B - 1)) if B > 1 else float("nan")
+    return math.sqrt(err / B), noise

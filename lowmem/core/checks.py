@@ -1,0 +1,150 @@
+"""The engine's argument and batch checks: each refusal names the problem and the fix.
+
+Run before anything is planned (engine_args, input_shape) or before a batch touches the
+engine's arrays (batch, labels), so a bad call changes nothing.
+"""
+import numbers
+
+import numpy
+
+from ..units import quant
+from ..units import MODES      # the one list of modes
+from .network import Network
+
+DTYPES = ("float32", "float64")
+
+def engine_args(net, batch_size, mode, bits, dtype):
+    if not isinstance(net, Network):
+        raise TypeError(f"Engine needs a lowmem Network (e.g. lowmem.models.preact_resnet_cifar(20)), "
+                        f"got {type(net).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: expected one of {MODES}")
+    bits = _bits(bits, mode)
+    try:
+        dt = numpy.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: expected one of {DTYPES}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if net.num_classes < 2:
+        raise ValueError(f"network {net.name!r} has num_classes={net.num_classes}: a classifier needs "
+                         f"at least 2 classes (with one, the loss is 0 and every gradient vanishes)")
+    return mode, bits, dt
+
+
+FLOAT = "float"     # a unit whose x-hat is saved in float (as in exact mode)
+
+
+def _bits(bits, mode):
+    """bits: an int K (every unit) or {"*": K, "<unit>": K or "float", ...}; the dict's keys
+    are checked against the network's units by `unit_bits`. Returns the int, or a new dict."""
+    if not isinstance(bits, dict):
+        return quant.check_bits(bits)
+    out = {}
+    for name, K in bits.items():
+        if not isinstance(name, str):
+            raise ValueError(f"bits: keys are unit names or '*' (the default), got {name!r}")
+        out[name] = K if isinstance(K, str) and K == FLOAT else _unit_k(name, K)
+    if mode == "exact" and any(K != FLOAT for K in out.values()):
+        coded = sorted(n for n, K in out.items() if K != FLOAT)
+        raise ValueError(f"bits: mode 'exact' saves every x-hat in float, but bits gives "
+                         f"{', '.join(map(repr, coded[:5]))} a bit width; use mode 'approx' or 'naive', "
+                         f"or 'float' for every unit")
+    return out
+
+
+def _unit_k(name, K):
+    try:
+        return quant.check_bits(K)
+    except ValueError:
+        raise ValueError(f"bits[{name!r}] must be one of {{1, 2, 4, 8}} or 'float', got {K!r}") from None
+
+
+def unit_bits(bits, mode, units):
+    """{unit name: K, or None for x-hat saved in float} for the unit names `units` (forward order).
+
+    bits as engine_args returns it. Exact mode: every unit None (an int bits is ignored there,
+    as it always was). A dict must name only units of the network, and every unit unless it
+    has a "*" default."""
+    if mode == "exact":
+        return dict.fromkeys(units)
+    if not isinstance(bits, dict):
+        return dict.fromkeys(units, bits)
+    unknown = [n for n in bits if n != "*" and n not in units]
+    if unknown:
+        raise ValueError(f"bits names {', '.join(map(repr, unknown[:5]))}, not a BN-ReLU unit of this "
+                         f"network; units: {', '.join(units[:5])}{', ...' if len(units) > 5 else ''}")
+    missing = [n for n in units if n not in bits and "*" not in bits]
+    if missing:
+        raise ValueError(f"bits gives no width for unit(s) {', '.join(map(repr, missing[:5]))}"
+                         f"{' ...' if len(missing) > 5 else ''}; name every unit or add a default "
+                         f"'*': K")
+    widths = {n: bits.get(n, bits.get("*")) for n in units}
+    return {n: None if K == FLOAT else K for n, K in widths.items()}
+
+
+def width_labels(mode, unit_bits):
+    """{unit: '4-bit' (x-hat saved as a code), 'float' (saved exact), or '' in exact mode}."""
+    if mode == "exact":
+        return dict.fromkeys(unit_bits, "")
+    return {u: "float" if K is None else f"{K}-bit" for u, K in unit_bits.items()}
+
+
+def bits_label(mode, unit_bits):
+    """'4-bit' when every unit has one width, else e.g. '4-bit x10, 8-bit x2, float x1'."""
+    labels = list(width_labels(mode, unit_bits).values())
+    counts = {w: labels.count(w) for w in dict.fromkeys(labels)}
+    return ", ".join(w if len(counts) == 1 else f"{w} x{c}" for w, c in counts.items())
+
+
+def batch_norm(unit_sizes, n, what):
+    """Refuse a batch n whose unit (C, H, W) would normalise one value per channel."""
+    for name, (c, h, w) in unit_sizes.items():
+        if n * h * w < 2:
+            raise ValueError(f"{what} {n}: batch norm {name} would normalise one value per channel "
+                             f"(input {(c, h, w)} per sample, N*H*W = {n * h * w}); its output "
+                             f"would not depend on the input. Use a batch of at least 2")
+
+
+def input_shape(input_shape, in_channels):
+    try:
+        shape = tuple(input_shape)
+    except TypeError:
+        shape = None
+    if shape is None or len(shape) != 3 or shape[0] != in_channels:
+        raise ValueError(f"input_shape must be (C, H, W) with C = {in_channels} "
+                         f"(the network's in_channels), got {input_shape}")
+    if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s > 0 for s in shape):
+        raise ValueError(f"input_shape must be (C, H, W) of positive ints, got {shape}")
+    return tuple(int(s) for s in shape)
+
+
+def batch(x, xp, dtype, input_shape, N, what):
+    dims = ", ".join(map(str, input_shape))
+    if not isinstance(x, xp.ndarray):
+        raise TypeError(f"{what}: expected a {xp.__name__} array of shape (N, {dims}), got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise TypeError(f"{what}: input dtype is {x.dtype}, this engine expects {dtype} "
+                        f"(convert with x.astype('{dtype}'))")
+    if x.ndim != 4 or tuple(x.shape[1:]) != input_shape:
+        raise ValueError(f"{what}: input shape is {tuple(x.shape)}, expected (N, {dims}) with N <= {N}")
+    if not 1 <= x.shape[0] <= N:
+        raise ValueError(f"{what}: batch of {x.shape[0]} is larger than the planned batch_size "
+                         f"{N} (build the Engine with a larger batch_size)" if x.shape[0] > N
+                         else f"{what}: empty batch")
+    lo, hi = float(x.min()), float(x.max())       # NaN propagates through min/max: no temporary
+    if not (numpy.isfinite(lo) and numpy.isfinite(hi)):
+        raise ValueError(f"{what}: the input batch contains NaN or Inf")
+
+
+def labels(labels, xp, n, K):
+    if not isinstance(labels, xp.ndarray) or labels.dtype.kind not in "iu":
+        raise TypeError(f"labels must be an integer {xp.__name__} array of shape ({n},), "
+                        f"got {getattr(labels, 'dtype', type(labels).__name__)}")
+    if labels.shape != (n,):
+        raise ValueError(f"labels shape is {labels.shape}, expected ({n},) to match the batch")
+    if int(labels.min()) < 0 or int(labels.max()) >= K:
+        raise ValueError(f"labels out of range: found [{int(labels.min())}, {int(labels.max())}], "
+                         f"expected 0 <= label < {K} (num_classes)")

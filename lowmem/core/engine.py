@@ -1,0 +1,295 @@
+"""The engine: a network -> a schedule and a memory plan -> a training step.
+
+    eng = Engine(net, batch_size=128, input_shape=(3, 32, 32), mode="approx", bits=4)
+    print(eng.schedule)          # every step of a training step, with buffers and saved slots
+    print(eng.plan.report())     # every allocation, totals by kind
+    loss = eng.train_step(x, labels, opt)      # forward, backward, opt.step()
+
+Built once (__init__): `schedule.walk` checks the network (the rules of nn.check,
+raising NetworkError), infers every shape and plans the backward buffers; each
+BN->ReLU unit gets its kernel set for its own bit width (`kernels.select_units`),
+the convs their im2col / col2im functions (`ops.conv.columns_for`); the op table (lowmem/core/optable.py) says what each layer keeps, so the plan lists
+every array before one exists; everything is allocated from the plan at once,
+and the handlers' view of it is one runstate.RunState.
+
+One training step, in the order the code runs it:
+  1. `forward` checks the batch, copies it (and the labels) into the planned
+     "input" / "labels" slots, then runs every forward step of the schedule,
+     `OPS[step.op].forward(run, step)`: the layers, exact, through three
+     shared buffers (act0, act1 ping-pong, res for the residual stream), each
+     BN->ReLU unit keeping what its kernel set saves (x-hat in float, or its
+     packed K-bit code, plus rstd); under data parallelism the average of the
+     running statistics over ranks; then the loss.
+  2. `backward` zeroes the gradients and runs every backward step: the loss,
+     then the layers, last first, through the same three buffers, now holding
+     gradients (which buffer holds which was decided by the walk); under data
+     parallelism, the average of the gradients over ranks.
+  3. `opt.step()` (optim.SGD) updates the parameters in place.
+
+Modes:
+  exact   x-hat saved in float: gradients equal standard backprop.
+  approx  x-hat saved as K-bit codes; forward, loss and logits bit-identical to exact.
+  naive   the forward itself continues from the decoded relu(gamma*x-tilde + beta)
+          (the paper's baseline: errors compound).
+
+The mode, each unit's bit width and the backend are fixed here, once, in the units'
+kernel sets and the conv columns; nothing that runs a step branches on them.
+"""
+import math
+
+import numpy
+
+from ..system import backend, distributed, threads
+from . import checks
+from .. import units as kernels
+from ..units import quant
+from .network import BUFFERS
+from ..ops.conv import columns_for
+from .optable import OPS, BatchStatisticsError, step_temporaries
+from .plan import Plan, bind_parameters, fmt_bytes
+from .runstate import RunState
+from .schedule import walk
+
+MODES, DTYPES = checks.MODES, checks.DTYPES
+DEFAULT_WORKSPACE_BYTES = 16 << 20
+
+__all__ = ["Engine", "MODES", "DTYPES", "DEFAULT_WORKSPACE_BYTES", "BatchStatisticsError"]
+
+
+class Engine:
+    def __init__(self, net, batch_size, input_shape, mode="exact", bits=4, dtype="float32",
+                 workspace_bytes=DEFAULT_WORKSPACE_BYTES, allocate=True, use_fast=None,
+                 comm=None, sync_bn=False, rounding="nearest", seed=0):
+        """bits: K in {1, 2, 4, 8} for every BN-ReLU unit, or a dict {"*": K, "<unit>": K or
+        "float"} giving each unit its own width ("*": the default for units not named; "float":
+        that unit saves x-hat exactly, as in exact mode). `engine.unit_bits` is {unit: K, or
+        None for float}; each unit's kernel set (`engine.selected[unit]`) is chosen here, once.
+        Ignored in exact mode (where a dict may only say "float").
+
+        allocate=False builds only the plan and the schedule (no arrays, no weights drawn):
+        for printing what a configuration would cost. Such an engine cannot train.
+
+        use_fast: the fused BN-ReLU kernels (numba on NumPy, CUDA on CuPy; lowmem/units).
+        None: whenever they apply; False: the reference array ops.
+
+        comm: a lowmem.system.distributed communicator for data-parallel training (batch_size is then
+        the per-rank batch; gradients are averaged over ranks after backward). sync_bn: batch
+        statistics over all ranks' batches (units/sync.py) instead of per replica.
+
+        rounding: how x-hat becomes a code, "nearest" (the default) or "stochastic" (unbiased
+        within the window, the ReLU mask still exact; docs/quantizer.md). Stochastic codes are
+        drawn from quant.stream_key(seed, step, unit index, rank): `engine.step` counts the
+        training forwards (set it to resume a run's stream; the Trainer sets it every step)."""
+        self.mode, self.bits, self.dtype = checks.engine_args(net, batch_size, mode, bits, dtype)
+        self.net, self.N = net, int(batch_size)      # N: the planned batch (a call's batch n <= N)
+        self.comm = comm if comm is not None else distributed.SingleProcess()
+        self.sync_bn = bool(sync_bn)
+        self.input_shape = checks.input_shape(input_shape, net.in_channels)
+        self.xp = backend.xp
+        self.rounding, self.seed, self.step = quant.check_rounding(rounding), quant.check_key(seed), 0
+        threads.configure()                       # how lowmem uses the cores (lowmem/system/threads.py), once
+        unit_names = [L.name for L in net.layers if getattr(OPS.get(L.op), "unit", False)]
+        self.unit_bits = checks.unit_bits(self.bits, self.mode, unit_names)
+        ranks = self.comm.size > 1
+        self.schedule = walk(net, self.input_shape, {u for u, K in self.unit_bits.items() if K is not None},
+                             average_stats=ranks and not self.sync_bn, average_grads=ranks)
+        self.in_shape, self.out_shape = self.schedule.in_shape, self.schedule.out_shape
+        self._unit_sizes = {u: self.in_shape[u] for u in unit_names}
+        self._check_batch_norm(self.N, "batch_size")
+        sizes = self._sizes(self.N)
+        self.fused = kernels.fused_applies(self.xp, self.dtype, sizes) if use_fast is None else bool(use_fast)
+        self.selected = self._select_units(sizes)
+        self.plan, self.saved_slots = self._make_plan(workspace_bytes)
+        self.nbytes = {e.name: e.nbytes for e in self.plan.entries}
+        self.schedule.fill_slots(self.saved_slots, self.nbytes, checks.width_labels(self.mode, self.unit_bits))
+        self.arrays = self.run = None
+        if allocate:
+            self.arrays = self.plan.allocate(self.xp)
+            bind_parameters(self.arrays, net, self.xp)
+            self.selected = self._select_units(sizes, self.arrays)   # with the CUDA set's workspace
+            self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected,
+                                columns_for(self.xp, self.fused))
+        self.reference_units = self._select_units(sizes, self.arrays, reference=True)
+        self._ready = False                       # saved state holds a training forward
+        stems = [s for s in self.schedule if s.phase == "bwd" and s.optional]
+        self._input_grad_buffer = stems[-1].dx if stems else None
+
+    @property
+    def use_fast(self):
+        """Whether the units run on the fused kernels (the public name of `fused`)."""
+        return self.fused
+
+    @property
+    def units(self):
+        """{unit: kernel set} the current (or last) batch runs on."""
+        return self.run.units if self.run is not None else self.selected
+
+    # ------------------------------------------------------------ units, plan
+    def _sizes(self, n):
+        return [n * h * w for (_, h, w) in self._unit_sizes.values()]
+
+    def _check_batch_norm(self, n, what):
+        checks.batch_norm(self._unit_sizes, n, what)
+
+    def _select_units(self, sizes, arrays=None, reference=False):
+        """{unit: kernel set} for each unit's width: fused or reference (kernels.select_units),
+        synchronized over ranks with sync_bn."""
+        if reference:
+            units = kernels.reference_units(self.mode, self.unit_bits, self.rounding)
+        else:
+            partials = arrays.get("bn.partials") if arrays is not None else None
+            units = kernels.select_units(self.xp, self.mode, self.unit_bits, self.dtype, sizes, self.fused,
+                                         partials=partials, rounding=self.rounding)
+        if self.sync_bn:
+            buf = arrays["sync.bn"] if arrays is not None else None
+            wrapped = {id(u): kernels.synchronized(u, self.comm, buf) for u in units.values()}
+            units = {name: wrapped[id(u)] for name, u in units.items()}
+        return units
+
+    def _make_plan(self, workspace_bytes):
+        """The memory plan, from shapes alone; and {layer: its saved slot names}."""
+        N, dt, plan, net = self.N, self.dtype, Plan(), self.net
+        specs = net.param_shapes()
+        for kind, suffix in (("params", ""), ("optimizer", ".momentum")):
+            for name, shape, _ in specs:
+                plan.add(name + suffix, kind, shape, dt)
+        # one flat buffer each for the gradients and the running statistics: p.grad and the
+        # statistics are views into them, and a data-parallel step sums each in one allreduce
+        plan.add("grads", "grads", (sum(int(math.prod(sh)) for _, sh, _ in specs),), dt)
+        plan.add("bn.running", "stats", (sum(int(math.prod(sh)) for _, sh in net.stat_shapes()),), dt)
+        max_c = max((c for (c, _, _) in self._unit_sizes.values()), default=1)
+        plan.add("bn.batch_mean", "stats", (max_c,), dt)
+        plan.add("bn.batch_var", "stats", (max_c,), dt)
+        partials = kernels.partials_size(self.xp, max_c, self.fused)
+        if partials:
+            plan.add("bn.partials", "workspace", (partials,), "float64")
+        if self.sync_bn:                          # the 2C sums each unit exchanges
+            plan.add("sync.bn", "workspace", (2 * max_c,), "float64")
+
+        # the three shared buffers: each holds the largest activation written there
+        acts = [math.prod(self.out_shape[L.name]) for L in net.layers if L.dst in BUFFERS]
+        for b in BUFFERS:
+            plan.add(b, "buffers", (int(max(acts + [math.prod(self.input_shape)])) * N,), dt)
+        head = net.layers[-1]                     # the classifier (the walk checked the head)
+        plan.add("logits", "buffers", (N, head.cout), dt)
+        plan.add("dlogits", "buffers", (N, head.cout), dt)
+        plan.add("dfeat", "buffers", (N, head.cin), dt)
+
+        # what backward needs: the batch itself, then what each layer keeps (optable: `plan`)
+        plan.add("input", "input", (int(math.prod(self.input_shape)) * N,), dt)
+        plan.add("labels", "input", (N,), "int64")
+        saved, shared = {}, {}
+        budget = max(1, workspace_bytes // dt.itemsize)
+        for L in net.layers:
+            entries = OPS[L.op].plan(L, N, self.in_shape[L.name], self.out_shape[L.name],
+                                     self.selected.get(L.name), dt, budget)
+            saved[L.name] = [name for name, kind, _, _ in entries if kind == "saved"]
+            for name, kind, shape, dtype in entries:
+                if name.startswith(L.name + "."):
+                    plan.add(name, kind, shape, dtype)
+                else:                             # shared by several layers: the largest request
+                    old = shared.get(name, (kind, (0,), dtype))
+                    shared[name] = max(old, (kind, shape, dtype), key=lambda e: math.prod(e[1]))
+        plan.add("loss.probs", "saved", (N, head.cout), dt)
+        for name, (kind, shape, dtype) in shared.items():
+            plan.add(name, kind, shape, dtype)
+        decodes = any(u.decodes for u in self.selected.values())
+        for what, nbytes in step_temporaries(net, self.out_shape, self._unit_sizes, N, dt.itemsize, decodes):
+            plan.add_temporary(what, nbytes)            # bounds, not held (lowmem/core/optable.py)
+        return plan, saved
+
+    def forward(self, x, labels):
+        """Training-mode forward of x (N, C, H, W): returns (mean loss, logits (N, K) copy).
+
+        x and labels are copied into the plan: the caller may reuse them at once."""
+        self._check_ownership()
+        checks.batch(x, self.xp, self.dtype, self.input_shape, self.N, "forward")
+        checks.labels(labels, self.xp, x.shape[0], self.net.num_classes)
+        self._check_batch_norm(x.shape[0], "forward: batch of")
+        self._ready = False
+        self._start(x, training=True)
+        self.run.batch("labels")[...] = labels
+        self._sweep("fwd")
+        self.step += 1                            # the next training forward draws new streams
+        self._ready = True
+        return self.run.loss, self.run.batch("logits").copy()
+
+    def predict(self, x):
+        """Eval-mode logits (N, K) for any batch N <= batch_size (BN running statistics)."""
+        self._check_ownership()
+        checks.batch(x, self.xp, self.dtype, self.input_shape, self.N, "predict")
+        self._ready = False                       # the saved state is overwritten
+        self._start(x, training=False)
+        self._sweep("fwd")
+        return self.run.batch("logits").copy()
+
+    def _start(self, x, training):
+        run = self.run
+        run.n, run.training = x.shape[0], training
+        # a batch whose units are not whole code bytes runs on the reference kernels, in every
+        # mode alike (so exact and approx still compute the same forward)
+        aligned = kernels.fused_applies(self.xp, self.dtype, self._sizes(run.n))
+        run.units = self.selected if aligned or not self.fused else self.reference_units
+        # stochastic rounding: each coded unit's stream key for this training step
+        run.keys = {}
+        if training and self.rounding == "stochastic":
+            run.keys = {u: quant.stream_key(self.seed, self.step, i, self.comm.rank)
+                        for i, (u, K) in enumerate(self.unit_bits.items()) if K is not None}
+        self.xp.copyto(run.act("input", self.input_shape), x.transpose(1, 0, 2, 3))
+
+    def _sweep(self, phase):
+        handler = "forward" if phase == "fwd" else "backward"
+        for step in self.schedule:
+            if step.phase == phase:
+                getattr(OPS[step.op], handler)(self.run, step)
+
+    def backward(self, input_grad=False):
+        """Fill p.grad of every parameter (overwriting) for the last forward().
+
+        With input_grad=True also returns d loss / d x as an (N, C, H, W) array."""
+        if not self._ready:
+            raise RuntimeError("backward() needs a training forward() first "
+                               "(predict() and a previous backward() consume the saved state)")
+        self._check_ownership()
+        self._ready = False
+        self.arrays["grads"].fill(0)
+        self.run.input_grad = bool(input_grad)
+        self._sweep("bwd")                         # run.units: the sets that wrote the saved state
+        if input_grad:
+            return self.run.act(self._input_grad_buffer, self.input_shape).transpose(1, 0, 2, 3).copy()
+        return None
+
+    def train_step(self, x, labels, opt):
+        """forward + backward + opt.step(); returns the loss. A non-finite loss raises
+        FloatingPointError before any parameter changes."""
+        if not callable(getattr(opt, "step", None)):
+            raise TypeError(f"train_step needs an optimizer with a step() method (lowmem.SGD), "
+                            f"got {type(opt).__name__}")
+        loss, _ = self.forward(x, labels)
+        if not numpy.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss} (learning rate too high?)")
+        self.backward()
+        opt.step()
+        return loss
+
+    # ------------------------------------------------------------ checks, summary
+    def _check_ownership(self):
+        if self.arrays is None:
+            raise RuntimeError("this Engine was built with allocate=False: it has a plan and a "
+                               "schedule but no arrays; build it with allocate=True to run it")
+        for p in self.run.params.values():
+            if p.data is not self.arrays[p.name]:
+                raise RuntimeError(f"the parameters of {self.net.name} now belong to another Engine "
+                                   f"(parameter {p.name} was rebound); build one Engine per network, "
+                                   f"e.g. Engine(copy.deepcopy(net), ...) for a second one")
+
+    def summary(self):
+        by = self.plan.bytes_by_kind()
+        return (f"{self.net.name}: {self.net.num_params():,} params, batch {self.N}, "
+                f"input {self.input_shape}, mode {self.mode}"
+                + (f" ({checks.bits_label(self.mode, self.unit_bits)}"
+                   + (", stochastic rounding" if self.rounding == "stochastic" else "") + ")"
+                   if self.mode != "exact" and self.unit_bits else "")
+                + f", {self.dtype}; planned {fmt_bytes(self.plan.total_bytes)} "
+                  f"(saved {fmt_bytes(by['saved'])}, buffers {fmt_bytes(by['buffers'])})")
+

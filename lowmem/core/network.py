@@ -1,0 +1,226 @@
+"""The network description: parameters, BN statistics and an ordered layer list.
+
+A `Network` is data, not code: a list of `Layer` records in forward order,
+each naming the buffer it reads (`src`) and writes (`dst`) — "input",
+"act0", "act1" (ping-pong) or "res" (the residual stream) — plus the
+parameters it owns. It holds no activations and no saved state: the engine
+(lowmem/core/engine.py) turns it into a schedule and a memory plan.
+
+Layer ops: conv, bnrelu, add (res += src), maxpool, avgpool2d, and the head's
+avgpool (global) and linear; what each does is its entry in lowmem/core/optable.py.
+`nn.check(net, input_shape)` says whether the engine can run a Network
+(the engine runs the same check on every network it is given).
+
+Weights are declared with their shapes while the network is built and drawn
+(seeded, in declaration order) only when first used, so the memory plan of
+any depth can be computed without building a single weight.
+"""
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy
+
+from ..system.backend import to_numpy
+
+BUFFERS = ("act0", "act1", "res")     # the engine's three shared activation / gradient buffers
+
+
+class NetworkError(ValueError):
+    """A network the engine cannot run (or would run wrongly); the message says which layer and why."""
+
+
+@dataclass(eq=False)
+class Parameter:
+    """A trainable tensor: `.data`, `.grad` (same shape) and optimizer `.state`.
+
+    `decay` says whether weight decay applies by default (conv and linear
+    weights: yes; BN gamma/beta and biases: no)."""
+    name: str
+    data: object
+    grad: object = None
+    decay: bool = True
+    state: dict = field(default_factory=dict)
+
+    @property
+    def shape(self):
+        return tuple(self.data.shape)
+
+    def __repr__(self):
+        return f"Parameter({self.name!r}, shape={self.shape})"
+
+
+@dataclass
+class Layer:
+    op: str            # a key of optable.OPS: conv | bnrelu | add | maxpool | avgpool2d | avgpool | linear
+    name: str
+    src: str
+    dst: str
+    k: int = 1         # kernel size (conv, pools)
+    stride: int = 1
+    pad: int = 0
+    cin: int = 0
+    cout: int = 0
+
+
+class Network:
+    """Layers in forward order plus their parameters (forward order, stable names)."""
+
+    def __init__(self, name, in_channels, num_classes, seed=0):
+        self.name = name
+        self.in_channels = in_channels
+        self.num_classes = num_classes
+        self.layers = []
+        # Parameters and statistics are declared (name -> shape) while building and
+        # drawn only when first used, in declaration order from one seeded generator:
+        # a plan (Engine(..., allocate=False), `lowmem plan`) never builds a weight.
+        self._param_specs = {}  # name -> (shape, decay, init(rng, shape) -> float32 array)
+        self._stat_specs = {}   # name -> (shape, fill value)
+        self._params = {}       # name -> Parameter, in forward order (as drawn)
+        self._stats = {}        # name -> array: BN running mean / var
+        self._rng = numpy.random.default_rng(seed)
+
+    # -- building ---------------------------------------------------------
+    def _param(self, name, shape, decay, init):
+        if name in self._param_specs:
+            raise ValueError(f"network {self.name!r}: parameter {name!r} declared twice")
+        self._param_specs[name] = (tuple(int(s) for s in shape), decay, init)
+
+    def conv(self, name, src, dst, cin, cout, k, stride=1, pad=None):
+        pad = (k - 1) // 2 if pad is None else pad
+        std = numpy.sqrt(2.0 / (cin * k * k))          # He et al. (fan-in, ReLU)
+        self._param(name + ".weight", (cout, cin, k, k), True,
+                    lambda rng, shape: (rng.standard_normal(shape) * std).astype(numpy.float32))
+        self.layers.append(Layer("conv", name, src, dst, k, stride, pad, cin, cout))
+
+    def bnrelu(self, name, src, dst, c):
+        self._param(name + ".weight", (c,), False, lambda rng, shape: numpy.ones(shape, numpy.float32))   # gamma
+        self._param(name + ".bias", (c,), False, lambda rng, shape: numpy.zeros(shape, numpy.float32))    # beta
+        self._stat_specs[name + ".running_mean"] = ((c,), 0.0)
+        self._stat_specs[name + ".running_var"] = ((c,), 1.0)
+        self.layers.append(Layer("bnrelu", name, src, dst, cin=c, cout=c))
+
+    def add(self, name, src, dst="res"):
+        """res += src: the residual add (dst is always the residual buffer)."""
+        self.layers.append(Layer("add", name, src, dst))
+
+    def maxpool(self, name, src, dst, k=3, stride=2, pad=1):
+        self.layers.append(Layer("maxpool", name, src, dst, k, stride, pad))
+
+    def avgpool2d(self, name, src, dst, k=2, stride=None, pad=0):
+        """Mean over k x k windows (stride defaults to k); zero padding counts in the mean."""
+        self.layers.append(Layer("avgpool2d", name, src, dst, k, k if stride is None else stride, pad))
+
+    def head(self, src, c):
+        """Global average pool, then the fully connected classifier (PyTorch's init)."""
+        bound = 1.0 / numpy.sqrt(c)
+
+        def uniform(rng, shape):
+            return rng.uniform(-bound, bound, shape).astype(numpy.float32)
+
+        self.layers.append(Layer("avgpool", "pool", src, "feat", cin=c, cout=c))
+        self._param("fc.weight", (self.num_classes, c), True, uniform)
+        self._param("fc.bias", (self.num_classes,), False, uniform)
+        self.layers.append(Layer("linear", "fc", "feat", "logits", cin=c, cout=self.num_classes))
+
+    # -- using ------------------------------------------------------------
+    @property
+    def params(self):
+        """name -> Parameter, in forward order (draws any parameter not drawn yet).
+
+        O(1) once every declared parameter is drawn: only a new declaration walks the specs."""
+        if len(self._params) < len(self._param_specs):
+            self._draw()
+        return self._params
+
+    def _draw(self):
+        for name, (shape, decay, init) in self._param_specs.items():
+            if name not in self._params:
+                self._params[name] = Parameter(name, init(self._rng, shape), decay=decay)
+
+    @property
+    def stats(self):
+        """name -> array: the BN running statistics (mean 0, variance 1 when new)."""
+        if len(self._stats) == len(self._stat_specs):
+            return self._stats
+        for name, (shape, value) in self._stat_specs.items():
+            if name not in self._stats:
+                self._stats[name] = numpy.full(shape, value, numpy.float32)
+        return self._stats
+
+    def param_shapes(self):
+        """[(name, shape, decay)] in forward order, without drawing any weight."""
+        return [(n, shape, decay) for n, (shape, decay, _) in self._param_specs.items()]
+
+    def stat_shapes(self):
+        """[(name, shape)] of the BN running statistics, without building them."""
+        return [(n, shape) for n, (shape, _) in self._stat_specs.items()]
+
+    def parameters(self):
+        """All Parameters in forward order."""
+        return list(self.params.values())
+
+    def num_params(self):
+        return sum(int(numpy.prod(shape)) for _, shape, _ in self.param_shapes())
+
+    def state_dict(self):
+        """name -> host NumPy copy, for parameters and BN running statistics."""
+        d = {n: to_numpy(p.data).copy() for n, p in self.params.items()}
+        d.update({n: to_numpy(a).copy() for n, a in self.stats.items()})
+        return d
+
+    def load_state_dict(self, d):
+        """Copy values in place; names and shapes must match exactly.
+
+        Every value must be a real floating-point array (an integer, bool or
+        complex array is refused rather than silently cast), finite after the
+        cast to the network's dtype, and a running variance must be >= 0.
+        Everything is checked before anything is copied: a refused load
+        changes nothing. TypeError when `d` is not a mapping, ValueError
+        naming the entry otherwise."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"load_state_dict expects a dict name -> array (what state_dict() returns), "
+                            f"got {type(d).__name__}")
+        expected = {n: shape for n, shape, _ in self.param_shapes()}
+        expected.update(self.stat_shapes())
+        missing = [n for n in expected if n not in d]
+        extra = [n for n in d if n not in expected]
+        if missing or extra:
+            raise ValueError(f"state_dict does not match network {self.name!r}: "
+                             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                             f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}")
+        for n, shape in expected.items():
+            if tuple(numpy.shape(d[n])) != shape:
+                raise ValueError(f"state_dict entry {n!r} has shape {tuple(numpy.shape(d[n]))}, "
+                                 f"network {self.name!r} expects {shape}")
+        targets = {n: p.data for n, p in self.params.items()}
+        targets.update(self.stats)
+        values = {n: _like(t, d[n], n) for n, t in targets.items()}      # checked copies, then assign
+        for n, t in targets.items():
+            t[...] = values[n]
+
+    def __repr__(self):
+        return f"Network({self.name!r}, layers={len(self.layers)}, params={self.num_params():,})"
+
+
+def _like(target, value, name):
+    """`value` as an array of target's module and dtype (host -> device when needed), after
+    checking it: a real floating-point dtype, finite once cast, >= 0 for a running variance."""
+    dtype = numpy.dtype(value.dtype) if hasattr(value, "dtype") else numpy.asarray(value).dtype
+    if dtype.kind != "f":
+        what = {"i": "an integer", "u": "an unsigned integer", "b": "a bool",
+                "c": "a complex"}.get(dtype.kind, "a non-numeric")
+        raise ValueError(f"state_dict entry {name!r} is {what} array ({dtype}): "
+                         f"expected floating-point values")
+    if hasattr(target, "device") and not isinstance(target, numpy.ndarray):
+        import cupy
+        xp, out = cupy, cupy.asarray(value, dtype=target.dtype)
+    else:
+        with numpy.errstate(over="ignore"):             # an overflow to inf is reported below
+            xp, out = numpy, numpy.asarray(to_numpy(value), dtype=target.dtype)
+    if not bool(xp.isfinite(out).all()):
+        raise ValueError(f"state_dict entry {name!r} holds NaN or inf (after conversion to "
+                         f"{target.dtype}): refusing to load non-finite values")
+    if name.endswith(".running_var") and out.size and float(out.min()) < 0:
+        raise ValueError(f"state_dict entry {name!r} has a negative running variance "
+                         f"(min {float(out.min()):g}): variances are >= 0")
+    return out

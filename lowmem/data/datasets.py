@@ -1,0 +1,648 @@
+"""Datasets, preprocessing and batching, all on the host in NumPy.
+
+Images are uint8 in PyTorch's NCHW layout, (N, C, H, W), until `normalize`
+turns a batch into floats; labels are int64, (N,).
+
+What it does:
+
+* loads CIFAR-10 / CIFAR-100 from the official python-pickle release, read
+  straight from the ``.tar.gz`` or from its extracted folder, downloading it
+  (MD5-checked) when allowed;
+* loads Fashion-MNIST from IDX files (plain or ``.gz``), by default from the
+  Debian package ``dataset-fashion-mnist``, optionally zero-padded to 32x32 so
+  CIFAR networks apply unchanged;
+* makes a small learnable synthetic dataset for smoke runs;
+* normalises (per channel) and augments (random crop from a 4-px zero-padded
+  image + horizontal flip), vectorised over the batch;
+* batches with a seeded, resumable order (`BatchIterator`).
+
+What it does not do: no threads or prefetching, no caching of decoded
+arrays, nothing on the GPU except `normalize` (which accepts CuPy arrays).
+Every failure to find or read data is a `DataError` (a `ValueError`) whose
+message names the file and the problem.
+
+Directory lookup (first match wins): an explicit ``data_dir`` replaces the
+default list; otherwise ``$LOWMEM_DATA`` then ``~/.cache/lowmem`` (for
+Fashion-MNIST ``/usr/share/datasets/fashion-mnist`` comes first, and a
+``fashion-mnist/`` subfolder of each directory is searched too).
+"""
+import dataclasses
+import gzip
+import hashlib
+import os
+import pickle
+import struct
+import tarfile
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ..system import memory as sysmem
+from ..system.atomic import atomic_write
+from .batches import EpochOrder
+from ..system.backend import array_module
+
+DATASETS = ("cifar10", "cifar100", "fashion-mnist", "synthetic")
+CLASS_NAMES = {         # label order of the official releases (CIFAR-100: numbers; synthetic: numbers)
+    "cifar10": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"],
+    "fashion-mnist": ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
+                      "Bag", "Ankle boot"],
+}
+_ALIASES = {"cifar-10": "cifar10", "cifar-100": "cifar100",
+            "fashion_mnist": "fashion-mnist", "fashionmnist": "fashion-mnist"}
+FASHION_MNIST_DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
+_ALTERNATIVES = ("Alternatives that need no download: `--dataset fashion-mnist` "
+                 "(Debian package dataset-fashion-mnist) or `--dataset synthetic`.")
+
+
+class DataError(ValueError):
+    """Data files are missing, malformed, or cannot be fetched."""
+
+
+# ----------------------------------------------------------------------------
+# where to look
+
+def _search_dirs(data_dir):
+    """[(directory, why it is searched)] in lookup order."""
+    if data_dir is not None:
+        return [(Path(data_dir).expanduser(), "data_dir")]
+    dirs = []
+    if os.environ.get("LOWMEM_DATA"):
+        dirs.append((Path(os.environ["LOWMEM_DATA"]).expanduser(), "$LOWMEM_DATA"))
+    dirs.append((Path.home() / ".cache" / "lowmem", "default"))
+    return dirs
+
+
+def _dir_list(dirs):
+    return "\n".join(f"  {d}  ({why})" for d, why in dirs)
+
+
+# ----------------------------------------------------------------------------
+# CIFAR-10 / CIFAR-100 (python-pickle release)
+
+@dataclasses.dataclass(frozen=True)
+class _CifarSpec:
+    title: str
+    archive: str           # file name of the release
+    folder: str            # top folder inside it
+    train: tuple           # member names of the training batches
+    test: tuple
+    label_key: bytes
+    num_classes: int
+    url: str
+    md5: str
+
+
+_CIFAR = {
+    "cifar10": _CifarSpec(
+        "CIFAR-10", "cifar-10-python.tar.gz", "cifar-10-batches-py",
+        tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",), b"labels", 10,
+        "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+        "c58f30108f718f92721af3b95e74349a"),
+    "cifar100": _CifarSpec(
+        "CIFAR-100", "cifar-100-python.tar.gz", "cifar-100-python",
+        ("train",), ("test",), b"fine_labels", 100,
+        "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+        "eb9058c3a382ffc7106e4002c42a8d85"),
+}
+
+
+def _numpy_reconstruct():
+    core = getattr(np, "_core", None) or np.core      # NumPy 2 / NumPy 1
+    return core.multiarray._reconstruct
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickles plain containers and NumPy arrays only: a data file cannot run code."""
+    _ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+                ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
+
+    def find_class(self, module, name):
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
+        if name == "_reconstruct":
+            return _numpy_reconstruct()
+        return super().find_class(module, name)
+
+
+def _unpickle(f):
+    return _ArrayUnpickler(f, encoding="bytes").load()
+
+
+def _find_cifar(spec, dirs):
+    """A complete extracted folder, else the archive, else an incomplete folder, else None."""
+    members = spec.train + spec.test
+    partial = None
+    for d, _ in dirs:
+        for folder in (d / spec.folder, d):          # d itself may be the extracted folder
+            if all((folder / m).is_file() for m in members):
+                return folder
+            if folder.name == spec.folder and folder.is_dir() and partial is None:
+                partial = folder
+        if (d / spec.archive).is_file():
+            return d / spec.archive
+    return partial
+
+
+def _read_cifar_members(source, spec):
+    """{member name: unpickled dict} from an extracted folder or a .tar.gz archive."""
+    members = spec.train + spec.test
+    found = {}
+    try:
+        if source.is_dir():
+            for m in members:
+                if not (source / m).is_file():
+                    raise DataError(f"{source}: missing {m} (incomplete extraction of {spec.archive}?)")
+                with open(source / m, "rb") as f:
+                    found[m] = _unpickle(f)
+        else:
+            # One sequential pass: seeking backwards in a gzip stream decompresses it again.
+            wanted = {f"{spec.folder}/{m}": m for m in members}
+            with tarfile.open(source, "r:gz") as tar:
+                for info in tar:
+                    m = wanted.get(info.name.removeprefix("./"))
+                    if m is not None and info.isfile():
+                        found[m] = _unpickle(tar.extractfile(info))
+            missing = [f"{spec.folder}/{m}" for m in members if m not in found]
+            if missing:
+                raise DataError(f"{source}: archive has no member {', '.join(missing)}; "
+                                f"is it the {spec.title} python release?")
+    except DataError:
+        raise
+    except Exception as e:          # tar/gzip/pickle errors of every kind, truncation
+        raise DataError(f"{source}: malformed or truncated {spec.title} data "
+                        f"({type(e).__name__}: {e})") from e
+    return found
+
+
+def _cifar_batch(batch, where, spec):
+    """Validate one unpickled batch -> x (N, 3, 32, 32) uint8, y (N,) int64."""
+    if not isinstance(batch, dict) or b"data" not in batch or spec.label_key not in batch:
+        keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise DataError(f"{where}: expected a dict with keys b'data' and {spec.label_key!r}, got {keys}")
+    data, labels = batch[b"data"], np.asarray(batch[spec.label_key])
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 \
+            or data.shape[1] != 3 * 32 * 32:
+        desc = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
+        raise DataError(f"{where}: b'data' must be a uint8 array (N, 3072), got {desc}")
+    if labels.ndim != 1 or labels.dtype.kind not in "iu" or len(labels) != len(data):
+        raise DataError(f"{where}: {len(data)} images but labels {spec.label_key!r} are "
+                        f"{labels.dtype} {labels.shape}; need {len(data)} integers")
+    if len(labels) and (labels.min() < 0 or labels.max() >= spec.num_classes):
+        raise DataError(f"{where}: labels span {labels.min()}..{labels.max()}, "
+                        f"outside 0..{spec.num_classes - 1}")
+    # A row is 1024 R, 1024 G, 1024 B, each 32x32 row-major: exactly C, H, W.
+    return data.reshape(-1, 3, 32, 32), labels.astype(np.int64)
+
+
+def _download(url, dest, md5):
+    """Fetch `url` into `dest` via a temporary file beside it, with a progress bar.
+
+    The file appears under its final name only once complete and MD5-correct;
+    on any failure the temporary file is deleted. Network failures surface as
+    OSError (urllib.error.URLError is one), a bad checksum as DataError.
+    """
+    def fetch(r, f):
+        digest = hashlib.md5()
+        total = int(r.headers.get("Content-Length") or 0) or None
+        with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, disable=None) as bar:
+            for chunk in iter(lambda: r.read(1 << 20), b""):
+                f.write(chunk)
+                digest.update(chunk)
+                bar.update(len(chunk))
+        if digest.hexdigest() != md5:
+            raise DataError(f"download of {url} is corrupt (MD5 {digest.hexdigest()}, expected {md5}); "
+                            f"nothing was kept. Try again, or fetch {dest.name} by hand into {dest.parent}")
+
+    with urllib.request.urlopen(url, timeout=60) as r:     # a refused connection is not a disk error
+        atomic_write(dest, lambda f: fetch(r, f), what="download")
+
+
+def _first_writable(dirs):
+    for d, _ in dirs:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(d, os.W_OK):
+            return d
+    return None
+
+
+def load_cifar(name="cifar10", data_dir=None, download=True):
+    """CIFAR-10 or CIFAR-100 (fine labels) -> (x_train, y_train, x_test, y_test).
+
+    x: uint8 (N, 3, 32, 32) (N = 50000 / 10000 for the real release), channels
+    R, G, B; y: int64 (N,) in 0..9 or 0..99.
+
+    Looks for the extracted folder (``cifar-10-batches-py/``,
+    ``cifar-100-python/``) or the archive (``cifar-10-python.tar.gz``,
+    ``cifar-100-python.tar.gz``) in the lookup directories (module docstring).
+    If neither exists and `download` is true, fetches the archive from the
+    official host into the first writable of those directories. Raises
+    DataError when the data cannot be found, fetched or parsed.
+    """
+    if name not in _CIFAR:
+        raise DataError(f"unknown CIFAR variant {name!r}; expected one of {sorted(_CIFAR)}")
+    spec = _CIFAR[name]
+    dirs = _search_dirs(data_dir)
+    source = _find_cifar(spec, dirs)
+    if source is None:
+        source = _fetch_cifar(spec, dirs, download)
+    batches = _read_cifar_members(source, spec)
+    splits = []
+    for members in (spec.train, spec.test):
+        xs, ys = zip(*(_cifar_batch(batches[m], f"{source}: {m}", spec) for m in members))
+        splits += [np.concatenate(xs), np.concatenate(ys)]
+    return tuple(splits)
+
+
+def _fetch_cifar(spec, dirs, download):
+    """Download the archive, or raise DataError saying where to put it by hand."""
+    where = (f"{spec.title} not found: looked for {spec.archive} (or its extracted folder "
+             f"{spec.folder}/) in\n{_dir_list(dirs)}\n")
+    howto = (f"Put {spec.archive} (from {spec.url}) into one of these directories, "
+             f"or point `--data DIR` or LOWMEM_DATA at the directory that holds it.\n{_ALTERNATIVES}")
+    if not download:
+        raise DataError(where + "Downloading is disabled.\n" + howto)
+    target = _first_writable(dirs)
+    if target is None:
+        raise DataError(where + "None of them is writable, so it cannot be downloaded.\n" + howto)
+    try:
+        _download(spec.url, target / spec.archive, spec.md5)
+    except OSError as e:            # URLError, timeouts, refused connections, disk full
+        raise DataError(where + f"Downloading {spec.url} failed ({e}); offline?\n" + howto) from e
+    return target / spec.archive
+
+
+# ----------------------------------------------------------------------------
+# Fashion-MNIST (IDX files)
+
+_FASHION_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                  "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+IDX_IMAGES_MAGIC = 0x00000803      # unsigned bytes, 3 dims
+IDX_LABELS_MAGIC = 0x00000801      # unsigned bytes, 1 dim
+
+
+def read_idx(path, magic=None):
+    """Parse an IDX file of unsigned bytes (gzip-compressed if it ends in .gz).
+
+    Returns a uint8 array whose shape is the file's dimensions, e.g.
+    (N, 28, 28) for images (magic 0x00000803), (N,) for labels (0x00000801).
+    Strict: a wrong magic, a header that does not match the length (truncated
+    file or trailing bytes) or an unreadable gzip stream raise DataError.
+    """
+    path = Path(path)
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            buf = f.read()
+    except Exception as e:          # OSError (BadGzipFile), EOFError (truncated gzip), zlib.error
+        raise DataError(f"{path}: cannot read ({type(e).__name__}: {e})") from e
+    if len(buf) < 4:
+        raise DataError(f"{path}: truncated IDX file ({len(buf)} bytes, no header)")
+    got = int.from_bytes(buf[:4], "big")
+    if got >> 8 != 0x08 or (magic is not None and got != magic):
+        want = f"0x{magic:08x}" if magic is not None else "0x000008NN (unsigned bytes)"
+        raise DataError(f"{path}: bad IDX magic 0x{got:08x}, expected {want}")
+    ndim = got & 0xFF
+    head = 4 + 4 * ndim
+    if len(buf) < head:
+        raise DataError(f"{path}: truncated IDX header ({len(buf)} bytes, needs {head})")
+    dims = struct.unpack(f">{ndim}I", buf[4:head])
+    size = int(np.prod(dims, dtype=np.int64))
+    if len(buf) - head != size:
+        what = "truncated" if len(buf) - head < size else "trailing bytes"
+        raise DataError(f"{path}: {what}: dims {dims} need {size} data bytes, file has {len(buf) - head}")
+    return np.frombuffer(buf, np.uint8, offset=head).reshape(dims).copy()
+
+
+def _fashion_dirs(data_dir):
+    dirs = _search_dirs(data_dir)
+    if data_dir is None:
+        dirs.insert(0, (FASHION_MNIST_DEBIAN_DIR, "Debian package dataset-fashion-mnist"))
+    return [(p, why) for d, why in dirs for p in (d, d / "fashion-mnist")]
+
+
+def _find_fashion(dirs):
+    """{file stem: path} from the first directory holding all four files, or None."""
+    for d, _ in dirs:
+        paths = {}
+        for stem in _FASHION_FILES:
+            paths[stem] = next((d / n for n in (stem, stem + ".gz") if (d / n).is_file()), None)
+        if all(paths.values()):
+            return paths
+    return None
+
+
+def pad_images(x, size):
+    """Zero-pad uint8 images (N, C, H, W) to (N, C, size, size), centred
+    (an odd difference puts the extra row/column at the bottom/right)."""
+    n, c, h, w = x.shape
+    if size < h or size < w:
+        raise DataError(f"pad_to={size} is smaller than the {h}x{w} images")
+    sysmem.require(n * c * size * size * x.dtype.itemsize, f"padding {n:,} images to {size}x{size}")
+    top, left = (size - h) // 2, (size - w) // 2
+    out = np.zeros((n, c, size, size), x.dtype)
+    out[:, :, top:top + h, left:left + w] = x
+    return out
+
+
+def load_fashion_mnist(data_dir=None, pad_to=32, limit_train=None, limit_test=None):
+    """Fashion-MNIST -> (x_train, y_train, x_test, y_test).
+
+    x: uint8 (N, 1, pad_to, pad_to), the 28x28 images zero-padded by
+    (pad_to - 28) / 2 pixels on each side (pad_to=None keeps 28x28);
+    y: int64 (N,) in 0..9; N = 60000 / 10000 for the real files, or the
+    first limit_train / limit_test of them (taken before padding, so only
+    those are padded).
+    Reads the four IDX files (each plain or .gz) from the first directory
+    that holds all of them (module docstring). DataError if none does.
+    """
+    dirs = _fashion_dirs(data_dir)
+    paths = _find_fashion(dirs)
+    if paths is None:
+        raise DataError(
+            f"Fashion-MNIST not found: looked for {', '.join(_FASHION_FILES)} "
+            f"(each may end in .gz) in\n{_dir_list(dirs)}\n"
+            f"Install them with `apt-get install dataset-fashion-mnist` (to {FASHION_MNIST_DEBIAN_DIR}), "
+            f"or put them into a directory and point `--data DIR` or LOWMEM_DATA at it.\n"
+            f"Alternative that needs no files: `--dataset synthetic`.")
+    out = []
+    for split, limit in (("train", limit_train), ("t10k", limit_test)):
+        x = read_idx(paths[f"{split}-images-idx3-ubyte"], IDX_IMAGES_MAGIC)
+        y = read_idx(paths[f"{split}-labels-idx1-ubyte"], IDX_LABELS_MAGIC)
+        if len(x) != len(y):
+            raise DataError(f"{paths[f'{split}-labels-idx1-ubyte']}: {len(y)} labels "
+                            f"for {len(x)} images in {paths[f'{split}-images-idx3-ubyte']}")
+        if len(y) and y.max() > 9:
+            raise DataError(f"{paths[f'{split}-labels-idx1-ubyte']}: label {y.max()} outside 0..9")
+        x, y = _first(x, limit)[:, None], _first(y, limit)
+        out += [pad_images(x, pad_to) if pad_to is not None else x, y.astype(np.int64)]
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------
+# synthetic
+
+def synthetic(n_train, n_test, num_classes=10, shape=(3, 32, 32), seed=0):
+    """A learnable toy dataset -> (x_train, y_train, x_test, y_test).
+
+    Each class is a fixed smooth template (a random mix of the 3x3 lowest
+    2-D cosine modes per channel, so classes also differ in channel means);
+    a sample is 128 + its class template (std 40) + white noise (std 25),
+    rounded and clipped to uint8 (N, *shape). Classes are balanced
+    (y: int64 (N,), shuffled). Deterministic given `seed`; train and test
+    share the templates and draw independent noise.
+    """
+    c, h, w = shape
+    rng = np.random.default_rng(seed)
+    k = 3
+    fy = np.cos(np.pi * np.arange(k)[:, None] * (np.arange(h) + 0.5) / h)      # (k, H)
+    fx = np.cos(np.pi * np.arange(k)[:, None] * (np.arange(w) + 0.5) / w)      # (k, W)
+    coef = rng.standard_normal((num_classes, c, k, k))
+    templates = np.einsum("ncab,ah,bw->nchw", coef, fy, fx)                   # (K, C, H, W)
+    templates = (templates * (40.0 / templates.std())).astype(np.float32)
+
+    def draw(n):
+        y = rng.permutation(np.arange(n) % num_classes)
+        x = templates[y] + rng.standard_normal((n, c, h, w), dtype=np.float32) * 25 + 128
+        return np.clip(np.rint(x), 0, 255).astype(np.uint8), y.astype(np.int64)
+
+    return draw(n_train) + draw(n_test)
+
+
+# ----------------------------------------------------------------------------
+# the common entry point
+
+@dataclasses.dataclass
+class Dataset:
+    """A loaded dataset; the arrays live on the host.
+
+    x_train: uint8 (N, C, H, W); y_train: int64 (N,); x_test, y_test likewise;
+    mean, std: float32 (C,), per-channel statistics of x_train / 255, what
+    `normalize` expects.
+    """
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    mean: np.ndarray
+    std: np.ndarray
+    classes: list = None        # class names in label order (None: the labels' numbers)
+
+    @property
+    def input_shape(self):
+        """(C, H, W) of one image."""
+        return tuple(self.x_train.shape[1:])
+
+    def __repr__(self):
+        return (f"Dataset({self.name!r}, train={len(self.x_train)}, test={len(self.x_test)}, "
+                f"input_shape={self.input_shape}, num_classes={self.num_classes})")
+
+
+def channel_mean_std(x):
+    """Per-channel mean and std of uint8 images (N, C, H, W), in units of x / 255.
+
+    Exact (from a 256-bin histogram per channel, no float copy of x);
+    returns float32 (C,), (C,). A constant channel gets std 1 so that
+    normalising by it stays finite.
+    """
+    if x.dtype != np.uint8 or x.ndim != 4:
+        raise DataError(f"channel_mean_std wants uint8 (N, C, H, W), got {x.dtype} {x.shape}")
+    values = np.arange(256, dtype=np.float64) / 255
+    mean, std = np.empty(x.shape[1], np.float32), np.empty(x.shape[1], np.float32)
+    for c in range(x.shape[1]):
+        p = np.bincount(x[:, c].ravel(), minlength=256) / max(x[:, c].size, 1)
+        m = p @ values
+        mean[c], std[c] = m, np.sqrt(max(p @ (values - m) ** 2, 0.0))
+    std[std == 0] = 1
+    return mean, std
+
+
+def _first(a, limit):
+    if limit is None or limit >= len(a):
+        return a
+    return a[:limit].copy()         # a copy, so the full array can be freed
+
+
+def load_dataset(name, data_dir=None, download=True, pad_to=32, limit_train=None,
+                 limit_test=None, seed=0):
+    """Load a dataset by name -> Dataset.
+
+    name: "cifar10", "cifar100", "fashion-mnist" or "synthetic".
+    data_dir: directory to search instead of the defaults (module docstring).
+    download: CIFAR only; fetch the archive when it is not found.
+    pad_to: Fashion-MNIST only; pad 28x28 to pad_to x pad_to (None: keep 28).
+    limit_train / limit_test: keep only the first N samples of each split
+        (the files' order; more than there are keeps all). For "synthetic"
+        they are the split sizes (default 2048 / 512).
+    seed: synthetic only (the other datasets are read, not drawn).
+    mean / std are computed from the (limited) training split.
+    """
+    key = _ALIASES.get(name.lower(), name.lower())
+    for lim in (limit_train, limit_test):
+        if lim is not None and (not isinstance(lim, (int, np.integer)) or lim < 1):
+            raise DataError(f"limits must be positive integers or None, got {lim!r}")
+    if key in _CIFAR:
+        arrays = load_cifar(key, data_dir, download)
+        num_classes = _CIFAR[key].num_classes
+    elif key == "fashion-mnist":
+        arrays = load_fashion_mnist(data_dir, pad_to, limit_train, limit_test)   # limits before padding
+        num_classes = 10
+    elif key == "synthetic":
+        arrays = synthetic(limit_train or 2048, limit_test or 512, seed=seed)
+        num_classes = 10
+    else:
+        raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    x_train, y_train = _first(arrays[0], limit_train), _first(arrays[1], limit_train)
+    x_test, y_test = _first(arrays[2], limit_test), _first(arrays[3], limit_test)
+    mean, std = channel_mean_std(x_train)
+    return Dataset(key, x_train, y_train, x_test, y_test, num_classes, mean, std, CLASS_NAMES.get(key))
+
+
+# ----------------------------------------------------------------------------
+# preprocessing
+
+def normalize(out, x, mean, std):
+    """out = (x / 255 - mean[c]) / std[c], per channel.
+
+    out: float (N, C, H, W), written; x: uint8 or float pixels 0..255, same
+    shape; mean, std: (C,) in units of x / 255 (see `channel_mean_std`).
+    Two passes (scale, then shift) straight into `out`, no temporary; out and
+    x may be NumPy or CuPy arrays (the same kind). Returns out.
+    """
+    if out.shape != x.shape or out.ndim != 4:
+        raise ValueError(f"normalize: out {out.shape} and x {x.shape} must be the same (N, C, H, W)")
+    if out.dtype.kind != "f":
+        raise ValueError(f"normalize: out must be a float array, got {out.dtype}")
+    xp = array_module(out)
+    mean = np.asarray(mean, np.float64).reshape(-1)
+    std = np.asarray(std, np.float64).reshape(-1)
+    if mean.shape != (x.shape[1],) or std.shape != (x.shape[1],):
+        raise ValueError(f"normalize: mean/std need {x.shape[1]} channels, got {mean.shape}, {std.shape}")
+    scale = (1.0 / (255.0 * std)).astype(out.dtype).reshape(1, -1, 1, 1)
+    shift = (-mean / std).astype(out.dtype).reshape(1, -1, 1, 1)
+    xp.multiply(x, xp.asarray(scale), out=out)
+    xp.add(out, xp.asarray(shift), out=out)
+    return out
+
+
+def draw_crop_flip(n, rng, pad=4, flip=True):
+    """Random augmentation parameters for n samples, in this order from `rng`:
+    dy, dx: int (n,) in 0..2*pad, the window's corner in the padded image;
+    flipped: bool (n,), horizontal flip (all False when flip is off)."""
+    dy = rng.integers(0, 2 * pad + 1, n)
+    dx = rng.integers(0, 2 * pad + 1, n)
+    flipped = rng.random(n) < 0.5 if flip else np.zeros(n, bool)
+    return dy, dx, flipped
+
+
+def crop_flip(out, x, dy, dx, flipped, pad=4):
+    """out[n] = the H x W window at (dy[n], dx[n]) of x[n] zero-padded by `pad`
+    pixels on each side, mirrored left-right where flipped[n].
+
+    out, x: (N, C, H, W), any dtypes (out may be x: the padded copy is made
+    first). One gather over the whole batch, no loop over samples;
+    temporaries: the padded batch and the gathered batch, each about the
+    size of x.
+    """
+    n, c, h, w = x.shape
+    if out.shape != x.shape:
+        raise ValueError(f"crop_flip: out {out.shape} must match x {x.shape}")
+    padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), x.dtype)
+    padded[:, :, pad:pad + h, pad:pad + w] = x
+    rows = dy[:, None] + np.arange(h)                             # (N, H)
+    cols = dx[:, None] + np.arange(w)                             # (N, W)
+    cols = np.where(flipped[:, None], cols[:, ::-1], cols)
+    out[...] = padded[np.arange(n)[:, None, None, None], np.arange(c)[None, :, None, None],
+                      rows[:, None, :, None], cols[:, None, None, :]]
+    return out
+
+
+def augment(out, x, rng, pad=4, flip=True):
+    """Standard CIFAR augmentation: per sample, a random crop from the image
+    zero-padded by `pad` px on each side, then a random horizontal flip.
+
+    out, x: (N, C, H, W), uint8 or float; rng: numpy.random.Generator (the
+    result depends only on its state). Vectorised (see `crop_flip`).
+    Returns out.
+    """
+    return crop_flip(out, x, *draw_crop_flip(len(x), rng, pad, flip), pad=pad)
+
+
+# ----------------------------------------------------------------------------
+# batching
+
+class BatchIterator:
+    """Batches of (x, y) in a seeded order that can be resumed exactly.
+
+    x: (N, ...) array, y: (N,). Iterating yields (x_batch, y_batch): copies
+    when shuffling, views into x and y otherwise. An epoch's order depends
+    only on (seed, epoch), so the iterator's whole state is (epoch, batch):
+    `state_dict` / `load_state_dict` save and restore it (lowmem.data.batches.EpochOrder,
+    the same as lowmem.data.images.ImageLoader's).
+
+    Last partial batch, an explicit policy:
+    * drop_last=True (training): every batch has exactly batch_size samples,
+      so the planned batch never changes mid-epoch; the N % batch_size
+      samples left over are dropped, a different set each epoch because the
+      order is reshuffled.
+    * drop_last=False (evaluation): the final batch is smaller and every
+      sample is seen once.
+
+    Iteration runs from the current position to the end of the epoch, then
+    moves to the next epoch (position 0); `set_epoch` jumps anywhere.
+    Stopping early (break) keeps the position: the next iteration resumes.
+    """
+
+    def __init__(self, x, y, batch_size, shuffle=False, seed=0, drop_last=False):
+        if len(x) != len(y):
+            raise DataError(f"BatchIterator: {len(x)} images but {len(y)} labels")
+        self.x, self.y = x, y
+        self.position = EpochOrder(len(x), batch_size, shuffle, seed, drop_last, "BatchIterator", "iterator",
+                                   DataError)
+        self.batch_size, self.shuffle = self.position.batch_size, self.position.shuffle
+        self.seed, self.drop_last = self.position.seed, self.position.drop_last
+        if len(self) == 0:
+            raise DataError(f"BatchIterator: {len(x)} samples give no batch of {batch_size}"
+                            + (" with drop_last=True" if drop_last else ""))
+
+    # the position lives in lowmem.data.batches.EpochOrder, shared with lowmem.data.images.ImageLoader
+    epoch = property(lambda self: self.position.epoch)
+    batch = property(lambda self: self.position.batch)     # index of the next batch to yield in this epoch
+
+    def __len__(self):
+        """Batches per epoch."""
+        return len(self.position)
+
+    def order(self, epoch):
+        """Sample indices (N,) of an epoch, a function of (seed, epoch) only."""
+        return self.position.order(epoch)
+
+    def set_epoch(self, epoch, batch=0):
+        """Continue from batch `batch` of epoch `epoch`."""
+        self.position.set_epoch(epoch, batch)
+
+    def __iter__(self):
+        pos = self.position
+        order = pos.order(pos.epoch) if self.shuffle else None
+        while pos.batch < len(pos):
+            s = slice(*pos.span(pos.batch))
+            pos.batch += 1          # a checkpoint taken after this step resumes at the next batch
+            if order is None:
+                yield self.x[s], self.y[s]
+            else:
+                yield self.x[order[s]], self.y[order[s]]
+        pos.next_epoch()
+
+    def state_dict(self):
+        """Everything needed to resume exactly: position plus the settings it depends on."""
+        return self.position.state_dict()
+
+    def load_state_dict(self, state):
+        """Restore a position saved by `state_dict`; the settings must match."""
+        self.position.load_state_dict(state)

@@ -1,0 +1,123 @@
+"""argparse value types shared by the `lowmem` subcommands (clear errors for bad values)."""
+import argparse
+import math
+
+
+def shape(text):
+    """'3x224x224' -> (3, 224, 224)."""
+    try:
+        shape = tuple(int(s) for s in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected CxHxW with positive integers, e.g. 3x32x32, got {text!r}")
+    return shape
+
+
+def positive(text):
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def count(text):
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return n
+
+
+def classes(text):
+    """A number of classes: an integer >= 2 (with one class the loss is 0 and nothing trains)."""
+    n = positive(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"expected at least 2 classes (with one the loss is always 0 "
+                                         f"and nothing trains), got {text!r}")
+    return n
+
+
+def _finite(text):
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return x
+
+
+def positive_number(text):
+    """A finite number > 0 (a learning rate, seconds)."""
+    x = _finite(text)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return x
+
+
+def nonnegative_number(text):
+    """A finite number >= 0 (weight decay)."""
+    x = _finite(text)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return x
+
+
+def momentum(text):
+    """A momentum in [0, 1): at 1 or more the velocity never decays."""
+    x = _finite(text)
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(f"expected a momentum in [0, 1), got {text!r}")
+    return x
+
+
+def folder(text):
+    """A non-empty path."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder name, got an empty string")
+    return text
+
+
+def model_help():
+    """The --model help: the registry's families (lowmem.models.MODELS), wrn-K for any K."""
+    from .. import models
+    families = sorted(n for n in models.MODELS if not n.startswith("wrn-"))
+    return " | ".join(families + ["wrn-K (K: the widening factor, any positive integer)"])
+
+
+def model(text):
+    """A model family name (lowmem.models.model_spec: a registry name or wrn-K)."""
+    from .. import models
+    try:
+        models.model_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+BITS_CHOICES = (8, 4, 2, 1, "auto")
+
+
+def bits(text):
+    """--bits: an integer, or 'auto' (a width per unit, chosen to fit a budget); argparse's
+    choices=BITS_CHOICES then refuses any other width ("invalid choice: 3")."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 1, 2, 4, 8 or auto, got {text!r}") from None
+
+
+def average_bits(text):
+    """Average bits per saved x-hat element for --bits auto: a number in (0, 32]."""
+    x = _finite(text)
+    if not 0 < x <= 32:
+        raise argparse.ArgumentTypeError(f"expected a number of bits in (0, 32], got {text!r}")
+    return x

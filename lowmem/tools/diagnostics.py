@@ -1,0 +1,352 @@
+"""Diagnostics: how wrong are approximate gradients, and how much memory does a step take?
+
+Gradient error against SGD noise (the argument of Chakrabarti & Moseley
+2019): storing activations in K bits is harmless when the error it puts in
+each weight gradient is small next to the error SGD already makes by using a
+mini-batch instead of the whole data set.
+
+For every parameter tensor p, over B mini-batches b, on the same weights
+(every mode sees the same batch b; rms_b is the root mean square over b):
+
+    error_m(p) = rms_b ||g_m,b − g_exact,b|| / rms_b ||g_exact,b||       relative error of mode m
+    noise(p)   = σ(p) / ||ḡ||                                            relative SGD noise
+    σ(p)       = sqrt(B/(B−1) · mean_b ||g_exact,b − ḡ||²),  ḡ = mean_b g_exact,b
+    ratio_m(p) = rms_b ||g_m,b − g_exact,b|| / σ(p)                      error-to-noise ratio
+
+σ estimates how far one mini-batch gradient lies from the expected gradient
+(B/(B−1) corrects for ḡ being a sample mean). ratio ≪ 1 means the
+approximation is lost in the randomness SGD already has; ratio ~ 1 means it
+doubles the gradient's variance (if independent of the sampling noise). The summary gives the median and worst ratio over tensors and
+the same numbers for all parameters taken as one vector.
+
+    d = gradient_errors(net, batches, bits=4)       # modes approx and naive
+    print(d.table()); print(d.summary_text())
+
+`synthetic_batches` makes learnable data (lowmem.data.datasets.synthetic) and `warm_up`
+trains a copy of the network for a few exact steps first, so the gradients
+are those of a network that has started learning rather than of its random
+initialisation.
+
+Memory: `measure_peak` builds an Engine, runs a few real training steps and
+reports the measured peak next to the plan total (CPU: tracemalloc, which
+sees NumPy's allocations; CuPy: a MemoryHook on the default memory pool).
+
+Every Engine here gets its own copy.deepcopy of the network: an Engine takes
+ownership of its network's parameter arrays. Not here: timing (benchmarks/).
+"""
+import copy
+import tracemalloc
+from dataclasses import dataclass, field
+
+import numpy
+
+from ..system import backend, memory as sysmem
+from ..data.datasets import channel_mean_std, normalize, synthetic
+from ..core.engine import Engine, MODES
+from ..train.optim import SGD
+from ..core.plan import fmt_bytes
+
+
+# ---- data and warm-up -------------------------------------------------------
+
+def synthetic_batches(num_batches, batch_size, input_shape, num_classes, seed=0, dtype="float32"):
+    """num_batches (x, labels) pairs of learnable synthetic data, normalised per channel.
+
+    x: (batch_size, *input_shape) dtype on the active backend; labels: int64 (batch_size,).
+    """
+    xs, ys, _, _ = synthetic(num_batches * batch_size, 0, num_classes, tuple(input_shape), seed)
+    mean, std = channel_mean_std(xs)
+    xp = backend.xp
+    out = []
+    for b in range(num_batches):
+        sl = slice(b * batch_size, (b + 1) * batch_size)
+        x = normalize(numpy.empty(xs[sl].shape, dtype), xs[sl], mean, std)
+        out.append((xp.asarray(x), xp.asarray(ys[sl])))
+    return out
+
+
+def warm_up(net, batches, steps, lr=0.05, dtype="float32"):
+    """A copy of `net` after `steps` exact SGD steps (momentum 0.9, weight decay
+    5e-4) cycling through `batches`; `net` itself is left untouched."""
+    if steps <= 0:
+        return copy.deepcopy(net)
+    x0 = batches[0][0]
+    eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], "exact", dtype=dtype)
+    opt = SGD(eng.net.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    for i in range(steps):
+        eng.train_step(*batches[i % len(batches)], opt)
+    trained = copy.deepcopy(net)
+    trained.load_state_dict(eng.net.state_dict())
+    return trained
+
+
+# ---- gradient error ----------------------------------------------------------
+
+def parameter_grads(net, batches, mode, bits=4, dtype="float32", rounding="nearest"):
+    """Per parameter name, the float64 host gradients on each batch: {name: (B, *shape)}.
+
+    Uses an Engine on a deep copy of `net` (so `net` is not consumed). bits: K or per-unit
+    widths (Engine's bits); rounding="stochastic": batch b draws the codes of engine step b, seed 0."""
+    x0 = batches[0][0]
+    eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], mode, bits, dtype, rounding=rounding)
+    params = eng.net.parameters()
+    out = {p.name: numpy.empty((len(batches),) + p.shape) for p in params}
+    for b, (x, labels) in enumerate(batches):
+        eng.forward(x, labels)
+        eng.backward()
+        for p in params:
+            out[p.name][b] = backend.to_numpy(p.grad)
+    return out
+
+
+def _sq_norms(a):
+    """||a[b]||^2 for each leading index b of a (B, ...) array."""
+    return (a.reshape(a.shape[0], -1) ** 2).sum(axis=1)
+
+
+@dataclass
+class GradientDiagnosis:
+    """Per parameter tensor (same order as `names`), all (T,) float64 arrays:
+
+    grad_norm      rms over batches of ||g_exact,b||
+    noise_norm     rms deviation of a mini-batch gradient from the expected one:
+                   sqrt(B/(B-1) · mean_b ||g_exact,b − ḡ||²)  (B/(B-1): ḡ is itself a sample mean)
+    noise          noise_norm / ||ḡ||, the relative SGD noise
+    error_norm[m]  rms over batches of ||g_m,b − g_exact,b||
+    error[m]       error_norm[m] / grad_norm, the relative gradient error of mode m
+    ratio(m)       error_norm[m] / noise_norm: the error-to-noise ratio
+
+    `total` holds the same quantities for all parameters taken as one vector."""
+    names: list
+    shapes: list
+    bits: int
+    num_batches: int
+    grad_norm: numpy.ndarray
+    mean_norm: numpy.ndarray
+    noise_norm: numpy.ndarray
+    error_norm: dict                     # mode -> (T,)
+    total: dict = field(default_factory=dict)
+
+    @staticmethod
+    def _div(a, b):
+        with numpy.errstate(divide="ignore", invalid="ignore"):
+            return numpy.where(b > 0, a / numpy.where(b > 0, b, 1), numpy.nan)
+
+    @property
+    def modes(self):
+        return list(self.error_norm)
+
+    @property
+    def noise(self):
+        return self._div(self.noise_norm, self.mean_norm)
+
+    @property
+    def error(self):
+        return {m: self._div(e, self.grad_norm) for m, e in self.error_norm.items()}
+
+    def ratio(self, mode):
+        """error / noise per tensor (nan where the noise is 0)."""
+        return self._div(self.error_norm[mode], self.noise_norm)
+
+    def summary(self):
+        """{"noise": {median, total}, mode: {median_error, total_error, median_ratio,
+        worst_ratio, worst_tensor, total_ratio}}; medians and worst skip nan tensors."""
+        t, div = self.total, lambda a, b: float(self._div(numpy.float64(a), numpy.float64(b)))
+        out = {"noise": {"median": _nanmedian(self.noise), "total": div(t["noise_norm"], t["mean_norm"])}}
+        for m in self.modes:
+            r = self.ratio(m)
+            worst = int(numpy.nanargmax(r)) if not numpy.isnan(r).all() else None   # all nan: no gradient
+            out[m] = {"median_error": _nanmedian(self.error[m]),
+                      "total_error": div(t["error_norm"][m], t["grad_norm"]),
+                      "median_ratio": _nanmedian(r),
+                      "worst_ratio": float("nan") if worst is None else float(r[worst]),
+                      "worst_tensor": None if worst is None else self.names[worst],
+                      "total_ratio": div(t["error_norm"][m], t["noise_norm"])}
+        return out
+
+    def table(self):
+        """One line per parameter tensor."""
+        head = f"{'parameter':<28} {'shape':<16} {'|g|':>9} {'noise':>9}"
+        for m in self.modes:
+            head += f" {m + ' err':>11} {m + '/noise':>13}"
+        lines = [head]
+        err = self.error
+        ratios = {m: self.ratio(m) for m in self.modes}
+        for i, (n, s) in enumerate(zip(self.names, self.shapes)):
+            row = f"{n:<28} {str(s):<16} {self.grad_norm[i]:>9.2e} {self.noise[i]:>9.2e}"
+            for m in self.modes:
+                row += f" {err[m][i]:>11.2e} {ratios[m][i]:>13.2e}"
+            lines.append(row)
+        return "\n".join(lines)
+
+    def summary_text(self):
+        s = self.summary()
+        lines = [f"{self.bits}-bit, {len(self.names)} parameter tensors, {self.num_batches} batches. "
+                 f"SGD noise (relative): median {s['noise']['median']:.3g}, "
+                 f"all parameters {s['noise']['total']:.3g}"]
+        for m in self.modes:
+            d = s[m]
+            lines.append(f"{m:<7} relative error: median {d['median_error']:.3g}, all parameters "
+                         f"{d['total_error']:.3g} | error/noise: median {d['median_ratio']:.3g}, "
+                         f"worst {d['worst_ratio']:.3g} ({d['worst_tensor'] or 'no gradient'}), "
+                         f"all parameters {d['total_ratio']:.3g}")
+        return "\n".join(lines)
+
+
+def _nanmedian(a):
+    """numpy.nanmedian without its warning: nan when every entry is nan (all gradients zero)."""
+    a = a[~numpy.isnan(a)]
+    return float(numpy.median(a)) if a.size else float("nan")
+
+
+def gradient_errors(net, batches, bits=4, modes=("approx", "naive"), dtype="float32"):
+    """Compare each mode's gradients with exact ones on the same weights and batches.
+
+    net: a Network (not consumed: each Engine gets a deep copy); batches: a
+    list of B >= 2 (x, labels) of equal batch size (B >= 2: the noise needs
+    several batches). One Engine lives at a time; the host holds B gradients
+    of the network per mode. Returns a GradientDiagnosis."""
+    B = len(batches)
+    if B < 2:
+        raise ValueError(f"gradient_errors needs at least 2 batches to measure SGD noise, got {B}")
+    for m in modes:
+        if m not in MODES or m == "exact":
+            raise ValueError(f"unknown mode {m!r} to compare with exact: expected 'approx' or 'naive'")
+    exact = parameter_grads(net, batches, "exact", bits, dtype)
+    names = list(exact)
+
+    def flat(d):                                    # (B, P): all parameters as one vector
+        return numpy.concatenate([d[n].reshape(B, -1) for n in names], axis=1)
+
+    def stats(g):                                   # g: (B, ...) exact gradients of one tensor
+        mean = g.mean(axis=0, keepdims=True)
+        return (numpy.sqrt(_sq_norms(g).mean()), numpy.sqrt(_sq_norms(mean)[0]),
+                numpy.sqrt(_sq_norms(g - mean).mean() * B / (B - 1)))
+
+    per = numpy.array([stats(exact[n]) for n in names])          # (T, 3)
+    e_all = flat(exact)
+    g_all, m_all, n_all = stats(e_all)
+    total = {"grad_norm": float(g_all), "mean_norm": float(m_all), "noise_norm": float(n_all),
+             "error_norm": {}}
+    error_norm = {}
+    for m in modes:
+        g = parameter_grads(net, batches, m, bits, dtype)
+        error_norm[m] = numpy.array([numpy.sqrt(_sq_norms(g[n] - exact[n]).mean()) for n in names])
+        total["error_norm"][m] = float(numpy.sqrt(_sq_norms(flat(g) - e_all).mean()))
+    return GradientDiagnosis(names, [exact[n].shape[1:] for n in names], bits, B,
+                             per[:, 0], per[:, 1], per[:, 2], error_norm, total)
+
+
+# ---- memory ------------------------------------------------------------------
+
+@dataclass
+class MemoryMeasurement:
+    """Bytes: plan_bytes (the plan total); held_bytes (allocated by building the
+    Engine: the plan's arrays); step_peaks[i] = held_bytes + the most a step
+    allocated on top of what was live when it started (its transient
+    scratch); kept_bytes: what stayed allocated after the first step beyond
+    the held arrays (one-time imports, JIT compilation caches; 0 is ideal);
+    input_bytes: the batch, allocated outside the measurement and not part of
+    the plan. how: "tracemalloc" or "cupy pool"."""
+    plan_bytes: int
+    held_bytes: int
+    step_peaks: list
+    kept_bytes: int
+    input_bytes: int
+    how: str
+
+    @property
+    def peak_bytes(self):
+        """The steady-state peak: the last step's."""
+        return self.step_peaks[-1]
+
+    def report(self):
+        lines = [f"measured ({self.how}, {len(self.step_peaks)} training steps on random data):"]
+        rows = [("plan total", self.plan_bytes), ("held after build", self.held_bytes)]
+        rows += [(f"peak, step {i + 1}", p) for i, p in enumerate(self.step_peaks)]
+        for name, b in rows:
+            lines.append(f"  {name:<18} {b:>16,} {fmt_bytes(b):>12}  {b / self.plan_bytes:7.3f} x plan")
+        lines.append(f"  a step's peak is the held arrays plus the most it allocated on top of them; not "
+                     f"counted: the input batch ({fmt_bytes(self.input_bytes)}) and what the first step "
+                     f"kept ({fmt_bytes(self.kept_bytes)}: imports, JIT caches)")
+        return "\n".join(lines)
+
+
+class _PeakTracker:
+    """Current and peak bytes allocated from CuPy's default memory pool while active."""
+
+    def __init__(self):
+        import cupy
+        self.pool = cupy.get_default_memory_pool()
+        tracker = self
+
+        class Hook(cupy.cuda.MemoryHook):
+            name = "lowmem-peak"
+
+            def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):
+                tracker.current += mem_size
+                tracker.peak = max(tracker.peak, tracker.current)
+
+            def free_postprocess(self, device_id, mem_size, mem_ptr, pmem_id):
+                tracker.current -= mem_size
+
+        self.hook = Hook()
+        self.current = self.peak = self.pool.used_bytes()
+
+    def reset_peak(self):
+        self.peak = self.current
+
+
+def measure_peak(net, batch_size, input_shape, mode="approx", bits=4, dtype="float32", steps=2,
+                 seed=0, **engine_kw):
+    """Build Engine(net, ...) and run `steps` training steps (SGD) on random
+    data of a full batch; return a MemoryMeasurement. Takes ownership of
+    `net` as an Engine does (pass a deep copy to keep yours)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    xp = backend.xp
+    # refuse before allocating anything: the plan and the input batch must fit in free memory
+    planned = Engine(net, batch_size, input_shape, mode, bits, dtype, allocate=False, **engine_kw)
+    input_bytes = batch_size * int(numpy.prod(input_shape)) * planned.dtype.itemsize
+    sysmem.require(planned.plan.total_bytes + input_bytes,
+                   f"measuring {steps} training steps at batch {batch_size} (the plan "
+                   f"{fmt_bytes(planned.plan.total_bytes)} and the input batch {fmt_bytes(input_bytes)})", xp)
+    rng = numpy.random.default_rng(seed)
+    x = xp.asarray(rng.standard_normal((batch_size,) + tuple(input_shape), dtype=planned.dtype))
+    labels = xp.asarray(rng.integers(0, net.num_classes, batch_size))
+    gpu = backend.name == "cupy"
+    if gpu:
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
+        tracker = _PeakTracker()
+        tracker.hook.__enter__()
+        current = lambda: tracker.current                      # noqa: E731
+        peak = lambda: tracker.peak                            # noqa: E731
+        reset = tracker.reset_peak
+    else:
+        tracemalloc.start()
+        current = lambda: tracemalloc.get_traced_memory()[0]   # noqa: E731
+        peak = lambda: tracemalloc.get_traced_memory()[1]      # noqa: E731
+        reset = tracemalloc.reset_peak
+    try:
+        base = current()
+        eng = Engine(net, batch_size, input_shape, mode, bits, dtype, **engine_kw)
+        opt = SGD(net.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+        held = current() - base
+        peaks, kept = [], 0
+        for i in range(steps):
+            start = current()
+            if i == 1:
+                kept = start - base - held
+            reset()
+            eng.train_step(x, labels, opt)
+            if gpu:
+                cupy.cuda.Device().synchronize()
+            peaks.append(held + peak() - start)
+    finally:
+        if gpu:
+            tracker.hook.__exit__(None, None, None)
+        else:
+            tracemalloc.stop()
+    return MemoryMeasurement(eng.plan.total_bytes, held, peaks, kept, int(x.nbytes),
+                             "cupy pool" if gpu else "tracemalloc")

@@ -1,0 +1,96 @@
+"""Kernel sets for the BN->ReLU units, chosen once per engine.
+
+A unit kernel set does everything mode-, bit- and backend-specific about a
+BN->ReLU unit; the engine calls it and never asks which one it has:
+
+    units.saved_entry(C, M, dtype) -> (shape, dtype)   the unit's saved slot in the plan
+    units.saved_view(slot, C, M)                       that slot for the current batch
+    units.count(M)                                     elements the statistics are over
+    units.stats(mean, var, rstd, x)                    batch statistics of x (C, M)
+    units.forward(out, saved, x, mean, rstd, gamma, beta)
+        saved <- x-hat (exact) or its K-bit code; out = relu(gamma*x-hat + beta)
+        (naive: relu(gamma*x-tilde + beta)); out may alias x
+    units.conv_input(u, saved, gamma, beta)            u = the following conv's input, rebuilt
+    units.backward(dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch)
+        dgamma, dbeta += ; dx = (or +=) the input gradient; scratch: a free (C, M)
+        buffer the set may decode x-tilde into
+
+The sets:
+    units/reference.py  ExactUnits, CodeUnits(bits, naive)   array ops (NumPy or CuPy)
+    units/fused.py      the same over units/cpu.py (numba) or units/gpu.py (CUDA)
+    units/sync.py       SyncUnits(set, comm): any set with batch statistics over all ranks
+
+`select` picks one; `reference` is the array-op twin of any set, used by the
+engine for a batch the fused kernels cannot take (a unit whose N*H*W is not
+a multiple of 8), in every mode alike.
+"""
+import numpy
+
+from . import fused
+from .reference import BN_EPS, CodeUnits, ExactUnits
+
+MODES = ("exact", "approx", "naive")
+
+
+def reference(mode, bits, rounding="nearest"):
+    """The array-op set for a mode, bit width and rounding ("nearest" or "stochastic")."""
+    return ExactUnits() if mode == "exact" else CodeUnits(bits, naive=(mode == "naive"), rounding=rounding)
+
+
+def fused_applies(xp, dtype, sizes):
+    """Whether the fused kernels can run units of these M = N*H*W sizes on xp in dtype."""
+    return fused.applies(xp, dtype, sizes)
+
+
+def synchronized(units, comm, buf):
+    """`units` with batch norm over the global batch of all of comm's ranks (units/sync.py)."""
+    from .sync import SyncUnits
+    return SyncUnits(units, comm, buf)
+
+
+def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None, rounding="nearest"):
+    """The kernel set for an engine: fused when use_fast (None: whenever they apply), else reference.
+
+    sizes: every unit's M at the planned batch. partials: the plan's `bn.partials` workspace
+    (the CUDA set's reductions; None on the CPU, or when only planning)."""
+    ok = fused.applies(xp, dtype, sizes)
+    if use_fast is None:
+        use_fast = ok
+    if use_fast and not ok:
+        raise ValueError("use_fast=True needs numba (pip install lowmem[fast]) and float32 on the "
+                         "NumPy backend, or the CuPy backend, and N*H*W a multiple of 8 in every unit")
+    if not use_fast:
+        return reference(mode, bits, rounding)
+    module = fused.module_for(xp)
+    if mode == "exact":
+        return fused.FusedExactUnits(module, partials)
+    return fused.FusedCodeUnits(module, bits, naive=(mode == "naive"), partials=partials, rounding=rounding)
+
+
+def select_units(xp, mode, unit_bits, dtype, sizes, use_fast=None, partials=None, rounding="nearest"):
+    """{unit name: kernel set}, each unit's own: `mode` at the unit's bit width, or the exact
+    set for a unit whose width is None (x-hat saved in float). unit_bits: {unit: K or None}.
+
+    Fused or reference is decided for all units together (from every unit's size, never from
+    the bits), so engines that differ only in bits run the same forward kernels. Units with
+    the same width share one set object."""
+    made = {}
+    for K in set(unit_bits.values()):
+        made[K] = select(xp, mode if K is not None else "exact", K, dtype, sizes, use_fast, partials, rounding)
+    return {name: made[K] for name, K in unit_bits.items()}
+
+
+def reference_units(mode, unit_bits, rounding="nearest"):
+    """{unit name: the array-op set} for the same widths as `select_units`."""
+    made = {K: reference(mode if K is not None else "exact", K, rounding) for K in set(unit_bits.values())}
+    return {name: made[K] for name, K in unit_bits.items()}
+
+
+def partials_size(xp, max_channels, use_fused):
+    """float64 elements of `bn.partials` the CUDA set needs (0 elsewhere)."""
+    if use_fused and xp is not numpy:
+        return fused.gpu.partials_size(max_channels)
+    return 0
+
+
+__all__ = ["BN_EPS", "MODES", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies", "partials_size"]

@@ -1,0 +1,468 @@
+"""Fused CPU kernels (numba) for the BN-ReLU units, the CPU twin of lowmem/units/gpu.py.
+
+bn_stats, unit_forward_exact, unit_forward_code, conv_input and unit_backward:
+units/fused.py wraps them into the engine's kernel sets. (The conv's numba
+col2im sits beside the conv, in lowmem/ops/columns_cpu.py.)
+
+Optional: `pip install lowmem[fast]`. Without numba, or with LOWMEM_FAST=0,
+the engine runs the pure-NumPy ops of lowmem/ops and lowmem/units/quant, which stay
+the reference these kernels are tested against (tests/test_kernels_cpu.py).
+
+Why: in NumPy every elementwise step is a full pass over memory. One unit's
+BN -> ReLU -> quantize -> pack is about a dozen passes; its backward
+(unpack, decode, mask, two reductions, the BN formula) another dozen. Here
+each is one loop per channel row that reads the input once for statistics
+and once to produce everything else.
+
+Layout: (C, M) rows, M = N*H*W, as everywhere in lowmem. Codes: the packed
+layout of lowmem/units/quant.py (element i at bits (i % (8/K))*K of byte i // (8/K));
+a fused kernel writes or reads one channel's codes as whole bytes, so it
+applies when M*bits is a multiple of 8 (every real network: H*W is);
+`supports()` says when.
+
+How they vectorise (AVX2/AVX-512: benchmarks/compare_torch.py counts the
+ymm/zmm registers of each compiled kernel through numba's `inspect_asm`): a row is
+walked in blocks of BLOCK elements. Per block, one contiguous loop does the
+float work (normalise, quantize, or decode) element by element, with the
+codes in a small L1-resident uint8 scratch, one code per byte; a second loop
+packs or unpacks that scratch, 8/K codes per byte. Written the other way
+(shifting each code into its byte inside the float loop) LLVM must
+de-interleave neighbours and gives up on the backward reductions (5x slower).
+
+Cores: the engine-facing functions split their channels over lowmem's
+threads (lowmem/system/threads.py; the kernels release the GIL).
+
+Kernels are compiled for float32 only (cached on disk by numba).
+
+Arithmetic: element-wise float maths is written in the dtype of the data,
+one rounding per operation, in the same order as the NumPy path, so:
+  * the quantizer's codes equal quant.quantize_pack's for the same x-hat;
+  * the decoded x-tilde and mask equal quant.unpack_decode's;
+  * exact and approx modes still give bit-identical forward passes.
+Reductions accumulate in float64 (NumPy's pairwise float32 sums differ in the
+last bits: tests compare to tolerance there).
+"""
+import numpy
+
+from . import quant
+from ..system import threads
+from ..system.backend import numba_allowed
+
+try:
+    if not numba_allowed():
+        raise ImportError("disabled by LOWMEM_FAST=0")
+    import numba
+    from numba import njit
+    AVAILABLE = True
+    F32 = numpy.float32
+    F0, HALF = F32(0), F32(0.5)
+    # stochastic rounding's stream (quant.random_offsets), as uint64 / float32 constants
+    U64 = numpy.uint64
+    GOLDEN, MIX1, MIX2 = U64(quant.GOLDEN), U64(quant.MIX1), U64(quant.MIX2)
+    S30, S27, S31, S_OFF = U64(30), U64(27), U64(31), U64(64 - quant.OFFSET_BITS)
+    OFF_MID, OFF_SCALE = F32(1 << (quant.OFFSET_BITS - 1)), F32(2.0 ** -quant.OFFSET_BITS)
+except ImportError:                                        # pragma: no cover - optional
+    AVAILABLE = False
+
+BLOCK = 4096          # elements per block: codes scratch 4 KiB, a multiple of 8 (byte-aligned for any K)
+GRAIN = 1 << 15       # elements per thread below which a kernel call is not split
+
+
+def supports(xp, dtype, M, bits):
+    """Whether the fused kernels apply: numba present, NumPy float32 arrays, byte-aligned rows.
+
+    (float64 — used for gradient checks — always takes the NumPy reference path.)"""
+    return AVAILABLE and xp is numpy and numpy.dtype(dtype) == numpy.float32 and (M * bits) % 8 == 0
+
+
+if AVAILABLE:
+    # Element-wise kernels: no fastmath, so every float operation rounds as NumPy's does.
+    # Reductions: reassociation allowed (vectorised float64 sums; tests use a tolerance).
+    _opts = dict(cache=True, nogil=True)
+    _reduce = dict(cache=True, nogil=True, fastmath={"reassoc", "nsz"})
+
+    @njit(**_reduce)
+    def _stats(x, mean, var):
+        """mean, var (biased) per row of x (C, M); float64 accumulation, two passes."""
+        C, M = x.shape
+        for c in range(C):
+            s = 0.0
+            for i in range(M):
+                s += x[c, i]
+            m = s / M
+            q = 0.0
+            for i in range(M):
+                d = x[c, i] - m
+                q += d * d
+            mean[c] = m
+            var[c] = q / M
+
+    @njit(**_opts)
+    def _forward_exact(out, xhat, x, mean, rstd, gamma, beta):
+        """xhat = (x - mean)*rstd (saved, float); out = relu(xhat*gamma + beta). out may alias x:
+        per block, the second loop reads xhat (still in cache), never x, so neither loop both
+        reads and writes one array (see _quantize_block)."""
+        C, M = x.shape
+        for c in range(C):
+            m, r, g, b = mean[c], rstd[c], gamma[c], beta[c]
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                xr, hr, orow = x[c, i0:i1], xhat[c, i0:i1], out[c, i0:i1]
+                for t in range(hr.size):
+                    hr[t] = (xr[t] - m) * r
+                for t in range(hr.size):
+                    y = hr[t] * g + b
+                    orow[t] = y if y > 0 else F0
+
+    # ---- packing: one code per byte <-> 8/K codes per byte, little end first ----
+
+    @njit(**_opts)
+    def _pack(prow, codes, bits):
+        """prow (n*bits/8,) uint8 <- codes (n,), n a multiple of 8/bits. One loop per K,
+        each with a constant number of codes per byte, so each vectorises."""
+        if bits == 8:
+            for j in range(prow.size):
+                prow[j] = codes[j]
+        elif bits == 4:
+            for j in range(prow.size):
+                prow[j] = codes[2 * j] | (codes[2 * j + 1] << 4)
+        elif bits == 2:
+            for j in range(prow.size):
+                prow[j] = (codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4)
+                           | (codes[4 * j + 3] << 6))
+        else:
+            for j in range(prow.size):
+                byte = 0
+                for q in range(8):
+                    byte |= codes[8 * j + q] << q
+                prow[j] = byte
+
+    @njit(**_opts)
+    def _unpack(codes, prow, bits):
+        """codes (n,) <- prow (n*bits/8,): the inverse of _pack."""
+        if bits == 8:
+            for j in range(prow.size):
+                codes[j] = prow[j]
+        elif bits == 4:
+            for j in range(prow.size):
+                byte = prow[j]
+                codes[2 * j] = byte & 15
+                codes[2 * j + 1] = byte >> 4
+        else:
+            per, top = 8 // bits, (1 << bits) - 1
+            for j in range(prow.size):
+                byte = prow[j]
+                for q in range(per):
+                    codes[per * j + q] = (byte >> (q * bits)) & top
+
+    # ---- one block of one row: the float work, contiguous ----
+
+    @njit(**_opts)
+    def _quantize_block(codes, ys, xr, m, r, g, b, sc, l0, kf, km1, ftop, w):
+        """codes <- the clamped code of x-hat = (x - m)*r; ys <- relu(y), y = x-hat*g + b.
+        The same operations, in the same order, as quant.quantize_pack. Both outputs are
+        scratch, never the caller's out: out may alias x, and a loop that reads and writes
+        the same array fails LLVM's overlap check and runs scalar (measured 9x slower)."""
+        for t in range(xr.size):
+            xh = (xr[t] - m) * r
+            y = xh * g + b
+            pos = y > F0
+            v = numpy.floor((xh * sc - l0) / w)
+            v = max(v, kf if pos else F0)          # the mask clamp, as quant.quantize_pack
+            v = min(v, ftop if pos else km1)
+            codes[t] = numpy.uint8(numpy.int32(v))
+            ys[t] = y if pos else F0
+
+    @njit(**_opts)
+    def _quantize_block_stochastic(codes, ys, xr, m, r, g, b, sc, l0, kf, km1, ftop, w, z0):
+        """_quantize_block with stochastic rounding: + d before the floor, d of element t from
+        counter z0 + t*GOLDEN (z0: the block's first element's counter, quant.random_offsets's
+        mix64(key) + (i + 1)*GOLDEN), the same integer and float operations as quant.quantize_pack."""
+        for t in range(xr.size):
+            xh = (xr[t] - m) * r
+            y = xh * g + b
+            pos = y > F0
+            z = z0 + U64(t) * GOLDEN
+            z = (z ^ (z >> S30)) * MIX1
+            z = (z ^ (z >> S27)) * MIX2
+            z = z ^ (z >> S31)
+            d = (F32(numpy.int32(z >> S_OFF)) - OFF_MID) * OFF_SCALE    # exact
+            v = numpy.floor((xh * sc - l0) / w + d)
+            v = max(v, kf if pos else F0)
+            v = min(v, ftop if pos else km1)
+            codes[t] = numpy.uint8(numpy.int32(v))
+            ys[t] = y if pos else F0
+
+    @njit(**_opts)
+    def _copy(dst, src):
+        for t in range(dst.size):
+            dst[t] = src[t]
+
+    @njit(**_opts)
+    def _decode_relu_block(orow, codes, sc, l0, kf, w, g, b):
+        """orow <- x-tilde*g + b where the decoded mask (code >= k) is set and that value is > 0,
+        else 0 (quant.decode_relu: an open code decoded below the threshold gives 0)."""
+        for t in range(orow.size):
+            v = F32(codes[t])
+            xt = ((v + HALF) * w + l0) * sc
+            y = xt * g + b
+            orow[t] = y if (v >= kf) & (y > F0) else F0
+
+    @njit(**_reduce)
+    def _decode_sums(codes, drow, sc, l0, kf, w):
+        """(sum dy, sum dy*x-tilde) over one block, dy = dr masked by code >= k. float32 within
+        the block (vectorised 8 wide; the caller adds the blocks in float64: as accurate as
+        NumPy's pairwise float32 sums, which the reference uses)."""
+        sdy = F0
+        sdyx = F0
+        for t in range(drow.size):
+            v = F32(codes[t])
+            xt = ((v + HALF) * w + l0) * sc
+            dy = drow[t] if v >= kf else F0
+            sdy += dy
+            sdyx += dy * xt
+        return sdy, sdyx
+
+    @njit(**_opts)
+    def _decode_dx_block(dxr, codes, drow, sc, l0, kf, w, a, mdy, mdyx, accumulate):
+        """dx (=, or += with accumulate) a*(dy - mean(dy) - x-tilde*mean(dy*x-tilde)) for a block.
+        dxr must not alias drow (see _quantize_block)."""
+        if accumulate:
+            for t in range(drow.size):
+                v = F32(codes[t])
+                xt = ((v + HALF) * w + l0) * sc
+                dy = drow[t] if v >= kf else F0
+                dxr[t] += a * (dy - mdy - xt * mdyx)
+        else:
+            for t in range(drow.size):
+                v = F32(codes[t])
+                xt = ((v + HALF) * w + l0) * sc
+                dy = drow[t] if v >= kf else F0
+                dxr[t] = a * (dy - mdy - xt * mdyx)
+
+    @njit(**_reduce)
+    def _exact_sums(xhat_row, dr_row, g, b):
+        """(sum dy, sum dy*x-hat) over one block, dy = dr masked by x-hat*g + b > 0 (float32, as above)."""
+        sdy = F0
+        sdyx = F0
+        for i in range(dr_row.size):
+            xh = xhat_row[i]
+            dy = dr_row[i] if xh * g + b > 0 else F0
+            sdy += dy
+            sdyx += dy * xh
+        return sdy, sdyx
+
+    @njit(**_opts)
+    def _exact_dx_block(dxr, xhat_row, dr_row, g, b, a, mdy, mdyx, accumulate):
+        if accumulate:
+            for i in range(dr_row.size):
+                xh = xhat_row[i]
+                dy = dr_row[i] if xh * g + b > 0 else F0
+                dxr[i] += a * (dy - mdy - xh * mdyx)
+        else:
+            for i in range(dr_row.size):
+                xh = xhat_row[i]
+                dy = dr_row[i] if xh * g + b > 0 else F0
+                dxr[i] = a * (dy - mdy - xh * mdyx)
+
+    # ---- whole (C, M) arrays ----
+
+    @njit(**_opts)
+    def _forward_code(out, packed, x, mean, rstd, gamma, beta, s, lo, k, w, top, bits, naive, inplace,
+                      stochastic, base, c_first, m_all):
+        """Normalise, quantize and pack x-hat; out = relu(y) (approx) or the decoded
+        relu(x-tilde*gamma + beta) (naive). inplace: out overlaps x, so relu(y) goes through
+        scratch (see _quantize_block); else straight into out. stochastic: round with the
+        stream starting at base (uint64); row c here is row c_first + c of a (C, m_all) array
+        (the element index the stream counts)."""
+        C, M = x.shape
+        per = 8 // bits
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        ys = numpy.empty(BLOCK, numpy.float32)
+        ftop = F32(top)
+        for c in range(C):
+            kf, km1 = F32(k[c]), F32(k[c] - 1)
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cb, orow = codes[:i1 - i0], out[c, i0:i1]
+                yb = ys[:i1 - i0] if inplace or naive else orow
+                if stochastic:
+                    z0 = base + U64((c_first + c) * m_all + i0 + 1) * GOLDEN
+                    _quantize_block_stochastic(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
+                                               s[c], lo[c], kf, km1, ftop, w, z0)
+                else:
+                    _quantize_block(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
+                                    s[c], lo[c], kf, km1, ftop, w)
+                if naive:                                  # continue from the decoded value
+                    _decode_relu_block(orow, cb, s[c], lo[c], kf, w, gamma[c], beta[c])
+                elif inplace:
+                    _copy(orow, yb)
+                _pack(packed[(c * M + i0) // per:(c * M + i1) // per], cb, bits)
+
+    @njit(**_opts)
+    def _conv_input_code(u, packed, s, lo, k, w, gamma, beta, bits):
+        """u = relu(x-tilde*gamma + beta) where the decoded mask is set, else 0 (quant.decode_relu)."""
+        C, M = u.shape
+        per = 8 // bits
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        for c in range(C):
+            kf = F32(k[c])
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cb = codes[:i1 - i0]
+                _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
+                _decode_relu_block(u[c, i0:i1], cb, s[c], lo[c], kf, w, gamma[c], beta[c])
+
+    @njit(**_opts)
+    def _conv_input_exact(u, xhat, gamma, beta):
+        C, M = u.shape
+        for c in range(C):
+            g, b = gamma[c], beta[c]
+            for i in range(M):
+                y = xhat[c, i] * g + b
+                u[c, i] = y if y > 0 else F0
+
+    @njit(**_opts)
+    def _backward_code(dx, dgamma, dbeta, dr, packed, s, lo, k, w, gamma, rstd, bits, accumulate, inplace):
+        """BN-ReLU backward from packed codes: two passes per row (sums, then dx), each
+        unpacking block by block into L1 scratch; no decode buffer. inplace: dx overlaps dr
+        (the engine's usual case), so dx goes through scratch, see _quantize_block."""
+        C, M = dr.shape
+        per = 8 // bits
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        tmp = numpy.empty(BLOCK, numpy.float32)
+        for c in range(C):
+            sc, l0, kf = s[c], lo[c], F32(k[c])
+            sdy = 0.0
+            sdyx = 0.0
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cb = codes[:i1 - i0]
+                _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
+                a1, a2 = _decode_sums(cb, dr[c, i0:i1], sc, l0, kf, w)
+                sdy += a1
+                sdyx += a2
+            dgamma[c] += sdyx
+            dbeta[c] += sdy
+            a = F32(gamma[c] * rstd[c])
+            mdy, mdyx = F32(sdy / M), F32(sdyx / M)
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cb = codes[:i1 - i0]
+                _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
+                if accumulate or not inplace:
+                    _decode_dx_block(dx[c, i0:i1], cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, accumulate)
+                else:
+                    tb = tmp[:i1 - i0]
+                    _decode_dx_block(tb, cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, False)
+                    _copy(dx[c, i0:i1], tb)
+
+    @njit(**_opts)
+    def _backward_exact(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, accumulate, inplace):
+        """The float-slot twin of _backward_code, blocked the same way."""
+        C, M = dr.shape
+        tmp = numpy.empty(BLOCK, numpy.float32)
+        for c in range(C):
+            g, b = gamma[c], beta[c]
+            sdy = 0.0
+            sdyx = 0.0
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                a1, a2 = _exact_sums(xhat[c, i0:i1], dr[c, i0:i1], g, b)
+                sdy += a1
+                sdyx += a2
+            dgamma[c] += sdyx
+            dbeta[c] += sdy
+            a = F32(g * rstd[c])
+            mdy, mdyx = F32(sdy / M), F32(sdyx / M)
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                if accumulate or not inplace:
+                    _exact_dx_block(dx[c, i0:i1], xhat[c, i0:i1], dr[c, i0:i1], g, b, a, mdy, mdyx, accumulate)
+                else:
+                    tb = tmp[:i1 - i0]
+                    _exact_dx_block(tb, xhat[c, i0:i1], dr[c, i0:i1], g, b, a, mdy, mdyx, False)
+                    _copy(dx[c, i0:i1], tb)
+
+
+# ---- the engine-facing functions (same maths as lowmem/ops + lowmem/units/quant) ----
+# Each splits its channels into contiguous ranges, one per lowmem thread
+# (threads.parallel_for); channel c's codes are bytes [c*M*K/8, (c+1)*M*K/8).
+
+def _w(qp):
+    return numpy.dtype(qp.dtype).type(qp.w)
+
+
+def _over_channels(fn, C, M):
+    """fn(c0, c1) over channel ranges, split over lowmem's threads when the rows are big enough."""
+    threads.parallel_for(fn, C, grain=max(1, -(-GRAIN // max(M, 1))))
+
+
+def _overlap(a, b):
+    """Whether two arrays may share memory (a bounds check, cheap): the kernels then go
+    through scratch, see _quantize_block."""
+    return numpy.may_share_memory(a, b)
+
+
+def _code_rows(packed, c0, c1, M, bits):
+    return packed[c0 * M * bits // 8:c1 * M * bits // 8]
+
+
+def bn_stats(mean, var, rstd, x, eps):
+    """mean, var (biased), rstd (C,) of x (C, M)."""
+    C, M = x.shape
+    _over_channels(lambda c0, c1: _stats(x[c0:c1], mean[c0:c1], var[c0:c1]), C, M)
+    numpy.add(var, eps, out=rstd)
+    numpy.sqrt(rstd, out=rstd)
+    numpy.reciprocal(rstd, out=rstd)
+
+
+def unit_forward_exact(out, xhat, x, mean, rstd, gamma, beta):
+    C, M = x.shape
+    _over_channels(lambda c0, c1: _forward_exact(out[c0:c1], xhat[c0:c1], x[c0:c1], mean[c0:c1],
+                                                 rstd[c0:c1], gamma[c0:c1], beta[c0:c1]), C, M)
+
+
+def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive, rounding="nearest", key=None):
+    """Normalise, quantize (rounding "nearest" or "stochastic" with the stream of `key`, as
+    quant.quantize_pack) and pack x-hat; out = relu(y), or naive's decoded relu."""
+    C, M = x.shape
+    w, top, bits, inplace = _w(qp), qp.levels - 1, qp.bits, _overlap(out, x)
+    base = quant.stream_base(rounding, key)
+    stochastic, base = base is not None, numpy.uint64(base or 0)
+
+    def rows(c0, c1):
+        _forward_code(out[c0:c1], _code_rows(packed, c0, c1, M, bits), x[c0:c1], mean[c0:c1], rstd[c0:c1],
+                      gamma[c0:c1], beta[c0:c1], qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, top, bits, naive,
+                      inplace, stochastic, base, c0, M)
+    _over_channels(rows, C, M)
+
+
+def conv_input(u, xhat, packed, qp, gamma, beta):
+    """u = relu(gamma*x-hat + beta) from the float slot (xhat) or the code (packed)."""
+    C, M = u.shape
+    if packed is None:
+        _over_channels(lambda c0, c1: _conv_input_exact(u[c0:c1], xhat[c0:c1], gamma[c0:c1], beta[c0:c1]),
+                       C, M)
+        return
+    w, bits = _w(qp), qp.bits
+    _over_channels(lambda c0, c1: _conv_input_code(u[c0:c1], _code_rows(packed, c0, c1, M, bits), qp.s[c0:c1],
+                                                   qp.lo[c0:c1], qp.k[c0:c1], w, gamma[c0:c1], beta[c0:c1],
+                                                   bits), C, M)
+
+
+def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, accumulate):
+    C, M = dr.shape
+    inplace = _overlap(dx, dr)
+    if packed is None:
+        def rows(c0, c1):
+            _backward_exact(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], xhat[c0:c1], gamma[c0:c1],
+                            beta[c0:c1], rstd[c0:c1], accumulate, inplace)
+    else:
+        w, bits = _w(qp), qp.bits
+
+        def rows(c0, c1):
+            _backward_code(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], _code_rows(packed, c0, c1, M, bits),
+                           qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, gamma[c0:c1], rstd[c0:c1], bits,
+                           accumulate, inplace)
+    _over_channels(rows, C, M)

@@ -1,0 +1,85 @@
+"""The fused unit kernels: numba on the CPU (units/cpu.py), CUDA on the GPU (units/gpu.py).
+
+Both modules export the same functions (bn_stats, unit_forward_exact,
+unit_forward_code, conv_input, unit_backward), each one pass (or two) over a
+unit's (C, M) rows instead of a dozen array ops. These classes give them the
+interface of lowmem/units/__init__.py, with the mode and bit width fixed
+when the set is made. What differs between the two modules is written here
+once:
+
+  * the quantization grid: numba's kernels take quant.QuantParams (computed
+    per unit, a few (C,) ops); the CUDA kernels derive it from gamma and beta
+    in-kernel and take only the bit width (no per-unit launches);
+  * CUDA's reductions need the plan's `bn.partials` workspace (float64).
+
+The code kernels read and write one channel's codes as whole bytes, so they
+apply only when M * bits is a multiple of 8 (`applies`).
+"""
+import numpy
+
+from . import quant
+from . import cpu, gpu
+from .reference import BN_EPS, CodeUnits, ExactUnits
+
+
+class FusedExactUnits(ExactUnits):
+    """x-hat saved in float, through one fused kernel per step."""
+    fused = True
+
+    def __init__(self, module, partials=None):
+        self.module, self.partials = module, partials
+        self._extra = {} if partials is None else {"partials": partials}
+
+    def stats(self, mean, var, rstd, x):
+        self.module.bn_stats(mean, var, rstd, x, BN_EPS, **self._extra)
+
+    def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
+        self.module.unit_forward_exact(out, saved, x, mean, rstd, gamma, beta)
+
+    def conv_input(self, u, saved, gamma, beta):
+        self.module.conv_input(u, saved, None, None, gamma, beta)
+
+    def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
+        # saved: x-hat exact; decoded nowhere, so `scratch` stays unused
+        self.module.unit_backward(dx, dgamma, dbeta, dr, saved, None, None, gamma, beta, rstd,
+                             accumulate, **self._extra)
+
+
+class FusedCodeUnits(CodeUnits):
+    """x-hat saved as a K-bit code; the kernels decode it inline (no decode buffer)."""
+    fused = True
+
+    def __init__(self, module, bits, naive=False, partials=None, rounding="nearest"):
+        super().__init__(bits, naive, rounding)
+        self.module, self.partials = module, partials
+        self._extra = {} if partials is None else {"partials": partials}
+
+    def grid(self, gamma, beta):
+        """What the module takes for the grid: QuantParams (numba) or the bit width (CUDA)."""
+        return self.bits if self.module is gpu else quant.quant_params(gamma, beta, self.bits)
+
+    stats = FusedExactUnits.stats
+
+    def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
+        self.module.unit_forward_code(out, saved, x, mean, rstd, gamma, beta, self.grid(gamma, beta), self.naive,
+                                 self.rounding, key)
+
+    def conv_input(self, u, saved, gamma, beta):
+        self.module.conv_input(u, None, saved, self.grid(gamma, beta), gamma, beta)
+
+    def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
+        # saved: the K-bit code (approximate x-tilde, exact mask), decoded inline; rstd exact
+        self.module.unit_backward(dx, dgamma, dbeta, dr, None, saved, self.grid(gamma, beta), gamma, beta,
+                             rstd, accumulate, **self._extra)
+
+
+def module_for(xp):
+    """The fused module for array module xp (units/gpu.py for CuPy, units/cpu.py for NumPy)."""
+    return gpu if xp is not numpy else cpu
+
+
+def applies(xp, dtype, sizes):
+    """Whether the fused kernels can run every unit: their module supports xp and dtype, and
+    every unit's M is a multiple of 8 (whole code bytes at every bit width, so exact and
+    approx engines of one shape choose the same kernels and compute the same forward)."""
+    return all(module_for(xp).supports(xp, dtype, M, 8) and M % 8 == 0 for M in sizes)

@@ -1,0 +1,597 @@
+"""The K-bit quantizer and packer for a unit's normalised activation x̂.
+
+Each BN->ReLU unit keeps one packed K-bit code of `x̂` (K in {8, 4, 2, 1}):
+K/8 bytes per element (1, 0.5, 0.25, 0.125) plus a few per-channel numbers,
+against 4 bytes for float32. From the code the backward sweep recovers an
+approximate `x̃` (for BN backward and, via `relu(γ·x̃ + β)`, the conv weight
+gradient) and the *exact* ReLU mask `y > 0`. docs/quantizer.md states the contract.
+
+The grid, per channel c (all in units of x̂, i.e. of the batch std):
+
+* L = 2**K bins of width w = 2·W/L: the window covers about ±W, with a
+  half-width W = WINDOWS[K] chosen per bit width from measured gradient
+  errors (docs/quantizer.md §1b; the paper uses W = 3 for every K).
+* Work on u = s·x̂ with s = sign(γ), so y = |γ|·u + β and the mask is
+  u > t with t = −β/|γ|: flipping the axis for γ < 0 makes "positive" always
+  mean "high codes".
+* A bin edge sits exactly on t: lo = t − k·w, code k is the first code of
+  the positive side. Then *which side of the threshold* an element lies on is
+  carried by its code, and `mask = code >= k` costs no extra bit. k is chosen
+  as round((t + W)/w), so the window stays centred near x̂ = 0 (lo within
+  half a bin of −W), and clamped to [1, L−1] so both sides keep a code.
+* If t lies outside the window (k clamped), lo stays at −W ± w/2 (the
+  nearer end) instead of following t out: the window keeps covering
+  x̂ ≈ 0, one end bin becomes the "beyond the threshold" bin, and the mask
+  stays exact. Consequence: for every channel, every γ and β,
+  |x̂| ≤ W − w/2  ⇒  |x̃ − x̂| ≤ w/2, and |x̃| ≤ W always (saturation).
+* Floating-point rounding can put an element within an ulp of t into the
+  wrong bin, so every code is finally clamped into the range its *exact*
+  mask allows (mask: code ≥ k, else code ≤ k − 1). The exact mask is the
+  engine's own expression `(x̂ * γ) + β > 0` in x̂'s dtype, bit for bit.
+* γ = 0: the mask is the constant β > 0, x̂ sits on the plain centred grid
+  lo = −W, and k = 0 (β > 0: every code means "positive") or k = L (none
+  does), so the same `code >= k` decodes it with no special case.
+* Decode: x̃ = s · (lo + (code + 0.5)·w), the bin midpoint. Every W is a
+  multiple of 1/4 and w = m·2**e with an odd integer m < 64, so (code + 0.5)·w,
+  k·w and w/2 are exact in float32 and float64: the one rounding of the
+  decode is the `+ lo`. `window` rejects a W breaking this.
+
+The grid needs only γ and β: no min/max pass over the data, deterministic.
+
+Rounding (`rounding=`): "nearest" (the default) takes code = floor((u − lo)/w),
+the bin whose midpoint is nearest. "stochastic" takes floor((u − lo)/w + d)
+with d uniform in [−1/2, 1/2) from a counter-based stream (`random_offsets`):
+between two neighbouring midpoints it picks the upper with probability equal
+to the distance from the lower over w, so E[x̃] = x̂. The same two clamps
+follow (window, then the exact mask's side), so the mask stays exact on every
+draw, and the decode is unchanged (the midpoint). Unbiased where u lies
+between the midpoints of the lowest and highest code its side of the
+threshold allows; outside that (within half a bin of the threshold, at the
+window's ends, beyond them) the clamp gives that end code, as nearest rounding
+does. docs/quantizer.md §6.
+
+The random stream: element i (flat C order) of a call with key K gets
+h = mix64(mix64(K) + (i + 1)·φ mod 2**64) (SplitMix64 seeded with mix64(K):
+φ = 0x9E3779B97F4A7C15, mix64 its finaliser) and d = ((h >> 40) − 2**23)·2**−24,
+24 bits, exact in float32 and float64. Integer-only, so NumPy, numba and
+CUDA compute the same d and, with the same float operations, the same codes.
+`stream_key(seed, step, unit, rank)` derives a key per unit and step.
+
+Codes are packed 8/K per byte, little end first: element i (flat C order)
+lives at bits (i % (8/K))·K of byte i // (8/K); `ceil(n·K/8)` bytes.
+
+Memory: `quantize_pack`, `unpack_decode`, `decode_relu`, `pack_codes` and
+`unpack_codes` walk the array in chunks of `CHUNK` flat elements (a multiple
+of 8, so every chunk starts on a byte boundary for every K) and allocate
+only chunk-sized scratch, about 20 bytes per CHUNK element in all (44 with
+stochastic rounding: three uint64 arrays for the stream), whatever the
+array size. `quantize_simulated` is the whole-array float reference
+(readable, allocates freely) that the packed path must match bit for bit.
+
+Not here: choosing K, storing rstd, the backward maths (batchnorm/relu ops).
+
+Dimension legend: C channels, M = N·H·W elements per channel; activations
+are channels-major, so a unit's x̂ is a C-contiguous (C, M) array.
+"""
+import fractions
+import math
+import numbers
+
+import numpy
+
+from ..system.backend import array_module
+
+BITS = (8, 4, 2, 1)
+CHUNK = 1 << 16     # flat elements per chunk; a multiple of 8 (tests lower it)
+# Half-width W of the window per bit width K, in x̂ units: the grid covers
+# about ±W. Chosen from measured gradient errors (benchmarks/window_sweep.py,
+# docs/quantizer.md §1b); the paper's ±3 for every K saturates too much at 8 bits.
+WINDOWS = {8: 5.5, 4: 3.5, 2: 2.5, 1: 2.0}
+MAX_ODD = 64        # w = m·2**e with odd m < MAX_ODD keeps (code + 0.5)·w exact in float32
+ROUNDINGS = ("nearest", "stochastic")
+
+# The random stream of stochastic rounding: SplitMix64 (Steele, Lea, Flood 2014; the
+# finaliser is Stafford's "Mix13"), in uint64 arithmetic that wraps the same everywhere.
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15     # φ·2**64, the stream's increment
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+OFFSET_BITS = 24                # d has 24 random bits: exact in float32 and float64
+
+# (bits, W) -> float(W) for each window that passed `window`'s checks: quant_params runs once per
+# unit per step (491 times in a ResNet-164 step) and the exactness check builds a Fraction.
+# Keyed by the value, so a changed quant.WINDOWS entry is checked again.
+_CHECKED = {}
+
+
+def check_bits(bits):
+    """Return `bits` as an int if it is one of 8, 4, 2, 1; else ValueError."""
+    if bits.__class__ is int and bits in BITS:          # the common case, without the ABC checks
+        return bits
+    ok = (isinstance(bits, numbers.Integral) and not isinstance(bits, bool)
+          and int(bits) in BITS)
+    if not ok:
+        raise ValueError(f"bits must be one of {{1, 2, 4, 8}}, got {bits!r}")
+    return int(bits)
+
+
+def window(bits):
+    """W, the half-width of the quantization window for `bits`, in x̂ units.
+
+    Checked to be exact arithmetic: the bin width w = 2·W/2**bits must be
+    m·2**e with an odd integer m < MAX_ODD, so that (code + 0.5)·w (at most
+    bits + 7 significant bits), k·w and w/2 are exact in float32 (24 bits)."""
+    bits = check_bits(bits)
+    W = WINDOWS[bits]
+    try:
+        return _CHECKED[bits, W]
+    except (KeyError, TypeError):                       # first call for this W (or W unhashable)
+        pass
+    if not (isinstance(W, numbers.Real) and math.isfinite(W) and W > 0):
+        raise ValueError(f"quant.WINDOWS[{bits}] must be a positive finite number, got {W!r}")
+    num = fractions.Fraction(float(W)).numerator      # w = 2W/L has the same odd part
+    while num % 2 == 0:
+        num //= 2
+    if num >= MAX_ODD:
+        raise ValueError(f"quant.WINDOWS[{bits}] = {W!r} gives a bin width whose odd part "
+                         f"{num} is not below {MAX_ODD}: (code + 0.5)*w would round "
+                         f"(use a multiple of 1/4 such as 2.75 or 4.5)")
+    _CHECKED[bits, W] = float(W)
+    return float(W)
+
+
+def bin_width(bits):
+    """w = 2·W/2**bits, the bin width for `bits` in x̂ units (exact: see `window`)."""
+    return 2 * window(bits) / (1 << check_bits(bits))
+
+
+def packed_nbytes(n, bits):
+    """Bytes holding n K-bit codes: ceil(n*bits/8)."""
+    return (int(n) * check_bits(bits) + 7) // 8
+
+
+def check_rounding(rounding):
+    """Return `rounding` if it is "nearest" or "stochastic"; else ValueError."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    return rounding
+
+
+def check_key(key):
+    """Return `key` as an int if it is an integer in [0, 2**64); else ValueError."""
+    ok = isinstance(key, numbers.Integral) and not isinstance(key, bool) and 0 <= int(key) <= MASK64
+    if not ok:
+        raise ValueError(f"key must be an integer in [0, 2**64), got {key!r}")
+    return int(key)
+
+
+def mix64(z):
+    """SplitMix64's finaliser on a Python int (taken mod 2**64): a bijection of uint64 whose
+    every output bit depends on every input bit."""
+    z &= MASK64
+    z = ((z ^ (z >> 30)) * MIX1) & MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & MASK64
+    return z ^ (z >> 31)
+
+
+def stream_key(seed, step, unit, rank=0):
+    """The key of one unit's stochastic rounding in one training step: a uint64 (Python int)
+    mixing the run's seed, the step number, the unit's index and the data-parallel rank (each
+    a non-negative integer), so every unit, step and rank draws its own stream and a rerun
+    with the same seed draws the same ones."""
+    z = 0
+    for part in (seed, step, unit, rank):
+        z = mix64(z ^ check_key(part)) + GOLDEN      # a new, well-mixed value per part
+    return mix64(z)
+
+
+def stream_base(rounding, key):
+    """The stream's start mix64(key) (an int) for stochastic rounding; None for nearest
+    (which ignores key). Stochastic rounding without a key is a ValueError."""
+    if check_rounding(rounding) == "nearest":
+        return None
+    if key is None:
+        raise ValueError("rounding='stochastic' needs a key: an integer in [0, 2**64), "
+                         "e.g. quant.stream_key(seed, step, unit)")
+    return mix64(check_key(key))
+
+
+def _mix64_array(z, tmp):
+    """mix64 of uint64 array z in place (tmp: uint64 scratch of z's size). Array ops wrap
+    mod 2**64 silently (NumPy warns only for scalars)."""
+    xp = array_module(z)
+    for shift, mult in ((30, MIX1), (27, MIX2)):
+        xp.right_shift(z, numpy.uint64(shift), out=tmp)
+        xp.bitwise_xor(z, tmp, out=z)
+        xp.multiply(z, numpy.uint64(mult), out=z)
+    xp.right_shift(z, numpy.uint64(31), out=tmp)
+    xp.bitwise_xor(z, tmp, out=z)
+
+
+def random_offsets(key, n, dtype, start=0, xp=numpy):
+    """d (n,) in dtype: stochastic rounding's offsets of elements start .. start+n−1 of a call
+    with `key`; d = ((h >> 40) − 2**23)·2**−24 in [−1/2, 1/2), h = mix64(mix64(key) +
+    (i + 1)·φ). Readable whole-array form (allocates freely); quantize_pack computes the same
+    per chunk."""
+    base = stream_base("stochastic", key)
+    z = xp.arange(start + 1, start + n + 1, dtype=numpy.uint64)
+    z *= numpy.uint64(GOLDEN)
+    z += numpy.uint64(base)
+    _mix64_array(z, xp.empty_like(z))
+    d = (z >> numpy.uint64(64 - OFFSET_BITS)).astype(dtype)    # < 2**24: exact
+    d -= 1 << (OFFSET_BITS - 1)
+    d *= 2.0 ** -OFFSET_BITS
+    return d
+
+
+def _chunk(n=None):
+    """The current CHUNK, checked (tests set it small); with n, no more than n rounded up to
+    a multiple of 8, so a small array gets small scratch."""
+    if CHUNK <= 0 or CHUNK % 8:
+        raise ValueError(f"quant.CHUNK must be a positive multiple of 8, got {CHUNK}")
+    return CHUNK if n is None else min(CHUNK, max(8, (int(n) + 7) // 8 * 8))
+
+
+class QuantParams:
+    """Per-channel quantization grid of one unit (all tiny, (C,) arrays on xp).
+
+    bits, levels (L = 2**bits), window (W = window(bits)), w (bin width
+    2·W/L, a Python float: exact in any float dtype, see `window`), dtype
+    (of γ, β and x̂).
+    s     (C,) dtype   +1 or −1: the axis flip, u = s·x̂ (+1 where γ == 0)
+    lo    (C,) dtype   lower edge of code 0, in u; always within w/2 of −W
+    k     (C,) int32   first code meaning "ReLU passes" (mask = code >= k);
+                       1..L−1 where γ != 0, 0 or L where γ == 0
+    gamma (C,) dtype   copies of γ and β, for the exact mask at quantize time
+    beta  (C,) dtype
+    """
+
+    def __init__(self, bits, s, lo, k, gamma, beta):
+        self.bits = bits
+        self.levels = 1 << bits
+        self.window = window(bits)
+        self.w = bin_width(bits)
+        self.s, self.lo, self.k = s, lo, k
+        self.gamma, self.beta = gamma, beta
+        self.dtype = gamma.dtype
+        self.channels = gamma.shape[0]
+
+    @property
+    def nbytes(self):
+        """Bytes held by the per-channel arrays."""
+        return sum(a.nbytes for a in (self.s, self.lo, self.k, self.gamma, self.beta))
+
+    def __repr__(self):
+        return (f"QuantParams(bits={self.bits}, channels={self.channels}, "
+                f"dtype={numpy.dtype(self.dtype).name})")
+
+
+def quant_params(gamma, beta, bits):
+    """The grid for one unit from its BN affine parameters γ, β: (C,) each.
+
+    γ and β must share a float dtype (float32 or float64), which is also the
+    dtype x̂ must have. Cost: a handful of (C,) operations, no data pass.
+    """
+    bits = check_bits(bits)
+    xp = array_module(gamma)
+    if gamma.ndim != 1 or beta.shape != gamma.shape:
+        raise ValueError(f"gamma and beta must be 1-D of equal shape, "
+                         f"got {gamma.shape} and {beta.shape}")
+    if gamma.dtype != beta.dtype or gamma.dtype not in (numpy.float32, numpy.float64):
+        raise ValueError(f"gamma and beta must share dtype float32 or float64, "
+                         f"got {gamma.dtype} and {beta.dtype}")
+    dt = gamma.dtype
+    L = 1 << bits
+    W, w = window(bits), bin_width(bits)
+    zero = gamma == 0
+    with numpy.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        # t = -β/|γ| may overflow to ±inf for tiny γ; the clips below absorb it.
+        t = -beta / xp.where(zero, 1, xp.abs(gamma)).astype(dt)
+        # k: the shift putting an edge on t is then at most w/2 from the
+        # centred grid (lo = -W); clamped so both mask sides keep >= 1 code
+        k = xp.clip(xp.rint((t + W) / w), 1, L - 1)
+        # lo = t - k*w puts the edge on t; when k was clamped (t far out) the
+        # clip keeps the window at -W ± w/2 instead of following t away
+        lo = xp.clip(t - k * w, -W - w / 2, -W + w / 2)
+    lo = xp.where(zero, -W, lo).astype(dt)
+    k = xp.where(zero, xp.where(beta > 0, 0, L), k).astype(xp.int32)
+    s = xp.where(gamma < 0, -1, 1).astype(dt)
+    return QuantParams(bits, s, lo, k, gamma.copy(), beta.copy())
+
+
+def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
+    """Reference path: (x̃, mask), both (C, M), as the packed path computes them.
+
+    Whole arrays, plain float maths, no chunking, no packing: the readable
+    statement of the rule. Allocates several x̂-sized temporaries.
+    rounding="stochastic" adds random_offsets(key, ...) to the bin position
+    before the floor (key: an integer in [0, 2**64)); "nearest" ignores key.
+    """
+    xp = array_module(xhat)
+    qp = quant_params(gamma, beta, bits)
+    L, w = qp.levels, qp.w
+    s, lo = qp.s[:, None], qp.lo[:, None]
+    k = qp.k.astype(xhat.dtype)[:, None]
+    mask = (xhat * gamma[:, None]) + beta[:, None] > 0      # exactly as the engine
+    position = (xhat * s - lo) / w                           # u in bins from lo
+    if stream_base(rounding, key) is not None:               # + d: floor picks the upper
+        position = position + random_offsets(key, xhat.size, xhat.dtype, xp=xp).reshape(xhat.shape)
+    code = xp.clip(xp.floor(position), 0, L - 1)
+    code = xp.where(mask, xp.maximum(code, k), xp.minimum(code, k - 1))
+    xtilde = s * (lo + (code + 0.5) * w)
+    return xtilde, mask
+
+
+# ---- chunk walking --------------------------------------------------------
+
+def _pieces(a, b, M):
+    """Split flat range [a, b) of a (C, M) array into at most three rectangles
+    (r0, r1, c0, c1, off): a head partial row, whole rows, a tail partial row.
+    Each is a contiguous 2-D view, so per-channel params broadcast as [r0:r1, None];
+    `off` is its offset inside the chunk."""
+    out, off = [], 0
+    r, c = divmod(a, M)
+    if c:                                       # head: finish row r
+        e = min(M, c + (b - a))
+        out.append((r, r + 1, c, e, off))
+        off += e - c
+        r += 1
+    full = (b - a - off) // M
+    if full:
+        out.append((r, r + full, 0, M, off))
+        off += full * M
+        r += full
+    if off < b - a:                             # tail: start of row r
+        out.append((r, r + 1, 0, b - a - off, off))
+    return out
+
+
+def _chunks(n, M):
+    """Yield (a, b, pieces) over the flat index in CHUNK steps."""
+    step = _chunk()
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        yield a, b, _pieces(a, b, M)
+
+
+def _rows(a, C, name, dtype=None):
+    """`a` viewed as (C, M) without a copy; clear errors otherwise."""
+    if a.ndim < 2 or a.shape[0] != C:
+        raise ValueError(f"{name} must have shape (C={C}, M), got {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (a copy would be activation-sized)")
+    if dtype is not None and a.dtype != dtype:
+        raise ValueError(f"{name} must have dtype {numpy.dtype(dtype).name}, got {a.dtype}")
+    return a.reshape(C, -1)
+
+
+def _check_packed(packed, n, bits, name="packed"):
+    want = packed_nbytes(n, bits)
+    if packed.dtype != numpy.uint8 or packed.ndim != 1 or packed.size != want:
+        raise ValueError(f"{name} must be uint8 of shape ({want},) for {n} codes at "
+                         f"{bits} bits, got {packed.dtype} {packed.shape}")
+
+
+# ---- raw packers ----------------------------------------------------------
+
+def _pack_block(out, codes, bits, tmp):
+    """codes (n,) uint8 -> out (ceil(n*bits/8),) uint8; tmp: >= n*bits/8 uint8 scratch."""
+    xp = array_module(codes)
+    if bits == 8:
+        xp.copyto(out, codes)
+        return
+    per = 8 // bits
+    nfull = codes.size // per
+    g = codes[:nfull * per].reshape(nfull, per)     # row i = the codes of byte i
+    o, t = out[:nfull], tmp[:nfull]
+    xp.copyto(o, g[:, 0])
+    for j in range(1, per):
+        xp.left_shift(g[:, j], j * bits, out=t)
+        xp.bitwise_or(o, t, out=o)
+    rest = codes[nfull * per:]                      # n % per codes share a last byte
+    if rest.size:
+        last = out[nfull:nfull + 1]
+        xp.copyto(last, rest[:1])
+        for j in range(1, rest.size):
+            last |= rest[j:j + 1] << (j * bits)
+
+
+def _unpack_block(codes, packed, bits):
+    """packed (ceil(n*bits/8),) uint8 -> codes (n,) uint8, written in place."""
+    xp = array_module(packed)
+    if bits == 8:
+        xp.copyto(codes, packed)
+        return
+    per, top = 8 // bits, (1 << bits) - 1
+    nfull = codes.size // per
+    g = codes[:nfull * per].reshape(nfull, per)
+    p = packed[:nfull]
+    for j in range(per):                            # strided writes, no temporaries
+        xp.right_shift(p, j * bits, out=g[:, j])
+        xp.bitwise_and(g[:, j], top, out=g[:, j])
+    for j in range(codes.size - nfull * per):
+        codes[nfull * per + j:nfull * per + j + 1] = (packed[nfull:nfull + 1] >> (j * bits)) & top
+
+
+def pack_codes(packed_out, codes, bits):
+    """Pack uint8 codes (any contiguous shape, values < 2**bits, n in all)
+    into packed_out (packed_nbytes(n, bits),) uint8, chunked."""
+    bits = check_bits(bits)
+    xp = array_module(codes)
+    codes = codes.reshape(-1)
+    _check_packed(packed_out, codes.size, bits, "packed_out")
+    step = _chunk(codes.size)
+    tmp = xp.empty(step * bits // 8, numpy.uint8)
+    for a in range(0, codes.size, step):
+        b = min(a + step, codes.size)
+        _pack_block(packed_out[a * bits // 8:(b * bits + 7) // 8], codes[a:b], bits, tmp)
+
+
+def unpack_codes(codes_out, packed, bits):
+    """Unpack packed (packed_nbytes(n, bits),) uint8 into codes_out (n codes,
+    any contiguous uint8 shape). Allocates nothing."""
+    bits = check_bits(bits)
+    if codes_out.dtype != numpy.uint8 or not codes_out.flags.c_contiguous:
+        raise ValueError(f"codes_out must be C-contiguous uint8, got {codes_out.dtype}")
+    flat = codes_out.reshape(-1)                    # a view, written in place
+    _check_packed(packed, flat.size, bits)
+    step = _chunk()
+    for a in range(0, flat.size, step):
+        b = min(a + step, flat.size)
+        _unpack_block(flat[a:b], packed[a * bits // 8:(b * bits + 7) // 8], bits)
+
+
+# ---- quantize / decode ----------------------------------------------------
+
+def quantize_pack(packed_out, xhat, qp, rounding="nearest", key=None):
+    """Quantize x̂ and pack its codes.
+
+    packed_out (packed_nbytes(C*M, bits),) uint8   written
+    xhat       (C, M) C-contiguous, dtype qp.dtype read
+    rounding   "nearest" or "stochastic"; key: the stream's key, an integer in
+               [0, 2**64), required by "stochastic" (ignored by "nearest")
+    Computes the exact ReLU mask `(x̂·γ) + β > 0` itself. Scratch: about
+    (2·itemsize + 2.5)·CHUNK bytes (+ 24·CHUNK stochastic), independent of the array size.
+    """
+    xp = array_module(xhat)
+    C, L, w, bits = qp.channels, qp.levels, qp.w, qp.bits
+    x2 = _rows(xhat, C, "xhat", qp.dtype)
+    n, M = x2.size, x2.shape[1]
+    _check_packed(packed_out, n, bits, "packed_out")
+    base = stream_base(rounding, key)
+    # the mask clamp as one clip per element: [lower, upper] =
+    # mask ? [k, L-1] : [0, k-1], i.e. lower = mask*k, upper = mask*(L-k) + k-1
+    kf = qp.k.astype(qp.dtype)
+    span = (L - qp.k).astype(qp.dtype)
+    km1 = (qp.k - 1).astype(qp.dtype)
+    step = _chunk(n)
+    v = xp.empty(step, qp.dtype)        # the code, as a float, while it is built
+    bound = xp.empty(step, qp.dtype)    # lower, then upper clamp
+    mask = xp.empty(step, bool)
+    codes = xp.empty(step, numpy.uint8)
+    tmp = xp.empty(step * bits // 8, numpy.uint8)
+    if base is not None:                # the stream: element i's counter is (i + 1)·φ + base
+        iphi = xp.arange(step, dtype=numpy.uint64)
+        iphi *= numpy.uint64(GOLDEN)
+        z, ztmp = xp.empty(step, numpy.uint64), xp.empty(step, numpy.uint64)
+    for a, b, pieces in _chunks(n, M):
+        if base is not None:            # this chunk's offsets d, into `bound` (used after them)
+            zz = z[:b - a]
+            xp.add(iphi[:b - a], numpy.uint64((base + (a + 1) * GOLDEN) & MASK64), out=zz)
+            _mix64_array(zz, ztmp[:b - a])
+            xp.right_shift(zz, numpy.uint64(64 - OFFSET_BITS), out=zz)
+            d = bound[:b - a]
+            xp.copyto(d, zz, casting="unsafe")                  # < 2**24: exact
+            xp.subtract(d, 1 << (OFFSET_BITS - 1), out=d)
+            xp.multiply(d, 2.0 ** -OFFSET_BITS, out=d)
+        for r0, r1, c0, c1, off in pieces:
+            shape, cnt = (r1 - r0, c1 - c0), (r1 - r0) * (c1 - c0)
+            x = x2[r0:r1, c0:c1]
+            vv = v[:cnt].reshape(shape)
+            bb = bound[off:off + cnt].reshape(shape)    # the piece's own part: its offsets
+            mm = mask[:cnt].reshape(shape)
+            rows = slice(r0, r1)
+            # exact mask, the engine's expression: multiply, then add
+            xp.multiply(x, qp.gamma[rows, None], out=vv)
+            xp.add(vv, qp.beta[rows, None], out=vv)
+            xp.greater(vv, 0, out=mm)
+            # raw bin index floor((s*x - lo)/w)
+            xp.multiply(x, qp.s[rows, None], out=vv)
+            xp.subtract(vv, qp.lo[rows, None], out=vv)
+            xp.divide(vv, w, out=vv)
+            if base is not None:
+                xp.add(vv, bb, out=vv)                          # + d (stochastic)
+            xp.floor(vv, out=vv)
+            # clip into [0, L-1] and into what the exact mask allows, in one go
+            xp.multiply(mm, kf[rows, None], out=bb)
+            xp.maximum(vv, bb, out=vv)
+            xp.multiply(mm, span[rows, None], out=bb)
+            xp.add(bb, km1[rows, None], out=bb)
+            xp.minimum(vv, bb, out=vv)
+            xp.copyto(codes[off:off + cnt].reshape(shape), vv, casting="unsafe")
+        _pack_block(packed_out[a * bits // 8:(b * bits + 7) // 8], codes[:b - a], bits, tmp)
+
+
+def decode_each_chunk(out, packed, qp, extra=None):
+    """The chunked decode loop: unpack one chunk of codes at a time and write
+    x̃ = s·(lo + (code + 0.5)·w), the bin midpoint flipped back, into `out`
+    block by block; then extra(out_block, code_block, r0, r1, c0, c1) if given
+    (unpack_decode and decode_relu below; units/reference.py masks the output
+    gradient with it, so the code backward needs no mask array)."""
+    xp = array_module(packed)
+    C, w, bits = qp.channels, qp.w, qp.bits
+    o2 = _rows(out, C, "out")
+    if o2.dtype.kind != "f":
+        raise ValueError(f"out must be a float array, got {o2.dtype}")
+    n, M = o2.size, o2.shape[1]
+    _check_packed(packed, n, bits)
+    codes = xp.empty(_chunk(n), numpy.uint8)
+    for a, b, pieces in _chunks(n, M):
+        _unpack_block(codes[:b - a], packed[a * bits // 8:(b * bits + 7) // 8], bits)
+        for r0, r1, c0, c1, off in pieces:
+            ob = o2[r0:r1, c0:c1]
+            cb = codes[off:off + ob.size].reshape(ob.shape)
+            xp.copyto(ob, cb)                       # exact: small integers
+            xp.add(ob, 0.5, out=ob)
+            xp.multiply(ob, w, out=ob)              # exact: w = m·2**e, m odd < 64 (window())
+            xp.add(ob, qp.lo[r0:r1, None], out=ob)  # the one rounding
+            xp.multiply(ob, qp.s[r0:r1, None], out=ob)
+            if extra is not None:
+                extra(ob, cb, r0, r1, c0, c1)
+
+
+def unpack_decode(xhat_out, packed, qp, mask_out=None):
+    """Decode x̃ (and optionally the exact ReLU mask) from packed codes.
+
+    xhat_out (C, M) float, C-contiguous   written: x̃, computed in its dtype
+    packed   (packed_nbytes(C*M, bits),) uint8
+    mask_out (C, M) bool or None          written: the exact mask y > 0
+    Bit-identical to `quantize_simulated` when xhat_out has qp's dtype.
+    Scratch: CHUNK bytes.
+    """
+    xp = array_module(packed)
+    if mask_out is None:
+        decode_each_chunk(xhat_out, packed, qp)
+        return
+    m2 = _rows(mask_out, qp.channels, "mask_out", numpy.bool_)
+    if m2.size != xhat_out.size:
+        raise ValueError(f"mask_out shape {mask_out.shape} does not match xhat_out {xhat_out.shape}")
+
+    def write_mask(ob, cb, r0, r1, c0, c1):
+        xp.greater_equal(cb, qp.k[r0:r1, None], out=m2[r0:r1, c0:c1])
+
+    decode_each_chunk(xhat_out, packed, qp, write_mask)
+
+
+def decode_relu(out, packed, qp, gamma, beta):
+    """The conv input rebuilt from the code (and the naive mode's forward output):
+    relu(γ·x̃ + β) under the exact decoded mask.
+
+    out (C, M) float, C-contiguous   written: (x̃·γ) + β where code >= k and that value
+                                     is > 0, else +0
+    packed, qp as for unpack_decode; gamma, beta (C,) as given to quant_params.
+    Scratch: 2·CHUNK bytes.
+
+    Both conditions are needed. The decoded mask (code >= k) zeroes every closed element,
+    whatever x̃ is. The value's own sign matters only for an open element whose bin lies on
+    the closed side of the threshold: when t lies beyond the window's top midpoint (k clamped
+    to L−1, the `lo` clip), x̃ of the top code is below t and (x̃·γ) + β < 0 while the true
+    input is > 0. Such an element gets 0, the nearest value its side allows; every other open
+    element already has (x̃·γ) + β > 0 and is unchanged (docs/quantizer.md §3b).
+    """
+    xp = array_module(packed)
+    off_mask = xp.empty(_chunk(out.size), bool)
+
+    def affine_relu(ob, cb, r0, r1, c0, c1):
+        xp.multiply(ob, gamma[r0:r1, None], out=ob)
+        xp.add(ob, beta[r0:r1, None], out=ob)
+        nm = off_mask[:ob.size].reshape(ob.shape)
+        # an open element decoded to the closed side (t beyond the window): 0, not < 0
+        xp.less_equal(ob, 0, out=nm)
+        xp.copyto(ob, 0, where=nm)
+        # zero by the decoded mask, not by the sign of γ·x̃ + β alone: the mask is exact
+        xp.less(cb, qp.k[r0:r1, None], out=nm)
+        xp.copyto(ob, 0, where=nm)
+
+    decode_each_chunk(out, packed, qp, affine_relu)
+

@@ -1,0 +1,107 @@
+"""The reference unit kernels: NumPy (or CuPy) array ops from lowmem/ops and lowmem/units/quant.
+
+Readable and backend-neutral (every call takes its array module from its
+arguments); the fused sets of lowmem/units/fused.py are tested against
+these. Two sets, both with the interface of lowmem/units/__init__.py:
+
+  ExactUnits          the saved slot is x-hat itself, float (C, M_planned)
+  CodeUnits(bits)     the saved slot is x-hat's packed K-bit code (approx);
+                      naive=True: the forward continues from the decoded value;
+                      rounding="stochastic": forward(..., key=) rounds with key's stream
+
+Scratch: only the row-block and quantizer-chunk temporaries their ops
+document (bounded, never activation-sized). The code backward decodes x-tilde
+into the free buffer the schedule names (`scratch`) and applies the exact
+mask to the output gradient chunk by chunk, so no mask array is needed.
+"""
+from . import quant
+from ..system.backend import array_module
+from ..ops import bn_normalize, bn_relu_apply_forward, bn_relu_backward, bn_stats
+from ..ops.batchnorm import BN_EPS
+
+
+class ExactUnits:
+    """x-hat saved in float: the gradients of standard backprop."""
+    fused = False
+    saved_suffix = "xhat"
+    decodes = False         # its backward may decode into a scratch buffer (the schedule gives one)
+
+    def saved_entry(self, C, M, dtype):
+        """(shape, dtype) of one unit's saved slot for C channels of M planned elements."""
+        return (C, M), dtype
+
+    def saved_view(self, slot, C, M):
+        """The slot's part for the current batch: (C, M) rows (strided when M < planned)."""
+        return slot[:, :M]
+
+    def count(self, M):
+        """Elements per channel the batch statistics are over (units/sync.py: all ranks')."""
+        return M
+
+    def stats(self, mean, var, rstd, x):
+        bn_stats(mean, var, rstd, x, BN_EPS)
+
+    def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
+        """saved <- x-hat = (x - mean)*rstd; out = relu(gamma*x-hat + beta). out may alias x.
+        key: stochastic rounding's stream key (CodeUnits); nothing is rounded here, ignored."""
+        bn_normalize(saved, x, mean, rstd)
+        bn_relu_apply_forward(out, saved, gamma, beta)
+
+    def conv_input(self, u, saved, gamma, beta):
+        """u = relu(gamma*x-hat + beta): the following conv's input, rebuilt."""
+        bn_relu_apply_forward(u, saved, gamma, beta)
+
+    def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
+        # saved: x-hat (C, M) exact float and rstd (C,) exact; the mask is recomputed exactly
+        bn_relu_backward(dx, dgamma, dbeta, dr, saved, gamma, beta, rstd, accumulate=accumulate)
+
+
+class CodeUnits(ExactUnits):
+    """x-hat saved as a packed K-bit code (quant.py); x-tilde decoded where it is needed."""
+
+    decodes = True
+
+    def __init__(self, bits, naive=False, rounding="nearest"):
+        self.bits, self.naive = quant.check_bits(bits), bool(naive)
+        self.rounding = quant.check_rounding(rounding)
+        self.saved_suffix = "code"
+
+    def saved_entry(self, C, M, dtype):
+        return (quant.packed_nbytes(C * M, self.bits),), "uint8"
+
+    def saved_view(self, slot, C, M):
+        return slot[:quant.packed_nbytes(C * M, self.bits)]
+
+    def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
+        """saved <- code(x-hat); out = relu(gamma*x-hat + beta) (approx: exact, as ExactUnits)
+        or relu(gamma*x-tilde + beta) under the exact mask (naive). x-hat passes through out.
+        key: the unit's stream key for this step (quant.stream_key), required when
+        self.rounding == "stochastic", ignored when "nearest"."""
+        bn_normalize(out, x, mean, rstd)
+        qp = quant.quant_params(gamma, beta, self.bits)
+        quant.quantize_pack(saved, out, qp, self.rounding, key)
+        if self.naive:
+            quant.decode_relu(out, saved, qp, gamma, beta)
+        else:
+            bn_relu_apply_forward(out, out, gamma, beta)
+
+    def conv_input(self, u, saved, gamma, beta):
+        quant.decode_relu(u, saved, quant.quant_params(gamma, beta, self.bits), gamma, beta)
+
+    def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
+        # saved: the K-bit code of x-hat (approximate x-tilde, exact mask) and rstd (C,) exact
+        decode_masking(scratch, dr, saved, quant.quant_params(gamma, beta, self.bits))
+        bn_relu_backward(dx, dgamma, dbeta, dr, scratch, gamma, beta, rstd, dr_already_masked=True,
+                         accumulate=accumulate)
+
+
+def decode_masking(xtilde, dr, packed, qp):
+    """xtilde (C, M) <- x-tilde decoded from the code; dr (C, M) *= the exact mask (code >= k),
+    one quantizer chunk at a time, so no mask array is needed (CodeUnits, units/sync.py)."""
+    xp = array_module(dr)
+
+    def mask_gradient(ob, cb, r0, r1, c0, c1):
+        block = dr[r0:r1, c0:c1]
+        xp.multiply(block, cb >= qp.k[r0:r1, None], out=block)
+
+    quant.decode_each_chunk(xtilde, packed, qp, mask_gradient)

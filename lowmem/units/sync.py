@@ -1,0 +1,76 @@
+"""Synchronized batch norm: any unit kernel set, with statistics over the global batch.
+
+Every rank holds its shard (M local elements per channel) of the global batch
+(size * M). Forward: the set's local mean and variance become global ones
+through one 2C allreduce of (M*mean, M*(var + mean^2)) in float64
+(var = E[x^2] - mean^2 there; exact to float rounding unless |mean| exceeds
+the standard deviation by ~1e4). The inner set then normalises, saves and
+quantizes with them unchanged, so approx mode still quantizes exactly the
+x-hat the global batch defines.
+
+Backward (ChainerMN's multi-node batch norm): dx needs the global sums
+sum(dy) and sum(dy*x-hat) — one 2C allreduce between the two passes of
+ops.bn_relu_backward_sums / _apply (in approx mode x-hat is the decoded
+x-tilde, under the exact mask). dgamma and dbeta receive the *local* sums:
+the engine's gradient allreduce adds the ranks' parts afterwards. These two
+passes are array ops on every backend (the fused kernels join them in one
+call), so synchronized batch norm runs its backward on the reference path.
+
+Communication buffer: the plan's `sync.bn` workspace, 2 * C float64.
+"""
+from . import quant
+from ..system.backend import array_module
+from ..ops import bn_relu_backward_apply, bn_relu_backward_sums
+from .reference import BN_EPS, decode_masking
+
+
+class SyncUnits:
+    """Wraps a unit kernel set `inner`; `comm` sums over ranks; `buf` is the plan's sync.bn."""
+
+    def __init__(self, inner, comm, buf=None):
+        self.inner, self.comm, self.buf = inner, comm, buf
+        self.fused = inner.fused
+        self.saved_suffix = inner.saved_suffix
+
+    def __getattr__(self, name):                 # saved_entry, saved_view, forward, conv_input, bits
+        return getattr(self.inner, name)
+
+    def count(self, M):
+        return M * self.comm.size
+
+    def stats(self, mean, var, rstd, x):
+        xp = array_module(x)
+        self.inner.stats(mean, var, rstd, x)
+        C, M = x.shape
+        s = self.buf[:2 * C].reshape(2, C)          # contiguous: one message
+        s[0] = mean
+        s[0] *= M
+        s[1] = var
+        s[1] += xp.square(mean.astype(s.dtype))
+        s[1] *= M
+        self.comm.allreduce(s)
+        s /= self.count(M)
+        mean[...] = s[0]
+        s[1] -= xp.square(s[0])
+        xp.maximum(s[1], 0, out=s[1])
+        var[...] = s[1]
+        xp.add(var, BN_EPS, out=rstd)
+        xp.sqrt(rstd, out=rstd)
+        xp.reciprocal(rstd, out=rstd)
+
+    def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
+        # saved: x-hat (exact) or its code, decoded into scratch; the mask is exact either way
+        C, M = dr.shape
+        if getattr(self.inner, "bits", None) is None:            # exact: the slot is x-hat
+            xhat, dr_masked = saved, False
+        else:
+            decode_masking(scratch, dr, saved, quant.quant_params(gamma, beta, self.inner.bits))
+            xhat, dr_masked = scratch, True
+        sum_dy, sum_dyx = bn_relu_backward_sums(dr, xhat, gamma, beta, dr_already_masked=dr_masked)
+        dgamma += sum_dyx                                         # local parts: summed later
+        dbeta += sum_dy
+        s = self.buf[:2 * C].reshape(2, C)          # contiguous: one message
+        s[0], s[1] = sum_dy, sum_dyx
+        self.comm.allreduce(s)
+        bn_relu_backward_apply(dx, dr, xhat, s[0].astype(dr.dtype), s[1].astype(dr.dtype), self.count(M),
+                               gamma, rstd, accumulate)
