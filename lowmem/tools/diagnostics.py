@@ -44,7 +44,7 @@ from ..system import backend, memory as sysmem
 from ..data.datasets import channel_mean_std, normalize, synthetic
 from ..core.engine import Engine, MODES
 from ..train.optim import SGD
-from ..core.plan import fmt_bytes
+from ..system.memory import fmt_bytes
 
 
 # ---- data and warm-up -------------------------------------------------------

@@ -86,7 +86,8 @@ from ..core.engine import DTYPES, MODES, Engine
 from ..models import MODELS, build_model, model_spec
 from ..ops import softmax_xent_forward
 from .optim import SGD
-from ..core.plan import KINDS, fmt_bytes
+from ..core.plan import KINDS
+from ..system.memory import fmt_bytes
 from .rundir import CHECKPOINT, CONFIG, METRICS, PLAN, ResumeError, RunDirError   # noqa: F401 (re-exported)
 from .runlog import RunLog, json_line, read_metrics                                # noqa: F401 (re-exported)
 from .trainstate import (FORMAT, TrainState, TrainingDiverged, check_training_meta,   # noqa: F401 (re-exported)
