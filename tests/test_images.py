@@ -15,6 +15,7 @@ import pytest
 Image = pytest.importorskip("PIL.Image")
 
 from lowmem.data import datasets as data, images
+from lowmem.data.transforms import normalize              # noqa: E402
 from lowmem import nn  # noqa: E402
 from lowmem.data.datasets import DataError                      # noqa: E402
 from lowmem.core.engine import Engine                        # noqa: E402
@@ -263,7 +264,7 @@ def test_normalisation_is_computed_exactly_and_applied(folders):
     np.testing.assert_allclose(d.std, std, rtol=1e-6)
     (x, _), = [next(iter(d.loader("val", 9)))]
     (u, _), = [next(iter(d.loader("val", 9, dtype="uint8")))]
-    np.testing.assert_allclose(x, data.normalize(np.empty(u.shape, np.float32), u, d.mean, d.std))
+    np.testing.assert_allclose(x, normalize(np.empty(u.shape, np.float32), u, d.mean, d.std))
     given = images.load_image_folders(folders, 16, mean=[0.1, 0.2, 0.3], std=[1, 2, 3])
     assert given.mean.tolist() == pytest.approx([0.1, 0.2, 0.3])
     with pytest.raises(DataError, match="both mean and std"):

@@ -4,7 +4,7 @@ import pytest
 
 from lowmem.train import trainstate
 from lowmem.train.checkpoint import load_checkpoint
-from lowmem.data.datasets import BatchIterator
+from lowmem.data.batches import BatchIterator
 from lowmem.models import preact_resnet_cifar
 from lowmem.train.optim import SGD
 from lowmem.train.rundir import ResumeError

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 import numpy
 
 from ..system import backend, memory as sysmem
-from ..data.datasets import channel_mean_std, normalize, synthetic
+from ..data.datasets import channel_mean_std, synthetic
+from ..data.transforms import normalize
 from ..core.engine import Engine, MODES
 from ..train.optim import SGD
 from ..system.memory import fmt_bytes

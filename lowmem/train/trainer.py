@@ -81,7 +81,9 @@ from ..data import images
 from ..units import quant
 from . import trainstate
 from .checkpoint import CheckpointError, load_checkpoint   # noqa: F401 (re-exported)
-from ..data.datasets import BatchIterator, DataError, augment, load_dataset, normalize
+from ..data.batches import BatchIterator
+from ..data.datasets import DataError, load_dataset
+from ..data.transforms import augment, normalize
 from ..core.engine import DTYPES, MODES, Engine
 from ..models import MODELS, build_model, model_spec
 from ..ops import softmax_xent_forward
