@@ -310,7 +310,8 @@ def test_the_trainer_loop_runs_on_folder_loaders(tmp_path):
     BatchIterators and checkpoints the loader's position. (Until `--dataset folder` is wired in,
     the trainer is built on a same-sized stand-in Dataset whose iterators are then replaced.)"""
     from lowmem.train.checkpoint import load_checkpoint
-    from lowmem.train.trainer import Trainer, TrainConfig
+    from lowmem.train.config import TrainConfig
+    from lowmem.train.trainer import Trainer
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
     d = images.load_image_folders(root, 16)
     u8 = np.zeros((48,) + d.input_shape, np.uint8)
@@ -458,7 +459,8 @@ FOLDER_TRAIN = ["train", "--dataset", "folder", "--image-size", "16", "--depth",
 def test_folder_runs_honour_no_augment_and_the_limits(tmp_path):
     """--no-augment: the eval transform (no random crop or flip), still shuffled; --limit-train /
     --limit-test: seeded subsets of the splits (issue 22, case 3: both were ignored)."""
-    from lowmem.train.trainer import Trainer, TrainConfig
+    from lowmem.train.config import TrainConfig
+    from lowmem.train.trainer import Trainer
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
     cfg = TrainConfig(dataset="folder", data_dir=root, image_size=16, depth=8, batch=12, epochs=1,
                       augment=False, limit_train=30, limit_test=5, workers=2, progress=False)

@@ -51,7 +51,8 @@ from ..core.engine import DEFAULT_WORKSPACE_BYTES, DTYPES, MODES, Engine
 from .maxbatch import MAX_BATCH, max_batch, parse_bytes, planned_engine
 from ..core.plan import KINDS
 from ..system.memory import NotEnoughMemory, fmt_bytes
-from ..train.trainer import SCHEDULES, ConfigError, TrainConfig, Trainer, TrainingDiverged, saved_config
+from ..train.config import SCHEDULES, ConfigError, TrainConfig
+from ..train.trainer import Trainer, TrainingDiverged, saved_config
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DIVERGED, EXIT_TIME_LIMIT = 0, 1, 2, 3, 4
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}     # 128 + signal number
