@@ -383,6 +383,18 @@ def check(net, input_shape):
     walk(net, tuple(input_shape))
 
 
+def from_onnx(path, input_shape=None, seed=0):
+    """A Network built from an ONNX file (a CNN exported by PyTorch in training mode with batch
+    norm kept, or by `lowmem export`), its initializers loaded as the weights; parameter names
+    are the initializers' names. input_shape (C, H, W): needed where the file leaves H and W
+    symbolic, checked against the file otherwise. Raises ValueError (export.ExportError) with
+    one line naming the problem: an unreadable file, an unsupported node (its name, op type
+    and the supported ops), a shape the file does not allow. lowmem/tools/onnx_import.py."""
+    # the reader sits in tools/ beside the exporter (it reads what export writes, through onnx)
+    from .tools.onnx_import import read_onnx
+    return read_onnx(path, input_shape, seed)
+
+
 def _int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
