@@ -154,3 +154,43 @@ def test_weights_that_do_not_fit_name_the_node(tmp_path):
     with pytest.raises(ExportError, match=r"node 'layer1.0.conv1' \(Conv\): weight \(16, 8, 3, 3\) with "
                                           r"group=1 does not fit its input's 16 channels"):
         nn.from_onnx(edited(tmp_path, net, wrong_channels))
+
+
+# ---- lowmem train / plan --model PATH.onnx --------------------------------------------------
+
+def cli_run(capsys, *argv):
+    from lowmem.tools import cli
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+TRAIN = ["train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8",
+         "--batch", "16", "--epochs", "1", "--no-progress"]
+
+
+def test_train_and_plan_take_an_onnx_file(tmp_path, capsys):
+    net = models.build_model("preact-cifar", 8, num_classes=10)
+    free = export.export_onnx(net, tmp_path / "free.onnx")              # H, W symbolic: the data's
+    rc, out, err = cli_run(capsys, *TRAIN, "--model", free, "--out", tmp_path / "run")
+    assert rc == 0, err
+    assert net.name in out and "final test accuracy" in out
+    rc, out, err = cli_run(capsys, "plan", "--model", free, "--input", "3x32x32", "--batch", "8")
+    assert rc == 0, err
+    assert net.name in out
+
+
+def test_train_with_an_onnx_file_that_does_not_fit_the_data_is_one_line(tmp_path, capsys):
+    net = models.build_model("preact-cifar", 8, num_classes=10)
+    fixed = export.export_onnx(net, tmp_path / "fixed.onnx", input_shape=(3, 16, 16))
+    rc, _, err = cli_run(capsys, *TRAIN, "--model", fixed, "--out", tmp_path / "a")
+    assert rc != 0 and "input shape 3x32x32 does not match the model's input 3x16x16" in err
+    assert err.count("\n") == 1 and not (tmp_path / "a" / "checkpoint.ckpt").exists()
+    five = export.export_onnx(models.build_model("preact-cifar", 8, num_classes=5), tmp_path / "five.onnx")
+    rc, _, err = cli_run(capsys, *TRAIN, "--model", five, "--out", tmp_path / "b")
+    assert rc != 0 and "the model has 5 classes (its classifier fc.weight), the data 10" in err
+    assert err.count("\n") == 1
+    rc, _, err = cli_run(capsys, *TRAIN, "--model", tmp_path / "none.onnx", "--out", tmp_path / "c")
+    assert rc != 0 and "none.onnx: no such file" in err and err.count("\n") == 1
+    rc, _, err = cli_run(capsys, "plan", "--model", five)                  # symbolic sizes, no --input
+    assert rc != 0 and "input height and width are symbolic" in err and err.count("\n") == 1

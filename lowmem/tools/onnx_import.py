@@ -394,9 +394,8 @@ def _input_shape(value, given, path):
     return tuple(fixed)
 
 
-def read_onnx(path, input_shape=None, seed=0):
-    """The Network of an ONNX file, its weights loaded (see the module docstring). ExportError
-    (a ValueError) naming the file and the problem for anything it cannot read."""
+def _load(path):
+    """The checked onnx.ModelProto of `path`; ExportError naming the file otherwise."""
     onnx = _require("onnx", "onnx")
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -410,19 +409,34 @@ def read_onnx(path, input_shape=None, seed=0):
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
         raise ExportError(f"{path}: weights stored in external data files are not supported; "
                           f"export with the weights inside the .onnx file")
+    return model
+
+
+def file_input_shape(path):
+    """(C, H, W) of one sample as the file fixes it; ExportError where H and W are symbolic
+    (then the caller must say: --input CxHxW)."""
+    model = _load(path)
+    inits = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    if len(inputs) != 1:
+        raise ExportError(f"{path}: expected one graph input (the image batch), found {len(inputs)}")
+    return _input_shape(inputs[0], None, os.fspath(path))
+
+
+def read_onnx(path, input_shape=None, seed=0):
+    """The Network of an ONNX file, its weights loaded (see the module docstring). ExportError
+    (a ValueError) naming the file and the problem for anything it cannot read."""
+    path = os.fspath(path)
+    model = _load(path)
     r = _Reader(model, path, input_shape, seed)
     from ..core.network import NetworkError
     try:
         net = r.run(model.graph.node)
     except NetworkError as e:
         raise ExportError(f"{path}: {e}") from None
-    state = {}
-    for name, shape, _ in net.param_shapes():
-        state[name] = r.weights[name]
-    for name, shape in net.stat_shapes():
-        state[name] = r.weights[name]
+    names = [n for n, _, _ in net.param_shapes()] + [n for n, _ in net.stat_shapes()]
     try:
-        net.load_state_dict(state)
+        net.load_state_dict({n: r.weights[n] for n in names})
     except ValueError as e:
         raise ExportError(f"{path}: {e}") from None
     return net
