@@ -239,7 +239,7 @@ def onnx_network(path, depth=None, num_classes=None, in_channels=None, seed=0, i
     net = from_onnx(path, input_shape, seed)
     if num_classes is not None and num_classes != net.num_classes:
         raise ValueError(f"{os.fspath(path)}: the model has {net.num_classes} classes (its classifier "
-                         f"fc.weight), the data {num_classes}")
+                         f"{net.layers[-1].name}), the data {num_classes}")
     if in_channels is not None and in_channels != net.in_channels:
         raise ValueError(f"{os.fspath(path)}: the model reads {net.in_channels} input channels, the data has "
                          f"{in_channels}")

@@ -15,7 +15,7 @@ The vocabulary is what the engine runs (lowmem/core/engine.py):
   max_pool(x, k=2, stride=k, pad=0)          max over k x k windows (k <= 4)
   avg_pool(x, k=2, stride=k, pad=0)          mean over k x k windows (zero padding counted)
   add(a, b)                                  a + b, same shape: the residual add
-  head(x)                                    global average pool, then the linear classifier
+  head(x, name="fc")                         global average pool, then the linear classifier
 
 `head` returns a `lowmem.core.network.Network`: the same Layer records the
 model builders of lowmem/models.py write by hand, with the engine's three
@@ -184,8 +184,12 @@ class Graph:
         skip, branch = (a, b) if a.index < b.index else (b, a)
         return self._node("add", name, (skip, branch), a.shape, {})
 
-    def head(self, x):
-        """Finish: global average pool of x, then the linear classifier. Returns the Network."""
+    def head(self, x, name="fc"):
+        """Finish: global average pool of x, then the linear classifier `name` (parameters
+        <name>.weight, <name>.bias; torchvision's DenseNet and MobileNetV2 say "classifier").
+        Returns the Network."""
+        if name != "fc":
+            name = self._name(name, "fc")
         self._own(x, "head")
         self._not_input(x, "head", "head")
         self._check_uses(x)
@@ -196,7 +200,7 @@ class Graph:
             dst = buf[n.out]
             # the Network method named after the op; an add's dst is res, its src the branch
             getattr(net, n.op)(n.name, src[-1], dst, **n.args)
-        net.head(buf[x.index], x.shape[0])
+        net.head(buf[x.index], x.shape[0], name)
         check(net, self.input_shape)                     # the engine's rules, once more, on the records
         self.network = net
         return net

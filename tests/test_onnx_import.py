@@ -69,6 +69,17 @@ def test_a_registry_model_round_trips_through_onnx(tmp_path, model, depth, shape
         np.testing.assert_array_equal(s1[k], s2[k], err_msg=k)
 
 
+def test_a_classifier_keeps_its_own_name(tmp_path):
+    """torchvision's DenseNet and MobileNetV2 call their last linear layer `classifier`."""
+    g = nn.Graph("named-head", (3, 8, 8), 4)
+    x = g.conv(g.input, 6, 3, name="features.0")
+    net = g.head(g.bn_relu(x, name="features.1"), name="classifier")
+    assert [p.name for p in net.parameters()][-2:] == ["classifier.weight", "classifier.bias"]
+    back = nn.from_onnx(export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8)))
+    assert list(back.state_dict()) == list(net.state_dict())
+    assert layers(back) == layers(net)
+
+
 def test_symbolic_sizes_need_an_input_shape_and_a_given_one_must_match(tmp_path):
     net = models.build_model("preact-cifar", 8, num_classes=3)
     free = export.export_onnx(net, tmp_path / "free.onnx")                       # H, W symbolic
@@ -188,7 +199,7 @@ def test_train_with_an_onnx_file_that_does_not_fit_the_data_is_one_line(tmp_path
     assert err.count("\n") == 1 and not (tmp_path / "a" / "checkpoint.ckpt").exists()
     five = export.export_onnx(models.build_model("preact-cifar", 8, num_classes=5), tmp_path / "five.onnx")
     rc, _, err = cli_run(capsys, *TRAIN, "--model", five, "--out", tmp_path / "b")
-    assert rc != 0 and "the model has 5 classes (its classifier fc.weight), the data 10" in err
+    assert rc != 0 and "the model has 5 classes (its classifier fc), the data 10" in err
     assert err.count("\n") == 1
     rc, _, err = cli_run(capsys, *TRAIN, "--model", tmp_path / "none.onnx", "--out", tmp_path / "c")
     assert rc != 0 and "none.onnx: no such file" in err and err.count("\n") == 1

@@ -110,17 +110,18 @@ class Network:
         """Mean over k x k windows (stride defaults to k); zero padding counts in the mean."""
         self.layers.append(Layer("avgpool2d", name, src, dst, k, k if stride is None else stride, pad))
 
-    def head(self, src, c):
-        """Global average pool, then the fully connected classifier (PyTorch's init)."""
+    def head(self, src, c, name="fc"):
+        """Global average pool, then the fully connected classifier `name` (PyTorch's init;
+        parameters <name>.weight, <name>.bias)."""
         bound = 1.0 / numpy.sqrt(c)
 
         def uniform(rng, shape):
             return rng.uniform(-bound, bound, shape).astype(numpy.float32)
 
         self.layers.append(Layer("avgpool", "pool", src, "feat", cin=c, cout=c))
-        self._param("fc.weight", (self.num_classes, c), True, uniform)
-        self._param("fc.bias", (self.num_classes,), False, uniform)
-        self.layers.append(Layer("linear", "fc", "feat", "logits", cin=c, cout=self.num_classes))
+        self._param(name + ".weight", (self.num_classes, c), True, uniform)
+        self._param(name + ".bias", (self.num_classes,), False, uniform)
+        self.layers.append(Layer("linear", name, "feat", "logits", cin=c, cout=self.num_classes))
 
     # -- using ------------------------------------------------------------
     @property

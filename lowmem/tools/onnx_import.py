@@ -21,8 +21,8 @@ Identity and Dropout in eval form pass their input through.
 Names: a layer takes the name of its parameters' initializers (`layer1.0.conv1.weight` ->
 layer `layer1.0.conv1`, so parameters keep the ONNX initializer names, which for a torch
 model are its `named_parameters()` names); a layer without parameters takes its node's name
-when that is a valid layer name, else the builder's default. The classifier must be named fc
-(the head's layer; its parameters fc.weight, fc.bias).
+when that is a valid layer name, else the builder's default. The classifier (the head's linear
+layer) takes its initializers' name too (torchvision's `classifier`), else fc.
 """
 import math
 import os
@@ -340,13 +340,10 @@ def _global_pool(r, node):
         w = w.T
     if b is None:
         raise ExportError(f"{r.path}: node {gemm.name!r}: the classifier needs a bias (lowmem's head has one)")
-    if (gemm.input[1], gemm.input[2]) != ("fc.weight", "fc.bias"):
-        raise ExportError(f"{r.path}: node {gemm.name!r}: the classifier's parameters are named "
-                          f"{gemm.input[1]!r}, {gemm.input[2]!r}; lowmem's head names them fc.weight, fc.bias "
-                          f"(name the final nn.Linear `fc`)")
-    r.network = r.graph.head(x)
-    r.param("fc.weight", numpy.ascontiguousarray(w), (r.graph.num_classes, x.shape[0]), gemm)
-    r.param("fc.bias", b, (r.graph.num_classes,), gemm)
+    name = r.layer_name(gemm, (gemm.input[1], gemm.input[2]), (".weight", ".bias")) or "fc"
+    r.network = r.graph.head(x, name=name)
+    r.param(f"{name}.weight", numpy.ascontiguousarray(w), (r.graph.num_classes, x.shape[0]), gemm)
+    r.param(f"{name}.bias", b, (r.graph.num_classes,), gemm)
     r.done.update(id(n) for n in chain + [gemm])
 
 
