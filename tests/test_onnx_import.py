@@ -186,6 +186,10 @@ def test_train_and_plan_take_an_onnx_file(tmp_path, capsys):
     rc, out, err = cli_run(capsys, *TRAIN, "--model", free, "--out", tmp_path / "run")
     assert rc == 0, err
     assert net.name in out and "final test accuracy" in out
+    rc, out, err = cli_run(capsys, "export", tmp_path / "run", tmp_path / "again.onnx")   # the run's weights out
+    assert rc == 0, err
+    again = nn.from_onnx(tmp_path / "again.onnx", input_shape=(3, 32, 32))
+    assert layers(again) == layers(nn.from_onnx(free, input_shape=(3, 32, 32)))
     rc, out, err = cli_run(capsys, "plan", "--model", free, "--input", "3x32x32", "--batch", "8")
     assert rc == 0, err
     assert net.name in out
