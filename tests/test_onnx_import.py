@@ -155,6 +155,22 @@ def test_unsupported_attributes_are_named(tmp_path):
         nn.from_onnx(edited(tmp_path, net, softmax_after))
 
 
+@pytest.mark.parametrize("attr,value,words", [
+    ("momentum", 0.99, r"batch norm momentum 0.99 \(PyTorch's 0.01\); lowmem's is PyTorch's default 0.1"),
+    ("epsilon", 1e-3, r"batch norm epsilon 0.001; lowmem's is 1e-05")])
+def test_batch_norm_settings_lowmem_does_not_have_are_named(tmp_path, attr, value, words):
+    from onnx import helper
+    net = models.build_model("preact-cifar", 8, num_classes=3)
+
+    def change(model):
+        node = next(n for n in model.graph.node if n.op_type == "BatchNormalization")
+        kept = [a for a in node.attribute if a.name != attr]
+        del node.attribute[:]
+        node.attribute.extend(kept + [helper.make_attribute(attr, value)])
+    with pytest.raises(ExportError, match=r"node 'layer1.0.bn1.bn': " + words):
+        nn.from_onnx(edited(tmp_path, net, change))
+
+
 def test_weights_that_do_not_fit_name_the_node(tmp_path):
     net = models.build_model("preact-cifar", 8, num_classes=3)
 

@@ -153,6 +153,7 @@ def preact():
 # family -> (model factory, input shape, the nn.Graph methods its import needs)
 FAMILIES = {
     "preact-resnet": (preact, (3, 12, 12), ()),
+    "preact-imagenet18": (lambda: ref.preact_resnet_imagenet(18, num_classes=K), (3, 32, 32), ()),
     "postact-resnet": (PostActResNet, (3, 12, 12), ("bn", "relu")),
     "densenet": (DenseNet, (3, 8, 8), ("concat",)),
     "inverted-residual": (MobileNet, (3, 12, 12), ("bn", "relu6")),

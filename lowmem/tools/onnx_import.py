@@ -222,10 +222,10 @@ def _batchnorm(r, node):
     x = r.tensor(node)
     eps, momentum = _attr(node, "epsilon", 1e-5), _attr(node, "momentum", BN_MOMENTUM_ONNX)
     if not math.isclose(eps, BN_EPS, rel_tol=1e-6):
-        raise ExportError(f"{r.path}: node {node.name!r}: batch norm epsilon {eps:g}; lowmem's is {BN_EPS:g}")
+        raise ExportError(f"{r.path}: node {node.name!r}: batch norm epsilon {eps:.4g}; lowmem's is {BN_EPS:g}")
     if not math.isclose(momentum, BN_MOMENTUM_ONNX, rel_tol=1e-6):
-        raise ExportError(f"{r.path}: node {node.name!r}: batch norm momentum {momentum:g} (PyTorch's "
-                          f"{1 - momentum:g}); lowmem's is PyTorch's default 0.1 (ONNX 0.9)")
+        raise ExportError(f"{r.path}: node {node.name!r}: batch norm momentum {momentum:.4g} (PyTorch's "
+                          f"{1 - momentum:.4g}); lowmem's is PyTorch's default 0.1 (ONNX 0.9)")
     if any(o and r.readers.get(o) for o in node.output[1:]):
         raise ExportError(f"{r.path}: node {node.name!r}: the batch statistics outputs are read by "
                           f"other nodes; lowmem keeps them to itself")
