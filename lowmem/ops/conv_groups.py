@@ -55,20 +55,23 @@ def _shapes(x_or_dx, w, out_or_dout, groups):
     return Cin // groups, Cout // groups
 
 
-def _channel_blocks(C, per_channel, body):
+def _channel_blocks(C, per_channel, body, like):
     """body(c0, c1) over blocks of whole channels, at most DEPTHWISE_BLOCK output elements each
-    (one channel at least), the blocks split over lowmem's threads (disjoint channels)."""
+    (one channel at least), the blocks split over lowmem's threads (disjoint channels); one
+    host thread for CuPy arrays `like` (the GPU runs each block's kernels on one stream)."""
     per = max(1, DEPTHWISE_BLOCK // max(per_channel, 1))
     starts = list(range(0, C, per))
 
     def run(b0, b1):
         for s in starts[b0:b1]:
             body(s, min(C, s + per))
-    threads.parallel_for(run, len(starts))
+    if array_module(like).__name__ == "cupy":
+        run(0, len(starts))
+    else:
+        threads.parallel_for(run, len(starts))
 
 
 def _depthwise_forward(out, x, w, stride, pad):
-    xp = array_module(out)
     C, N, H, W = x.shape
     Ho, Wo = out.shape[2:]
     kh, kw = w.shape[2:]
@@ -78,7 +81,7 @@ def _depthwise_forward(out, x, w, stride, pad):
         o.fill(0)
         for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
             o[:, :, oh, ow] += x[c0:c1, :, ih, iw] * w[c0:c1, 0, i, j, None, None, None]   # one block
-    _channel_blocks(C, N * Ho * Wo, block)
+    _channel_blocks(C, N * Ho * Wo, block, out)
 
 
 def _depthwise_backward_input(dx, dout, w, stride, pad, accumulate):
@@ -92,7 +95,7 @@ def _depthwise_backward_input(dx, dout, w, stride, pad, accumulate):
             d.fill(0)
         for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
             d[:, :, ih, iw] += dout[c0:c1, :, oh, ow] * w[c0:c1, 0, i, j, None, None, None]
-    _channel_blocks(C, N * H * W, block)
+    _channel_blocks(C, N * H * W, block, dx)
 
 
 def _depthwise_backward_weight(dw, x, dout, stride, pad):
@@ -104,7 +107,7 @@ def _depthwise_backward_weight(dw, x, dout, stride, pad):
         for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
             t = dout[c0:c1, :, oh, ow] * x[c0:c1, :, ih, iw]                  # one block
             dw[c0:c1, 0, i, j] += t.reshape(c1 - c0, -1).sum(axis=1)
-    _channel_blocks(C, N * Ho * Wo, block)
+    _channel_blocks(C, N * Ho * Wo, block, dw)
 
 
 def grouped_conv2d_forward(out, x, w, stride, pad, groups, ws, bias=None, columns=None):
