@@ -15,13 +15,14 @@ and the handlers' view of it is one runstate.RunState.
 One training step, in the order the code runs it:
   1. `forward` checks the batch, copies it (and the labels) into the planned
      "input" / "labels" slots, then runs every forward step of the schedule,
-     `OPS[step.op].forward(run, step)`: the layers, exact, through three
-     shared buffers (act0, act1 ping-pong, res for the residual stream), each
+     `OPS[step.op].forward(run, step)`: the layers, exact, through the
+     shared buffers the walk planned (a pre-activation ResNet: act0, act1
+     ping-pong, res for the residual stream), each
      BN->ReLU unit keeping what its kernel set saves (x-hat in float, or its
      packed K-bit code, plus rstd); under data parallelism the average of the
      running statistics over ranks; then the loss.
   2. `backward` zeroes the gradients and runs every backward step: the loss,
-     then the layers, last first, through the same three buffers, now holding
+     then the layers, last first, through the same buffers, now holding
      gradients (which buffer holds which was decided by the walk); under data
      parallelism, the average of the gradients over ranks.
   3. `opt.step()` (optim.SGD) updates the parameters in place.
@@ -43,7 +44,6 @@ from ..system import backend, distributed, threads
 from . import checks
 from .. import units as kernels
 from ..units import quant
-from .network import BUFFERS
 from ..ops.conv import columns_for
 from .optable import OPS, BatchStatisticsError, step_temporaries
 from .plan import Plan, bind_parameters, fmt_bytes
@@ -111,8 +111,7 @@ class Engine:
                                 columns_for(self.xp, self.fused))
         self.reference_units = self._select_units(sizes, self.arrays, reference=True)
         self._ready = False                       # saved state holds a training forward
-        stems = [s for s in self.schedule if s.phase == "bwd" and s.optional]
-        self._input_grad_buffer = stems[-1].dx if stems else None
+        self._input_grad_buffer = self.schedule.input_grad
 
     @property
     def use_fast(self):
@@ -166,10 +165,10 @@ class Engine:
         if self.sync_bn:                          # the 2C sums each unit exchanges
             plan.add("sync.bn", "workspace", (2 * max_c,), "float64")
 
-        # the three shared buffers: each holds the largest activation written there
-        acts = [math.prod(self.out_shape[L.name]) for L in net.layers if L.dst in BUFFERS]
-        for b in BUFFERS:
-            plan.add(b, "buffers", (int(max(acts + [math.prod(self.input_shape)])) * N,), dt)
+        # the shared buffers the walk planned by liveness: each holds the largest tensor,
+        # gradient or scratch it ever holds (schedule.buffers: per-sample elements)
+        for b, per_sample in self.schedule.buffers.items():
+            plan.add(b, "buffers", (per_sample * N,), dt)
         head = net.layers[-1]                     # the classifier (the walk checked the head)
         plan.add("logits", "buffers", (N, head.cout), dt)
         plan.add("dlogits", "buffers", (N, head.cout), dt)
@@ -180,9 +179,11 @@ class Engine:
         plan.add("labels", "input", (N,), "int64")
         saved, shared = {}, {}
         budget = max(1, workspace_bytes // dt.itemsize)
-        for L in net.layers:
-            entries = OPS[L.op].plan(L, N, self.in_shape[L.name], self.out_shape[L.name],
-                                     self.selected.get(L.name), dt, budget)
+        for step in self.schedule:
+            if step.phase != "fwd" or step.layer is None:
+                continue
+            L = step.layer
+            entries = OPS[L.op].plan(step, N, self.selected.get(L.name), dt, budget)
             saved[L.name] = [name for name, kind, _, _ in entries if kind == "saved"]
             for name, kind, shape, dtype in entries:
                 if name.startswith(L.name + "."):

@@ -1,13 +1,19 @@
 """The network description: parameters, BN statistics and an ordered layer list.
 
 A `Network` is data, not code: a list of `Layer` records in forward order,
-each naming the buffer it reads (`src`) and writes (`dst`) — "input",
-"act0", "act1" (ping-pong) or "res" (the residual stream) — plus the
-parameters it owns. It holds no activations and no saved state: the engine
-(lowmem/core/engine.py) turns it into a schedule and a memory plan.
+each naming the buffer(s) it reads (`src`, or `inputs` for an op with several)
+and the buffer it writes (`dst`) — "input" (the network input's planned slot)
+or any buffer name (no dot: "act0", "act1", "res", ...) — plus the parameters
+it owns. A buffer is a shared, planned array: a layer reading it reads the
+tensor written there last, so the records themselves say which tensors are
+reused when (lowmem.nn.Graph assigns them from liveness; the hand-written
+pre-activation ResNets of lowmem/models.py use act0/act1 ping-pong and res
+for the residual stream). The network holds no activations and no saved
+state: the engine (lowmem/core/engine.py) turns it into a schedule and a
+memory plan, each buffer sized to the largest tensor it ever holds.
 
-Layer ops: conv, bnrelu, add (res += src), maxpool, avgpool2d, and the head's
-avgpool (global) and linear; what each does is its entry in lowmem/core/optable.py.
+Layer ops: conv, bnrelu, add, maxpool, avgpool2d, and the head's avgpool
+(global) and linear; what each does is its entry in lowmem/core/optable/.
 `nn.check(net, input_shape)` says whether the engine can run a Network
 (the engine runs the same check on every network it is given).
 
@@ -22,7 +28,9 @@ import numpy
 
 from ..system.backend import to_numpy
 
-BUFFERS = ("act0", "act1", "res")     # the engine's three shared activation / gradient buffers
+BUFFERS = ("act0", "act1", "res")     # the pre-activation layout's buffers (ping-pong, residual stream)
+# plan and schedule names no buffer may take (the input slot, the head's arrays, flat plan arrays)
+RESERVED_BUFFERS = ("input", "labels", "logits", "dlogits", "dfeat", "feat", "grads")
 
 
 class NetworkError(ValueError):
@@ -60,6 +68,12 @@ class Layer:
     pad: int = 0
     cin: int = 0
     cout: int = 0
+    inputs: tuple = ()  # an op with several inputs (add, concat): every buffer it reads, in order
+
+    @property
+    def reads(self):
+        """The buffers this layer reads, in order (its inputs; `src` alone for a one-input op)."""
+        return self.inputs or (self.src,)
 
 
 class Network:
@@ -99,9 +113,12 @@ class Network:
         self._stat_specs[name + ".running_var"] = ((c,), 1.0)
         self.layers.append(Layer("bnrelu", name, src, dst, cin=c, cout=c))
 
-    def add(self, name, src, dst="res"):
-        """res += src: the residual add (dst is always the residual buffer)."""
-        self.layers.append(Layer("add", name, src, dst))
+    def add(self, name, src, dst="res", skip=None):
+        """dst = skip + src, the residual add; skip defaults to dst (dst += src, in place).
+
+        The layer's inputs are (skip, src): dst may be either of them (in place) or another buffer."""
+        skip = dst if skip is None else skip
+        self.layers.append(Layer("add", name, src, dst, inputs=(skip, src)))
 
     def maxpool(self, name, src, dst, k=3, stride=2, pad=1):
         self.layers.append(Layer("maxpool", name, src, dst, k, stride, pad))
