@@ -57,10 +57,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from lowmem.tools import diagnostics as D  # noqa: E402
 from lowmem.units import quant  # noqa: E402
 from lowmem.system.atomic import atomic_write as write_atomically    # noqa: E402
-from lowmem.data.datasets import DataError, load_dataset, normalize      # noqa: E402
+from lowmem.data.datasets import DataError, load_dataset                 # noqa: E402
+from lowmem.data.transforms import normalize                             # noqa: E402
 from lowmem.models import MODELS                                  # noqa: E402
 from lowmem.bits.allocate import allocate_bits                         # noqa: E402
-from lowmem.train.trainer import TrainConfig, Trainer, auto_batches    # noqa: E402
+from lowmem.train.config import TrainConfig                           # noqa: E402
+from lowmem.train.trainer import Trainer, auto_batches                # noqa: E402
 
 # The full study: sized from measured step rates on the 2-core machine (docs/accuracy.md):
 # 18 runs of 150 steps of 128 images, 7 noise checkpoints.

@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from lowmem import SGD, Engine  # noqa: E402
 from lowmem.bits.allocate import CHOICES, allocate                       # noqa: E402
-from lowmem.data.datasets import load_dataset, normalize                     # noqa: E402
+from lowmem.data.datasets import load_dataset                                # noqa: E402
+from lowmem.data.transforms import normalize                                 # noqa: E402
 from lowmem.tools.diagnostics import synthetic_batches, warm_up           # noqa: E402
 from lowmem.models import preact_resnet_cifar                        # noqa: E402
 from lowmem.bits.sensitivity import measure_sensitivity, simulate        # noqa: E402

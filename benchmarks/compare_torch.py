@@ -212,8 +212,8 @@ def peak_flops(cores):
 
 
 def _column_ranges(M, grain):
-    """The column ranges threads.parallel_for(body, M, grain) cuts (what ops/conv.py's
-    _over_columns runs a 1x1 conv's GEMM over)."""
+    """The column ranges threads.parallel_for(body, M, grain) cuts (what ops/chunks.py's
+    over_columns runs a 1x1 conv's GEMM over)."""
     from lowmem.system import threads
     parts = min(threads.threads(), M // max(1, grain))
     if parts <= 1:
@@ -223,11 +223,11 @@ def _column_ranges(M, grain):
 
 
 def _batch_ranges(N, ws, per):
-    """[(n0, n1, workspace part)]: the batch ranges ops/conv.py's _over_batch cuts (one per
+    """[(n0, n1, workspace part)]: the batch ranges ops/chunks.py's over_batch cuts (one per
     lowmem thread, each with its own slice of the workspace)."""
     from lowmem.system import threads
-    from lowmem.ops import conv
-    parts = max(1, min(threads.threads(), N, ws.size // per, N * per // conv.COLS_GRAIN))
+    from lowmem.ops import chunks
+    parts = max(1, min(threads.threads(), N, ws.size // per, N * per // chunks.COLS_GRAIN))
     cut, size = threads.bounds(N, parts), ws.size // parts
     return [(cut[t], cut[t + 1], ws[t * size:(t + 1) * size]) for t in range(parts)]
 
@@ -281,7 +281,7 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
     dx) or "weight" (x the conv input, out is dout; w stands for dw). ranges: one list per
     lowmem thread range of (a, b, out or None) matmul operands (None: the step lets
     numpy.matmul allocate the result), views of the same arrays the step uses."""
-    from lowmem.ops import conv, winograd
+    from lowmem.ops import chunks, conv, winograd
     Cout, Cin, kh, kw = w.shape
     if product == "forward":
         if columns.winograd and winograd.applies(x, w, out, stride, pad, ws):
@@ -290,7 +290,7 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
         w2 = w.reshape(Cout, -1)
         if conv._is_pointwise(w, stride, pad) and x.flags.c_contiguous:
             x2, o2 = conv._flat(x, Cin), conv._flat(out, Cout)
-            cuts = _column_ranges(x2.shape[1], conv.GEMM_GRAIN)
+            cuts = _column_ranges(x2.shape[1], chunks.GEMM_GRAIN)
             return "1x1", [[(w2, x2[:, a:b], o2[:, a:b])] for a, b in cuts]
     elif product == "input":
         dout, dx = x, out
@@ -301,7 +301,7 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
         w2t = w.reshape(Cout, -1).T
         if conv._is_pointwise(w, stride, pad) and not accumulate:
             g2, d2 = conv._flat(dout, Cout), conv._flat(dx, Cin)
-            cuts = _column_ranges(g2.shape[1], conv.GEMM_GRAIN)
+            cuts = _column_ranges(g2.shape[1], chunks.GEMM_GRAIN)
             return "1x1", [[(w2t, g2[:, a:b], d2[:, a:b])] for a, b in cuts]
     elif product == "weight":
         dout = out
@@ -310,14 +310,14 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
         N, (Ho, Wo) = x.shape[1], dout.shape[2:]
         if conv._is_pointwise(w, stride, pad) and x.flags.c_contiguous:
             x2, g2 = conv._flat(x, Cin), conv._flat(dout, Cout)
-            cuts = _column_ranges(x2.shape[1], conv.GEMM_GRAIN)
+            cuts = _column_ranges(x2.shape[1], chunks.GEMM_GRAIN)
             return "1x1", [[(g2[:, a:b], x2[:, a:b].T, None)] for a, b in cuts]
     else:
         raise ValueError(f"product must be forward, input or weight, got {product!r}")
     K = Cin * kh * kw                                      # im2col: one GEMM per chunk of samples
     ranges = []
     for a, b, wsp in _batch_ranges(N, ws, K * Ho * Wo):
-        nc, gemms = conv._chunk(wsp, K * Ho * Wo, b - a), []
+        nc, gemms = chunks.chunk_size(wsp, K * Ho * Wo, b - a), []
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)
             cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(K, -1)

@@ -48,7 +48,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from lowmem.tools import diagnostics as D  # noqa: E402
 from lowmem.units import quant  # noqa: E402
-from lowmem.data.datasets import channel_mean_std, load_fashion_mnist, normalize   # noqa: E402
+from lowmem.data.datasets import channel_mean_std, load_fashion_mnist           # noqa: E402
+from lowmem.data.transforms import normalize                                    # noqa: E402
 from lowmem.models import preact_resnet_cifar       # noqa: E402
 
 EPS = 1e-5

@@ -20,7 +20,8 @@ machines.
 import argparse
 import sys
 
-from lowmem.train.trainer import TrainConfig, Trainer, TrainingDiverged
+from lowmem.train.config import TrainConfig
+from lowmem.train.trainer import Trainer, TrainingDiverged
 
 
 def main(argv=None):

@@ -14,7 +14,8 @@ lowmem.train.trainer; `lowmem train --dataset fashion-mnist --pad-to 0 ...` is t
 import argparse
 import sys
 
-from lowmem.train.trainer import TrainConfig, Trainer, TrainingDiverged
+from lowmem.train.config import TrainConfig
+from lowmem.train.trainer import Trainer, TrainingDiverged
 
 
 def main(argv=None):

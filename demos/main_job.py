@@ -23,7 +23,8 @@ from lowmem import models
 from lowmem.tools.cli import compare_table
 from lowmem.data.datasets import FASHION_MNIST_DEBIAN_DIR, DataError, load_cifar
 from lowmem.core.engine import Engine
-from lowmem.train.trainer import TrainConfig, Trainer, TrainingDiverged
+from lowmem.train.config import TrainConfig
+from lowmem.train.trainer import Trainer, TrainingDiverged
 
 
 def find_data(data_dir):

@@ -9,9 +9,11 @@ ping-pong buffers "act0"/"act1", and adds the branch back into "res".
 The wide ResNets and VGG-BN are written with the builder (lowmem.nn.Graph).
 `MODELS` (at the end) is the one registry of model families: name -> builder,
 default classes, default input shape and the depths it takes. Every `lowmem`
-command and the trainer look models up there (`build_model`).
+command and the trainer look models up there (`build_model`); a path ending in .onnx names a
+network read from that file instead (lowmem.nn.from_onnx: `lowmem train --model model.onnx`).
 """
 import functools
+import os
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -218,9 +220,39 @@ for _k in (1, 2, 4, 8, 10):
     MODELS[f"wrn-{_k}"] = _wrn_spec(_k)
 
 
+ONNX_SUFFIX = ".onnx"
+
+
+def is_onnx_path(name):
+    """True when a --model value names an ONNX file (ends in .onnx) rather than a registry family."""
+    return isinstance(name, (str, os.PathLike)) and os.fspath(name).lower().endswith(ONNX_SUFFIX)
+
+
+def onnx_network(path, depth=None, num_classes=None, in_channels=None, seed=0, input_shape=None):
+    """The network of an ONNX file (lowmem.nn.from_onnx), checked against what the caller has:
+    num_classes and in_channels (the data's; None: the file's), input_shape (C, H, W; needed
+    where the file leaves H and W symbolic). depth is ignored: the file fixes the architecture.
+    ValueError with one line naming the mismatch."""
+    from .nn import from_onnx
+    if input_shape is not None and in_channels is not None and input_shape[0] != in_channels:
+        raise ValueError(f"input_shape {tuple(input_shape)} does not have in_channels={in_channels}")
+    net = from_onnx(path, input_shape, seed)
+    if num_classes is not None and num_classes != net.num_classes:
+        raise ValueError(f"{os.fspath(path)}: the model has {net.num_classes} classes (its classifier "
+                         f"{net.layers[-1].name}), the data {num_classes}")
+    if in_channels is not None and in_channels != net.in_channels:
+        raise ValueError(f"{os.fspath(path)}: the model reads {net.in_channels} input channels, the data has "
+                         f"{in_channels}")
+    return net
+
+
 def model_spec(name):
-    """The ModelSpec of `name` (a MODELS key, or wrn-K for any positive integer K); ValueError
+    """The ModelSpec of `name` (a MODELS key, wrn-K for any positive integer K, or a path ending
+    in .onnx: its spec has no default classes or input shape, the file has them); ValueError
     naming the known models otherwise."""
+    if is_onnx_path(name):
+        return ModelSpec(functools.partial(onnx_network, os.fspath(name)), None, None,
+                         "ignored (the ONNX file fixes the architecture)")
     if isinstance(name, str) and name not in MODELS:
         m = re.fullmatch(r"wrn-([1-9][0-9]*)", name)
         if m:
@@ -234,9 +266,12 @@ def model_spec(name):
                          f"WRN-28-10)") from None
 
 
-def build_model(name, depth, num_classes=None, in_channels=None, seed=0):
+def build_model(name, depth, num_classes=None, in_channels=None, seed=0, input_shape=None):
     """Network `name` of `depth`; num_classes / in_channels default to the family's (10 / 3 for
-    preact-cifar, 1000 / 3 for preact-imagenet)."""
+    preact-cifar, 1000 / 3 for preact-imagenet). input_shape (C, H, W) matters only for an ONNX
+    file (onnx_network: its sizes are checked against it, or taken from it where symbolic)."""
+    if is_onnx_path(name):
+        return onnx_network(name, depth, num_classes, in_channels, seed, input_shape)
     spec = model_spec(name)
     return spec.build(depth, num_classes=spec.num_classes if num_classes is None else num_classes,
                       in_channels=spec.input_shape[0] if in_channels is None else in_channels, seed=seed)

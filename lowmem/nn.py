@@ -15,7 +15,7 @@ The vocabulary is what the engine runs (lowmem/core/engine.py):
   max_pool(x, k=2, stride=k, pad=0)          max over k x k windows (k <= 4)
   avg_pool(x, k=2, stride=k, pad=0)          mean over k x k windows (zero padding counted)
   add(a, b)                                  a + b, same shape: the residual add
-  head(x)                                    global average pool, then the linear classifier
+  head(x, name="fc")                         global average pool, then the linear classifier
 
 Any DAG of these runs: a tensor may feed any number of layers, residual
 connections may nest, a conv may read any tensor. `head` returns a
@@ -169,8 +169,12 @@ class Graph:
         skip, branch = (a, b) if a.index < b.index else (b, a)
         return self._node("add", name, (skip, branch), a.shape, {})
 
-    def head(self, x):
-        """Finish: global average pool of x, then the linear classifier. Returns the Network."""
+    def head(self, x, name="fc"):
+        """Finish: global average pool of x, then the linear classifier `name` (parameters
+        <name>.weight, <name>.bias; torchvision's DenseNet and MobileNetV2 say "classifier").
+        Returns the Network."""
+        if name != "fc":
+            name = self._name(name, "fc")
         self._own(x, "head")
         self._not_input(x, "head", "head")
         self._check_uses(x)
@@ -179,11 +183,9 @@ class Graph:
         for n in self.nodes:
             src = [buf[i] for i in n.inputs]
             dst = buf[n.out]
-            if OPS[n.op].several:                        # the add: dst = skip + branch
-                getattr(net, n.op)(n.name, src[-1], dst, src[0], **n.args)
-            else:                                        # the Network method named after the op
-                getattr(net, n.op)(n.name, src[0], dst, **n.args)
-        net.head(buf[x.index], x.shape[0])
+            # the Network method named after the op: one src, or every input's buffer in order
+            getattr(net, n.op)(n.name, tuple(src) if OPS[n.op].several else src[0], dst, **n.args)
+        net.head(buf[x.index], x.shape[0], name)
         check(net, self.input_shape)                     # the engine's rules, once more, on the records
         self.network = net
         return net
@@ -327,6 +329,18 @@ def check(net, input_shape):
     then the backward sweep the way the engine plans it, rejecting an output
     nobody reads (it would have no gradient)."""
     walk(net, tuple(input_shape))
+
+
+def from_onnx(path, input_shape=None, seed=0):
+    """A Network built from an ONNX file (a CNN exported by PyTorch in training mode with batch
+    norm kept, or by `lowmem export`), its initializers loaded as the weights; parameter names
+    are the initializers' names. input_shape (C, H, W): needed where the file leaves H and W
+    symbolic, checked against the file otherwise. Raises ValueError (export.ExportError) with
+    one line naming the problem: an unreadable file, an unsupported node (its name, op type
+    and the supported ops), a shape the file does not allow. lowmem/tools/onnx_import.py."""
+    # the reader sits in tools/ beside the exporter (it reads what export writes, through onnx)
+    from .tools.onnx_import import read_onnx
+    return read_onnx(path, input_shape, seed)
 
 
 def _int(v):

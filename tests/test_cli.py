@@ -253,7 +253,7 @@ def test_ctrl_c_in_any_command_exits_130_with_a_message(capsys, monkeypatch):
 
 def test_model_wrn_k_takes_any_positive_widening_factor(capsys):
     from lowmem import models
-    from lowmem.train.trainer import TrainConfig
+    from lowmem.train.config import TrainConfig
     rc, out, err = run(capsys, "plan", "--model", "wrn-3", "--depth", "10", "--input", "3x8x8", "--batch", "2",
                        "--no-schedule")
     assert rc == 0, err

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from lowmem.data import datasets as data
-from lowmem.data.datasets import (BatchIterator, DataError, augment, channel_mean_std, crop_flip,
-                         draw_crop_flip, load_cifar, load_dataset, load_fashion_mnist,
-                         normalize, read_idx, synthetic)
+from lowmem.data.batches import BatchIterator
+from lowmem.data.datasets import (DataError, channel_mean_std, load_cifar, load_dataset, load_fashion_mnist,
+                                  read_idx, synthetic)
+from lowmem.data.transforms import augment, crop_flip, draw_crop_flip, normalize
 
 
 # ----------------------------------------------------------------------------

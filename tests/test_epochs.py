@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from lowmem.data.datasets import BatchIterator, DataError
-from lowmem.data.batches import EpochOrder, EpochOrderError
+from lowmem.data.batches import BatchIterator, EpochOrder, EpochOrderError
+from lowmem.data.datasets import DataError
 
 
 def test_the_order_is_a_seeded_permutation_per_epoch():

@@ -188,7 +188,8 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, mon
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A real tiny training run (synthetic data, ResNet-8, one epoch) with its checkpoint."""
-    from lowmem.train.trainer import Trainer, TrainConfig
+    from lowmem.train.config import TrainConfig
+    from lowmem.train.trainer import Trainer
     out = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(dataset="synthetic", model="preact-cifar", depth=8, batch=16, epochs=1,
                       limit_train=32, limit_test=16, out=str(out), progress=False)

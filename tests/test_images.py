@@ -15,6 +15,7 @@ import pytest
 Image = pytest.importorskip("PIL.Image")
 
 from lowmem.data import datasets as data, images
+from lowmem.data.transforms import normalize              # noqa: E402
 from lowmem import nn  # noqa: E402
 from lowmem.data.datasets import DataError                      # noqa: E402
 from lowmem.core.engine import Engine                        # noqa: E402
@@ -263,7 +264,7 @@ def test_normalisation_is_computed_exactly_and_applied(folders):
     np.testing.assert_allclose(d.std, std, rtol=1e-6)
     (x, _), = [next(iter(d.loader("val", 9)))]
     (u, _), = [next(iter(d.loader("val", 9, dtype="uint8")))]
-    np.testing.assert_allclose(x, data.normalize(np.empty(u.shape, np.float32), u, d.mean, d.std))
+    np.testing.assert_allclose(x, normalize(np.empty(u.shape, np.float32), u, d.mean, d.std))
     given = images.load_image_folders(folders, 16, mean=[0.1, 0.2, 0.3], std=[1, 2, 3])
     assert given.mean.tolist() == pytest.approx([0.1, 0.2, 0.3])
     with pytest.raises(DataError, match="both mean and std"):
@@ -309,7 +310,8 @@ def test_the_trainer_loop_runs_on_folder_loaders(tmp_path):
     BatchIterators and checkpoints the loader's position. (Until `--dataset folder` is wired in,
     the trainer is built on a same-sized stand-in Dataset whose iterators are then replaced.)"""
     from lowmem.train.checkpoint import load_checkpoint
-    from lowmem.train.trainer import Trainer, TrainConfig
+    from lowmem.train.config import TrainConfig
+    from lowmem.train.trainer import Trainer
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
     d = images.load_image_folders(root, 16)
     u8 = np.zeros((48,) + d.input_shape, np.uint8)
@@ -457,7 +459,8 @@ FOLDER_TRAIN = ["train", "--dataset", "folder", "--image-size", "16", "--depth",
 def test_folder_runs_honour_no_augment_and_the_limits(tmp_path):
     """--no-augment: the eval transform (no random crop or flip), still shuffled; --limit-train /
     --limit-test: seeded subsets of the splits (issue 22, case 3: both were ignored)."""
-    from lowmem.train.trainer import Trainer, TrainConfig
+    from lowmem.train.config import TrainConfig
+    from lowmem.train.trainer import Trainer
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
     cfg = TrainConfig(dataset="folder", data_dir=root, image_size=16, depth=8, batch=12, epochs=1,
                       augment=False, limit_train=30, limit_test=5, workers=2, progress=False)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from lowmem.data import datasets as data
+from lowmem.data.transforms import normalize
 from lowmem import models, nn
 from lowmem.core.engine import Engine
 from lowmem.core.network import Network
@@ -150,7 +151,7 @@ def test_custom_network_trains_in_approx_mode(which):
     eng = Engine(net, 16, (3, 16, 16), mode="approx", bits=4)
     opt = SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     x = np.empty((64, 3, 16, 16), np.float32)
-    data.normalize(x, x_u8, *data.channel_mean_std(x_u8))
+    normalize(x, x_u8, *data.channel_mean_std(x_u8))
     epochs = []
     for epoch in range(8):
         losses = [eng.train_step(x[i:i + 16], y[i:i + 16], opt) for i in range(0, 64, 16)]

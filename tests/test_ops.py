@@ -125,9 +125,9 @@ def test_conv_split_over_two_threads_matches_one(rng, monkeypatch, k, stride, pa
     The col2im is the numba loop when numba is installed, else the reference."""
     pytest.importorskip("threadpoolctl")
     from lowmem.system import threads
-    from lowmem.ops import conv
-    monkeypatch.setattr(conv, "GEMM_GRAIN", 4)
-    monkeypatch.setattr(conv, "COLS_GRAIN", 8)
+    from lowmem.ops import chunks, conv
+    monkeypatch.setattr(chunks, "GEMM_GRAIN", 4)
+    monkeypatch.setattr(chunks, "COLS_GRAIN", 8)
     x, w, Ho, Wo = conv_setup(rng, k, stride, pad, 9, 8, Cin=3, Cout=5, N=7)
     x, w = x.astype(dtype), w.astype(dtype)
     G = rng.standard_normal((5, 7, Ho, Wo)).astype(dtype)

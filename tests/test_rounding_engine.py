@@ -16,7 +16,8 @@ import pytest
 from lowmem.units import quant
 from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
-from lowmem.train.trainer import TrainConfig, Trainer
+from lowmem.train.config import TrainConfig
+from lowmem.train.trainer import Trainer
 
 N, SHAPE = 4, (3, 8, 8)
 

@@ -1,4 +1,4 @@
-"""lowmem.train.runlog: the run folder's config, plan and metrics; metrics rewritten atomically."""
+"""lowmem.train.rundir.RunLog: the run folder's config, plan and metrics; metrics rewritten atomically."""
 import json
 import math
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 
 from lowmem.system import atomic
-from lowmem.train.runlog import RunLog, json_line, read_metrics
+from lowmem.train.rundir import RunLog, json_line, read_metrics
 
 
 class Config:

@@ -18,8 +18,10 @@ from lowmem.models import preact_resnet_cifar
 from lowmem.tools import cli
 from lowmem.tools.cli import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_TIME_LIMIT, EXIT_USAGE
 from lowmem.train.checkpoint import save_checkpoint
-from lowmem.train.trainer import (CHECKPOINT, METRICS, ConfigError, ResumeError, TrainConfig, Trainer, TrainingDiverged,
-                            load_model_state, lr_at, read_metrics)
+from lowmem.train.config import ConfigError, TrainConfig, lr_at
+from lowmem.train.rundir import read_metrics
+from lowmem.train.trainer import (CHECKPOINT, METRICS, ResumeError, Trainer, TrainingDiverged,
+                                  load_model_state)
 
 STEPS = 8       # per epoch: 128 training images, batch 16
 RUN_FILES = ["checkpoint.ckpt", "config.json", "lowmem-run.json", "lowmem-run.lock", "metrics.jsonl", "plan.txt"]

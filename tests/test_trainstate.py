@@ -4,11 +4,11 @@ import pytest
 
 from lowmem.train import trainstate
 from lowmem.train.checkpoint import load_checkpoint
-from lowmem.data.datasets import BatchIterator
+from lowmem.data.batches import BatchIterator
 from lowmem.models import preact_resnet_cifar
 from lowmem.train.optim import SGD
 from lowmem.train.rundir import ResumeError
-from lowmem.train.trainer import TrainConfig
+from lowmem.train.config import TrainConfig
 
 INFO = {"classes": ["a", "b"], "input_shape": [3, 8, 8], "image_size": 8, "resize": 9, "mean": [0.5] * 3,
         "std": [0.25] * 3, "dataset": "folder"}

@@ -12,7 +12,7 @@ import pytest
 
 from lowmem.system import threads
 from lowmem.units import cpu as fast
-from lowmem.ops import conv, winograd
+from lowmem.ops import chunks, conv, winograd
 from reference import conv_offsets_backward_ref as ref_backward, conv_offsets_ref as ref_forward, conv_ref
 
 pytestmark = pytest.mark.skipif(not fast.AVAILABLE, reason="Winograd runs with numba only")
@@ -102,7 +102,7 @@ def test_two_threads_match_one(monkeypatch):
     w = rng.standard_normal((16, 16, 3, 3)).astype(np.float32)
     g = rng.standard_normal((16, 6, 8, 8)).astype(np.float32)
     ws = np.full(1 << 18, np.nan, np.float32)
-    monkeypatch.setattr(conv, "COLS_GRAIN", 1)
+    monkeypatch.setattr(chunks, "COLS_GRAIN", 1)
     res = []
     try:
         for t in (1, 2):

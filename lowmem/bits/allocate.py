@@ -27,7 +27,7 @@ from functools import reduce
 import numpy
 
 from ..units import quant
-from ..core.plan import fmt_bytes
+from ..system.memory import fmt_bytes
 from .sensitivity import FLOAT
 
 CHOICES = (1, 2, 4, 8, FLOAT)

@@ -46,7 +46,8 @@ from .. import units as kernels
 from ..units import quant
 from ..ops.conv import columns_for
 from .optable import OPS, BatchStatisticsError, step_temporaries
-from .plan import Plan, bind_parameters, fmt_bytes
+from .plan import Plan, bind_parameters
+from ..system.memory import fmt_bytes
 from .runstate import RunState
 from .schedule import walk
 

@@ -114,9 +114,12 @@ class Network:
         self.layers.append(Layer("bnrelu", name, src, dst, cin=c, cout=c))
 
     def add(self, name, src, dst="res", skip=None):
-        """dst = skip + src, the residual add; skip defaults to dst (dst += src, in place).
+        """dst = skip + src, the residual add; skip defaults to dst (dst += src, in place); src
+        may also be the pair (skip, src).
 
         The layer's inputs are (skip, src): dst may be either of them (in place) or another buffer."""
+        if isinstance(src, tuple):
+            skip, src = src
         skip = dst if skip is None else skip
         self.layers.append(Layer("add", name, src, dst, inputs=(skip, src)))
 
@@ -127,17 +130,18 @@ class Network:
         """Mean over k x k windows (stride defaults to k); zero padding counts in the mean."""
         self.layers.append(Layer("avgpool2d", name, src, dst, k, k if stride is None else stride, pad))
 
-    def head(self, src, c):
-        """Global average pool, then the fully connected classifier (PyTorch's init)."""
+    def head(self, src, c, name="fc"):
+        """Global average pool, then the fully connected classifier `name` (PyTorch's init;
+        parameters <name>.weight, <name>.bias)."""
         bound = 1.0 / numpy.sqrt(c)
 
         def uniform(rng, shape):
             return rng.uniform(-bound, bound, shape).astype(numpy.float32)
 
         self.layers.append(Layer("avgpool", "pool", src, "feat", cin=c, cout=c))
-        self._param("fc.weight", (self.num_classes, c), True, uniform)
-        self._param("fc.bias", (self.num_classes,), False, uniform)
-        self.layers.append(Layer("linear", "fc", "feat", "logits", cin=c, cout=self.num_classes))
+        self._param(name + ".weight", (self.num_classes, c), True, uniform)
+        self._param(name + ".bias", (self.num_classes,), False, uniform)
+        self.layers.append(Layer("linear", name, "feat", "logits", cin=c, cout=self.num_classes))
 
     # -- using ------------------------------------------------------------
     @property

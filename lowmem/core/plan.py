@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy
 
 from ..system.backend import to_numpy
+from ..system.memory import fmt_bytes, require
 
 KINDS = ("params", "grads", "optimizer", "stats", "input", "buffers", "saved", "workspace")
 
@@ -39,13 +40,6 @@ class Alloc:
     def __post_init__(self):
         if self.nbytes is None:
             object.__setattr__(self, "nbytes", math.prod(self.shape) * numpy.dtype(self.dtype).itemsize)
-
-
-def fmt_bytes(n):
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
 
 
 class Plan:
@@ -88,8 +82,7 @@ class Plan:
 
     def allocate(self, xp):
         """Allocate every entry (zero-filled) on array module xp; returns {name: array}.
-        First sysmem.NotEnoughMemory if the plan's total is more than xp's free memory."""
-        from ..system.memory import require         # sysmem imports this module: import here, not above
+        First system.memory.NotEnoughMemory if the plan's total is more than xp's free memory."""
         require(self.total_bytes, "allocating the memory plan", xp)
         return {e.name: xp.zeros(e.shape, dtype=e.dtype) for e in self.entries}
 

@@ -1,13 +1,15 @@
-"""The order in which an epoch visits a dataset, and where in it a run stands.
+"""Batches: the order in which an epoch visits a dataset, where in it a run stands, and the
+in-memory batch iterator.
 
     pos = EpochOrder(num_samples=50000, batch_size=128, shuffle=True, seed=0, drop_last=True)
     order = pos.order(pos.epoch)          # int64 (N,): a seeded permutation of 0..N-1
     start, stop = pos.span(pos.batch)     # the slice of `order` that is the next batch
     state = pos.state_dict()              # into a checkpoint; load_state_dict(state) resumes
 
-Shared by lowmem.data.datasets.BatchIterator (arrays in memory) and
-lowmem.data.images.ImageLoader (files decoded on threads): both are an
-EpochOrder plus a way to fetch the samples of one batch.
+`BatchIterator` (arrays in memory, below) and lowmem.data.images.ImageLoader
+(files decoded on threads) are both an EpochOrder plus a way to fetch the
+samples of one batch: `OrderedBatches` is what they share (length, order,
+position, state), written once.
 
 * The order of epoch e is a function of (seed, e) only:
   `numpy.random.default_rng([seed, e]).permutation(N)`, or 0..N-1 without
@@ -22,6 +24,8 @@ EpochOrder plus a way to fetch the samples of one batch.
   data set size, batch size...) instead of resuming a different order.
 """
 import numpy as np
+
+from .datasets import DataError
 
 
 class EpochOrderError(ValueError):
@@ -85,3 +89,87 @@ class EpochOrder:
                 raise self.error(f"{self.owner}: saved state has {k}={state.get(k)!r}, this {self.noun} has "
                                  f"{mine[k]!r}; cannot resume the same order")
         self.set_epoch(state["epoch"], state["batch"])
+
+
+class OrderedBatches:
+    """The order and position of a batch source, held in `self.position` (an EpochOrder):
+    len(), order(epoch), set_epoch, epoch / batch and the state for resume. A subclass sets
+    `self.position` in its __init__ and names in `state_settings()` any settings of its own
+    that a saved state must match (ImageLoader: its image size and transform)."""
+
+    def state_settings(self):
+        return {}
+
+    def _field(name):
+        return property(lambda self: getattr(self.position, name),
+                        lambda self, value: setattr(self.position, name, value))
+    epoch = _field("epoch")
+    batch = _field("batch")                                 # index of the next batch of this epoch
+    del _field
+
+    def __len__(self):
+        """Batches per epoch."""
+        return len(self.position)
+
+    def order(self, epoch):
+        """Sample indices (N,) of an epoch, a function of (seed, epoch) only."""
+        return self.position.order(epoch)
+
+    def set_epoch(self, epoch, batch=0):
+        """Continue from batch `batch` of epoch `epoch`."""
+        self.position.set_epoch(epoch, batch)
+
+    def state_dict(self):
+        """Everything needed to resume exactly: the position plus the settings it depends on."""
+        return self.position.state_dict(**self.state_settings())
+
+    def load_state_dict(self, state):
+        """Restore a position saved by `state_dict`; the settings must match."""
+        self.position.load_state_dict(state, **self.state_settings())
+
+
+class BatchIterator(OrderedBatches):
+    """Batches of (x, y) in a seeded order that can be resumed exactly.
+
+    x: (N, ...) array, y: (N,). Iterating yields (x_batch, y_batch): copies
+    when shuffling, views into x and y otherwise. An epoch's order depends
+    only on (seed, epoch), so the iterator's whole state is (epoch, batch):
+    `state_dict` / `load_state_dict` save and restore it (OrderedBatches over EpochOrder,
+    the same as lowmem.data.images.ImageLoader's).
+
+    Last partial batch, an explicit policy:
+    * drop_last=True (training): every batch has exactly batch_size samples,
+      so the planned batch never changes mid-epoch; the N % batch_size
+      samples left over are dropped, a different set each epoch because the
+      order is reshuffled.
+    * drop_last=False (evaluation): the final batch is smaller and every
+      sample is seen once.
+
+    Iteration runs from the current position to the end of the epoch, then
+    moves to the next epoch (position 0); `set_epoch` jumps anywhere.
+    Stopping early (break) keeps the position: the next iteration resumes.
+    """
+
+    def __init__(self, x, y, batch_size, shuffle=False, seed=0, drop_last=False):
+        if len(x) != len(y):
+            raise DataError(f"BatchIterator: {len(x)} images but {len(y)} labels")
+        self.x, self.y = x, y
+        self.position = EpochOrder(len(x), batch_size, shuffle, seed, drop_last, "BatchIterator", "iterator",
+                                   DataError)
+        self.batch_size, self.shuffle = self.position.batch_size, self.position.shuffle
+        self.seed, self.drop_last = self.position.seed, self.position.drop_last
+        if len(self) == 0:
+            raise DataError(f"BatchIterator: {len(x)} samples give no batch of {batch_size}"
+                            + (" with drop_last=True" if drop_last else ""))
+
+    def __iter__(self):
+        pos = self.position
+        order = pos.order(pos.epoch) if self.shuffle else None
+        while pos.batch < len(pos):
+            s = slice(*pos.span(pos.batch))
+            pos.batch += 1          # a checkpoint taken after this step resumes at the next batch
+            if order is None:
+                yield self.x[s], self.y[s]
+            else:
+                yield self.x[order[s]], self.y[order[s]]
+        pos.next_epoch()

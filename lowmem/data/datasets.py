@@ -1,7 +1,7 @@
-"""Datasets, preprocessing and batching, all on the host in NumPy.
+"""The data sets: CIFAR, Fashion-MNIST (IDX files) and synthetic images, loaded on the host in NumPy.
 
-Images are uint8 in PyTorch's NCHW layout, (N, C, H, W), until `normalize`
-turns a batch into floats; labels are int64, (N,).
+Images are uint8 in PyTorch's NCHW layout, (N, C, H, W), until
+lowmem.data.transforms.normalize turns a batch into floats; labels are int64, (N,).
 
 What it does:
 
@@ -12,12 +12,11 @@ What it does:
   Debian package ``dataset-fashion-mnist``, optionally zero-padded to 32x32 so
   CIFAR networks apply unchanged;
 * makes a small learnable synthetic dataset for smoke runs;
-* normalises (per channel) and augments (random crop from a 4-px zero-padded
-  image + horizontal flip), vectorised over the batch;
-* batches with a seeded, resumable order (`BatchIterator`).
+* computes the per-channel mean and std the normalisation uses (`channel_mean_std`).
 
-What it does not do: no threads or prefetching, no caching of decoded
-arrays, nothing on the GPU except `normalize` (which accepts CuPy arrays).
+What it does not do: normalise or augment (lowmem/data/transforms.py), batch
+(lowmem/data/batches.py: `BatchIterator`), read image folders (lowmem/data/images.py);
+no threads or prefetching, no caching of decoded arrays, nothing on the GPU.
 Every failure to find or read data is a `DataError` (a `ValueError`) whose
 message names the file and the problem.
 
@@ -41,8 +40,6 @@ from tqdm import tqdm
 
 from ..system import memory as sysmem
 from ..system.atomic import atomic_write
-from .batches import EpochOrder
-from ..system.backend import array_module
 
 DATASETS = ("cifar10", "cifar100", "fashion-mnist", "synthetic")
 CLASS_NAMES = {         # label order of the official releases (CIFAR-100: numbers; synthetic: numbers)
@@ -502,147 +499,3 @@ def load_dataset(name, data_dir=None, download=True, pad_to=32, limit_train=None
     x_test, y_test = _first(arrays[2], limit_test), _first(arrays[3], limit_test)
     mean, std = channel_mean_std(x_train)
     return Dataset(key, x_train, y_train, x_test, y_test, num_classes, mean, std, CLASS_NAMES.get(key))
-
-
-# ----------------------------------------------------------------------------
-# preprocessing
-
-def normalize(out, x, mean, std):
-    """out = (x / 255 - mean[c]) / std[c], per channel.
-
-    out: float (N, C, H, W), written; x: uint8 or float pixels 0..255, same
-    shape; mean, std: (C,) in units of x / 255 (see `channel_mean_std`).
-    Two passes (scale, then shift) straight into `out`, no temporary; out and
-    x may be NumPy or CuPy arrays (the same kind). Returns out.
-    """
-    if out.shape != x.shape or out.ndim != 4:
-        raise ValueError(f"normalize: out {out.shape} and x {x.shape} must be the same (N, C, H, W)")
-    if out.dtype.kind != "f":
-        raise ValueError(f"normalize: out must be a float array, got {out.dtype}")
-    xp = array_module(out)
-    mean = np.asarray(mean, np.float64).reshape(-1)
-    std = np.asarray(std, np.float64).reshape(-1)
-    if mean.shape != (x.shape[1],) or std.shape != (x.shape[1],):
-        raise ValueError(f"normalize: mean/std need {x.shape[1]} channels, got {mean.shape}, {std.shape}")
-    scale = (1.0 / (255.0 * std)).astype(out.dtype).reshape(1, -1, 1, 1)
-    shift = (-mean / std).astype(out.dtype).reshape(1, -1, 1, 1)
-    xp.multiply(x, xp.asarray(scale), out=out)
-    xp.add(out, xp.asarray(shift), out=out)
-    return out
-
-
-def draw_crop_flip(n, rng, pad=4, flip=True):
-    """Random augmentation parameters for n samples, in this order from `rng`:
-    dy, dx: int (n,) in 0..2*pad, the window's corner in the padded image;
-    flipped: bool (n,), horizontal flip (all False when flip is off)."""
-    dy = rng.integers(0, 2 * pad + 1, n)
-    dx = rng.integers(0, 2 * pad + 1, n)
-    flipped = rng.random(n) < 0.5 if flip else np.zeros(n, bool)
-    return dy, dx, flipped
-
-
-def crop_flip(out, x, dy, dx, flipped, pad=4):
-    """out[n] = the H x W window at (dy[n], dx[n]) of x[n] zero-padded by `pad`
-    pixels on each side, mirrored left-right where flipped[n].
-
-    out, x: (N, C, H, W), any dtypes (out may be x: the padded copy is made
-    first). One gather over the whole batch, no loop over samples;
-    temporaries: the padded batch and the gathered batch, each about the
-    size of x.
-    """
-    n, c, h, w = x.shape
-    if out.shape != x.shape:
-        raise ValueError(f"crop_flip: out {out.shape} must match x {x.shape}")
-    padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), x.dtype)
-    padded[:, :, pad:pad + h, pad:pad + w] = x
-    rows = dy[:, None] + np.arange(h)                             # (N, H)
-    cols = dx[:, None] + np.arange(w)                             # (N, W)
-    cols = np.where(flipped[:, None], cols[:, ::-1], cols)
-    out[...] = padded[np.arange(n)[:, None, None, None], np.arange(c)[None, :, None, None],
-                      rows[:, None, :, None], cols[:, None, None, :]]
-    return out
-
-
-def augment(out, x, rng, pad=4, flip=True):
-    """Standard CIFAR augmentation: per sample, a random crop from the image
-    zero-padded by `pad` px on each side, then a random horizontal flip.
-
-    out, x: (N, C, H, W), uint8 or float; rng: numpy.random.Generator (the
-    result depends only on its state). Vectorised (see `crop_flip`).
-    Returns out.
-    """
-    return crop_flip(out, x, *draw_crop_flip(len(x), rng, pad, flip), pad=pad)
-
-
-# ----------------------------------------------------------------------------
-# batching
-
-class BatchIterator:
-    """Batches of (x, y) in a seeded order that can be resumed exactly.
-
-    x: (N, ...) array, y: (N,). Iterating yields (x_batch, y_batch): copies
-    when shuffling, views into x and y otherwise. An epoch's order depends
-    only on (seed, epoch), so the iterator's whole state is (epoch, batch):
-    `state_dict` / `load_state_dict` save and restore it (lowmem.data.batches.EpochOrder,
-    the same as lowmem.data.images.ImageLoader's).
-
-    Last partial batch, an explicit policy:
-    * drop_last=True (training): every batch has exactly batch_size samples,
-      so the planned batch never changes mid-epoch; the N % batch_size
-      samples left over are dropped, a different set each epoch because the
-      order is reshuffled.
-    * drop_last=False (evaluation): the final batch is smaller and every
-      sample is seen once.
-
-    Iteration runs from the current position to the end of the epoch, then
-    moves to the next epoch (position 0); `set_epoch` jumps anywhere.
-    Stopping early (break) keeps the position: the next iteration resumes.
-    """
-
-    def __init__(self, x, y, batch_size, shuffle=False, seed=0, drop_last=False):
-        if len(x) != len(y):
-            raise DataError(f"BatchIterator: {len(x)} images but {len(y)} labels")
-        self.x, self.y = x, y
-        self.position = EpochOrder(len(x), batch_size, shuffle, seed, drop_last, "BatchIterator", "iterator",
-                                   DataError)
-        self.batch_size, self.shuffle = self.position.batch_size, self.position.shuffle
-        self.seed, self.drop_last = self.position.seed, self.position.drop_last
-        if len(self) == 0:
-            raise DataError(f"BatchIterator: {len(x)} samples give no batch of {batch_size}"
-                            + (" with drop_last=True" if drop_last else ""))
-
-    # the position lives in lowmem.data.batches.EpochOrder, shared with lowmem.data.images.ImageLoader
-    epoch = property(lambda self: self.position.epoch)
-    batch = property(lambda self: self.position.batch)     # index of the next batch to yield in this epoch
-
-    def __len__(self):
-        """Batches per epoch."""
-        return len(self.position)
-
-    def order(self, epoch):
-        """Sample indices (N,) of an epoch, a function of (seed, epoch) only."""
-        return self.position.order(epoch)
-
-    def set_epoch(self, epoch, batch=0):
-        """Continue from batch `batch` of epoch `epoch`."""
-        self.position.set_epoch(epoch, batch)
-
-    def __iter__(self):
-        pos = self.position
-        order = pos.order(pos.epoch) if self.shuffle else None
-        while pos.batch < len(pos):
-            s = slice(*pos.span(pos.batch))
-            pos.batch += 1          # a checkpoint taken after this step resumes at the next batch
-            if order is None:
-                yield self.x[s], self.y[s]
-            else:
-                yield self.x[order[s]], self.y[order[s]]
-        pos.next_epoch()
-
-    def state_dict(self):
-        """Everything needed to resume exactly: position plus the settings it depends on."""
-        return self.position.state_dict()
-
-    def load_state_dict(self, state):
-        """Restore a position saved by `state_dict`; the settings must match."""
-        self.position.load_state_dict(state)

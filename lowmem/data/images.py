@@ -27,7 +27,7 @@ Crop and resize are one Pillow call (Image.resize with a box); for eval,
 JPEGs decode at a reduced scale when that still covers the resize (draft).
 
 Normalisation: per-channel mean/std in units of pixel / 255, as
-lowmem.data.datasets.normalize uses; computed from up to 1000 training images
+lowmem.data.transforms.normalize uses; computed from up to 1000 training images
 (eval transform, exact 256-bin histograms) or given. The statistics pass is
 streamed: it holds a few batches of about 1 MiB of pixels
 (stats_memory_bytes), whatever the folder and the image size.
@@ -38,7 +38,7 @@ are decoded ahead of the consumer, so memory stays at prefetch + 1 batches
 and the engine's step overlaps decoding. The order and augmentation depend
 only on (seed, epoch, position): the same for any number of workers, and a
 loader's position (epoch, batch) resumes exactly (state_dict /
-load_state_dict, like lowmem.data.datasets.BatchIterator).
+load_state_dict, like lowmem.data.batches.BatchIterator: both are OrderedBatches).
 
 An unreadable file raises a DataError naming it; with skip_bad=True it is
 replaced by the next readable sample of the split, and counted in
@@ -53,8 +53,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .datasets import DataError, normalize
-from .batches import EpochOrder
+from .batches import EpochOrder, OrderedBatches
+from .datasets import DataError
+from .transforms import normalize
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 SPLITS = ("train", "val")
@@ -219,13 +220,13 @@ def decode(out, path, size, train, rng, mode="RGB", resize=None):
 
 # -------------------------------------------------------------------------- loading
 
-class ImageLoader:
+class ImageLoader(OrderedBatches):
     """Batches (x, y) of an ImageFolder, decoded on worker threads with a bounded prefetch.
 
     size: output height = width; train: the random transform (else eval);
-    shuffle (default: train) and drop_last (default: train) as
-    lowmem.data.datasets.BatchIterator; dtype: "float32"/"float64" normalised with
-    (mean, std), or "uint8" raw pixels (mean, std unused); channels: 3 (RGB) or 1.
+    shuffle (default: train) and drop_last (default: train) as lowmem.data.batches.BatchIterator
+    (the order, position and state: OrderedBatches); dtype: "float32"/"float64" normalised
+    with (mean, std), or "uint8" raw pixels (mean, std unused); channels: 3 (RGB) or 1.
     Iterating yields x (N, C, size, size) and y int64 (N,), fresh arrays."""
 
     def __init__(self, folder, batch_size, size, train=True, mean=None, std=None, shuffle=None,
@@ -274,30 +275,10 @@ class ImageLoader:
     def input_shape(self):
         return (self.channels, self.size, self.size)
 
-    # the order and position: lowmem.data.batches.EpochOrder, shared with lowmem.data.datasets.BatchIterator
-    def _get(name):
-        return property(lambda self: getattr(self.position, name),
-                        lambda self, value: setattr(self.position, name, value))
-    epoch, batch = _get("epoch"), _get("batch")
-    del _get
+    def state_settings(self):
+        """What a saved position must match besides the order's settings (OrderedBatches)."""
+        return {"size": self.size, "train": self.train}
 
-    def __len__(self):
-        return len(self.position)
-
-    def order(self, epoch):
-        """Sample indices of an epoch: a function of (seed, epoch) only (as BatchIterator)."""
-        return self.position.order(epoch)
-
-    def set_epoch(self, epoch, batch=0):
-        self.position.set_epoch(epoch, batch)
-
-    def state_dict(self):
-        return self.position.state_dict(size=self.size, train=self.train)
-
-    def load_state_dict(self, state):
-        self.position.load_state_dict(state, size=self.size, train=self.train)
-
-    # ------------------------------------------------------------------ work
     def _sample(self, out, index, epoch, position):
         """Decode sample `index` (at `position` of the epoch's order) into out (C, H, W) uint8."""
         n = len(self.folder)

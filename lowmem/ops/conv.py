@@ -10,7 +10,7 @@ is processed in chunks of nc = ws.size // (K*Ho*Wo) samples: the workspace
 bounds memory, whatever N is. A 1x1/stride-1/pad-0 conv on a contiguous
 input needs no columns at all: it is the GEMM w(Cout, Cin) @ x(Cin, N*H*W).
 
-Cores (lowmem/system/threads.py): with T lowmem threads the batch is split into T
+Cores (lowmem/system/threads.py, cut by ops/chunks.py): with T lowmem threads the batch is split into T
 ranges, each with its own 1/T of the workspace, running its own im2col, GEMM
 and col2im (a 1x1 conv's GEMM: T column ranges). Weight gradients are summed
 per range into a weight-sized temporary each, then added in range order. So
@@ -32,14 +32,10 @@ engine with use_fast=False runs) never does: its results are im2col's, bit for b
 """
 from typing import Callable, NamedTuple
 
-from ..system import threads
 from ..system.backend import array_module
 from . import columns_cpu, columns_gpu
+from .chunks import chunk_size, over_batch, over_columns
 from . import winograd as _winograd
-
-GEMM_GRAIN = 4096       # columns per thread below which a 1x1-conv GEMM is not split
-COLS_GRAIN = 1 << 16    # im2col elements per thread below which a conv's batch is not split
-
 
 def conv_out_size(h, k, stride, pad):
     return (h + 2 * pad - k) // stride + 1
@@ -74,13 +70,6 @@ def window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
             ws = j - pad + stride * w0
             yield (i, j, slice(h0, h1), slice(w0, w1),
                    slice(hs, hs + stride * (h1 - h0), stride), slice(ws, ws + stride * (w1 - w0), stride))
-
-
-def _chunk(ws, per_sample, n):
-    nc = min(n, ws.size // per_sample)
-    if nc < 1:
-        raise ValueError(f"conv workspace too small: {ws.size} elements, one sample needs {per_sample}")
-    return nc
 
 
 def im2col(cols, x, kh, kw, stride, pad):
@@ -146,30 +135,6 @@ def columns_for(xp, fast=True):
     return NUMBA if fast and columns_cpu.AVAILABLE else SLICES
 
 
-def _over_batch(N, ws, per_sample, body):
-    """body(n0, n1, ws_part) over contiguous batch ranges, one per lowmem thread, each range
-    with its own slice of the workspace (at least one sample's columns); returns how many ranges."""
-    _chunk(ws, per_sample, N)                              # the clear error when even one sample does not fit
-    host = 1 if array_module(ws).__name__ == "cupy" else threads.threads()   # the GPU: one stream
-    parts = max(1, min(host, N, ws.size // per_sample, N * per_sample // COLS_GRAIN))
-    cut, size = threads.bounds(N, parts), ws.size // parts
-
-    def ranges(t0, t1):
-        for t in range(t0, t1):
-            body(cut[t], cut[t + 1], ws[t * size:(t + 1) * size])
-    threads.parallel_for(ranges, parts)
-    return parts
-
-
-def _over_columns(M, body, like=None):
-    """body(m0, m1) over contiguous GEMM column ranges, one per lowmem thread (one range for
-    CuPy arrays `like`: the GPU runs the whole GEMM)."""
-    if like is not None and array_module(like).__name__ == "cupy":
-        body(0, M)
-        return
-    threads.parallel_for(body, M, grain=GEMM_GRAIN)
-
-
 def conv2d_forward(out, x, w, stride, pad, ws, columns=None):
     """out (Cout, N, Ho, Wo) = conv(x (Cin, N, H, W), w (Cout, Cin, kh, kw)).
 
@@ -185,18 +150,18 @@ def conv2d_forward(out, x, w, stride, pad, ws, columns=None):
     w2 = w.reshape(Cout, -1)
     if _is_pointwise(w, stride, pad) and x.flags.c_contiguous:
         x2, o2 = _flat(x, Cin), _flat(out, Cout)
-        _over_columns(x2.shape[1], lambda m0, m1: xp.matmul(w2, x2[:, m0:m1], out=o2[:, m0:m1]), x2)
+        over_columns(x2.shape[1], lambda m0, m1: xp.matmul(w2, x2[:, m0:m1], out=o2[:, m0:m1]), x2)
         return
     K = Cin * kh * kw
 
     def samples(a, b, wsp):
-        nc = _chunk(wsp, K * Ho * Wo, b - a)
+        nc = chunk_size(wsp, K * Ho * Wo, b - a)
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)
             cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
             columns.im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
             xp.matmul(w2, cols.reshape(K, -1), out=_flat(out[:, n0:n1], Cout))
-    _over_batch(N, ws, K * Ho * Wo, samples)
+    over_batch(N, ws, K * Ho * Wo, samples)
 
 
 def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False, columns=None):
@@ -213,20 +178,20 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False, column
     w2t = w.reshape(Cout, -1).T
     if _is_pointwise(w, stride, pad) and not accumulate:
         g2, d2 = _flat(dout, Cout), _flat(dx, Cin)
-        _over_columns(g2.shape[1], lambda m0, m1: xp.matmul(w2t, g2[:, m0:m1], out=d2[:, m0:m1]), g2)
+        over_columns(g2.shape[1], lambda m0, m1: xp.matmul(w2t, g2[:, m0:m1], out=d2[:, m0:m1]), g2)
         return
     K = Cin * kh * kw
 
     def samples(a, b, wsp):
         if not accumulate:
             dx[:, a:b].fill(0)
-        nc = _chunk(wsp, K * Ho * Wo, b - a)
+        nc = chunk_size(wsp, K * Ho * Wo, b - a)
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)
             cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
             xp.matmul(w2t, _flat(dout[:, n0:n1], Cout), out=cols.reshape(K, -1))
             columns.col2im(dx, n0, n1, cols, kh, kw, stride, pad)
-    _over_batch(N, ws, K * Ho * Wo, samples)
+    over_batch(N, ws, K * Ho * Wo, samples)
 
 
 def conv2d_backward_weight(dw, x, dout, stride, pad, ws, columns=None):
@@ -255,19 +220,19 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws, columns=None):
 
         def columns(m0, m1):
             parts[m0] = xp.matmul(g2[:, m0:m1], x2[:, m0:m1].T)
-        _over_columns(x2.shape[1], columns, x2)
+        over_columns(x2.shape[1], columns, x2)
     else:
         K = Cin * kh * kw
 
         def samples(a, b, wsp):
             acc = None
-            nc = _chunk(wsp, K * Ho * Wo, b - a)
+            nc = chunk_size(wsp, K * Ho * Wo, b - a)
             for n0 in range(a, b, nc):
                 n1 = min(b, n0 + nc)
                 cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(Cin, kh, kw, n1 - n0, Ho, Wo)
                 columns.im2col(cols, x[:, n0:n1], kh, kw, stride, pad)
                 acc = add(acc, xp.matmul(_flat(dout[:, n0:n1], Cout), cols.reshape(K, -1).T))
             parts[a] = acc
-        _over_batch(N, ws, K * Ho * Wo, samples)
+        over_batch(N, ws, K * Ho * Wo, samples)
     for start in sorted(parts):                            # a fixed order: deterministic for a given T
         dw2 += parts[start]

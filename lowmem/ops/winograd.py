@@ -28,7 +28,7 @@ tiles take 4x the input instead of 9x. The three products of training:
 Memory: V and M for `n` samples take 16*(Cin + Cout)*th*tw*n elements of the conv
 workspace (the weight gradient also keeps two 16*Cout*Cin sums per range there) (under im2col's 9*Cin*H*W*n when Cin = Cout); chunks are capped at CACHE_BYTES so
 V and M stay in the core's cache between the transform and the GEMM. Threads as in
-ops/conv.py: batch ranges, each with its own part of the workspace.
+ops/conv.py (ops/chunks.py): batch ranges, each with its own part of the workspace.
 
 Accuracy: the transforms' constants are 0, +-1 and +-1/2, so float32 Winograd stays close to
 im2col; tests/test_winograd.py checks every 3x3 conv shape of ResNet-164 against float64.
@@ -42,7 +42,7 @@ import os
 import numpy
 
 from . import columns_cpu as _fast  # its AVAILABLE: numba installed and LOWMEM_FAST not 0
-from . import conv as _conv
+from .chunks import over_batch
 
 ENABLED = os.environ.get("LOWMEM_WINOGRAD", "1").strip() not in ("0", "false", "no")   # the switch
 MIN_CHANNELS = 16           # below this the 16 GEMMs are too thin to beat one im2col GEMM (the stem's Cin = 3)
@@ -123,7 +123,7 @@ def _correlate(out, x, U, ws, accumulate):
             _input_tiles(V, x, n0)
             numpy.matmul(U, V, out=M)
             _output_tiles(out, M, n0, accumulate)
-    _conv._over_batch(N, ws, per, samples)
+    over_batch(N, ws, per, samples)
 
 
 def conv3x3_forward(out, x, w, ws):
@@ -166,7 +166,7 @@ def conv3x3_backward_weight(dw, x, dout, ws):
             else:
                 acc += numpy.matmul(Mg, V.transpose(0, 2, 1), out=term)
         sums[a] = acc
-    _conv._over_batch(N, ws, per + 2 * u, samples)        # each range: one sample's tiles + dU + a term
+    over_batch(N, ws, per + 2 * u, samples)        # each range: one sample's tiles + dU + a term
     starts = sorted(sums)
     dU = sums[starts[0]]
     for start in starts[1:]:

@@ -1,5 +1,7 @@
-"""How much memory is free: checked before a large allocation, so a plan that cannot fit
-ends in a clear error instead of NumPy's MemoryError (or the kernel's OOM killer).
+"""How much memory is free, and how bytes print (`fmt_bytes`, used by every report).
+
+Free memory is checked before a large allocation, so a plan that cannot fit ends in a
+clear error instead of NumPy's MemoryError (or the kernel's OOM killer).
 
     require(plan.total_bytes + x.nbytes, "training 2 steps at batch 128")     # NotEnoughMemory if not
 
@@ -16,7 +18,13 @@ import os
 
 import numpy
 
-from ..core.plan import fmt_bytes
+
+def fmt_bytes(n):
+    """n bytes in binary units for people: "512 B", "1.50 KiB", "3.20 GiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
 
 
 class NotEnoughMemory(ValueError):

@@ -49,9 +49,10 @@ from .. import models
 from ..units import quant
 from ..core.engine import DEFAULT_WORKSPACE_BYTES, DTYPES, MODES, Engine
 from .maxbatch import MAX_BATCH, max_batch, parse_bytes, planned_engine
-from ..core.plan import KINDS, fmt_bytes
-from ..system.memory import NotEnoughMemory
-from ..train.trainer import SCHEDULES, ConfigError, TrainConfig, Trainer, TrainingDiverged, saved_config
+from ..core.plan import KINDS
+from ..system.memory import NotEnoughMemory, fmt_bytes
+from ..train.config import SCHEDULES, ConfigError, TrainConfig
+from ..train.trainer import Trainer, TrainingDiverged, saved_config
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DIVERGED, EXIT_TIME_LIMIT = 0, 1, 2, 3, 4
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}     # 128 + signal number
@@ -100,15 +101,18 @@ def model_arguments(p, depth, batch):
 
 
 def input_shape(args):
-    """--input, or the model's default input shape."""
-    return args.input or models.model_spec(args.model).input_shape
+    """--input, or the model's default input shape (an ONNX file's own, where it fixes one)."""
+    if args.input or not models.is_onnx_path(args.model):
+        return args.input or models.model_spec(args.model).input_shape
+    from .onnx_import import file_input_shape
+    return file_input_shape(args.model)
 
 
 def build_network(args):
     """(network, input_shape) from the model options; ValueError on a bad combination."""
     shape = input_shape(args)
     net = models.build_model(args.model, args.depth, num_classes=args.classes, in_channels=shape[0],
-                             seed=getattr(args, "seed", 0))
+                             seed=getattr(args, "seed", 0), input_shape=shape)
     return net, shape
 
 
@@ -534,7 +538,7 @@ def maxbatch_command(args):
     """`lowmem maxbatch`: print the batch and its plan by kind; 0, or 1 when --verify fails."""
     shape = input_shape(args)
     factory = lambda: models.build_model(args.model, args.depth, num_classes=args.classes,  # noqa: E731
-                                         in_channels=shape[0])
+                                         in_channels=shape[0], input_shape=shape)
     ws = args.workspace_mib << 20
     if args.reserve >= args.budget:
         raise ValueError(f"--reserve ({fmt_bytes(args.reserve)}) must be smaller than --budget "

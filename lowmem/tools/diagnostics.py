@@ -41,10 +41,11 @@ from dataclasses import dataclass, field
 import numpy
 
 from ..system import backend, memory as sysmem
-from ..data.datasets import channel_mean_std, normalize, synthetic
+from ..data.datasets import channel_mean_std, synthetic
+from ..data.transforms import normalize
 from ..core.engine import Engine, MODES
 from ..train.optim import SGD
-from ..core.plan import fmt_bytes
+from ..system.memory import fmt_bytes
 
 
 # ---- data and warm-up -------------------------------------------------------

@@ -267,14 +267,21 @@ def network_from_checkpoint(path):
     The architecture is rebuilt from the run's configuration (model, depth,
     seed) with the class and channel counts read off the stored weights."""
     from ..train.checkpoint import load_checkpoint
-    from ..models import MODELS
+    from ..models import MODELS, build_model, is_onnx_path, model_spec
     from ..train.trainer import load_model_state
     arrays, meta = load_checkpoint(path)
     config = meta.get("config") or {}
     model = config.get("model")
-    if model not in MODELS:
+    try:
+        model_spec(model)
+    except (ValueError, TypeError):
         raise ExportError(f"{path}: unknown model {model!r} in the checkpoint's configuration "
-                          f"(this lowmem knows {', '.join(sorted(MODELS))})")
+                          f"(this lowmem knows {', '.join(sorted(MODELS))} and .onnx files)") from None
+    shape = (meta.get("data") or {}).get("input_shape")      # an ONNX model's sizes (where symbolic)
+    if is_onnx_path(model):                                  # the file has the architecture and classes
+        net = build_model(model, None, seed=config.get("seed", 0), input_shape=tuple(shape) if shape else None)
+        load_model_state(path, net)
+        return net, meta
     fc, first = arrays.get("net/fc.weight"), next((a for k, a in arrays.items()
                                                    if k.startswith("net/") and a.ndim == 4), None)
     if fc is None or first is None:
@@ -282,8 +289,8 @@ def network_from_checkpoint(path):
     if config.get("depth") is None:
         raise ExportError(f"{path}: the checkpoint's configuration has no depth for model {model!r}, "
                           f"so the network cannot be rebuilt (was it written by lowmem train?)")
-    net = MODELS[model].build(config["depth"], num_classes=int(fc.shape[0]), in_channels=int(first.shape[1]),
-                              seed=config.get("seed", 0))
+    net = build_model(model, config["depth"], num_classes=int(fc.shape[0]), in_channels=int(first.shape[1]),
+                      seed=config.get("seed", 0))
     load_model_state(path, net)
     return net, meta
 

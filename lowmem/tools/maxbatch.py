@@ -27,7 +27,7 @@ import re
 
 from .. import models
 from ..core.engine import DEFAULT_WORKSPACE_BYTES, Engine
-from ..core.plan import fmt_bytes
+from ..system.memory import fmt_bytes
 
 MAX_BATCH = 1 << 24         # where the search stops (max_batch's default limit)
 

@@ -78,7 +78,7 @@ def _engine_logits(net):
 
 def preprocess(paths, info):
     """float32 (N, C, H, W): each image through the eval transform and the stored normalisation."""
-    from ..data.datasets import normalize
+    from ..data.transforms import normalize
     from ..data.images import decode
     c, size = int(info["input_shape"][0]), int(info["image_size"])
     x = np.empty((len(paths), c, size, size), np.uint8)

@@ -1,4 +1,4 @@
-"""The training loop: epochs, learning-rate schedule, evaluation, metrics, checkpoints, resume.
+"""The training loop: epochs, evaluation, metrics, checkpoints, resume.
 
     cfg = TrainConfig(dataset="cifar10", depth=164, mode="approx", bits=4, epochs=164, out="runs/c10")
     result = Trainer(cfg).fit()                    # a fresh run into runs/c10
@@ -9,9 +9,10 @@ next batch, the learning rate, engine.train_step, the running sums, the stop
 check; per epoch, evaluate, log, save. What each call does lives in its own
 module:
 
+  lowmem/train/config.py    TrainConfig (every setting, checked) and the lr schedule (lr_at)
   lowmem/train/trainstate.py  the checkpoint: save and restore of the network, the
                       optimizer, the data position and the RNG (exact resume)
-  lowmem/train/runlog.py    the run folder's files: config.json, plan.txt, and
+  lowmem/train/rundir.py    the run folder: its lock, config.json, plan.txt, and
                       metrics.jsonl (rewritten atomically, one record a line)
   lowmem/train/stop.py      signals, the time limit, and the stop agreement of ranks
   lowmem/data/batches.py    the seeded order of every epoch (BatchIterator, ImageLoader)
@@ -68,7 +69,6 @@ checkpoints (one file, replaced atomically).
 """
 import dataclasses
 import math
-import numbers
 import os
 import signal
 import time
@@ -78,163 +78,24 @@ from tqdm import tqdm
 
 from ..system import backend, distributed, memory as sysmem
 from ..data import images
-from ..units import quant
 from . import trainstate
 from .checkpoint import CheckpointError, load_checkpoint   # noqa: F401 (re-exported)
-from ..data.datasets import BatchIterator, DataError, augment, load_dataset, normalize
-from ..core.engine import DTYPES, MODES, Engine
-from ..models import MODELS, build_model, model_spec
+from ..data.batches import BatchIterator
+from ..data.datasets import load_dataset
+from ..data.transforms import augment, normalize
+from ..core.engine import Engine
+from ..models import build_model
 from ..ops import softmax_xent_forward
+from .config import WARMUP_DIVISOR, ConfigError, lr_at, warmup_iters
 from .optim import SGD
-from ..core.plan import KINDS, fmt_bytes
-from .rundir import CHECKPOINT, CONFIG, METRICS, PLAN, ResumeError, RunDirError   # noqa: F401 (re-exported)
-from .runlog import RunLog, json_line, read_metrics                                # noqa: F401 (re-exported)
+from ..core.plan import KINDS
+from ..system.memory import fmt_bytes
+from .rundir import CHECKPOINT, CONFIG, METRICS, PLAN, ResumeError, RunDirError, RunLog   # noqa: F401 (re-exported)
 from .trainstate import (FORMAT, TrainState, TrainingDiverged, check_training_meta,   # noqa: F401 (re-exported)
                          load_model_state, saved_config, zero_sums)
 from .stop import Stop
 
-SCHEDULES = ("step", "cosine", "constant")
 AUTO_BATCHES, AUTO_BATCH = 3, 64              # bits="auto": measured on 3 training batches of at most 64
-WARMUP_DIVISOR = 10                           # warm-up lr = lr / 10 (He et al.: 0.01 for lr 0.1)
-PAPER_WARMUP_ITERS = 400
-
-
-class ConfigError(ValueError):
-    """Settings that cannot make a run (a bad value, or a model, engine or optimizer that refuses them)."""
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Everything that defines a run. The FIXED fields must match when resuming."""
-    dataset: str = "cifar10"        # cifar10 | cifar100 | fashion-mnist | synthetic | folder
-    data_dir: str = None            # where the data lives (None: the defaults of lowmem.data.datasets)
-    download: bool = True           # CIFAR only: fetch the archive when it is missing
-    pad_to: int = 32                # Fashion-MNIST only: pad 28x28 to this size (0 keeps 28)
-    limit_train: int = None         # first N training samples (synthetic: split size)
-    limit_test: int = None
-    model: str = "preact-cifar"
-    depth: int = 20
-    mode: str = "approx"            # exact | approx | naive
-    bits: int = 4                   # 8, 4, 2, 1; "auto" (resolved to a {unit: K} dict at the start); a dict
-    avg_bits: float = None          # bits "auto": the saved x-hat within every unit at avg_bits
-    rounding: str = "nearest"       # nearest | stochastic (codes drawn from the seed and the iteration)
-    dtype: str = "float32"
-    batch: int = 128
-    epochs: int = 10
-    lr: float = 0.1
-    schedule: str = "step"          # step | cosine | constant
-    warmup_iters: int = None        # None: 400 (the paper), at most 5% of the run
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    nesterov: bool = False
-    augment: bool = True
-    seed: int = 0                   # network init, batch order and augmentation
-    out: str = None                 # run directory (None: write nothing)
-    time_limit: float = None        # seconds; stop with a checkpoint after this long
-    progress: bool = True           # tqdm bar (only on a terminal)
-    sync_bn: bool = False           # data parallel: batch norm over the global batch (all ranks)
-    image_size: int = 224           # folder only: images are cropped / resized to this square
-    workers: int = 4                # folder only: decoding threads (lowmem.data.images)
-    skip_bad: bool = False          # folder only: replace unreadable images by the next readable one
-
-    FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "rounding", "dtype",
-             "batch", "augment", "seed", "image_size")
-
-    def validate(self):
-        """Check every field; returns self. ConfigError naming the field and what it expects."""
-        def bad(field, want):
-            raise ConfigError(f"{field}={getattr(self, field)!r}: expected {want}")
-
-        def real(f):
-            v = getattr(self, f)
-            return isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v)
-
-        def integer(f, low, optional=False):
-            v = getattr(self, f)
-            ok = (optional and v is None) or (isinstance(v, numbers.Integral) and not isinstance(v, bool)
-                                              and v >= low)
-            if not ok:
-                bad(f, f"an integer >= {low}" + (" or None" if optional else ""))
-
-        try:
-            model_spec(self.model)                      # a registry name or wrn-K
-        except ValueError:
-            bad("model", f"one of {', '.join(m for m in MODELS if not m.startswith('wrn-'))} or wrn-K "
-                         f"(K a positive integer)")
-        for f, choices in (("mode", MODES), ("dtype", DTYPES), ("schedule", SCHEDULES),
-                           ("rounding", quant.ROUNDINGS)):
-            if str(getattr(self, f)) not in choices:
-                bad(f, f"one of {', '.join(choices)}")
-        if self.bits == "auto":
-            if not (real("avg_bits") and 0 < self.avg_bits <= 32):
-                bad("avg_bits", "a number of bits in (0, 32] (bits='auto' fits the saved x-hat to it)")
-            if self.mode == "exact":
-                bad("bits", "a bit width or 'float' per unit only in approx / naive mode, not 'auto' with exact")
-        elif isinstance(self.bits, dict):
-            pass                        # per-unit widths: the engine checks them against the network
-        elif not isinstance(self.bits, numbers.Integral) or isinstance(self.bits, bool) or self.bits not in quant.BITS:
-            bad("bits", f"one of {', '.join(map(str, quant.BITS))}, 'auto' or a dict of per-unit widths")
-        if not (self.bits == "auto" or isinstance(self.bits, dict)) and self.avg_bits is not None:
-            bad("avg_bits", "None unless bits='auto' (a resumed auto run keeps it beside its widths)")
-        for f in ("depth", "batch", "epochs"):
-            integer(f, 1)
-        integer("pad_to", 0)
-        integer("image_size", 8)
-        integer("workers", 1)
-        if str(self.dataset) == "folder" and not self.data_dir:
-            bad("data_dir", "the image folder (--data DIR holding train/<class>/* and val/<class>/*)")
-        if str(self.dataset).lower() in ("fashion-mnist", "fashion_mnist", "fashionmnist") and 0 < self.pad_to < 28:
-            bad("pad_to", "0 (keep 28x28) or at least 28 for Fashion-MNIST's 28x28 images")
-        integer("seed", 0)
-        integer("warmup_iters", 0, optional=True)
-        integer("limit_train", 1, optional=True)
-        integer("limit_test", 1, optional=True)
-        if self.limit_train is not None and self.limit_train < self.batch:
-            bad("limit_train", f"at least batch={self.batch} images (an epoch drops its last partial "
-                               f"batch, so fewer give no training step)")
-        if not (real("lr") and 0 < self.lr < math.inf):
-            bad("lr", "a finite number > 0")
-        if not (real("momentum") and 0 <= self.momentum < 1):
-            bad("momentum", "a number in [0, 1)")
-        if not (real("weight_decay") and 0 <= self.weight_decay < math.inf):
-            bad("weight_decay", "a finite number >= 0")
-        if self.nesterov and self.momentum == 0:
-            bad("nesterov", "False when momentum is 0 (Nesterov momentum needs momentum > 0)")
-        if self.time_limit is not None and not (real("time_limit") and self.time_limit > 0):
-            bad("time_limit", "a positive number of seconds")
-        self.out = None if self.out is None else os.fspath(self.out)
-        if self.out == "":
-            bad("out", "a folder name (None writes nothing)")
-        self.data_dir = None if self.data_dir is None else os.fspath(self.data_dir)
-        return self
-
-    def to_dict(self):
-        return dataclasses.asdict(self)
-
-
-def warmup_iters(config, total):
-    """Warm-up length: config.warmup_iters, or 400 (the paper) capped at 5% of `total` iterations."""
-    if config.warmup_iters is not None:
-        return min(config.warmup_iters, total)
-    return min(PAPER_WARMUP_ITERS, total // 20)
-
-
-def lr_at(it, total, config):
-    """Learning rate of step `it` (0-based) of a run of `total` steps.
-
-    Warm-up: lr/10 for the first warmup_iters steps. Then "step": lr, divided
-    by 10 at 50% and again at 75% of `total` (He et al.'s CIFAR recipe: 0.01
-    for 400 iterations, 0.1, 0.01 from 32k, 0.001 from 48k of 64k); "cosine":
-    lr * (1 + cos(pi * t)) / 2 with t from 0 to 1 over the steps after warm-up;
-    "constant": lr. A pure function of the step, so a resumed run continues it."""
-    w = warmup_iters(config, total)
-    if it < w:
-        return config.lr / WARMUP_DIVISOR
-    if config.schedule == "step":
-        return config.lr / 10 ** ((it >= total // 2) + (it >= (3 * total) // 4))
-    if config.schedule == "cosine":
-        return config.lr * 0.5 * (1 + math.cos(math.pi * (it - w) / max(1, total - w)))
-    return config.lr
 
 
 def auto_batches(data, batch, dtype="float32"):
@@ -440,7 +301,8 @@ class Trainer:
         try:
             distributed.shard(c.batch, self.comm)                 # refuses a batch the ranks do not divide
             self.net = build_model(c.model, c.depth, num_classes=self.data.num_classes,
-                                   in_channels=self.data.input_shape[0], seed=c.seed)
+                                   in_channels=self.data.input_shape[0], seed=c.seed,
+                                   input_shape=self.data.input_shape)
             self.allocation = None
             if c.bits == "auto":        # measured once, at the start; the config keeps the widths (resume)
                 self.allocation = allocate_widths(self.net, self.data, c, self.comm)
