@@ -10,8 +10,13 @@
 
 The vocabulary is what the engine runs (lowmem/core/engine.py):
 
-  conv(x, cout, k, stride=1, pad=(k-1)//2)   k x k convolution, no bias
+  conv(x, cout, k, stride=1, pad=(k-1)//2, groups=1, bias=False)
+                                             k x k convolution (grouped, depthwise; with a bias)
   bn_relu(x)                                 batch norm (affine) then ReLU: one "unit"
+  bn(x)                                      batch norm with no ReLU after it
+  relu(x), relu6(x)                          on their own (after an add, say)
+  dropout(x, p=0.5)                          inverted dropout (training only)
+  concat(a, b, ...)                          channel concatenation
   max_pool(x, k=2, stride=k, pad=0)          max over k x k windows (k <= 4)
   avg_pool(x, k=2, stride=k, pad=0)          mean over k x k windows (zero padding counted)
   add(a, b)                                  a + b, same shape: the residual add
@@ -107,26 +112,80 @@ class Graph:
         self.input = self._tensor(input_shape, "input", "input")
 
     # ----------------------------------------------------------- vocabulary
-    def conv(self, x, cout, k, stride=1, pad=None, name=None):
-        """k x k convolution of x (C, H, W) to cout channels (no bias); He-normal init."""
+    def conv(self, x, cout, k, stride=1, pad=None, name=None, groups=1, bias=False):
+        """k x k convolution of x (C, H, W) to cout channels; He-normal init. groups splits the
+        channels into that many independent convs (groups == C == cout: depthwise); bias adds a
+        per-channel bias (<name>.bias)."""
         name = self._name(name, "conv")
         self._own(x, name)
-        for what, v, lo in (("cout", cout, 1), ("k", k, 1), ("stride", stride, 1)):
+        for what, v, lo in (("cout", cout, 1), ("k", k, 1), ("stride", stride, 1), ("groups", groups, 1)):
             if not _int(v) or v < lo:
                 raise NetworkError(f"conv {name!r}: {what} must be an int >= {lo}, got {v!r}")
         pad = (k - 1) // 2 if pad is None else pad
         if not _int(pad) or pad < 0:
             raise NetworkError(f"conv {name!r}: pad must be an int >= 0, got {pad!r}")
+        if not isinstance(bias, bool):
+            raise NetworkError(f"conv {name!r}: bias must be True or False, got {bias!r}")
         c, h, w = x.shape
+        if c % groups or cout % groups:
+            raise NetworkError(f"conv {name!r}: groups={groups} must divide its {c} input and {cout} "
+                               f"output channels")
         out = (cout, conv_out_size(h, k, stride, pad), conv_out_size(w, k, stride, pad))
         self._check_size(name, x, out)
-        return self._node("conv", name, (x,), out, dict(cin=c, cout=cout, k=k, stride=stride, pad=pad))
+        args = dict(cin=c, cout=cout, k=k, stride=stride, pad=pad)
+        if groups != 1 or bias:
+            args.update(groups=groups, bias=bias)
+        return self._node("conv", name, (x,), out, args)
 
     def bn_relu(self, x, name=None):
         """Batch norm (gamma=1, beta=0 at init; running statistics) then ReLU: one BN->ReLU unit."""
         name = self._name(name, "bn")
         self._own(x, name)
         return self._node("bnrelu", name, (x,), x.shape, dict(c=x.shape[0]))
+
+    def bn(self, x, name=None):
+        """Batch norm with no ReLU after it (before an add, say): keeps x-hat in float and rstd."""
+        name = self._name(name, "bn")
+        self._own(x, name)
+        return self._node("bn", name, (x,), x.shape, dict(c=x.shape[0]))
+
+    def relu(self, x, name=None):
+        """max(x, 0) on its own (after an add, say; bn_relu is the unit for BN then ReLU): keeps a
+        1-bit mask."""
+        return self._elementwise("relu", "relu", x, name)
+
+    def relu6(self, x, name=None):
+        """min(max(x, 0), 6) (MobileNetV2's activation): keeps a 2-bit region code."""
+        return self._elementwise("relu6", "relu", x, name)
+
+    def dropout(self, x, p=0.5, name=None):
+        """Inverted dropout in training (each element dropped with probability p, the rest scaled
+        by 1/(1-p)); the identity in eval. Keeps its 1-bit mask, drawn from the engine's counter
+        stream (the same masks after a resume and on every kernel path)."""
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise NetworkError(f"dropout: p must be a number in [0, 1), got {p!r}")
+        return self._elementwise("dropout", "dropout", x, name, dict(p=float(p)))
+
+    def _elementwise(self, op, prefix, x, name, args=None):
+        name = self._name(name, prefix)
+        self._own(x, name)
+        return self._node(op, name, (x,), x.shape, dict(args or {}))
+
+    def concat(self, *xs, name=None):
+        """The tensors xs (equal H, W) stacked on the channel axis, in order (DenseNet's blocks)."""
+        name = self._name(name, "concat")
+        if len(xs) == 1 and isinstance(xs[0], (list, tuple)):
+            xs = tuple(xs[0])
+        if not xs:
+            raise NetworkError(f"concat {name!r}: needs at least one tensor")
+        for t in xs:
+            self._own(t, name)
+        if any(t.shape[1:] != xs[0].shape[1:] for t in xs):
+            raise NetworkError(f"concat {name!r}: spatial sizes differ: "
+                               f"{', '.join(f'{t.name!r} {t.shape}' for t in xs)}; a channel concat "
+                               f"needs equal H, W")
+        c = sum(t.shape[0] for t in xs)
+        return self._node("concat", name, xs, (c,) + xs[0].shape[1:], dict(cout=c))
 
     def max_pool(self, x, k=2, stride=None, pad=0, name=None):
         """Max over k x k windows (stride defaults to k), -inf padding; k*k <= 16."""

@@ -96,8 +96,49 @@ def input_read_by_many():
     return g.head(g.bn_relu(g.conv(s, 4, 3, name="c2"), "b1"))
 
 
+def post_activation_blocks():
+    """torchvision's basic block: conv-bn-relu-conv-bn, + skip (a strided 1x1 conv + bn where the
+    shape changes), then relu; the next conv reads relu(add)."""
+    g = nn.Graph("post-act", (3, 8, 8), 3)
+    x = g.relu(g.bn(g.conv(g.input, 4, 3, name="conv1"), "bn1"), "relu1")
+    for i, (c, s) in enumerate(((4, 1), (8, 2))):
+        h = g.bn_relu(g.conv(x, c, 3, s, name=f"b{i}.conv1"), f"b{i}.bn1")
+        h = g.bn(g.conv(h, c, 3, name=f"b{i}.conv2"), f"b{i}.bn2")
+        skip = x if s == 1 else g.bn(g.conv(x, c, 1, s, 0, name=f"b{i}.down"), f"b{i}.down_bn")
+        x = g.relu(g.add(h, skip, f"b{i}.add"), f"b{i}.relu")
+    return g.head(x)
+
+
+def dense_block():
+    """DenseNet-BC style: each layer reads the concat of everything before it."""
+    g = nn.Graph("dense", (3, 8, 8), 3)
+    feats = [g.conv(g.input, 4, 3, name="stem")]
+    for i in range(3):
+        x = feats[0] if len(feats) == 1 else g.concat(*feats, name=f"cat{i}")
+        h = g.conv(g.bn_relu(x, f"l{i}.bn1"), 8, 1, pad=0, name=f"l{i}.conv1")
+        feats.append(g.conv(g.bn_relu(h, f"l{i}.bn2"), 2, 3, name=f"l{i}.conv2"))
+    x = g.concat(*feats, name="cat_out")
+    x = g.avg_pool(g.conv(g.bn_relu(x, "trans.bn"), 4, 1, pad=0, name="trans.conv"), 2, name="trans.pool")
+    return g.head(g.bn_relu(x, "bn_final"))
+
+
+def inverted_residuals():
+    """MobileNetV2 style: 1x1 expand -> bn -> relu6 -> 3x3 depthwise -> bn -> relu6 -> 1x1 project
+    -> bn (no ReLU) + skip; a conv with a bias and dropout before the head."""
+    g = nn.Graph("inverted", (3, 8, 8), 3)
+    x = g.relu6(g.bn(g.conv(g.input, 4, 3, name="stem"), "stem_bn"), "stem_act")
+    for i in range(2):
+        h = g.relu6(g.bn(g.conv(x, 8, 1, pad=0, name=f"ir{i}.expand"), f"ir{i}.bn1"), f"ir{i}.act1")
+        h = g.relu6(g.bn(g.conv(h, 8, 3, groups=8, name=f"ir{i}.dw"), f"ir{i}.bn2"), f"ir{i}.act2")
+        h = g.bn(g.conv(h, 4, 1, pad=0, name=f"ir{i}.project"), f"ir{i}.bn3")
+        x = g.add(x, h, f"ir{i}.add")
+    x = g.conv(x, 6, 3, groups=2, bias=True, name="grouped_bias")
+    return g.head(g.dropout(g.relu(x, "last_relu"), 0.25, "drop"))
+
+
 GRAPHS = {f.__name__: f for f in (conv_reads_conv, conv_reads_pool_and_add, nested_residuals,
-                                  shared_branch, unit_over_shared_gradient, four_alive, input_read_by_many)}
+                                  shared_branch, unit_over_shared_gradient, four_alive, input_read_by_many,
+                                  post_activation_blocks, dense_block, inverted_residuals)}
 
 
 @pytest.mark.parametrize("which", list(GRAPHS))
@@ -112,6 +153,7 @@ def test_dag_gradients_match_finite_differences(rng, which):
     grads = {p.name: p.grad.copy() for p in net.parameters()}
 
     def loss():
+        eng.step = 0                       # the same dropout masks as the step differentiated
         return eng.forward(x, y)[0]
     for name, g in grads.items():
         assert np.any(g != 0), f"{which}: {name} got no gradient"

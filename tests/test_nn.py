@@ -371,7 +371,7 @@ def test_check_accepts_the_models_and_a_valid_hand_built_net():
     ({"bn2": {"cin": 5}}, ["'bn2'", "5 input channels", "holds 4"]),
     ({"conv3": {"stride": 2}}, ["add 'add'", "(4, 4, 4)", "(4, 8, 8)"]),
     ({"conv3": {"dst": "act1"}}, ["in place"]),
-    ({"bn2": {"op": "relu"}}, ["unknown op 'relu'"]),
+    ({"bn2": {"op": "softmax"}}, ["unknown op 'softmax'"]),
     ({"conv2": {"name": "conv3"}}, ["'conv3'", "twice"]),
 ])
 def test_check_rejects_broken_records(changes, words):

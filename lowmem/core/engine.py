@@ -44,6 +44,7 @@ from ..system import backend, distributed, threads
 from . import checks
 from .. import units as kernels
 from ..units import quant
+from ..ops import dropout
 from ..ops.conv import columns_for
 from .optable import OPS, BatchStatisticsError, step_temporaries
 from .plan import Plan, bind_parameters
@@ -96,6 +97,14 @@ class Engine:
                              average_stats=ranks and not self.sync_bn, average_grads=ranks)
         self.in_shape, self.out_shape = self.schedule.in_shape, self.schedule.out_shape
         self._unit_sizes = {u: self.in_shape[u] for u in unit_names}
+        # every batch norm (units and standalone): the batch-statistics scratch and the batch check
+        self._norm_sizes = {L.name: self.in_shape[L.name] for L in net.layers if OPS[L.op].norm}
+        self._keyed = [L.name for L in net.layers if OPS[L.op].keyed]      # dropout: its mask's stream
+        if self.sync_bn and len(self._norm_sizes) > len(self._unit_sizes):
+            alone = sorted(set(self._norm_sizes) - set(self._unit_sizes))
+            raise ValueError(f"sync_bn synchronizes the BN->ReLU units only; {', '.join(alone[:3])} "
+                             f"{'is a batch norm' if len(alone) == 1 else 'are batch norms'} without a "
+                             f"ReLU after it (train without sync_bn)")
         self._check_batch_norm(self.N, "batch_size")
         sizes = self._sizes(self.N)
         self.fused = kernels.fused_applies(self.xp, self.dtype, sizes) if use_fast is None else bool(use_fast)
@@ -129,7 +138,7 @@ class Engine:
         return [n * h * w for (_, h, w) in self._unit_sizes.values()]
 
     def _check_batch_norm(self, n, what):
-        checks.batch_norm(self._unit_sizes, n, what)
+        checks.batch_norm(self._norm_sizes, n, what)
 
     def _select_units(self, sizes, arrays=None, reference=False):
         """{unit: kernel set} for each unit's width: fused or reference (kernels.select_units),
@@ -157,7 +166,7 @@ class Engine:
         # statistics are views into them, and a data-parallel step sums each in one allreduce
         plan.add("grads", "grads", (sum(int(math.prod(sh)) for _, sh, _ in specs),), dt)
         plan.add("bn.running", "stats", (sum(int(math.prod(sh)) for _, sh in net.stat_shapes()),), dt)
-        max_c = max((c for (c, _, _) in self._unit_sizes.values()), default=1)
+        max_c = max((c for (c, _, _) in self._norm_sizes.values()), default=1)
         plan.add("bn.batch_mean", "stats", (max_c,), dt)
         plan.add("bn.batch_var", "stats", (max_c,), dt)
         partials = kernels.partials_size(self.xp, max_c, self.fused)
@@ -237,6 +246,9 @@ class Engine:
         if training and self.rounding == "stochastic":
             run.keys = {u: quant.stream_key(self.seed, self.step, i, self.comm.rank)
                         for i, (u, K) in enumerate(self.unit_bits.items()) if K is not None}
+        if training:                              # dropout: each layer's mask stream for this step
+            run.keys.update({name: dropout.stream_key(self.seed, self.step, i, self.comm.rank)
+                             for i, name in enumerate(self._keyed)})
         self.xp.copyto(run.act("input", self.input_shape), x.transpose(1, 0, 2, 3))
 
     def _sweep(self, phase):

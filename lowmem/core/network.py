@@ -12,8 +12,9 @@ for the residual stream). The network holds no activations and no saved
 state: the engine (lowmem/core/engine.py) turns it into a schedule and a
 memory plan, each buffer sized to the largest tensor it ever holds.
 
-Layer ops: conv, bnrelu, add, maxpool, avgpool2d, and the head's avgpool
-(global) and linear; what each does is its entry in lowmem/core/optable/.
+Layer ops: conv (groups, bias), bnrelu, bn, relu, relu6, dropout, add, concat,
+maxpool, avgpool2d, and the head's avgpool (global) and linear; what each does
+is its entry in lowmem/core/optable/.
 `nn.check(net, input_shape)` says whether the engine can run a Network
 (the engine runs the same check on every network it is given).
 
@@ -59,7 +60,7 @@ class Parameter:
 
 @dataclass
 class Layer:
-    op: str            # a key of optable.OPS: conv | bnrelu | add | maxpool | avgpool2d | avgpool | linear
+    op: str            # a key of optable.OPS: conv | bnrelu | bn | relu | relu6 | dropout | add | concat | ...
     name: str
     src: str
     dst: str
@@ -69,6 +70,9 @@ class Layer:
     cin: int = 0
     cout: int = 0
     inputs: tuple = ()  # an op with several inputs (add, concat): every buffer it reads, in order
+    groups: int = 1     # conv: channel groups (cin == groups: depthwise)
+    bias: bool = False  # conv: has a bias (<name>.bias)
+    p: float = 0.0      # dropout: the probability of dropping an element
 
     @property
     def reads(self):
@@ -99,19 +103,51 @@ class Network:
             raise ValueError(f"network {self.name!r}: parameter {name!r} declared twice")
         self._param_specs[name] = (tuple(int(s) for s in shape), decay, init)
 
-    def conv(self, name, src, dst, cin, cout, k, stride=1, pad=None):
+    def conv(self, name, src, dst, cin, cout, k, stride=1, pad=None, groups=1, bias=False):
+        """k x k convolution; groups splits the channels (cin == groups: depthwise); bias adds
+        <name>.bias (PyTorch's default init, uniform +-1/sqrt(fan-in), no weight decay)."""
         pad = (k - 1) // 2 if pad is None else pad
-        std = numpy.sqrt(2.0 / (cin * k * k))          # He et al. (fan-in, ReLU)
-        self._param(name + ".weight", (cout, cin, k, k), True,
+        fan_in = (cin // groups) * k * k
+        std = numpy.sqrt(2.0 / fan_in)                 # He et al. (fan-in, ReLU)
+        self._param(name + ".weight", (cout, cin // groups, k, k), True,
                     lambda rng, shape: (rng.standard_normal(shape) * std).astype(numpy.float32))
-        self.layers.append(Layer("conv", name, src, dst, k, stride, pad, cin, cout))
+        if bias:
+            bound = 1.0 / numpy.sqrt(fan_in)
+            self._param(name + ".bias", (cout,), False,
+                        lambda rng, shape: rng.uniform(-bound, bound, shape).astype(numpy.float32))
+        self.layers.append(Layer("conv", name, src, dst, k, stride, pad, cin, cout, groups=groups, bias=bool(bias)))
 
     def bnrelu(self, name, src, dst, c):
+        self._bn_params(name, c)
+        self.layers.append(Layer("bnrelu", name, src, dst, cin=c, cout=c))
+
+    def bn(self, name, src, dst, c):
+        """Batch norm with no ReLU after it (gamma=1, beta=0 at init; running statistics)."""
+        self._bn_params(name, c)
+        self.layers.append(Layer("bn", name, src, dst, cin=c, cout=c))
+
+    def _bn_params(self, name, c):
         self._param(name + ".weight", (c,), False, lambda rng, shape: numpy.ones(shape, numpy.float32))   # gamma
         self._param(name + ".bias", (c,), False, lambda rng, shape: numpy.zeros(shape, numpy.float32))    # beta
         self._stat_specs[name + ".running_mean"] = ((c,), 0.0)
         self._stat_specs[name + ".running_var"] = ((c,), 1.0)
-        self.layers.append(Layer("bnrelu", name, src, dst, cin=c, cout=c))
+
+    def relu(self, name, src, dst):
+        """max(x, 0) on its own (not after a batch norm): keeps a 1-bit mask."""
+        self.layers.append(Layer("relu", name, src, dst))
+
+    def relu6(self, name, src, dst):
+        """min(max(x, 0), 6): keeps a 2-bit region code."""
+        self.layers.append(Layer("relu6", name, src, dst))
+
+    def dropout(self, name, src, dst, p=0.5):
+        """Inverted dropout (training only): keeps its 1-bit mask, drawn from the engine's stream."""
+        self.layers.append(Layer("dropout", name, src, dst, p=float(p)))
+
+    def concat(self, name, srcs, dst, cout=0):
+        """dst = srcs stacked on the channel axis, in order (cout: their channels in all, checked)."""
+        srcs = tuple(srcs)
+        self.layers.append(Layer("concat", name, srcs[0], dst, cout=cout, inputs=srcs))
 
     def add(self, name, src, dst="res", skip=None):
         """dst = skip + src, the residual add; skip defaults to dst (dst += src, in place); src

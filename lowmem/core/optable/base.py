@@ -19,8 +19,10 @@ class Op:
                 rebuilds its input from the unit's saved code (keeps nothing of its own)
       in_place  may write a buffer it reads: the builder gives its output an input's buffer
                 when that input dies there
-      several   takes several inputs (Layer.inputs): add, concat"""
-    unit = in_place = several = False
+      several   takes several inputs (Layer.inputs): add, concat
+      norm      a batch norm: batch statistics over N*H*W (the engine's bn.batch_* scratch)
+      keyed     draws from the engine's counter stream (dropout: run.keys[layer])"""
+    unit = in_place = several = norm = keyed = False
     builder = ""            # its nn.Graph method, where the name differs from the op
 
     @staticmethod
