@@ -36,6 +36,7 @@ model (nor harms an existing one).
 `add_arguments(parser)` / `run(args)` are the `lowmem export RUN_DIR OUT` subcommand:
 the model of a run folder's checkpoint, to OUT.safetensors or OUT.onnx.
 """
+import collections
 import json
 import os
 import sys
@@ -134,7 +135,7 @@ def onnx_model(net, input_shape=None, opset=OPSET, metadata=None):
     opset = check_opset(opset)
     state = net.state_dict()
     inits = [numpy_helper.from_array(numpy.ascontiguousarray(v, numpy.float32), k) for k, v in state.items()]
-    version = {"input": 0, "act0": 0, "act1": 0, "res": 0}
+    version = collections.defaultdict(int)
     names = {("input", 0): "input"}
     nodes = []
 
