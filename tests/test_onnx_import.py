@@ -69,6 +69,85 @@ def test_a_registry_model_round_trips_through_onnx(tmp_path, model, depth, shape
         np.testing.assert_array_equal(s1[k], s2[k], err_msg=k)
 
 
+def postact_graph():
+    """conv-bn-relu stem, one post-activation block (bn -> add -> relu), a max-pool."""
+    g = nn.Graph("postact", (3, 8, 8), 4)
+    x = g.bn_relu(g.conv(g.input, 6, 3, name="conv1"), name="bn1")
+    h = g.bn_relu(g.conv(x, 6, 3, name="layer1.0.conv1"), name="layer1.0.bn1")
+    h = g.bn(g.conv(h, 6, 3, name="layer1.0.conv2"), name="layer1.0.bn2")
+    x = g.relu(g.add(h, x, name="layer1.0.add"), name="layer1.0.relu2")
+    return g.head(g.max_pool(x, 2, name="pool1"))
+
+
+def dense_graph():
+    """Two DenseNet-BC layers (bn_relu -> 1x1 -> bn_relu -> 3x3, concatenated) and a transition."""
+    g = nn.Graph("dense", (3, 8, 8), 4)
+    x = g.conv(g.input, 6, 3, name="conv0")
+    for i in range(2):
+        new = g.conv(g.bn_relu(g.conv(g.bn_relu(x, name=f"b.{i}.norm1"), 8, 1, name=f"b.{i}.conv1"),
+                               name=f"b.{i}.norm2"), 4, 3, name=f"b.{i}.conv2")
+        x = g.concat(x, new, name=f"b.{i}.cat")
+    x = g.avg_pool(g.conv(g.bn_relu(x, name="t.norm"), 7, 1, name="t.conv"), 2, name="t.pool")
+    return g.head(g.bn_relu(x, name="norm5"))
+
+
+def inverted_graph():
+    """MobileNetV2-style: 1x1 expand-bn-relu6, depthwise 3x3-bn-relu6, 1x1 project-bn, + x."""
+    g = nn.Graph("inverted", (3, 8, 8), 4)
+    x = g.relu6(g.bn(g.conv(g.input, 4, 3, name="stem.0"), name="stem.1"), name="stem.2")
+    h = g.relu6(g.bn(g.conv(x, 12, 1, name="b.0"), name="b.1"), name="b.2")
+    h = g.relu6(g.bn(g.conv(h, 12, 3, groups=12, name="b.3"), name="b.4"), name="b.5")
+    x = g.add(x, g.bn(g.conv(h, 4, 1, name="b.6"), name="b.7"), name="b.add")
+    return g.head(x)
+
+
+def bias_graph():
+    g = nn.Graph("biased", (3, 8, 8), 4)
+    x = g.relu(g.conv(g.input, 5, 3, bias=True, name="conv1"), name="relu1")
+    x = g.relu(g.conv(x, 6, 3, stride=2, bias=True, groups=1, name="conv2"), name="relu2")
+    return g.head(x)
+
+
+GRAPHS = {"postact": postact_graph, "dense": dense_graph, "inverted": inverted_graph, "bias": bias_graph}
+
+
+@pytest.mark.parametrize("which", list(GRAPHS))
+def test_a_graph_of_the_new_ops_round_trips_through_onnx(tmp_path, which):
+    """Post-activation blocks, dense blocks, inverted residuals, convs with bias: exported by lowmem
+    and read back, the same layers and buffers, parameters, plan, schedule, and training step."""
+    rng = np.random.default_rng(4)
+    net = randomize_units(GRAPHS[which](), rng)
+    for p in net.parameters():                                  # biases of every kind non-zero
+        if p.name.endswith(".bias"):
+            p.data[...] = rng.normal(0, 0.3, p.shape)
+    back = nn.from_onnx(export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8)))
+    assert layers(back) == layers(net)
+    a, b = net.state_dict(), back.state_dict()
+    assert list(a) == list(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    x = rng.standard_normal((4, 3, 8, 8)).astype(np.float32)
+    labels = rng.integers(0, 4, 4)
+    e1, l1, s1 = step(net, (3, 8, 8), x, labels)
+    e2, l2, s2 = step(back, (3, 8, 8), x, labels)
+    assert e2.plan.report() == e1.plan.report()
+    assert str(e2.schedule) == str(e1.schedule)
+    assert l1 == l2
+    for k in s1:
+        np.testing.assert_array_equal(s1[k], s2[k], err_msg=k)
+
+
+def test_bn_then_relu_reads_back_as_one_unit(tmp_path):
+    """g.bn then g.relu is written as BatchNormalization + Relu, the same nodes as a bn_relu unit,
+    and read back as the unit: the same function, keeping one x-hat code instead of x-hat and a mask."""
+    g = nn.Graph("split", (3, 8, 8), 4)
+    net = g.head(g.relu(g.bn(g.conv(g.input, 6, 3, name="conv1"), name="bn1"), name="relu1"))
+    back = nn.from_onnx(export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8)))
+    assert [L.op for L in net.layers[:3]] == ["conv", "bn", "relu"]
+    assert [(L.op, L.name) for L in back.layers[:2]] == [("conv", "conv1"), ("bnrelu", "bn1")]
+    assert list(back.state_dict()) == list(net.state_dict())
+
+
 def test_a_classifier_keeps_its_own_name(tmp_path):
     """torchvision's DenseNet and MobileNetV2 call their last linear layer `classifier`."""
     g = nn.Graph("named-head", (3, 8, 8), 4)

@@ -233,3 +233,40 @@ def test_imported_model_matches_autograd_in_float64(tmp_path, family):
     loss4, logits4 = Engine(approx, N, shape, mode="approx", bits=4, dtype="float64").forward(x, labels)
     assert loss4 == loss
     np.testing.assert_array_equal(logits4, logits)
+
+
+class DropoutNet(tnn.Module):
+    def __init__(self, cin=3):
+        super().__init__()
+        self.conv1, self.bn1 = tnn.Conv2d(cin, 6, 3, 1, 1, bias=False), bn(6)
+        self.drop = tnn.Dropout(0.3)
+        self.conv2, self.bn2 = tnn.Conv2d(6, 6, 3, 1, 1, bias=False), bn(6)
+        self.fc = tnn.Linear(6, K)
+
+    def forward(self, x):
+        x = self.drop(F.relu(self.bn1(self.conv1(x))))
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def test_dropout_trains_as_dropout_and_predicts_as_torch_eval(tmp_path):
+    """A training-mode Dropout node becomes a dropout layer with its ratio; its masks are lowmem's own
+    (a counter stream, not torch's generator), so what is compared is eval mode, where dropout is the
+    identity: the imported network's predict equals the torch model's eval logits in float64."""
+    if not hasattr(nn.Graph, "dropout"):
+        pytest.skip("this lowmem's nn.Graph has no dropout")
+    torch.manual_seed(0)
+    model = randomized(DropoutNet(), 3)
+    net = nn.from_onnx(export(model.train(), (3, 8, 8), tmp_path / "drop.onnx"))
+    drops = [L for L in net.layers if L.op == "dropout"]
+    assert [(L.name, L.p) for L in drops] == [("drop.dropout", 0.3)]     # torch's node "/drop/Dropout"
+    model.double().load_state_dict({k: torch.from_numpy(v.astype(np.float64)) for k, v in net.state_dict().items()},
+                                   strict=False)
+    x, labels = np.random.default_rng(5).standard_normal((N, 3, 8, 8)), np.arange(N) % K
+    eng = Engine(net, N, (3, 8, 8), mode="exact", dtype="float64")
+    with torch.no_grad():
+        want = model.eval()(torch.from_numpy(x)).numpy()
+    assert rel(eng.predict(x), want) <= TOL              # before training moves the running statistics
+    loss, _ = eng.forward(x, labels)                      # a training step runs, with lowmem's masks
+    eng.backward()
+    assert np.isfinite(loss) and all(np.isfinite(p.grad).all() for p in net.parameters())

@@ -159,14 +159,16 @@ def _identity(r, node):
 
 
 def _dropout(r, node):
+    """Dropout with a ratio > 0 trains as dropout (an inference graph writes it as a no-op there,
+    a training-mode one with training_mode = 1: either way the model was trained with it)."""
     ratio = r.const(node, 1)
-    ratio = float(_attr(node, "ratio", 0.5) if ratio is None else ratio)
-    training = r.const(node, 2)
-    if training is None or not bool(training) or ratio == 0:
-        return _identity(r, node)                        # eval form: the identity
-    if not hasattr(r.nn.Graph, "dropout"):
-        raise ExportError(f"{r.path}: node {node.name!r}: op Dropout (training) is not supported by this "
-                          f"lowmem's nn.Graph; supported ops: {', '.join(supported_ops())}")
+    ratio = _attr(node, "ratio", 0.5) if ratio is None else ratio
+    ratio = float(str(numpy.float32(ratio)))             # the float32 ratio's shortest decimal: 0.3, not 0.30000001
+    if len(node.output) > 1 and node.output[1] and r.readers.get(node.output[1]):
+        raise ExportError(f"{r.path}: node {node.name!r}: Dropout's mask output is read by other nodes; "
+                          f"lowmem keeps its mask to itself")
+    if ratio == 0:
+        return _identity(r, node)
     r.set(node, r.graph.dropout(r.tensor(node), ratio, name=r.layer_name(node)))
 
 
@@ -218,7 +220,7 @@ IMPORTS = {"Conv": _conv, "BatchNormalization": _batchnorm, "Relu": _unary("relu
            "Dropout": _dropout, "Constant": _constant}
 NEEDS = {"Conv": ("conv",), "BatchNormalization": ("bn_relu",), "Relu": ("relu",), "Clip": ("relu6",),
          "Add": ("add",), "Concat": ("concat",), "MaxPool": ("max_pool",), "AveragePool": ("avg_pool",),
-         "GlobalAveragePool": ("head",), "ReduceMean": ("head",)}
+         "GlobalAveragePool": ("head",), "ReduceMean": ("head",), "Dropout": ("dropout",)}
 
 
 def builder_has(op_type):
