@@ -436,3 +436,62 @@ def test_depthwise_split_over_two_threads_is_bit_identical(rng, monkeypatch):
     for a, b in zip(got[1], got[2]):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(got[1][0], grouped_conv_ref(x, w, 2, 1, 6), rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------- bounded temporaries (tracemalloc)
+
+BOOKKEEPING = 16 << 10      # views, slices and lists a call makes (as tests/test_engine.py allows a step)
+
+
+def allocated(f):
+    """Peak bytes allocated during f() beyond what was held before (after a warm-up call), less
+    BOOKKEEPING: what is left is the arrays."""
+    import tracemalloc
+    f()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        start = tracemalloc.get_traced_memory()[0]
+        f()
+        return tracemalloc.get_traced_memory()[1] - start - BOOKKEEPING
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_elementwise_ops_allocate_within_their_stated_bound(rng, monkeypatch, dtype):
+    """ReLU, clip and dropout on 100,000 elements in blocks of 4,096: each call's temporaries stay
+    within its scratch_bytes, a bound set by the block (far below one activation-sized array)."""
+    monkeypatch.setattr(bitpack, "BLOCK", 4096)
+    n, s = 100_000, np.dtype(dtype).itemsize
+    x, g = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
+    out, dx = np.empty_like(x), np.empty_like(x)
+    m1, m2 = np.empty(bitpack.packed_nbytes(n, 1), np.uint8), np.empty(bitpack.packed_nbytes(n, 2), np.uint8)
+    calls = {
+        relu: [lambda: relu_forward(out, m1, x), lambda: relu_backward(dx, g, m1),
+               lambda: relu_backward(dx, g, m1, accumulate=True), lambda: clip_forward(out, m2, x),
+               lambda: clip_backward(dx, g, m2), lambda: clip_backward(dx, g, m2, accumulate=True)],
+        dropout: [lambda: dropout_forward(out, m1, x, 0.3, 7), lambda: dropout_backward(dx, g, m1, 0.3),
+                  lambda: dropout_backward(dx, g, m1, 0.3, accumulate=True)],
+    }
+    for module, fs in calls.items():
+        bound = module.scratch_bytes(n, s)
+        assert bound < n * s / 2                            # bounded by the block, not the array
+        for f in fs:
+            assert allocated(f) <= bound, (module.__name__, allocated(f), bound)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_depthwise_conv_allocates_within_its_stated_bound(rng, monkeypatch, dtype):
+    monkeypatch.setattr(conv_groups, "DEPTHWISE_BLOCK", 2048)
+    C, N, H, W = 64, 4, 12, 12
+    s = np.dtype(dtype).itemsize
+    x, w = rng.standard_normal((C, N, H, W)).astype(dtype), rng.standard_normal((C, 1, 3, 3)).astype(dtype)
+    out, dx, dw = np.empty_like(x), np.empty_like(x), np.zeros_like(w)
+    bound = conv_groups.scratch_bytes(C, C, C, N, H, W, H, W, s)
+    assert bound < x.nbytes / 2
+    for f in (lambda: grouped_conv2d_forward(out, x, w, 1, 1, C, None),
+              lambda: grouped_conv2d_backward_input(dx, out, w, 1, 1, C, None),
+              lambda: grouped_conv2d_backward_weight(dw, x, out, 1, 1, C, None)):
+        assert allocated(f) <= bound, (allocated(f), bound)
+    assert conv_groups.scratch_bytes(8, 8, 2, N, H, W, H, W, s) == 0     # not depthwise: the conv's own

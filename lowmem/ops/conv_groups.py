@@ -44,6 +44,18 @@ def workspace_per_sample(cin, kh, kw, ho, wo, groups=1, cout=None):
     return (cin // groups) * kh * kw * ho * wo
 
 
+def scratch_bytes(cin, cout, groups, n, h, w, ho, wo, itemsize, threads_=1, block=None):
+    """A bound on what one depthwise call allocates beyond its arguments: per thread, one product
+    of a channel block (at most max(DEPTHWISE_BLOCK, one channel's plane N*H*W or N*Ho*Wo)
+    elements) and NumPy's buffers for the strided window operands, three such blocks (measured
+    in tests/test_ops_graph.py). 0 for other grouped convs: they are ops/conv.py's calls on
+    channel slices, whose own bounds (weight-sized GEMM results) apply."""
+    if not (groups > 1 and cin == cout == groups):
+        return 0
+    b = max(DEPTHWISE_BLOCK if block is None else block, n * max(h * w, ho * wo))
+    return 3 * b * int(itemsize) * max(1, int(threads_))
+
+
 def _shapes(x_or_dx, w, out_or_dout, groups):
     Cout, cig = w.shape[:2]
     Cin = x_or_dx.shape[0]

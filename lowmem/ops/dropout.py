@@ -29,6 +29,15 @@ MIX2 = 0x94D049BB133111EB
 DRAW_BITS = 24                  # u has 24 random bits
 
 
+def scratch_bytes(n, itemsize, block=None):
+    """A bound on what one dropout_* call on n elements allocates beyond its arguments: per block
+    of m = min(n, BLOCK) elements, two uint64 counters arrays (16 bytes an element), the keep mask,
+    its packing and, backward with accumulate, one product of the block (measured in
+    tests/test_ops_graph.py): m * (19 + itemsize), whatever n is."""
+    m = min(int(n), bitpack.BLOCK if block is None else block)
+    return (m + 7) // 8 * 8 * (19 + int(itemsize))
+
+
 def mix64(z):
     """SplitMix64's finaliser on a Python int (mod 2**64)."""
     z &= MASK64

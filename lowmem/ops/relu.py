@@ -24,6 +24,15 @@ import numpy
 BELOW, INSIDE, ABOVE = 0, 1, 2          # clip's region codes
 
 
+def scratch_bytes(n, itemsize, block=None):
+    """A bound on what one relu_* or clip_* call on n elements allocates beyond its arguments:
+    per block of m = min(n, BLOCK) elements, masks and codes (a few bytes per element), NumPy's
+    cast buffers for the uint8-by-float products and, with accumulate, one product of the block
+    (measured in tests/test_ops_graph.py): m * (4 + 2 * itemsize), whatever n is."""
+    m = min(int(n), bitpack.BLOCK if block is None else block)
+    return (m + 7) // 8 * 8 * (4 + 2 * int(itemsize))
+
+
 def relu_forward(out, mask, x, block=None):
     """out = max(x, 0) (same shape as x, may alias it); mask (ceil(n/8),) uint8 <- [x > 0], 1 bit each."""
     xp = array_module(out)
