@@ -44,7 +44,7 @@ def group_setup(rng, Cin, Cout, groups, k, stride, pad, H, W, N=3):
 
 
 @pytest.mark.parametrize("case", GROUP_CASES)
-@pytest.mark.parametrize("block", [1 << 16, 7])      # whole channel blocks; one channel per block
+@pytest.mark.parametrize("block", [1 << 16, 7, 80])  # whole channels; 1 sample; 2 samples of a channel
 def test_grouped_conv_forward_matches_naive_loops(rng, monkeypatch, case, block):
     monkeypatch.setattr(conv_groups, "DEPTHWISE_BLOCK", block)
     x, w, b, ws, oshape = group_setup(rng, *case)
@@ -81,6 +81,21 @@ def test_grouped_conv_backward_finite_differences(rng, case, eps):
     dx2 = acc.copy()
     grouped_conv2d_backward_input(dx2, G, w, stride, pad, groups, ws, accumulate=True)
     np.testing.assert_allclose(dx2, acc + dx, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("block", [7, 80])
+def test_depthwise_backward_in_sample_blocks_matches_whole_channels(rng, monkeypatch, block):
+    x, w, b, ws, oshape = group_setup(rng, 5, 5, 5, 3, 1, 1, 6, 6)
+    G = rng.standard_normal(oshape)
+    got = {}
+    for blk in (1 << 16, block):
+        monkeypatch.setattr(conv_groups, "DEPTHWISE_BLOCK", blk)
+        dx, dw = np.empty_like(x), np.zeros_like(w)
+        grouped_conv2d_backward_input(dx, G, w, 1, 1, 5, None)
+        grouped_conv2d_backward_weight(dw, x, G, 1, 1, 5, None)
+        got[blk] = dx, dw
+    np.testing.assert_array_equal(got[block][0], got[1 << 16][0])     # elementwise: the same sums
+    np.testing.assert_allclose(got[block][1], got[1 << 16][1], rtol=1e-13, atol=1e-13)
 
 
 def test_grouped_conv_refuses_groups_that_do_not_divide(rng):
@@ -419,7 +434,7 @@ def test_depthwise_split_over_two_threads_is_bit_identical(rng, monkeypatch):
     """Channel blocks are disjoint and each sums its offsets in one order: 2 threads equal 1 bit for bit."""
     pytest.importorskip("threadpoolctl")
     from lowmem.system import threads
-    monkeypatch.setattr(conv_groups, "DEPTHWISE_BLOCK", 40)
+    monkeypatch.setattr(conv_groups, "DEPTHWISE_BLOCK", 25)   # planes of 20: one sample a block
     x, w = rng.standard_normal((6, 2, 5, 4)), rng.standard_normal((6, 1, 3, 3))
     G = rng.standard_normal((6, 2, 3, 2))
     before, got = threads.threads(), {}
@@ -488,10 +503,10 @@ def test_depthwise_conv_allocates_within_its_stated_bound(rng, monkeypatch, dtyp
     s = np.dtype(dtype).itemsize
     x, w = rng.standard_normal((C, N, H, W)).astype(dtype), rng.standard_normal((C, 1, 3, 3)).astype(dtype)
     out, dx, dw = np.empty_like(x), np.empty_like(x), np.zeros_like(w)
-    bound = conv_groups.scratch_bytes(C, C, C, N, H, W, H, W, s)
+    bound = conv_groups.scratch_bytes(C, C, C, H, W, H, W, s)
     assert bound < x.nbytes / 2
     for f in (lambda: grouped_conv2d_forward(out, x, w, 1, 1, C, None),
               lambda: grouped_conv2d_backward_input(dx, out, w, 1, 1, C, None),
               lambda: grouped_conv2d_backward_weight(dw, x, out, 1, 1, C, None)):
         assert allocated(f) <= bound, (allocated(f), bound)
-    assert conv_groups.scratch_bytes(8, 8, 2, N, H, W, H, W, s) == 0     # not depthwise: the conv's own
+    assert conv_groups.scratch_bytes(8, 8, 2, H, W, H, W, s) == 0        # not depthwise: the conv's own

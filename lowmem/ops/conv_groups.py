@@ -13,8 +13,8 @@ G = 1 is ops/conv.py itself, bit for bit.
 Depthwise (Cin_g = Cout_g = 1, MobileNet's 3x3) would be G tiny GEMMs; it runs instead as a sum
 over kernel offsets of per-channel scaled, shifted slices (no workspace, no GEMM):
     out[c, :, oh, ow] += w[c, 0, i, j] * x[c, :, ih, iw]      for each offset (i, j)
-in blocks of whole channels (DEPTHWISE_BLOCK elements of output, at least one channel), the
-one temporary a block-sized product, threads splitting the channel blocks.
+in blocks of whole channels, or of samples of one channel (DEPTHWISE_BLOCK elements, at least
+one sample's plane), the one temporary a block-sized product, threads splitting the channels.
 """
 from ..system import threads
 from ..system.backend import array_module
@@ -44,15 +44,15 @@ def workspace_per_sample(cin, kh, kw, ho, wo, groups=1, cout=None):
     return (cin // groups) * kh * kw * ho * wo
 
 
-def scratch_bytes(cin, cout, groups, n, h, w, ho, wo, itemsize, threads_=1, block=None):
-    """A bound on what one depthwise call allocates beyond its arguments: per thread, one product
-    of a channel block (at most max(DEPTHWISE_BLOCK, one channel's plane N*H*W or N*Ho*Wo)
-    elements) and NumPy's buffers for the strided window operands, three such blocks (measured
-    in tests/test_ops_graph.py). 0 for other grouped convs: they are ops/conv.py's calls on
-    channel slices, whose own bounds (weight-sized GEMM results) apply."""
+def scratch_bytes(cin, cout, groups, h, w, ho, wo, itemsize, threads_=1, block=None):
+    """A bound on what one depthwise call allocates beyond its arguments, whatever the batch:
+    per thread, one product of a block (at most max(DEPTHWISE_BLOCK, one sample's plane) elements,
+    the plane the larger of H*W and Ho*Wo) and NumPy's buffers for the strided window operands,
+    three such blocks (measured in tests/test_ops_graph.py). 0 for other grouped convs: they are
+    ops/conv.py's calls on channel slices, whose own bounds (weight-sized GEMM results) apply."""
     if not (groups > 1 and cin == cout == groups):
         return 0
-    b = max(DEPTHWISE_BLOCK if block is None else block, n * max(h * w, ho * wo))
+    b = max(DEPTHWISE_BLOCK if block is None else block, h * w, ho * wo)
     return 3 * b * int(itemsize) * max(1, int(threads_))
 
 
@@ -67,20 +67,27 @@ def _shapes(x_or_dx, w, out_or_dout, groups):
     return Cin // groups, Cout // groups
 
 
-def _channel_blocks(C, per_channel, body, like):
-    """body(c0, c1) over blocks of whole channels, at most DEPTHWISE_BLOCK output elements each
-    (one channel at least), the blocks split over lowmem's threads (disjoint channels); one
-    host thread for CuPy arrays `like` (the GPU runs each block's kernels on one stream)."""
-    per = max(1, DEPTHWISE_BLOCK // max(per_channel, 1))
-    starts = list(range(0, C, per))
-
-    def run(b0, b1):
-        for s in starts[b0:b1]:
-            body(s, min(C, s + per))
-    if array_module(like).__name__ == "cupy":
-        run(0, len(starts))
+def _blocks(C, N, plane, body, like):
+    """body(cs, ns) over (channels, samples) blocks of at most max(DEPTHWISE_BLOCK, plane) elements
+    (plane: one sample's, the larger of H*W and Ho*Wo): whole channels when they fit, else samples
+    of one channel. Threads split the channels; a channel's blocks run in order on one thread, so
+    results are the same bit for bit for any thread count. One host thread for CuPy arrays `like`
+    (the GPU runs each block's kernels on one stream)."""
+    if N * plane <= DEPTHWISE_BLOCK:
+        per = DEPTHWISE_BLOCK // (N * plane)
+        work = [[(slice(c, min(C, c + per)), slice(0, N))] for c in range(0, C, per)]
     else:
-        threads.parallel_for(run, len(starts))
+        nb = max(1, DEPTHWISE_BLOCK // plane)
+        work = [[(slice(c, c + 1), slice(n, min(N, n + nb))) for n in range(0, N, nb)] for c in range(C)]
+
+    def run(g0, g1):
+        for blocks in work[g0:g1]:
+            for cs, ns in blocks:
+                body(cs, ns)
+    if array_module(like).__name__ == "cupy":
+        run(0, len(work))
+    else:
+        threads.parallel_for(run, len(work))
 
 
 def _depthwise_forward(out, x, w, stride, pad):
@@ -88,12 +95,12 @@ def _depthwise_forward(out, x, w, stride, pad):
     Ho, Wo = out.shape[2:]
     kh, kw = w.shape[2:]
 
-    def block(c0, c1):
-        o = out[c0:c1]
+    def block(cs, ns):
+        o = out[cs, ns]
         o.fill(0)
         for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
-            o[:, :, oh, ow] += x[c0:c1, :, ih, iw] * w[c0:c1, 0, i, j, None, None, None]   # one block
-    _channel_blocks(C, N * Ho * Wo, block, out)
+            o[:, :, oh, ow] += x[cs, ns, ih, iw] * w[cs, 0, i, j, None, None, None]   # one block
+    _blocks(C, N, max(H * W, Ho * Wo), block, out)
 
 
 def _depthwise_backward_input(dx, dout, w, stride, pad, accumulate):
@@ -101,13 +108,13 @@ def _depthwise_backward_input(dx, dout, w, stride, pad, accumulate):
     Ho, Wo = dout.shape[2:]
     kh, kw = w.shape[2:]
 
-    def block(c0, c1):
-        d = dx[c0:c1]
+    def block(cs, ns):
+        d = dx[cs, ns]
         if not accumulate:
             d.fill(0)
         for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
-            d[:, :, ih, iw] += dout[c0:c1, :, oh, ow] * w[c0:c1, 0, i, j, None, None, None]
-    _channel_blocks(C, N * H * W, block, dx)
+            d[:, :, ih, iw] += dout[cs, ns, oh, ow] * w[cs, 0, i, j, None, None, None]
+    _blocks(C, N, max(H * W, Ho * Wo), block, dx)
 
 
 def _depthwise_backward_weight(dw, x, dout, stride, pad):
@@ -115,11 +122,11 @@ def _depthwise_backward_weight(dw, x, dout, stride, pad):
     Ho, Wo = dout.shape[2:]
     kh, kw = dw.shape[2:]
 
-    def block(c0, c1):
+    def block(cs, ns):
         for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
-            t = dout[c0:c1, :, oh, ow] * x[c0:c1, :, ih, iw]                  # one block
-            dw[c0:c1, 0, i, j] += t.reshape(c1 - c0, -1).sum(axis=1)
-    _channel_blocks(C, N * Ho * Wo, block, dw)
+            t = dout[cs, ns, oh, ow] * x[cs, ns, ih, iw]                    # one block
+            dw[cs, 0, i, j] += t.reshape(t.shape[0], -1).sum(axis=1)
+    _blocks(C, N, max(H * W, Ho * Wo), block, dw)
 
 
 def grouped_conv2d_forward(out, x, w, stride, pad, groups, ws, bias=None, columns=None):
