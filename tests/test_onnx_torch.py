@@ -270,3 +270,33 @@ def test_dropout_trains_as_dropout_and_predicts_as_torch_eval(tmp_path):
     loss, _ = eng.forward(x, labels)                      # a training step runs, with lowmem's masks
     eng.backward()
     assert np.isfinite(loss) and all(np.isfinite(p.grad).all() for p in net.parameters())
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "preact-imagenet18"])
+def test_imported_model_steps_within_its_plan(tmp_path, family):
+    """A steady approx 4-bit float32 step of each imported model allocates at most the plan's
+    stated bound on temporaries beyond the plan (plus 16 KiB of interpreter bookkeeping, as
+    tests/test_engine.py allows), and keeps nothing between steps (tracemalloc)."""
+    import tracemalloc
+    from lowmem.train.optim import SGD
+    make, shape, needs = FAMILIES[family]
+    if [m for m in needs if not hasattr(nn.Graph, m)]:
+        pytest.skip("this lowmem's nn.Graph lacks the family's ops")
+    torch.manual_seed(0)
+    net = nn.from_onnx(export(randomized(make(), 1).train(), shape, tmp_path / f"{family}.onnx"))
+    eng = Engine(net, 16, shape, mode="approx", bits=4, dtype="float32")
+    opt = SGD(net.parameters(), lr=0.01)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((16,) + shape).astype(np.float32), rng.integers(0, K, 16)
+    eng.train_step(x, y, opt)                                     # first step: caches, imports
+    tracemalloc.start()
+    try:
+        eng.train_step(x, y, opt)
+        tracemalloc.reset_peak()
+        start = tracemalloc.get_traced_memory()[0]
+        eng.train_step(x, y, opt)
+        end, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak - start <= eng.plan.temporary_bytes + (16 << 10), (peak - start, eng.plan.temporary_bytes)
+    assert end - start < 16 << 10

@@ -34,7 +34,8 @@ def scratch_bytes(n, itemsize, block=None):
     of m = min(n, BLOCK) elements, two uint64 counters arrays (16 bytes an element), the keep mask,
     its packing and, backward with accumulate, one product of the block (measured in
     tests/test_ops_graph.py): m * (19 + itemsize), whatever n is."""
-    m = min(int(n), bitpack.BLOCK if block is None else block)
+    m = bitpack.BLOCK if block is None else block
+    m = m if n is None else min(int(n), m)          # n None: any n (the bound of a full block)
     return (m + 7) // 8 * 8 * (19 + int(itemsize))
 
 

@@ -29,7 +29,8 @@ def scratch_bytes(n, itemsize, block=None):
     per block of m = min(n, BLOCK) elements, masks and codes (a few bytes per element), NumPy's
     cast buffers for the uint8-by-float products and, with accumulate, one product of the block
     (measured in tests/test_ops_graph.py): m * (4 + 2 * itemsize), whatever n is."""
-    m = min(int(n), bitpack.BLOCK if block is None else block)
+    m = bitpack.BLOCK if block is None else block
+    m = m if n is None else min(int(n), m)          # n None: any n (the bound of a full block)
     return (m + 7) // 8 * 8 * (4 + 2 * int(itemsize))
 
 

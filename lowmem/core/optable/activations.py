@@ -5,6 +5,7 @@ in place; each backward reads its output gradient only, so the input gradient ma
 
 Dimensions: n = C*N*H*W elements of the layer's (C, H, W) input at batch N, taken flat."""
 from ...ops import relu_forward, relu_backward, relu6_forward, relu6_backward, dropout_forward, dropout_backward
+from ...ops import dropout as _dropout, relu as _relu
 from ...ops.bitpack import packed_nbytes
 from ...system.backend import array_module
 from .base import Op, same_shape
@@ -32,6 +33,12 @@ class _Elementwise(Op):
     def plan(cls, step, N, units, dtype, budget):
         c, h, w = step.in_shape
         return [(f"{step.layer.name}.{cls.suffix}", "saved", (packed_nbytes(c * N * h * w, cls.bits),), "uint8")]
+
+    scratch = staticmethod(_relu.scratch_bytes)     # what one call allocates (ops/relu.py, ops/dropout.py)
+
+    @classmethod
+    def temporary(cls, L, out_shape, itemsize):
+        return "a mask / code block", cls.scratch(None, itemsize)
 
     @staticmethod
     def route(L, walk):
@@ -94,6 +101,7 @@ class Dropout(_Elementwise):
     """Inverted dropout with probability L.p (training; the identity in eval): keeps its 1-bit
     keep mask, drawn from run.keys[layer] (the engine's counter stream)."""
     keyed = True
+    scratch = staticmethod(_dropout.scratch_bytes)
 
     @staticmethod
     def forward(run, step):

@@ -10,8 +10,9 @@ that tensor). Its input gradient needs only the weights."""
 from ...ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, grouped_conv2d_forward,
                     grouped_conv2d_backward_input, grouped_conv2d_backward_weight, conv_bias_forward,
                     conv_bias_backward)
-from ...ops import winograd
+from ...ops import conv_groups, winograd
 from ...ops.conv_groups import workspace_per_sample
+from ...system import threads
 from ..network import NetworkError
 from .base import Op, channels, window_shape
 
@@ -61,6 +62,10 @@ class Conv(Op):
 
     @staticmethod
     def temporary(L, out_shape, itemsize):
+        if L.groups > 1 and L.groups == L.cin == L.cout:  # the depthwise path: its blocks (ops/conv_groups.py)
+            h, w = (o * L.stride + L.k for o in out_shape[1:])    # at least the input's plane
+            return "a depthwise conv block", conv_groups.scratch_bytes(
+                L.cin, L.cout, L.groups, h, w, out_shape[1], out_shape[2], itemsize, threads.threads())
         g = L.groups if L.groups != L.cin else 1        # the depthwise path takes no Winograd tiles
         nbytes = winograd.temporary_bytes([(L.k, L.stride, L.pad, L.cin // g, L.cout // g)], f"f{itemsize}")
         return ("Winograd filter tiles", nbytes) if nbytes else None
