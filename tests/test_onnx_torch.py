@@ -10,6 +10,7 @@ relative error ||a - b|| / ||b|| <= 1e-8 (TOL; float64 with a different summatio
 measures ~1e-14, so a real difference in the maths shows). Approx 4-bit mode gives the same
 loss bit for bit (its forward is exact).
 
+Full-size torchvision architectures (ResNet-18/50, DenseNet-121, MobileNetV2): benchmarks/onnx_vs_torch.py.
 Each family needs the builder's ops (NEEDS: nn.Graph methods); a family whose ops this
 lowmem's builder does not have is skipped, naming them.
 """
@@ -26,6 +27,7 @@ from torch.nn import functional as F  # noqa: E402
 from lowmem import nn  # noqa: E402
 from lowmem.core.engine import Engine  # noqa: E402
 import torch_reference as ref  # noqa: E402
+import torchvision_layout as tv  # noqa: E402
 
 torch.set_num_threads(1)
 N, K, TOL = 4, 5, 1e-8
@@ -153,11 +155,14 @@ def preact():
 # family -> (model factory, input shape, the nn.Graph methods its import needs)
 FAMILIES = {
     "preact-resnet": (preact, (3, 12, 12), ()),
-    "preact-imagenet18": (lambda: ref.preact_resnet_imagenet(18, num_classes=K), (3, 32, 32), ()),
     "postact-resnet": (PostActResNet, (3, 12, 12), ("bn", "relu")),
     "densenet": (DenseNet, (3, 8, 8), ("concat",)),
     "inverted-residual": (MobileNet, (3, 12, 12), ("bn", "relu6")),
     "conv-bias": (BiasNet, (3, 8, 8), ("relu",)),
+    # torchvision's own modules and names (tests/torchvision_layout.py), small instances
+    "tv-densenet": (lambda: tv.DenseNet(growth=4, blocks=(2, 3), init=8, bn_size=2, num_classes=K),
+                    (3, 32, 32), ("concat",)),
+    "tv-mobilenet_v2": (lambda: tv.mobilenet_v2(K, dropout=0.0, width_mult=0.25), (3, 64, 64), ("bn", "relu6")),
 }
 
 
@@ -249,6 +254,16 @@ class DropoutNet(tnn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+def test_a_dropout_before_the_classifier_is_named(tmp_path):
+    """torchvision's MobileNetV2 ends Dropout(0.2) -> Linear; lowmem's head is the pool and the linear
+    layer, so that dropout is refused by name (exported at p = 0 it reads: tv-mobilenet_v2 above)."""
+    from lowmem.tools.export import ExportError
+    model = tv.mobilenet_v2(K, dropout=0.2, width_mult=0.25).train()
+    with pytest.raises(ExportError, match=r"node '/classifier/classifier.0/Dropout': a Dropout between the "
+                                          r"global pool and the classifier is not supported"):
+        nn.from_onnx(export(model, (3, 32, 32), tmp_path / "m.onnx"))
+
+
 def test_dropout_trains_as_dropout_and_predicts_as_torch_eval(tmp_path):
     """A training-mode Dropout node becomes a dropout layer with its ratio; its masks are lowmem's own
     (a counter stream, not torch's generator), so what is compared is eval mode, where dropout is the
@@ -272,7 +287,7 @@ def test_dropout_trains_as_dropout_and_predicts_as_torch_eval(tmp_path):
     assert np.isfinite(loss) and all(np.isfinite(p.grad).all() for p in net.parameters())
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "preact-imagenet18"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "tv-mobilenet_v2"])
 def test_imported_model_steps_within_its_plan(tmp_path, family):
     """A steady approx 4-bit float32 step of each imported model allocates at most the plan's
     stated bound on temporaries beyond the plan (plus 16 KiB of interpreter bookkeeping, as

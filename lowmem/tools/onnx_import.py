@@ -40,6 +40,9 @@ class _Reader:
         g = model.graph
         self.inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
         self.consts = {}
+        for n in g.node:                                  # every Constant first: a pattern may look ahead
+            if n.op_type == "Constant":
+                IMPORTS["Constant"](self, n)
         self.readers = {}                                 # value -> [nodes reading it]
         for n in g.node:
             for v in n.input:
@@ -63,7 +66,7 @@ class _Reader:
     # ------------------------------------------------------------------ walking
     def run(self, nodes):
         for node in nodes:
-            if id(node) in self.done:
+            if id(node) in self.done or node.op_type == "Constant":     # constants: read in __init__
                 continue
             if self.network is not None:
                 raise ExportError(f"{self.path}: node {node.name!r} ({node.op_type}) comes after the "

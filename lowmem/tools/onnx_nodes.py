@@ -158,12 +158,16 @@ def _identity(r, node):
     r.set(node, r.tensor(node))
 
 
+def _dropout_ratio(r, node):
+    ratio = r.const(node, 1)
+    ratio = _attr(node, "ratio", 0.5) if ratio is None else ratio
+    return float(str(numpy.float32(ratio)))              # the float32 ratio's shortest decimal: 0.3, not 0.30000001
+
+
 def _dropout(r, node):
     """Dropout with a ratio > 0 trains as dropout (an inference graph writes it as a no-op there,
     a training-mode one with training_mode = 1: either way the model was trained with it)."""
-    ratio = r.const(node, 1)
-    ratio = _attr(node, "ratio", 0.5) if ratio is None else ratio
-    ratio = float(str(numpy.float32(ratio)))             # the float32 ratio's shortest decimal: 0.3, not 0.30000001
+    ratio = _dropout_ratio(r, node)
     if len(node.output) > 1 and node.output[1] and r.readers.get(node.output[1]):
         raise ExportError(f"{r.path}: node {node.name!r}: Dropout's mask output is read by other nodes; "
                           f"lowmem keeps its mask to itself")
@@ -189,10 +193,25 @@ def _global_pool(r, node):
             raise ExportError(f"{r.path}: node {node.name!r}: ReduceMean over axes {axes}; lowmem reads "
                               f"only the global average over H, W (axes 2, 3) before the classifier")
     chain, v = [], node.output[0]
+
+    def skip_identities(v):
+        """Past Identity and ratio-0 Dropout nodes (torchvision's classifier Dropout exported at p=0)."""
+        while True:
+            nxt = r.only_reader(v, "Identity") or r.only_reader(v, "Dropout")
+            if nxt is None:
+                return v
+            if nxt.op_type == "Dropout" and _dropout_ratio(r, nxt) != 0:
+                raise ExportError(f"{r.path}: node {nxt.name!r}: a Dropout between the global pool and the "
+                                  f"classifier is not supported (lowmem's head is the pool, then the linear "
+                                  f"layer); export it with p = 0, or move it before the pool")
+            chain.append(nxt)
+            v = nxt.output[0]
+
+    v = skip_identities(v)
     flat = r.only_reader(v, "Flatten")
     if flat is not None:
         chain.append(flat)
-        v = flat.output[0]
+        v = skip_identities(flat.output[0])
     elif node.op_type == "GlobalAveragePool" or _attr(node, "keepdims", 1):
         raise ExportError(f"{r.path}: node {node.name!r} ({node.op_type}): expected Flatten after it, then Gemm")
     gemm = r.only_reader(v, "Gemm")
