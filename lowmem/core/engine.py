@@ -205,7 +205,7 @@ class Engine:
         for name, (kind, shape, dtype) in shared.items():
             plan.add(name, kind, shape, dtype)
         decodes = any(u.decodes for u in self.selected.values())
-        for what, nbytes in step_temporaries(net, self.out_shape, self._unit_sizes, N, dt.itemsize, decodes):
+        for what, nbytes in step_temporaries(net, self.out_shape, self._norm_sizes, N, dt.itemsize, decodes):
             plan.add_temporary(what, nbytes)            # bounds, not held (lowmem/core/optable.py)
         return plan, saved
 

@@ -5,7 +5,7 @@ in place; each backward reads its output gradient only, so the input gradient ma
 
 Dimensions: n = C*N*H*W elements of the layer's (C, H, W) input at batch N, taken flat."""
 from ...ops import relu_forward, relu_backward, relu6_forward, relu6_backward, dropout_forward, dropout_backward
-from ...ops.bitpack import packed_nbytes
+from ...ops.bitpack import BLOCK, packed_nbytes
 from ...system.backend import array_module
 from .base import Op, same_shape
 
@@ -32,6 +32,11 @@ class _Elementwise(Op):
     def plan(cls, step, N, units, dtype, budget):
         c, h, w = step.in_shape
         return [(f"{step.layer.name}.{cls.suffix}", "saved", (packed_nbytes(c * N * h * w, cls.bits),), "uint8")]
+
+    @staticmethod
+    def temporary(L, out_shape, itemsize):
+        # one block of codes, counters (dropout: uint64) and a product (ops/bitpack.py BLOCK)
+        return "an elementwise code block", BLOCK * (8 + 2 + itemsize)
 
     @staticmethod
     def route(L, walk):

@@ -11,7 +11,8 @@ from ...ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weigh
                     grouped_conv2d_backward_input, grouped_conv2d_backward_weight, conv_bias_forward,
                     conv_bias_backward)
 from ...ops import winograd
-from ...ops.conv_groups import workspace_per_sample
+from ...ops.conv_groups import DEPTHWISE_BLOCK, workspace_per_sample
+from ...system import threads
 from ..network import NetworkError
 from .base import Op, channels, window_shape
 
@@ -61,7 +62,9 @@ class Conv(Op):
 
     @staticmethod
     def temporary(L, out_shape, itemsize):
-        g = L.groups if L.groups != L.cin else 1        # the depthwise path takes no Winograd tiles
+        if L.groups > 1 and L.groups == L.cin == L.cout:   # depthwise: a product per channel block
+            return "depthwise channel blocks", (threads.threads() + 1) * DEPTHWISE_BLOCK * itemsize
+        g = L.groups
         nbytes = winograd.temporary_bytes([(L.k, L.stride, L.pad, L.cin // g, L.cout // g)], f"f{itemsize}")
         return ("Winograd filter tiles", nbytes) if nbytes else None
 
