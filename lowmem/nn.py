@@ -237,16 +237,23 @@ class Graph:
         self._own(x, "head")
         self._not_input(x, "head", "head")
         self._check_uses(x)
-        buf = assign_buffers(self, x)
+        best = None
+        for buf in assign_buffers(self, x):              # the colouring whose buffers cost least
+            net = self._records(buf, x, name)
+            cost = sum(walk(net, self.input_shape).buffers.values())   # also the engine's rules
+            if best is None or cost < best[0]:
+                best = (cost, net)
+        self.network = best[1]
+        return self.network
+
+    def _records(self, buf, x, name):
+        """The Network of this graph's nodes with buffers `buf` (tensor index -> buffer)."""
         net = Network(self.name, self.input_shape[0], self.num_classes, self.seed)
         for n in self.nodes:
             src = [buf[i] for i in n.inputs]
-            dst = buf[n.out]
             # the Network method named after the op: one src, or every input's buffer in order
-            getattr(net, n.op)(n.name, tuple(src) if OPS[n.op].several else src[0], dst, **n.args)
+            getattr(net, n.op)(n.name, tuple(src) if OPS[n.op].several else src[0], buf[n.out], **n.args)
         net.head(buf[x.index], x.shape[0], name)
-        check(net, self.input_shape)                     # the engine's rules, once more, on the records
-        self.network = net
         return net
 
     # -------------------------------------------------------------- helpers
@@ -327,17 +334,21 @@ class Graph:
 
 
 def assign_buffers(graph, x):
-    """A Graph's tensor index -> buffer name, x the head's input: interval colouring over the
-    forward order (a register allocator's), each tensor alive from the layer that makes it to
-    its last reader.
+    """Candidate buffer assignments of a Graph (tensor index -> buffer name), x the head's
+    input; Graph.head keeps the one whose planned buffers hold the fewest elements (schedule.walk
+    sizes each buffer to the largest tensor, gradient or scratch it holds, forward and backward),
+    the first on a tie.
 
-    A tensor takes a buffer whose tensor is dead; an op that may run in place (optable
-    `in_place`: the BN->ReLU unit, the add) takes the buffer of an input that dies there.
-    The preference between free buffers keeps the paper's layout where it applies: the
-    residual stream (an add's first operand and its result) goes to "res", other tensors
-    ping-pong between "act0" and "act1" and use "res" only when no stream tensor needs it
-    during their life; a graph with more tensors alive at once gets "act2", "act3", ...
-    What an op needs comes from its optable flags, never its name."""
+    Each is an interval colouring over the forward order (a register allocator's), each tensor
+    alive from the layer that makes it to its last reader: a tensor takes a buffer whose tensor
+    is dead; an op that may run in place (optable `in_place`: the units, batch norm, ReLUs, the
+    add) takes the buffer of an input that dies there. They differ in the preference between
+    free buffers: first the paper's layout (the residual stream, an add's first operand and its
+    result, in "res"; other tensors ping-pong between "act0" and "act1" and use "res" only when
+    no stream tensor needs it during their life), which reproduces the hand-written
+    pre-activation ResNets; then plain first-fit over act0, act1, res. A graph with more
+    tensors alive at once gets "act2", "act3", ... What an op needs comes from its optable
+    flags, never its name."""
     uses = graph._consumers()
     uses[x.index].append(len(graph.nodes))
     last = {t: max(u) if u else -1 for t, u in uses.items()}
@@ -345,6 +356,12 @@ def assign_buffers(graph, x):
     for n in graph.nodes:
         if OPS[n.op].several and OPS[n.op].in_place:     # the add: skip + branch
             stream.update((n.inputs[0], n.out))
+    return [_colour(graph, last, stream), _colour(graph, last, set())]
+
+
+def _colour(graph, last, stream):
+    """One greedy colouring (assign_buffers); stream: the tensors that prefer "res" (none: plain
+    first-fit over act0, act1, res, act2, ...)."""
     buf, holder, order = {0: "input"}, {}, list(BUFFERS)
 
     def free(b, i):
@@ -356,7 +373,7 @@ def assign_buffers(graph, x):
         if op.in_place:                                  # on an input that dies here
             for j in n.inputs:
                 b = buf[j]
-                if (b != "input" and last[j] == i and (b != "res" or t in stream)
+                if (b != "input" and last[j] == i and (b != "res" or t in stream or not stream)
                         and all(last[k] == i for k in n.inputs if buf[k] == b)):
                     dst = b
                     break
