@@ -54,7 +54,8 @@ own input.
 """
 from dataclasses import dataclass
 
-from .core.network import BUFFERS, Network, NetworkError
+from .core import liveness
+from .core.network import Network, NetworkError
 from .ops import conv_out_size
 from .core.optable import MAX_POOL_WINDOW, OPS
 from .core.schedule import walk
@@ -334,62 +335,10 @@ class Graph:
 
 
 def assign_buffers(graph, x):
-    """Candidate buffer assignments of a Graph (tensor index -> buffer name), x the head's
-    input; Graph.head keeps the one whose planned buffers hold the fewest elements (schedule.walk
-    sizes each buffer to the largest tensor, gradient or scratch it holds, forward and backward),
-    the first on a tie.
-
-    Each is an interval colouring over the forward order (a register allocator's), each tensor
-    alive from the layer that makes it to its last reader: a tensor takes a buffer whose tensor
-    is dead; an op that may run in place (optable `in_place`: the units, batch norm, ReLUs, the
-    add) takes the buffer of an input that dies there. They differ in the preference between
-    free buffers: first the paper's layout (the residual stream, an add's first operand and its
-    result, in "res"; other tensors ping-pong between "act0" and "act1" and use "res" only when
-    no stream tensor needs it during their life), which reproduces the hand-written
-    pre-activation ResNets; then plain first-fit over act0, act1, res. A graph with more
-    tensors alive at once gets "act2", "act3", ... What an op needs comes from its optable
-    flags, never its name."""
-    uses = graph._consumers()
-    uses[x.index].append(len(graph.nodes))
-    last = {t: max(u) if u else -1 for t, u in uses.items()}
-    stream = set()                                       # residual-stream tensors: "res" first
-    for n in graph.nodes:
-        if OPS[n.op].several and OPS[n.op].in_place:     # the add: skip + branch
-            stream.update((n.inputs[0], n.out))
-    return [_colour(graph, last, stream), _colour(graph, last, set())]
-
-
-def _colour(graph, last, stream):
-    """One greedy colouring (assign_buffers); stream: the tensors that prefer "res" (none: plain
-    first-fit over act0, act1, res, act2, ...)."""
-    buf, holder, order = {0: "input"}, {}, list(BUFFERS)
-
-    def free(b, i):
-        t = holder.get(b)
-        return t is None or last[t] < i
-
-    for i, n in enumerate(graph.nodes):
-        t, op, dst = n.out, OPS[n.op], None
-        if op.in_place:                                  # on an input that dies here
-            for j in n.inputs:
-                b = buf[j]
-                if (b != "input" and last[j] == i and (b != "res" or t in stream or not stream)
-                        and all(last[k] == i for k in n.inputs if buf[k] == b)):
-                    dst = b
-                    break
-        if dst is None and t in stream and free("res", i):
-            dst = "res"
-        if dst is None:
-            cands = [b for b in ("act0", "act1") if free(b, i)]
-            if free("res", i) and not any(m.out in stream for m in graph.nodes[i + 1:last[t] + 1]):
-                cands.append("res")
-            cands += [b for b in order[len(BUFFERS):] if free(b, i)]
-            if not cands:
-                order.append(f"act{len(order) - 1}")
-                cands = order[-1:]
-            dst = cands[0]
-        buf[t], holder[dst] = dst, t
-    return buf
+    """Candidate buffer assignments {tensor index: buffer} of a Graph whose head reads x: the
+    liveness colourings of lowmem/core/liveness.py over its nodes (Graph.head keeps the one
+    whose planned buffers hold least)."""
+    return liveness.colourings([(n.op, n.inputs, n.out) for n in graph.nodes], len(graph.tensors), x.index)
 
 
 # --------------------------------------------------------------------------- check
