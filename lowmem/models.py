@@ -1,12 +1,14 @@
 """The model families lowmem trains: pre-activation ResNets for CIFAR and ImageNet (He et al. 2016,
-"Identity Mappings in Deep Residual Networks"), wide ResNets and VGG with batch norm.
+"Identity Mappings in Deep Residual Networks"), wide ResNets, VGG with batch norm, and
+torchvision's post-activation ResNets.
 
 In the pre-activation ResNets every block starts with BN -> ReLU on its input; where the shape changes, a
 1x1 projection shortcut reads that pre-activated input. Convs have no bias.
 Buffers: a block reads its input from "res", runs its branch through the
 ping-pong buffers "act0"/"act1", and adds the branch back into "res".
 
-The wide ResNets and VGG-BN are written with the builder (lowmem.nn.Graph).
+The wide ResNets, VGG-BN and the post-activation ResNets are written with the builder
+(lowmem.nn.Graph).
 `MODELS` (at the end) is the one registry of model families: name -> builder,
 default classes, default input shape and the depths it takes. Every `lowmem`
 command and the trainer look models up there (`build_model`); a path ending in .onnx names a
@@ -190,6 +192,60 @@ def vgg_bn(depth=16, num_classes=10, in_channels=3, seed=0, input_size=32):
     return g.head(x)
 
 
+# --------------------------------------------------------------------------------------------
+# Post-activation ResNets with torchvision's layout and parameter names (He et al. 2015, "Deep
+# Residual Learning"; torchvision.models.resnet, v1.5: the stride on the bottleneck's 3x3 conv)
+
+def _post_basic(g, x, name, width, stride):
+    """conv1 3x3 (stride) -> bn1 -> relu -> conv2 3x3 -> bn2, + x (or downsample: 1x1 conv
+    (stride) -> bn), then relu. torchvision's BasicBlock."""
+    h = g.bn_relu(g.conv(x, width, 3, stride, name=name + ".conv1"), name + ".bn1")
+    h = g.bn(g.conv(h, width, 3, name=name + ".conv2"), name + ".bn2")
+    return g.relu(g.add(h, _downsample(g, x, name, width, stride), name + ".add"), name + ".relu")
+
+
+def _post_bottleneck(g, x, name, width, stride):
+    """conv1 1x1 -> bn1-relu -> conv2 3x3 (stride) -> bn2-relu -> conv3 1x1 (4x) -> bn3, + x (or
+    downsample), then relu. torchvision's Bottleneck."""
+    cout = 4 * width
+    h = g.bn_relu(g.conv(x, width, 1, pad=0, name=name + ".conv1"), name + ".bn1")
+    h = g.bn_relu(g.conv(h, width, 3, stride, name=name + ".conv2"), name + ".bn2")
+    h = g.bn(g.conv(h, cout, 1, pad=0, name=name + ".conv3"), name + ".bn3")
+    return g.relu(g.add(h, _downsample(g, x, name, cout, stride), name + ".add"), name + ".relu")
+
+
+def _downsample(g, x, name, cout, stride):
+    if stride == 1 and x.shape[0] == cout:
+        return x
+    return g.bn(g.conv(x, cout, 1, stride, 0, name=name + ".downsample.0"), name + ".downsample.1")
+
+
+def resnet(depth, num_classes=1000, in_channels=3, seed=0, input_size=224, widths=IMAGENET_WIDTHS):
+    """torchvision's ResNet-18/34/50/101/152 (post-activation): 7x7/2 conv1 -> bn1-relu -> 3x3/2
+    max-pool -> layer1..layer4 (64/128/256/512 wide; basic blocks for 18/34, bottlenecks for
+    50+) -> global average pool -> fc. Parameter and statistic names are torchvision's
+    (`layer1.0.conv1.weight`, `layer2.0.downsample.1.running_var`, `fc.bias`), so
+    `lowmem export` weights load into a torchvision-shaped module strictly. BN->ReLU pairs are
+    the method's units; the BN before each add is a batch norm alone (x-hat kept in float), the
+    ReLU after it keeps a 1-bit mask, and the conv reading that ReLU keeps its input. Counts:
+    ResNet-18 11,689,512 and ResNet-50 25,557,032 parameters for 1000 classes (torchvision's).
+    input_size only sets the Graph's planning shape; widths (torchvision's 64/128/256/512, the
+    stem as wide as the first stage) makes a narrower network of the same layout."""
+    if depth not in IMAGENET_BLOCKS:
+        raise ValueError(f"unsupported depth {depth!r} for resnet: expected one of {sorted(IMAGENET_BLOCKS)}")
+    _check_classes(num_classes, in_channels)
+    from .nn import Graph
+    kind, blocks = IMAGENET_BLOCKS[depth]
+    block = _post_basic if kind == "basic" else _post_bottleneck
+    g = Graph(f"resnet{depth}", (in_channels, input_size, input_size), num_classes, seed)
+    x = g.bn_relu(g.conv(g.input, widths[0], 7, 2, 3, name="conv1"), "bn1")
+    x = g.max_pool(x, 3, 2, 1, name="maxpool")
+    for s, (n, width) in enumerate(zip(blocks, widths)):
+        for b in range(n):
+            x = block(g, x, f"layer{s + 1}.{b}", width, (1 if s == 0 else 2) if b == 0 else 1)
+    return g.head(x)
+
+
 # ---- the registry: every command line and the trainer build models through it --------
 
 @dataclass(frozen=True)
@@ -213,6 +269,8 @@ MODELS = {
     "preact-imagenet": ModelSpec(preact_resnet_imagenet, 1000, (3, 224, 224),
                                  ", ".join(map(str, sorted(IMAGENET_BLOCKS)))),
     "vgg-bn": ModelSpec(vgg_bn, 10, (3, 32, 32), ", ".join(map(str, sorted(VGG_CONFIGS)))),
+    "resnet": ModelSpec(resnet, 1000, (3, 224, 224), ", ".join(map(str, sorted(IMAGENET_BLOCKS)))
+                        + " (torchvision's post-activation ResNets)"),
 }
 # WRN-d-k: the widening factor is in the name (--model wrn-10 --depth 28 is WRN-28-10)
 # (any other wrn-K is built on demand by model_spec)

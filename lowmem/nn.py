@@ -54,7 +54,8 @@ own input.
 """
 from dataclasses import dataclass
 
-from .core.network import BUFFERS, Network, NetworkError
+from .core import liveness
+from .core.network import Network, NetworkError
 from .ops import conv_out_size
 from .core.optable import MAX_POOL_WINDOW, OPS
 from .core.schedule import walk
@@ -237,16 +238,23 @@ class Graph:
         self._own(x, "head")
         self._not_input(x, "head", "head")
         self._check_uses(x)
-        buf = assign_buffers(self, x)
+        best = None
+        for buf in assign_buffers(self, x):              # the colouring whose buffers cost least
+            net = self._records(buf, x, name)
+            cost = sum(walk(net, self.input_shape).buffers.values())   # also the engine's rules
+            if best is None or cost < best[0]:
+                best = (cost, net)
+        self.network = best[1]
+        return self.network
+
+    def _records(self, buf, x, name):
+        """The Network of this graph's nodes with buffers `buf` (tensor index -> buffer)."""
         net = Network(self.name, self.input_shape[0], self.num_classes, self.seed)
         for n in self.nodes:
             src = [buf[i] for i in n.inputs]
-            dst = buf[n.out]
             # the Network method named after the op: one src, or every input's buffer in order
-            getattr(net, n.op)(n.name, tuple(src) if OPS[n.op].several else src[0], dst, **n.args)
+            getattr(net, n.op)(n.name, tuple(src) if OPS[n.op].several else src[0], buf[n.out], **n.args)
         net.head(buf[x.index], x.shape[0], name)
-        check(net, self.input_shape)                     # the engine's rules, once more, on the records
-        self.network = net
         return net
 
     # -------------------------------------------------------------- helpers
@@ -327,52 +335,10 @@ class Graph:
 
 
 def assign_buffers(graph, x):
-    """A Graph's tensor index -> buffer name, x the head's input: interval colouring over the
-    forward order (a register allocator's), each tensor alive from the layer that makes it to
-    its last reader.
-
-    A tensor takes a buffer whose tensor is dead; an op that may run in place (optable
-    `in_place`: the BN->ReLU unit, the add) takes the buffer of an input that dies there.
-    The preference between free buffers keeps the paper's layout where it applies: the
-    residual stream (an add's first operand and its result) goes to "res", other tensors
-    ping-pong between "act0" and "act1" and use "res" only when no stream tensor needs it
-    during their life; a graph with more tensors alive at once gets "act2", "act3", ...
-    What an op needs comes from its optable flags, never its name."""
-    uses = graph._consumers()
-    uses[x.index].append(len(graph.nodes))
-    last = {t: max(u) if u else -1 for t, u in uses.items()}
-    stream = set()                                       # residual-stream tensors: "res" first
-    for n in graph.nodes:
-        if OPS[n.op].several and OPS[n.op].in_place:     # the add: skip + branch
-            stream.update((n.inputs[0], n.out))
-    buf, holder, order = {0: "input"}, {}, list(BUFFERS)
-
-    def free(b, i):
-        t = holder.get(b)
-        return t is None or last[t] < i
-
-    for i, n in enumerate(graph.nodes):
-        t, op, dst = n.out, OPS[n.op], None
-        if op.in_place:                                  # on an input that dies here
-            for j in n.inputs:
-                b = buf[j]
-                if (b != "input" and last[j] == i and (b != "res" or t in stream)
-                        and all(last[k] == i for k in n.inputs if buf[k] == b)):
-                    dst = b
-                    break
-        if dst is None and t in stream and free("res", i):
-            dst = "res"
-        if dst is None:
-            cands = [b for b in ("act0", "act1") if free(b, i)]
-            if free("res", i) and not any(m.out in stream for m in graph.nodes[i + 1:last[t] + 1]):
-                cands.append("res")
-            cands += [b for b in order[len(BUFFERS):] if free(b, i)]
-            if not cands:
-                order.append(f"act{len(order) - 1}")
-                cands = order[-1:]
-            dst = cands[0]
-        buf[t], holder[dst] = dst, t
-    return buf
+    """Candidate buffer assignments {tensor index: buffer} of a Graph whose head reads x: the
+    liveness colourings of lowmem/core/liveness.py over its nodes (Graph.head keeps the one
+    whose planned buffers hold least)."""
+    return liveness.colourings([(n.op, n.inputs, n.out) for n in graph.nodes], len(graph.tensors), x.index)
 
 
 # --------------------------------------------------------------------------- check

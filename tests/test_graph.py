@@ -188,14 +188,42 @@ def test_more_tensors_alive_get_more_buffers_each_sized_by_what_it_holds():
 
 
 def test_a_conv_reading_a_non_unit_tensor_keeps_it_once():
-    """c_add and c_add2 read the same add output: one exact slot, filled by the first."""
-    eng = Engine(conv_reads_pool_and_add(), 2, (3, 8, 8), mode="approx", bits=4, allocate=False)
-    slots = {e.name: e for e in eng.plan.entries if e.kind == "saved"}
-    assert slots["add1.out"].shape == (4 * 2 * 4 * 4,) and "p.out" in slots
-    fwd = {s.name: s for s in eng.schedule if s.phase == "fwd"}
-    assert fwd["c_add"].keep == "add1.out" and fwd["c_add2"].keep == ""
-    assert fwd["c_add2"].input_slot == "add1.out" and "add1.out" in str(fwd["c_add"])
-    assert not any(n.endswith(".out") and n.startswith(("b1", "stem")) for n in slots)
+    """c_add and c_add2 read the same add output: one slot, filled by the first; float in exact
+    mode, a 4-bit range code (plus a scale and a zero point per 256 elements) in approx mode."""
+    n = 4 * 2 * 4 * 4                                       # add1's output at batch 2
+    for mode in ("exact", "approx"):
+        eng = Engine(conv_reads_pool_and_add(), 2, (3, 8, 8), mode=mode, bits=4, allocate=False)
+        slots = {e.name: e for e in eng.plan.entries if e.kind == "saved"}
+        if mode == "exact":
+            assert slots["add1.out"].shape == (n,) and slots["add1.out"].dtype == "float32"
+        else:
+            assert slots["add1.out"].nbytes == n // 2 and slots["add1.out_scale"].shape == (1,)
+            assert slots["add1.out_zero"].dtype == "uint8"
+        fwd = {s.name: s for s in eng.schedule if s.phase == "fwd"}
+        assert fwd["c_add"].keep == "add1.out" and fwd["c_add2"].keep == ""
+        assert fwd["c_add2"].input_slot == "add1.out" and "add1.out" in str(fwd["c_add"])
+        bwd = {s.name: s for s in eng.schedule if s.phase == "bwd"}
+        assert bwd["c_add2"].saved == fwd["c_add"].saved                  # both read the one slot
+        assert bool(bwd["c_add2"].scratch) == (mode == "approx")          # a code is decoded
+        assert not any(k.startswith(("b1.", "stem.")) and k.endswith(".out") for k in slots)
+
+
+def test_approx_gradients_of_kept_codes_are_close_to_exact(rng):
+    """A post-activation net in approx mode: the 8-bit codes' gradients within 2% of exact
+    (relative norm, seed 0), the 2-bit ones further off but correlated (cosine > 0.9)."""
+    net = post_activation_blocks()
+    randomize_units(net, np.random.default_rng(0))
+    x, y = batch(np.random.default_rng(1), net, 8, (3, 8, 8), np.float32)
+    grads = {}
+    for mode, bits in (("exact", 4), ("approx", 8), ("approx", 2)):
+        eng = Engine(copy.deepcopy(net), 8, (3, 8, 8), mode=mode, bits=bits)
+        eng.forward(x, y)
+        eng.backward()
+        grads[mode, bits] = np.concatenate([p.grad.ravel() for p in eng.net.parameters()])
+    g = grads["exact", 4]
+    assert np.linalg.norm(grads["approx", 8] - g) < 0.02 * np.linalg.norm(g)
+    g2 = grads["approx", 2]
+    assert float(g2 @ g) / (np.linalg.norm(g2) * np.linalg.norm(g)) > 0.9
 
 
 def test_shared_gradients_are_copied_before_they_change():

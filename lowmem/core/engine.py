@@ -43,7 +43,7 @@ import numpy
 from ..system import backend, distributed, threads
 from . import checks
 from .. import units as kernels
-from ..units import quant
+from ..units import quant, rangecode
 from ..ops import dropout
 from ..ops.conv import columns_for
 from .optable import OPS, BatchStatisticsError, step_temporaries
@@ -93,8 +93,11 @@ class Engine:
         unit_names = [L.name for L in net.layers if getattr(OPS.get(L.op), "unit", False)]
         self.unit_bits = checks.unit_bits(self.bits, self.mode, unit_names)
         ranks = self.comm.size > 1
+        # how a conv keeps an input no unit rebuilds: float in exact mode, else a range code
+        self.keeper = rangecode.keeper(checks.code_bits(self.bits, self.mode))
         self.schedule = walk(net, self.input_shape, {u for u, K in self.unit_bits.items() if K is not None},
-                             average_stats=ranks and not self.sync_bn, average_grads=ranks)
+                             average_stats=ranks and not self.sync_bn, average_grads=ranks,
+                             keep_codes=self.keeper.decodes)
         self.in_shape, self.out_shape = self.schedule.in_shape, self.schedule.out_shape
         self._unit_sizes = {u: self.in_shape[u] for u in unit_names}
         # every batch norm (units and standalone): the batch-statistics scratch and the batch check
@@ -118,7 +121,7 @@ class Engine:
             bind_parameters(self.arrays, net, self.xp)
             self.selected = self._select_units(sizes, self.arrays)   # with the CUDA set's workspace
             self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected,
-                                columns_for(self.xp, self.fused))
+                                columns_for(self.xp, self.fused), keeper=self.keeper)
         self.reference_units = self._select_units(sizes, self.arrays, reference=True)
         self._ready = False                       # saved state holds a training forward
         self._input_grad_buffer = self.schedule.input_grad
@@ -193,8 +196,10 @@ class Engine:
             if step.phase != "fwd" or step.layer is None:
                 continue
             L = step.layer
-            entries = OPS[L.op].plan(step, N, self.selected.get(L.name), dt, budget)
+            entries = OPS[L.op].plan(step, N, self.selected.get(L.name, self.keeper), dt, budget)
             saved[L.name] = [name for name, kind, _, _ in entries if kind == "saved"]
+            if step.keep:                         # a kept conv input: every conv reading it finds it
+                saved[("kept", step.keep)] = saved[L.name]
             for name, kind, shape, dtype in entries:
                 if name.startswith(L.name + "."):
                     plan.add(name, kind, shape, dtype)
@@ -205,7 +210,7 @@ class Engine:
         for name, (kind, shape, dtype) in shared.items():
             plan.add(name, kind, shape, dtype)
         decodes = any(u.decodes for u in self.selected.values())
-        for what, nbytes in step_temporaries(net, self.out_shape, self._unit_sizes, N, dt.itemsize, decodes):
+        for what, nbytes in step_temporaries(net, self.out_shape, self._norm_sizes, N, dt.itemsize, decodes):
             plan.add_temporary(what, nbytes)            # bounds, not held (lowmem/core/optable.py)
         return plan, saved
 

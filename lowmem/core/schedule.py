@@ -148,8 +148,9 @@ class Schedule(list):
 class Walk:
     """The bookkeeping of one walk; the op table's `check` and `route` read and update it."""
 
-    def __init__(self, net, decodes):
+    def __init__(self, net, decodes, keep_codes=False):
         self.net, self._decodes = net, decodes
+        self.keep_codes = keep_codes              # kept conv inputs are codes (decoded into scratch)
         self.shape, self.version = {}, {"input": 0}
         self.tin, self.tout, self.producer, self.tshape = {}, {}, {}, {}
         self.live = {}                           # tensor -> gradient buffer (several may share one)
@@ -247,12 +248,13 @@ class Walk:
                                in_shape=self.tshape[t], out_shape=self.tshape[t]))
 
 
-def walk(net, input_shape, decodes=None, average_stats=False, average_grads=False):
+def walk(net, input_shape, decodes=None, average_stats=False, average_grads=False, keep_codes=False):
     """The network's Schedule (saved slots not yet named: Schedule.fill_slots), after checking
     every rule; raises NetworkError naming the layer. decodes: the units whose slot is a code
-    (they get a scratch buffer; None: all). average_*: data parallel, the mean over ranks of
-    the running statistics after forward / of the gradients after backward."""
-    w = Walk(net, decodes)
+    (they get a scratch buffer; None: all); keep_codes: the inputs convs keep are codes (those
+    convs get one too). average_*: data parallel, the mean over ranks of the running
+    statistics after forward / of the gradients after backward."""
+    w = Walk(net, decodes, keep_codes)
     body, head = _split_head(net)
     feat = f"{head[-1].name}.input"
     w.shape["input"] = w.tshape[INPUT] = tuple(input_shape)

@@ -61,7 +61,7 @@ STEP_ONLY = ("loss", "average", "copy", "addgrad")   # ops of the schedule, neve
 def step_temporaries(net, out_shape, unit_sizes, N, itemsize, decodes):
     """[(what, bytes)]: bounds on the NumPy temporaries one step allocates beyond the plan
     (lowmem/ops, lowmem/units/quant), which the plan states but does not hold. out_shape: {layer:
-    per-sample output shape}; unit_sizes: {unit: its input (C, H, W)}; decodes: some unit's
+    per-sample output shape}; unit_sizes: {batch norm: its input (C, H, W)}; decodes: some unit's
     kernel set decodes codes through quantizer chunks."""
     weights = [int(math.prod(shape)) for _, shape, _ in net.param_shapes()]
     per = threads.threads() + 1         # conv2d_backward_weight: a partial per thread + the GEMM result

@@ -50,15 +50,17 @@ class Conv(Op):
         L, (c, h, w), (_, ho, wo) = step.layer, step.in_shape, step.out_shape
         per_sample = workspace_per_sample(L.cin, L.k, L.k, ho, wo, L.groups, L.cout)   # one group's
         out = [("conv.cols", "workspace", (per_sample * min(N, max(1, budget // max(per_sample, 1))),), dtype)]
-        if step.keep:                                # its input, exact
-            out.append((step.keep, "saved", (c * N * h * w,), dtype))
+        if step.keep:                                # its input: float, or a range code (units=keeper)
+            out += units.entries(step.keep, c * N * h * w, dtype)
         return out
 
     @staticmethod
     def slots(step, saved):
         if step.phase == "fwd":
-            return (step.keep,) if step.keep else ()
-        return (step.input_slot,) if step.input_slot not in ("", "input") else ()
+            return tuple(saved.get(step.name, ())) if step.keep else ()
+        if step.input_slot in ("", "input"):
+            return ()
+        return tuple(saved.get(("kept", step.input_slot), (step.input_slot,)))
 
     @staticmethod
     def temporary(L, out_shape, itemsize):
@@ -66,7 +68,7 @@ class Conv(Op):
             h, w = (o * L.stride + L.k for o in out_shape[1:])    # at least the input's plane
             return "a depthwise conv block", conv_groups.scratch_bytes(
                 L.cin, L.cout, L.groups, h, w, out_shape[1], out_shape[2], itemsize, threads.threads())
-        g = L.groups if L.groups != L.cin else 1        # the depthwise path takes no Winograd tiles
+        g = L.groups
         nbytes = winograd.temporary_bytes([(L.k, L.stride, L.pad, L.cin // g, L.cout // g)], f"f{itemsize}")
         return ("Winograd filter tiles", nbytes) if nbytes else None
 
@@ -74,9 +76,17 @@ class Conv(Op):
     def route(L, walk):
         dout, t = walk.output_grad(L), walk.tin[L.name][0]
         slot = walk.extra.get(L.name, {}).get("input_slot", "")
-        if slot:                            # its input sits in a slot (the network input's, or kept)
+        if slot == "input" or (slot and not walk.keep_codes):   # read where it sits (input, float slot)
             dx, acc = walk.grad_for(L, t, dout, reading=(dout,))
             walk.step(L, dout=dout, dx=dx, accumulate=acc, optional=(t == INPUT), input_slot=slot)
+            return
+        if slot:                            # a range code: decoded into scratch, which dx may reuse
+            acc = t in walk.live
+            if acc:
+                walk.own(L, t, reading=(dout,), busy=(dout,))
+            scratch = walk.free(L, dout)
+            dx = walk.live[t] = walk.live[t] if acc else scratch
+            walk.step(L, dout=dout, dx=dx, accumulate=acc, scratch=scratch, input_slot=slot)
             return
         unit = walk.producer[t]
         acc = t in walk.live
@@ -92,7 +102,7 @@ class Conv(Op):
         L = step.layer
         x = run.act(step.src, step.in_shape)
         if step.keep and run.training:
-            run.act(step.keep, step.in_shape)[...] = x
+            run.keeper.keep([run.arrays[n] for n in step.saved], x.reshape(-1))
         out, w = run.act(step.dst, step.out_shape), run.params[step.params[0]].data
         if L.groups == 1:
             conv2d_forward(out, x, w, L.stride, L.pad, run.arrays["conv.cols"], run.columns)
@@ -116,8 +126,11 @@ class Conv(Op):
             units.conv_input(run.rows(step.scratch, step.in_shape),
                              units.saved_view(run.arrays[step.unit_saved], c, run.n * h * w), g, b)
             x = run.act(step.scratch, step.in_shape)
+        elif step.scratch:                               # a kept range code, decoded
+            x = run.act(step.scratch, step.in_shape)
+            run.keeper.restore(x.reshape(-1), [run.arrays[n] for n in step.saved])
         else:
-            x = run.act(step.input_slot, step.in_shape)  # the input slot or the kept copy
+            x = run.act(step.saved[0] if step.saved else step.input_slot, step.in_shape)   # input, float copy
         if L.bias:
             conv_bias_backward(run.params[step.params[1]].grad, dout)
         if L.groups == 1:

@@ -1,7 +1,8 @@
 """The batch norms' entries: the BN->ReLU unit (batch norm, affine, batch statistics in
 training, running statistics in eval, then ReLU; its kernel set, run.units[name] in
 lowmem/units, decides what its slot holds: x-hat in float, or its packed K-bit code) and a
-batch norm with no ReLU after it (x-hat kept in float). rstd is kept exactly by both."""
+batch norm with no ReLU after it (x-hat in float in exact mode, else a K-bit range code).
+rstd is kept exactly by both."""
 from ...system.backend import array_module
 from ...ops import (bn_eval_relu_forward, update_running_stats, bn_stats, bn_normalize, bn_apply_forward,
                     bn_eval_forward, bn_backward)
@@ -78,7 +79,9 @@ class BNReLU(Op):
 
 class BN(Op):
     """Batch norm with no ReLU after it (affine, batch statistics in training, running
-    statistics in eval): keeps x-hat in float (every mode) and rstd, exactly."""
+    statistics in eval): keeps x-hat the way convs keep their inputs (the engine's keeper: float
+    in exact mode, else a K-bit range code, lowmem/units/rangecode.py; no mask to split) and
+    rstd, exactly."""
     in_place = norm = True
     out_shape = staticmethod(same_shape)
 
@@ -89,19 +92,15 @@ class BN(Op):
     @staticmethod
     def plan(step, N, units, dtype, budget):
         L, (c, h, w) = step.layer, step.in_shape
-        return [(f"{L.name}.xhat", "saved", (c * N * h * w,), dtype), (f"{L.name}.rstd", "saved", (c,), dtype)]
+        return units.entries(f"{L.name}.xhat", c * N * h * w, dtype) + [(f"{L.name}.rstd", "saved", (c,), dtype)]
 
     @staticmethod
     def route(L, walk):
         # its backward reads the output gradient only: the input gradient may overwrite it
         dout, t = walk.output_grad(L), walk.tin[L.name][0]
         dx, acc = walk.grad_for(L, t, dout, in_place=dout, reading=(dout,))
-        walk.step(L, dout=dout, dx=dx, accumulate=acc)
-
-    @staticmethod
-    def _xhat(run, step):
-        c, h, w = step.in_shape
-        return run.arrays[step.saved[0]][:c * run.n * h * w].reshape(c, run.n * h * w)
+        scratch = walk.free(L, dout, dx) if walk.keep_codes else ""    # x-hat decoded there
+        walk.step(L, dout=dout, dx=dx, accumulate=acc, scratch=scratch)
 
     @staticmethod
     def forward(run, step):
@@ -114,23 +113,31 @@ class BN(Op):
             return
         c, M = x.shape
         mean, var = run.arrays["bn.batch_mean"][:c], run.arrays["bn.batch_var"][:c]
-        rstd, xhat = run.arrays[step.saved[1]], BN._xhat(run, step)
+        rstd, slots = run.arrays[step.saved[-1]], [run.arrays[n] for n in step.saved[:-1]]
         bn_stats(mean, var, rstd, x, BN_EPS)
         xp = array_module(var)
         if not bool(xp.isfinite(var).all() & xp.isfinite(mean).all()):
             raise BatchStatisticsError(
                 f"{step.name}: non-finite batch statistics (the input has values too "
                 f"large for {x.dtype}?); the step was refused, running statistics unchanged")
-        bn_normalize(xhat, x, mean, rstd)
-        bn_apply_forward(out, xhat, g, b)
+        bn_normalize(out, x, mean, rstd)                 # x-hat through the output (may alias x)
+        run.keeper.keep(slots, out.reshape(-1))
+        bn_apply_forward(out, out, g, b)
         update_running_stats(running_mean, running_var, mean, var, M, BN_MOMENTUM)
 
     @staticmethod
     def backward(run, step):
-        # saved: x-hat (float) and rstd, exact
+        # saved: x-hat, exact (float) or approximate (its range code), and rstd exact
         g, b = (run.params[n] for n in step.params)
+        c, h, w = step.in_shape
+        slots = [run.arrays[n] for n in step.saved[:-1]]
+        if step.scratch:
+            xhat = run.rows(step.scratch, step.in_shape)
+            run.keeper.restore(xhat.reshape(-1), slots)
+        else:
+            xhat = slots[0][:c * run.n * h * w].reshape(c, run.n * h * w)
         bn_backward(run.rows(step.dx, step.in_shape), g.grad, b.grad, run.rows(step.dout, step.out_shape),
-                    BN._xhat(run, step), g.data, run.arrays[step.saved[1]], step.accumulate)
+                    xhat, g.data, run.arrays[step.saved[-1]], step.accumulate)
 
     @staticmethod
     def onnx(L, helper, read, write):
