@@ -209,6 +209,7 @@ def test_imported_model_matches_autograd_in_float64(tmp_path, family):
     assert not result.unexpected_keys
     assert all(k.endswith("num_batches_tracked") for k in result.missing_keys), result.missing_keys
     assert {p.name for p in net.parameters()} == {n for n, _ in model.named_parameters()}
+    assert net.name == family                         # the file's name: torch calls every graph main_graph
 
     rng = np.random.default_rng(2)
     x, labels = rng.standard_normal((N,) + shape), rng.integers(0, K, N)

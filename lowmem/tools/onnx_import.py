@@ -29,6 +29,8 @@ import os
 from .export import ExportError, _require
 from .onnx_nodes import IMPORTS, _attr, builder_has, supported_ops
 
+GENERIC_NAMES = ("", "main_graph", "torch_jit", "torch-jit-export")    # exporters' defaults: the file's name instead
+
 
 class _Reader:
     """One pass over a checked onnx.ModelProto, building the nn.Graph and collecting weights."""
@@ -57,7 +59,8 @@ class _Reader:
             raise ExportError(f"{path}: expected one graph output (the logits), found {self.outputs}")
         shape = _input_shape(inputs[0], input_shape, path)
         num_classes = self._num_classes(g)
-        self.graph = nn.Graph(g.name or os.path.splitext(os.path.basename(path))[0], shape, num_classes, seed)
+        name = g.name if g.name not in GENERIC_NAMES else os.path.splitext(os.path.basename(path))[0]
+        self.graph = nn.Graph(name, shape, num_classes, seed)
         self.values = {inputs[0].name: self.graph.input}  # ONNX value -> nn Tensor
         self.weights = {}                                 # lowmem parameter name -> array
         self.done = set()                                 # nodes consumed by a pattern (id)
