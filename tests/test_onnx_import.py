@@ -29,6 +29,12 @@ ROUND_TRIPS = [("preact-cifar", 8, (3, 16, 16)), ("preact-cifar", 11, (3, 16, 16
 OTHER_BUFFERS = {("preact-cifar", 11)}
 
 
+def test_every_registry_family_is_round_tripped():
+    """A family added to the registry must join ROUND_TRIPS (wrn-K: one widening factor stands for all)."""
+    families = {m if not m.startswith("wrn-") else "wrn-1" for m in models.MODELS}
+    assert families <= {m for m, _, _ in ROUND_TRIPS}, sorted(families - {m for m, _, _ in ROUND_TRIPS})
+
+
 def layers(net, buffers=True):
     """The layer records; buffers=False leaves out src / dst (which buffer holds each tensor)."""
     return [(L.op, L.name) + ((L.src, L.dst) if buffers else ()) + (L.k, L.stride, L.pad, L.cin, L.cout)
