@@ -2,6 +2,7 @@
 
     python benchmarks/onnx_vs_torch.py                              # ResNet-18, -50, DenseNet-121, MobileNetV2
     python benchmarks/onnx_vs_torch.py --models resnet50 --input 3x224x224 --batch 2
+    python benchmarks/onnx_vs_torch.py --plans                      # saved bytes, exact vs 4-bit, 3x224x224 b32
 
 Each model (tests/torchvision_layout.py: torchvision's modules and names, written again) gets
 random batch-norm parameters and statistics, is exported with
@@ -84,13 +85,43 @@ def compare(name, make, shape, batch, classes, folder):
                 loss=abs(loss - tloss.item()) / abs(tloss.item()), worst=errors[worst], worst_name=worst)
 
 
+def plans(names, shape, batch, classes, folder):
+    """The imported networks' plans (no arrays): saved-for-backward and total bytes, exact vs approx 4-bit."""
+    import torch
+    from lowmem import nn
+    from lowmem.core.engine import Engine
+    table = models()
+    print(f"plans at input {'x'.join(map(str, shape))}, batch {batch}, float32 (MiB)")
+    print(f"{'model':<13} {'saved exact':>11} {'saved 4-bit':>11} {'ratio':>6} {'total exact':>11} {'total 4-bit':>11}")
+    for name in names:
+        path = os.path.join(folder, name + ".onnx")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(table[name](classes).train(), torch.randn((1,) + shape), path,
+                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, dynamo=False)
+        net = nn.from_onnx(path)
+        ex = Engine(net, batch, shape, mode="exact", allocate=False).plan
+        ap = Engine(net, batch, shape, mode="approx", bits=4, allocate=False).plan
+        se, sa = ex.bytes_by_kind()["saved"], ap.bytes_by_kind()["saved"]
+        print(f"{name:<13} {se / 2**20:>11.1f} {sa / 2**20:>11.1f} {se / sa:>5.2f}x {ex.total_bytes / 2**20:>11.1f} "
+              f"{ap.total_bytes / 2**20:>11.1f}", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="resnet18,resnet50,densenet121,mobilenet_v2")
     p.add_argument("--input", default="3x64x64", help="CxHxW (default: %(default)s)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--plans", action="store_true",
+                   help="print the plans instead (default input 3x224x224, batch 32, 1000 classes)")
     args = p.parse_args(argv)
+    if args.plans:
+        with tempfile.TemporaryDirectory() as folder:
+            shape = (3, 224, 224) if args.input == "3x64x64" else tuple(int(v) for v in args.input.split("x"))
+            plans(args.models.split(","), shape, 32 if args.batch == 4 else args.batch,
+                  1000 if args.classes == 10 else args.classes, folder)
+        return
     shape = tuple(int(v) for v in args.input.split("x"))
     table = models()
     print(f"input {args.input}, batch {args.batch}, float64, exact mode; relative errors against autograd")
