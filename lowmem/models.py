@@ -1,13 +1,13 @@
 """The model families lowmem trains: pre-activation ResNets for CIFAR and ImageNet (He et al. 2016,
 "Identity Mappings in Deep Residual Networks"), wide ResNets, VGG with batch norm, and
-torchvision's post-activation ResNets.
+torchvision's post-activation ResNets, DenseNet-BC and MobileNetV2 (their layouts and names).
 
 In the pre-activation ResNets every block starts with BN -> ReLU on its input; where the shape changes, a
 1x1 projection shortcut reads that pre-activated input. Convs have no bias.
 Buffers: a block reads its input from "res", runs its branch through the
 ping-pong buffers "act0"/"act1", and adds the branch back into "res".
 
-The wide ResNets, VGG-BN and the post-activation ResNets are written with the builder
+The wide ResNets, VGG-BN and the torchvision families are written with the builder
 (lowmem.nn.Graph).
 `MODELS` (at the end) is the one registry of model families: name -> builder,
 default classes, default input shape and the depths it takes. Every `lowmem`
@@ -246,6 +246,86 @@ def resnet(depth, num_classes=1000, in_channels=3, seed=0, input_size=224, width
     return g.head(x)
 
 
+DENSENET_BLOCKS = {121: (6, 12, 24, 16), 169: (6, 12, 32, 32), 201: (6, 12, 48, 32)}
+
+
+def densenet(depth=121, num_classes=1000, in_channels=3, seed=0, input_size=224, growth=32, init=64, bn_size=4,
+             blocks=None):
+    """torchvision's DenseNet-BC-121/169/201 (Huang et al. 2017): conv0 7x7/2 -> norm0-relu ->
+    3x3/2 max-pool -> four dense blocks (each layer: norm1-relu -> 1x1 conv to bn_size*growth ->
+    norm2-relu -> 3x3 conv to growth, reading the concat of every feature before it), a
+    transition after the first three (norm-relu -> 1x1 conv halving the channels -> 2x2 average
+    pool) -> norm5-relu -> global average pool -> classifier. torchvision's names
+    (`features.denseblock1.denselayer1.norm1.weight`, `features.transition1.conv.weight`,
+    `classifier.bias`); DenseNet-121: 7,978,856 parameters for 1000 classes. Every BN is
+    followed by a ReLU (a unit), and every concat is read by a unit only, so no conv keeps an
+    input; the feature maps of a block stay alive until its last concat (more buffers).
+    growth, init, bn_size and blocks (the layers per block; default the depth's) make a smaller
+    network of the same layout."""
+    if depth not in DENSENET_BLOCKS:
+        raise ValueError(f"unsupported depth {depth!r} for densenet: expected one of {sorted(DENSENET_BLOCKS)}")
+    _check_classes(num_classes, in_channels)
+    from .nn import Graph
+    g = Graph(f"densenet{depth}", (in_channels, input_size, input_size), num_classes, seed)
+    x = g.bn_relu(g.conv(g.input, init, 7, 2, 3, name="features.conv0"), "features.norm0")
+    x = g.max_pool(x, 3, 2, 1, name="features.pool0")
+    blocks = DENSENET_BLOCKS[depth] if blocks is None else tuple(blocks)
+    for b, n in enumerate(blocks):
+        block = f"features.denseblock{b + 1}"
+        feats = [x]
+        for i in range(n):
+            layer = f"{block}.denselayer{i + 1}"
+            h = feats[0] if len(feats) == 1 else g.concat(*feats, name=f"{layer}.cat")
+            h = g.conv(g.bn_relu(h, f"{layer}.norm1"), bn_size * growth, 1, pad=0, name=f"{layer}.conv1")
+            feats.append(g.conv(g.bn_relu(h, f"{layer}.norm2"), growth, 3, name=f"{layer}.conv2"))
+        x = g.concat(*feats, name=f"{block}.cat")
+        if b < len(blocks) - 1:
+            t = f"features.transition{b + 1}"
+            x = g.conv(g.bn_relu(x, f"{t}.norm"), x.shape[0] // 2, 1, pad=0, name=f"{t}.conv")
+            x = g.avg_pool(x, 2, name=f"{t}.pool")
+    return g.head(g.bn_relu(x, "features.norm5"), name="classifier")
+
+
+MOBILENET_V2 = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
+                (6, 320, 1, 1))                # (expansion t, channels c, blocks n, first stride s)
+
+
+def mobilenet_v2(depth=2, num_classes=1000, in_channels=3, seed=0, input_size=224):
+    """torchvision's MobileNetV2 (Sandler et al. 2018; depth: the version, 2): features.0 (3x3/2
+    conv to 32 -> BN -> ReLU6), 17 inverted residuals (1x1 expand -> BN -> ReLU6, 3x3 depthwise
+    -> BN -> ReLU6, 1x1 project -> BN, plus the block input where stride 1 and the widths
+    agree), features.18 (1x1 conv to 1280 -> BN -> ReLU6), global average pool, classifier.1.
+    torchvision's names (`features.1.conv.0.0.weight`, `features.2.conv.3.running_var`,
+    `classifier.1.bias`); 3,504,872 parameters for 1000 classes. torchvision's classifier.0
+    (dropout 0.2 on the pooled features) is not built: in training lowmem would drop before
+    the pool, another distribution; eval is the same network. Every BN here is a batch norm
+    alone (ReLU6 or nothing follows), kept as a range code in approx mode; each ReLU6 keeps a
+    2-bit region code, and the convs reading them keep their input as a range code."""
+    if depth != 2:
+        raise ValueError(f"unsupported depth {depth!r} for mobilenet: expected 2 (MobileNetV2)")
+    _check_classes(num_classes, in_channels)
+    from .nn import Graph
+    g = Graph("mobilenet-v2", (in_channels, input_size, input_size), num_classes, seed)
+
+    def conv_bn_act(x, name, cout, k=1, stride=1, groups=1):
+        x = g.bn(g.conv(x, cout, k, stride, (k - 1) // 2, name=name + ".0", groups=groups), name + ".1")
+        return g.relu6(x, name + ".2")
+
+    x, i = conv_bn_act(g.input, "features.0", 32, 3, 2), 1
+    for t, c, n, s in MOBILENET_V2:
+        for b in range(n):
+            name, cin, stride = f"features.{i}.conv", x.shape[0], s if b == 0 else 1
+            h, j = x, 0
+            if t != 1:
+                h, j = conv_bn_act(h, f"{name}.0", cin * t), 1
+            h = conv_bn_act(h, f"{name}.{j}", h.shape[0], 3, stride, groups=h.shape[0])
+            h = g.bn(g.conv(h, c, 1, pad=0, name=f"{name}.{j + 1}"), f"{name}.{j + 2}")
+            x = g.add(x, h, f"features.{i}.add") if stride == 1 and cin == c else h
+            i += 1
+    x = conv_bn_act(x, f"features.{i}", 1280)
+    return g.head(x, name="classifier.1")
+
+
 # ---- the registry: every command line and the trainer build models through it --------
 
 @dataclass(frozen=True)
@@ -271,6 +351,9 @@ MODELS = {
     "vgg-bn": ModelSpec(vgg_bn, 10, (3, 32, 32), ", ".join(map(str, sorted(VGG_CONFIGS)))),
     "resnet": ModelSpec(resnet, 1000, (3, 224, 224), ", ".join(map(str, sorted(IMAGENET_BLOCKS)))
                         + " (torchvision's post-activation ResNets)"),
+    "densenet": ModelSpec(densenet, 1000, (3, 224, 224), ", ".join(map(str, sorted(DENSENET_BLOCKS)))
+                          + " (torchvision's DenseNet-BC)"),
+    "mobilenet": ModelSpec(mobilenet_v2, 1000, (3, 224, 224), "2 (torchvision's MobileNetV2)"),
 }
 # WRN-d-k: the widening factor is in the name (--model wrn-10 --depth 28 is WRN-28-10)
 # (any other wrn-K is built on demand by model_spec)
