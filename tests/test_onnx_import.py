@@ -22,7 +22,7 @@ from reference import randomize_units  # noqa: E402
 # (registry name, depth, input shape): the smallest of each family, every block kind
 ROUND_TRIPS = [("preact-cifar", 8, (3, 16, 16)), ("preact-cifar", 11, (3, 16, 16)),
                ("preact-imagenet", 18, (3, 16, 16)), ("vgg-bn", 11, (3, 32, 32)), ("wrn-1", 10, (3, 16, 16)),
-               ("resnet", 18, (3, 16, 16))]
+               ("resnet", 18, (3, 16, 16)), ("densenet", 121, (3, 32, 32)), ("mobilenet", 2, (3, 32, 32))]
 
 # The hand-written bottleneck ResNet (models.py) keeps the stem conv's output in `res` although
 # no add reads it (the first block projects its pre-activated input); the builder (nn.Graph)
