@@ -292,6 +292,14 @@ def test_train_and_plan_take_an_onnx_file(tmp_path, capsys):
     assert rc == 0, err
     again = nn.from_onnx(tmp_path / "again.onnx", input_shape=(3, 32, 32))
     assert layers(again) == layers(nn.from_onnx(free, input_shape=(3, 32, 32)))
+    pytest.importorskip("safetensors")
+    from lowmem.tools import predict
+    rc, out, err = cli_run(capsys, "export", tmp_path / "run", tmp_path / "again.safetensors")
+    assert rc == 0, err
+    x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    from_run, _ = predict.load(tmp_path / "run")
+    from_file, info = predict.load(tmp_path / "again.safetensors")      # rebuilt from the .onnx it names
+    np.testing.assert_array_equal(from_file(x), from_run(x))
     rc, out, err = cli_run(capsys, "plan", "--model", free, "--input", "3x32x32", "--batch", "8")
     assert rc == 0, err
     assert net.name in out

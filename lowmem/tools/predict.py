@@ -50,12 +50,13 @@ def load(model_path):
             raise ImportError("onnxruntime is not installed: pip install 'lowmem[onnx]'") from None
         session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
         return (lambda x: session.run(["logits"], {"input": x.astype(np.float32)})[0]), info
-    from ..models import MODELS
-    if info.get("model") not in MODELS or not isinstance(info.get("depth"), int):
+    from ..models import MODELS, build_model, is_onnx_path
+    onnx_model = is_onnx_path(info.get("model"))          # a run of `lowmem train --model file.onnx`
+    if not onnx_model and (info.get("model") not in MODELS or not isinstance(info.get("depth"), int)):
         raise ExportError(f"{path}: its metadata does not name a lowmem model and depth (exported by an "
                           f"older lowmem?); export the run again")
-    net = MODELS[info["model"]].build(info["depth"], num_classes=len(info["classes"]),
-                                      in_channels=info["input_shape"][0])
+    net = build_model(info["model"], info.get("depth"), num_classes=len(info["classes"]),
+                      in_channels=info["input_shape"][0], input_shape=tuple(info["input_shape"]))
     return _engine_logits(load_safetensors(net, path)), info
 
 
