@@ -20,7 +20,7 @@ import sys
 import time
 
 from lowmem import models
-from lowmem.tools.cli import compare_table
+from lowmem.tools.commands.plan import compare_table
 from lowmem.data.datasets import FASHION_MNIST_DEBIAN_DIR, DataError, load_cifar
 from lowmem.core.engine import Engine
 from lowmem.train.config import TrainConfig

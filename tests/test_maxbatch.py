@@ -5,7 +5,7 @@ import re
 import pytest
 
 from lowmem import models
-from lowmem.tools.cli import maxbatch_arguments, maxbatch_command
+from lowmem.tools.commands.maxbatch import add_arguments as maxbatch_arguments, run as maxbatch_command
 from lowmem.tools.maxbatch import max_batch, parse_bytes, planned_engine
 
 TINY = (3, 8, 8)

@@ -2,6 +2,8 @@
 import argparse
 import math
 
+from .maxbatch import parse_bytes
+
 
 def shape(text):
     """'3x224x224' -> (3, 224, 224)."""
@@ -121,3 +123,16 @@ def average_bits(text):
     if not 0 < x <= 32:
         raise argparse.ArgumentTypeError(f"expected a number of bits in (0, 32], got {text!r}")
     return x
+
+
+def budget(text):
+    """A number of bytes: '2GiB', '512MiB', '1.5GB' or '1000000' (maxbatch.parse_bytes)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def reserve(text):
+    """A number of bytes as `budget`, or 0."""
+    return 0 if str(text).strip() == "0" else budget(text)

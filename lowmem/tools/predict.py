@@ -20,7 +20,6 @@ store resize = image size: a photo is resized to the input, not padded
 (Fashion-MNIST's 28 -> 32 padding is not redone).
 """
 import os
-import sys
 
 import numpy as np
 
@@ -99,24 +98,3 @@ def predict_files(model_path, image_paths):
     p /= p.sum(axis=1, keepdims=True)
     best = p.argmax(axis=1)
     return [(path, info["classes"][k], float(p[i, k])) for i, (path, k) in enumerate(zip(image_paths, best))]
-
-
-def add_arguments(parser):
-    parser.add_argument("model", metavar="MODEL", help="a run folder, a checkpoint, model.safetensors or model.onnx")
-    parser.add_argument("images", metavar="IMAGE", nargs="+", help="image files (any format Pillow reads)")
-    return parser
-
-
-def run(args):
-    """`lowmem predict`: 0 printed; 1 a model or image it cannot use; 2 a missing extra."""
-    try:
-        results = predict_files(args.model, args.images)
-    except ImportError as e:
-        print(f"lowmem predict: error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:          # ExportError, DataError, CheckpointError
-        print(f"lowmem predict: error: {e}", file=sys.stderr)
-        return 1
-    for path, name, p in results:
-        print(f"{path}: {name} ({p:.3f})")
-    return 0

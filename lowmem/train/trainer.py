@@ -60,7 +60,7 @@ Errors: ConfigError (settings that cannot make a run), RunDirError /
 ResumeError (a run folder or checkpoint this run may not use), DataError,
 CheckpointError, NotEnoughMemory: all ValueErrors naming the problem; under
 MPI a refusal at start-up is a distributed.StartupError on every rank. The
-command line (lowmem/tools/cli.py) maps them to exit codes.
+command line (lowmem/tools/commands/train.py) maps them to exit codes.
 
 Data parallel (mpiexec, lowmem/system/distributed.py): every rank draws the same
 global batch and augmentation and trains on its shard; rank 0 alone writes
