@@ -296,11 +296,11 @@ def test_the_step_is_engine_train_step_and_its_error_is_a_divergence(tiny_data, 
     trainer = Trainer(tiny_config(tmp_path), dataset=tiny_data, log=quiet)
     calls, real = [], trainer.engine.train_step
 
-    def train_step(x, labels, opt):
+    def train_step(x, labels, opt, **kw):
         calls.append(len(x))
         if len(calls) == STEPS + 3:
             raise FloatingPointError("non-finite loss nan (learning rate too high?)")
-        return real(x, labels, opt)
+        return real(x, labels, opt, **kw)
     monkeypatch.setattr(trainer.engine, "train_step", train_step)
     with pytest.raises(TrainingDiverged, match=r"non-finite loss nan .* at iteration 11 \(epoch 2, step 3"):
         trainer.fit()

@@ -115,25 +115,11 @@ def _xhat(eng, slot, shape):
     return eng.arrays[slot][:, :eng.run.n * h * w]
 
 
-def _backward_sweep(eng, units_for=None, before=None):
-    """One backward sweep over the current forward state of `eng` (the saved slots stay intact,
-    so it can run again). units_for(unit name) -> the kernel set of that unit (None: exact);
-    before(step): called before each backward step's handler. Returns {param name: grad copy}."""
-    run = eng.run
-    exact = run.units                             # {unit: set}
-    swept = {u: (units_for(u) if units_for else None) or s for u, s in exact.items()}
-    eng.arrays["grads"].fill(0)
-    run.input_grad = False
-    run.units = swept
-    try:
-        for step in eng.schedule:                 # the loss first, then the layers, last first
-            if step.phase != "bwd":
-                continue
-            if before is not None:
-                before(step)
-            OPS[step.op].backward(run, step)
-    finally:
-        run.units = exact
+def _gradients(eng, units=None, before=None):
+    """The engine's backward sweep over the current forward state of the exact engine `eng`
+    (kept for another sweep), with `units` {unit: kernel set} in place of the exact sets and
+    `before(step)` before each step (Engine.backward); returns {param name: float64 grad copy}."""
+    eng.backward(units=units, before=before, keep=True)
     return {p.name: backend.to_numpy(p.grad).astype(numpy.float64) for p in eng.net.parameters()}
 
 
@@ -243,9 +229,9 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
                     arrival[p] += injected_so_far[0]
 
         inject_batch = _InjectView(inject, calibration_bits)
-        exact = _backward_sweep(eng, before=before)
+        exact = _gradients(eng, before=before)
         calib = {u: SimulatedCodeUnits(calibration_bits, rounding, keys[u]) for u in units}
-        approx = _backward_sweep(eng, units_for=calib.get)
+        approx = _gradients(eng, units=calib)
         exact_grads.append(exact)
         for p in params:
             e = _sq(approx[p] - exact[p])
@@ -372,8 +358,8 @@ def simulate(net, batches, allocation, dtype="float32", rounding="nearest"):
         sets = {u: SimulatedCodeUnits(k, rounding, quant.stream_key(bi, 0, order[u]))
                 for u, k in allocation.items() if k not in (None, FLOAT)}
         eng.forward(x, labels)
-        exact = _backward_sweep(eng)
-        approx = _backward_sweep(eng, units_for=sets.get)
+        exact = _gradients(eng)
+        approx = _gradients(eng, units=sets)
         err += sum(_sq(approx[p] - exact[p]) for p in exact)
         flat.append(numpy.concatenate([exact[p].ravel() for p in exact]))
     B = len(batches)

@@ -412,13 +412,11 @@ class Trainer:
         self.opt.lr = lr_at(self.iteration, self.total_iters, self.config)
         self.engine.step = self.iteration        # stochastic rounding's streams follow the iteration (resume)
         try:
-            loss = self.engine.train_step(x, y, self.opt)     # refuses a non-finite loss before backward
+            loss, logits = self.engine.train_step(x, y, self.opt, return_logits=True)   # refuses a non-finite loss
         except FloatingPointError as e:
             epoch, b = divmod(self.iteration, self.steps_per_epoch)
             self._diverged(f"{e} at iteration {self.iteration + 1} (epoch {epoch + 1}, "
                            f"step {b + 1}, lr {self.opt.lr:g})")
-        # the step's logits are still in the plan's "logits" buffer (backward and the update leave it)
-        logits = self.engine.arrays["logits"][:len(y)]
         s.iteration += 1
         s.sums["loss"] += loss * len(y)
         s.sums["correct"] += int((logits.argmax(axis=1) == y).sum())
