@@ -428,7 +428,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
           f"({steps} iterations), {'no augmentation' if args.no_augment else 'random crop + flip'}. Seeds {', '.join(map(str, seeds))}: a seed fixes "
           f"the initial weights, batch order and augmentation, the same for every mode. Quantizer "
           f"windows (half-widths W per bit width, docs/quantizer.md): "
-          + ", ".join(f"{k}-bit ±{quant.WINDOWS[k]:g}" for k in quant.BITS) + ".", "",
+          + ", ".join(f"{k}-bit ±{quant.WINDOWS[k]:g}" for k in quant.BITS[::-1]) + ".", "",
           "## 1. Final test accuracy", "",
           "Test accuracy after the last epoch (BN running statistics, whole test split). Difference: "
           "per seed, mode − exact (same seed: same data and initial weights), then mean ± standard "
@@ -556,7 +556,7 @@ def main(argv=None):
                                               "checkpoints", "noise_modes")}
     if args.no_augment:                         # (absent when off: older studies' settings still match)
         settings["no_augment"] = True
-    settings["windows"] = {str(k): quant.WINDOWS[k] for k in quant.BITS}
+    settings["windows"] = {str(k): quant.WINDOWS[k] for k in quant.BITS[::-1]}
     path = os.path.join(args.out, "results.json")
     results = load_results(path, settings)
     load = f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"

@@ -28,9 +28,9 @@ import numpy
 
 from ..units import quant
 from ..system.memory import fmt_bytes
-from .sensitivity import FLOAT
+from ..units.widths import BITS, FLOAT
 
-CHOICES = (1, 2, 4, 8, FLOAT)
+CHOICES = BITS + (FLOAT,)                  # every width a unit may get
 MAX_CELLS = 1 << 17
 
 
@@ -150,14 +150,14 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
     per element would take (exactly uniform K's bytes for K in 1, 2, 4, 8). Returns an Allocation."""
     if (code_bytes is None) == (avg_bits is None):
         raise ValueError("give exactly one of code_bytes (a byte budget) and avg_bits")
-    if not choices or any(c != FLOAT and c not in quant.BITS for c in choices):
+    if not choices or any(c != FLOAT and c not in BITS for c in choices):
         raise ValueError(f"choices must be drawn from {CHOICES}, got {choices!r}")
     batch_size = int(batch_size)
     elements = {u: int(math.prod(sens.shapes[u])) * batch_size for u in sens.units}
     if avg_bits is not None:
         if not (isinstance(avg_bits, (int, float)) and 0 < avg_bits <= 32):
             raise ValueError(f"avg_bits must be a number in (0, 32], got {avg_bits!r}")
-        if avg_bits in quant.BITS:
+        if avg_bits in BITS:
             code_bytes = sum(quant.packed_nbytes(n, int(avg_bits)) for n in elements.values())
         else:
             code_bytes = int(sum(elements.values()) * avg_bits // 8)
@@ -171,7 +171,7 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
     bits = {u: choices[k] for u, k in zip(sens.units, sol.choice)}
     return Allocation(bits, dict(sens.shapes), {u: unit_bytes(elements[u], bits[u], itemsize) for u in bits},
                       {u: sens.error2(u, bits[u]) for u in bits}, sens.noise_norm, batch_size, code_bytes,
-                      sol.exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in (8, 4, 2, 1)})
+                      sol.exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in BITS[::-1]})
 
 
 def allocation_for(sens, bits, batch_size, budget=None, itemsize=4, exact=True):
@@ -181,7 +181,7 @@ def allocation_for(sens, bits, batch_size, budget=None, itemsize=4, exact=True):
     nbytes = {u: unit_bytes(elements[u], bits[u], itemsize) for u in sens.units}
     return Allocation(dict(bits), dict(sens.shapes), nbytes, {u: sens.error2(u, bits[u]) for u in sens.units},
                       sens.noise_norm, int(batch_size), sum(nbytes.values()) if budget is None else int(budget),
-                      exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in (8, 4, 2, 1)})
+                      exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in BITS[::-1]})
 
 
 def fixed_plan_bytes(net, batch_size, input_shape, mode="approx", dtype="float32", workspace_bytes=None):

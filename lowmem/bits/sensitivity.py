@@ -57,11 +57,10 @@ from ..system import backend
 from ..units import quant
 from ..core.engine import Engine
 from ..units.reference import ExactUnits
+from ..units.widths import BITS, FLOAT
 from ..ops import bn_relu_backward, conv2d_backward_weight
 from ..core.optable import OPS
 
-BITS = (1, 2, 4, 8)
-FLOAT = "float"
 CALIBRATION_BITS = 2
 
 

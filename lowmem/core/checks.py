@@ -8,7 +8,7 @@ import numbers
 import numpy
 
 from ..units import quant
-from ..units import MODES      # the one list of modes
+from ..units.widths import FLOAT, MODES
 from .network import Network
 
 DTYPES = ("float32", "float64")
@@ -32,9 +32,6 @@ def engine_args(net, batch_size, mode, bits, dtype):
         raise ValueError(f"network {net.name!r} has num_classes={net.num_classes}: a classifier needs "
                          f"at least 2 classes (with one, the loss is 0 and every gradient vanishes)")
     return mode, bits, dt
-
-
-FLOAT = "float"     # a unit whose x-hat is saved in float (as in exact mode)
 
 
 def _bits(bits, mode):
@@ -89,7 +86,7 @@ def width_labels(mode, unit_bits):
     """{unit: '4-bit' (x-hat saved as a code), 'float' (saved exact), or '' in exact mode}."""
     if mode == "exact":
         return dict.fromkeys(unit_bits, "")
-    return {u: "float" if K is None else f"{K}-bit" for u, K in unit_bits.items()}
+    return {u: FLOAT if K is None else f"{K}-bit" for u, K in unit_bits.items()}
 
 
 def bits_label(mode, unit_bits):

@@ -51,10 +51,10 @@ from ..system.memory import fmt_bytes
 from .runstate import RunState
 from .schedule import walk
 
-MODES, DTYPES = checks.MODES, checks.DTYPES
+DTYPES = checks.DTYPES
 DEFAULT_WORKSPACE_BYTES = 16 << 20
 
-__all__ = ["Engine", "MODES", "DTYPES", "DEFAULT_WORKSPACE_BYTES", "BatchStatisticsError"]
+__all__ = ["Engine", "DTYPES", "DEFAULT_WORKSPACE_BYTES", "BatchStatisticsError"]
 
 
 class Engine:

@@ -2,6 +2,7 @@
 import argparse
 import math
 
+from ..units.widths import BITS
 from .maxbatch import parse_bytes
 
 
@@ -103,7 +104,7 @@ def model(text):
     return text
 
 
-BITS_CHOICES = (8, 4, 2, 1, "auto")
+BITS_CHOICES = BITS[::-1] + ("auto",)      # as --help lists them: 8, 4, 2, 1, auto
 
 
 def bits(text):

@@ -43,7 +43,8 @@ import numpy
 from ..system import backend, memory as sysmem
 from ..data.datasets import channel_mean_std, synthetic
 from ..data.transforms import normalize
-from ..core.engine import Engine, MODES
+from ..core.engine import Engine
+from ..units.widths import MODES
 from ..train.optim import SGD
 from ..system.memory import fmt_bytes
 

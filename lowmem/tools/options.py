@@ -23,6 +23,7 @@ from .. import models
 from ..bits.allocate import allocate_bits
 from ..bits.sensitivity import measure_sensitivity
 from ..core.engine import DTYPES
+from ..units.widths import FLOAT
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DIVERGED, EXIT_TIME_LIMIT = 0, 1, 2, 3, 4
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}     # 128 + signal number
@@ -77,7 +78,7 @@ def mode_label(mode, bits):
     if mode == "exact":
         return mode
     if isinstance(bits, dict):            # e.g. 'approx 2-bit x16, 4-bit x2, 1-bit x1'
-        widths = ["float" if k == "float" else f"{k}-bit" for k in bits.values()]
+        widths = [FLOAT if k == FLOAT else f"{k}-bit" for k in bits.values()]
         return mode + " " + ", ".join(f"{w} x{widths.count(w)}" for w in dict.fromkeys(widths))
     return f"{mode} {bits}-bit"
 

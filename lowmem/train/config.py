@@ -13,9 +13,10 @@ import math
 import numbers
 import os
 
-from ..core.engine import DTYPES, MODES
+from ..core.engine import DTYPES
 from ..models import MODELS, model_spec
 from ..units import quant
+from ..units.widths import BITS, MODES
 
 SCHEDULES = ("step", "cosine", "constant")
 WARMUP_DIVISOR = 10                           # warm-up lr = lr / 10 (He et al.: 0.01 for lr 0.1)
@@ -95,8 +96,8 @@ class TrainConfig:
                 bad("bits", "a bit width or 'float' per unit only in approx / naive mode, not 'auto' with exact")
         elif isinstance(self.bits, dict):
             pass                        # per-unit widths: the engine checks them against the network
-        elif not isinstance(self.bits, numbers.Integral) or isinstance(self.bits, bool) or self.bits not in quant.BITS:
-            bad("bits", f"one of {', '.join(map(str, quant.BITS))}, 'auto' or a dict of per-unit widths")
+        elif not isinstance(self.bits, numbers.Integral) or isinstance(self.bits, bool) or self.bits not in BITS:
+            bad("bits", f"one of {', '.join(map(str, BITS[::-1]))}, 'auto' or a dict of per-unit widths")
         if not (self.bits == "auto" or isinstance(self.bits, dict)) and self.avg_bits is not None:
             bad("avg_bits", "None unless bits='auto' (a resumed auto run keeps it beside its widths)")
         for f in ("depth", "batch", "epochs"):

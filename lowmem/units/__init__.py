@@ -29,8 +29,6 @@ import numpy
 from . import fused
 from .reference import BN_EPS, CodeUnits, ExactUnits
 
-MODES = ("exact", "approx", "naive")
-
 
 def reference(mode, bits, rounding="nearest"):
     """The array-op set for a mode, bit width and rounding ("nearest" or "stochastic")."""
@@ -93,4 +91,4 @@ def partials_size(xp, max_channels, use_fused):
     return 0
 
 
-__all__ = ["BN_EPS", "MODES", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies", "partials_size"]
+__all__ = ["BN_EPS", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies", "partials_size"]

@@ -13,7 +13,7 @@ import numpy
 
 from .. import argtypes
 from ...system import backend, memory as sysmem
-from ...units import quant
+from ...units.widths import BITS
 from ...core.engine import Engine
 from .. import diagnostics as D
 from ..options import build_network, describe, model_arguments
@@ -23,7 +23,7 @@ HELP = "gradient error of approx and naive modes against SGD noise, per paramete
 
 def add_arguments(p):
     model_arguments(p, depth=20, batch=32)
-    p.add_argument("--bits", type=int, choices=quant.BITS[::-1], default=4, help="default: %(default)s")
+    p.add_argument("--bits", type=int, choices=BITS, default=4, help="default: %(default)s")
     p.add_argument("--batches", type=int, default=4,
                    help="mini-batches to average over; >= 2, the SGD noise needs several (default: %(default)s)")
     p.add_argument("--warmup", type=argtypes.count, default=0,

@@ -13,7 +13,8 @@ import numpy
 
 from .. import argtypes, diagnostics
 from ... import models
-from ...core.engine import DEFAULT_WORKSPACE_BYTES, DTYPES, MODES
+from ...core.engine import DEFAULT_WORKSPACE_BYTES, DTYPES
+from ...units.widths import MODES
 from ...core.plan import KINDS
 from ...system.memory import fmt_bytes
 from ...bits.allocate import allocate, allocation_for

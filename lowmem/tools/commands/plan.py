@@ -8,7 +8,8 @@ A subcommand module of lowmem/tools/commands/: `HELP` (its line in `lowmem --hel
 (lowmem/tools/options.py's table); lowmem/tools/cli.py registers it.
 """
 from .. import argtypes, diagnostics
-from ...core.engine import DEFAULT_WORKSPACE_BYTES, MODES, Engine
+from ...core.engine import DEFAULT_WORKSPACE_BYTES, Engine
+from ...units.widths import MODES
 from ...core.plan import KINDS
 from ...system.memory import fmt_bytes
 from ..options import (auto_allocation, auto_arguments, build_network, check_auto, describe, mode_label,

@@ -21,7 +21,8 @@ from .. import argtypes
 from ... import models
 from ...system import backend, distributed
 from ...units import quant
-from ...core.engine import DTYPES, MODES
+from ...core.engine import DTYPES
+from ...units.widths import MODES
 from ...system.memory import NotEnoughMemory
 from ...train.config import SCHEDULES, ConfigError, TrainConfig
 from ...train.trainer import Trainer, TrainingDiverged, saved_config
