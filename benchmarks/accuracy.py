@@ -62,7 +62,8 @@ from lowmem.data.transforms import normalize                             # noqa:
 from lowmem.models import MODELS                                  # noqa: E402
 from lowmem.bits.allocate import allocate_bits                         # noqa: E402
 from lowmem.train.config import TrainConfig                           # noqa: E402
-from lowmem.train.trainer import Trainer, auto_batches                # noqa: E402
+from lowmem.bits.auto import training_batches                         # noqa: E402
+from lowmem.train.trainer import Trainer                              # noqa: E402
 
 # The full study: sized from measured step rates on the 2-core machine (docs/accuracy.md):
 # 18 runs of 150 steps of 128 images, 7 noise checkpoints.
@@ -577,7 +578,7 @@ def main(argv=None):
                                                   in_channels=data.input_shape[0], seed=seed)
                 # auto modes: the widths their run of this seed will choose (the trainer's own
                 # measurement: the same first batches and initial weights), for the whole curve
-                auto_bits = {label(m): allocate_bits(template, auto_batches(data, args.batch), batch_size=args.batch,
+                auto_bits = {label(m): allocate_bits(template, training_batches(data, args.batch), batch_size=args.batch,
                                                      avg_bits=m.avg, rounding=m.rounding).bits
                              for m in noise_modes if m.bits == "auto"}
                 results["noise_bits"] = auto_bits

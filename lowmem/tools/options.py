@@ -20,8 +20,7 @@ import signal
 
 from . import argtypes, diagnostics as D
 from .. import models
-from ..bits.allocate import allocate_bits
-from ..bits.sensitivity import measure_sensitivity
+from ..bits.auto import choose_widths
 from ..core.engine import DTYPES
 from ..units.widths import FLOAT
 
@@ -118,22 +117,15 @@ def check_auto(args, budget_ok):
                          f"got {args.measure_batches}")
 
 
-def measure_sensitivity_synthetic(args, net, shape, batch):
-    """The sensitivity of `net` on learnable synthetic batches (plan and maxbatch have no data)."""
+def auto_widths(args, net, shape, batch, budget=None, ws=None):
+    """--bits auto for plan and maxbatch, through the one door (lowmem.bits.auto.choose_widths),
+    measured on learnable synthetic batches (these commands have no data), at `batch` for
+    --avg-bits or `budget` (the whole plan); prints the measurement's line. (Allocation, Sensitivity)."""
     n = args.measure_batch or min(batch, 32)
     batches = D.synthetic_batches(args.measure_batches, n, shape, net.num_classes, 0, args.dtype)
-    sens = measure_sensitivity(net, batches, dtype=args.dtype)
-    print(f"sensitivity: {args.measure_batches} synthetic batches of {n} (lowmem.data.datasets.synthetic, "
-          f"untrained weights), measured in {sens.seconds:.1f} s")
-    return sens
 
-
-def auto_allocation(args, net, shape, batch, ws):
-    """Measure, allocate for --budget or --avg-bits at `batch`, print the table; the Allocation."""
-    sens = measure_sensitivity_synthetic(args, net, shape, batch)
-    a = allocate_bits(net, None, batch_size=batch, avg_bits=args.avg_bits, budget=getattr(args, "budget", None),
-                      mode=args.mode, dtype=args.dtype, workspace_bytes=ws, sens=sens)
-    print(f"allocation (batch {batch}):")
-    print(a.table())
-    print()
-    return a
+    def measured(sens):
+        print(f"sensitivity: {args.measure_batches} synthetic batches of {n} (lowmem.data.datasets.synthetic, "
+              f"untrained weights), measured in {sens.seconds:.1f} s")
+    return choose_widths(net, batches, batch, avg_bits=args.avg_bits, budget=budget, mode=args.mode,
+                         dtype=args.dtype, workspace_bytes=ws, measured=measured)

@@ -80,6 +80,7 @@ from ..system import backend, distributed, memory as sysmem
 from ..data import images
 from . import trainstate
 from .checkpoint import CheckpointError, load_checkpoint   # noqa: F401 (re-exported)
+from ..bits.auto import AUTO_BATCHES, choose_widths, training_batches
 from ..data.batches import BatchIterator
 from ..data.datasets import load_dataset
 from ..data.transforms import augment, normalize
@@ -95,34 +96,17 @@ from .trainstate import (FORMAT, TrainState, TrainingDiverged, check_training_me
                          load_model_state, saved_config, zero_sums)
 from .stop import Stop
 
-AUTO_BATCHES, AUTO_BATCH = 3, 64              # bits="auto": measured on 3 training batches of at most 64
-
-
-def auto_batches(data, batch, dtype="float32"):
-    """What bits="auto" measures on: the first AUTO_BATCHES training batches of min(batch,
-    AUTO_BATCH) images, in order, normalised, not augmented: [(x, labels)] on the backend."""
-    n = min(batch, AUTO_BATCH)
-    count = min(AUTO_BATCHES, len(data.x_train) // n)
-    if count < 2:
-        raise ConfigError(f"bits='auto' needs at least 2 batches of {n} training images to measure on")
-    xp = backend.xp
-    return [(xp.asarray(normalize(numpy.empty((n,) + data.input_shape, dtype), data.x_train[i * n:(i + 1) * n],
-                                  data.mean, data.std)),
-             xp.asarray(data.y_train[i * n:(i + 1) * n])) for i in range(count)]
-
-
-
 def allocate_widths(net, data, c, comm):
-    """bits='auto': every unit's width from the sensitivity of `net` (not consumed) measured on
-    the first AUTO_BATCHES training batches (in order, not augmented; the same on every rank) at
-    the initial weights, fitted to c.avg_bits (lowmem/bits/allocate.py). Returns the Allocation."""
+    """bits='auto': every unit's width through the one door (lowmem/bits/auto.py), measured on
+    the first AUTO_BATCHES training batches (in order, not augmented; the same on every rank)
+    at the initial weights of `net` (not consumed), fitted to c.avg_bits. Returns the Allocation."""
     if not hasattr(data, "x_train"):
         raise ConfigError("bits='auto' measures on the in-memory training arrays; the folder dataset "
                           "has none: give per-unit widths instead")
-    from ..bits.allocate import allocate_bits
-    batches = auto_batches(data, c.batch // comm.size, c.dtype)
-    return allocate_bits(net, batches, batch_size=c.batch // comm.size, avg_bits=c.avg_bits,
-                         mode=c.mode, dtype=c.dtype, rounding=c.rounding)
+    local = c.batch // comm.size
+    a, _ = choose_widths(net, training_batches(data, local, c.dtype), local, avg_bits=c.avg_bits, mode=c.mode,
+                         dtype=c.dtype, rounding=c.rounding)
+    return a
 
 
 @dataclasses.dataclass

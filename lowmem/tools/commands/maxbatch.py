@@ -17,10 +17,10 @@ from ...core.engine import DEFAULT_WORKSPACE_BYTES, DTYPES
 from ...units.widths import MODES
 from ...core.plan import KINDS
 from ...system.memory import fmt_bytes
-from ...bits.allocate import allocate, allocation_for
+from ...bits.allocate import allocation_for
 from ..maxbatch import MAX_BATCH, max_batch, planned_engine
-from ..options import (EXIT_ERROR, EXIT_OK, auto_arguments, backend_argument, check_auto, input_shape,
-                       measure_sensitivity_synthetic, mode_label, network_arguments)
+from ..options import (EXIT_ERROR, EXIT_OK, auto_arguments, auto_widths, backend_argument, check_auto,
+                       input_shape, mode_label, network_arguments)
 
 HELP = "the largest batch whose memory plan fits a budget"
 
@@ -81,9 +81,8 @@ def run(args):
         # the widths for an average of --avg-bits do not depend on the batch (every unit's bytes
         # scale with it alike), so they are chosen once and the search runs over the batch
         check_auto(args, budget_ok=False)
-        sens = measure_sensitivity_synthetic(args, factory(), shape, args.batch)
-        args.bits = allocate(sens, args.batch, avg_bits=args.avg_bits,
-                             itemsize=numpy.dtype(args.dtype).itemsize).bits
+        a, sens = auto_widths(args, factory(), shape, args.batch)
+        args.bits = a.bits
     elif args.avg_bits is not None:
         raise ValueError("--avg-bits chooses the widths of --bits auto; with a fixed --bits drop it")
     n = max_batch(factory, shape, planned_budget, args.mode, args.bits, args.dtype, ws)

@@ -12,7 +12,7 @@ from ...core.engine import DEFAULT_WORKSPACE_BYTES, Engine
 from ...units.widths import MODES
 from ...core.plan import KINDS
 from ...system.memory import fmt_bytes
-from ..options import (auto_allocation, auto_arguments, build_network, check_auto, describe, mode_label,
+from ..options import (auto_arguments, auto_widths, build_network, check_auto, describe, mode_label,
                        model_arguments)
 
 HELP = "print the schedule and memory plan of a network (no allocation unless --measure)"
@@ -61,7 +61,11 @@ def run(args):
     ws = args.workspace_mib << 20
     if args.bits == "auto":
         check_auto(args, budget_ok=True)
-        args.bits = auto_allocation(args, net, shape, args.batch, ws).bits
+        a, _ = auto_widths(args, net, shape, args.batch, budget=args.budget, ws=ws)
+        print(f"allocation (batch {args.batch}):")
+        print(a.table())
+        print()
+        args.bits = a.bits
     elif args.budget is not None or args.avg_bits is not None:
         raise ValueError("--budget and --avg-bits choose the widths of --bits auto; "
                          "with a fixed --bits drop them")
