@@ -65,3 +65,30 @@ def test_every_lowmem_path_in_the_docs_exists():
     missing = sorted({f"{p.relative_to(ROOT)}: {m}" for p in PAGES for m in PATH.findall(p.read_text())
                       if not (ROOT / m).exists() and not m.startswith("lowmem/blob")})
     assert not missing, "paths the docs name that do not exist: " + ", ".join(missing)
+
+
+DOTTED = re.compile(r"\blowmem(?:\.[A-Za-z_]\w*)+")
+
+
+def _resolves(name):
+    """Does `lowmem.a.b.c` name a module, or an attribute reached from the longest importable one?"""
+    import importlib
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_dotted_lowmem_name_in_the_docs_resolves():
+    names = {(p.relative_to(ROOT), m) for p in PAGES for m in DOTTED.findall(p.read_text())
+             if not m.endswith((".py", ".md"))}
+    bad = sorted(f"{page}: {m}" for page, m in names if not _resolves(m))
+    assert not bad, "names the docs give that lowmem does not have: " + ", ".join(bad)
