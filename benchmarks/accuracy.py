@@ -371,19 +371,20 @@ def plots(results, modes, seeds, doc_dir, stem):
     files.append(name)
     noise = results.get("noise") or []
     if noise:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9, 4.5))
         its = [r["iteration"] for r in noise]
+        handles = []
         for i, m in enumerate(noise[0]["modes"]):
             c = f"C{i}"
-            ax.plot(its, [r["modes"][m]["median_ratio"] for r in noise], color=c, marker="o",
-                    label=f"{m}: median over tensors")
-            ax.plot(its, [r["modes"][m]["worst_ratio"] for r in noise], color=c, ls="--", marker="x",
-                    label=f"{m}: worst tensor")
+            handles += ax.plot(its, [r["modes"][m]["median_ratio"] for r in noise], color=c, marker="o", label=m)
+            ax.plot(its, [r["modes"][m]["worst_ratio"] for r in noise], color=c, ls="--", marker="x")
+        handles += ax.plot([], [], color="0.4", marker="o", label="solid: median over tensors")
+        handles += ax.plot([], [], color="0.4", ls="--", marker="x", label="dashed: worst tensor")
         ax.axhline(1, color="k", lw=0.8)
         ax.axhline(0.1, color="k", lw=0.8, ls=":")
         ax.set(xlabel="iteration (exact training run, first seed)", yscale="log",
                ylabel="gradient error / SGD noise", title="approximation error against SGD noise")
-        ax.legend(fontsize=7)
+        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves
         ax.grid(alpha=0.3, which="both")
         fig.tight_layout()
         name = f"{stem}_noise.png"
