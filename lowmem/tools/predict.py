@@ -12,8 +12,11 @@ meta["data"]) makes this work without the training data: the class names in
 label order, the input size and the eval transform (resize the shorter side
 to `resize`, centre crop `image_size`, as lowmem.data.images' evaluation), and the
 normalisation mean/std. A safetensors file also names its model and depth,
-so the network is rebuilt and run by the Engine (eval mode); an ONNX file is
-run by onnxruntime. Output: one line per image, `PATH: CLASS (probability)`.
+so the network is rebuilt and run by lowmem.core.inference.InferenceEngine (eval
+mode, no training state); an ONNX file is run by onnxruntime. Images are read and
+run CHUNK (--batch) at a time, so memory does not grow with their number; every
+stored value and every backend's logits are checked (check_info, predict_files).
+Output: one line per image, `PATH: CLASS (probability)`.
 
 Models trained on in-memory datasets (CIFAR, Fashion-MNIST, synthetic)
 store resize = image size: a photo is resized to the input, not padded
