@@ -128,4 +128,7 @@ def auto_widths(args, net, shape, batch, budget=None, ws=None):
         print(f"sensitivity: {args.measure_batches} synthetic batches of {n} (lowmem.data.datasets.synthetic, "
               f"untrained weights), measured in {sens.seconds:.1f} s")
     return choose_widths(net, batches, batch, avg_bits=args.avg_bits, budget=budget, mode=args.mode,
-                         dtype=args.dtype, workspace_bytes=ws, measured=measured)
+                         dtype=args.dtype, workspace_bytes=ws, measured=measured, names=FLAG_NAMES)
+
+
+FLAG_NAMES = {"avg_bits": "--avg-bits", "budget": "--budget"}      # the budgets as the user typed them

@@ -61,8 +61,8 @@ class TrainConfig:
     workers: int = 4                # folder only: decoding threads (lowmem.data.images)
     skip_bad: bool = False          # folder only: replace unreadable images by the next readable one
 
-    FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "rounding", "dtype",
-             "batch", "augment", "seed", "image_size")
+    FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "avg_bits", "rounding",
+             "dtype", "batch", "augment", "seed", "image_size")
 
     def validate(self):
         """Check every field; returns self. ConfigError naming the field and what it expects."""

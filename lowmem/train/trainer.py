@@ -271,6 +271,7 @@ class Trainer:
         saved = load_checkpoint(self.ckpt_path) if resume else None
         if saved is not None:
             check_training_meta(saved[1], self.ckpt_path)
+        kept = saved is not None and trainstate.continue_auto_widths(saved[1]["config"], c)
         if dataset is None:     # every rank reads the same files (their settings agree): one check is enough
             dataset = load_data(c, saved and saved[1].get("data"), check=self.lead)
         self.data = dataset
@@ -281,6 +282,9 @@ class Trainer:
         self.data_info = data_info(self.data, c)
         if saved is not None:
             trainstate.check_resumable(saved[1], c, self.data_info, self.ckpt_path, self.log)
+        if kept:
+            self.log(f"bits auto: continuing with the checkpoint's {len(c.bits)} per-unit widths, chosen "
+                     f"for avg_bits {c.avg_bits:g}; nothing is measured again")
         local = c.batch // self.comm.size
         try:
             distributed.shard(c.batch, self.comm)                 # refuses a batch the ranks do not divide

@@ -117,6 +117,8 @@ def config_from_args(args):
     if getattr(args, "resume", False):
         base = {k: v for k, v in saved_config(given["out"]).items()
                 if k in _FIELDS and k not in PER_INVOCATION}
+        if "bits" in given and not isinstance(given["bits"], dict) and given["bits"] != "auto":
+            base.pop("avg_bits", None)      # a fixed --bits has no average: the resume check names bits
     return TrainConfig(**{**base, **given})
 
 
