@@ -88,7 +88,16 @@ def test_train_auto_keeps_its_widths_in_the_config(capsys, tmp_path):
       "--measure-batches", "2"], "--budget 1.00 KiB is below the smallest plan at batch 8, 1.28 MiB"),
     (["maxbatch", "--budget", "1GiB", "--bits", "auto"], "--bits auto needs --avg-bits"),
     (["train", "--dataset", "synthetic", "--limit-train", "32", "--depth", "8", "--batch", "16", "--bits", "auto",
-      "--out", "OUT"], "avg_bits=None: expected a number of bits in (0, 32]"),
+      "--out", "OUT"], "--avg-bits is missing: expected a number of bits in (0, 32] (--bits auto fits"),
+    (["train", "--dataset", "synthetic", "--limit-train", "32", "--depth", "8", "--batch", "16", "--avg-bits", "2",
+      "--out", "OUT"], "--avg-bits 2.0: expected only with --bits auto"),
+    (["train", "--dataset", "synthetic", "--limit-train", "32", "--depth", "8", "--batch", "16", "--mode", "exact",
+      "--rounding", "stochastic", "--out", "OUT"], "--rounding stochastic: expected nearest in mode exact"),
+    (["train", "--dataset", "synthetic", "--limit-train", "32", "--depth", "8", "--batch", "16", "--mode", "exact",
+      "--bits", "auto", "--avg-bits", "2", "--out", "OUT"], "--bits auto: expected a width per unit only in mode"),
+    (["train", "--dataset", "synthetic", "--limit-train", "32", "--depth", "8", "--batch", "16",
+      "--bits", "layer1.0.bn1=4,nosuch=2,*=2", "--out", "OUT"], "bits names 'nosuch', not a BN-ReLU unit"),
+    (["plan", "--depth", "8", "--bits", "layer9.bn1=4"], "bits names 'layer9.bn1', not a BN-ReLU unit"),
 ])
 def test_bad_auto_command_lines_exit_2(capsys, tmp_path, argv, words):
     argv = [str(tmp_path / "run") if a == "OUT" else a for a in argv]
@@ -137,3 +146,19 @@ def test_resuming_an_auto_run_keeps_its_record_true_and_its_rerun_command_contin
     assert "measured on" not in out and "sensitivity" not in out
     after = json.loads((out_dir / "config.json").read_text())
     assert after["bits"] == config["bits"] and after["avg_bits"] == 1.5 and after["epochs"] == 2
+
+
+def test_train_and_plan_take_per_unit_widths(capsys, tmp_path):
+    out_dir = tmp_path / "run"
+    rc, out, err = run(capsys, "train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test", "16",
+                       "--depth", "8", "--batch", "16", "--epochs", "1", "--no-progress",
+                       "--bits", "layer1.0.bn1=4,layer3.0.bn2=float,*=2", "--out", str(out_dir))
+    assert rc == 0, err
+    assert "(4-bit x1, 2-bit x5, float x1)" in out
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["bits"] == {"layer1.0.bn1": 4, "layer3.0.bn2": "float", "*": 2}
+    # the run's config.json is itself a widths file
+    rc, out, err = run(capsys, "plan", "--depth", "8", "--batch", "4", "--no-schedule", "--bits",
+                       str(out_dir / "config.json"))
+    assert rc == 0, err
+    assert "mode approx 4-bit x1, 2-bit x5, float x1" in out, out.splitlines()[0]

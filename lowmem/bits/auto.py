@@ -11,6 +11,8 @@ What it measures on is the caller's: `lowmem train` the first AUTO_BATCHES train
 (`training_batches`: in order, normalised, not augmented, the same on every rank), `lowmem
 plan` and `lowmem maxbatch` learnable synthetic batches (they have no data).
 """
+import itertools
+
 import numpy
 
 from ..data.transforms import normalize
@@ -33,6 +35,25 @@ def training_batches(data, batch, dtype="float32", count=AUTO_BATCHES, limit=AUT
     return [(xp.asarray(normalize(numpy.empty((n,) + data.input_shape, dtype), data.x_train[i * n:(i + 1) * n],
                                   data.mean, data.std)),
              xp.asarray(data.y_train[i * n:(i + 1) * n])) for i in range(count)]
+
+
+def folder_batches(data, batch, dtype="float32", seed=0, workers=4, skip_bad=False, count=AUTO_BATCHES,
+                   limit=AUTO_BATCH):
+    """The first `count` batches of min(batch, limit) images of an image folder (a
+    lowmem.data.images.ImageFolders) as its training loader yields them (the run's seeded
+    order), through the eval transform (not augmented), normalised: [(x, labels)] on the
+    backend. ValueError when fewer than 2 such batches fit."""
+    n = min(batch, limit)
+    count = min(count, len(data.train) // n)
+    if count < 2:
+        raise ValueError(f"bits='auto' needs at least 2 batches of {n} training images to measure on")
+    loader = data.loader("train", n, train=False, shuffle=True, drop_last=True, seed=seed, dtype=dtype,
+                         workers=workers, skip_bad=skip_bad)
+    xp, it = backend.xp, iter(loader)
+    try:
+        return [(xp.asarray(x), xp.asarray(y)) for x, y in itertools.islice(it, count)]
+    finally:
+        it.close()                                # the decoding threads end here
 
 
 def choose_widths(net, batches, batch_size, avg_bits=None, budget=None, mode="approx", dtype="float32",

@@ -82,6 +82,14 @@ def mode_label(mode, bits):
     return f"{mode} {bits}-bit"
 
 
+def unit_widths(eng, bits):
+    """Per-unit widths as the engine resolved them ({unit: K or "float"}; a "*" default counted
+    once per unit it covers), or the uniform `bits`."""
+    if not isinstance(bits, dict):
+        return bits
+    return {u: "float" if k is None else k for u, k in eng.unit_bits.items()}
+
+
 def describe(net, batch, shape, dtype, what):
     """One line: the network, the batch, the input, `what` (the mode) and the dtype."""
     size = "x".join(map(str, shape))

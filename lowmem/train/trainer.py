@@ -80,7 +80,7 @@ from ..system import backend, distributed, memory as sysmem
 from ..data import images
 from . import trainstate
 from .checkpoint import CheckpointError, load_checkpoint   # noqa: F401 (re-exported)
-from ..bits.auto import AUTO_BATCHES, choose_widths, training_batches
+from ..bits.auto import AUTO_BATCHES, choose_widths, folder_batches, training_batches
 from ..data.batches import BatchIterator
 from ..data.datasets import load_dataset
 from ..data.transforms import augment, normalize
@@ -98,14 +98,16 @@ from .stop import Stop
 
 def allocate_widths(net, data, c, comm):
     """bits='auto': every unit's width through the one door (lowmem/bits/auto.py), measured on
-    the first AUTO_BATCHES training batches (in order, not augmented; the same on every rank)
-    at the initial weights of `net` (not consumed), fitted to c.avg_bits. Returns the Allocation."""
-    if not hasattr(data, "x_train"):
-        raise ConfigError("bits='auto' measures on the in-memory training arrays; the folder dataset "
-                          "has none: give per-unit widths instead")
+    the first AUTO_BATCHES training batches (in order, not augmented; an image folder's: the
+    first its training loader yields, through the eval transform; the same on every rank) at the
+    initial weights of `net` (not consumed), fitted to c.avg_bits. Returns the Allocation."""
     local = c.batch // comm.size
-    a, _ = choose_widths(net, training_batches(data, local, c.dtype), local, avg_bits=c.avg_bits, mode=c.mode,
-                         dtype=c.dtype, rounding=c.rounding)
+    if isinstance(data, images.ImageFolders):
+        batches = folder_batches(data, local, c.dtype, seed=c.seed, workers=c.workers, skip_bad=c.skip_bad)
+    else:
+        batches = training_batches(data, local, c.dtype)
+    a, _ = choose_widths(net, batches, local, avg_bits=c.avg_bits, mode=c.mode, dtype=c.dtype,
+                         rounding=c.rounding)
     return a
 
 

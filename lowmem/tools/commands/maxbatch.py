@@ -20,7 +20,7 @@ from ...system.memory import fmt_bytes
 from ...bits.allocate import allocation_for
 from ..maxbatch import MAX_BATCH, max_batch, planned_engine
 from ..options import (EXIT_ERROR, EXIT_OK, auto_arguments, auto_widths, backend_argument, check_auto,
-                       input_shape, mode_label, network_arguments)
+                       input_shape, mode_label, network_arguments, unit_widths)
 
 HELP = "the largest batch whose memory plan fits a budget"
 
@@ -90,7 +90,7 @@ def run(args):
     over = planned_engine(factory, n + 1, shape, args.mode, args.bits, args.dtype, ws).plan.total_bytes
     total = eng.plan.total_bytes
     print(f"{eng.net.name}: {eng.net.num_params():,} parameters; input {'x'.join(map(str, shape))}, "
-          f"mode {mode_label(args.mode, args.bits)}, {args.dtype}")
+          f"mode {mode_label(args.mode, unit_widths(eng, args.bits))}, {args.dtype}")
     reserve = f", less a reserve of {fmt_bytes(args.reserve)}" if args.reserve else ""
     if n == MAX_BATCH and over <= planned_budget:      # the search's cap bound the answer, not the budget
         print(f"budget {fmt_bytes(args.budget)} ({args.budget:,} B{reserve}): largest batch searched "

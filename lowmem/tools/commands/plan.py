@@ -12,7 +12,7 @@ from ...core.engine import DEFAULT_WORKSPACE_BYTES, Engine
 from ...units.widths import MODES
 from ...core.plan import KINDS
 from ...system.memory import fmt_bytes
-from ..options import (auto_arguments, auto_widths, build_network, check_auto, describe, mode_label,
+from ..options import (auto_arguments, auto_widths, build_network, check_auto, describe, mode_label, unit_widths,
                        model_arguments)
 
 HELP = "print the schedule and memory plan of a network (no allocation unless --measure)"
@@ -70,7 +70,7 @@ def run(args):
         raise ValueError("--budget and --avg-bits choose the widths of --bits auto; "
                          "with a fixed --bits drop them")
     eng = Engine(net, args.batch, shape, args.mode, args.bits, args.dtype, ws, allocate=False)
-    print(describe(net, args.batch, shape, args.dtype, "mode " + mode_label(args.mode, args.bits)))
+    print(describe(net, args.batch, shape, args.dtype, "mode " + mode_label(args.mode, unit_widths(eng, args.bits))))
     if not args.no_schedule:
         print(f"\nschedule ({len(eng.schedule)} steps):")
         print(eng.schedule.format(max_rows=60))

@@ -12,6 +12,7 @@ A subcommand module of lowmem/tools/commands/: `HELP` (its line in `lowmem --hel
 """
 import argparse
 import dataclasses
+import re
 import signal
 import sys
 import time
@@ -30,6 +31,22 @@ from ..options import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_SIGNAL, EXIT_TIME
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 PER_INVOCATION = ("time_limit",)        # not taken over from the checkpoint by --resume
+FLAG_OF = {"augment": "--no-augment", "download": "--no-download", "nesterov": "--nesterov",
+           "sync_bn": "--sync-bn", "skip_bad": "--skip-bad"}      # TrainConfig field -> its flag (opt adds)
+
+
+def in_flags(message):
+    """A TrainConfig refusal ("avg_bits=None: expected ...") in the words the user typed
+    ("--avg-bits is missing: expected ..."); field names inside become flags too."""
+    m = re.match(r"(\w+)=(.*?): expected (.*)$", str(message), re.S)
+    if not m or m.group(1) not in FLAG_OF:
+        return str(message)
+    flag, value, want = FLAG_OF[m.group(1)], m.group(2), m.group(3)
+    want = re.sub(r"\b(\w+)=('?)([\w.]+)\2", lambda w: f"{FLAG_OF[w.group(1)]} {w.group(3)}"
+                  if w.group(1) in FLAG_OF else w.group(0), want)
+    if value == "None":
+        return f"{flag} is missing: expected {want}"
+    return f"{flag} {value[1:-1] if value[:1] == value[-1:] == chr(39) else value}: expected {want}"
 
 HELP = "train a network (datasets, schedules, checkpoints, resume)"
 
@@ -43,6 +60,7 @@ def add_arguments(parser):
     S = argparse.SUPPRESS
 
     def opt(flag, field, help, **kw):
+        FLAG_OF[field] = flag
         default = _FIELDS[field].default
         help += "" if default is None else f" (default: {default})"
         parser.add_argument(flag, dest=field, default=S, help=help, **kw)
@@ -168,7 +186,9 @@ def _train(args, comm):
         raise
     except TrainingDiverged as e:
         return error(e, EXIT_DIVERGED)
-    except (ConfigError, NotEnoughMemory) as e:     # settings this run cannot have
+    except ConfigError as e:                 # settings this run cannot have, in the flags' words
+        return error(in_flags(e), EXIT_USAGE)
+    except NotEnoughMemory as e:
         return error(e, EXIT_USAGE)
     except (ValueError, OSError) as e:       # DataError, CheckpointError, RunDirError, ResumeError; disk
         return error(e, EXIT_ERROR)
