@@ -26,6 +26,7 @@ from ...core.engine import DTYPES
 from ...units.widths import MODES
 from ...system.memory import NotEnoughMemory
 from ...train.config import SCHEDULES, ConfigError, TrainConfig
+from ...train.stop import Interrupted, preparing
 from ...train.trainer import Trainer, TrainingDiverged, saved_config
 from ..options import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_SIGNAL, EXIT_TIME_LIMIT, EXIT_USAGE
 
@@ -176,14 +177,18 @@ def _train(args, comm):
         return code
 
     try:
-        config = config_from_args(args)
-        trainer = Trainer(config, resume=args.resume, overwrite=args.overwrite, comm=comm)
+        with preparing():                    # a signal now stops the preparation: nothing to save yet
+            config = config_from_args(args)
+            trainer = Trainer(config, resume=args.resume, overwrite=args.overwrite, comm=comm)
         if trainer.lead:
             print(trainer.describe(), flush=True)
         t = time.monotonic()
         result = trainer.fit()
     except distributed.StartupError:
         raise
+    except Interrupted as e:
+        return error(f"stopped by {e} while preparing the run (loading data, measuring --bits auto); "
+                     f"nothing was trained and no checkpoint written", EXIT_SIGNAL[e.signum])
     except TrainingDiverged as e:
         return error(e, EXIT_DIVERGED)
     except ConfigError as e:                 # settings this run cannot have, in the flags' words
