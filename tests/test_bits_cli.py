@@ -162,3 +162,26 @@ def test_train_and_plan_take_per_unit_widths(capsys, tmp_path):
                        str(out_dir / "config.json"))
     assert rc == 0, err
     assert "mode approx 4-bit x1, 2-bit x5, float x1" in out, out.splitlines()[0]
+
+
+DIAG = ["diagnose", "--depth", "8", "--batch", "8", "--input", "3x8x8", "--no-table"]
+
+
+def test_diagnose_takes_bits_auto_rounding_and_per_unit_widths(capsys):
+    rc, out, err = run(capsys, *DIAG, "--bits", "auto", "--avg-bits", "2")
+    assert rc == 0, err
+    assert "allocation (batch 8, measured on the same batches):" in out and len(table_rows(out)) == 7
+    m = re.search(r"predicted ([\d.e+-]+) \(the allocation\), measured ([\d.e+-]+)", out)
+    predicted, measured = float(m.group(1)), float(m.group(2))
+    assert 0.5 < predicted / measured < 2.0          # the estimate's documented accuracy (docs/bits.md)
+    rc, out, err = run(capsys, *DIAG, "--bits", "2", "--rounding", "stochastic")
+    assert rc == 0, err
+    assert "(2-bit, stochastic rounding) vs exact" in out and "2-bit, stochastic rounding, 25 parameter" in out
+    rc, out, err = run(capsys, *DIAG, "--bits", "layer1.0.bn1=8,*=2")
+    assert rc == 0, err
+    assert "per-unit 8-bit x1, 2-bit x6, 25 parameter tensors" in out
+    for argv, words in ((["--bits", "auto"], "--bits auto needs --avg-bits"),
+                        (["--avg-bits", "2"], "--avg-bits chooses the widths of --bits auto"),
+                        (["--bits", "x=2"], "bits names 'x', not a BN-ReLU unit")):
+        rc, out, err = run(capsys, *DIAG, *argv)
+        assert rc == 2 and words in err and "Traceback" not in err, err
