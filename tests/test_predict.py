@@ -128,7 +128,8 @@ def test_non_finite_logits_are_refused_not_printed_as_nan(tmp_path, photos, caps
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from lowmem.train.trainer import Trainer, TrainConfig
+    from lowmem.train.config import TrainConfig
+    from lowmem.train.trainer import Trainer
     out = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(dataset="synthetic", model="preact-cifar", depth=8, batch=16, epochs=1,
                       limit_train=32, limit_test=16, out=str(out), progress=False)
