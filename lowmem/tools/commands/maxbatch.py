@@ -35,7 +35,8 @@ def add_arguments(p):
     p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
     p.add_argument("--bits", type=argtypes.bits, choices=argtypes.BITS_CHOICES, default=4,
                    help="bits per stored activation; auto: a width per unit, chosen from measured error "
-                        "so that the saved x-hat is within --avg-bits on average (default: %(default)s)")
+                        "so that the saved x-hat is within --avg-bits on average; or per-unit widths "
+                        "(layer1.0.bn1=4,*=2 or a JSON file) (default: %(default)s)")
     auto_arguments(p)
     p.add_argument("--batch", type=argtypes.positive, default=32,
                    help="with --bits auto: the batch the widths are measured at (default: %(default)s)")

@@ -23,7 +23,8 @@ def add_arguments(p):
     p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
     p.add_argument("--bits", type=argtypes.bits, choices=argtypes.BITS_CHOICES, default=4,
                    help="bits per stored activation in approx/naive mode; auto: a width per unit, "
-                        "chosen from measured error to fit --budget or --avg-bits (default: %(default)s)")
+                        "chosen from measured error to fit --budget or --avg-bits; or per-unit widths "
+                        "(layer1.0.bn1=4,*=2 or a JSON file) (default: %(default)s)")
     p.add_argument("--budget", type=argtypes.budget, default=None,
                    help="with --bits auto: the whole plan within this many bytes, e.g. 300MiB")
     auto_arguments(p)

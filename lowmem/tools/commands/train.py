@@ -88,7 +88,8 @@ def add_arguments(parser):
         type=argtypes.positive)
     opt("--mode", "mode", "exact | approx (the method) | naive (the paper's baseline)", choices=MODES)
     opt("--bits", "bits", "bits per stored activation in approx / naive mode: 8, 4, 2, 1, or auto (a width "
-        "per unit, chosen from error measured on the first training batches to fit --avg-bits)",
+        "per unit, chosen from error measured on the first training batches to fit --avg-bits), or per-unit "
+        "widths (layer1.0.bn1=4,*=2 or a JSON file)",
         type=argtypes.bits, choices=argtypes.BITS_CHOICES)
     opt("--avg-bits", "avg_bits", "with --bits auto: the saved x-hat within what every unit at A bits would take",
         type=argtypes.average_bits, metavar="A")
