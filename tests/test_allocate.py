@@ -253,6 +253,8 @@ def test_bad_numbers_name_the_parameter(tiny, kwargs, message, monkeypatch):
     ([np.zeros((4, 3, 8, 8), np.float32)] * 2, r"batches\[0\] must be an \(x, labels\) pair"),
     ([(np.zeros((4, 3, 8, 8), np.float32), np.zeros(4, np.int64)),
       (np.zeros((2, 3, 8, 8), np.float32), np.zeros(2, np.int64))], r"batches\[1\] has shape \(2, 3, 8, 8\)"),
+    ([(np.zeros((4, 1, 8, 8), np.float32), np.zeros(4, np.int64))] * 2,
+     r"the batches hold 1-channel samples \(1, 8, 8\); preact-resnet8-cifar takes 3 input channels"),
 ])
 def test_bad_batches_are_named(tiny, batches, message):
     with pytest.raises(ValueError, match=message):

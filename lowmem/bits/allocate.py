@@ -327,6 +327,9 @@ def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None,
         measured_shape, measured_n = tuple(sens.input_shape), sens.batch
     if batch_size is None:
         batch_size = measured_n
+    if getattr(net, "in_channels", None) not in (None, measured_shape[0]):
+        raise ValueError(f"the batches hold {measured_shape[0]}-channel samples {measured_shape}; "
+                         f"{net.name} takes {net.in_channels} input channels")
     if input_shape is not None and tuple(input_shape) != measured_shape:
         raise ValueError(f"input_shape {tuple(input_shape)} differs from the shape the sensitivity was "
                          f"measured at, {measured_shape}: measure on batches of the training input shape")
