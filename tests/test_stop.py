@@ -56,14 +56,14 @@ def test_ranks_agree_on_the_stop_and_keep_the_signal_one_of_them_saw():
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_while_measuring_bits_auto_ends_in_one_line_and_leaves_no_folder(tmp_path, capsys,
                                                                                  monkeypatch, sig, code):
-    from lowmem.bits import allocate
+    from lowmem.bits import auto
     from lowmem.tools import cli
-    real = allocate.allocate_bits
+    real = auto.measure_sensitivity
 
     def measuring(*a, **k):                         # the signal arrives during the measurement
         os.kill(os.getpid(), sig)
         return real(*a, **k)
-    monkeypatch.setattr(allocate, "allocate_bits", measuring)
+    monkeypatch.setattr(auto, "measure_sensitivity", measuring)
     before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     out = tmp_path / "run"
     rc = cli.main(["train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test", "16", "--depth", "8",
