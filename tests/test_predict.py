@@ -182,3 +182,13 @@ def test_a_run_without_class_names_is_said_plainly_and_its_export_warns(run_dir,
     # a complete run's export has no warning
     assert cli.main(["export", str(run_dir), str(tmp_path / "ok.safetensors")]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_one_path_is_one_image_and_the_chunk_size_is_checked(tmp_path, photos):
+    model = saved(tmp_path, ".safetensors")
+    one = predict.predict_files(model, photos[0])
+    assert [r[0] for r in one] == [photos[0]]
+    assert one == predict.predict_files(model, [photos[0]])
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=f"batch_size must be a positive integer, got {bad!r}"):
+            predict.predict_files(model, photos, batch_size=bad)

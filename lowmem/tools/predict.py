@@ -23,6 +23,7 @@ store resize = image size: a photo is resized to the input, not padded
 (Fashion-MNIST's 28 -> 32 padding is not redone).
 """
 import math
+import numbers
 import os
 import sys
 
@@ -170,7 +171,10 @@ def predict_files(model_path, image_paths, batch_size=CHUNK, progress=None):
     images at a time (memory does not depend on how many). progress: a tqdm bar on stderr (None:
     when stderr is a terminal and there is more than one chunk)."""
     from tqdm import tqdm
-    paths = list(image_paths)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    # one path given alone is one image, not a sequence of characters
+    paths = [image_paths] if isinstance(image_paths, (str, bytes, os.PathLike)) else list(image_paths)
     if not paths:
         return []
     batch_size = min(int(batch_size), len(paths))
