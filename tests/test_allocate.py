@@ -274,7 +274,7 @@ def test_a_too_small_budget_says_what_was_given_and_the_least_before_measuring(t
                               f"{plan_fmt(fixed + least)} ({fixed + least:,} B")
         assert "\n" not in msg
     with pytest.raises(ValueError, match=r"avg_bits 0.5 allows .* below the .* of every unit 1-bit; "
-                                         r"give at least 1 bits"):
+                                         r"avg_bits must be at least 1$"):
         allocate.allocate_bits(net, batches, avg_bits=0.5)
 
 

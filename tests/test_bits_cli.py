@@ -98,6 +98,11 @@ def test_train_auto_keeps_its_widths_in_the_config(capsys, tmp_path):
     (["train", "--dataset", "synthetic", "--limit-train", "32", "--depth", "8", "--batch", "16",
       "--bits", "layer1.0.bn1=4,nosuch=2,*=2", "--out", "OUT"], "bits names 'nosuch', not a BN-ReLU unit"),
     (["plan", "--depth", "8", "--bits", "layer9.bn1=4"], "bits names 'layer9.bn1', not a BN-ReLU unit"),
+    (["train", "--dataset", "synthetic", "--limit-train", "32", "--depth", "8", "--batch", "16", "--bits", "auto",
+      "--avg-bits", "0.5", "--out", "OUT"], "--avg-bits 0.5 allows 72.00 KiB of saved x-hat at batch 16, below "
+                                             "the 144.00 KiB of every unit 1-bit; --avg-bits must be at least 1"),
+    (["plan", "--depth", "8", "--batch", "16", "--bits", "auto", "--avg-bits", "0.25"],
+     "--avg-bits 0.25 allows"),
 ])
 def test_bad_auto_command_lines_exit_2(capsys, tmp_path, argv, words):
     argv = [str(tmp_path / "run") if a == "OUT" else a for a in argv]

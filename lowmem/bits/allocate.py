@@ -297,8 +297,8 @@ def check_budget(net, batch_size, input_shape, avg_bits=None, code_bytes=None, b
         (names["code_bytes"], fmt_bytes(int(code_bytes)))
     check_fits(elements, allowed, choices, itemsize, lambda least: (
         f"{name} {given} allows {fmt_bytes(allowed)} of saved x-hat at batch {batch_size}, below the "
-        f"{fmt_bytes(least)} of every unit {width}; give at least "
-        + (f"{least * 8 / sum(elements.values()):.4g} bits" if avg_bits is not None else f"{least:,} B")))
+        f"{fmt_bytes(least)} of every unit {width}; {name} must be at least "
+        + (f"{least * 8 / sum(elements.values()):.4g}" if avg_bits is not None else f"{least:,} B")))
     return allowed, None
 
 

@@ -40,6 +40,8 @@ def in_flags(message):
     """A TrainConfig refusal ("avg_bits=None: expected ...") in the words the user typed
     ("--avg-bits is missing: expected ..."); field names inside become flags too."""
     m = re.match(r"(\w+)=(.*?): expected (.*)$", str(message), re.S)
+    if str(message).startswith("avg_bits "):        # the allocator's refusal of the budget
+        return str(message).replace("avg_bits", "--avg-bits")
     if not m or m.group(1) not in FLAG_OF:
         return str(message)
     flag, value, want = FLAG_OF[m.group(1)], m.group(2), m.group(3)
