@@ -525,3 +525,21 @@ def test_class_names_and_preprocessing_travel_with_the_weights(tmp_path, capsys)
     assert cli.main(["train", "--out", str(run), "--resume", "--epochs", "3", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "the class folders changed since it was saved (train/bird renamed to train/zebra)" in err
+
+
+def test_bits_auto_on_an_image_folder_measures_its_first_batches(tmp_path, capsys):
+    """--bits auto with --dataset folder: the widths are measured on the first batches the training
+    loader yields (eval transform), stored, and a resume continues with them."""
+    import json
+    from lowmem.tools import cli
+    root = make_folders(str(tmp_path / "p"), per_class=(8, 2))
+    out = tmp_path / "run"
+    argv = FOLDER_TRAIN + ["--data", root, "--epochs", "1", "--bits", "auto", "--avg-bits", "2", "--batch", "8",
+                           "--out", str(out)]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "bits auto (2 bits on average), measured on 3 training batches" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert isinstance(config["bits"], dict) and len(config["bits"]) == 7 and config["avg_bits"] == 2
+    assert cli.main(argv[:-2] + ["--out", str(out), "--resume", "--epochs", "2"]) == 0
+    assert json.loads((out / "config.json").read_text())["bits"] == config["bits"]

@@ -24,7 +24,7 @@ from lowmem.train.trainer import (CHECKPOINT, METRICS, ResumeError, Trainer, Tra
                                   load_model_state)
 
 STEPS = 8       # per epoch: 128 training images, batch 16
-RUN_FILES = ["checkpoint.ckpt", "config.json", "lowmem-run.json", "lowmem-run.lock", "metrics.jsonl", "plan.txt"]
+RUN_FILES = ["checkpoint.ckpt", "config.json", "lowmem-run.json", "metrics.jsonl", "plan.txt"]
 
 
 @pytest.fixture(scope="module")

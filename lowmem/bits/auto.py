@@ -11,12 +11,14 @@ What it measures on is the caller's: `lowmem train` the first AUTO_BATCHES train
 (`training_batches`: in order, normalised, not augmented, the same on every rank), `lowmem
 plan` and `lowmem maxbatch` learnable synthetic batches (they have no data).
 """
+import itertools
+
 import numpy
 
 from ..data.transforms import normalize
 from ..system import backend
-from .allocate import allocate_bits
-from .sensitivity import measure_sensitivity
+from .allocate import allocate_bits, check_budget
+from .sensitivity import measure_sensitivity, measured_batches
 
 AUTO_BATCHES, AUTO_BATCH = 3, 64              # training: measured on 3 training batches of at most 64
 
@@ -35,14 +37,39 @@ def training_batches(data, batch, dtype="float32", count=AUTO_BATCHES, limit=AUT
              xp.asarray(data.y_train[i * n:(i + 1) * n])) for i in range(count)]
 
 
+def folder_batches(data, batch, dtype="float32", seed=0, workers=4, skip_bad=False, count=AUTO_BATCHES,
+                   limit=AUTO_BATCH):
+    """The first `count` batches of min(batch, limit) images of an image folder (a
+    lowmem.data.images.ImageFolders) as its training loader yields them (the run's seeded
+    order), through the eval transform (not augmented), normalised: [(x, labels)] on the
+    backend. ValueError when fewer than 2 such batches fit."""
+    n = min(batch, limit)
+    count = min(count, len(data.train) // n)
+    if count < 2:
+        raise ValueError(f"bits='auto' needs at least 2 batches of {n} training images to measure on")
+    loader = data.loader("train", n, train=False, shuffle=True, drop_last=True, seed=seed, dtype=dtype,
+                         workers=workers, skip_bad=skip_bad)
+    xp, it = backend.xp, iter(loader)
+    try:
+        return [(xp.asarray(x), xp.asarray(y)) for x, y in itertools.islice(it, count)]
+    finally:
+        it.close()                                # the decoding threads end here
+
+
 def choose_widths(net, batches, batch_size, avg_bits=None, budget=None, mode="approx", dtype="float32",
-                  rounding="nearest", workspace_bytes=None, measured=None):
+                  rounding="nearest", workspace_bytes=None, measured=None, names=None):
     """Every unit's width for an engine of `net` at `batch_size`, measured on `batches` (B >= 2
     (x, labels)) and fitted to exactly one of avg_bits (the saved x-hat within what every unit
     at that many bits would take) and budget (the whole plan's bytes). measured(sens): called
     once the sensitivity is measured, before the widths are fitted (a command prints it).
+    The budget is checked first (allocate.check_budget; `names` spells avg_bits and budget the
+    caller's way, e.g. as flags), so a budget no allocation fits costs no measurement.
     Returns (Allocation, Sensitivity): the sensitivity serves to show the widths at another batch
     (allocate.allocation_for)."""
+    batches = measured_batches(batches)
+    if len(batches) >= 2:                         # fewer: measure_sensitivity names the problem
+        check_budget(net, batch_size, tuple(batches[0][0].shape[1:]), avg_bits=avg_bits, budget=budget,
+                     mode=mode, dtype=dtype, workspace_bytes=workspace_bytes, names=names)
     sens = measure_sensitivity(net, batches, dtype=dtype, rounding=rounding)
     if measured is not None:
         measured(sens)

@@ -49,6 +49,7 @@ quant.quantize_simulated, which the packed codes match bit for bit.
 import copy
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy
@@ -178,12 +179,29 @@ class Sensitivity:
         return self.predict(allocation) / self.noise_norm
 
 
+def measured_batches(batches, what="batches"):
+    """`batches`, any iterable of (x, labels) pairs, as a list; ValueError naming what is wrong."""
+    if batches is None or isinstance(batches, (str, bytes)) or not isinstance(batches, Iterable):
+        raise ValueError(f"{what} must be a few (x, labels) mini-batches (a list or any iterable), "
+                         f"got {type(batches).__name__}")
+    out = list(batches)
+    for i, b in enumerate(out):
+        if not (isinstance(b, (tuple, list)) and len(b) == 2 and getattr(b[0], "ndim", None) == 4):
+            raise ValueError(f"{what}[{i}] must be an (x, labels) pair with x of shape (N, C, H, W), "
+                             f"got {type(b).__name__}")
+        if b[0].shape != out[0][0].shape:
+            raise ValueError(f"{what}[{i}] has shape {tuple(b[0].shape)}, {what}[0] {tuple(out[0][0].shape)}: "
+                             f"measure on batches of one shape")
+    return out
+
+
 def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="float32", rounding="nearest"):
     """Measure L_u(K), D_u(K) for K in 1, 2, 4, 8 and G_u for every unit of `net` on `batches`
     (a list of B >= 2 (x, labels) of equal batch size; the noise needs several). `net` is not
     consumed (the exact engine gets a deep copy). rounding="stochastic": the errors of
     stochastic codes (one draw per unit, K and batch, from fixed keys). Returns a Sensitivity."""
     rounding = quant.check_rounding(rounding)
+    batches = measured_batches(batches)
     B = len(batches)
     if B < 2:
         raise ValueError(f"measure_sensitivity needs at least 2 batches to measure SGD noise, got {B}")

@@ -65,14 +65,14 @@ def unit_bits(bits, mode, units):
     bits as engine_args returns it. Exact mode: every unit None (an int bits is ignored there,
     as it always was). A dict must name only units of the network, and every unit unless it
     has a "*" default."""
+    unknown = [n for n in bits if n != "*" and n not in units] if isinstance(bits, dict) else []
+    if unknown:                                   # in every mode: a misspelt name is never ignored
+        raise ValueError(f"bits names {', '.join(map(repr, unknown[:5]))}, not a BN-ReLU unit of this "
+                         f"network; units: {', '.join(units[:5])}{', ...' if len(units) > 5 else ''}")
     if mode == "exact":
         return dict.fromkeys(units)
     if not isinstance(bits, dict):
         return dict.fromkeys(units, bits)
-    unknown = [n for n in bits if n != "*" and n not in units]
-    if unknown:
-        raise ValueError(f"bits names {', '.join(map(repr, unknown[:5]))}, not a BN-ReLU unit of this "
-                         f"network; units: {', '.join(units[:5])}{', ...' if len(units) > 5 else ''}")
     missing = [n for n in units if n not in bits and "*" not in bits]
     if missing:
         raise ValueError(f"bits gives no width for unit(s) {', '.join(map(repr, missing[:5]))}"

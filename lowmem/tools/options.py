@@ -82,6 +82,14 @@ def mode_label(mode, bits):
     return f"{mode} {bits}-bit"
 
 
+def unit_widths(eng, bits):
+    """Per-unit widths as the engine resolved them ({unit: K or "float"}; a "*" default counted
+    once per unit it covers), or the uniform `bits`."""
+    if not isinstance(bits, dict):
+        return bits
+    return {u: "float" if k is None else k for u, k in eng.unit_bits.items()}
+
+
 def describe(net, batch, shape, dtype, what):
     """One line: the network, the batch, the input, `what` (the mode) and the dtype."""
     size = "x".join(map(str, shape))
@@ -128,4 +136,7 @@ def auto_widths(args, net, shape, batch, budget=None, ws=None):
         print(f"sensitivity: {args.measure_batches} synthetic batches of {n} (lowmem.data.datasets.synthetic, "
               f"untrained weights), measured in {sens.seconds:.1f} s")
     return choose_widths(net, batches, batch, avg_bits=args.avg_bits, budget=budget, mode=args.mode,
-                         dtype=args.dtype, workspace_bytes=ws, measured=measured)
+                         dtype=args.dtype, workspace_bytes=ws, measured=measured, names=FLAG_NAMES)
+
+
+FLAG_NAMES = {"avg_bits": "--avg-bits", "budget": "--budget"}      # the budgets as the user typed them

@@ -61,8 +61,8 @@ class TrainConfig:
     workers: int = 4                # folder only: decoding threads (lowmem.data.images)
     skip_bad: bool = False          # folder only: replace unreadable images by the next readable one
 
-    FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "rounding", "dtype",
-             "batch", "augment", "seed", "image_size")
+    FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "avg_bits", "rounding",
+             "dtype", "batch", "augment", "seed", "image_size")
 
     def validate(self):
         """Check every field; returns self. ConfigError naming the field and what it expects."""
@@ -93,13 +93,15 @@ class TrainConfig:
             if not (real("avg_bits") and 0 < self.avg_bits <= 32):
                 bad("avg_bits", "a number of bits in (0, 32] (bits='auto' fits the saved x-hat to it)")
             if self.mode == "exact":
-                bad("bits", "a bit width or 'float' per unit only in approx / naive mode, not 'auto' with exact")
+                bad("bits", "a width per unit only in mode approx or naive (mode exact saves every x-hat in float)")
         elif isinstance(self.bits, dict):
             pass                        # per-unit widths: the engine checks them against the network
         elif not isinstance(self.bits, numbers.Integral) or isinstance(self.bits, bool) or self.bits not in BITS:
             bad("bits", f"one of {', '.join(map(str, BITS[::-1]))}, 'auto' or a dict of per-unit widths")
+        if self.mode == "exact" and self.rounding != "nearest":
+            bad("rounding", "nearest in mode exact (it saves x-hat in float: nothing is rounded)")
         if not (self.bits == "auto" or isinstance(self.bits, dict)) and self.avg_bits is not None:
-            bad("avg_bits", "None unless bits='auto' (a resumed auto run keeps it beside its widths)")
+            bad("avg_bits", "only with bits='auto' (a resumed auto run keeps it beside its widths)")
         for f in ("depth", "batch", "epochs"):
             integer(f, 1)
         integer("pad_to", 0)

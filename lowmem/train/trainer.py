@@ -80,7 +80,7 @@ from ..system import backend, distributed, memory as sysmem
 from ..data import images
 from . import trainstate
 from .checkpoint import CheckpointError, load_checkpoint   # noqa: F401 (re-exported)
-from ..bits.auto import AUTO_BATCHES, choose_widths, training_batches
+from ..bits.auto import AUTO_BATCHES, choose_widths, folder_batches, training_batches
 from ..data.batches import BatchIterator
 from ..data.datasets import load_dataset
 from ..data.transforms import augment, normalize
@@ -98,14 +98,16 @@ from .stop import Stop
 
 def allocate_widths(net, data, c, comm):
     """bits='auto': every unit's width through the one door (lowmem/bits/auto.py), measured on
-    the first AUTO_BATCHES training batches (in order, not augmented; the same on every rank)
-    at the initial weights of `net` (not consumed), fitted to c.avg_bits. Returns the Allocation."""
-    if not hasattr(data, "x_train"):
-        raise ConfigError("bits='auto' measures on the in-memory training arrays; the folder dataset "
-                          "has none: give per-unit widths instead")
+    the first AUTO_BATCHES training batches (in order, not augmented; an image folder's: the
+    first its training loader yields, through the eval transform; the same on every rank) at the
+    initial weights of `net` (not consumed), fitted to c.avg_bits. Returns the Allocation."""
     local = c.batch // comm.size
-    a, _ = choose_widths(net, training_batches(data, local, c.dtype), local, avg_bits=c.avg_bits, mode=c.mode,
-                         dtype=c.dtype, rounding=c.rounding)
+    if isinstance(data, images.ImageFolders):
+        batches = folder_batches(data, local, c.dtype, seed=c.seed, workers=c.workers, skip_bad=c.skip_bad)
+    else:
+        batches = training_batches(data, local, c.dtype)
+    a, _ = choose_widths(net, batches, local, avg_bits=c.avg_bits, mode=c.mode, dtype=c.dtype,
+                         rounding=c.rounding)
     return a
 
 
@@ -271,6 +273,7 @@ class Trainer:
         saved = load_checkpoint(self.ckpt_path) if resume else None
         if saved is not None:
             check_training_meta(saved[1], self.ckpt_path)
+        kept = saved is not None and trainstate.continue_auto_widths(saved[1]["config"], c)
         if dataset is None:     # every rank reads the same files (their settings agree): one check is enough
             dataset = load_data(c, saved and saved[1].get("data"), check=self.lead)
         self.data = dataset
@@ -281,6 +284,9 @@ class Trainer:
         self.data_info = data_info(self.data, c)
         if saved is not None:
             trainstate.check_resumable(saved[1], c, self.data_info, self.ckpt_path, self.log)
+        if kept:
+            self.log(f"bits auto: continuing with the checkpoint's {len(c.bits)} per-unit widths, chosen "
+                     f"for avg_bits {c.avg_bits:g}; nothing is measured again")
         local = c.batch // self.comm.size
         try:
             distributed.shard(c.batch, self.comm)                 # refuses a batch the ranks do not divide

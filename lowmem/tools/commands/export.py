@@ -73,9 +73,26 @@ def run(args):
         return error(e, 2)
     except (ValueError, OSError) as e:           # ExportError, CheckpointError, ResumeError, onnx checks
         return error(e, 1)
+    _warn_if_unpredictable(path, args.output, meta)
     print(f"wrote {args.output}: {net.name}, {net.num_params():,} parameters, iteration "
           f"{meta.get('iteration', '?')}" + (f", ONNX opset {args.opset}" if fmt == "onnx" else ""))
     return 0
+
+
+def _warn_if_unpredictable(path, output, meta):
+    """A warning on stderr when the checkpoint lacks what `lowmem predict` needs (a run of an older
+    lowmem): the weights are exported all the same."""
+    from ..predict import REQUIRED, check_info
+    data = meta.get("data") or {}
+    missing = [k for k in REQUIRED if k not in data]
+    try:
+        if missing:
+            raise ExportError(f"{path} stores no {', '.join(missing)} (a run of a lowmem from before they "
+                              f"were stored)")
+        check_info(dict(data), path, run=True)
+    except ExportError as e:
+        print(f"lowmem export: warning: {e}; {output} holds the weights, but lowmem predict cannot use it",
+              file=sys.stderr)
 
 
 def main(argv=None):

@@ -20,7 +20,7 @@ from ...system.memory import fmt_bytes
 from ...bits.allocate import allocation_for
 from ..maxbatch import MAX_BATCH, max_batch, planned_engine
 from ..options import (EXIT_ERROR, EXIT_OK, auto_arguments, auto_widths, backend_argument, check_auto,
-                       input_shape, mode_label, network_arguments)
+                       input_shape, mode_label, network_arguments, unit_widths)
 
 HELP = "the largest batch whose memory plan fits a budget"
 
@@ -35,7 +35,8 @@ def add_arguments(p):
     p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
     p.add_argument("--bits", type=argtypes.bits, choices=argtypes.BITS_CHOICES, default=4,
                    help="bits per stored activation; auto: a width per unit, chosen from measured error "
-                        "so that the saved x-hat is within --avg-bits on average (default: %(default)s)")
+                        "so that the saved x-hat is within --avg-bits on average; or per-unit widths "
+                        "(layer1.0.bn1=4,*=2 or a JSON file) (default: %(default)s)")
     auto_arguments(p)
     p.add_argument("--batch", type=argtypes.positive, default=32,
                    help="with --bits auto: the batch the widths are measured at (default: %(default)s)")
@@ -90,7 +91,7 @@ def run(args):
     over = planned_engine(factory, n + 1, shape, args.mode, args.bits, args.dtype, ws).plan.total_bytes
     total = eng.plan.total_bytes
     print(f"{eng.net.name}: {eng.net.num_params():,} parameters; input {'x'.join(map(str, shape))}, "
-          f"mode {mode_label(args.mode, args.bits)}, {args.dtype}")
+          f"mode {mode_label(args.mode, unit_widths(eng, args.bits))}, {args.dtype}")
     reserve = f", less a reserve of {fmt_bytes(args.reserve)}" if args.reserve else ""
     if n == MAX_BATCH and over <= planned_budget:      # the search's cap bound the answer, not the budget
         print(f"budget {fmt_bytes(args.budget)} ({args.budget:,} B{reserve}): largest batch searched "

@@ -12,7 +12,7 @@ from ...core.engine import DEFAULT_WORKSPACE_BYTES, Engine
 from ...units.widths import MODES
 from ...core.plan import KINDS
 from ...system.memory import fmt_bytes
-from ..options import (auto_arguments, auto_widths, build_network, check_auto, describe, mode_label,
+from ..options import (auto_arguments, auto_widths, build_network, check_auto, describe, mode_label, unit_widths,
                        model_arguments)
 
 HELP = "print the schedule and memory plan of a network (no allocation unless --measure)"
@@ -23,7 +23,8 @@ def add_arguments(p):
     p.add_argument("--mode", choices=MODES, default="approx", help="default: %(default)s")
     p.add_argument("--bits", type=argtypes.bits, choices=argtypes.BITS_CHOICES, default=4,
                    help="bits per stored activation in approx/naive mode; auto: a width per unit, "
-                        "chosen from measured error to fit --budget or --avg-bits (default: %(default)s)")
+                        "chosen from measured error to fit --budget or --avg-bits; or per-unit widths "
+                        "(layer1.0.bn1=4,*=2 or a JSON file) (default: %(default)s)")
     p.add_argument("--budget", type=argtypes.budget, default=None,
                    help="with --bits auto: the whole plan within this many bytes, e.g. 300MiB")
     auto_arguments(p)
@@ -70,7 +71,7 @@ def run(args):
         raise ValueError("--budget and --avg-bits choose the widths of --bits auto; "
                          "with a fixed --bits drop them")
     eng = Engine(net, args.batch, shape, args.mode, args.bits, args.dtype, ws, allocate=False)
-    print(describe(net, args.batch, shape, args.dtype, "mode " + mode_label(args.mode, args.bits)))
+    print(describe(net, args.batch, shape, args.dtype, "mode " + mode_label(args.mode, unit_widths(eng, args.bits))))
     if not args.no_schedule:
         print(f"\nschedule ({len(eng.schedule)} steps):")
         print(eng.schedule.format(max_rows=60))

@@ -11,7 +11,8 @@ A subcommand module of lowmem/tools/commands/: `HELP` (its line in `lowmem --hel
 """
 import sys
 
-from ..predict import predict_files
+from ..argtypes import positive
+from ..predict import CHUNK, predict_files
 
 HELP = "class names of image files from a run folder or an exported model (lowmem predict RUN_DIR_or_model IMAGE...)"
 
@@ -19,13 +20,18 @@ HELP = "class names of image files from a run folder or an exported model (lowme
 def add_arguments(parser):
     parser.add_argument("model", metavar="MODEL", help="a run folder, a checkpoint, model.safetensors or model.onnx")
     parser.add_argument("images", metavar="IMAGE", nargs="+", help="image files (any format Pillow reads)")
+    parser.add_argument("--batch", type=positive, default=CHUNK, metavar="N",
+                        help="images per forward pass; memory depends on this, not on the number of "
+                             "images (default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on a "
+                                                                    "terminal for more than N images)")
     return parser
 
 
 def run(args):
     """`lowmem predict`: 0 printed; 1 a model or image it cannot use; 2 a missing extra."""
     try:
-        results = predict_files(args.model, args.images)
+        results = predict_files(args.model, args.images, args.batch, False if args.no_progress else None)
     except ImportError as e:
         print(f"lowmem predict: error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ A subcommand module of lowmem/tools/commands/: `HELP` (its line in `lowmem --hel
 """
 import argparse
 import dataclasses
+import re
 import signal
 import sys
 import time
@@ -25,11 +26,30 @@ from ...core.engine import DTYPES
 from ...units.widths import MODES
 from ...system.memory import NotEnoughMemory
 from ...train.config import SCHEDULES, ConfigError, TrainConfig
+from ...train.stop import Interrupted, preparing
 from ...train.trainer import Trainer, TrainingDiverged, saved_config
 from ..options import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_SIGNAL, EXIT_TIME_LIMIT, EXIT_USAGE
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 PER_INVOCATION = ("time_limit",)        # not taken over from the checkpoint by --resume
+FLAG_OF = {"augment": "--no-augment", "download": "--no-download", "nesterov": "--nesterov",
+           "sync_bn": "--sync-bn", "skip_bad": "--skip-bad"}      # TrainConfig field -> its flag (opt adds)
+
+
+def in_flags(message):
+    """A TrainConfig refusal ("avg_bits=None: expected ...") in the words the user typed
+    ("--avg-bits is missing: expected ..."); field names inside become flags too."""
+    m = re.match(r"(\w+)=(.*?): expected (.*)$", str(message), re.S)
+    if str(message).startswith("avg_bits "):        # the allocator's refusal of the budget
+        return str(message).replace("avg_bits", "--avg-bits")
+    if not m or m.group(1) not in FLAG_OF:
+        return str(message)
+    flag, value, want = FLAG_OF[m.group(1)], m.group(2), m.group(3)
+    want = re.sub(r"\b(\w+)=('?)([\w.]+)\2", lambda w: f"{FLAG_OF[w.group(1)]} {w.group(3)}"
+                  if w.group(1) in FLAG_OF else w.group(0), want)
+    if value == "None":
+        return f"{flag} is missing: expected {want}"
+    return f"{flag} {value[1:-1] if value[:1] == value[-1:] == chr(39) else value}: expected {want}"
 
 HELP = "train a network (datasets, schedules, checkpoints, resume)"
 
@@ -43,6 +63,7 @@ def add_arguments(parser):
     S = argparse.SUPPRESS
 
     def opt(flag, field, help, **kw):
+        FLAG_OF[field] = flag
         default = _FIELDS[field].default
         help += "" if default is None else f" (default: {default})"
         parser.add_argument(flag, dest=field, default=S, help=help, **kw)
@@ -69,7 +90,8 @@ def add_arguments(parser):
         type=argtypes.positive)
     opt("--mode", "mode", "exact | approx (the method) | naive (the paper's baseline)", choices=MODES)
     opt("--bits", "bits", "bits per stored activation in approx / naive mode: 8, 4, 2, 1, or auto (a width "
-        "per unit, chosen from error measured on the first training batches to fit --avg-bits)",
+        "per unit, chosen from error measured on the first training batches to fit --avg-bits), or per-unit "
+        "widths (layer1.0.bn1=4,*=2 or a JSON file)",
         type=argtypes.bits, choices=argtypes.BITS_CHOICES)
     opt("--avg-bits", "avg_bits", "with --bits auto: the saved x-hat within what every unit at A bits would take",
         type=argtypes.average_bits, metavar="A")
@@ -117,6 +139,8 @@ def config_from_args(args):
     if getattr(args, "resume", False):
         base = {k: v for k, v in saved_config(given["out"]).items()
                 if k in _FIELDS and k not in PER_INVOCATION}
+        if "bits" in given and not isinstance(given["bits"], dict) and given["bits"] != "auto":
+            base.pop("avg_bits", None)      # a fixed --bits has no average: the resume check names bits
     return TrainConfig(**{**base, **given})
 
 
@@ -156,17 +180,23 @@ def _train(args, comm):
         return code
 
     try:
-        config = config_from_args(args)
-        trainer = Trainer(config, resume=args.resume, overwrite=args.overwrite, comm=comm)
+        with preparing():                    # a signal now stops the preparation: nothing to save yet
+            config = config_from_args(args)
+            trainer = Trainer(config, resume=args.resume, overwrite=args.overwrite, comm=comm)
         if trainer.lead:
             print(trainer.describe(), flush=True)
         t = time.monotonic()
         result = trainer.fit()
     except distributed.StartupError:
         raise
+    except Interrupted as e:
+        return error(f"stopped by {e} while preparing the run (loading data, measuring --bits auto); "
+                     f"nothing was trained and no checkpoint written", EXIT_SIGNAL[e.signum])
     except TrainingDiverged as e:
         return error(e, EXIT_DIVERGED)
-    except (ConfigError, NotEnoughMemory) as e:     # settings this run cannot have
+    except ConfigError as e:                 # settings this run cannot have, in the flags' words
+        return error(in_flags(e), EXIT_USAGE)
+    except NotEnoughMemory as e:
         return error(e, EXIT_USAGE)
     except (ValueError, OSError) as e:       # DataError, CheckpointError, RunDirError, ResumeError; disk
         return error(e, EXIT_ERROR)
