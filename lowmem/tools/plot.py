@@ -85,25 +85,32 @@ def plan_figure(engine, path, compare=None):
     engines = [engine] + ([compare] if compare is not None else [])
     t = buffer_timeline(engine.plan, engine.schedule)
     block = _zoom_block(t) if len(t.steps) > LONG else None
-    heights = [0.45 * len(t.rows) + 1.2] + ([2.4] if block else []) + [2.8, 0.5 * len(engines) + 1.0]
-    fig = _figure(14, sum(heights) + 0.9)
-    grid = fig.add_gridspec(len(heights), len(engines), height_ratios=heights, hspace=0.75, wspace=0.08)
+    # panels and the space under each (inches): tick labels, legends and notes sit in that space
+    panels = [("timeline", 0.4 * len(t.rows) + 0.5, 0.9 if block else 1.75)]
+    if block:
+        panels.append(("block", 0.4 * sum(any(t.state[e.name][i] for i in _block_steps(t, block))
+                                          for e in t.rows) + 0.3, 1.25))
+    panels += [("saved", 2.4, 0.65), ("totals", 0.45 * len(engines) + 0.2, 0.5)]
+    head = 0.85
+    fig = _figure(14, head + sum(h + gap for _, h, gap in panels))
+    ratios = [x for _, h, gap in panels for x in (h, gap)]
+    grid = fig.add_gridspec(len(ratios), len(engines), height_ratios=ratios, hspace=0, wspace=0.08,
+                            left=0.115, right=0.98, top=1 - head / fig.get_figheight(), bottom=0)
+    at = {name: 2 * k for k, (name, _, _) in enumerate(panels)}
     net, shape = engine.net, "x".join(map(str, engine.input_shape))
     fig.suptitle(f"{net.name}: memory plan at batch {engine.N}, input {shape}, "
                  + " vs ".join(f"{engine_label(e)} {fmt_bytes(e.plan.total_bytes)}" for e in engines),
-                 fontsize=12, x=0.01, ha="left")
-    _timeline(fig.add_subplot(grid[0, :]), t, cells=block is None,
+                 fontsize=12, x=0.01, y=1 - 0.2 / fig.get_figheight(), ha="left", va="top")
+    _timeline(fig.add_subplot(grid[at["timeline"], :]), t, cells=block is None,
               title=f"buffers along the schedule ({engine_label(engine)}, {len(t.steps)} steps)")
     if block:
-        _timeline(fig.add_subplot(grid[1, :]), t, cells=True, only=block,
+        _timeline(fig.add_subplot(grid[at["block"], :]), t, cells=True, only=block,
                   title=f"one block step by step: {block} (the same buffers, forward then backward)")
-    row = 2 if block else 1
     top = max(sum(b for _, b in parts) for e in engines
               for _, parts in saved_by_step(e.plan, e.schedule, e.unit_bits) or [(None, [("", 1)])]) / MIB
     for k, e in enumerate(engines):        # one scale: the same y limits
-        _saved(fig.add_subplot(grid[row, k]), e, left=k == 0, max_saved_mib=top)
-    _totals(fig.add_subplot(grid[row + 1, :]), engines)
-    fig.subplots_adjust(left=0.115, right=0.98, top=1 - 0.8 / fig.get_figheight(), bottom=0.5 / fig.get_figheight())
+        _saved(fig.add_subplot(grid[at["saved"], k]), e, left=k == 0, max_saved_mib=top)
+    _totals(fig.add_subplot(grid[at["totals"], :]), engines)
     return _save(fig, path)
 
 
@@ -116,6 +123,10 @@ def _zoom_block(t):
     return chosen[0] if chosen else None
 
 
+def _block_steps(t, block):
+    return [s.index for s in t.steps if s.layer is not None and group_of(s.name, 2) == block]
+
+
 def _color(state, phase):
     held, read, write = PHASE[phase]
     return {"held": held, "read": read, "write": write}.get(state) or EVENT.get(state)
@@ -123,7 +134,7 @@ def _color(state, phase):
 
 def _timeline(ax, t, cells, title, only=None):
     """Rows = t.rows; one column per step (only: just the steps of that block, both phases)."""
-    cols = [s for s in t.steps if only is None or (s.layer is not None and group_of(s.name, 2) == only)]
+    cols = t.steps if only is None else [t.steps[i] for i in _block_steps(t, only)]
     x = {s.index: j for j, s in enumerate(cols)}
     rows = [e for e in t.rows if only is None or any(t.state[e.name][s.index] for s in cols)]
     for r, e in enumerate(rows):
@@ -262,7 +273,7 @@ def _totals(ax, engines):
     ax.tick_params(axis="x", labelsize=7)
     ax.set_title("the whole plan by kind", fontsize=9, loc="left")
     ax.legend(handles=[Patch(color=KIND_COLOR[k], label=k) for k in kinds], fontsize=7, ncol=len(kinds),
-              loc="upper center", bbox_to_anchor=(0.5, -0.45), frameon=False)
+              loc="lower right", bbox_to_anchor=(1, 1), frameon=False, borderaxespad=0.2)
 
 
 # ---------------------------------------------------------------- the curves of runs
