@@ -219,3 +219,13 @@ def test_a_folder_without_a_run_is_named(tmp_path):
     (tmp_path / "empty" / "metrics.jsonl").write_text(json.dumps({"event": "stop"}) + "\n")
     with pytest.raises(runcurves.RunError, match="no step or epoch records yet"):
         runcurves.read_run(tmp_path / "empty")
+
+
+@needs_mpl
+def test_the_block_drawn_step_by_step_can_be_chosen(tmp_path):
+    fig = plot.plan_figure(tiny_resnet(), tmp_path / "plan.png", block="layer2.0")
+    assert "layer2.0" in fig.axes[1].get_title(loc="left")
+    ticks = [t.get_text() for t in fig.axes[1].get_xticklabels()]
+    assert ticks and all(t.endswith(("bn1", "bn2", "bn3", "conv1", "conv2", "conv3", "shortcut", "add")) for t in ticks)
+    with pytest.raises(ValueError, match="block 'layer9.0': no layer"):
+        plot.plan_figure(tiny_resnet(), tmp_path / "x.png", block="layer9.0")

@@ -78,13 +78,17 @@ def engine_label(engine):
 
 # ---------------------------------------------------------------- the plan figure
 
-def plan_figure(engine, path, compare=None):
+def plan_figure(engine, path, compare=None, block=None):
     """Draw engine's plan (and beside it, on one scale, the plan of `compare`, another Engine
-    of the same network) into `path` (.png or .svg); returns the Figure."""
+    of the same network) into `path` (.png or .svg); returns the Figure. block: the block drawn
+    step by step under a long schedule (a layer-name prefix such as "layer1.1"; default: the
+    first residual block)."""
     path = check_path(path)
     engines = [engine] + ([compare] if compare is not None else [])
     t = buffer_timeline(engine.plan, engine.schedule)
-    block = _zoom_block(t) if len(t.steps) > LONG else None
+    if block is not None and not _block_steps(t, block):
+        raise ValueError(f"block {block!r}: no layer of {engine.net.name} is named {block}.<layer>")
+    block = (block or _zoom_block(t)) if len(t.steps) > LONG else None
     # panels and the space under each (inches): tick labels, legends and notes sit in that space
     panels = [("timeline", 0.4 * len(t.rows) + 0.5, 0.9 if block else 1.75)]
     if block:
