@@ -8,7 +8,8 @@ import sys
 import pytest
 
 import lowmem as lm
-from lowmem.core.plan import Plan, fmt_bytes
+from lowmem.core.plan import Plan
+from lowmem.system.memory import fmt_bytes
 from lowmem.tools import plot, runcurves
 from lowmem.tools.timeline import buffer_timeline, saved_by_step, saved_class
 from reference import tiny_graph

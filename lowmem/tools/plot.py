@@ -18,8 +18,13 @@ suffix (.png or .svg). Without matplotlib each entry raises PlotUnavailable, one
 naming the extra. Each returns the matplotlib Figure it saved (its artists carry gids:
 "row:<buffer>", "saved:<label>:<layer>", "total:<label>:<kind>", "curve:<run>:<quantity>").
 """
+import io
+import os
+
 from ..core.checks import bits_label
-from ..core.plan import KINDS, fmt_bytes
+from ..core.plan import KINDS
+from ..system.atomic import atomic_write
+from ..system.memory import fmt_bytes
 from . import runcurves
 from .timeline import buffer_timeline, group_of, saved_by_step, short
 
@@ -53,7 +58,6 @@ def _figure(*size):
 
 def check_path(path):
     """The figure's file name, refused (ValueError) unless it ends .png or .svg."""
-    import os
     path = os.fspath(path)
     if not path.lower().endswith(FORMATS):
         raise ValueError(f"figure file {path!r}: expected a name ending {' or '.join(FORMATS)}")
@@ -61,8 +65,6 @@ def check_path(path):
 
 
 def _save(fig, path):
-    from ..system.atomic import atomic_write
-    import io
     buf = io.BytesIO()
     fig.savefig(buf, format=path.lower().rsplit(".", 1)[-1], dpi=100)
     atomic_write(path, buf.getvalue(), what="figure")        # a failed write leaves no torn file

@@ -18,9 +18,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..core.plan import fmt_bytes
-from ..train.rundir import CONFIG, METRICS, PLAN
-from ..train.runlog import read_metrics
+from ..system.memory import fmt_bytes
+from ..train.rundir import CONFIG, METRICS, PLAN, read_metrics
 
 TEST_ONLY = ("test_loss", "test_acc")
 
