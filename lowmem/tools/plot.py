@@ -313,10 +313,17 @@ def curves_figure(run_dirs, path):
         ax.tick_params(labelsize=7)
     for ax in axes[2:]:
         ax.set_xlabel("iteration", fontsize=8)
+    spe = {r.steps_per_epoch for r in runs}
+    if len(spe) == 1 and None not in spe:        # every run has the same epochs: mark them on top
+        (k,) = spe
+        for ax in axes[:2]:
+            top = ax.secondary_xaxis("top", functions=(lambda i: i / k, lambda e: e * k))
+            top.set_xlabel("epoch", fontsize=8)
+            top.tick_params(labelsize=7)
     from matplotlib.lines import Line2D
     handles = [Line2D([], [], color=colors[k % len(colors)], lw=2, label=r.label) for k, r in enumerate(runs)]
     fig.legend(handles=handles, loc="upper center", ncol=min(len(runs), 2), fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, 0.995))
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.07, hspace=0.25, wspace=0.18,
-                        top=0.97 - 0.035 * ((len(runs) + 1) // 2))
+                        top=0.93 - 0.035 * ((len(runs) + 1) // 2))
     return _save(fig, path)

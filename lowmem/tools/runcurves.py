@@ -41,6 +41,12 @@ class RunCurves:
         what = [w for w in (mode_label(self.config), model_label(self.config)) if w]
         return f"{self.name}: " + ", ".join(what + [planned])
 
+    @property
+    def steps_per_epoch(self):
+        """Iterations per epoch, from the epoch records (None before the first)."""
+        ep = [r for r in self.records if r.get("event") == "epoch" and r.get("epoch") and r.get("iteration")]
+        return ep[0]["iteration"] / ep[0]["epoch"] if ep else None
+
     def series(self, key):
         """([iterations], [values]) of `key`: from the step records if any carry it (never for
         test_*), else from the epoch records; a missing or non-finite value is left out."""
