@@ -101,7 +101,7 @@ def plan_figure(engine, path, compare=None, block=None):
     fig = _figure(14, head + sum(h + gap for _, h, gap in panels))
     ratios = [x for _, h, gap in panels for x in (h, gap)]
     grid = fig.add_gridspec(len(ratios), len(engines), height_ratios=ratios, hspace=0, wspace=0.08,
-                            left=0.115, right=0.98, top=1 - head / fig.get_figheight(), bottom=0)
+                            left=0.125, right=0.98, top=1 - head / fig.get_figheight(), bottom=0)
     at = {name: 2 * k for k, (name, _, _) in enumerate(panels)}
     net, shape = engine.net, "x".join(map(str, engine.input_shape))
     fig.suptitle(f"{net.name}: memory plan at batch {engine.N}, input {shape}, "
@@ -158,7 +158,9 @@ def _timeline(ax, t, cells, title, only=None):
                 ax.text(x[s.index] + 0.5, y + 0.5, t.text[e.name][s.index], ha="center", va="center",
                         fontsize=6.5, clip_on=True,
                         color="black" if t.state[e.name][s.index] else "0.6")
+        thin = len(cols) / 700                  # a one-step run stays visible on a long schedule
         for c, runs in spans.items():
+            runs = runs if cells else [(x0, max(w, thin)) for x0, w in runs]
             ax.broken_barh(runs, (y + 0.08, 0.84), facecolors=c, edgecolor="white" if cells else "none",
                            linewidth=0.8, gid=f"row:{e.name}")
     ax.set_yticks([len(rows) - 0.5 - r for r in range(len(rows))],
