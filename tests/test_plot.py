@@ -230,3 +230,62 @@ def test_the_block_drawn_step_by_step_can_be_chosen(tmp_path):
     assert ticks and all(t.endswith(("bn1", "bn2", "bn3", "conv1", "conv2", "conv3", "shortcut", "add")) for t in ticks)
     with pytest.raises(ValueError, match="block 'layer9.0': no layer"):
         plot.plan_figure(tiny_resnet(), tmp_path / "x.png", block="layer9.0")
+
+
+# ---------------------------------------------------------------- the commands
+
+def run_cli(argv, capsys):
+    from lowmem.tools import cli
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+TINY_PLAN = ["plan", "--depth", "11", "--batch", "2", "--input", "3x8x8", "--classes", "3", "--no-schedule"]
+
+
+@needs_mpl
+def test_lowmem_plan_figure_writes_the_picture(tmp_path, capsys):
+    code, out, err = run_cli(TINY_PLAN + ["--compare", "--figure", str(tmp_path / "plan.svg")], capsys)
+    assert code == 0 and err == "" and f"figure: {tmp_path / 'plan.svg'}" in out
+    text = (tmp_path / "plan.svg").read_text()
+    assert "<svg" in text and "approx 4-bit" in text and "exact" in text
+
+
+@needs_mpl
+def test_lowmem_plot_draws_old_and_new_run_folders(tmp_path, capsys):
+    a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b", steps=False)
+    code, out, err = run_cli(["plot", str(a), str(b), "--out", str(tmp_path / "c.png")], capsys)
+    assert code == 0 and err == "" and (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_lowmem_plot_names_a_folder_without_a_run_exit_1(tmp_path, capsys):
+    a = write_run(tmp_path / "a")
+    code, out, err = run_cli(["plot", str(a), str(tmp_path / "nope"), "--out", str(tmp_path / "c.png")], capsys)
+    assert (code, err) == (1, f"lowmem plot: error: {tmp_path / 'nope'}: no such run folder\n")
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_a_figure_name_without_its_format_is_a_usage_error(tmp_path, capsys):
+    code, out, err = run_cli(TINY_PLAN + ["--figure", str(tmp_path / "plan.jpg")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "expected a name ending .png or .svg" in err and out == ""
+
+
+def test_commands_without_matplotlib_say_so_in_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    a = write_run(tmp_path / "a")
+    for argv in (TINY_PLAN + ["--figure", str(tmp_path / "p.png")], ["plot", str(a), "--out", str(tmp_path / "c.png")]):
+        code, out, err = run_cli(argv, capsys)
+        assert (code, err) == (2, f"lowmem {argv[0]}: error: {plot.MISSING}\n") and out == ""
+        assert "pip install lowmem[plot]" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_train_log_every_option():
+    from lowmem.tools import cli
+    from lowmem.tools.commands.train import config_from_args
+    argv = ["train", "--dataset", "synthetic", "--out", "runs/x"]
+    assert config_from_args(cli.make_parser().parse_args(argv + ["--log-every", "5"])).log_every == 5
+    assert config_from_args(cli.make_parser().parse_args(argv)).log_every == 20

@@ -44,13 +44,23 @@ class PlotUnavailable(ImportError, ValueError):
     """matplotlib is not installed (a ValueError too: the command line's one-line error)."""
 
 
-def _figure(*size):
-    """A matplotlib Figure on the Agg canvas."""
+def require():
+    """PlotUnavailable unless matplotlib imports (a command checks before its other work)."""
+    _matplotlib()
+
+
+def _matplotlib():
     try:        # optional dependency (lowmem[plot]): imported only when a figure is drawn
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise PlotUnavailable(MISSING) from None
+    return Figure, FigureCanvasAgg
+
+
+def _figure(*size):
+    """A matplotlib Figure on the Agg canvas."""
+    Figure, FigureCanvasAgg = _matplotlib()
     fig = Figure(figsize=size, dpi=100)
     FigureCanvasAgg(fig)
     return fig
