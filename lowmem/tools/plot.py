@@ -284,7 +284,10 @@ def _totals(ax, engines):
             if w > 0.045 * max(x.plan.total_bytes for x in engines) / MIB:
                 ax.text(left + w / 2, y, f"{k}\n{fmt_bytes(by[k])}", ha="center", va="center", fontsize=6.5)
             left += w
-        ax.text(left, y, f"  {fmt_bytes(e.plan.total_bytes)}", va="center", fontsize=8, weight="bold")
+        most = max(engines, key=lambda x: x.plan.total_bytes)
+        less = (f" ({most.plan.total_bytes / e.plan.total_bytes:.2f}x less than {engine_label(most)})"
+                if e is not most and e.plan.total_bytes else "")
+        ax.text(left, y, f"  {fmt_bytes(e.plan.total_bytes)}{less}", va="center", fontsize=8, weight="bold")
     ax.set_yticks(range(len(engines)), labels[::-1], fontsize=8)
     ax.set_xlim(0, 1.12 * max(e.plan.total_bytes for e in engines) / MIB)
     ax.set_xlabel("MiB planned", fontsize=8)
