@@ -6,6 +6,7 @@
     lowmem maxbatch --model preact-cifar --depth 164 --budget 2GiB --mode approx --bits 4 [--verify]
     lowmem export RUN_DIR model.onnx | model.safetensors
     lowmem predict RUN_DIR_or_model IMAGE...
+    lowmem plot RUN_DIR [RUN_DIR ...] --out curves.png
 
 One module per subcommand, one convention: lowmem/tools/commands/<name>.py is
 `lowmem <name>`, with `HELP`, `add_arguments(parser)` and `run(args) -> exit status`.
@@ -24,7 +25,7 @@ import signal
 import sys
 
 from ..system import backend
-from .commands import diagnose, export, maxbatch, plan, predict, train
+from .commands import diagnose, export, maxbatch, plan, plot, predict, train
 from .options import EXIT_DIVERGED, EXIT_ERROR, EXIT_SIGNAL, EXIT_USAGE
 
 COMMANDS = {}       # name -> (help, add_arguments(parser), run(args) -> int)
@@ -37,7 +38,7 @@ def register(name, help, add_arguments, run):
     COMMANDS[name] = (help, add_arguments, run)
 
 
-for _command in (plan, diagnose, train, maxbatch, export, predict):      # the order of `lowmem --help`
+for _command in (plan, diagnose, train, maxbatch, export, predict, plot):      # the order of `lowmem --help`
     register(_command.__name__.rsplit(".", 1)[1], _command.HELP, _command.add_arguments, _command.run)
 del _command
 

@@ -56,6 +56,7 @@ class TrainConfig:
     out: str = None                 # run directory (None: write nothing)
     time_limit: float = None        # seconds; stop with a checkpoint after this long
     progress: bool = True           # tqdm bar (only on a terminal)
+    log_every: int = 20             # a "step" record in metrics.jsonl every N iterations (0: none)
     sync_bn: bool = False           # data parallel: batch norm over the global batch (all ranks)
     image_size: int = 224           # folder only: images are cropped / resized to this square
     workers: int = 4                # folder only: decoding threads (lowmem.data.images)
@@ -112,6 +113,7 @@ class TrainConfig:
         if str(self.dataset).lower() in ("fashion-mnist", "fashion_mnist", "fashionmnist") and 0 < self.pad_to < 28:
             bad("pad_to", "0 (keep 28x28) or at least 28 for Fashion-MNIST's 28x28 images")
         integer("seed", 0)
+        integer("log_every", 0)
         integer("warmup_iters", 0, optional=True)
         integer("limit_train", 1, optional=True)
         integer("limit_test", 1, optional=True)

@@ -33,12 +33,15 @@ the next run takes it over; a folder holding only MARKER and LOCK counts as
 empty.
 
 The record: metrics.jsonl holds one strict JSON object per line (a non-finite
-number is written as null), each with the "time" it was written: an "epoch"
-record after every epoch, a "stop" record whenever the process stops. Every
-write replaces the whole file through lowmem.system.atomic.atomic_write, so a
-crash or a full disk leaves the file as it was before that record, never a torn
-line (the file is small: one line per epoch). A resumed run first drops the
-epoch records past its checkpoint: the run writes them again. Only one process
+number is written as null), each with the "time" it was written: a "step"
+record every `log_every` iterations (lowmem/train/steplog.py: they wait in memory
+and are appended with the next record), an "epoch" record after every epoch, a
+"stop" record whenever the process stops. Every write replaces the whole file
+through lowmem.system.atomic.atomic_write, so a crash or a full disk leaves the
+file as it was before that write, never a torn line (the file is small: a line
+per epoch and per `log_every` steps, written about once an epoch). A resumed run
+first drops the epoch and step records past its checkpoint: the run writes them
+again. Only one process
 writes a run folder (rank 0 under MPI): RunLog.claim is called there alone, and
 `RunLog.none()` stands in elsewhere (every call a no-op), so the trainer never
 asks which rank it is before logging.
@@ -241,7 +244,7 @@ class RunLog:
     def start(self, config, engine, fresh, iteration):
         """Mark the folder as lowmem's (a fresh --overwrite run first removes lowmem's old files);
         write config.json and plan.txt; a run at iteration 0 starts metrics.jsonl anew, a resumed
-        one drops the epoch records past `iteration`."""
+        one drops the epoch and step records past `iteration`."""
         if self._run is None:
             return
         self._run.start(fresh=fresh)
@@ -252,13 +255,15 @@ class RunLog:
             os.remove(self._file(METRICS))
         elif iteration:
             self._rewrite([r for r in self.records()
-                           if not (r.get("event") == "epoch" and r.get("iteration", 0) > iteration)])
+                           if not (r.get("event") in ("epoch", "step") and r.get("iteration", 0) > iteration)])
 
-    def append(self, record):
-        """Add one record (with the current time) to metrics.jsonl."""
-        if self._run is None:
+    def append(self, *records):
+        """Add records, in order, to metrics.jsonl in one rewrite (each with the current time
+        unless it carries its own)."""
+        if self._run is None or not records:
             return
-        self._rewrite(self.records() + [{"time": time.time(), **record}])
+        now = time.time()
+        self._rewrite(self.records() + [{"time": now, **r} for r in records])
 
     def records(self):
         """The records of metrics.jsonl so far ([] before the first)."""

@@ -14,6 +14,7 @@ module:
                       optimizer, the data position and the RNG (exact resume)
   lowmem/train/rundir.py    the run folder: its lock, config.json, plan.txt, and
                       metrics.jsonl (rewritten atomically, one record a line)
+  lowmem/train/steplog.py   the step records between epochs (every config.log_every iterations)
   lowmem/train/stop.py      signals, the time limit, and the stop agreement of ranks
   lowmem/data/batches.py    the seeded order of every epoch (BatchIterator, ImageLoader)
   lowmem/system/distributed.py  the start-up agreement of ranks (same settings; a
@@ -37,8 +38,9 @@ locks it for as long as the run lives):
   config.json      the run's configuration (the checkpoint holds the same)
   plan.txt         the memory plan and the schedule of the engine
   metrics.jsonl    one strict JSON object per line (a non-finite number is
-                   null): an "epoch" record after every epoch, a "stop" record
-                   whenever the process stops
+                   null): a "step" record every log_every iterations, an "epoch"
+                   record after every epoch, a "stop" record whenever the
+                   process stops (`lowmem plot` draws them)
   checkpoint.ckpt  the latest checkpoint (lowmem/train/trainstate.py): parameters, BN
                    statistics, momentum buffers, SGD state, iteration, the
                    augmentation RNG and the data position, the configuration,
@@ -94,6 +96,7 @@ from ..system.memory import fmt_bytes
 from .rundir import CHECKPOINT, CONFIG, METRICS, PLAN, ResumeError, RunDirError, RunLog   # noqa: F401 (re-exported)
 from .trainstate import (FORMAT, TrainState, TrainingDiverged, check_training_meta,   # noqa: F401 (re-exported)
                          load_model_state, saved_config, zero_sums)
+from .steplog import StepLog
 from .stop import Stop
 
 def allocate_widths(net, data, c, comm):
@@ -315,6 +318,7 @@ class Trainer:
         self.history = []
         self._resumed = saved is not None
         self.stop = Stop(self.comm, c.time_limit)
+        self.steplog = StepLog(c.log_every, self.steps_per_epoch, self.comm)   # metrics.jsonl's step records
         if saved is not None:
             trainstate.restore(self.state, *saved, self.ckpt_path, xp)
             if not self.lead:                       # the saved sums are all ranks': count them once
@@ -385,6 +389,8 @@ class Trainer:
                                         f"mem {fmt_bytes(self.engine.plan.total_bytes)}", refresh=False)
                     if self.on_step:
                         self.on_step(self, loss)
+                    if self.steplog.stale():                # a long epoch: its step records so far
+                        self.runlog.append(*self.steplog.take())
                     self.stop.check_time()
                     self.stop.agree()                       # data parallel: every rank stops at one step
                     if self.stop.reason and self.iteration % spe:
@@ -407,11 +413,13 @@ class Trainer:
             epoch, b = divmod(self.iteration, self.steps_per_epoch)
             self._diverged(f"{e} at iteration {self.iteration + 1} (epoch {epoch + 1}, "
                            f"step {b + 1}, lr {self.opt.lr:g})")
+        correct, seconds = int((logits.argmax(axis=1) == y).sum()), time.perf_counter() - t
         s.iteration += 1
         s.sums["loss"] += loss * len(y)
-        s.sums["correct"] += int((logits.argmax(axis=1) == y).sum())
+        s.sums["correct"] += correct
         s.sums["seen"] += len(y)
-        s.sums["time"] += time.perf_counter() - t
+        s.sums["time"] += seconds
+        self.steplog.add(s.iteration, loss * len(y), correct, len(y), seconds, self.opt.lr)
         return loss
 
     def evaluate(self):
@@ -445,7 +453,7 @@ class Trainer:
         self.log(f"epoch {epoch}/{self.config.epochs}: train loss {rec['train_loss']:.4f} "
                  f"acc {rec['train_acc']:.4f} | test loss {test_loss:.4f} acc {test_acc:.4f} | "
                  f"lr {rec['lr']:g}, {rec['images_per_s']:.0f} img/s, {s['time']:.1f} s")
-        self.runlog.append(rec)     # metrics first: a crash before the save only repeats this epoch
+        self.runlog.append(*self.steplog.take(), rec)   # metrics first: a crash before the save only repeats this epoch
         if not math.isfinite(test_loss):    # finite weights can still give inf logits: no good either
             self._check_finite()                            # names the tensor, if one is not finite
             self._diverged(f"non-finite test loss {test_loss} after epoch {epoch} (iteration {self.iteration}); "
@@ -469,7 +477,7 @@ class Trainer:
 
     def _diverged(self, what):
         msg = divergence_message(what, self.ckpt_path, self.out)
-        self.runlog.append({"event": "stop", "reason": "diverged", "message": msg, "iteration": self.iteration})
+        self.runlog.append(*self.steplog.take(), {"event": "stop", "reason": "diverged", "message": msg, "iteration": self.iteration})
         raise TrainingDiverged(msg)
 
     def _finish(self):
@@ -477,7 +485,7 @@ class Trainer:
         ev = self.last_eval or {}
         result = TrainResult(status, self.iteration / self.steps_per_epoch, self.iteration, ev.get("test_acc"),
                              ev.get("test_loss"), self.ckpt_path, self.history, self.stop.signum)
-        self.runlog.append({"event": "stop", "reason": status, "epoch": result.epoch,
+        self.runlog.append(*self.steplog.take(close=True), {"event": "stop", "reason": status, "epoch": result.epoch,
                             "iteration": self.iteration, "test_acc": result.test_acc})
         if status != "finished" and self.out:
             why = signal.Signals(self.stop.signum).name if status == "signal" else status

@@ -2,12 +2,13 @@
 
     lowmem plan --model preact-cifar --depth 164 --batch 128 --mode approx --bits 4 [--compare] [--measure]
     lowmem plan --model preact-imagenet --depth 152 --input 3x224x224 --classes 1000
+    lowmem plan --depth 164 --batch 128 --compare --figure plan.png     # also the picture (lowmem[plot])
 
 A subcommand module of lowmem/tools/commands/: `HELP` (its line in `lowmem --help`),
 `add_arguments(parser)` declaring its options and `run(args) -> exit status`
 (lowmem/tools/options.py's table); lowmem/tools/cli.py registers it.
 """
-from .. import argtypes, diagnostics
+from .. import argtypes, diagnostics, plot
 from ...core.engine import DEFAULT_WORKSPACE_BYTES, Engine
 from ...units.widths import MODES
 from ...core.plan import KINDS
@@ -36,6 +37,10 @@ def add_arguments(p):
                    help="allocate and run two training steps on random data; print the measured peak")
     p.add_argument("--no-schedule", action="store_true", help="do not print the schedule")
     p.add_argument("--rows", type=argtypes.positive, default=40, help="plan table rows, largest first (default: %(default)s)")
+    p.add_argument("--figure", metavar="FILE", default=None,
+                   help="also draw the plan into FILE (.png or .svg): the buffers along the schedule, the "
+                        "bytes each layer saves, the totals by kind; with --compare both plans on one "
+                        "scale (needs matplotlib: pip install lowmem[plot])")
 
 
 def compare_table(plans):
@@ -58,6 +63,9 @@ def compare_table(plans):
 
 
 def run(args):
+    if args.figure is not None:              # before any work: a bad name or no matplotlib is one line
+        args.figure = plot.check_path(args.figure)
+        plot.require()
     net, shape = build_network(args)
     ws = args.workspace_mib << 20
     if args.bits == "auto":
@@ -79,6 +87,7 @@ def run(args):
     print(eng.plan.report(max_rows=args.rows))
     saved = eng.plan.bytes_by_kind()["saved"]
     print(f"saved for backward: {fmt_bytes(saved)} ({saved / args.batch / 1e6:.3f} MB per sample)")
+    ref = None
     if args.compare:
         other = "exact" if args.mode != "exact" else "approx"
         ref = Engine(net, args.batch, shape, other, 4 if isinstance(args.bits, dict) else args.bits,
@@ -89,6 +98,9 @@ def run(args):
         for e in (first, second):
             s = e.plan.bytes_by_kind()["saved"]
             print(f"saved per sample, {mode_label(e.mode, e.bits)}: {s / args.batch / 1e6:.3f} MB")
+    if args.figure is not None:
+        plot.plan_figure(eng, args.figure, compare=ref)
+        print(f"\nfigure: {args.figure}")
     if args.measure:
         m = diagnostics.measure_peak(net, args.batch, shape, args.mode, args.bits, args.dtype, steps=2,
                          workspace_bytes=ws)

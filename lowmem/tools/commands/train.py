@@ -122,6 +122,8 @@ def add_arguments(parser):
                           "files there (checkpoint, metrics, config, plan), leaves all others")
     opt("--time-limit", "time_limit", "stop after this many seconds of training, with a checkpoint",
         type=argtypes.positive_number, metavar="SECONDS")
+    opt("--log-every", "log_every", "a step record (loss, accuracy, lr, img/s) in metrics.jsonl every N "
+        "iterations, 0 for none", type=argtypes.count, metavar="N")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=S,
                         help="no progress bar")
     parser.add_argument("--sync-bn", dest="sync_bn", action="store_true", default=S,
