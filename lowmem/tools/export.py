@@ -41,7 +41,7 @@ import os
 
 import numpy
 
-from .. import __version__
+from .._version import __version__
 from ..core.optable import OPS
 from ..models import MODELS
 from ..system.atomic import atomic_write

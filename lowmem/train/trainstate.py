@@ -32,7 +32,7 @@ import os
 
 import numpy
 
-from .. import __version__
+from .._version import __version__
 from .checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
 from ..data.datasets import DataError
 from .rundir import CHECKPOINT, ResumeError
