@@ -17,7 +17,7 @@ Image = pytest.importorskip("PIL.Image")
 from lowmem.data import datasets as data, images
 from lowmem.data.transforms import normalize              # noqa: E402
 from lowmem import nn  # noqa: E402
-from lowmem.data.datasets import DataError                      # noqa: E402
+from lowmem.data.files import DataError                         # noqa: E402
 from lowmem.core.engine import Engine                        # noqa: E402
 from lowmem.train.optim import SGD                            # noqa: E402
 

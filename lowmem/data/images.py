@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batches import EpochOrder, OrderedBatches
-from .datasets import DataError
+from .files import DataError
 from .transforms import normalize
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")

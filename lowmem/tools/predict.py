@@ -30,7 +30,7 @@ import sys
 import numpy as np
 
 from ..core.inference import InferenceEngine
-from ..data.datasets import DataError
+from ..data.files import DataError
 from ..data.images import decode
 from ..data.transforms import normalize
 from ..models import MODELS

@@ -34,7 +34,7 @@ import numpy
 
 from .._version import __version__
 from .checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
-from ..data.datasets import DataError
+from ..data.files import DataError
 from .rundir import CHECKPOINT, ResumeError
 
 FORMAT = "lowmem-train/1"           # meta["format"] of a training checkpoint
