@@ -14,7 +14,7 @@ import pytest
 
 Image = pytest.importorskip("PIL.Image")
 
-from lowmem.data import datasets as data, images
+from lowmem.data import datasets as data, decode, images
 from lowmem.data.transforms import normalize              # noqa: E402
 from lowmem import nn  # noqa: E402
 from lowmem.data.files import DataError                         # noqa: E402
@@ -164,7 +164,7 @@ def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path):
             assert im.mode == mode
         for channels, pil_mode in ((3, "RGB"), (1, "L")):
             out = np.empty((channels, 16, 16), np.uint8)
-            images.decode(out, str(tmp_path / name), 16, False, None, pil_mode, resize=16)
+            decode.decode(out, str(tmp_path / name), 16, False, None, pil_mode, resize=16)
             for c in range(channels):
                 np.testing.assert_array_equal(out[c], expected)
 
@@ -173,13 +173,13 @@ def test_random_resized_crop_boxes_follow_torchvision_bounds():
     rng = np.random.default_rng(0)
     for w, h in ((64, 48), (500, 375), (33, 90)):
         for _ in range(300):
-            x0, y0, x1, y1 = images.random_resized_crop_box(w, h, rng)
+            x0, y0, x1, y1 = decode.random_resized_crop_box(w, h, rng)
             assert 0 <= x0 < x1 <= w and 0 <= y0 < y1 <= h
             cw, ch = x1 - x0, y1 - y0
             assert 0.08 * w * h * 0.8 <= cw * ch <= w * h          # area scale 0.08..1 (rounding)
             if (cw, ch) != (w, h):
                 assert 0.7 <= cw / ch <= 1.45                        # aspect 3/4..4/3 (rounding)
-    x0, y0, x1, y1 = images.random_resized_crop_box(400, 4, rng)      # no try fits: centre crop, ratio 4/3
+    x0, y0, x1, y1 = decode.random_resized_crop_box(400, 4, rng)      # no try fits: centre crop, ratio 4/3
     assert (x1 - x0, y1 - y0) == (5, 4) and x0 == (400 - 5) // 2
 
 
@@ -192,7 +192,7 @@ def test_train_transform_flips_about_half_the_time(tmp_path):
     out = np.empty((3, 16, 16), np.uint8)
     seen = []
     for seed in range(400):
-        images.decode(out, path, 16, True, np.random.default_rng(seed))
+        decode.decode(out, path, 16, True, np.random.default_rng(seed))
         left, right = out[:, :, :4].mean(), out[:, :, -4:].mean()
         if abs(left - right) > 100:
             seen.append(left > right)                  # white on the left: flipped

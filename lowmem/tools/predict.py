@@ -3,7 +3,7 @@
     lowmem predict runs/photos cat.jpg dog.png          # a run folder (its checkpoint)
     lowmem predict model.safetensors cat.jpg            # or model.onnx (needs onnxruntime)
 
-    from lowmem import predict
+    from lowmem.tools import predict
     for path, name, p in predict.predict_files("model.onnx", ["cat.jpg"]):
         print(path, name, p)
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from ..core.inference import InferenceEngine
 from ..data.files import DataError
-from ..data.images import decode
+from ..data.decode import decode
 from ..data.transforms import normalize
 from ..models import MODELS
 from ..system.backend import to_numpy

@@ -80,6 +80,7 @@ from tqdm import tqdm
 
 from ..system import backend, distributed, memory as sysmem
 from ..data import images
+from ..data.decode import eval_resize
 from . import trainstate
 from .checkpoint import CheckpointError, load_checkpoint   # noqa: F401 (re-exported)
 from ..bits.auto import AUTO_BATCHES, choose_widths, folder_batches, training_batches
@@ -135,7 +136,7 @@ def data_info(data, config):
     folder = isinstance(data, images.ImageFolders)
     classes = getattr(data, "classes", None) or [str(k) for k in range(data.num_classes)]
     return {"classes": [str(c) for c in classes], "input_shape": shape, "image_size": shape[-1],
-            "resize": images.eval_resize(shape[-1]) if folder else shape[-1],
+            "resize": eval_resize(shape[-1]) if folder else shape[-1],
             "mean": [float(v) for v in data.mean], "std": [float(v) for v in data.std],
             "dataset": str(config.dataset)}
 
