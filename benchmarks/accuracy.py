@@ -255,7 +255,8 @@ def _within(r, bound):
 
 
 def gap_halved(s, auto, uniform):
-    """Issue 20: auto's gap to exact at most half uniform's (paired means), with both numbers."""
+    """The target of per-unit widths: auto's gap to exact at most half uniform's (paired means),
+    with both numbers."""
     a, u = s[auto]["diff"], s[uniform]["diff"]
     ok = abs(a) <= 0.5 * abs(u)
     return (f"* {auto} vs {uniform}: the gap to exact at least halved: {'met' if ok else 'missed'} "

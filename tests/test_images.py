@@ -365,8 +365,8 @@ def make_tiny_folder(root, n=70, side=8, seed=0):
 
 def test_every_batch_size_and_worker_count_gives_the_one_worker_samples(tmp_path):
     # The last chunk of a batch is short whenever the batch does not divide by the worker count;
-    # each worker must decode exactly its slice of the batch (issue 22, case 1: 43 of the batch
-    # sizes 1-64 raised IndexError with 4 workers). Per-sample augmentation depends only on the
+    # each worker must decode exactly its slice of the batch (a loader that did not raised
+    # IndexError for 43 of the batch sizes 1-64 with 4 workers). Per-sample augmentation depends only on the
     # sample's position in the epoch, so all batchings of an epoch concatenate to the same arrays.
     folder = make_tiny_folder(str(tmp_path / "tiny"))
     ref = images.ImageLoader(folder, len(folder), 8, train=True, drop_last=False, seed=5, workers=1,
@@ -393,9 +393,10 @@ def test_channel_stats_with_any_worker_count(tmp_path):
 
 
 def test_the_statistics_pass_is_streamed_and_bounded(tmp_path):
-    """Issue 22 case 5: channel_stats holds at most images.stats_memory_bytes (a few batches of
+    """channel_stats holds at most images.stats_memory_bytes (a few batches of
     about STATS_BATCH_BYTES each, whatever the folder) and its histograms copy no whole batch;
-    it read every training image in batches of 64 with 2x4 batches in flight (+2 GB at 1024x1024)."""
+    an unstreamed pass read every training image in batches of 64 with 2x4 batches in flight
+    (+2 GB at 1024x1024)."""
     import tracemalloc
     folder = make_tiny_folder(str(tmp_path / "tiny"))
     expected = images.channel_stats(folder, 8, workers=1)        # small: the bound is not the point
@@ -412,7 +413,7 @@ def test_the_statistics_pass_is_streamed_and_bounded(tmp_path):
     assert np.all(np.abs(mean - expected[0]) < 0.05)               # same pixels, resized
 
 
-# ------------------------------------------------- issue 22 case 10: hidden files, --skip-bad
+# ------------------------------------------------- hidden files, --skip-bad
 
 def test_hidden_files_are_ignored(folders):
     """macOS copies leave ._name.jpg AppleDouble files (not images) beside the real ones."""
@@ -450,7 +451,7 @@ def test_lowmem_train_skip_bad(tmp_path, capsys):
     assert "final test accuracy" in capsys.readouterr().out
 
 
-# ------------------------------------------------ the trainer on image folders (issue 22, cases 2, 3, 10)
+# ------------------------------------------------ the trainer on image folders
 
 FOLDER_TRAIN = ["train", "--dataset", "folder", "--image-size", "16", "--depth", "8", "--batch", "12",
                 "--lr", "0.05", "--workers", "2", "--no-progress"]
@@ -458,7 +459,7 @@ FOLDER_TRAIN = ["train", "--dataset", "folder", "--image-size", "16", "--depth",
 
 def test_folder_runs_honour_no_augment_and_the_limits(tmp_path):
     """--no-augment: the eval transform (no random crop or flip), still shuffled; --limit-train /
-    --limit-test: seeded subsets of the splits (issue 22, case 3: both were ignored)."""
+    --limit-test: seeded subsets of the splits (neither may be ignored)."""
     from lowmem.train.config import TrainConfig
     from lowmem.train.trainer import Trainer
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
@@ -477,7 +478,7 @@ def test_folder_runs_honour_no_augment_and_the_limits(tmp_path):
 
 
 def test_a_bad_val_image_stops_the_run_before_its_first_epoch(tmp_path, capsys):
-    """Issue 22, case 10: found at start-up, so no epoch is lost and no folder needs --overwrite."""
+    """Found at start-up, so no epoch is lost and no folder needs --overwrite."""
     from lowmem.tools import cli
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
     bad = os.path.join(root, "val", "cat", "002.jpg")
@@ -491,7 +492,7 @@ def test_a_bad_val_image_stops_the_run_before_its_first_epoch(tmp_path, capsys):
 
 
 def test_class_names_and_preprocessing_travel_with_the_weights(tmp_path, capsys):
-    """Issue 22, case 2: the checkpoint and both exports hold the classes, image size and mean/std;
+    """The checkpoint and both exports hold the classes, image size and mean/std;
     a resume after a class folder was renamed is refused naming it; `lowmem predict` on an exported
     model prints class names."""
     from lowmem.tools import cli, export
