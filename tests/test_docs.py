@@ -13,6 +13,7 @@ output a line that is only `...` (any indentation) matches any number of lines, 
 listings can be elided; trailing spaces are ignored. Commands run from the repository root
 with this interpreter's bin directory first on PATH (`lowmem`, `python`).
 """
+import ast
 import os
 import re
 import subprocess
@@ -142,3 +143,101 @@ def test_no_references_to_the_development_process():
 def test_the_matcher():
     assert matches(["a", "...", "d"], ["a", "b", "c", "d"]) and matches(["a", "  ...", "b"], ["a", "b"])
     assert not matches(["a", "d"], ["a", "b", "d"]) and not matches(["a"], ["b"])
+
+
+# ---- the code the docs name exists ------------------------------------------------------
+
+FOLDERS = "system|ops|data|units|core|bits|train|tools"
+PATH = re.compile(r"(?<![\w./-])lowmem/[\w./-]*[\w/]")                     # lowmem/core/engine.py
+IN_FOLDER = re.compile(rf"(?<![\w./-])(?:{FOLDERS})/[\w/]*\w\.py\b")        # units/fused.py
+DOTTED = re.compile(r"(?<![\w./-])lowmem(?:\.[A-Za-z_]\w*)+")              # lowmem.data.datasets.synthetic
+
+
+def top_level_names(path):
+    """What a module defines or imports at its top level."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def dotted_exists(name):
+    """lowmem.a.b[.attr]: the folders and the module exist, and attr (when given) is one of the
+    module's top-level names."""
+    parts, folder, k = name.split("."), ROOT / "lowmem", 1
+    while k < len(parts) and (folder / parts[k]).is_dir():
+        folder, k = folder / parts[k], k + 1
+    if k == len(parts):
+        return True
+    module = folder / (parts[k] + ".py")
+    if module.exists():
+        return k + 1 == len(parts) or parts[k + 1] in top_level_names(module)
+    return (folder / "__init__.py").exists() and parts[k] in top_level_names(folder / "__init__.py")
+
+
+def code_mentions():
+    """[(page, line, mention, exists)] of every lowmem path, folder-relative module path and
+    dotted lowmem name in docs/*.md and README.md."""
+    found = []
+    for page in PAGES:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for m in PATH.finditer(line):
+                found.append((page, n, m.group(0), (ROOT / m.group(0)).exists()))
+            for m in IN_FOLDER.finditer(line):
+                found.append((page, n, m.group(0), (ROOT / "lowmem" / m.group(0)).exists()))
+            for m in DOTTED.finditer(line):
+                found.append((page, n, m.group(0), dotted_exists(m.group(0))))
+    return found
+
+
+def test_every_lowmem_path_the_docs_name_exists():
+    mentions = code_mentions()
+    assert len([m for m in mentions if m[2].startswith("lowmem/")]) >= 50       # the check sees them
+    missing = [f"{p.relative_to(ROOT)}:{n}: {what}" for p, n, what, ok in mentions if not ok]
+    assert not missing, "the docs name code that does not exist: " + ", ".join(missing)
+
+
+def test_the_mention_checks():
+    assert dotted_exists("lowmem.data.datasets.synthetic") and dotted_exists("lowmem.units")
+    assert not dotted_exists("lowmem.data.datasets.no_such_name") and not dotted_exists("lowmem.quant")
+    assert PATH.findall("see `lowmem/core/engine.py`.") == ["lowmem/core/engine.py"]
+    assert IN_FOLDER.findall("(`units/fused.py` over x/ops/y.py)") == ["units/fused.py"]
+
+
+def readme_layout():
+    """{folder: module file names (and sub-folders, "commands/")} as README.md's Layout section
+    lists them: a line `lowmem/<folder>/` opens a folder, its indented lines name its modules."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("## Layout"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    listed, folder = {}, None
+    for line in block.splitlines():
+        if line.startswith("lowmem/"):
+            head = line.split()[0]
+            folder = head if head.endswith("/") else None
+            if folder:
+                listed[folder] = set()
+            else:
+                listed.setdefault("lowmem/", set()).add(head[len("lowmem/"):])
+        elif folder and line.startswith("  "):                  # its modules, named anywhere on the line
+            listed[folder] |= set(re.findall(r"(?<![\w/.])\w+\.py\b|(?<![\w/.])\w+/(?=\s)", line))
+    return listed
+
+
+def test_the_readme_layout_lists_every_module():
+    listed = readme_layout()
+    for folder, names in listed.items():
+        where = ROOT / folder
+        actual = {p.name for p in where.glob("*.py") if p.name != "__init__.py" or folder == "lowmem/"}
+        actual |= {p.name + "/" for p in where.iterdir() if p.is_dir() and (p / "__init__.py").exists()
+                   and folder != "lowmem/"}
+        assert names == actual, (folder, sorted(names ^ actual))
+    assert set(listed) == {"lowmem/"} | {f"lowmem/{p.name}/" for p in (ROOT / "lowmem").iterdir()
+                                        if (p / "__init__.py").exists()}
