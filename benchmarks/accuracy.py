@@ -57,7 +57,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from lowmem.tools import diagnostics as D  # noqa: E402
 from lowmem.units import quant  # noqa: E402
 from lowmem.system.atomic import atomic_write as write_atomically    # noqa: E402
-from lowmem.data.datasets import DataError, load_dataset                 # noqa: E402
+from lowmem.data.datasets import load_dataset                            # noqa: E402
+from lowmem.data.files import DataError                                  # noqa: E402
 from lowmem.data.transforms import normalize                             # noqa: E402
 from lowmem.models import MODELS                                  # noqa: E402
 from lowmem.bits.allocate import allocate_bits                         # noqa: E402
@@ -254,7 +255,8 @@ def _within(r, bound):
 
 
 def gap_halved(s, auto, uniform):
-    """Issue 20: auto's gap to exact at most half uniform's (paired means), with both numbers."""
+    """The target of per-unit widths: auto's gap to exact at most half uniform's (paired means),
+    with both numbers."""
     a, u = s[auto]["diff"], s[uniform]["diff"]
     ok = abs(a) <= 0.5 * abs(u)
     return (f"* {auto} vs {uniform}: the gap to exact at least halved: {'met' if ok else 'missed'} "

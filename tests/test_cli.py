@@ -249,7 +249,7 @@ def test_ctrl_c_in_any_command_exits_130_with_a_message(capsys, monkeypatch):
     assert rc == 130 and err.strip() == "lowmem plan: error: interrupted"
 
 
-# ---- issue 22 case 10: --model wrn-K for any positive K ---------------------------------
+# ---- --model wrn-K for any positive K ----------------------------------------------------
 
 def test_model_wrn_k_takes_any_positive_widening_factor(capsys):
     from lowmem import models

@@ -607,7 +607,7 @@ def test_training_reduces_the_loss_on_a_fixed_batch(rng):
         assert losses[-1] < 0.5 * losses[0], (mode, losses)
 
 
-# ------------------------------------------------- the edges a careless user reaches (issue 11)
+# ------------------------------------------------- the edges a careless user reaches
 
 def test_batch_norm_over_one_value_per_channel_is_refused():
     net = Network("one-pixel", in_channels=3, num_classes=2)

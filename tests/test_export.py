@@ -242,7 +242,7 @@ def test_a_missing_extra_names_the_pip_install(run_dir, tmp_path, monkeypatch, c
     assert not os.listdir(tmp_path)
 
 
-# ------------------------------------------------- issue 22 case 7: bad opsets, configs and names
+# ------------------------------------------------- bad opsets, configs and names
 
 @pytest.mark.parametrize("opset", ["5", "-1", "99", "6", "seven"])
 def test_unsupported_opsets_are_refused_on_the_command_line(run_dir, tmp_path, capsys, opset):

@@ -130,7 +130,7 @@ SMALLEST_DEPTH = {"preact-cifar": 8, "preact-imagenet": 18, "vgg-bn": 11}
 
 @pytest.mark.parametrize("model", sorted(models.MODELS))
 def test_every_registered_model_gets_its_largest_batch(model):
-    """Issue 22 case 6: the search starts at the smallest batch batch norm allows (VGG-BN at
+    """The search starts at the smallest batch batch norm allows (VGG-BN at
     3x32x32 has a 1x1 last stage: batch 1 is refused, so maxbatch always failed)."""
     spec = models.model_spec(model)
     depth = SMALLEST_DEPTH.get(model, 10)

@@ -27,10 +27,11 @@ from functools import reduce
 
 import numpy
 
+from ..core.engine import DEFAULT_WORKSPACE_BYTES, Engine
 from ..units import quant
 from ..system.memory import fmt_bytes
 from ..units.widths import BITS, FLOAT
-from .sensitivity import measured_batches
+from .sensitivity import measure_sensitivity, measured_batches
 
 CHOICES = BITS + (FLOAT,)                  # every width a unit may get
 MAX_CELLS = 1 << 17
@@ -246,7 +247,6 @@ def plan_parts(net, batch_size, input_shape, mode="approx", dtype="float32", wor
     """({unit: (C, H, W)}, fixed bytes) of `net`'s plan at `batch_size`, from shapes alone: the
     units whose widths are chosen, and the plan total less every unit's saved x-hat slot (the
     same for any widths: only those slots change; rstd stays)."""
-    from ..core.engine import DEFAULT_WORKSPACE_BYTES, Engine
     ws = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     eng = Engine(net, batch_size, input_shape, mode, 1, dtype, ws, allocate=False)
     slots = sum(eng.nbytes[eng.saved_slots[u][0]] for u in eng.unit_bits)
@@ -317,7 +317,6 @@ def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None,
     `Engine(net, ..., mode="approx", bits=allocation.bits)` uses it. sens: a
     sensitivity.Sensitivity already measured (then batches may be None). rounding: the
     engine's ("stochastic" codes have larger, unbiased errors: measured as such)."""
-    from .sensitivity import measure_sensitivity
     if sens is None:
         batches = measured_batches(batches)
         if len(batches) < 2:

@@ -3,6 +3,7 @@ import argparse
 import math
 import os
 
+from .. import models
 from ..units.widths import BITS, FLOAT
 from .maxbatch import parse_bytes
 
@@ -90,14 +91,12 @@ def folder(text):
 
 def model_help():
     """The --model help: the registry's families (lowmem.models.MODELS), wrn-K for any K."""
-    from .. import models
     families = sorted(n for n in models.MODELS if not n.startswith("wrn-"))
     return " | ".join(families + ["wrn-K (K: the widening factor, any positive integer)"])
 
 
 def model(text):
     """A model family name (lowmem.models.model_spec: a registry name or wrn-K)."""
-    from .. import models
     try:
         models.model_spec(text)
     except ValueError as e:

@@ -1,6 +1,6 @@
 """Weights that leave lowmem: safetensors files and ONNX inference graphs.
 
-    from lowmem import export
+    from lowmem.tools import export
     export.export_safetensors(net, "model.safetensors")   # names = PyTorch module names
     export.load_safetensors(net, "model.safetensors")     # and back, names and shapes checked
     export.export_onnx(net, "model.onnx")                 # opset 17, eval-mode graph
@@ -41,7 +41,7 @@ import os
 
 import numpy
 
-from .. import __version__
+from .._version import __version__
 from ..core.optable import OPS
 from ..models import MODELS
 from ..system.atomic import atomic_write

@@ -3,7 +3,7 @@
     lowmem predict runs/photos cat.jpg dog.png          # a run folder (its checkpoint)
     lowmem predict model.safetensors cat.jpg            # or model.onnx (needs onnxruntime)
 
-    from lowmem import predict
+    from lowmem.tools import predict
     for path, name, p in predict.predict_files("model.onnx", ["cat.jpg"]):
         print(path, name, p)
 
@@ -29,6 +29,13 @@ import sys
 
 import numpy as np
 
+from ..core.inference import InferenceEngine
+from ..data.files import DataError
+from ..data.decode import decode
+from ..data.transforms import normalize
+from ..models import MODELS
+from ..system.backend import to_numpy
+from ..train.rundir import CHECKPOINT
 from .export import ExportError, network_from_checkpoint, read_metadata, read_safetensors
 
 REQUIRED = ("classes", "input_shape", "image_size", "resize", "mean", "std")
@@ -39,7 +46,6 @@ def load(model_path, batch_size=CHUNK):
     """(logits function: float32 (n, C, H, W), n <= batch_size -> (n, K), metadata dict) of a run
     folder, a training checkpoint, a .safetensors or an .onnx file. ExportError when the file lacks
     what predict needs, or what it stores is unusable (the message says which)."""
-    from ..train.rundir import CHECKPOINT
     path = os.fspath(model_path)
     suffix = os.path.splitext(path)[1].lower()
     if os.path.isdir(path) or suffix not in (".safetensors", ".onnx"):
@@ -56,7 +62,6 @@ def load(model_path, batch_size=CHUNK):
     info = check_info(read_metadata(path), path)
     if suffix == ".onnx":
         return _onnx_logits(path, info), info
-    from ..models import MODELS
     if info.get("model") not in MODELS or not isinstance(info.get("depth"), int):
         raise ExportError(f"{path}: its metadata does not name a lowmem model and depth (exported by an "
                           f"older lowmem?); export the run again")
@@ -123,10 +128,8 @@ def _engine_logits(net, batch_size):
     engine = []
 
     def logits(x):
-        from ..core.inference import InferenceEngine
         if not engine:                               # built at the first chunk: its input shape
             engine.append(InferenceEngine(net, batch_size, x.shape[1:], dtype="float32"))
-        from ..system.backend import to_numpy
         with np.errstate(over="ignore", invalid="ignore"):    # non-finite logits: predict_files says so
             return to_numpy(engine[0].predict(engine[0].xp.asarray(x)))
     return logits
@@ -153,15 +156,12 @@ def _onnx_logits(path, info):
 
 def preprocess(paths, info):
     """float32 (N, C, H, W): each image through the eval transform and the stored normalisation."""
-    from ..data.transforms import normalize
-    from ..data.images import decode
     c, size = int(info["input_shape"][0]), int(info["image_size"])
     x = np.empty((len(paths), c, size, size), np.uint8)
     for i, p in enumerate(paths):
         try:
             decode(x[i], p, size, False, None, "RGB" if c == 3 else "L", int(info["resize"]))
         except Exception as e:
-            from ..data.datasets import DataError
             raise DataError(f"unreadable image {p}: {e}") from None
     return normalize(np.empty(x.shape, np.float32), x, info["mean"], info["std"])
 

@@ -32,9 +32,9 @@ import os
 
 import numpy
 
-from .. import __version__
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ..data.datasets import DataError
+from .._version import __version__
+from .checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
+from ..data.files import DataError
 from .rundir import CHECKPOINT, ResumeError
 
 FORMAT = "lowmem-train/1"           # meta["format"] of a training checkpoint
@@ -178,7 +178,6 @@ def restore(state, arrays, meta, path, xp=numpy):
 
 def checkpoint_iteration(path):
     """The iteration a checkpoint holds (its header only), or "?" if it cannot be read."""
-    from .checkpoint import checkpoint_info
     try:
         return checkpoint_info(path)["meta"].get("iteration", "?")
     except CheckpointError:

@@ -28,6 +28,7 @@ import numpy
 
 from . import fused
 from .reference import BN_EPS, CodeUnits, ExactUnits
+from .sync import SyncUnits
 
 
 def reference(mode, bits, rounding="nearest"):
@@ -42,7 +43,6 @@ def fused_applies(xp, dtype, sizes):
 
 def synchronized(units, comm, buf):
     """`units` with batch norm over the global batch of all of comm's ranks (units/sync.py)."""
-    from .sync import SyncUnits
     return SyncUnits(units, comm, buf)
 
 

@@ -14,6 +14,7 @@ import sys
 
 from .. import argtypes
 from ...train.rundir import CHECKPOINT
+from ..predict import REQUIRED, check_info
 from ..export import (FORMATS, MIN_OPSET, OPSET, ExportError, check_opset, export_onnx, export_safetensors,
                       model_metadata, network_from_checkpoint)
 
@@ -82,7 +83,6 @@ def run(args):
 def _warn_if_unpredictable(path, output, meta):
     """A warning on stderr when the checkpoint lacks what `lowmem predict` needs (a run of an older
     lowmem): the weights are exported all the same."""
-    from ..predict import REQUIRED, check_info
     data = meta.get("data") or {}
     missing = [k for k in REQUIRED if k not in data]
     try:
