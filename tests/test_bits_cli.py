@@ -190,3 +190,10 @@ def test_diagnose_takes_bits_auto_rounding_and_per_unit_widths(capsys):
                         (["--bits", "x=2"], "bits names 'x', not a BN-ReLU unit")):
         rc, out, err = run(capsys, *DIAG, *argv)
         assert rc == 2 and words in err and "Traceback" not in err, err
+
+
+def test_a_budget_no_allocation_fits_is_refused_before_measuring(capsys):
+    for budget in ("--budget", "1KiB"), ("--avg-bits", "0.25"):
+        rc, out, err = run(capsys, "plan", *SMALL, "--bits", "auto", *budget, "--no-schedule")
+        assert rc == 2 and budget[0] + " " in err
+        assert "sensitivity:" not in out                  # nothing was measured
