@@ -144,6 +144,11 @@ def test_resuming_an_auto_run_keeps_its_record_true_and_its_rerun_command_contin
     # a fixed width on resume names bits, briefly
     rc, out, err = run(capsys, "train", "--out", str(out_dir), "--resume", "--epochs", "2", "--bits", "2")
     assert rc == 1 and "it differs in bits (checkpoint 7 per-unit widths, this run 2)" in err, err
+    stored = config["bits"]["bn_final"]
+    other = 1 if stored != 1 else 2
+    rc, out, err = run(capsys, "train", "--out", str(out_dir), "--resume", "--epochs", "2", "--bits",
+                       ",".join(f"{u}={other if u == 'bn_final' else k}" for u, k in config["bits"].items()))
+    assert rc == 1 and f"it differs in bits (unit 'bn_final': checkpoint {stored!r}, this run {other})" in err, err
     # the job script's command rerun with --resume: continues with the stored widths, measures nothing
     rc, out, err = run(capsys, *TRAIN_AUTO, "--avg-bits", "1.5", "--epochs", "2", "--out", str(out_dir), "--resume")
     assert rc == 0, err
@@ -190,3 +195,10 @@ def test_diagnose_takes_bits_auto_rounding_and_per_unit_widths(capsys):
                         (["--bits", "x=2"], "bits names 'x', not a BN-ReLU unit")):
         rc, out, err = run(capsys, *DIAG, *argv)
         assert rc == 2 and words in err and "Traceback" not in err, err
+
+
+def test_a_budget_no_allocation_fits_is_refused_before_measuring(capsys):
+    for budget in ("--budget", "1KiB"), ("--avg-bits", "0.25"):
+        rc, out, err = run(capsys, "plan", *SMALL, "--bits", "auto", *budget, "--no-schedule")
+        assert rc == 2 and budget[0] + " " in err
+        assert "sensitivity:" not in out                  # nothing was measured

@@ -119,14 +119,23 @@ def _shown(value):
     return repr(value)
 
 
+def _difference(field, saved, mine):
+    """How a FIXED setting differs, in words: two per-unit width maps by their first unit apart."""
+    if isinstance(saved, dict) and isinstance(mine, dict):
+        apart = [u for u in dict.fromkeys([*saved, *mine]) if saved.get(u) != mine.get(u)]
+        more = f", and {len(apart) - 1} more" if len(apart) > 1 else ""
+        return (f"{field} (unit {apart[0]!r}: checkpoint {saved.get(apart[0], 'not named')!r}, this run "
+                f"{mine.get(apart[0], 'not named')!r}{more})")
+    return f"{field} (checkpoint {_shown(saved)}, this run {_shown(mine)})"
+
+
 def check_resumable(meta, config, data_info, path, log):
     """ResumeError unless `meta` is a training checkpoint of this run: the FIXED settings and the
     class list equal; other changed settings are logged (the continuation then differs)."""
     check_training_meta(meta, path)
     saved, mine = meta["config"], config.to_dict()
     fixed = type(config).FIXED
-    diff = [f"{k} (checkpoint {_shown(saved.get(k))}, this run {_shown(mine[k])})"
-            for k in fixed if saved.get(k) != mine[k]]
+    diff = [_difference(k, saved.get(k), mine[k]) for k in fixed if saved.get(k) != mine[k]]
     if diff:
         arch = any(saved.get(k) != mine[k] for k in ("model", "depth", "dataset", "pad_to"))
         raise ResumeError(f"cannot resume from {path}: " + ("it holds a different architecture; " if arch else "")
