@@ -115,7 +115,7 @@ def plan_figure(engine, path, compare=None, block=None):
     at = {name: 2 * k for k, (name, _, _) in enumerate(panels)}
     net, shape = engine.net, "x".join(map(str, engine.input_shape))
     fig.suptitle(f"{net.name}: memory plan at batch {engine.N}, input {shape}, "
-                 + " vs ".join(f"{engine_label(e)} {fmt_bytes(e.plan.total_bytes)}" for e in engines),
+                 + " vs ".join(f"{engine_label(e)}: {fmt_bytes(e.plan.total_bytes)}" for e in engines),
                  fontsize=12, x=0.01, y=1 - 0.2 / fig.get_figheight(), ha="left", va="top")
     _timeline(fig.add_subplot(grid[at["timeline"], :]), t, cells=block is None,
               title=f"buffers along the schedule ({engine_label(engine)}, {len(t.steps)} steps)")
@@ -288,7 +288,8 @@ def _totals(ax, engines):
         less = (f" ({most.plan.total_bytes / e.plan.total_bytes:.2f}x less than {engine_label(most)})"
                 if e is not most and e.plan.total_bytes else "")
         ax.text(left, y, f"  {fmt_bytes(e.plan.total_bytes)}{less}", va="center", fontsize=8, weight="bold")
-    ax.set_yticks(range(len(engines)), labels[::-1], fontsize=8)
+    ax.set_yticks(range(len(engines)), [lab.replace(", ", ",\n") if len(lab) > 16 else lab
+                                        for lab in labels[::-1]], fontsize=8)
     ax.set_xlim(0, 1.12 * max(e.plan.total_bytes for e in engines) / MIB)
     ax.set_xlabel("MiB planned", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)

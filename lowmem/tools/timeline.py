@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ..core.optable import OPS
 
-STATES = ("write", "acc", "shared", "read", "scratch", "held")
+STATES = ("write", "acc", "shared", "read", "scratch", "held")     # what a step does to a buffer (or "")
 
 
 def short(name):
@@ -48,11 +48,6 @@ class Timeline:
     @property
     def names(self):
         return [e.name for e in self.rows]
-
-    def phase_bounds(self):
-        """(first backward step index, number of steps)."""
-        first = next((i for i, s in enumerate(self.steps) if s.phase == "bwd"), len(self.steps))
-        return first, len(self.steps)
 
     def groups(self, level=1):
         """[(label, first step, last step + 1, phase)]: runs of consecutive steps of one stage
@@ -129,8 +124,7 @@ def buffer_timeline(plan, schedule):
             if s.scratch:
                 write(s.scratch, i, "scratch", short(s.unit or s.name) + "~")
             grad = "∂" + (fwd_input.get(s.name) or "")
-            if s.dx and s.dx == s.dout and not OPS[s.op].unit:
-                t.state[s.dx][i] = "shared"      # both operands' gradient is the output's: no copy
+            if s.dx and s.dx == s.dout and not OPS[s.op].unit:     # both operands' gradient is the output's
                 write(s.dx, i, "shared", "∂" + short(s.name))
             elif s.dx and s.accumulate:
                 write(s.dx, i, "acc", "Σ" + grad)     # a second consumer's part of the sum
