@@ -15,7 +15,7 @@ install: $(PY)
 	$(PIP) install -e ".[fast]"
 
 install-test: $(PY)
-	$(PIP) install -e ".[test,compare,fast,images,safetensors,onnx,mpi]"
+	$(PIP) install -e ".[test,compare,fast,images,safetensors,onnx,mpi,plot]"
 
 demo: install
 	$(PY) demos/main_job.py

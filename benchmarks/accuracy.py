@@ -57,12 +57,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from lowmem.tools import diagnostics as D  # noqa: E402
 from lowmem.units import quant  # noqa: E402
 from lowmem.system.atomic import atomic_write as write_atomically    # noqa: E402
-from lowmem.data.datasets import DataError, load_dataset                 # noqa: E402
+from lowmem.data.datasets import load_dataset                            # noqa: E402
+from lowmem.data.files import DataError                                  # noqa: E402
 from lowmem.data.transforms import normalize                             # noqa: E402
 from lowmem.models import MODELS                                  # noqa: E402
 from lowmem.bits.allocate import allocate_bits                         # noqa: E402
 from lowmem.train.config import TrainConfig                           # noqa: E402
-from lowmem.train.trainer import Trainer, auto_batches                # noqa: E402
+from lowmem.bits.auto import training_batches                         # noqa: E402
+from lowmem.train.trainer import Trainer                              # noqa: E402
 
 # The full study: sized from measured step rates on the 2-core machine (docs/accuracy.md):
 # 18 runs of 150 steps of 128 images, 7 noise checkpoints.
@@ -253,7 +255,8 @@ def _within(r, bound):
 
 
 def gap_halved(s, auto, uniform):
-    """Issue 20: auto's gap to exact at most half uniform's (paired means), with both numbers."""
+    """The target of per-unit widths: auto's gap to exact at most half uniform's (paired means),
+    with both numbers."""
     a, u = s[auto]["diff"], s[uniform]["diff"]
     ok = abs(a) <= 0.5 * abs(u)
     return (f"* {auto} vs {uniform}: the gap to exact at least halved: {'met' if ok else 'missed'} "
@@ -370,19 +373,20 @@ def plots(results, modes, seeds, doc_dir, stem):
     files.append(name)
     noise = results.get("noise") or []
     if noise:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9, 4.5))
         its = [r["iteration"] for r in noise]
+        handles = []
         for i, m in enumerate(noise[0]["modes"]):
             c = f"C{i}"
-            ax.plot(its, [r["modes"][m]["median_ratio"] for r in noise], color=c, marker="o",
-                    label=f"{m}: median over tensors")
-            ax.plot(its, [r["modes"][m]["worst_ratio"] for r in noise], color=c, ls="--", marker="x",
-                    label=f"{m}: worst tensor")
+            handles += ax.plot(its, [r["modes"][m]["median_ratio"] for r in noise], color=c, marker="o", label=m)
+            ax.plot(its, [r["modes"][m]["worst_ratio"] for r in noise], color=c, ls="--", marker="x")
+        handles += ax.plot([], [], color="0.4", marker="o", label="solid: median over tensors")
+        handles += ax.plot([], [], color="0.4", ls="--", marker="x", label="dashed: worst tensor")
         ax.axhline(1, color="k", lw=0.8)
         ax.axhline(0.1, color="k", lw=0.8, ls=":")
         ax.set(xlabel="iteration (exact training run, first seed)", yscale="log",
                ylabel="gradient error / SGD noise", title="approximation error against SGD noise")
-        ax.legend(fontsize=7)
+        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves
         ax.grid(alpha=0.3, which="both")
         fig.tight_layout()
         name = f"{stem}_noise.png"
@@ -428,7 +432,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
           f"({steps} iterations), {'no augmentation' if args.no_augment else 'random crop + flip'}. Seeds {', '.join(map(str, seeds))}: a seed fixes "
           f"the initial weights, batch order and augmentation, the same for every mode. Quantizer "
           f"windows (half-widths W per bit width, docs/quantizer.md): "
-          + ", ".join(f"{k}-bit ±{quant.WINDOWS[k]:g}" for k in quant.BITS) + ".", "",
+          + ", ".join(f"{k}-bit ±{quant.WINDOWS[k]:g}" for k in quant.BITS[::-1]) + ".", "",
           "## 1. Final test accuracy", "",
           "Test accuracy after the last epoch (BN running statistics, whole test split). Difference: "
           "per seed, mode − exact (same seed: same data and initial weights), then mean ± standard "
@@ -556,7 +560,7 @@ def main(argv=None):
                                               "checkpoints", "noise_modes")}
     if args.no_augment:                         # (absent when off: older studies' settings still match)
         settings["no_augment"] = True
-    settings["windows"] = {str(k): quant.WINDOWS[k] for k in quant.BITS}
+    settings["windows"] = {str(k): quant.WINDOWS[k] for k in quant.BITS[::-1]}
     path = os.path.join(args.out, "results.json")
     results = load_results(path, settings)
     load = f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"
@@ -577,7 +581,7 @@ def main(argv=None):
                                                   in_channels=data.input_shape[0], seed=seed)
                 # auto modes: the widths their run of this seed will choose (the trainer's own
                 # measurement: the same first batches and initial weights), for the whole curve
-                auto_bits = {label(m): allocate_bits(template, auto_batches(data, args.batch), batch_size=args.batch,
+                auto_bits = {label(m): allocate_bits(template, training_batches(data, args.batch), batch_size=args.batch,
                                                      avg_bits=m.avg, rounding=m.rounding).bits
                              for m in noise_modes if m.bits == "auto"}
                 results["noise_bits"] = auto_bits

@@ -38,6 +38,7 @@ from lowmem.data.transforms import normalize                                 # n
 from lowmem.tools.diagnostics import synthetic_batches, warm_up           # noqa: E402
 from lowmem.models import preact_resnet_cifar                        # noqa: E402
 from lowmem.bits.sensitivity import measure_sensitivity, simulate        # noqa: E402
+from lowmem.units.widths import BITS                                     # noqa: E402
 
 NETS = {"resnet8": (8, None), "resnet20": (20, None), "resnet29-bottleneck": (29, "bottleneck"),
         "resnet56": (56, None)}
@@ -75,7 +76,7 @@ def validate(name, args, data):
     step = step_seconds(net, n, data.input_shape, data.num_classes)
     units = sens.units
     rng = numpy.random.default_rng(0)
-    allocs = {f"uniform {k}": dict.fromkeys(units, k) for k in (1, 2, 4, 8)}
+    allocs = {f"uniform {k}": dict.fromkeys(units, k) for k in BITS}
     for avg in (1.5, 2, 3):
         allocs[f"solver avg {avg:g}"] = allocate(sens, n, avg_bits=avg).bits
     for i in range(2):

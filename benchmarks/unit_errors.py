@@ -209,7 +209,7 @@ def print_table(rows, full):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--depth", type=int, default=20)
-    p.add_argument("--bits", type=int, default=4, choices=(8, 4, 2, 1))
+    p.add_argument("--bits", type=int, default=4, choices=quant.BITS[::-1])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--batches", type=int, default=2)
     p.add_argument("--train-steps", type=int, default=300)

@@ -22,12 +22,13 @@ import sys
 
 from lowmem.train.config import TrainConfig
 from lowmem.train.trainer import Trainer, TrainingDiverged
+from lowmem.units.widths import BITS
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", default="approx", choices=("exact", "approx", "naive"))
-    p.add_argument("--bits", type=int, default=4, choices=(1, 2, 4, 8))
+    p.add_argument("--bits", type=int, default=4, choices=BITS)
     p.add_argument("--depth", type=int, default=164, help="164 (bottleneck, the paper), 1001, 20, 56, 110, ...")
     p.add_argument("--epochs", type=int, default=164, help="164 epochs = 64k iterations at batch 128")
     p.add_argument("--batch", type=int, default=128)

@@ -16,12 +16,13 @@ import sys
 
 from lowmem.train.config import TrainConfig
 from lowmem.train.trainer import Trainer, TrainingDiverged
+from lowmem.units.widths import BITS
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", default="approx", choices=("exact", "approx", "naive"))
-    p.add_argument("--bits", type=int, default=4, choices=(1, 2, 4, 8))
+    p.add_argument("--bits", type=int, default=4, choices=BITS)
     p.add_argument("--depth", type=int, default=8, help="6n+2: 8, 14, 20, ...")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=128)

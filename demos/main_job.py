@@ -1,7 +1,7 @@
 """The README's main job (`make demo`): a short, real training run in 4-bit mode.
 
 1. Finds real data: CIFAR-10 when it is on this machine or can be downloaded
-   (lowmem.data.datasets looks in --data, $LOWMEM_DATA, ~/.cache/lowmem); otherwise
+   (lowmem.data.files: it looks in --data, $LOWMEM_DATA, ~/.cache/lowmem); otherwise
    Fashion-MNIST from the Debian package dataset-fashion-mnist, which it
    installs with apt-get when it runs as root and the files are missing.
 2. Trains a small pre-activation ResNet with 4-bit approximate activations
@@ -20,8 +20,10 @@ import sys
 import time
 
 from lowmem import models
-from lowmem.tools.cli import compare_table
-from lowmem.data.datasets import FASHION_MNIST_DEBIAN_DIR, DataError, load_cifar
+from lowmem.tools.commands.plan import compare_table
+from lowmem.data.cifar import load_cifar
+from lowmem.data.datasets import FASHION_MNIST_DEBIAN_DIR
+from lowmem.data.files import DataError
 from lowmem.core.engine import Engine
 from lowmem.train.config import TrainConfig
 from lowmem.train.trainer import Trainer, TrainingDiverged

@@ -4,7 +4,11 @@ A pre-activation ResNet-8 (stem conv, three blocks, BN-ReLU, average pool,
 FC) trained on Fashion-MNIST while each BN->ReLU unit keeps only a 4-bit code
 of its normalised input x̂ (plus one rstd per channel) for the backward pass.
 The forward pass is exact; the backward rebuilds what it needs from the codes.
-Read with docs/from_scratch.md.  Run:  python docs/from_scratch.py [steps, default 100]
+Read with docs/from_scratch.md.  Run:  python docs/from_scratch.py [STEPS [DATA_DIR]]
+STEPS defaults to 100; DATA_DIR (or $FASHION_MNIST) is a folder holding the four Fashion-MNIST
+files train-/t10k-images-idx3-ubyte.gz and train-/t10k-labels-idx1-ubyte.gz, by default
+/usr/share/datasets/fashion-mnist (Debian's package dataset-fashion-mnist; the same files are at
+github.com/zalandoresearch/fashion-mnist).
 """
 import gzip
 import os
@@ -17,18 +21,18 @@ EPS = 1e-5                       # BN's epsilon
 BLOCKS = [("layer1.0", 1, False), ("layer2.0", 2, True), ("layer3.0", 2, True)]  # name, stride, projection
 
 
-# ---- convolution (zero padding (k-1)/2) through im2col ------------------------------------
-def im2col(x, k, stride):
-    """x (N, C, H, W) -> columns (N·Ho·Wo, C·k·k)."""
-    p = (k - 1) // 2
+# ---- convolution (zero padding (ksize-1)/2) through im2col ------------------------------------
+def im2col(x, ksize, stride):
+    """x (N, C, H, W) -> columns (N·Ho·Wo, C·ksize·ksize), ksize the kernel size."""
+    p = (ksize - 1) // 2
     xp = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
-    n, c, h, w = x.shape
-    ho, wo = (h + 2 * p - k) // stride + 1, (w + 2 * p - k) // stride + 1
-    cols = np.empty((n, c, k, k, ho, wo), x.dtype)
-    for i in range(k):
-        for j in range(k):
+    n, c, height, width = x.shape
+    ho, wo = (height + 2 * p - ksize) // stride + 1, (width + 2 * p - ksize) // stride + 1
+    cols = np.empty((n, c, ksize, ksize, ho, wo), x.dtype)
+    for i in range(ksize):
+        for j in range(ksize):
             cols[:, :, i, j] = xp[:, :, i:i + stride * ho:stride, j:j + stride * wo:stride]
-    return cols.transpose(0, 4, 5, 1, 2, 3).reshape(n * ho * wo, -1), (n, c, h, w, ho, wo)
+    return cols.transpose(0, 4, 5, 1, 2, 3).reshape(n * ho * wo, -1), (n, c, height, width, ho, wo)
 
 
 def conv(x, wt, stride=1):
@@ -38,16 +42,16 @@ def conv(x, wt, stride=1):
 
 def conv_backward(dout, x, wt, stride=1):
     """-> (dx, dW): the input gradient needs only the weights, dW needs the input x."""
-    k, p = wt.shape[-1], (wt.shape[-1] - 1) // 2
-    cols, (n, c, h, w, ho, wo) = im2col(x, k, stride)
+    ksize, p = wt.shape[-1], (wt.shape[-1] - 1) // 2
+    cols, (n, c, height, width, ho, wo) = im2col(x, ksize, stride)
     d = dout.transpose(0, 2, 3, 1).reshape(n * ho * wo, -1)
     dw = (d.T @ cols).reshape(wt.shape)
-    dcols = (d @ wt.reshape(len(wt), -1)).reshape(n, ho, wo, c, k, k)
-    dxp = np.zeros((n, c, h + 2 * p, w + 2 * p), x.dtype)
-    for i in range(k):
-        for j in range(k):
+    dcols = (d @ wt.reshape(len(wt), -1)).reshape(n, ho, wo, c, ksize, ksize)
+    dxp = np.zeros((n, c, height + 2 * p, width + 2 * p), x.dtype)
+    for i in range(ksize):
+        for j in range(ksize):
             dxp[:, :, i:i + stride * ho:stride, j:j + stride * wo:stride] += dcols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
-    return dxp[:, :, p:p + h, p:p + w], dw
+    return dxp[:, :, p:p + height, p:p + width], dw
 
 
 # ---- the quantizer: a K-bit code of x̂ whose bins put an edge on the ReLU threshold ----------
@@ -57,9 +61,9 @@ def grid(gamma, beta):
     zero = gamma == 0
     s = np.where(gamma < 0, -1.0, 1.0)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        th = -beta / np.where(zero, 1, np.abs(gamma))        # threshold: ReLU open where s·x̂ > th
-        k = np.clip(np.rint((th + W) / w), 1, L - 1)         # edge between codes k-1 and k on th ...
-        lo = np.clip(th - k * w, -W - w / 2, -W + w / 2)     # ... unless th is outside the window
+        t = -beta / np.where(zero, 1, np.abs(gamma))        # threshold: ReLU open where s·x̂ > t
+        k = np.clip(np.rint((t + W) / w), 1, L - 1)         # edge between codes k-1 and k on t ...
+        lo = np.clip(t - k * w, -W - w / 2, -W + w / 2)     # ... unless t is outside the window
     lo = np.where(zero, -W, lo)
     k = np.where(zero, np.where(beta > 0, 0, L), k)          # γ = 0: every code open (k=0) or none (k=L)
     return s, lo, k, w
@@ -155,7 +159,7 @@ def backward(P, saved):
 # ---- training ---------------------------------------------------------------------------------
 def init(in_channels=1, classes=10, seed=0):
     rng, P = np.random.default_rng(seed), {}
-    def he(cout, cin, k): return rng.normal(0, np.sqrt(2 / (cin * k * k)), (cout, cin, k, k))  # noqa: E704
+    def he(cout, cin, ksize): return rng.normal(0, np.sqrt(2 / (cin * ksize**2)), (cout, cin, ksize, ksize))  # noqa: E704
     P["conv1.weight"], c = he(16, in_channels, 3), 16
     for (name, _, proj), width in zip(BLOCKS, (16, 32, 64)):
         for bn, ch in ((".bn1", c), (".bn2", width)):
@@ -169,31 +173,40 @@ def init(in_channels=1, classes=10, seed=0):
     return P
 
 
-def fashion_mnist(root="/usr/share/datasets/fashion-mnist", split="train"):
+DATA = os.environ.get("FASHION_MNIST", "/usr/share/datasets/fashion-mnist")
+
+
+def fashion_mnist(root=DATA, split="train"):
+    files = [f"{split}-images-idx3-ubyte.gz", f"{split}-labels-idx1-ubyte.gz"]
+    missing = [f for f in files if not os.path.isfile(os.path.join(root, f))]
+    if missing:
+        sys.exit(f"from_scratch.py: {', '.join(missing)} not in {root}: install the Debian package "
+                 f"dataset-fashion-mnist, or download the files from github.com/zalandoresearch/fashion-mnist "
+                 f"and pass their folder as the second argument (or in $FASHION_MNIST)")
     def read(f, skip): return np.frombuffer(gzip.open(os.path.join(root, f)).read(), np.uint8, offset=skip)  # noqa: E704
     x = read(f"{split}-images-idx3-ubyte.gz", 16).reshape(-1, 1, 28, 28) / 255.0
     return (x - 0.286) / 0.353, read(f"{split}-labels-idx1-ubyte.gz", 8).astype(np.int64)
 
 
-def train(steps=100, batch=32, lr=0.05, approx=True):
-    x, y = fashion_mnist()
+def train(steps=100, batch=32, lr=0.05, approx=True, root=DATA):
+    x, y = fashion_mnist(root)
     x = x.astype(np.float32)                                 # float32 for speed (the test uses float64)
-    P = {k: v.astype(np.float32) for k, v in init().items()}
+    P = {name: v.astype(np.float32) for name, v in init().items()}
     V, rng = {}, np.random.default_rng(1)
     for step in range(steps):
         i = rng.integers(0, len(x), batch)
         loss, saved = forward(P, x[i], y[i], approx)
         if step == 0:
-            kept = sum(v[0].nbytes + v[1].nbytes for k, v in saved.items() if isinstance(v, tuple))
-            print(f"bytes the units keep for backward: {kept:,} ({'4-bit' if approx else 'float64'})")
+            kept = sum(v[0].nbytes + v[1].nbytes for v in saved.values() if isinstance(v, tuple))
+            print(f"bytes the units keep for backward: {kept:,} ({'4-bit' if approx else f'{x.dtype} x̂'})")
         G = backward(P, saved)
-        for k, g in G.items():                               # SGD, momentum 0.9, decay on weights
-            g = g + 5e-4 * P[k] if k.endswith("weight") and P[k].ndim > 1 else g
-            V[k] = 0.9 * V.get(k, 0) + g
-            P[k] = P[k] - lr * V[k]
+        for name, g in G.items():                            # SGD, momentum 0.9, decay on weights
+            g = g + 5e-4 * P[name] if name.endswith("weight") and P[name].ndim > 1 else g
+            V[name] = 0.9 * V.get(name, 0) + g
+            P[name] = P[name] - lr * V[name]
         if step % 25 == 0 or step == steps - 1:
             print(f"step {step:4d}  loss {loss:.3f}")
-    xt, yt = fashion_mnist(split="t10k")
+    xt, yt = fashion_mnist(root, split="t10k")
     xt = xt.astype(np.float32)
     correct = sum((forward(P, xt[j:j + 250], yt[j:j + 250], approx)[1]["logits"].argmax(1) == yt[j:j + 250]).sum()
                   for j in range(0, 1000, 250))        # BN with each test batch's own statistics
@@ -202,4 +215,4 @@ def train(steps=100, batch=32, lr=0.05, approx=True):
 
 
 if __name__ == "__main__":
-    train(int(sys.argv[1]) if len(sys.argv) > 1 else 100)
+    train(int(sys.argv[1]) if len(sys.argv) > 1 else 100, root=sys.argv[2] if len(sys.argv) > 2 else DATA)

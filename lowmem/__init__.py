@@ -23,7 +23,7 @@ from .core.engine import Engine
 from .core.network import Network, Parameter
 from .train.optim import SGD
 from .core.plan import Plan
+from ._version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["backend", "distributed", "models", "nn", "set_backend", "get_backend", "Engine", "Network",
            "Parameter", "SGD", "Plan", "allocate_bits"]

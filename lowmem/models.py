@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .core.network import Network
+from .nn import Graph
 
 CIFAR_WIDTHS = (16, 32, 64)
 IMAGENET_WIDTHS = (64, 128, 256, 512)
@@ -153,7 +154,6 @@ def wide_resnet(depth, widen_factor=10, num_classes=10, in_channels=3, seed=0, i
     if not isinstance(widen_factor, int) or widen_factor < 1:
         raise ValueError(f"widen_factor must be a positive int, got {widen_factor!r}")
     _check_classes(num_classes, in_channels)
-    from .nn import Graph
     n = (depth - 4) // 6
     g = Graph(f"wrn-{depth}-{widen_factor}", (in_channels, input_size, input_size), num_classes, seed)
     x = g.conv(g.input, 16, 3, name="conv1")
@@ -179,7 +179,6 @@ def vgg_bn(depth=16, num_classes=10, in_channels=3, seed=0, input_size=32):
     if depth not in VGG_CONFIGS:
         raise ValueError(f"unsupported depth {depth!r} for vgg_bn: expected one of {sorted(VGG_CONFIGS)}")
     _check_classes(num_classes, in_channels)
-    from .nn import Graph
     g = Graph(f"vgg{depth}-bn", (in_channels, input_size, input_size), num_classes, seed)
     x = g.input
     for s, (convs, width) in enumerate(zip(VGG_CONFIGS[depth], VGG_WIDTHS)):

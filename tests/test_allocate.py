@@ -173,7 +173,7 @@ def test_allocate_bits_fits_its_budgets(small):
     total = uniform2.plan.total_bytes
     b = allocate.allocate_bits(net, None, batch_size=16, budget=total, dtype="float64", sens=sens)
     assert Engine(copy.deepcopy(net), 16, shape, "approx", b.bits, "float64", allocate=False).plan.total_bytes <= total
-    with pytest.raises(ValueError, match="does not cover what the plan needs besides"):
+    with pytest.raises(ValueError, match="budget 1000 B is below the smallest plan at batch 16"):
         allocate.allocate_bits(net, None, batch_size=16, budget=1000, dtype="float64", sens=sens)
     with pytest.raises(ValueError, match=r"input_shape \(3, 32, 32\) differs"):
         allocate.allocate_bits(net, None, avg_bits=2, input_shape=(3, 32, 32), dtype="float64", sens=sens)
@@ -181,3 +181,116 @@ def test_allocate_bits_fits_its_budgets(small):
 
 def units_of(sens):
     return sens.units
+
+
+# ---- inputs a user may pass: each the right result or one clear line ---------------------------
+
+def test_the_cheapest_allocation_fits_on_a_coarse_grid():
+    # batch 129 makes every unit's cost odd: the exact grid is too fine and the solver rounds costs
+    # up; a budget of exactly every unit at 1 bit must still give every unit 1 bit
+    shapes = {"a": (16, 45, 45), "b": (32, 23, 23), "c": (64, 12, 12), "d": (7, 45, 45)}
+    s = fake_sensitivity(shapes, {u: {1: 8.0, 2: 4.0, 4: 2.0, 8: 1.0} for u in shapes})
+    for batch in (129, 131):
+        a = allocate.allocate(s, batch, avg_bits=1)
+        assert set(a.bits.values()) == {1} and a.total_bytes == a.budget == a.uniform_bytes[1]
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        costs = [sorted(int(c) for c in rng.integers(1, 10_000, 4)) for _ in range(5)]
+        errors = [sorted(rng.random(4), reverse=True) for _ in range(5)]
+        least = sum(c[0] for c in costs)
+        for budget in (least, least + int(rng.integers(1, 5000))):
+            sol = allocate.solve(costs, errors, budget, max_cells=3)
+            assert sol.bytes <= budget
+            assert sol.error <= sum(e[0] for e in errors) + 1e-12    # never worse than the cheapest
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    net = preact_resnet_cifar(8)
+    return net, synthetic_batches(3, 4, (3, 8, 8), 10, seed=1)
+
+
+def test_batches_may_be_any_iterable_and_numpy_numbers_are_numbers(tiny):
+    net, batches = tiny
+    ref = allocate.allocate_bits(net, batches, avg_bits=2)
+    assert allocate.allocate_bits(net, (b for b in batches), avg_bits=2).bits == ref.bits
+    assert allocate.allocate_bits(net, tuple(batches), avg_bits=np.float32(2.0)).bits == ref.bits
+    sens = sensitivity.measure_sensitivity(net, iter(batches))
+    for avg in (np.int64(2), np.float64(2.0), 2.0):
+        a = allocate.allocate_bits(net, None, avg_bits=avg, sens=sens)
+        assert a.bits == ref.bits and a.budget == ref.budget
+    assert allocate.allocate_bits(net, None, batch_size=np.int64(16), avg_bits=2, sens=sens).batch_size == 16
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"avg_bits": True}, r"avg_bits must be a number in \(0, 32\], got True"),
+    ({"avg_bits": np.nan}, r"avg_bits must be a number in \(0, 32\], got nan"),
+    ({"avg_bits": "2"}, r"avg_bits must be a number in \(0, 32\], got '2'"),
+    ({"avg_bits": 33}, r"avg_bits must be a number in \(0, 32\], got 33"),
+    ({"budget": "300MiB"}, r"budget must be a number of bytes in \(0, inf\), got '300MiB'"),
+    ({"budget": float("nan")}, r"budget must be a number of bytes in \(0, inf\), got nan"),
+    ({"budget": float("inf")}, r"budget must be a number of bytes in \(0, inf\), got inf"),
+    ({"budget": -5}, r"budget must be a number of bytes in \(0, inf\), got -5"),
+    ({"code_bytes": float("nan")}, r"code_bytes must be a number of bytes in \[0, inf\), got nan"),
+    ({"code_bytes": None, "avg_bits": 2, "budget": 10**9}, "give exactly one of avg_bits, code_bytes and budget"),
+    ({"avg_bits": 2, "batch_size": 0}, "batch_size must be a positive integer, got 0"),
+    ({"avg_bits": 2, "batch_size": -3}, "batch_size must be a positive integer, got -3"),
+    ({"avg_bits": 2, "batch_size": 2.5}, "batch_size must be a positive integer, got 2.5"),
+    ({"avg_bits": 2, "batch_size": True}, "batch_size must be a positive integer, got True"),
+])
+def test_bad_numbers_name_the_parameter(tiny, kwargs, message, monkeypatch):
+    net, batches = tiny
+    # every such check comes before the (expensive) measurement
+    monkeypatch.setattr(sensitivity, "measure_sensitivity", lambda *a, **k: pytest.fail("measured"))
+    with pytest.raises(ValueError, match=message):
+        allocate.allocate_bits(net, batches, **kwargs)
+
+
+@pytest.mark.parametrize("batches, message", [
+    (None, "batches must be a few .* got NoneType"),
+    (5, "batches must be a few .* got int"),
+    ([(np.zeros((4, 3, 8, 8), np.float32), np.zeros(4, np.int64))], "at least 2 are needed"),
+    ([np.zeros((4, 3, 8, 8), np.float32)] * 2, r"batches\[0\] must be an \(x, labels\) pair"),
+    ([(np.zeros((4, 3, 8, 8), np.float32), np.zeros(4, np.int64)),
+      (np.zeros((2, 3, 8, 8), np.float32), np.zeros(2, np.int64))], r"batches\[1\] has shape \(2, 3, 8, 8\)"),
+    ([(np.zeros((4, 1, 8, 8), np.float32), np.zeros(4, np.int64))] * 2,
+     r"the batches hold 1-channel samples \(1, 8, 8\); preact-resnet8-cifar takes 3 input channels"),
+])
+def test_bad_batches_are_named(tiny, batches, message):
+    with pytest.raises(ValueError, match=message):
+        allocate.allocate_bits(tiny[0], batches, avg_bits=2)
+
+
+def test_a_too_small_budget_says_what_was_given_and_the_least_before_measuring(tiny, monkeypatch):
+    net, batches = tiny
+    shapes, fixed = allocate.plan_parts(net, 4, (3, 8, 8))
+    least = sum(quant.packed_nbytes(int(np.prod(s)) * 4, 1) for s in shapes.values())
+    monkeypatch.setattr(sensitivity, "measure_sensitivity", lambda *a, **k: pytest.fail("measured"))
+    for budget in (fixed + least - 1, fixed // 2):
+        with pytest.raises(ValueError) as e:
+            allocate.allocate_bits(net, batches, budget=budget)
+        msg = str(e.value)
+        assert msg.startswith(f"budget {plan_fmt(budget)} is below the smallest plan at batch 4, "
+                              f"{plan_fmt(fixed + least)} ({fixed + least:,} B")
+        assert "\n" not in msg
+    with pytest.raises(ValueError, match=r"avg_bits 0.5 allows .* below the .* of every unit 1-bit; "
+                                         r"avg_bits must be at least 1$"):
+        allocate.allocate_bits(net, batches, avg_bits=0.5)
+
+
+def plan_fmt(b):
+    from lowmem.core.plan import fmt_bytes
+    return fmt_bytes(b)
+
+
+def test_identical_batches_and_networks_without_units(tiny):
+    net, batches = tiny
+    a = allocate.allocate_bits(net, [batches[0]] * 3, avg_bits=2)     # no SGD noise between them
+    assert a.total_bytes <= a.budget and math.isnan(a.predicted_ratio)
+    text = a.table()
+    assert "n/a" in text and "no SGD noise" in text
+    from lowmem import nn
+    g = nn.Graph("no-units", (3, 8, 8), 10)
+    plain = g.head(g.conv(g.input, 4, 3))
+    with pytest.raises(ValueError, match="the network has no BN-ReLU unit"):
+        allocate.allocate_bits(plain, batches, avg_bits=2)

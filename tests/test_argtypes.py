@@ -54,3 +54,43 @@ def test_argparse_reports_the_message_for_the_option(capsys):
         parser.parse_args(["--lr", "-1"])
     assert e.value.code == 2
     assert "argument --lr: expected a positive number, got '-1'" in capsys.readouterr().err
+
+
+# ---- --bits: a width, auto, or per-unit widths (pairs or a JSON file) ----------------------------
+
+def test_bits_takes_unit_pairs_and_json_files(tmp_path):
+    assert argtypes.bits("layer1.0.bn1=4,*=2") == {"layer1.0.bn1": 4, "*": 2}
+    assert argtypes.bits(" a = float , b=8 ") == {"a": "float", "b": 8}
+    f = tmp_path / "w.json"
+    f.write_text('{"*": 2, "layer1.0.bn2": "float"}')
+    assert argtypes.bits(str(f)) == {"*": 2, "layer1.0.bn2": "float"}
+    run = tmp_path / "config.json"                      # a run's config.json: its "bits"
+    run.write_text('{"bits": {"*": 1}, "avg_bits": 1.0}')
+    assert argtypes.bits(str(run)) == {"*": 1}
+    assert argtypes.bits("auto") == "auto" and argtypes.bits("4") == 4
+    for value in ({"a": 2}, 8, "auto"):
+        assert value in argtypes.BITS_CHOICES
+    assert 3 not in argtypes.BITS_CHOICES
+
+
+@pytest.mark.parametrize("text,words", [
+    ("a=3", "unit 'a': width must be 1, 2, 4, 8 or float, got 3"),
+    ("a=half", "unit 'a': width must be 1, 2, 4, 8 or float, got 'half'"),
+    ("a=4,a=2", "unit 'a' is given twice"),
+    ("a=4,,b=2", "expected unit=K pairs"),
+    ("=4", "expected unit=K pairs"),
+    ("four", "expected 1, 2, 4, 8, auto, unit=K pairs"),
+    ("missing.json", "cannot read missing.json"),
+])
+def test_bad_bits_name_the_problem(text, words):
+    with pytest.raises(argparse.ArgumentTypeError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        argtypes.bits(text)
+
+
+@pytest.mark.parametrize("content,words", [("{not json", "is not JSON"), ("[4]", "expected a JSON object"),
+                                           ('{"a": 16}', "unit 'a': width must be"), ("{}", "expected a JSON object")])
+def test_bad_width_files_name_the_problem(tmp_path, content, words):
+    f = tmp_path / "w.json"
+    f.write_text(content)
+    with pytest.raises(argparse.ArgumentTypeError, match=words):
+        argtypes.bits(str(f))

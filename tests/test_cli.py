@@ -212,7 +212,7 @@ TRAIN = ["train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test
     (TRAIN, "the following arguments are required: --out"),
     (TRAIN + ["--out", "OUT", "--resume", "--overwrite"], "not allowed with argument"),
     (TRAIN + ["--out", "OUT", "--depth", "21"], "unsupported depth 21"),
-    (TRAIN + ["--out", "OUT", "--batch", "64"], "limit_train=32: expected at least batch=64 images"),
+    (TRAIN + ["--out", "OUT", "--batch", "64"], "--limit-train 32: expected at least --batch 64 images"),
 ])
 def test_bad_command_lines_end_in_one_line_and_exit_2(capsys, tmp_path, argv, words):
     argv = [str(tmp_path / "run") if a == "OUT" else a for a in argv]
@@ -229,7 +229,7 @@ def test_fashion_mnist_pad_to_with_a_small_limit_is_refused_before_loading(capsy
     monkeypatch.setattr(data, "load_fashion_mnist", lambda *a, **k: pytest.fail("data were loaded"))
     rc, _, err = run(capsys, "train", "--dataset", "fashion-mnist", "--pad-to", "1000", "--limit-train", "16",
                      "--out", str(tmp_path / "run"))
-    assert rc == 2 and "limit_train=16: expected at least batch=128" in err
+    assert rc == 2 and "--limit-train 16: expected at least --batch 128" in err
 
 
 def test_maxbatch_says_when_the_search_cap_bound_the_batch(capsys):
@@ -249,7 +249,7 @@ def test_ctrl_c_in_any_command_exits_130_with_a_message(capsys, monkeypatch):
     assert rc == 130 and err.strip() == "lowmem plan: error: interrupted"
 
 
-# ---- issue 22 case 10: --model wrn-K for any positive K ---------------------------------
+# ---- --model wrn-K for any positive K ----------------------------------------------------
 
 def test_model_wrn_k_takes_any_positive_widening_factor(capsys):
     from lowmem import models

@@ -1,4 +1,4 @@
-"""Tests for lowmem.data.datasets: loaders on tiny files written in the real formats,
+"""Tests for lowmem.data.datasets and lowmem.data.cifar: loaders on tiny files written in the real formats,
 preprocessing against per-sample references, batching order and resume."""
 import gzip
 import hashlib
@@ -13,8 +13,10 @@ import pytest
 
 from lowmem.data import datasets as data
 from lowmem.data.batches import BatchIterator
-from lowmem.data.datasets import (DataError, channel_mean_std, load_cifar, load_dataset, load_fashion_mnist,
-                                  read_idx, synthetic)
+from lowmem.data import cifar
+from lowmem.data.cifar import load_cifar
+from lowmem.data.datasets import channel_mean_std, load_dataset, load_fashion_mnist, read_idx, synthetic
+from lowmem.data.files import DataError
 from lowmem.data.transforms import augment, crop_flip, draw_crop_flip, normalize
 
 
@@ -62,7 +64,7 @@ def _write_archive(path, folder, members):
 
 
 def _make_cifar(directory, name="cifar10", seed=0, extracted=False, **kw):
-    spec = data._CIFAR[name]
+    spec = cifar.CIFAR[name]
     members, expected = _cifar_members(name, np.random.default_rng(seed), **kw)
     directory.mkdir(parents=True, exist_ok=True)
     if extracted:
@@ -115,11 +117,11 @@ def test_cifar_extracted_folder_given_directly(no_env):
 
 def test_cifar_pixel_layout():
     """A pure red image lands in channel 0, green in 1, blue in 2."""
-    spec = data._CIFAR["cifar10"]
+    spec = cifar.CIFAR["cifar10"]
     rows = np.zeros((3, 3072), np.uint8)
     for c in range(3):
         rows[c, 1024 * c:1024 * (c + 1)] = 255
-    x, y = data._cifar_batch({b"data": rows, b"labels": [0, 1, 2]}, "mem", spec)
+    x, y = cifar._cifar_batch({b"data": rows, b"labels": [0, 1, 2]}, "mem", spec)
     for c in range(3):
         assert (x[c, c] == 255).all() and x[c].sum() == 255 * 1024
 
@@ -134,7 +136,7 @@ def test_python2_pickle_of_the_original_release():
             b"(K\x03U\x01|NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb"
             b"\x89U\x06" + raw + b"tb"
             b"U\x06labels]q\x05(K\x01K\x02eu.")
-    batch = data._unpickle(io.BytesIO(blob))
+    batch = cifar._unpickle(io.BytesIO(blob))
     assert batch[b"labels"] == [1, 2] and batch[b"data"].dtype == np.uint8
     np.testing.assert_array_equal(batch[b"data"], np.arange(6).reshape(2, 3))
 
@@ -212,9 +214,9 @@ def test_download_md5_mismatch_leaves_nothing(no_env, monkeypatch):
 def test_download_success(no_env, monkeypatch):
     expected = _make_cifar(no_env / "src")
     payload = (no_env / "src" / "cifar-10-python.tar.gz").read_bytes()
-    spec = data._CIFAR["cifar10"]
-    monkeypatch.setitem(data._CIFAR, "cifar10",
-                        data.dataclasses.replace(spec, md5=hashlib.md5(payload).hexdigest()))
+    spec = cifar.CIFAR["cifar10"]
+    monkeypatch.setitem(cifar.CIFAR, "cifar10",
+                        cifar.dataclasses.replace(spec, md5=hashlib.md5(payload).hexdigest()))
     _serve(monkeypatch, payload)
     _check_cifar(load_cifar("cifar10"), expected)      # lands in ~/.cache/lowmem
     cache = no_env / "home" / ".cache" / "lowmem"
@@ -223,7 +225,7 @@ def test_download_success(no_env, monkeypatch):
 
 def _corrupt(kind, d):
     """Write a broken CIFAR-10 release of some kind into d; returns the file to be named."""
-    spec = data._CIFAR["cifar10"]
+    spec = cifar.CIFAR["cifar10"]
     members, _ = _cifar_members("cifar10", np.random.default_rng(0))
     archive = d / spec.archive
     d.mkdir()

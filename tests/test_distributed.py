@@ -143,7 +143,7 @@ def test_mpiexec_refuses_a_batch_the_ranks_do_not_divide(tmp_path):
     assert "batch 15 does not split evenly over 2 ranks" in r.stderr
 
 
-# ------------------------------------------------------------ ranks agree at start-up (issue 22, case 9)
+# ------------------------------------------------------------ ranks agree at start-up
 
 def mpmd(first, second, timeout=120):
     """mpiexec -n 1 lowmem FIRST : -n 1 lowmem SECOND (each rank its own command line)."""
@@ -172,7 +172,7 @@ def test_ranks_started_with_other_settings_refuse_together_with_one_line(tmp_pat
 
 def test_a_run_refused_on_one_rank_at_start_up_leaves_no_run_folder(tmp_path):
     """Rank 1 cannot read its data (its settings agree; its file system does not): every rank refuses,
-    and rank 0 removes the folder it had just made (issue 22, case 10)."""
+    and rank 0 removes the folder it had just made."""
     out = tmp_path / "run"
     args = ["train", "--dataset", "fashion-mnist", "--depth", "8", "--batch", "16", "--no-progress",
             "--out", str(out), "--data", str(tmp_path / "missing")]

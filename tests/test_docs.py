@@ -142,3 +142,52 @@ def test_no_references_to_the_development_process():
 def test_the_matcher():
     assert matches(["a", "...", "d"], ["a", "b", "c", "d"]) and matches(["a", "  ...", "b"], ["a", "b"])
     assert not matches(["a", "d"], ["a", "b", "d"]) and not matches(["a"], ["b"])
+
+
+# ---- the code the docs name exists (lowmem/... paths and dotted names: tests/test_doc_numbers.py)
+
+FOLDERS = "system|ops|data|units|core|bits|train|tools"
+IN_FOLDER = re.compile(rf"(?<![\w./-])(?:{FOLDERS})/[\w/]*\w\.py\b")        # units/fused.py, ops/winograd.py
+
+
+def test_every_module_path_named_inside_a_folder_exists():
+    """A page that names a module by its folder (`units/fused.py`) names one lowmem has."""
+    mentions = [(page, n, m.group(0)) for page in PAGES for n, line in enumerate(page.read_text().splitlines(), 1)
+                for m in IN_FOLDER.finditer(line)]
+    assert len(mentions) >= 10                                                   # the check sees them
+    missing = [f"{p.relative_to(ROOT)}:{n}: {m}" for p, n, m in mentions if not (ROOT / "lowmem" / m).exists()]
+    assert not missing, "the docs name modules that do not exist: " + ", ".join(missing)
+    assert IN_FOLDER.findall("(`units/fused.py` over x/ops/y.py, lowmem/ops/conv.py)") == ["units/fused.py"]
+
+
+def readme_layout():
+    """{folder: module file names (and sub-folders, "commands/")} as README.md's Layout section
+    lists them: a line `lowmem/<folder>/` opens a folder, its indented lines name its modules."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("## Layout"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    listed, folder = {}, None
+    for line in block.splitlines():
+        if line.startswith("lowmem/"):
+            head = line.split()[0]
+            folder = head if head.endswith("/") else None
+            if folder:
+                listed[folder] = set()
+            else:
+                listed.setdefault("lowmem/", set()).add(head[len("lowmem/"):])
+        elif folder and line.startswith("  "):                  # its modules, named anywhere on the line
+            listed[folder] |= set(re.findall(r"(?<![\w/.])\w+\.py\b|(?<![\w/.])\w+/(?=\s)", line))
+    return listed
+
+
+def test_the_readme_layout_lists_every_module():
+    listed = readme_layout()
+    for folder, names in listed.items():
+        where = ROOT / folder
+        actual = {p.name for p in where.glob("*.py") if p.name != "__init__.py" or folder == "lowmem/"}
+        actual |= {p.name + "/" for p in where.iterdir() if p.is_dir() and (p / "__init__.py").exists()
+                   and folder != "lowmem/"}
+        assert names == actual, (folder, sorted(names ^ actual))
+    assert set(listed) == {"lowmem/"} | {f"lowmem/{p.name}/" for p in (ROOT / "lowmem").iterdir()
+                                        if (p / "__init__.py").exists()}

@@ -607,7 +607,7 @@ def test_training_reduces_the_loss_on_a_fixed_batch(rng):
         assert losses[-1] < 0.5 * losses[0], (mode, losses)
 
 
-# ------------------------------------------------- the edges a careless user reaches (issue 11)
+# ------------------------------------------------- the edges a careless user reaches
 
 def test_batch_norm_over_one_value_per_channel_is_refused():
     net = Network("one-pixel", in_channels=3, num_classes=2)
@@ -728,3 +728,37 @@ def test_step_temporaries_stay_within_the_bound_the_plan_states(rng, depth, N, s
         tracemalloc.stop()
     assert peak - start <= eng.plan.temporary_bytes + (16 << 10), (peak - start, eng.plan.temporary_bytes)
     assert "of temporaries during a step" in eng.plan.report()
+
+
+# ---------------------------------------------------------------- the backward sweep's measurement hooks
+
+def test_backward_with_units_before_and_keep(rng):
+    """backward(keep=True) leaves an exact forward sweepable again (the same gradients twice);
+    units={unit: set} runs that set for one sweep only (x-tilde at 2 bits changes the gradients,
+    the next plain sweep is exact again); before(step) sees every backward step in order."""
+    from lowmem.bits.sensitivity import SimulatedCodeUnits
+    net = preact_resnet_cifar(8, num_classes=10, seed=1)
+    eng = Engine(net, batch_size=4, input_shape=(3, 8, 8), mode="exact", dtype="float64")
+    x, labels = batch(rng, net, 4, (3, 8, 8))
+    eng.forward(x, labels)
+    grads = lambda: {p.name: p.grad.copy() for p in net.parameters()}          # noqa: E731
+    seen = []
+    eng.backward(keep=True, before=seen.append)
+    first = grads()
+    assert seen == [s for s in eng.schedule if s.phase == "bwd"]
+    unit = next(iter(eng.unit_bits))
+    exact_set = eng.units[unit]
+    eng.backward(keep=True, units={unit: SimulatedCodeUnits(2)})
+    assert eng.units[unit] is exact_set
+    assert any(not np.array_equal(first[n], g) for n, g in grads().items())
+    eng.backward(keep=True)
+    assert all(np.array_equal(first[n], g) for n, g in grads().items())
+    with pytest.raises(ValueError, match="unknown unit.*'nope'"):
+        eng.backward(units={"nope": SimulatedCodeUnits(2)})
+    eng.backward()                                                          # consumes it
+    with pytest.raises(RuntimeError, match="forward"):
+        eng.backward()
+    approx = Engine(preact_resnet_cifar(8), batch_size=4, input_shape=(3, 8, 8), mode="approx")
+    approx.forward(x.astype(np.float32), labels)
+    with pytest.raises(ValueError, match="keep=True.*only exact"):
+        approx.backward(keep=True)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from lowmem.data.batches import BatchIterator, EpochOrder, EpochOrderError
-from lowmem.data.datasets import DataError
+from lowmem.data.files import DataError
 
 
 def test_the_order_is_a_seeded_permutation_per_epoch():

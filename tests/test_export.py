@@ -1,4 +1,4 @@
-"""lowmem.tools.export: safetensors and ONNX files, and the `lowmem export` subcommand's pair.
+"""lowmem.tools.export: safetensors and ONNX files, and the `lowmem export` subcommand (lowmem.tools.commands.export).
 
 * ONNX: onnxruntime's logits equal Engine.predict's (eval mode, non-trivial BN
   running statistics, some negative gammas) within 1e-5 of the logit scale,
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from lowmem.tools import export
+from lowmem.tools.commands import export as export_command
 from lowmem import models
 from lowmem.core.engine import Engine
 from test_engine import randomize_units
@@ -198,7 +199,7 @@ def run_dir(tmp_path_factory):
 
 
 def parse(*argv):
-    return export.add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    return export_command.add_arguments(argparse.ArgumentParser()).parse_args(argv)
 
 
 def test_export_command_writes_both_formats(run_dir, tmp_path, capsys):
@@ -207,10 +208,10 @@ def test_export_command_writes_both_formats(run_dir, tmp_path, capsys):
     from lowmem.train.trainer import load_model_state
     net = models.preact_resnet_cifar(8)
     load_model_state(os.path.join(run_dir, "checkpoint.ckpt"), net)
-    assert export.run(parse(str(run_dir), str(tmp_path / "m.safetensors"))) == 0
+    assert export_command.run(parse(str(run_dir), str(tmp_path / "m.safetensors"))) == 0
     assert "preact-resnet8-cifar" in capsys.readouterr().out
     assert set(export.read_safetensors(tmp_path / "m.safetensors")) == set(net.state_dict())
-    assert export.run(parse(str(run_dir / "checkpoint.ckpt"), str(tmp_path / "m.onnx"), "--input", "3x32x32")) == 0
+    assert export_command.run(parse(str(run_dir / "checkpoint.ckpt"), str(tmp_path / "m.onnx"), "--input", "3x32x32")) == 0
     assert "opset 17" in capsys.readouterr().out
     x = images((3, 32, 32))
     out = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
@@ -219,13 +220,13 @@ def test_export_command_writes_both_formats(run_dir, tmp_path, capsys):
 
 
 def test_export_command_errors(run_dir, tmp_path, capsys):
-    assert export.run(parse(str(run_dir), str(tmp_path / "m.pt"))) == 2      # a bad command line
+    assert export_command.run(parse(str(run_dir), str(tmp_path / "m.pt"))) == 2      # a bad command line
     assert "must end in .safetensors or .onnx" in capsys.readouterr().err
-    assert export.run(parse(str(tmp_path), str(tmp_path / "m.onnx"))) == 1
+    assert export_command.run(parse(str(tmp_path), str(tmp_path / "m.onnx"))) == 1
     assert "no checkpoint here" in capsys.readouterr().err
     broken = tmp_path / "broken.ckpt"
     broken.write_bytes(b"garbage")
-    assert export.run(parse(str(broken), str(tmp_path / "m.onnx"))) == 1
+    assert export_command.run(parse(str(broken), str(tmp_path / "m.onnx"))) == 1
     assert "broken.ckpt" in capsys.readouterr().err
     assert not (tmp_path / "m.onnx").exists()
 
@@ -236,12 +237,12 @@ def test_a_missing_extra_names_the_pip_install(run_dir, tmp_path, monkeypatch, c
     monkeypatch.setitem(sys.modules, "onnx", None)
     with pytest.raises(ImportError, match=r"pip install 'lowmem\[safetensors\]'"):
         export.export_safetensors(models.preact_resnet_cifar(8), tmp_path / "m.safetensors")
-    assert export.run(parse(str(run_dir), str(tmp_path / "m.onnx"))) == 2
+    assert export_command.run(parse(str(run_dir), str(tmp_path / "m.onnx"))) == 2
     assert "lowmem[onnx]" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
 
 
-# ------------------------------------------------- issue 22 case 7: bad opsets, configs and names
+# ------------------------------------------------- bad opsets, configs and names
 
 @pytest.mark.parametrize("opset", ["5", "-1", "99", "6", "seven"])
 def test_unsupported_opsets_are_refused_on_the_command_line(run_dir, tmp_path, capsys, opset):
@@ -286,7 +287,7 @@ def test_a_checkpoint_without_a_depth_is_a_clear_error(run_dir, tmp_path, capsys
     arrays, meta = load_checkpoint(os.path.join(run_dir, "checkpoint.ckpt"))
     del meta["config"]["depth"]
     save_checkpoint(tmp_path / "nodepth.ckpt", arrays, meta)
-    assert export.run(parse(str(tmp_path / "nodepth.ckpt"), str(tmp_path / "m.safetensors"))) == 1
+    assert export_command.run(parse(str(tmp_path / "nodepth.ckpt"), str(tmp_path / "m.safetensors"))) == 1
     err = capsys.readouterr().err
     assert "has no depth for model 'preact-cifar'" in err and "Traceback" not in err and "KeyError" not in err
 

@@ -126,3 +126,10 @@ def test_exact_gradients_match_finite_differences(fs):
             P[k][i] = old
             fd = (lp - lm) / (2 * eps)
             assert abs(fd - G[k][i]) <= 1e-6 * max(1.0, np.abs(G[k]).max()), (k, i, fd, G[k][i])
+
+
+def test_missing_data_is_one_clear_line(fs, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        fs.fashion_mnist(str(tmp_path))
+    msg = str(e.value)
+    assert "train-images-idx3-ubyte.gz" in msg and str(tmp_path) in msg and "\n" not in msg

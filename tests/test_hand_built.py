@@ -1,11 +1,11 @@
-"""Issue 22 case 8: hand-built Networks (lowmem/core/network.py's named buffers) that nn.check refuses
+"""Hand-built Networks (lowmem/core/network.py's named buffers) that nn.check refuses
 must be refused by the engine too, with the same message, never an AssertionError, a bare
 KeyError such as ('act1', 1), or a run that silently computes something else.
 
 Each network breaks one rule of nn.check; the test asks nn.check for its message and expects
 Engine (building it, or its first training step) to raise a ValueError (NetworkError is one)
-carrying that message. Today's engine (before the engine applies nn.check itself, issue 17)
-raises AssertionError, KeyError, other wording, or runs: conv_in_place, bn_reads_input,
+carrying that message. An engine that did not apply nn.check itself raised AssertionError,
+KeyError, other wording, or ran: conv_in_place, bn_reads_input,
 res_plus_res and pool_window_too_big train without complaint (the last with 4-bit window
 indices that overflow, so its gradients are wrong).
 """

@@ -14,10 +14,10 @@ import pytest
 
 Image = pytest.importorskip("PIL.Image")
 
-from lowmem.data import datasets as data, images
+from lowmem.data import datasets as data, decode, images
 from lowmem.data.transforms import normalize              # noqa: E402
 from lowmem import nn  # noqa: E402
-from lowmem.data.datasets import DataError                      # noqa: E402
+from lowmem.data.files import DataError                         # noqa: E402
 from lowmem.core.engine import Engine                        # noqa: E402
 from lowmem.train.optim import SGD                            # noqa: E402
 
@@ -164,7 +164,7 @@ def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path):
             assert im.mode == mode
         for channels, pil_mode in ((3, "RGB"), (1, "L")):
             out = np.empty((channels, 16, 16), np.uint8)
-            images.decode(out, str(tmp_path / name), 16, False, None, pil_mode, resize=16)
+            decode.decode(out, str(tmp_path / name), 16, False, None, pil_mode, resize=16)
             for c in range(channels):
                 np.testing.assert_array_equal(out[c], expected)
 
@@ -173,13 +173,13 @@ def test_random_resized_crop_boxes_follow_torchvision_bounds():
     rng = np.random.default_rng(0)
     for w, h in ((64, 48), (500, 375), (33, 90)):
         for _ in range(300):
-            x0, y0, x1, y1 = images.random_resized_crop_box(w, h, rng)
+            x0, y0, x1, y1 = decode.random_resized_crop_box(w, h, rng)
             assert 0 <= x0 < x1 <= w and 0 <= y0 < y1 <= h
             cw, ch = x1 - x0, y1 - y0
             assert 0.08 * w * h * 0.8 <= cw * ch <= w * h          # area scale 0.08..1 (rounding)
             if (cw, ch) != (w, h):
                 assert 0.7 <= cw / ch <= 1.45                        # aspect 3/4..4/3 (rounding)
-    x0, y0, x1, y1 = images.random_resized_crop_box(400, 4, rng)      # no try fits: centre crop, ratio 4/3
+    x0, y0, x1, y1 = decode.random_resized_crop_box(400, 4, rng)      # no try fits: centre crop, ratio 4/3
     assert (x1 - x0, y1 - y0) == (5, 4) and x0 == (400 - 5) // 2
 
 
@@ -192,7 +192,7 @@ def test_train_transform_flips_about_half_the_time(tmp_path):
     out = np.empty((3, 16, 16), np.uint8)
     seen = []
     for seed in range(400):
-        images.decode(out, path, 16, True, np.random.default_rng(seed))
+        decode.decode(out, path, 16, True, np.random.default_rng(seed))
         left, right = out[:, :, :4].mean(), out[:, :, -4:].mean()
         if abs(left - right) > 100:
             seen.append(left > right)                  # white on the left: flipped
@@ -365,8 +365,8 @@ def make_tiny_folder(root, n=70, side=8, seed=0):
 
 def test_every_batch_size_and_worker_count_gives_the_one_worker_samples(tmp_path):
     # The last chunk of a batch is short whenever the batch does not divide by the worker count;
-    # each worker must decode exactly its slice of the batch (issue 22, case 1: 43 of the batch
-    # sizes 1-64 raised IndexError with 4 workers). Per-sample augmentation depends only on the
+    # each worker must decode exactly its slice of the batch (a loader that did not raised
+    # IndexError for 43 of the batch sizes 1-64 with 4 workers). Per-sample augmentation depends only on the
     # sample's position in the epoch, so all batchings of an epoch concatenate to the same arrays.
     folder = make_tiny_folder(str(tmp_path / "tiny"))
     ref = images.ImageLoader(folder, len(folder), 8, train=True, drop_last=False, seed=5, workers=1,
@@ -393,9 +393,10 @@ def test_channel_stats_with_any_worker_count(tmp_path):
 
 
 def test_the_statistics_pass_is_streamed_and_bounded(tmp_path):
-    """Issue 22 case 5: channel_stats holds at most images.stats_memory_bytes (a few batches of
+    """channel_stats holds at most images.stats_memory_bytes (a few batches of
     about STATS_BATCH_BYTES each, whatever the folder) and its histograms copy no whole batch;
-    it read every training image in batches of 64 with 2x4 batches in flight (+2 GB at 1024x1024)."""
+    an unstreamed pass read every training image in batches of 64 with 2x4 batches in flight
+    (+2 GB at 1024x1024)."""
     import tracemalloc
     folder = make_tiny_folder(str(tmp_path / "tiny"))
     expected = images.channel_stats(folder, 8, workers=1)        # small: the bound is not the point
@@ -412,7 +413,7 @@ def test_the_statistics_pass_is_streamed_and_bounded(tmp_path):
     assert np.all(np.abs(mean - expected[0]) < 0.05)               # same pixels, resized
 
 
-# ------------------------------------------------- issue 22 case 10: hidden files, --skip-bad
+# ------------------------------------------------- hidden files, --skip-bad
 
 def test_hidden_files_are_ignored(folders):
     """macOS copies leave ._name.jpg AppleDouble files (not images) beside the real ones."""
@@ -450,7 +451,7 @@ def test_lowmem_train_skip_bad(tmp_path, capsys):
     assert "final test accuracy" in capsys.readouterr().out
 
 
-# ------------------------------------------------ the trainer on image folders (issue 22, cases 2, 3, 10)
+# ------------------------------------------------ the trainer on image folders
 
 FOLDER_TRAIN = ["train", "--dataset", "folder", "--image-size", "16", "--depth", "8", "--batch", "12",
                 "--lr", "0.05", "--workers", "2", "--no-progress"]
@@ -458,7 +459,7 @@ FOLDER_TRAIN = ["train", "--dataset", "folder", "--image-size", "16", "--depth",
 
 def test_folder_runs_honour_no_augment_and_the_limits(tmp_path):
     """--no-augment: the eval transform (no random crop or flip), still shuffled; --limit-train /
-    --limit-test: seeded subsets of the splits (issue 22, case 3: both were ignored)."""
+    --limit-test: seeded subsets of the splits (neither may be ignored)."""
     from lowmem.train.config import TrainConfig
     from lowmem.train.trainer import Trainer
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
@@ -477,7 +478,7 @@ def test_folder_runs_honour_no_augment_and_the_limits(tmp_path):
 
 
 def test_a_bad_val_image_stops_the_run_before_its_first_epoch(tmp_path, capsys):
-    """Issue 22, case 10: found at start-up, so no epoch is lost and no folder needs --overwrite."""
+    """Found at start-up, so no epoch is lost and no folder needs --overwrite."""
     from lowmem.tools import cli
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
     bad = os.path.join(root, "val", "cat", "002.jpg")
@@ -491,7 +492,7 @@ def test_a_bad_val_image_stops_the_run_before_its_first_epoch(tmp_path, capsys):
 
 
 def test_class_names_and_preprocessing_travel_with_the_weights(tmp_path, capsys):
-    """Issue 22, case 2: the checkpoint and both exports hold the classes, image size and mean/std;
+    """The checkpoint and both exports hold the classes, image size and mean/std;
     a resume after a class folder was renamed is refused naming it; `lowmem predict` on an exported
     model prints class names."""
     from lowmem.tools import cli, export
@@ -525,3 +526,21 @@ def test_class_names_and_preprocessing_travel_with_the_weights(tmp_path, capsys)
     assert cli.main(["train", "--out", str(run), "--resume", "--epochs", "3", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "the class folders changed since it was saved (train/bird renamed to train/zebra)" in err
+
+
+def test_bits_auto_on_an_image_folder_measures_its_first_batches(tmp_path, capsys):
+    """--bits auto with --dataset folder: the widths are measured on the first batches the training
+    loader yields (eval transform), stored, and a resume continues with them."""
+    import json
+    from lowmem.tools import cli
+    root = make_folders(str(tmp_path / "p"), per_class=(8, 2))
+    out = tmp_path / "run"
+    argv = FOLDER_TRAIN + ["--data", root, "--epochs", "1", "--bits", "auto", "--avg-bits", "2", "--batch", "8",
+                           "--out", str(out)]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "bits auto (2 bits on average), measured on 3 training batches" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert isinstance(config["bits"], dict) and len(config["bits"]) == 7 and config["avg_bits"] == 2
+    assert cli.main(argv[:-2] + ["--out", str(out), "--resume", "--epochs", "2"]) == 0
+    assert json.loads((out / "config.json").read_text())["bits"] == config["bits"]

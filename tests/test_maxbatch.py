@@ -5,7 +5,7 @@ import re
 import pytest
 
 from lowmem import models
-from lowmem.tools.cli import maxbatch_arguments, maxbatch_command
+from lowmem.tools.commands.maxbatch import add_arguments as maxbatch_arguments, run as maxbatch_command
 from lowmem.tools.maxbatch import max_batch, parse_bytes, planned_engine
 
 TINY = (3, 8, 8)
@@ -131,7 +131,7 @@ SMALLEST_DEPTH = {"preact-cifar": 8, "preact-imagenet": 18, "vgg-bn": 11, "resne
 
 @pytest.mark.parametrize("model", sorted(models.MODELS))
 def test_every_registered_model_gets_its_largest_batch(model):
-    """Issue 22 case 6: the search starts at the smallest batch batch norm allows (VGG-BN at
+    """The search starts at the smallest batch batch norm allows (VGG-BN at
     3x32x32 has a 1x1 last stage: batch 1 is refused, so maxbatch always failed)."""
     spec = models.model_spec(model)
     depth = SMALLEST_DEPTH.get(model, 10)

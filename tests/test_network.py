@@ -1,5 +1,5 @@
 """lowmem/core/network.py: declared parameters drawn lazily, and per-step bookkeeping that stays
-O(layers): a training step never walks every parameter spec once per layer (issue 21: that
+O(layers): a training step never walks every parameter spec once per layer (a walk that did
 made a ResNet-1001 step grow with depth squared)."""
 import numpy as np
 import pytest

@@ -351,7 +351,7 @@ def test_maxpool_in_blocks_against_loops(rng, k, stride, pad):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_maxpool_scratch_is_bounded_by_the_block(rng, dtype):
-    """Issue 22 case 5: no temporary the size of the output, whatever the batch (it was a bool
+    """No temporary the size of the output, whatever the batch (it was a bool
     mask and a float copy of the output per window offset): at most scratch_bytes, here a
     small fraction of the output."""
     x = rng.standard_normal((16, 32, 32, 32)).astype(dtype)

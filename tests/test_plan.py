@@ -103,7 +103,7 @@ def one_thread():
 
 @pytest.mark.parametrize("name", STEADY_NETS)
 def test_a_steady_step_stays_within_the_plan_and_its_stated_temporaries(name, one_thread):
-    """Issue 22 case 5: what lowmem plan --measure reports (diagnostics.measure_peak) stays within
+    """What lowmem plan --measure reports (diagnostics.measure_peak) stays within
     what the engine holds (the plan, plus its Python objects) plus the plan's stated bound on
     temporaries (plus 64 KiB of interpreter bookkeeping) for every kind of network, pools included.
     Max-pool forward and backward used to allocate output-sized masks and a `where` copy per

@@ -35,7 +35,7 @@ def test_a_folder_with_other_files_is_refused_and_left_alone(capsys, tmp_path):
     assert rc == 1
     assert "is not empty and is not a lowmem run folder (it holds config.json, notes.txt)" in err
     assert "--overwrite" in err
-    assert snapshot(out) == {**before, LOCK: (out / LOCK).read_bytes()}       # only the lock file added
+    assert snapshot(out) == before                                  # nothing added (the lock file went again)
     # --overwrite: the run is written there; files lowmem does not own stay
     rc, _, err = train(capsys, out, "--overwrite")
     assert rc == 0, err
@@ -49,8 +49,8 @@ def test_a_new_or_empty_folder_is_used_and_marked(capsys, tmp_path):
     for out in (tmp_path / "empty", tmp_path / "new" / "nested"):
         rc, _, err = train(capsys, out)
         assert rc == 0, err
-        assert sorted(os.listdir(out)) == ["checkpoint.ckpt", "config.json", MARKER, LOCK, "metrics.jsonl",
-                                           "plan.txt"]
+        assert sorted(os.listdir(out)) == ["checkpoint.ckpt", "config.json", MARKER, "metrics.jsonl",
+                                           "plan.txt"]                 # a finished run leaves no lock file
 
 
 def test_a_lowmem_run_needs_resume_or_overwrite(capsys, tmp_path):
@@ -118,9 +118,10 @@ def test_another_process_holds_the_lock_until_it_dies(capsys, tmp_path):
         assert os.listdir(out) == [LOCK]                        # nothing written
         child.send_signal(signal.SIGKILL)                       # no clean-up: the kernel drops the lock
         child.wait(timeout=30)
+        assert (out / LOCK).read_text().strip() == str(child.pid)   # the dead holder's file stays ...
         rc, _, err = train(capsys, out)
         assert rc == 0, err
-        assert (out / LOCK).read_text().strip() == str(os.getpid())
+        assert not (out / LOCK).exists()                        # ... until a run takes it over and ends
     finally:
         child.kill()
         child.wait()
@@ -138,3 +139,28 @@ def test_claim_rules(tmp_path):
     assert not run.held
     assert issubclass(ResumeError, RunDirError) and issubclass(RunDirError, ValueError)
     assert rundir.OWN_FILES == ("checkpoint.ckpt", "metrics.jsonl", "config.json", "plan.txt")
+
+
+def test_a_lock_file_removed_by_its_holder_is_not_locked_by_a_late_opener(tmp_path, monkeypatch):
+    # the race the removal opens: B opens the file, A removes it and releases, B takes the flock on
+    # the removed file; B must notice and lock the new file, which C then finds locked
+    import lowmem.train.rundir as rd
+    out = tmp_path / "run"
+    a = claim(str(out))
+    real_open = open
+    opened = []
+
+    def late_open(name, mode="r", *args, **kw):
+        f = real_open(name, mode, *args, **kw)
+        if str(name).endswith(LOCK) and not opened:
+            opened.append(name)
+            a.release()                                # A ends between B's open and B's flock
+        return f
+    monkeypatch.setattr(rd, "open", late_open, raising=False)
+    b = claim(str(out))
+    monkeypatch.undo()
+    assert (out / LOCK).exists() and (out / LOCK).read_text().strip() == str(os.getpid())
+    with pytest.raises(RunDirError, match="in use by another lowmem run"):
+        claim(str(out))                                # C: the file B holds
+    b.release()
+    assert not (out / LOCK).exists()

@@ -53,15 +53,26 @@ def test_a_crash_while_appending_keeps_every_earlier_record(tmp_path, monkeypatc
     log.release()
 
 
-def test_a_resumed_start_drops_the_epochs_past_the_checkpoint(tmp_path):
+def test_a_resumed_start_drops_the_epochs_and_steps_past_the_checkpoint(tmp_path):
     atomic.atomic_write(tmp_path / "metrics.jsonl", "".join(json_line(r) for r in (
-        {"event": "epoch", "iteration": 4}, {"event": "epoch", "iteration": 8}, {"event": "stop", "iteration": 9})))
+        {"event": "step", "iteration": 2}, {"event": "epoch", "iteration": 4}, {"event": "step", "iteration": 6},
+        {"event": "epoch", "iteration": 8}, {"event": "stop", "iteration": 9})))
     log = RunLog(None)
     log.start(Config(), Engine(), fresh=False, iteration=4)          # RunLog.none(): writes nothing
-    assert len(read_metrics(tmp_path)) == 3
+    assert len(read_metrics(tmp_path)) == 5
     log = RunLog.claim(tmp_path, overwrite=True)
     log.start(Config(), Engine(), fresh=False, iteration=4)
-    assert [r["iteration"] for r in read_metrics(tmp_path)] == [4, 9]
+    assert [r["iteration"] for r in read_metrics(tmp_path)] == [2, 4, 9]
+    log.release()
+
+
+def test_append_writes_several_records_at_once_each_keeping_its_own_time(tmp_path):
+    log = RunLog.claim(tmp_path)
+    log.start(Config(), Engine(), fresh=True, iteration=0)
+    log.append({"event": "step", "iteration": 2, "time": 5.0}, {"event": "epoch", "iteration": 4})
+    log.append()                                                       # nothing: no rewrite
+    recs = read_metrics(tmp_path)
+    assert [r["event"] for r in recs] == ["step", "epoch"] and recs[0]["time"] == 5.0 and recs[1]["time"] > 5
     log.release()
 
 

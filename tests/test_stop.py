@@ -3,6 +3,7 @@ import os
 import signal
 
 import numpy as np
+import pytest
 
 from lowmem.system import distributed
 from lowmem.train.stop import Stop
@@ -50,3 +51,26 @@ def test_ranks_agree_on_the_stop_and_keep_the_signal_one_of_them_saw():
     stop = Stop(Ranks([0, 0, 0, 0]))
     stop.agree()
     assert stop.reason is None
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_while_measuring_bits_auto_ends_in_one_line_and_leaves_no_folder(tmp_path, capsys,
+                                                                                 monkeypatch, sig, code):
+    from lowmem.bits import auto
+    from lowmem.tools import cli
+    real = auto.measure_sensitivity
+
+    def measuring(*a, **k):                         # the signal arrives during the measurement
+        os.kill(os.getpid(), sig)
+        return real(*a, **k)
+    monkeypatch.setattr(auto, "measure_sensitivity", measuring)
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    out = tmp_path / "run"
+    rc = cli.main(["train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test", "16", "--depth", "8",
+                   "--batch", "16", "--no-progress", "--bits", "auto", "--avg-bits", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == code
+    assert err.strip() == (f"lowmem train: error: stopped by {signal.Signals(sig).name} while preparing the run "
+                           f"(loading data, measuring --bits auto); nothing was trained and no checkpoint written")
+    assert not out.exists()                          # the folder made for the run goes again
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

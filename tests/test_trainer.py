@@ -16,7 +16,7 @@ from lowmem.train.checkpoint import CheckpointError, load_checkpoint
 from lowmem.data.datasets import Dataset, channel_mean_std, synthetic
 from lowmem.models import preact_resnet_cifar
 from lowmem.tools import cli
-from lowmem.tools.cli import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_TIME_LIMIT, EXIT_USAGE
+from lowmem.tools.options import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_TIME_LIMIT, EXIT_USAGE
 from lowmem.train.checkpoint import save_checkpoint
 from lowmem.train.config import ConfigError, TrainConfig, lr_at
 from lowmem.train.rundir import read_metrics
@@ -24,7 +24,7 @@ from lowmem.train.trainer import (CHECKPOINT, METRICS, ResumeError, Trainer, Tra
                                   load_model_state)
 
 STEPS = 8       # per epoch: 128 training images, batch 16
-RUN_FILES = ["checkpoint.ckpt", "config.json", "lowmem-run.json", "lowmem-run.lock", "metrics.jsonl", "plan.txt"]
+RUN_FILES = ["checkpoint.ckpt", "config.json", "lowmem-run.json", "metrics.jsonl", "plan.txt"]
 
 
 @pytest.fixture(scope="module")
@@ -296,11 +296,11 @@ def test_the_step_is_engine_train_step_and_its_error_is_a_divergence(tiny_data, 
     trainer = Trainer(tiny_config(tmp_path), dataset=tiny_data, log=quiet)
     calls, real = [], trainer.engine.train_step
 
-    def train_step(x, labels, opt):
+    def train_step(x, labels, opt, **kw):
         calls.append(len(x))
         if len(calls) == STEPS + 3:
             raise FloatingPointError("non-finite loss nan (learning rate too high?)")
-        return real(x, labels, opt)
+        return real(x, labels, opt, **kw)
     monkeypatch.setattr(trainer.engine, "train_step", train_step)
     with pytest.raises(TrainingDiverged, match=r"non-finite loss nan .* at iteration 11 \(epoch 2, step 3"):
         trainer.fit()
@@ -351,7 +351,8 @@ def test_a_second_ctrl_c_while_stopping_exits_130_with_a_message(tmp_path, capsy
         if a and str(a[0]).startswith("stopped ("):
             raise KeyboardInterrupt
         print(*a, **k)
-    monkeypatch.setattr(cli, "print", print_, raising=False)
+    from lowmem.tools.commands import train as train_command
+    monkeypatch.setattr(train_command, "print", print_, raising=False)
     args = ["--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8", "--depth", "8", "--batch", "16",
             "--out", str(tmp_path / "run"), "--no-progress", "--time-limit", "1e-9"]
     assert run_train(args) == 130

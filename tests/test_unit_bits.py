@@ -161,3 +161,11 @@ def test_exact_mode_refuses_a_dict_with_widths_and_ignores_an_int():
         Engine(network(), N, SHAPE, "exact", bits={"*": "float", "layer1.0.bn1": 4}, allocate=False)
     eng = Engine(network(), N, SHAPE, "exact", bits=2, allocate=False)
     assert eng.bits == 2 and set(eng.unit_bits.values()) == {None}
+
+
+@pytest.mark.parametrize("mode", ["exact", "approx", "naive"])
+def test_an_unknown_unit_name_is_refused_in_every_mode(mode):
+    with pytest.raises(ValueError, match=r"'nosuch', not a BN-ReLU unit of this network"):
+        Engine(network(), N, SHAPE, mode, bits={"nosuch": "float"}, allocate=False)
+    eng = Engine(network(), N, SHAPE, mode, bits={"*": "float", "layer1.0.bn1": "float"}, allocate=False)
+    assert set(eng.unit_bits.values()) == {None}

@@ -1,14 +1,14 @@
-"""The quantizer's grid for one channel: bins, the bin edge on the ReLU threshold, the window.
+"""The quantizer's grid for one channel: bins, the bin edge on the ReLU threshold, the grid.
 
     python docs/figures/quantizer_grid.py [--bits 4] [--out docs/quantizer_grid.png]
 
 Two channels of a 4-bit unit, decoded by lowmem.units.quant itself (quant_params and
 quantize_simulated, which the packed path matches bit for bit): x-tilde as a
-function of x-hat (the staircase), every bin edge, the window [lo, lo + L*w], and
+function of x-hat (the staircase), every bin edge, the grid [lo, lo + L*w] (notation.md), and
 the ReLU threshold t = -beta/|gamma|. Left, gamma = 1.5, beta = 0.4 (the worked
-example of docs/worked_examples.md): t lies inside the window and a bin edge sits
-on it. Right, gamma = 1, beta = -4: t = 4 lies beyond the window, k is clamped to
-L-1, lo is clipped, and the two-sided clamp puts every "off" value above the window
+example of docs/worked_examples.md): t lies inside the grid and a bin edge sits
+on it. Right, gamma = 1, beta = -4: t = 4 lies beyond the grid, k is clamped to
+L-1, lo is clipped, and the two-sided clamp puts every "off" value above the grid
 into code L-2, so only values past t decode to the top code. Needs matplotlib
 (the optional extra lowmem[plot]).
 """
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from lowmem.units import quant  # noqa: E402
 
-CASES = ((1.5, 0.4, "t inside the window"), (1.0, -4.0, "t beyond the window (k clamped, lo clipped)"))
+CASES = ((1.5, 0.4, "t inside the grid"), (1.0, -4.0, "t beyond the grid (k clamped, lo clipped)"))
 
 
 def panel(ax, gamma, beta, bits, title):
@@ -33,7 +33,7 @@ def panel(ax, gamma, beta, bits, title):
     t = -beta / abs(gamma)
     x = numpy.linspace(-5, 5, 4001, dtype=numpy.float32)[None, :]
     xt, mask = quant.quantize_simulated(x, g, b, bits)
-    ax.axvspan(lo, lo + L * w, color="tab:green", alpha=0.08, label=f"window [lo, lo + L·w] = [{lo:.3f}, {lo + L * w:.3f}]")
+    ax.axvspan(lo, lo + L * w, color="tab:green", alpha=0.08, label=f"grid [lo, lo + L·w] = [{lo:.3f}, {lo + L * w:.3f}]")
     for e in range(L + 1):
         ax.axvline(lo + e * w, color="0.8", lw=0.6, zorder=0)
     ax.plot(x[0], x[0], color="0.6", lw=0.8, ls="--", label="x̃ = x̂")

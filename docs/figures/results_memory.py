@@ -4,8 +4,10 @@
 
 Plans only (Engine(..., allocate=False)): deterministic, the same on every
 machine, and equal to what lowmem allocates (tests/test_plan.py measures it).
-Pre-activation CIFAR ResNets, float32, 3x32x32, 10 classes. Prints the table it
-plots. Needs matplotlib for the PNG.
+Pre-activation CIFAR ResNets, float32, 3x32x32, 10 classes, with the models'
+default blocks: basic up to ResNet-110, bottleneck from ResNet-164 on (the plot
+marks the switch, which is where the totals jump). Prints the table it plots.
+Needs matplotlib for the PNG.
 """
 import argparse
 import os
@@ -51,12 +53,17 @@ def main():
     ax.plot(ds, [r[4] / mib for r in rows], "x--", color="C1", alpha=0.6, label="approx 4-bit: saved for backward")
     for d, te, ta, _, _ in rows:
         ax.annotate(f"{te / ta:.2f}x", (d, ta / mib), textcoords="offset points", xytext=(4, -12), fontsize=7)
-    ax.set(xscale="log", yscale="log", xlabel="depth (pre-act CIFAR ResNet)", ylabel="MiB (plan)",
+    ax.axvspan(ds[0] * 0.85, 135, color="0.5", alpha=0.08, lw=0)
+    ax.axvline(135, color="0.4", lw=0.8, ls=":")
+    ax.text(128, ax.get_ylim()[1] * 0.6, "basic blocks ", ha="right", va="top", fontsize=7.5, color="0.3")
+    ax.text(142, ax.get_ylim()[1] * 0.6, " bottleneck blocks", ha="left", va="top", fontsize=7.5, color="0.3")
+    ax.set(xscale="log", yscale="log", xlabel="depth (pre-act CIFAR ResNet, the models' default block)",
+           ylabel="MiB (plan)",
            title=f"planned memory of a training step, batch {a.batch}, float32")
     ax.set_xticks(ds)
     ax.set_xticklabels([str(d) for d in ds])
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(a.out)
     print(f"wrote {a.out}")

@@ -21,17 +21,27 @@ holds; the result is then optimal for the rounded costs, `Solution.exact` False)
     print(a.table()); bits = a.bits                     # {unit: K or "float"}
 """
 import math
+import numbers
 from dataclasses import dataclass
 from functools import reduce
 
 import numpy
 
+from ..core.engine import DEFAULT_WORKSPACE_BYTES, Engine
 from ..units import quant
 from ..system.memory import fmt_bytes
-from .sensitivity import FLOAT
+from ..units.widths import BITS, FLOAT
+from .sensitivity import measure_sensitivity, measured_batches
 
-CHOICES = (1, 2, 4, 8, FLOAT)
+CHOICES = BITS + (FLOAT,)                  # every width a unit may get
 MAX_CELLS = 1 << 17
+NO_UNITS = ("the network has no BN-ReLU unit: there is no saved x-hat width to choose "
+            "(train it with any fixed bits)")
+
+
+def check_choices(choices):
+    if not choices or any(c != FLOAT and c not in BITS for c in choices):
+        raise ValueError(f"choices must be drawn from {CHOICES}, got {choices!r}")
 
 
 @dataclass
@@ -53,6 +63,8 @@ def solve(costs, errors, budget, max_cells=MAX_CELLS):
         raise ValueError("costs and errors must list the same non-empty options for every item")
     if any(int(b) != b or b < 0 for c in costs for b in c):
         raise ValueError("costs must be non-negative integers (bytes)")
+    if any(math.isnan(e) for es in errors for e in es):
+        raise ValueError("the predicted errors contain NaN: are the weights and the batches finite?")
     budget = int(budget)
     least = sum(min(c) for c in costs)
     if least > budget:
@@ -60,12 +72,17 @@ def solve(costs, errors, budget, max_cells=MAX_CELLS):
                          f"{fmt_bytes(least)} ({least:,} B: every unit at its cheapest width)")
     if n == 0:
         return Solution([], 0, 0.0, True)
-    g = reduce(math.gcd, (int(b) for c in costs for b in c), 0) or 1
-    exact = budget // g + 1 <= max_cells
+    # the grid measures each option's cost above its item's cheapest: every cheapest option is
+    # 0 cells, so the cheapest allocation fits whenever least <= budget, on any grid
+    base = [min(int(b) for b in c) for c in costs]
+    extra = [[int(b) - m for b in c] for c, m in zip(costs, base)]
+    room = budget - least
+    g = reduce(math.gcd, (b for c in extra for b in c), 0) or 1
+    exact = room // g + 1 <= max_cells
     if not exact:                                 # a coarser grid; costs rounded up: still within budget
-        g = -(-budget // (max_cells - 1))
-    cells = budget // g + 1
-    steps = [[-(-int(b) // g) for b in c] for c in costs]
+        g = -(-room // (max_cells - 1))
+    cells = room // g + 1
+    steps = [[-(-b // g) for b in c] for c in extra]
     best = numpy.zeros(cells)                     # no item yet: error 0 within any budget
     picks = numpy.empty((n, cells), numpy.int16)
     for i in range(n):
@@ -80,9 +97,8 @@ def solve(costs, errors, budget, max_cells=MAX_CELLS):
             picks[i, better] = k
         best = new
     c = cells - 1
-    if not numpy.isfinite(best[c]):
-        raise ValueError(f"no allocation fits the budget {fmt_bytes(budget)} on the rounded grid "
-                         f"of {fmt_bytes(g)}; raise the budget")
+    if not numpy.isfinite(best[c]):               # only where errors are infinite
+        raise ValueError(f"no allocation within the budget {fmt_bytes(budget)} has a finite predicted error")
     choice = [0] * n
     for i in range(n - 1, -1, -1):                # walk back: the option taken, then its cost
         k = int(picks[i, c])
@@ -118,10 +134,15 @@ class Allocation:
     def total_bytes(self):
         return sum(self.bytes.values())
 
+    def _ratio(self, error2):
+        # NaN when the measured batches show no SGD noise (identical batches): no ratio exists
+        return math.sqrt(error2) / self.noise_norm if self.noise_norm > 0 else float("nan")
+
     @property
     def predicted_ratio(self):
-        """Predicted error-to-noise ratio of all parameters (sqrt of the summed squared errors)."""
-        return math.sqrt(sum(self.error2.values())) / self.noise_norm
+        """Predicted error-to-noise ratio of all parameters (sqrt of the summed squared errors);
+        NaN when the SGD noise measured is 0 (identical batches)."""
+        return self._ratio(sum(self.error2.values()))
 
     @property
     def average_bits(self):
@@ -132,15 +153,59 @@ class Allocation:
         """One line per unit: name, shape, K, bytes, predicted error/noise; then the totals."""
         lines = [f"{'unit':<24} {'shape (C,H,W)':<15} {'K':>5} {'bytes':>14} {'error/noise':>12}"]
         for u, k in self.bits.items():
-            r = math.sqrt(self.error2[u]) / self.noise_norm
-            lines.append(f"{u:<24} {str(tuple(self.shapes[u])):<15} {str(k):>5} {self.bytes[u]:>14,} {r:>12.3g}")
+            r = _fmt_ratio(self._ratio(self.error2[u]))
+            lines.append(f"{u:<24} {str(tuple(self.shapes[u])):<15} {str(k):>5} {self.bytes[u]:>14,} {r:>12}")
         lines.append(f"{'total':<24} {'':<15} {self.average_bits:>5.2f} {self.total_bytes:>14,} "
-                     f"{self.predicted_ratio:>12.3g}")
+                     f"{_fmt_ratio(self.predicted_ratio):>12}")
         uni = ", ".join(f"{k}-bit {fmt_bytes(b)}" for k, b in self.uniform_bytes.items())
         lines.append(f"saved x-hat {fmt_bytes(self.total_bytes)} of a budget of {fmt_bytes(self.budget)} "
                      f"(batch {self.batch_size}; uniform: {uni}); error/noise: predicted rms gradient "
                      f"error over the SGD noise of all parameters (per unit: its own share)")
+        if not self.noise_norm > 0:
+            lines.append("the measured batches show no SGD noise (identical batches?): no error/noise "
+                         "ratio; the widths minimise the predicted error itself")
         return "\n".join(lines)
+
+
+def _fmt_ratio(r):
+    return "n/a" if math.isnan(r) else f"{r:.3g}"
+
+
+def check_amount(name, value, low, high=math.inf, low_open=True, what="a number"):
+    """`value` as a float if it is a finite real number (not a bool) in (low, high] (or [low, high]
+    when not low_open); else ValueError naming the parameter `name`."""
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if low_open else value >= low) and value <= high)
+    if not ok:
+        span = f"{'(' if low_open else '['}{low:g}, {'inf)' if high == math.inf else f'{high:g}]'}"
+        raise ValueError(f"{name} must be {what} in {span}, got {value!r}")
+    return float(value)
+
+
+def check_batch_size(batch_size, name="batch_size"):
+    """`batch_size` as an int if it is a positive integer (not a bool); else ValueError."""
+    if not (isinstance(batch_size, numbers.Integral) and not isinstance(batch_size, bool) and batch_size >= 1):
+        raise ValueError(f"{name} must be a positive integer, got {batch_size!r}")
+    return int(batch_size)
+
+
+def code_budget(elements, avg_bits=None, code_bytes=None):
+    """The saved x-hat bytes allowed: `code_bytes`, or what every unit at `avg_bits` would take
+    (exactly uniform K's bytes for K in 1, 2, 4, 8); elements {unit: C*N*H*W}."""
+    if avg_bits is None:
+        return int(check_amount("code_bytes", code_bytes, 0, low_open=False, what="a number of bytes"))
+    avg_bits = check_amount("avg_bits", avg_bits, 0, 32)
+    if avg_bits in BITS:
+        return sum(quant.packed_nbytes(n, int(avg_bits)) for n in elements.values())
+    return int(sum(elements.values()) * avg_bits // 8)
+
+
+def check_fits(elements, code_bytes, choices, itemsize, said):
+    """ValueError unless every unit at its cheapest choice fits `code_bytes`; `said` words the
+    budget the way the caller gave it (a callable: least bytes -> the message)."""
+    least = sum(min(unit_bytes(n, c, itemsize) for c in choices) for n in elements.values())
+    if least > code_bytes:
+        raise ValueError(said(least))
 
 
 def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, itemsize=4,
@@ -150,18 +215,12 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
     per element would take (exactly uniform K's bytes for K in 1, 2, 4, 8). Returns an Allocation."""
     if (code_bytes is None) == (avg_bits is None):
         raise ValueError("give exactly one of code_bytes (a byte budget) and avg_bits")
-    if not choices or any(c != FLOAT and c not in quant.BITS for c in choices):
-        raise ValueError(f"choices must be drawn from {CHOICES}, got {choices!r}")
-    batch_size = int(batch_size)
+    check_choices(choices)
+    batch_size = check_batch_size(batch_size)
+    if not sens.units:
+        raise ValueError(NO_UNITS)
     elements = {u: int(math.prod(sens.shapes[u])) * batch_size for u in sens.units}
-    if avg_bits is not None:
-        if not (isinstance(avg_bits, (int, float)) and 0 < avg_bits <= 32):
-            raise ValueError(f"avg_bits must be a number in (0, 32], got {avg_bits!r}")
-        if avg_bits in quant.BITS:
-            code_bytes = sum(quant.packed_nbytes(n, int(avg_bits)) for n in elements.values())
-        else:
-            code_bytes = int(sum(elements.values()) * avg_bits // 8)
-    code_bytes = int(code_bytes)
+    code_bytes = code_budget(elements, avg_bits, code_bytes)
     costs = [[unit_bytes(elements[u], c, itemsize) for c in choices] for u in sens.units]
     # errors were measured at sens.batch; a squared norm of a gradient that is a mean over the
     # batch scales like 1/N for independent errors, and so does the squared noise: the ratios
@@ -171,7 +230,7 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
     bits = {u: choices[k] for u, k in zip(sens.units, sol.choice)}
     return Allocation(bits, dict(sens.shapes), {u: unit_bytes(elements[u], bits[u], itemsize) for u in bits},
                       {u: sens.error2(u, bits[u]) for u in bits}, sens.noise_norm, batch_size, code_bytes,
-                      sol.exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in (8, 4, 2, 1)})
+                      sol.exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in BITS[::-1]})
 
 
 def allocation_for(sens, bits, batch_size, budget=None, itemsize=4, exact=True):
@@ -181,53 +240,103 @@ def allocation_for(sens, bits, batch_size, budget=None, itemsize=4, exact=True):
     nbytes = {u: unit_bytes(elements[u], bits[u], itemsize) for u in sens.units}
     return Allocation(dict(bits), dict(sens.shapes), nbytes, {u: sens.error2(u, bits[u]) for u in sens.units},
                       sens.noise_norm, int(batch_size), sum(nbytes.values()) if budget is None else int(budget),
-                      exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in (8, 4, 2, 1)})
+                      exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in BITS[::-1]})
 
 
-def fixed_plan_bytes(net, batch_size, input_shape, mode="approx", dtype="float32", workspace_bytes=None):
-    """Plan bytes that do not depend on the units' widths: the plan total less every unit's
-    saved x-hat slot (the same for any widths: only those slots change; rstd stays)."""
-    from ..core.engine import DEFAULT_WORKSPACE_BYTES, Engine
+def plan_parts(net, batch_size, input_shape, mode="approx", dtype="float32", workspace_bytes=None):
+    """({unit: (C, H, W)}, fixed bytes) of `net`'s plan at `batch_size`, from shapes alone: the
+    units whose widths are chosen, and the plan total less every unit's saved x-hat slot (the
+    same for any widths: only those slots change; rstd stays)."""
     ws = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     eng = Engine(net, batch_size, input_shape, mode, 1, dtype, ws, allocate=False)
     slots = sum(eng.nbytes[eng.saved_slots[u][0]] for u in eng.unit_bits)
-    return eng.plan.total_bytes - slots
+    return {u: tuple(eng.in_shape[u]) for u in eng.unit_bits}, eng.plan.total_bytes - slots
+
+
+def fixed_plan_bytes(net, batch_size, input_shape, mode="approx", dtype="float32", workspace_bytes=None):
+    """Plan bytes that do not depend on the units' widths (plan_parts)."""
+    return plan_parts(net, batch_size, input_shape, mode, dtype, workspace_bytes)[1]
+
+
+def check_budget(net, batch_size, input_shape, avg_bits=None, code_bytes=None, budget=None, mode="approx",
+                 dtype="float32", workspace_bytes=None, choices=CHOICES, names=None):
+    """Before any measurement: ValueError, in one line, unless exactly one budget is given, it is
+    a valid number and the cheapest allocation fits it at `batch_size`. names: how the caller
+    spells the three ({"avg_bits": "--avg-bits", ...}; default the parameter names). Returns the
+    saved x-hat bytes allowed (code_bytes) and the fixed plan bytes (None unless budget)."""
+    names = {"avg_bits": "avg_bits", "code_bytes": "code_bytes", "budget": "budget", **(names or {})}
+    given = [n for n, v in (("avg_bits", avg_bits), ("code_bytes", code_bytes), ("budget", budget))
+             if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of {names['avg_bits']}, {names['code_bytes']} and "
+                         f"{names['budget']} (the whole plan's bytes)")
+    check_choices(choices)
+    batch_size = check_batch_size(batch_size)
+    if budget is not None:
+        budget = check_amount(names["budget"], budget, 0, what="a number of bytes")
+    elif avg_bits is not None:
+        check_amount(names["avg_bits"], avg_bits, 0, 32)
+    else:
+        check_amount(names["code_bytes"], code_bytes, 0, low_open=False, what="a number of bytes")
+    shapes, fixed = plan_parts(net, batch_size, input_shape, mode, dtype, workspace_bytes)
+    if not shapes:
+        raise ValueError(NO_UNITS)
+    elements = {u: int(math.prod(s)) * batch_size for u, s in shapes.items()}
+    itemsize = numpy.dtype(dtype).itemsize
+    cheapest = min(choices, key=lambda c: unit_bytes(8, c, itemsize))
+    width = "float" if cheapest == FLOAT else f"{cheapest}-bit"
+    if budget is not None:
+        budget = int(budget)
+        check_fits(elements, budget - fixed, choices, itemsize, lambda least: (
+            f"{names['budget']} {fmt_bytes(budget)} is below the smallest plan at batch {batch_size}, "
+            f"{fmt_bytes(fixed + least)} ({fixed + least:,} B: {fmt_bytes(fixed)} besides the saved x-hat, "
+            f"{fmt_bytes(least)} with every unit {width}); give at least that"))
+        return budget - fixed, fixed
+    allowed = code_budget(elements, avg_bits, code_bytes)
+    name, given = (names["avg_bits"], f"{avg_bits:g}") if avg_bits is not None else \
+        (names["code_bytes"], fmt_bytes(int(code_bytes)))
+    check_fits(elements, allowed, choices, itemsize, lambda least: (
+        f"{name} {given} allows {fmt_bytes(allowed)} of saved x-hat at batch {batch_size}, below the "
+        f"{fmt_bytes(least)} of every unit {width}; {name} must be at least "
+        + (f"{least * 8 / sum(elements.values()):.4g}" if avg_bits is not None else f"{least:,} B")))
+    return allowed, None
 
 
 def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None, budget=None,
                   input_shape=None, mode="approx", dtype="float32", workspace_bytes=None,
                   choices=CHOICES, sens=None, rounding="nearest"):
-    """Measure `net`'s sensitivity on `batches` (a few (x, labels), B >= 2; not consumed: the
-    measurement runs on a copy) and choose every unit's width for an engine at `batch_size`
-    (default: the batches' size). Exactly one budget:
+    """Measure `net`'s sensitivity on `batches` (a few (x, labels), B >= 2, any iterable; not
+    consumed: the measurement runs on a copy) and choose every unit's width for an engine at
+    `batch_size` (default: the batches' size). Exactly one budget:
 
       avg_bits    the units' saved x-hat within what every unit at that many bits would take
       code_bytes  the units' saved x-hat slots within this many bytes
       budget      the WHOLE plan total (lowmem plan / maxbatch's sense) within this many bytes
 
-    Returns an Allocation; `Engine(net, ..., mode="approx", bits=allocation.bits)` uses it.
-    sens: a sensitivity.Sensitivity already measured (then batches may be None). rounding: the
+    The budget is checked (check_budget) before the measurement. Returns an Allocation;
+    `Engine(net, ..., mode="approx", bits=allocation.bits)` uses it. sens: a
+    sensitivity.Sensitivity already measured (then batches may be None). rounding: the
     engine's ("stochastic" codes have larger, unbiased errors: measured as such)."""
-    from .sensitivity import measure_sensitivity
-    if sum(b is not None for b in (avg_bits, code_bytes, budget)) != 1:
-        raise ValueError("give exactly one of avg_bits, code_bytes and budget (the whole plan's bytes)")
     if sens is None:
-        sens = measure_sensitivity(net, batches, dtype=dtype, rounding=rounding)
+        batches = measured_batches(batches)
+        if len(batches) < 2:
+            raise ValueError(f"batches: at least 2 are needed to measure SGD noise, got {len(batches)}")
+        measured_shape, measured_n = tuple(batches[0][0].shape[1:]), batches[0][0].shape[0]
+    else:
+        measured_shape, measured_n = tuple(sens.input_shape), sens.batch
     if batch_size is None:
-        batch_size = sens.batch
-    itemsize = numpy.dtype(dtype).itemsize
-    measured_shape = tuple(sens.input_shape)
+        batch_size = measured_n
+    if getattr(net, "in_channels", None) not in (None, measured_shape[0]):
+        raise ValueError(f"the batches hold {measured_shape[0]}-channel samples {measured_shape}; "
+                         f"{net.name} takes {net.in_channels} input channels")
     if input_shape is not None and tuple(input_shape) != measured_shape:
         raise ValueError(f"input_shape {tuple(input_shape)} differs from the shape the sensitivity was "
                          f"measured at, {measured_shape}: measure on batches of the training input shape")
-    fixed = None
-    if budget is not None:
-        shape = measured_shape
-        fixed = fixed_plan_bytes(net, batch_size, shape, mode, dtype, workspace_bytes)
-        if budget <= fixed:
-            raise ValueError(f"the budget {fmt_bytes(budget)} does not cover what the plan needs besides "
-                             f"the saved x-hat slots ({fmt_bytes(fixed)} at batch {batch_size})")
-        code_bytes = budget - fixed
-    a = allocate(sens, batch_size, code_bytes=code_bytes, avg_bits=avg_bits, choices=choices, itemsize=itemsize)
+    allowed, fixed = check_budget(net, batch_size, measured_shape, avg_bits, code_bytes, budget, mode, dtype,
+                                  workspace_bytes, choices)
+    if sens is None:
+        sens = measure_sensitivity(net, batches, dtype=dtype, rounding=rounding)
+    itemsize = numpy.dtype(dtype).itemsize
+    a = allocate(sens, batch_size, code_bytes=allowed, choices=choices, itemsize=itemsize)
     a.fixed_bytes = fixed
     return a

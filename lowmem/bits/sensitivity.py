@@ -49,6 +49,7 @@ quant.quantize_simulated, which the packed codes match bit for bit.
 import copy
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy
@@ -57,11 +58,10 @@ from ..system import backend
 from ..units import quant
 from ..core.engine import Engine
 from ..units.reference import ExactUnits
+from ..units.widths import BITS, FLOAT
 from ..ops import bn_relu_backward, conv2d_backward_weight
 from ..core.optable import OPS
 
-BITS = (1, 2, 4, 8)
-FLOAT = "float"
 CALIBRATION_BITS = 2
 
 
@@ -115,25 +115,11 @@ def _xhat(eng, slot, shape):
     return eng.arrays[slot][:, :eng.run.n * h * w]
 
 
-def _backward_sweep(eng, units_for=None, before=None):
-    """One backward sweep over the current forward state of `eng` (the saved slots stay intact,
-    so it can run again). units_for(unit name) -> the kernel set of that unit (None: exact);
-    before(step): called before each backward step's handler. Returns {param name: grad copy}."""
-    run = eng.run
-    exact = run.units                             # {unit: set}
-    swept = {u: (units_for(u) if units_for else None) or s for u, s in exact.items()}
-    eng.arrays["grads"].fill(0)
-    run.input_grad = False
-    run.units = swept
-    try:
-        for step in eng.schedule:                 # the loss first, then the layers, last first
-            if step.phase != "bwd":
-                continue
-            if before is not None:
-                before(step)
-            OPS[step.op].backward(run, step)
-    finally:
-        run.units = exact
+def _gradients(eng, units=None, before=None):
+    """The engine's backward sweep over the current forward state of the exact engine `eng`
+    (kept for another sweep), with `units` {unit: kernel set} in place of the exact sets and
+    `before(step)` before each step (Engine.backward); returns {param name: float64 grad copy}."""
+    eng.backward(units=units, before=before, keep=True)
     return {p.name: backend.to_numpy(p.grad).astype(numpy.float64) for p in eng.net.parameters()}
 
 
@@ -193,12 +179,29 @@ class Sensitivity:
         return self.predict(allocation) / self.noise_norm
 
 
+def measured_batches(batches, what="batches"):
+    """`batches`, any iterable of (x, labels) pairs, as a list; ValueError naming what is wrong."""
+    if batches is None or isinstance(batches, (str, bytes)) or not isinstance(batches, Iterable):
+        raise ValueError(f"{what} must be a few (x, labels) mini-batches (a list or any iterable), "
+                         f"got {type(batches).__name__}")
+    out = list(batches)
+    for i, b in enumerate(out):
+        if not (isinstance(b, (tuple, list)) and len(b) == 2 and getattr(b[0], "ndim", None) == 4):
+            raise ValueError(f"{what}[{i}] must be an (x, labels) pair with x of shape (N, C, H, W), "
+                             f"got {type(b).__name__}")
+        if b[0].shape != out[0][0].shape:
+            raise ValueError(f"{what}[{i}] has shape {tuple(b[0].shape)}, {what}[0] {tuple(out[0][0].shape)}: "
+                             f"measure on batches of one shape")
+    return out
+
+
 def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="float32", rounding="nearest"):
     """Measure L_u(K), D_u(K) for K in 1, 2, 4, 8 and G_u for every unit of `net` on `batches`
     (a list of B >= 2 (x, labels) of equal batch size; the noise needs several). `net` is not
     consumed (the exact engine gets a deep copy). rounding="stochastic": the errors of
     stochastic codes (one draw per unit, K and batch, from fixed keys). Returns a Sensitivity."""
     rounding = quant.check_rounding(rounding)
+    batches = measured_batches(batches)
     B = len(batches)
     if B < 2:
         raise ValueError(f"measure_sensitivity needs at least 2 batches to measure SGD noise, got {B}")
@@ -243,9 +246,9 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
                     arrival[p] += injected_so_far[0]
 
         inject_batch = _InjectView(inject, calibration_bits)
-        exact = _backward_sweep(eng, before=before)
+        exact = _gradients(eng, before=before)
         calib = {u: SimulatedCodeUnits(calibration_bits, rounding, keys[u]) for u in units}
-        approx = _backward_sweep(eng, units_for=calib.get)
+        approx = _gradients(eng, units=calib)
         exact_grads.append(exact)
         for p in params:
             e = _sq(approx[p] - exact[p])
@@ -372,8 +375,8 @@ def simulate(net, batches, allocation, dtype="float32", rounding="nearest"):
         sets = {u: SimulatedCodeUnits(k, rounding, quant.stream_key(bi, 0, order[u]))
                 for u, k in allocation.items() if k not in (None, FLOAT)}
         eng.forward(x, labels)
-        exact = _backward_sweep(eng)
-        approx = _backward_sweep(eng, units_for=sets.get)
+        exact = _gradients(eng)
+        approx = _gradients(eng, units=sets)
         err += sum(_sq(approx[p] - exact[p]) for p in exact)
         flat.append(numpy.concatenate([exact[p].ravel() for p in exact]))
     B = len(batches)

@@ -8,7 +8,7 @@ import numbers
 import numpy
 
 from ..units import quant
-from ..units import MODES      # the one list of modes
+from ..units.widths import FLOAT, MODES
 from .network import Network
 
 DTYPES = ("float32", "float64")
@@ -32,9 +32,6 @@ def engine_args(net, batch_size, mode, bits, dtype):
         raise ValueError(f"network {net.name!r} has num_classes={net.num_classes}: a classifier needs "
                          f"at least 2 classes (with one, the loss is 0 and every gradient vanishes)")
     return mode, bits, dt
-
-
-FLOAT = "float"     # a unit whose x-hat is saved in float (as in exact mode)
 
 
 def _bits(bits, mode):
@@ -68,14 +65,14 @@ def unit_bits(bits, mode, units):
     bits as engine_args returns it. Exact mode: every unit None (an int bits is ignored there,
     as it always was). A dict must name only units of the network, and every unit unless it
     has a "*" default."""
+    unknown = [n for n in bits if n != "*" and n not in units] if isinstance(bits, dict) else []
+    if unknown:                                   # in every mode: a misspelt name is never ignored
+        raise ValueError(f"bits names {', '.join(map(repr, unknown[:5]))}, not a BN-ReLU unit of this "
+                         f"network; units: {', '.join(units[:5])}{', ...' if len(units) > 5 else ''}")
     if mode == "exact":
         return dict.fromkeys(units)
     if not isinstance(bits, dict):
         return dict.fromkeys(units, bits)
-    unknown = [n for n in bits if n != "*" and n not in units]
-    if unknown:
-        raise ValueError(f"bits names {', '.join(map(repr, unknown[:5]))}, not a BN-ReLU unit of this "
-                         f"network; units: {', '.join(units[:5])}{', ...' if len(units) > 5 else ''}")
     missing = [n for n in units if n not in bits and "*" not in bits]
     if missing:
         raise ValueError(f"bits gives no width for unit(s) {', '.join(map(repr, missing[:5]))}"
@@ -98,7 +95,7 @@ def width_labels(mode, unit_bits):
     """{unit: '4-bit' (x-hat saved as a code), 'float' (saved exact), or '' in exact mode}."""
     if mode == "exact":
         return dict.fromkeys(unit_bits, "")
-    return {u: "float" if K is None else f"{K}-bit" for u, K in unit_bits.items()}
+    return {u: FLOAT if K is None else f"{K}-bit" for u, K in unit_bits.items()}
 
 
 def bits_label(mode, unit_bits):

@@ -52,10 +52,10 @@ from ..system.memory import fmt_bytes
 from .runstate import RunState
 from .schedule import walk
 
-MODES, DTYPES = checks.MODES, checks.DTYPES
+DTYPES = checks.DTYPES
 DEFAULT_WORKSPACE_BYTES = 16 << 20
 
-__all__ = ["Engine", "MODES", "DTYPES", "DEFAULT_WORKSPACE_BYTES", "BatchStatisticsError"]
+__all__ = ["Engine", "DTYPES", "DEFAULT_WORKSPACE_BYTES", "BatchStatisticsError"]
 
 
 class Engine:
@@ -108,7 +108,7 @@ class Engine:
             raise ValueError(f"sync_bn synchronizes the BN->ReLU units only; {', '.join(alone[:3])} "
                              f"{'is a batch norm' if len(alone) == 1 else 'are batch norms'} without a "
                              f"ReLU after it (train without sync_bn)")
-        self._check_batch_norm(self.N, "batch_size")
+        checks.batch_norm(self._norm_sizes, self.N, "batch_size")
         sizes = self._sizes(self.N)
         self.fused = kernels.fused_applies(self.xp, self.dtype, sizes) if use_fast is None else bool(use_fast)
         self.selected = self._select_units(sizes)
@@ -139,9 +139,6 @@ class Engine:
     # ------------------------------------------------------------ units, plan
     def _sizes(self, n):
         return [n * h * w for (_, h, w) in self._unit_sizes.values()]
-
-    def _check_batch_norm(self, n, what):
-        checks.batch_norm(self._norm_sizes, n, what)
 
     def _select_units(self, sizes, arrays=None, reference=False):
         """{unit: kernel set} for each unit's width: fused or reference (kernels.select_units),
@@ -221,7 +218,7 @@ class Engine:
         self._check_ownership()
         checks.batch(x, self.xp, self.dtype, self.input_shape, self.N, "forward")
         checks.labels(labels, self.xp, x.shape[0], self.net.num_classes)
-        self._check_batch_norm(x.shape[0], "forward: batch of")
+        checks.batch_norm(self._norm_sizes, x.shape[0], "forward: batch of")
         self._ready = False
         self._start(x, training=True)
         self.run.batch("labels")[...] = labels
@@ -256,40 +253,63 @@ class Engine:
                              for i, name in enumerate(self._keyed)})
         self.xp.copyto(run.act("input", self.input_shape), x.transpose(1, 0, 2, 3))
 
-    def _sweep(self, phase):
+    def _sweep(self, phase, before=None):
         handler = "forward" if phase == "fwd" else "backward"
         for step in self.schedule:
             if step.phase == phase:
+                if before is not None:
+                    before(step)
                 getattr(OPS[step.op], handler)(self.run, step)
 
-    def backward(self, input_grad=False):
+    def backward(self, input_grad=False, units=None, before=None, keep=False):
         """Fill p.grad of every parameter (overwriting) for the last forward().
 
-        With input_grad=True also returns d loss / d x as an (N, C, H, W) array."""
+        With input_grad=True also returns d loss / d x as an (N, C, H, W) array.
+
+        For measurements (lowmem/bits/sensitivity.py), the one backward sweep takes three more:
+        units: {unit: kernel set} run instead of the sets that wrote the saved state, for this
+          sweep only (e.g. x-tilde simulated from an exact engine's float x-hat);
+        before(step): called before each backward step runs (the loss first, then the layers,
+          last first), when the step's incoming gradient is in its buffer;
+        keep=True: the forward's saved state may be swept again (exact mode only: its backward
+          reads the float x-hat slots and overwrites none of them)."""
         if not self._ready:
             raise RuntimeError("backward() needs a training forward() first "
                                "(predict() and a previous backward() consume the saved state)")
         self._check_ownership()
-        self._ready = False
+        if keep and self.mode != "exact":
+            raise ValueError(f"backward(keep=True) sweeps the saved state again, which only exact "
+                             f"mode leaves intact; this engine's mode is {self.mode}")
+        unknown = sorted(set(units or ()) - set(self.run.units))
+        if unknown:
+            raise ValueError(f"backward(units=...): unknown unit(s) {', '.join(map(repr, unknown))}; "
+                             f"the units are {', '.join(self.run.units)}")
+        self._ready = bool(keep)
         self.arrays["grads"].fill(0)
         self.run.input_grad = bool(input_grad)
-        self._sweep("bwd")                         # run.units: the sets that wrote the saved state
+        wrote = self.run.units                     # the sets that wrote the saved state
+        self.run.units = {**wrote, **units} if units else wrote
+        try:
+            self._sweep("bwd", before)
+        finally:
+            self.run.units = wrote
         if input_grad:
             return self.run.act(self._input_grad_buffer, self.input_shape).transpose(1, 0, 2, 3).copy()
         return None
 
-    def train_step(self, x, labels, opt):
-        """forward + backward + opt.step(); returns the loss. A non-finite loss raises
-        FloatingPointError before any parameter changes."""
+    def train_step(self, x, labels, opt, return_logits=False):
+        """forward + backward + opt.step(); returns the loss (with return_logits: the loss and the
+        logits (n, K) copy forward returned). A non-finite loss raises FloatingPointError before
+        any parameter changes."""
         if not callable(getattr(opt, "step", None)):
             raise TypeError(f"train_step needs an optimizer with a step() method (lowmem.SGD), "
                             f"got {type(opt).__name__}")
-        loss, _ = self.forward(x, labels)
+        loss, logits = self.forward(x, labels)
         if not numpy.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss} (learning rate too high?)")
         self.backward()
         opt.step()
-        return loss
+        return (loss, logits) if return_logits else loss
 
     # ------------------------------------------------------------ checks, summary
     def _check_ownership(self):

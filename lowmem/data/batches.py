@@ -25,7 +25,7 @@ position, state), written once.
 """
 import numpy as np
 
-from .datasets import DataError
+from .files import DataError
 
 
 class EpochOrderError(ValueError):

@@ -1,6 +1,6 @@
 """Image folders: DIR/train/<class>/*.jpg|png and DIR/val/<class>/* (torchvision's ImageFolder layout).
 
-    from lowmem import images
+    from lowmem.data import images
     data = images.load_image_folders("photos", size=64)         # scans, checks, computes mean/std
     train = data.loader("train", batch_size=64, seed=0)         # random-resized-crop + flip
     for x, y in train:          # x float32 (N, 3, 64, 64), normalised; y int64 (N,)
@@ -18,13 +18,10 @@ images are converted to RGB (or RGB to grey for channels=1); 16-bit grey
 images (Pillow modes I;16 and I, as 16-bit PNG and TIFF open) are scaled
 to 8 bits, v * 255 / 65535 rounded, not clipped.
 
-Per sample, on decode:
-  train  random-resized-crop (torchvision's RandomResizedCrop: area scale
-         0.08..1, aspect 3/4..4/3, 10 tries then a centre crop) to size x size,
-         bilinear, then a horizontal flip with probability 1/2;
+Per sample, on decode (lowmem/data/decode.py: one file -> one sample):
+  train  random-resized-crop (torchvision's RandomResizedCrop) to size x size,
+         then a horizontal flip with probability 1/2;
   eval   resize the shorter side to size / 0.875 (256 for 224), centre crop.
-Crop and resize are one Pillow call (Image.resize with a box); for eval,
-JPEGs decode at a reduced scale when that still covers the resize (draft).
 
 Normalisation: per-channel mean/std in units of pixel / 255, as
 lowmem.data.transforms.normalize uses; computed from up to 1000 training images
@@ -54,26 +51,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batches import EpochOrder, OrderedBatches
-from .datasets import DataError
+from .files import DataError
+from .decode import decode, eval_resize, pil
 from .transforms import normalize
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 SPLITS = ("train", "val")
-EVAL_CROP_FRACTION = 0.875         # centre crop 224 of 256
-RRC_SCALE = (0.08, 1.0)
-RRC_RATIO = (3 / 4, 4 / 3)
 STATS_IMAGES = 1000
 STATS_BATCH_BYTES = 1 << 20        # decoded pixels per batch of the statistics pass (at least one image)
 STATS_PREFETCH = 2                 # batches the statistics pass decodes ahead
 HIST_CHUNK = 1 << 16               # pixels per bincount call (it copies its input as int64)
-
-
-def _pil():
-    try:
-        from PIL import Image
-    except ImportError:
-        raise ImportError("image folders need Pillow: pip install 'lowmem[images]'") from None
-    return Image
 
 
 # --------------------------------------------------------------------------- scanning
@@ -113,7 +100,7 @@ class ImageFolder:
             self._verify(skip_bad)
 
     def _verify(self, skip_bad):
-        Image = _pil()
+        Image = pil()
         good = []
         for path, label in self.samples:
             try:
@@ -138,84 +125,6 @@ class ImageFolder:
 
     def __repr__(self):
         return f"ImageFolder({self.root!r}, classes={len(self.classes)}, images={len(self)})"
-
-
-# ---------------------------------------------------------------------- transforms
-
-def random_resized_crop_box(w, h, rng, scale=RRC_SCALE, ratio=RRC_RATIO):
-    """(left, top, right, bottom) of a random crop of a w x h image, as torchvision's
-    RandomResizedCrop.get_params: area fraction in `scale`, log-uniform aspect in `ratio`,
-    10 tries, then the largest centre crop of aspect within `ratio`."""
-    area = w * h
-    log_ratio = np.log(ratio)
-    for _ in range(10):
-        target = area * rng.uniform(*scale)
-        aspect = np.exp(rng.uniform(*log_ratio))
-        cw = int(round(np.sqrt(target * aspect)))
-        ch = int(round(np.sqrt(target / aspect)))
-        if 0 < cw <= w and 0 < ch <= h:
-            x0 = int(rng.integers(0, w - cw + 1))
-            y0 = int(rng.integers(0, h - ch + 1))
-            return x0, y0, x0 + cw, y0 + ch
-    in_ratio = w / h
-    if in_ratio < ratio[0]:
-        cw, ch = w, int(round(w / ratio[0]))
-    elif in_ratio > ratio[1]:
-        cw, ch = int(round(h * ratio[1])), h
-    else:
-        cw, ch = w, h
-    x0, y0 = (w - cw) // 2, (h - ch) // 2
-    return x0, y0, x0 + cw, y0 + ch
-
-
-def centre_crop_box(w, h, size, resize):
-    """The box of the source image that `resize shorter side to resize, centre crop size`
-    keeps, in source pixels (so one resize call does both)."""
-    s = min(w, h) / resize                     # source pixels per resized pixel
-    cw = ch = size * s
-    x0, y0 = (w - cw) / 2, (h - ch) / 2
-    return x0, y0, x0 + cw, y0 + ch
-
-
-WIDE_INTEGER_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N")   # Pillow's 16- and 32-bit grey modes
-
-
-def to_8_bit(im):
-    """A 16-bit grey image (Pillow mode I;16*, or I holding 0..65535) as 8-bit grey "L":
-    v -> round(v * 255 / 65535), values outside 0..65535 clipped. Pillow's own convert clips
-    at 255 instead of scaling, which turns a 16-bit photo almost white. Allocates two
-    image-sized temporaries (int64, then uint8): one decoded image, not a batch."""
-    a = np.clip(np.asarray(im).astype(np.int64), 0, 65535)
-    return _pil().fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), "L")
-
-
-def eval_resize(size):
-    """The shorter side the eval transform resizes to before its centre crop of `size` (256 for 224)."""
-    return int(round(size / EVAL_CROP_FRACTION))
-
-
-def decode(out, path, size, train, rng, mode="RGB", resize=None):
-    """Decode one file into out (C, size, size) uint8: train or eval transform (module docstring)."""
-    Image = _pil()
-    with Image.open(path) as im:
-        if not train and im.format == "JPEG":
-            w, h = im.size
-            need = resize / min(w, h)          # the resize factor; draft keeps at least that much
-            im.draft(mode, (int(np.ceil(w * need)), int(np.ceil(h * need))))
-        if im.mode in WIDE_INTEGER_MODES:
-            im = to_8_bit(im)
-        im = im.convert(mode)
-        w, h = im.size
-        if train:
-            box = random_resized_crop_box(w, h, rng)
-            flip = rng.random() < 0.5
-        else:
-            box, flip = centre_crop_box(w, h, size, resize), False
-        im = im.resize((size, size), Image.BILINEAR, box=box)
-        if flip:
-            im = im.transpose(Image.FLIP_LEFT_RIGHT)
-        a = np.asarray(im)
-    out[...] = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
 
 # -------------------------------------------------------------------------- loading
@@ -253,7 +162,7 @@ class ImageLoader(OrderedBatches):
             if mean.shape != (channels,) or std.shape != (channels,) or not (std > 0).all():
                 raise DataError(f"ImageLoader: mean and std need {channels} values (std > 0), "
                                 f"got {mean.tolist()}, {std.tolist()}")
-        _pil()
+        pil()
         self.folder, self.batch_size, self.size, self.train = folder, int(batch_size), int(size), bool(train)
         self.shuffle = self.train if shuffle is None else bool(shuffle)
         self.drop_last = self.train if drop_last is None else bool(drop_last)
@@ -434,7 +343,7 @@ def check_decodable(folder, workers=4, size=8):
     """Decode every file of `folder` once, small (JPEGs at a reduced scale): a DataError naming the
     first file that fails, now rather than when the split is first used. Cost: one pass of reads
     and (reduced) decodes over the split, on `workers` threads; nothing is kept."""
-    _pil()
+    pil()
 
     def one(path):
         try:

@@ -1,6 +1,11 @@
 """argparse value types shared by the `lowmem` subcommands (clear errors for bad values)."""
 import argparse
 import math
+import os
+
+from .. import models
+from ..units.widths import BITS, FLOAT
+from .maxbatch import parse_bytes
 
 
 def shape(text):
@@ -86,7 +91,6 @@ def folder(text):
 
 def model_help():
     """The --model help: the registry's families (lowmem.models.MODELS), wrn-K for any K."""
-    from .. import models
     families = sorted(n for n in models.MODELS if not n.startswith("wrn-"))
     return " | ".join(families + ["wrn-K (K: the widening factor, any positive integer)",
                                   "PATH.onnx (a CNN exported to ONNX, e.g. by PyTorch in training mode)"])
@@ -94,7 +98,6 @@ def model_help():
 
 def model(text):
     """A model family name (lowmem.models.model_spec: a registry name, wrn-K or a .onnx path)."""
-    from .. import models
     try:
         models.model_spec(text)
     except ValueError as e:
@@ -102,18 +105,73 @@ def model(text):
     return text
 
 
-BITS_CHOICES = (8, 4, 2, 1, "auto")
+class _BitsChoices(tuple):
+    """argparse's choices for --bits: 8, 4, 2, 1, auto, or per-unit widths (a dict `bits` parsed
+    and checked already; the engine checks its unit names against the network)."""
+
+    def __contains__(self, value):
+        return isinstance(value, dict) or tuple.__contains__(self, value)
+
+
+BITS_CHOICES = _BitsChoices(BITS[::-1] + ("auto",))      # as --help lists them: 8, 4, 2, 1, auto
+UNIT_WIDTHS = (FLOAT,) + BITS
 
 
 def bits(text):
-    """--bits: an integer, or 'auto' (a width per unit, chosen to fit a budget); argparse's
-    choices=BITS_CHOICES then refuses any other width ("invalid choice: 3")."""
-    if str(text).strip().lower() == "auto":
+    """--bits: an integer, 'auto' (a width per unit, chosen to fit a budget), per-unit widths as
+    `unit=K` pairs ("layer1.0.bn1=4,*=2"; K in 1, 2, 4, 8 or float; "*" the default for units not
+    named), or a JSON file of such a mapping. argparse's choices=BITS_CHOICES then refuses any
+    other integer ("invalid choice: 3")."""
+    t = str(text).strip()
+    if t.lower() == "auto":
         return "auto"
     try:
-        return int(text)
+        return int(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 1, 2, 4, 8 or auto, got {text!r}") from None
+        pass
+    if "=" in t:
+        widths = {}
+        for pair in t.split(","):
+            name, eq, k = (s.strip() for s in pair.partition("="))
+            if not (name and eq and k):
+                raise argparse.ArgumentTypeError(f"expected unit=K pairs separated by commas "
+                                                 f"(e.g. layer1.0.bn1=4,*=2), got {pair.strip()!r}")
+            if name in widths:
+                raise argparse.ArgumentTypeError(f"unit {name!r} is given twice")
+            widths[name] = _unit_width(name, k)
+        return widths
+    if t.lower().endswith(".json") or os.path.isfile(t):
+        return _widths_file(t)
+    raise argparse.ArgumentTypeError(f"expected 1, 2, 4, 8, auto, unit=K pairs (layer1.0.bn1=4,*=2) "
+                                     f"or a JSON file of them, got {text!r}")
+
+
+def _unit_width(name, k):
+    k = k.strip().lower() if isinstance(k, str) else k
+    try:
+        k = int(k) if not isinstance(k, bool) and k != FLOAT else k
+    except (TypeError, ValueError):
+        pass
+    if isinstance(k, bool) or k not in UNIT_WIDTHS:
+        raise argparse.ArgumentTypeError(f"unit {name!r}: width must be 1, 2, 4, 8 or float, got {k!r}")
+    return k
+
+
+def _widths_file(path):
+    import json
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{path} is not JSON ({e})") from None
+    if isinstance(data, dict) and isinstance(data.get("bits"), dict):
+        data = data["bits"]                      # a run's config.json: its widths
+    if not (isinstance(data, dict) and data and all(isinstance(k, str) and k for k in data)):
+        raise argparse.ArgumentTypeError(f"{path}: expected a JSON object {{\"unit\": K, ...}} of per-unit "
+                                         f"widths (K in 1, 2, 4, 8 or \"float\")")
+    return {name: _unit_width(name, k) for name, k in data.items()}
 
 
 def average_bits(text):
@@ -122,3 +180,16 @@ def average_bits(text):
     if not 0 < x <= 32:
         raise argparse.ArgumentTypeError(f"expected a number of bits in (0, 32], got {text!r}")
     return x
+
+
+def budget(text):
+    """A number of bytes: '2GiB', '512MiB', '1.5GB' or '1000000' (maxbatch.parse_bytes)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def reserve(text):
+    """A number of bytes as `budget`, or 0."""
+    return 0 if str(text).strip() == "0" else budget(text)

@@ -43,7 +43,8 @@ import numpy
 from ..system import backend, memory as sysmem
 from ..data.datasets import channel_mean_std, synthetic
 from ..data.transforms import normalize
-from ..core.engine import Engine, MODES
+from ..core.engine import Engine
+from ..units.widths import MODES
 from ..train.optim import SGD
 from ..system.memory import fmt_bytes
 
@@ -120,13 +121,24 @@ class GradientDiagnosis:
     `total` holds the same quantities for all parameters taken as one vector."""
     names: list
     shapes: list
-    bits: int
+    bits: object                         # K, or per-unit widths {unit: K or "float"}
     num_batches: int
     grad_norm: numpy.ndarray
     mean_norm: numpy.ndarray
     noise_norm: numpy.ndarray
     error_norm: dict                     # mode -> (T,)
     total: dict = field(default_factory=dict)
+    rounding: str = "nearest"
+
+    @property
+    def widths(self):
+        """'4-bit', or per-unit widths by count ('per-unit 4-bit x3, 2-bit x4'), and the rounding."""
+        if isinstance(self.bits, dict):
+            w = ["float" if k == "float" else f"{k}-bit" for k in self.bits.values()]
+            label = "per-unit " + ", ".join(f"{k} x{w.count(k)}" for k in dict.fromkeys(w))
+        else:
+            label = f"{self.bits}-bit"
+        return label + (", stochastic rounding" if self.rounding == "stochastic" else "")
 
     @staticmethod
     def _div(a, b):
@@ -182,7 +194,7 @@ class GradientDiagnosis:
 
     def summary_text(self):
         s = self.summary()
-        lines = [f"{self.bits}-bit, {len(self.names)} parameter tensors, {self.num_batches} batches. "
+        lines = [f"{self.widths}, {len(self.names)} parameter tensors, {self.num_batches} batches. "
                  f"SGD noise (relative): median {s['noise']['median']:.3g}, "
                  f"all parameters {s['noise']['total']:.3g}"]
         for m in self.modes:
@@ -200,20 +212,22 @@ def _nanmedian(a):
     return float(numpy.median(a)) if a.size else float("nan")
 
 
-def gradient_errors(net, batches, bits=4, modes=("approx", "naive"), dtype="float32"):
+def gradient_errors(net, batches, bits=4, modes=("approx", "naive"), dtype="float32", rounding="nearest"):
     """Compare each mode's gradients with exact ones on the same weights and batches.
 
     net: a Network (not consumed: each Engine gets a deep copy); batches: a
     list of B >= 2 (x, labels) of equal batch size (B >= 2: the noise needs
-    several batches). One Engine lives at a time; the host holds B gradients
-    of the network per mode. Returns a GradientDiagnosis."""
+    several batches); bits: K or per-unit widths (Engine's bits); rounding: the
+    coded modes' ("stochastic": batch b draws engine step b's codes, seed 0).
+    One Engine lives at a time; the host holds B gradients of the network per
+    mode. Returns a GradientDiagnosis."""
     B = len(batches)
     if B < 2:
         raise ValueError(f"gradient_errors needs at least 2 batches to measure SGD noise, got {B}")
     for m in modes:
         if m not in MODES or m == "exact":
             raise ValueError(f"unknown mode {m!r} to compare with exact: expected 'approx' or 'naive'")
-    exact = parameter_grads(net, batches, "exact", bits, dtype)
+    exact = parameter_grads(net, batches, "exact", 4, dtype)      # exact mode: no widths
     names = list(exact)
 
     def flat(d):                                    # (B, P): all parameters as one vector
@@ -231,11 +245,11 @@ def gradient_errors(net, batches, bits=4, modes=("approx", "naive"), dtype="floa
              "error_norm": {}}
     error_norm = {}
     for m in modes:
-        g = parameter_grads(net, batches, m, bits, dtype)
+        g = parameter_grads(net, batches, m, bits, dtype, rounding)
         error_norm[m] = numpy.array([numpy.sqrt(_sq_norms(g[n] - exact[n]).mean()) for n in names])
         total["error_norm"][m] = float(numpy.sqrt(_sq_norms(flat(g) - e_all).mean()))
     return GradientDiagnosis(names, [exact[n].shape[1:] for n in names], bits, B,
-                             per[:, 0], per[:, 1], per[:, 2], error_norm, total)
+                             per[:, 0], per[:, 1], per[:, 2], error_norm, total, rounding)
 
 
 # ---- memory ------------------------------------------------------------------

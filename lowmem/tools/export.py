@@ -1,6 +1,6 @@
 """Weights that leave lowmem: safetensors files and ONNX inference graphs.
 
-    from lowmem import export
+    from lowmem.tools import export
     export.export_safetensors(net, "model.safetensors")   # names = PyTorch module names
     export.load_safetensors(net, "model.safetensors")     # and back, names and shapes checked
     export.export_onnx(net, "model.onnx")                 # opset 17, eval-mode graph
@@ -33,19 +33,21 @@ Files are written atomically (lowmem.system.atomic.atomic_write: a temporary fil
 beside the target, fsync, then a rename over it), so an interrupted export never leaves a half-written
 model (nor harms an existing one).
 
-`add_arguments(parser)` / `run(args)` are the `lowmem export RUN_DIR OUT` subcommand:
-the model of a run folder's checkpoint, to OUT.safetensors or OUT.onnx.
+`network_from_checkpoint(path)` rebuilds a training run's network with its weights: what
+`lowmem export RUN_DIR OUT` (lowmem/tools/commands/export.py) writes out.
 """
 import collections
 import json
 import os
-import sys
 
 import numpy
 
-from .. import __version__
-from ..system.atomic import atomic_write
+from .._version import __version__
 from ..core.optable import OPS
+from ..models import MODELS, build_model, is_onnx_path, model_spec
+from ..system.atomic import atomic_write
+from ..train.checkpoint import load_checkpoint
+from ..train.trainstate import load_model_state
 
 OPSET = 17
 MIN_OPSET = 7          # onnxruntime runs the graph from opset 7 (BatchNormalization-7); onnx's checker
@@ -228,47 +230,11 @@ def read_metadata(path):
     return out
 
 
-# ------------------------------------------------------------------- `lowmem export`
-
-def add_arguments(parser):
-    """Options of `lowmem export RUN_DIR OUT`."""
-    parser.add_argument("run", metavar="RUN_DIR",
-                        help="a training run folder (its checkpoint.ckpt) or a checkpoint file")
-    parser.add_argument("output", metavar="OUT", help="model.safetensors or model.onnx (the suffix picks the format)")
-    parser.add_argument("--input", type=_shape, default=None, metavar="CxHxW",
-                        help="ONNX only: fix the input's height and width (default: symbolic)")
-    parser.add_argument("--opset", type=_opset, default=OPSET,
-                        help=f"ONNX opset, {MIN_OPSET} to the installed onnx's newest (default: %(default)s)")
-    return parser
-
-
-def _opset(text):
-    import argparse
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer opset, got {text!r}") from None
-    try:
-        return check_opset(value)
-    except ImportError:            # without onnx, run() names the missing extra
-        return value
-    except ExportError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _shape(text):
-    from .argtypes import shape
-    return shape(text)
-
-
 def network_from_checkpoint(path):
     """(network with the checkpoint's weights, meta) of a lowmem training checkpoint.
 
     The architecture is rebuilt from the run's configuration (model, depth,
     seed) with the class and channel counts read off the stored weights."""
-    from ..train.checkpoint import load_checkpoint
-    from ..models import MODELS, build_model, is_onnx_path, model_spec
-    from ..train.trainer import load_model_state
     arrays, meta = load_checkpoint(path)
     config = meta.get("config") or {}
     model = config.get("model")
@@ -293,44 +259,3 @@ def network_from_checkpoint(path):
                       seed=config.get("seed", 0))
     load_model_state(path, net)
     return net, meta
-
-
-def run(args):
-    """`lowmem export`: 0 written; 1 bad run folder or checkpoint; 2 a bad command line (the
-    output's suffix) or a missing extra. Errors are one line, `lowmem export: error: ...`."""
-    from ..train.trainer import CHECKPOINT
-    path = os.path.join(args.run, CHECKPOINT) if os.path.isdir(args.run) else args.run
-    fmt = FORMATS.get(os.path.splitext(args.output)[1].lower())
-
-    def error(e, code):
-        print(f"lowmem export: error: {e}", file=sys.stderr)
-        return code
-
-    if fmt is None:
-        return error(f"{args.output}: unknown format; the output must end in {' or '.join(FORMATS)}", 2)
-    try:
-        if not os.path.exists(path):
-            raise ExportError(f"{path}: no checkpoint here (is {args.run} a lowmem training run folder?)")
-        net, meta = network_from_checkpoint(path)
-        if fmt == "onnx":
-            export_onnx(net, args.output, args.input, args.opset, metadata=model_metadata(meta))
-        else:
-            export_safetensors(net, args.output, metadata=model_metadata(meta))
-    except ImportError as e:
-        return error(e, 2)
-    except (ValueError, OSError) as e:           # ExportError, CheckpointError, ResumeError, onnx checks
-        return error(e, 1)
-    print(f"wrote {args.output}: {net.name}, {net.num_params():,} parameters, iteration "
-          f"{meta.get('iteration', '?')}" + (f", ONNX opset {args.opset}" if fmt == "onnx" else ""))
-    return 0
-
-
-def main(argv=None):
-    """`python -m lowmem.tools.export RUN_DIR OUT` (the same as `lowmem export`)."""
-    import argparse
-    parser = add_arguments(argparse.ArgumentParser(prog="lowmem export", description=__doc__.split("\n")[0]))
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@
     max_batch(lambda: preact_resnet_cifar(164), (3, 32, 32), parse_bytes("2GiB"), "approx", 4)
     max_batch(("preact-cifar", 164, 10), (3, 32, 32), 2 << 30, "exact")
     lowmem maxbatch --model preact-cifar --depth 164 --budget 2GiB --mode approx --bits 4 [--verify]
-                                                     (the command line: lowmem/tools/cli.py)
+                                                     (the command: lowmem/tools/commands/maxbatch.py)
 
 Nothing is allocated: each candidate batch builds `Engine(..., allocate=False)`
 and reads `plan.total_bytes`. The plan is affine in the batch size N except

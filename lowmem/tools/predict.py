@@ -3,7 +3,7 @@
     lowmem predict runs/photos cat.jpg dog.png          # a run folder (its checkpoint)
     lowmem predict model.safetensors cat.jpg            # or model.onnx (needs onnxruntime)
 
-    from lowmem import predict
+    from lowmem.tools import predict
     for path, name, p in predict.predict_files("model.onnx", ["cat.jpg"]):
         print(path, name, p)
 
@@ -12,27 +12,40 @@ meta["data"]) makes this work without the training data: the class names in
 label order, the input size and the eval transform (resize the shorter side
 to `resize`, centre crop `image_size`, as lowmem.data.images' evaluation), and the
 normalisation mean/std. A safetensors file also names its model and depth,
-so the network is rebuilt and run by the Engine (eval mode); an ONNX file is
-run by onnxruntime. Output: one line per image, `PATH: CLASS (probability)`.
+so the network is rebuilt and run by lowmem.core.inference.InferenceEngine (eval
+mode, no training state); an ONNX file is run by onnxruntime. Images are read and
+run CHUNK (--batch) at a time, so memory does not grow with their number; every
+stored value and every backend's logits are checked (check_info, predict_files).
+Output: one line per image, `PATH: CLASS (probability)`.
 
 Models trained on in-memory datasets (CIFAR, Fashion-MNIST, synthetic)
 store resize = image size: a photo is resized to the input, not padded
 (Fashion-MNIST's 28 -> 32 padding is not redone).
 """
+import math
+import numbers
 import os
 import sys
 
 import numpy as np
 
-from .export import ExportError, load_safetensors, network_from_checkpoint, read_metadata
+from ..core.inference import InferenceEngine
+from ..data.files import DataError
+from ..data.decode import decode
+from ..data.transforms import normalize
+from ..models import MODELS, build_model, is_onnx_path
+from ..system.backend import to_numpy
+from ..train.rundir import CHECKPOINT
+from .export import ExportError, network_from_checkpoint, read_metadata, read_safetensors
 
 REQUIRED = ("classes", "input_shape", "image_size", "resize", "mean", "std")
+CHUNK = 32              # images per forward: the memory predict needs does not grow with their number
 
 
-def load(model_path):
-    """(logits function: float32 (N, C, H, W) -> (N, K), metadata dict) of a run folder, a training
-    checkpoint, a .safetensors or an .onnx file. ExportError when the file lacks what predict needs."""
-    from ..train.rundir import CHECKPOINT
+def load(model_path, batch_size=CHUNK):
+    """(logits function: float32 (n, C, H, W), n <= batch_size -> (n, K), metadata dict) of a run
+    folder, a training checkpoint, a .safetensors or an .onnx file. ExportError when the file lacks
+    what predict needs, or what it stores is unusable (the message says which)."""
     path = os.fspath(model_path)
     suffix = os.path.splitext(path)[1].lower()
     if os.path.isdir(path) or suffix not in (".safetensors", ".onnx"):
@@ -40,84 +53,157 @@ def load(model_path):
         if not os.path.exists(ckpt):
             raise ExportError(f"{path}: no model here (a run folder, checkpoint, .safetensors or .onnx)")
         net, meta = network_from_checkpoint(ckpt)
-        info = dict(meta.get("data") or {})
-        return _engine_logits(net), _complete(info, path)
-    info = _complete(read_metadata(path), path)
+        info = check_info(dict(meta.get("data") or {}), path, run=True)
+        _check_outputs(path, info, net.num_classes)
+        if info["input_shape"][0] != net.in_channels:
+            raise ExportError(f"{path}: input_shape {info['input_shape']} stored for a network of "
+                              f"{net.in_channels} input channels")
+        return _engine_logits(net, batch_size), info
+    info = check_info(read_metadata(path), path)
     if suffix == ".onnx":
-        try:
-            import onnxruntime
-        except ImportError:
-            raise ImportError("onnxruntime is not installed: pip install 'lowmem[onnx]'") from None
-        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-        return (lambda x: session.run(["logits"], {"input": x.astype(np.float32)})[0]), info
-    from ..models import MODELS, build_model, is_onnx_path
+        return _onnx_logits(path, info), info
     onnx_model = is_onnx_path(info.get("model"))          # a run of `lowmem train --model file.onnx`
     if not onnx_model and (info.get("model") not in MODELS or not isinstance(info.get("depth"), int)):
         raise ExportError(f"{path}: its metadata does not name a lowmem model and depth (exported by an "
                           f"older lowmem?); export the run again")
-    net = build_model(info["model"], info.get("depth"), num_classes=len(info["classes"]),
-                      in_channels=info["input_shape"][0], input_shape=tuple(info["input_shape"]))
-    return _engine_logits(load_safetensors(net, path)), info
+    state = read_safetensors(path)
+    if onnx_model:                                         # the .onnx file it names has the architecture
+        net = build_model(info["model"], None, in_channels=info["input_shape"][0],
+                          input_shape=tuple(info["input_shape"]))
+        _check_outputs(path, info, net.num_classes)
+    else:
+        fc = state.get("fc.weight")
+        if fc is None or fc.ndim != 2:
+            raise ExportError(f"{path}: no classifier weights (fc.weight) in this file")
+        _check_outputs(path, info, fc.shape[0])
+        net = MODELS[info["model"]].build(info["depth"], num_classes=int(fc.shape[0]),
+                                          in_channels=info["input_shape"][0])
+    try:
+        net.load_state_dict(state)
+    except ValueError as e:
+        raise ExportError(f"{path}: {e}") from None
+    return _engine_logits(net, batch_size), info
 
 
-def _complete(info, path):
+def _check_outputs(path, info, outputs):
+    if len(info["classes"]) != outputs:
+        raise ExportError(f"{path}: {len(info['classes'])} class names stored for {outputs} outputs")
+
+
+def _is_int(v, low=1):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _is_real(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_info(info, path, run=False):
+    """`info` if it holds everything predict reads, each of a usable value; else ExportError in
+    one line. run: it came from a run folder or checkpoint (not an exported file)."""
     missing = [k for k in REQUIRED if k not in info]
     if missing:
-        raise ExportError(f"{path}: no {', '.join(missing)} stored with the weights (a model from before "
-                          f"lowmem stored them); export it again from its run folder")
+        if run:
+            raise ExportError(f"{path}: its checkpoint stores no {', '.join(missing)} (a run of a lowmem "
+                              f"from before they were stored): lowmem predict cannot use this run; its "
+                              f"weights still export (lowmem export)")
+        raise ExportError(f"{path}: no {', '.join(missing)} stored with the weights: lowmem predict cannot "
+                          f"use this file (exported from a run that lacks them, or by another tool)")
+    shape, classes = info["input_shape"], info["classes"]
+    problems = []
+    if not (isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)):
+        problems.append(f"classes is {classes!r}, not a list of names")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(_is_int(v) for v in shape)):
+        problems.append(f"input_shape is {shape!r}, not [C, H, W]")
+    for k in ("image_size", "resize"):
+        if not _is_int(info[k]):
+            problems.append(f"{k} is {info[k]!r}, not a positive integer")
+    c = shape[0] if isinstance(shape, list) and shape and _is_int(shape[0]) else None
+    for k in ("mean", "std"):
+        v = info[k]
+        if not (isinstance(v, list) and (c is None or len(v) == c) and all(_is_real(a) for a in v)):
+            problems.append(f"{k} is {v!r}, not {c if c else 'C'} finite numbers")
+        elif k == "std" and not all(a > 0 for a in v):
+            problems.append(f"std is {v!r}: every channel's must be > 0")
+    if problems:
+        raise ExportError(f"{path}: unusable metadata: " + "; ".join(problems))
     return info
 
 
-def _engine_logits(net):
+def _engine_logits(net, batch_size):
+    engine = []
+
     def logits(x):
-        from ..core.engine import Engine
-        engine = Engine(net, max(2, len(x)), x.shape[1:], mode="exact", dtype="float32")
-        from ..system.backend import to_numpy
-        return to_numpy(engine.predict(engine.xp.asarray(x)))
+        if not engine:                               # built at the first chunk: its input shape
+            engine.append(InferenceEngine(net, batch_size, x.shape[1:], dtype="float32"))
+        with np.errstate(over="ignore", invalid="ignore"):    # non-finite logits: predict_files says so
+            return to_numpy(engine[0].predict(engine[0].xp.asarray(x)))
+    return logits
+
+
+def _onnx_logits(path, info):
+    try:
+        import onnxruntime
+    except ImportError:
+        raise ImportError("onnxruntime is not installed: pip install 'lowmem[onnx]'") from None
+    try:
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    except Exception as e:                           # onnxruntime's own errors: one line
+        raise ExportError(f"{path}: onnxruntime cannot load it ({str(e).splitlines()[0]})") from None
+
+    def logits(x):
+        try:
+            return session.run(["logits"], {"input": x.astype(np.float32)})[0]
+        except Exception as e:
+            raise ExportError(f"{path}: onnxruntime cannot run it on inputs of shape {x.shape[1:]} "
+                              f"({str(e).splitlines()[0]})") from None
     return logits
 
 
 def preprocess(paths, info):
     """float32 (N, C, H, W): each image through the eval transform and the stored normalisation."""
-    from ..data.transforms import normalize
-    from ..data.images import decode
     c, size = int(info["input_shape"][0]), int(info["image_size"])
     x = np.empty((len(paths), c, size, size), np.uint8)
     for i, p in enumerate(paths):
         try:
             decode(x[i], p, size, False, None, "RGB" if c == 3 else "L", int(info["resize"]))
         except Exception as e:
-            from ..data.datasets import DataError
             raise DataError(f"unreadable image {p}: {e}") from None
     return normalize(np.empty(x.shape, np.float32), x, info["mean"], info["std"])
 
 
-def predict_files(model_path, image_paths):
-    """[(path, class name, probability)] of the most likely class of each image."""
-    logits_of, info = load(model_path)
-    logits = np.asarray(logits_of(preprocess(list(image_paths), info)), np.float64)
-    p = np.exp(logits - logits.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
-    best = p.argmax(axis=1)
-    return [(path, info["classes"][k], float(p[i, k])) for i, (path, k) in enumerate(zip(image_paths, best))]
+def predict_files(model_path, image_paths, batch_size=CHUNK, progress=None):
+    """[(path, class name, probability)] of the most likely class of each image, `batch_size`
+    images at a time (memory does not depend on how many). progress: a tqdm bar on stderr (None:
+    when stderr is a terminal and there is more than one chunk)."""
+    from tqdm import tqdm
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    # one path given alone is one image, not a sequence of characters
+    paths = [image_paths] if isinstance(image_paths, (str, bytes, os.PathLike)) else list(image_paths)
+    if not paths:
+        return []
+    batch_size = min(int(batch_size), len(paths))
+    logits_of, info = load(model_path, batch_size)
+    classes = info["classes"]
+    if progress is None:
+        progress = len(paths) > batch_size and sys.stderr.isatty()
+    out = []
+    with tqdm(total=len(paths), unit="image", desc="predict", disable=not progress, file=sys.stderr) as bar:
+        for i in range(0, len(paths), batch_size):
+            chunk = paths[i:i + batch_size]
+            logits = np.asarray(logits_of(preprocess(chunk, info)), np.float64)
+            if logits.shape != (len(chunk), len(classes)):
+                raise ExportError(f"{model_path}: {len(classes)} class names stored for "
+                                  f"{logits.shape[-1] if logits.ndim == 2 else '?'} outputs")
+            bad = ~np.isfinite(logits).all(axis=1)
+            if bad.any():
+                raise ExportError(f"{model_path}: the model gives non-finite logits for "
+                                  f"{chunk[int(np.argmax(bad))]} (NaN or Inf weights or statistics?)")
+            p = np.exp(logits - logits.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            best = p.argmax(axis=1)
+            out += [(path, classes[k], float(p[j, k])) for j, (path, k) in enumerate(zip(chunk, best))]
+            bar.update(len(chunk))
+    return out
 
-
-def add_arguments(parser):
-    parser.add_argument("model", metavar="MODEL", help="a run folder, a checkpoint, model.safetensors or model.onnx")
-    parser.add_argument("images", metavar="IMAGE", nargs="+", help="image files (any format Pillow reads)")
-    return parser
-
-
-def run(args):
-    """`lowmem predict`: 0 printed; 1 a model or image it cannot use; 2 a missing extra."""
-    try:
-        results = predict_files(args.model, args.images)
-    except ImportError as e:
-        print(f"lowmem predict: error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:          # ExportError, DataError, CheckpointError
-        print(f"lowmem predict: error: {e}", file=sys.stderr)
-        return 1
-    for path, name, p in results:
-        print(f"{path}: {name} ({p:.3f})")
-    return 0

@@ -13,9 +13,10 @@ import math
 import numbers
 import os
 
-from ..core.engine import DTYPES, MODES
+from ..core.engine import DTYPES
 from ..models import MODELS, model_spec
 from ..units import quant
+from ..units.widths import BITS, MODES
 
 SCHEDULES = ("step", "cosine", "constant")
 WARMUP_DIVISOR = 10                           # warm-up lr = lr / 10 (He et al.: 0.01 for lr 0.1)
@@ -55,13 +56,14 @@ class TrainConfig:
     out: str = None                 # run directory (None: write nothing)
     time_limit: float = None        # seconds; stop with a checkpoint after this long
     progress: bool = True           # tqdm bar (only on a terminal)
+    log_every: int = 20             # a "step" record in metrics.jsonl every N iterations (0: none)
     sync_bn: bool = False           # data parallel: batch norm over the global batch (all ranks)
     image_size: int = 224           # folder only: images are cropped / resized to this square
     workers: int = 4                # folder only: decoding threads (lowmem.data.images)
     skip_bad: bool = False          # folder only: replace unreadable images by the next readable one
 
-    FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "rounding", "dtype",
-             "batch", "augment", "seed", "image_size")
+    FIXED = ("dataset", "pad_to", "limit_train", "model", "depth", "mode", "bits", "avg_bits", "rounding",
+             "dtype", "batch", "augment", "seed", "image_size")
 
     def validate(self):
         """Check every field; returns self. ConfigError naming the field and what it expects."""
@@ -92,13 +94,15 @@ class TrainConfig:
             if not (real("avg_bits") and 0 < self.avg_bits <= 32):
                 bad("avg_bits", "a number of bits in (0, 32] (bits='auto' fits the saved x-hat to it)")
             if self.mode == "exact":
-                bad("bits", "a bit width or 'float' per unit only in approx / naive mode, not 'auto' with exact")
+                bad("bits", "a width per unit only in mode approx or naive (mode exact saves every x-hat in float)")
         elif isinstance(self.bits, dict):
             pass                        # per-unit widths: the engine checks them against the network
-        elif not isinstance(self.bits, numbers.Integral) or isinstance(self.bits, bool) or self.bits not in quant.BITS:
-            bad("bits", f"one of {', '.join(map(str, quant.BITS))}, 'auto' or a dict of per-unit widths")
+        elif not isinstance(self.bits, numbers.Integral) or isinstance(self.bits, bool) or self.bits not in BITS:
+            bad("bits", f"one of {', '.join(map(str, BITS[::-1]))}, 'auto' or a dict of per-unit widths")
+        if self.mode == "exact" and self.rounding != "nearest":
+            bad("rounding", "nearest in mode exact (it saves x-hat in float: nothing is rounded)")
         if not (self.bits == "auto" or isinstance(self.bits, dict)) and self.avg_bits is not None:
-            bad("avg_bits", "None unless bits='auto' (a resumed auto run keeps it beside its widths)")
+            bad("avg_bits", "only with bits='auto' (a resumed auto run keeps it beside its widths)")
         for f in ("depth", "batch", "epochs"):
             integer(f, 1)
         integer("pad_to", 0)
@@ -109,6 +113,7 @@ class TrainConfig:
         if str(self.dataset).lower() in ("fashion-mnist", "fashion_mnist", "fashionmnist") and 0 < self.pad_to < 28:
             bad("pad_to", "0 (keep 28x28) or at least 28 for Fashion-MNIST's 28x28 images")
         integer("seed", 0)
+        integer("log_every", 0)
         integer("warmup_iters", 0, optional=True)
         integer("limit_train", 1, optional=True)
         integer("limit_test", 1, optional=True)

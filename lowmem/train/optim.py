@@ -22,6 +22,7 @@ import numbers
 import numpy
 
 from ..system.backend import array_module
+from . import optim_gpu
 
 
 def _hyper(name, value, upper=None):
@@ -56,8 +57,7 @@ class SGD:
     def step(self):
         """One update of every parameter from its .grad (which it may modify)."""
         if array_module(self.params[0].data) is not numpy:
-            from . import optim_gpu  # CuPy arrays: one fused kernel per tensor
-            optim_gpu.sgd_step(self)
+            optim_gpu.sgd_step(self)            # CuPy arrays: one fused kernel per tensor
         else:
             self._step_arrays()
         self._started = True

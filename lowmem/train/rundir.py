@@ -24,17 +24,24 @@ cannot both pass the check):
 The lock: an exclusive `fcntl.flock` on LOCK, held for as long as the run
 lives. The kernel releases it when the process ends, however it ends (even
 kill -9), so a lock never goes stale and needs no cleaning up. The holder
-writes its pid into the file so that a refused second run can name it. The
-lock file itself stays (deleting it would let two runs lock two different
-files); a folder holding only MARKER and LOCK counts as empty.
+writes its pid into the file so that a refused second run can name it. A run
+that ends removes the file while still holding the lock; a run that opened
+that file just before takes its lock, sees the name no longer points to it,
+and locks the new file instead (`_lock`), so two runs never hold two
+different lock files. After a kill -9 the file stays (with the dead pid) and
+the next run takes it over; a folder holding only MARKER and LOCK counts as
+empty.
 
 The record: metrics.jsonl holds one strict JSON object per line (a non-finite
-number is written as null), each with the "time" it was written: an "epoch"
-record after every epoch, a "stop" record whenever the process stops. Every
-write replaces the whole file through lowmem.system.atomic.atomic_write, so a
-crash or a full disk leaves the file as it was before that record, never a torn
-line (the file is small: one line per epoch). A resumed run first drops the
-epoch records past its checkpoint: the run writes them again. Only one process
+number is written as null), each with the "time" it was written: a "step"
+record every `log_every` iterations (lowmem/train/steplog.py: they wait in memory
+and are appended with the next record), an "epoch" record after every epoch, a
+"stop" record whenever the process stops. Every write replaces the whole file
+through lowmem.system.atomic.atomic_write, so a crash or a full disk leaves the
+file as it was before that write, never a torn line (the file is small: a line
+per epoch and per `log_every` steps, written about once an epoch). A resumed run
+first drops the epoch and step records past its checkpoint: the run writes them
+again. Only one process
 writes a run folder (rank 0 under MPI): RunLog.claim is called there alone, and
 `RunLog.none()` stands in elsewhere (every call a no-op), so the trainer never
 asks which rank it is before logging.
@@ -118,26 +125,43 @@ class RunDir:
             except OSError:             # someone put something there meanwhile: leave it
                 pass
             return
+        try:
+            os.remove(os.path.join(self.path, LOCK))        # while still holding it (_lock's check)
+        except OSError:
+            pass
         self._lock.close()              # closing the file releases the flock
         self._lock = None
 
 
 def _lock(path):
-    """Open and exclusively flock path/LOCK (non-blocking); write our pid into it."""
-    f = open(os.path.join(path, LOCK), "a+")
-    if fcntl is None:
-        return f
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        pid = f.read().strip() or "unknown"
-        f.close()
-        raise RunDirError(f"run folder {path} is in use by another lowmem run (pid {pid}); wait for it "
-                          f"to end or stop it, or choose another --out") from None
-    except BaseException:
-        f.close()
-        raise
+    """Open and exclusively flock path/LOCK (non-blocking); write our pid into it.
+
+    A holder removes the file while it still holds the lock (release): a run that opened the old
+    file just before finds, once it has the flock, that path/LOCK is no longer the file it holds,
+    and tries again on the new one, so two runs never hold locks on two different files."""
+    name = os.path.join(path, LOCK)
+    while True:
+        f = open(name, "a+")
+        if fcntl is None:
+            return f
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "unknown"
+            f.close()
+            raise RunDirError(f"run folder {path} is in use by another lowmem run (pid {pid}); wait for it "
+                              f"to end or stop it, or choose another --out") from None
+        except BaseException:
+            f.close()
+            raise
+        try:
+            current = os.stat(name).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        f.close()                       # the file we locked was removed meanwhile: lock the new one
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
@@ -220,7 +244,7 @@ class RunLog:
     def start(self, config, engine, fresh, iteration):
         """Mark the folder as lowmem's (a fresh --overwrite run first removes lowmem's old files);
         write config.json and plan.txt; a run at iteration 0 starts metrics.jsonl anew, a resumed
-        one drops the epoch records past `iteration`."""
+        one drops the epoch and step records past `iteration`."""
         if self._run is None:
             return
         self._run.start(fresh=fresh)
@@ -231,13 +255,15 @@ class RunLog:
             os.remove(self._file(METRICS))
         elif iteration:
             self._rewrite([r for r in self.records()
-                           if not (r.get("event") == "epoch" and r.get("iteration", 0) > iteration)])
+                           if not (r.get("event") in ("epoch", "step") and r.get("iteration", 0) > iteration)])
 
-    def append(self, record):
-        """Add one record (with the current time) to metrics.jsonl."""
-        if self._run is None:
+    def append(self, *records):
+        """Add records, in order, to metrics.jsonl in one rewrite (each with the current time
+        unless it carries its own)."""
+        if self._run is None or not records:
             return
-        self._rewrite(self.records() + [{"time": time.time(), **record}])
+        now = time.time()
+        self._rewrite(self.records() + [{"time": now, **r} for r in records])
 
     def records(self):
         """The records of metrics.jsonl so far ([] before the first)."""

@@ -83,3 +83,31 @@ class Stop:
             self.request("time-limit")
         elif seen[3]:
             self.request()
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM before a run's first step (`preparing`): nothing to save, so the work
+    under way (loading data, measuring --bits auto) ends at once. `signum`: the signal."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def preparing():
+    """While inside, SIGINT / SIGTERM raise Interrupted (the old handlers come back after); only
+    in the main thread (elsewhere this does nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -10,10 +10,13 @@ check; per epoch, evaluate, log, save. What each call does lives in its own
 module:
 
   lowmem/train/config.py    TrainConfig (every setting, checked) and the lr schedule (lr_at)
+  lowmem/train/pipeline.py  the data, its iterators, and BatchPipeline (augment, shard, normalise)
+  lowmem/bits/auto.py       bits="auto": every unit's width, measured at the start
   lowmem/train/trainstate.py  the checkpoint: save and restore of the network, the
                       optimizer, the data position and the RNG (exact resume)
   lowmem/train/rundir.py    the run folder: its lock, config.json, plan.txt, and
                       metrics.jsonl (rewritten atomically, one record a line)
+  lowmem/train/steplog.py   the step records between epochs (every config.log_every iterations)
   lowmem/train/stop.py      signals, the time limit, and the stop agreement of ranks
   lowmem/data/batches.py    the seeded order of every epoch (BatchIterator, ImageLoader)
   lowmem/system/distributed.py  the start-up agreement of ranks (same settings; a
@@ -37,8 +40,9 @@ locks it for as long as the run lives):
   config.json      the run's configuration (the checkpoint holds the same)
   plan.txt         the memory plan and the schedule of the engine
   metrics.jsonl    one strict JSON object per line (a non-finite number is
-                   null): an "epoch" record after every epoch, a "stop" record
-                   whenever the process stops
+                   null): a "step" record every log_every iterations, an "epoch"
+                   record after every epoch, a "stop" record whenever the
+                   process stops (`lowmem plot` draws them)
   checkpoint.ckpt  the latest checkpoint (lowmem/train/trainstate.py): parameters, BN
                    statistics, momentum buffers, SGD state, iteration, the
                    augmentation RNG and the data position, the configuration,
@@ -60,7 +64,7 @@ Errors: ConfigError (settings that cannot make a run), RunDirError /
 ResumeError (a run folder or checkpoint this run may not use), DataError,
 CheckpointError, NotEnoughMemory: all ValueErrors naming the problem; under
 MPI a refusal at start-up is a distributed.StartupError on every rank. The
-command line (lowmem/tools/cli.py) maps them to exit codes.
+command line (lowmem/tools/commands/train.py) maps them to exit codes.
 
 Data parallel (mpiexec, lowmem/system/distributed.py): every rank draws the same
 global batch and augmentation and trains on its shard; rank 0 alone writes
@@ -80,49 +84,34 @@ from ..system import backend, distributed, memory as sysmem
 from ..data import images
 from . import trainstate
 from .checkpoint import CheckpointError, load_checkpoint   # noqa: F401 (re-exported)
-from ..data.batches import BatchIterator
-from ..data.datasets import load_dataset
-from ..data.transforms import augment, normalize
+from ..bits.auto import AUTO_BATCHES, choose_widths, folder_batches, training_batches
 from ..core.engine import Engine
 from ..models import build_model
 from ..ops import softmax_xent_forward
 from .config import WARMUP_DIVISOR, ConfigError, lr_at, warmup_iters
 from .optim import SGD
+from .pipeline import BatchPipeline, data_info, iterators, load_data
 from ..core.plan import KINDS
 from ..system.memory import fmt_bytes
 from .rundir import CHECKPOINT, CONFIG, METRICS, PLAN, ResumeError, RunDirError, RunLog   # noqa: F401 (re-exported)
 from .trainstate import (FORMAT, TrainState, TrainingDiverged, check_training_meta,   # noqa: F401 (re-exported)
                          load_model_state, saved_config, zero_sums)
+from .steplog import StepLog
 from .stop import Stop
 
-AUTO_BATCHES, AUTO_BATCH = 3, 64              # bits="auto": measured on 3 training batches of at most 64
-
-
-def auto_batches(data, batch, dtype="float32"):
-    """What bits="auto" measures on: the first AUTO_BATCHES training batches of min(batch,
-    AUTO_BATCH) images, in order, normalised, not augmented: [(x, labels)] on the backend."""
-    n = min(batch, AUTO_BATCH)
-    count = min(AUTO_BATCHES, len(data.x_train) // n)
-    if count < 2:
-        raise ConfigError(f"bits='auto' needs at least 2 batches of {n} training images to measure on")
-    xp = backend.xp
-    return [(xp.asarray(normalize(numpy.empty((n,) + data.input_shape, dtype), data.x_train[i * n:(i + 1) * n],
-                                  data.mean, data.std)),
-             xp.asarray(data.y_train[i * n:(i + 1) * n])) for i in range(count)]
-
-
-
 def allocate_widths(net, data, c, comm):
-    """bits='auto': every unit's width from the sensitivity of `net` (not consumed) measured on
-    the first AUTO_BATCHES training batches (in order, not augmented; the same on every rank) at
-    the initial weights, fitted to c.avg_bits (lowmem/bits/allocate.py). Returns the Allocation."""
-    if not hasattr(data, "x_train"):
-        raise ConfigError("bits='auto' measures on the in-memory training arrays; the folder dataset "
-                          "has none: give per-unit widths instead")
-    from ..bits.allocate import allocate_bits
-    batches = auto_batches(data, c.batch // comm.size, c.dtype)
-    return allocate_bits(net, batches, batch_size=c.batch // comm.size, avg_bits=c.avg_bits,
-                         mode=c.mode, dtype=c.dtype, rounding=c.rounding)
+    """bits='auto': every unit's width through the one door (lowmem/bits/auto.py), measured on
+    the first AUTO_BATCHES training batches (in order, not augmented; an image folder's: the
+    first its training loader yields, through the eval transform; the same on every rank) at the
+    initial weights of `net` (not consumed), fitted to c.avg_bits. Returns the Allocation."""
+    local = c.batch // comm.size
+    if isinstance(data, images.ImageFolders):
+        batches = folder_batches(data, local, c.dtype, seed=c.seed, workers=c.workers, skip_bad=c.skip_bad)
+    else:
+        batches = training_batches(data, local, c.dtype)
+    a, _ = choose_widths(net, batches, local, avg_bits=c.avg_bits, mode=c.mode, dtype=c.dtype,
+                         rounding=c.rounding)
+    return a
 
 
 @dataclasses.dataclass
@@ -136,46 +125,6 @@ class TrainResult:
     history: list           # this process's epoch records
     signal: int = None
     already_finished: bool = False    # resumed a run that had already done config.epochs: nothing trained
-
-
-def data_info(data, config):
-    """What travels with the weights (checkpoint meta["data"], both exports): class names in label
-    order, the input shape, and the eval preprocessing (resize the shorter side to `resize`,
-    centre crop `image_size`, normalise with mean/std in pixel / 255)."""
-    shape = [int(v) for v in data.input_shape]
-    folder = isinstance(data, images.ImageFolders)
-    classes = getattr(data, "classes", None) or [str(k) for k in range(data.num_classes)]
-    return {"classes": [str(c) for c in classes], "input_shape": shape, "image_size": shape[-1],
-            "resize": images.eval_resize(shape[-1]) if folder else shape[-1],
-            "mean": [float(v) for v in data.mean], "std": [float(v) for v in data.std],
-            "dataset": str(config.dataset)}
-
-
-def load_data(c, saved_data=None, check=True):
-    """config.dataset's data. Image folders: decoded on threads; the limits are seeded subsets; a
-    resumed run keeps its checkpoint's normalisation (`saved_data`); check: decode-check val/ now,
-    so that a bad file stops the run before its first epoch, not after it."""
-    if c.dataset != "folder":
-        return load_dataset(c.dataset, c.data_dir, download=c.download, pad_to=c.pad_to or None,
-                            limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed)
-    mean, std = (saved_data["mean"], saved_data["std"]) if saved_data and "mean" in saved_data else (None, None)
-    data = images.load_image_folders(c.data_dir, size=c.image_size, mean=mean, std=std, workers=c.workers,
-                                     limit_train=c.limit_train, limit_test=c.limit_test, seed=c.seed,
-                                     skip_bad=c.skip_bad)
-    if check and not c.skip_bad:           # with --skip-bad the loaders count and skip bad files
-        images.check_decodable(data.val, workers=c.workers)
-    return data
-
-
-def iterators(data, c):
-    """(training batches: shuffled, drop_last; test batches: in order, all of them)."""
-    if not isinstance(data, images.ImageFolders):
-        return (BatchIterator(data.x_train, data.y_train, c.batch, shuffle=True, seed=c.seed, drop_last=True),
-                BatchIterator(data.x_test, data.y_test, c.batch))
-    # random-resized-crop + flip while decoding; --no-augment: the eval transform, still shuffled
-    train = data.loader("train", c.batch, seed=c.seed, dtype="uint8", workers=c.workers, train=c.augment,
-                        shuffle=True, drop_last=True, skip_bad=c.skip_bad)
-    return train, data.loader("val", c.batch, dtype="uint8", workers=c.workers, skip_bad=c.skip_bad)
 
 
 def describe(t):
@@ -208,37 +157,6 @@ def divergence_message(what, ckpt_path, out):
                       f"original run).")
     return msg + ("No checkpoint was written yet; start again with a lower --lr (and --overwrite to reuse "
                   "this --out)." if out else "No checkpoint was written.")
-
-
-class BatchPipeline:
-    """A uint8 batch -> this rank's normalised shard in the engine's dtype, through arrays
-    allocated once (uint8 after augmentation, then the engine's dtype; a device copy on CuPy).
-
-    The whole (global) batch is augmented, so every rank makes the same random draws; then this
-    rank keeps its shard: rows [n*r/R, n*(r+1)/R) of n. Image folders are augmented while decoding."""
-
-    def __init__(self, data, config, comm, engine):
-        self.data, self.comm, self.xp = data, comm, engine.xp
-        self.augment = config.augment and config.dataset != "folder"
-        shape, local = data.input_shape, config.batch // comm.size
-        self.u8 = numpy.empty((config.batch,) + shape, numpy.uint8)           # the global batch, augmented
-        self.u8_device = self.xp.empty((local,) + shape, numpy.uint8) if self.xp is not numpy else self.u8
-        self.x = self.xp.empty((local,) + shape, engine.dtype)
-
-    def __call__(self, xb, yb, rng, train):
-        n, r, size = len(xb), self.comm.rank, self.comm.size
-        u8 = self.u8[:n]
-        if train and self.augment:
-            augment(u8, xb, rng)
-        else:
-            u8[...] = xb
-        lo, hi = n * r // size, n * (r + 1) // size
-        u8, yb = u8[lo:hi], yb[lo:hi]
-        if self.u8_device is not self.u8:
-            self.u8_device[:hi - lo].set(u8)
-            u8 = self.u8_device[:hi - lo]
-        x = normalize(self.x[:hi - lo], u8, self.data.mean, self.data.std)
-        return x, self.xp.asarray(yb)
 
 
 class Trainer:
@@ -287,6 +205,7 @@ class Trainer:
         saved = load_checkpoint(self.ckpt_path) if resume else None
         if saved is not None:
             check_training_meta(saved[1], self.ckpt_path)
+        kept = saved is not None and trainstate.continue_auto_widths(saved[1]["config"], c)
         if dataset is None:     # every rank reads the same files (their settings agree): one check is enough
             dataset = load_data(c, saved and saved[1].get("data"), check=self.lead)
         self.data = dataset
@@ -297,6 +216,9 @@ class Trainer:
         self.data_info = data_info(self.data, c)
         if saved is not None:
             trainstate.check_resumable(saved[1], c, self.data_info, self.ckpt_path, self.log)
+        if kept:
+            self.log(f"bits auto: continuing with the checkpoint's {len(c.bits)} per-unit widths, chosen "
+                     f"for avg_bits {c.avg_bits:g}; nothing is measured again")
         local = c.batch // self.comm.size
         try:
             distributed.shard(c.batch, self.comm)                 # refuses a batch the ranks do not divide
@@ -326,6 +248,7 @@ class Trainer:
         self.history = []
         self._resumed = saved is not None
         self.stop = Stop(self.comm, c.time_limit)
+        self.steplog = StepLog(c.log_every, self.steps_per_epoch, self.comm)   # metrics.jsonl's step records
         if saved is not None:
             trainstate.restore(self.state, *saved, self.ckpt_path, xp)
             if not self.lead:                       # the saved sums are all ranks': count them once
@@ -396,6 +319,8 @@ class Trainer:
                                         f"mem {fmt_bytes(self.engine.plan.total_bytes)}", refresh=False)
                     if self.on_step:
                         self.on_step(self, loss)
+                    if self.steplog.stale():                # a long epoch: its step records so far
+                        self.runlog.append(*self.steplog.take())
                     self.stop.check_time()
                     self.stop.agree()                       # data parallel: every rank stops at one step
                     if self.stop.reason and self.iteration % spe:
@@ -413,18 +338,18 @@ class Trainer:
         self.opt.lr = lr_at(self.iteration, self.total_iters, self.config)
         self.engine.step = self.iteration        # stochastic rounding's streams follow the iteration (resume)
         try:
-            loss = self.engine.train_step(x, y, self.opt)     # refuses a non-finite loss before backward
+            loss, logits = self.engine.train_step(x, y, self.opt, return_logits=True)   # refuses a non-finite loss
         except FloatingPointError as e:
             epoch, b = divmod(self.iteration, self.steps_per_epoch)
             self._diverged(f"{e} at iteration {self.iteration + 1} (epoch {epoch + 1}, "
                            f"step {b + 1}, lr {self.opt.lr:g})")
-        # the step's logits are still in the plan's "logits" buffer (backward and the update leave it)
-        logits = self.engine.arrays["logits"][:len(y)]
+        correct, seconds = int((logits.argmax(axis=1) == y).sum()), time.perf_counter() - t
         s.iteration += 1
         s.sums["loss"] += loss * len(y)
-        s.sums["correct"] += int((logits.argmax(axis=1) == y).sum())
+        s.sums["correct"] += correct
         s.sums["seen"] += len(y)
-        s.sums["time"] += time.perf_counter() - t
+        s.sums["time"] += seconds
+        self.steplog.add(s.iteration, loss * len(y), correct, len(y), seconds, self.opt.lr)
         return loss
 
     def evaluate(self):
@@ -458,7 +383,7 @@ class Trainer:
         self.log(f"epoch {epoch}/{self.config.epochs}: train loss {rec['train_loss']:.4f} "
                  f"acc {rec['train_acc']:.4f} | test loss {test_loss:.4f} acc {test_acc:.4f} | "
                  f"lr {rec['lr']:g}, {rec['images_per_s']:.0f} img/s, {s['time']:.1f} s")
-        self.runlog.append(rec)     # metrics first: a crash before the save only repeats this epoch
+        self.runlog.append(*self.steplog.take(), rec)   # metrics first: a crash before the save only repeats this epoch
         if not math.isfinite(test_loss):    # finite weights can still give inf logits: no good either
             self._check_finite()                            # names the tensor, if one is not finite
             self._diverged(f"non-finite test loss {test_loss} after epoch {epoch} (iteration {self.iteration}); "
@@ -482,7 +407,7 @@ class Trainer:
 
     def _diverged(self, what):
         msg = divergence_message(what, self.ckpt_path, self.out)
-        self.runlog.append({"event": "stop", "reason": "diverged", "message": msg, "iteration": self.iteration})
+        self.runlog.append(*self.steplog.take(), {"event": "stop", "reason": "diverged", "message": msg, "iteration": self.iteration})
         raise TrainingDiverged(msg)
 
     def _finish(self):
@@ -490,7 +415,7 @@ class Trainer:
         ev = self.last_eval or {}
         result = TrainResult(status, self.iteration / self.steps_per_epoch, self.iteration, ev.get("test_acc"),
                              ev.get("test_loss"), self.ckpt_path, self.history, self.stop.signum)
-        self.runlog.append({"event": "stop", "reason": status, "epoch": result.epoch,
+        self.runlog.append(*self.steplog.take(close=True), {"event": "stop", "reason": status, "epoch": result.epoch,
                             "iteration": self.iteration, "test_acc": result.test_acc})
         if status != "finished" and self.out:
             why = signal.Signals(self.stop.signum).name if status == "signal" else status

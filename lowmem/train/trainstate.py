@@ -32,9 +32,9 @@ import os
 
 import numpy
 
-from .. import __version__
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ..data.datasets import DataError
+from .._version import __version__
+from .checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
+from ..data.files import DataError
 from .rundir import CHECKPOINT, ResumeError
 
 FORMAT = "lowmem-train/1"           # meta["format"] of a training checkpoint
@@ -101,13 +101,41 @@ def class_difference(saved, now, where="train"):
     return "; ".join(parts)
 
 
+def continue_auto_widths(saved_config, config):
+    """bits='auto' on resume: take the per-unit widths the checkpoint's run chose (its config keeps
+    them beside its avg_bits), so the rerun command of an auto run continues it without measuring
+    again; check_resumable then compares avg_bits (a FIXED field). Returns True if it took them."""
+    saved_bits, saved_avg = saved_config.get("bits"), saved_config.get("avg_bits")
+    if config.bits == "auto" and isinstance(saved_bits, dict) and saved_avg is not None:
+        config.bits = dict(saved_bits)
+        return True
+    return False
+
+
+def _shown(value):
+    """A setting as a resume refusal prints it: per-unit widths by their count, not in full."""
+    if isinstance(value, dict):
+        return f"{len(value)} per-unit widths"
+    return repr(value)
+
+
+def _difference(field, saved, mine):
+    """How a FIXED setting differs, in words: two per-unit width maps by their first unit apart."""
+    if isinstance(saved, dict) and isinstance(mine, dict):
+        apart = [u for u in dict.fromkeys([*saved, *mine]) if saved.get(u) != mine.get(u)]
+        more = f", and {len(apart) - 1} more" if len(apart) > 1 else ""
+        return (f"{field} (unit {apart[0]!r}: checkpoint {saved.get(apart[0], 'not named')!r}, this run "
+                f"{mine.get(apart[0], 'not named')!r}{more})")
+    return f"{field} (checkpoint {_shown(saved)}, this run {_shown(mine)})"
+
+
 def check_resumable(meta, config, data_info, path, log):
     """ResumeError unless `meta` is a training checkpoint of this run: the FIXED settings and the
     class list equal; other changed settings are logged (the continuation then differs)."""
     check_training_meta(meta, path)
     saved, mine = meta["config"], config.to_dict()
     fixed = type(config).FIXED
-    diff = [f"{k} (checkpoint {saved.get(k)!r}, this run {mine[k]!r})" for k in fixed if saved.get(k) != mine[k]]
+    diff = [_difference(k, saved.get(k), mine[k]) for k in fixed if saved.get(k) != mine[k]]
     if diff:
         arch = any(saved.get(k) != mine[k] for k in ("model", "depth", "dataset", "pad_to"))
         raise ResumeError(f"cannot resume from {path}: " + ("it holds a different architecture; " if arch else "")
@@ -159,7 +187,6 @@ def restore(state, arrays, meta, path, xp=numpy):
 
 def checkpoint_iteration(path):
     """The iteration a checkpoint holds (its header only), or "?" if it cannot be read."""
-    from .checkpoint import checkpoint_info
     try:
         return checkpoint_info(path)["meta"].get("iteration", "?")
     except CheckpointError:

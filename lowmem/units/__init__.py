@@ -28,8 +28,7 @@ import numpy
 
 from . import fused
 from .reference import BN_EPS, CodeUnits, ExactUnits
-
-MODES = ("exact", "approx", "naive")
+from .sync import SyncUnits
 
 
 def reference(mode, bits, rounding="nearest"):
@@ -44,7 +43,6 @@ def fused_applies(xp, dtype, sizes):
 
 def synchronized(units, comm, buf):
     """`units` with batch norm over the global batch of all of comm's ranks (units/sync.py)."""
-    from .sync import SyncUnits
     return SyncUnits(units, comm, buf)
 
 
@@ -93,4 +91,4 @@ def partials_size(xp, max_channels, use_fused):
     return 0
 
 
-__all__ = ["BN_EPS", "MODES", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies", "partials_size"]
+__all__ = ["BN_EPS", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies", "partials_size"]

@@ -80,8 +80,8 @@ import numbers
 import numpy
 
 from ..system.backend import array_module
+from .widths import BITS
 
-BITS = (8, 4, 2, 1)
 CHUNK = 1 << 16     # flat elements per chunk; a multiple of 8 (tests lower it)
 # Half-width W of the window per bit width K, in x̂ units: the grid covers
 # about ±W. Chosen from measured gradient errors (benchmarks/window_sweep.py,
