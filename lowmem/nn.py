@@ -1,4 +1,4 @@
-"""Write your own network: a small layer vocabulary over tensor handles, checked as you build.
+"""Write your own network: a layer vocabulary over tensor handles, checked as you build.
 
     from lowmem import nn
     g = nn.Graph("my-net", input_shape=(3, 32, 32), num_classes=10)
@@ -10,48 +10,52 @@
 
 The vocabulary is what the engine runs (lowmem/core/engine.py):
 
-  conv(x, cout, k, stride=1, pad=(k-1)//2)   k x k convolution, no bias
+  conv(x, cout, k, stride=1, pad=(k-1)//2, groups=1, bias=False)
+                                             k x k convolution (grouped, depthwise; with a bias)
   bn_relu(x)                                 batch norm (affine) then ReLU: one "unit"
+  bn(x)                                      batch norm with no ReLU after it
+  relu(x), relu6(x)                          on their own (after an add, say)
+  dropout(x, p=0.5)                          inverted dropout (training only)
+  concat(a, b, ...)                          channel concatenation
   max_pool(x, k=2, stride=k, pad=0)          max over k x k windows (k <= 4)
   avg_pool(x, k=2, stride=k, pad=0)          mean over k x k windows (zero padding counted)
   add(a, b)                                  a + b, same shape: the residual add
-  head(x)                                    global average pool, then the linear classifier
+  head(x, name="fc")                         global average pool, then the linear classifier
 
-`head` returns a `lowmem.core.network.Network`: the same Layer records the
-model builders of lowmem/models.py write by hand, with the engine's three
-shared buffers (act0 / act1 ping-pong, res for the residual stream) assigned
-here, so you never name a buffer. A global average pool exists only inside
-`head`.
+Any DAG of these runs: a tensor may feed any number of layers, residual
+connections may nest, a conv may read any tensor. `head` returns a
+`lowmem.core.network.Network`: the same Layer records the model builders of
+lowmem/models.py write by hand, with shared buffers assigned here from
+liveness (`assign_buffers`: interval colouring over the forward order, like
+a register allocator), so you never name a buffer. On a pre-activation
+ResNet that finds the paper's three buffers (act0 / act1 ping-pong, res for
+the residual stream); a graph with more tensors alive at once gets more
+buffers (act2, ...), each sized by the engine to the largest tensor it holds.
+A global average pool exists only inside `head`.
 
-The method's rules are checked when a layer is added (or, for rules about
-how a tensor is used later, at `head`), and a broken rule raises
-NetworkError (a ValueError) saying which layer and why:
+What each layer costs backward follows from what it reads (docs/networks.md):
+a conv reading the network input or a bn_relu output keeps nothing (the unit's
+saved x-hat rebuilds its input); a conv reading anything else (a pool, an add,
+another conv) keeps an exact copy of that tensor, once, whatever the number of
+convs reading it.
 
-* A conv reads the network input or a bn_relu output. Backward needs the
-  conv's input to form its weight gradient, and the engine does not keep it:
-  it rebuilds it as relu(gamma * x-hat + beta) from the unit's saved x-hat
-  (a K-bit code in approx mode). So conv -> conv or max_pool -> conv is
-  impossible; write the pre-activation order conv -> bn_relu -> conv, and pool
-  before the unit: conv -> max_pool -> bn_relu -> conv.
-* The network input feeds convs only (it sits in its own planned slot).
-* add(a, b) needs equal shapes. The operand computed first ("the skip") waits
-  in the one residual buffer until the add, so residual connections may
-  follow each other but not nest or overlap. Both operands share one gradient
-  buffer in backward (no copy), so the later operand (the branch output) may
-  feed nothing but the add.
-* A pool's input may feed other layers only before the pool (its backward
-  writes the input gradient instead of adding to it).
-* Every output must be used: the backward sweep needs a gradient for it.
-* At most three tensors may be alive at once (act0, act1, res).
+The rules left are the real ones, each a NetworkError (a ValueError) naming
+the layer, raised when the layer is added (or, for how a tensor is used later,
+at `head`): arguments and shapes (add needs equal shapes, channels match, an
+output at least 1x1), tensors of this graph, unique layer names that clash
+with no parameter or exported value, and every output used (the backward
+sweep needs a gradient for it). The graph is acyclic by construction (a layer
+reads tensors that exist).
 
-`check(net, input_shape)` applies the same rules to a Network written with
-the low-level methods of lowmem/core/network.py (named buffers), where it also
-catches a buffer read before it is written and a layer overwriting its own
-input.
+`check(net, input_shape)` applies the engine's rules to a Network written
+with the low-level methods of lowmem/core/network.py (named buffers), where it
+also catches a buffer read before it is written and a layer overwriting its
+own input.
 """
 from dataclasses import dataclass
 
-from .core.network import BUFFERS, Network, NetworkError
+from .core import liveness
+from .core.network import Network, NetworkError
 from .ops import conv_out_size
 from .core.optable import MAX_POOL_WINDOW, OPS
 from .core.schedule import walk
@@ -109,34 +113,80 @@ class Graph:
         self.input = self._tensor(input_shape, "input", "input")
 
     # ----------------------------------------------------------- vocabulary
-    def conv(self, x, cout, k, stride=1, pad=None, name=None):
-        """k x k convolution of x (C, H, W) to cout channels (no bias); He-normal init."""
+    def conv(self, x, cout, k, stride=1, pad=None, name=None, groups=1, bias=False):
+        """k x k convolution of x (C, H, W) to cout channels; He-normal init. groups splits the
+        channels into that many independent convs (groups == C == cout: depthwise); bias adds a
+        per-channel bias (<name>.bias)."""
         name = self._name(name, "conv")
         self._own(x, name)
-        for what, v, lo in (("cout", cout, 1), ("k", k, 1), ("stride", stride, 1)):
+        for what, v, lo in (("cout", cout, 1), ("k", k, 1), ("stride", stride, 1), ("groups", groups, 1)):
             if not _int(v) or v < lo:
                 raise NetworkError(f"conv {name!r}: {what} must be an int >= {lo}, got {v!r}")
         pad = (k - 1) // 2 if pad is None else pad
         if not _int(pad) or pad < 0:
             raise NetworkError(f"conv {name!r}: pad must be an int >= 0, got {pad!r}")
-        if x is not self.input and not OPS[x.op].unit:
-            raise NetworkError(
-                f"conv {name!r} reads the output of {x.op} {x.name!r}, but a conv must read the network "
-                f"input or a bn_relu output: backward rebuilds a conv's input as relu(gamma*x-hat + beta) "
-                f"from the BN->ReLU unit that produced it (the unit keeps only x-hat, a K-bit code in "
-                f"approx mode), so nothing else can be rebuilt. Put a bn_relu in between (pre-activation "
-                f"order), and pool before the unit: conv -> max_pool -> bn_relu -> conv")
+        if not isinstance(bias, bool):
+            raise NetworkError(f"conv {name!r}: bias must be True or False, got {bias!r}")
         c, h, w = x.shape
+        if c % groups or cout % groups:
+            raise NetworkError(f"conv {name!r}: groups={groups} must divide its {c} input and {cout} "
+                               f"output channels")
         out = (cout, conv_out_size(h, k, stride, pad), conv_out_size(w, k, stride, pad))
         self._check_size(name, x, out)
-        return self._node("conv", name, (x,), out, dict(cin=c, cout=cout, k=k, stride=stride, pad=pad))
+        args = dict(cin=c, cout=cout, k=k, stride=stride, pad=pad)
+        if groups != 1 or bias:
+            args.update(groups=groups, bias=bias)
+        return self._node("conv", name, (x,), out, args)
 
     def bn_relu(self, x, name=None):
         """Batch norm (gamma=1, beta=0 at init; running statistics) then ReLU: one BN->ReLU unit."""
         name = self._name(name, "bn")
         self._own(x, name)
-        self._not_input(x, "bn_relu", name)
         return self._node("bnrelu", name, (x,), x.shape, dict(c=x.shape[0]))
+
+    def bn(self, x, name=None):
+        """Batch norm with no ReLU after it (before an add, say): keeps x-hat in float and rstd."""
+        name = self._name(name, "bn")
+        self._own(x, name)
+        return self._node("bn", name, (x,), x.shape, dict(c=x.shape[0]))
+
+    def relu(self, x, name=None):
+        """max(x, 0) on its own (after an add, say; bn_relu is the unit for BN then ReLU): keeps a
+        1-bit mask."""
+        return self._elementwise("relu", "relu", x, name)
+
+    def relu6(self, x, name=None):
+        """min(max(x, 0), 6) (MobileNetV2's activation): keeps a 2-bit region code."""
+        return self._elementwise("relu6", "relu", x, name)
+
+    def dropout(self, x, p=0.5, name=None):
+        """Inverted dropout in training (each element dropped with probability p, the rest scaled
+        by 1/(1-p)); the identity in eval. Keeps its 1-bit mask, drawn from the engine's counter
+        stream (the same masks after a resume and on every kernel path)."""
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise NetworkError(f"dropout: p must be a number in [0, 1), got {p!r}")
+        return self._elementwise("dropout", "dropout", x, name, dict(p=float(p)))
+
+    def _elementwise(self, op, prefix, x, name, args=None):
+        name = self._name(name, prefix)
+        self._own(x, name)
+        return self._node(op, name, (x,), x.shape, dict(args or {}))
+
+    def concat(self, *xs, name=None):
+        """The tensors xs (equal H, W) stacked on the channel axis, in order (DenseNet's blocks)."""
+        name = self._name(name, "concat")
+        if len(xs) == 1 and isinstance(xs[0], (list, tuple)):
+            xs = tuple(xs[0])
+        if not xs:
+            raise NetworkError(f"concat {name!r}: needs at least one tensor")
+        for t in xs:
+            self._own(t, name)
+        if any(t.shape[1:] != xs[0].shape[1:] for t in xs):
+            raise NetworkError(f"concat {name!r}: spatial sizes differ: "
+                               f"{', '.join(f'{t.name!r} {t.shape}' for t in xs)}; a channel concat "
+                               f"needs equal H, W")
+        c = sum(t.shape[0] for t in xs)
+        return self._node("concat", name, xs, (c,) + xs[0].shape[1:], dict(cout=c))
 
     def max_pool(self, x, k=2, stride=None, pad=0, name=None):
         """Max over k x k windows (stride defaults to k), -inf padding; k*k <= 16."""
@@ -151,7 +201,6 @@ class Graph:
         max_window: the largest k*k the op can save (max-pool's 4-bit argmax)."""
         name = self._name(name, prefix)
         self._own(x, name)
-        self._not_input(x, method, name)
         stride = k if stride is None else stride
         for what, v, lo in (("k", k, 1), ("stride", stride, 1), ("pad", pad, 0)):
             if not _int(v) or v < lo:
@@ -168,15 +217,11 @@ class Graph:
         return self._node(op, name, (x,), out, dict(k=k, stride=stride, pad=pad))
 
     def add(self, a, b, name=None):
-        """a + b (same shape): a residual connection. The operand computed first is the skip."""
+        """a + b (same shape): a residual connection (a may be b). The operand computed first
+        is the skip (the residual stream)."""
         name = self._name(name, "add")
         self._own(a, name)
         self._own(b, name)
-        if a is b:
-            raise NetworkError(f"add {name!r}: both operands are {a!r}; to double a tensor, "
-                               f"scale a conv's weights instead")
-        for t in (a, b):
-            self._not_input(t, "add", name)
         if a.shape != b.shape:
             raise NetworkError(f"add {name!r}: operand shapes differ: {a.name!r} is {a.shape}, "
                                f"{b.name!r} is {b.shape} (C, H, W); a residual add needs equal shapes "
@@ -184,21 +229,32 @@ class Graph:
         skip, branch = (a, b) if a.index < b.index else (b, a)
         return self._node("add", name, (skip, branch), a.shape, {})
 
-    def head(self, x):
-        """Finish: global average pool of x, then the linear classifier. Returns the Network."""
+    def head(self, x, name="fc"):
+        """Finish: global average pool of x, then the linear classifier `name` (parameters
+        <name>.weight, <name>.bias; torchvision's DenseNet and MobileNetV2 say "classifier").
+        Returns the Network."""
+        if name != "fc":
+            name = self._name(name, "fc")
         self._own(x, "head")
         self._not_input(x, "head", "head")
         self._check_uses(x)
-        buf = assign_buffers(self, x)
+        best = None
+        for buf in assign_buffers(self, x):              # the colouring whose buffers cost least
+            net = self._records(buf, x, name)
+            cost = sum(walk(net, self.input_shape).buffers.values())   # also the engine's rules
+            if best is None or cost < best[0]:
+                best = (cost, net)
+        self.network = best[1]
+        return self.network
+
+    def _records(self, buf, x, name):
+        """The Network of this graph's nodes with buffers `buf` (tensor index -> buffer)."""
         net = Network(self.name, self.input_shape[0], self.num_classes, self.seed)
         for n in self.nodes:
             src = [buf[i] for i in n.inputs]
-            dst = buf[n.out]
-            # the Network method named after the op; an add's dst is res, its src the branch
-            getattr(net, n.op)(n.name, src[-1], dst, **n.args)
-        net.head(buf[x.index], x.shape[0])
-        check(net, self.input_shape)                     # the engine's rules, once more, on the records
-        self.network = net
+            # the Network method named after the op: one src, or every input's buffer in order
+            getattr(net, n.op)(n.name, tuple(src) if OPS[n.op].several else src[0], buf[n.out], **n.args)
+        net.head(buf[x.index], x.shape[0], name)
         return net
 
     # -------------------------------------------------------------- helpers
@@ -248,9 +304,8 @@ class Graph:
 
     def _not_input(self, t, what, name):
         if t is self.input:
-            raise NetworkError(f"{what} {name!r} reads the network input, which may feed convs only "
-                               f"(the engine keeps the input in its own slot; BN->ReLU, pools and adds "
-                               f"run in the shared buffers): start the network with a conv")
+            raise NetworkError(f"{what} {name!r} reads the network input directly: put a layer "
+                               f"(a conv) before it")
 
     def _check_size(self, name, x, out):
         if min(out) < 1:
@@ -266,7 +321,7 @@ class Graph:
         return uses
 
     def _check_uses(self, x):
-        """The rules about how a tensor is used later (explained in the module docstring)."""
+        """Every output is used: the backward sweep needs a gradient for it."""
         uses = self._consumers()
         uses[x.index].append(len(self.nodes))            # the head reads x
         for t in self.tensors:
@@ -274,94 +329,16 @@ class Graph:
                 raise NetworkError(f"the output of {t.op} {t.name!r} {t.shape} is never used: every "
                                    f"layer's output must feed a later layer or the head (backward "
                                    f"needs its gradient)")
-        for i, n in enumerate(self.nodes):
-            op = OPS[n.op]
-            if op.reads_dst:                             # the add: operands (skip, branch)
-                skip, branch = (self.tensors[j] for j in n.inputs)
-                others = [self._label(k) for k in uses[branch.index] if k != i]
-                if others:
-                    raise NetworkError(
-                        f"add {n.name!r}: its operand {branch.name!r} also feeds {', '.join(others)}. The "
-                        f"two operands of an add share one gradient buffer in backward (no copy), so the "
-                        f"operand computed last may feed only the add; feed the others from a tensor "
-                        f"before it, or swap the roles")
-                later = [self._label(k) for k in uses[skip.index] if k > i]
-                if later:
-                    raise NetworkError(f"add {n.name!r} adds into {skip.name!r} in place (the residual "
-                                       f"buffer), but {', '.join(later)} reads {skip.name!r} after it; "
-                                       f"use the add's result instead")
-            elif not op.accumulates:                     # a pool
-                later = [self._label(k) for k in uses[n.inputs[0]] if k > i]
-                if later:
-                    src = self.tensors[n.inputs[0]].name
-                    raise NetworkError(f"{op.builder} {n.name!r}: its input {src!r} also feeds "
-                                       f"{', '.join(later)} after the pool; a pool's backward writes "
-                                       f"its input gradient instead of adding to it, so its input may "
-                                       f"feed other layers only before the pool")
 
     def _label(self, pos):
         return "the head" if pos == len(self.nodes) else f"{self.nodes[pos].op} {self.nodes[pos].name!r}"
 
 
 def assign_buffers(graph, x):
-    """A Graph's tensor index -> buffer name, x the head's input: skips (and add results) in res,
-    the rest ping-pong act0/act1.
-
-    Greedy in forward order: a tensor takes a buffer whose tensor is no longer
-    needed; an op that may run in place (optable `in_place`: the BN->ReLU unit)
-    does when its input dies there. What an op needs comes from its optable
-    flags, never its name."""
-    uses = graph._consumers()
-    uses[x.index].append(len(graph.nodes))
-    last = {t: max(u) if u else -1 for t, u in uses.items()}
-    needs_res = set()
-    for n in graph.nodes:
-        if OPS[n.op].reads_dst:                          # the add's skip and its result live in res
-            needs_res.update((n.inputs[0], n.out))
-    buf, holder = {0: "input"}, dict.fromkeys(BUFFERS)
-
-    def busy(b, i, reads):
-        t = holder[b]
-        return t is not None and (last[t] > i or t in reads)
-
-    for i, n in enumerate(graph.nodes):
-        t, reads, op = n.out, n.inputs, OPS[n.op]
-        if op.reads_dst:
-            dst = "res"
-        elif t in needs_res:
-            if busy("res", i, reads if not op.in_place else ()):
-                held = graph.tensors[holder["res"]]
-                if held.index in reads:
-                    raise NetworkError(
-                        f"{n.op} {n.name!r} reads the residual buffer and its output must go back "
-                        f"there (it is the skip of a residual add), but a {n.op} cannot run in "
-                        f"place: downsample the stream with a strided 1x1 projection conv on a "
-                        f"bn_relu output instead")
-                raise NetworkError(
-                    f"{n.op} {n.name!r}: its output is the skip of a residual add, so it must wait "
-                    f"in the residual buffer, but that still holds {held.name!r} until "
-                    f"{graph._label(last[held.index])}: lowmem has one residual buffer, so residual "
-                    f"connections may follow each other but not nest or overlap")
-            dst = "res"
-        else:
-            src = buf[reads[0]]
-            if op.in_place and src in ("act0", "act1") and last[reads[0]] == i:
-                dst = src                                # in place: its input dies here
-            else:
-                free = [b for b in ("act0", "act1") if not busy(b, i, reads)]
-                # res too, unless a skip must move in while this tensor is alive
-                if not busy("res", i, reads) and not any(
-                        m.out in needs_res for m in graph.nodes[i + 1:last[t] + 1]):
-                    free.append("res")
-                if not free:
-                    alive = [graph.tensors[holder[b]].name for b in BUFFERS]
-                    raise NetworkError(f"{n.op} {n.name!r}: no buffer left for its output; "
-                                       f"{', '.join(map(repr, alive))} are all still needed. lowmem "
-                                       f"runs every network through three shared buffers, so at most "
-                                       f"three tensors may be alive at once")
-                dst = free[0]
-        buf[t], holder[dst] = dst, t
-    return buf
+    """Candidate buffer assignments {tensor index: buffer} of a Graph whose head reads x: the
+    liveness colourings of lowmem/core/liveness.py over its nodes (Graph.head keeps the one
+    whose planned buffers hold least)."""
+    return liveness.colourings([(n.op, n.inputs, n.out) for n in graph.nodes], len(graph.tensors), x.index)
 
 
 # --------------------------------------------------------------------------- check
@@ -371,16 +348,24 @@ def check(net, input_shape):
 
     This is the engine's own walk (schedule.walk, which the Engine runs on every
     network): the layer records themselves (lowmem/core/network.py's named buffers:
-    known ops and buffers, unique names, the head last, each layer reads a
-    buffer that was written and does not overwrite its own input), each op's
-    rules from its optable entry (channels, shapes, a conv reads the input or a
-    BN->ReLU output, ...), then the backward sweep the way the engine plans it
-    (one gradient buffer per live tensor, an add's two operands sharing one),
-    rejecting what it cannot plan or would compute wrongly: an output nobody
-    reads, a gradient written in place or summed into a buffer another tensor's
-    gradient shares, a pool input that already has a gradient, more than three
-    gradients alive."""
+    known ops and buffer names, unique names, the head last, each layer reads a
+    buffer that was written and does not overwrite its own input unless it may
+    run in place), each op's rules from its optable entry (channels, shapes),
+    then the backward sweep the way the engine plans it, rejecting an output
+    nobody reads (it would have no gradient)."""
     walk(net, tuple(input_shape))
+
+
+def from_onnx(path, input_shape=None, seed=0):
+    """A Network built from an ONNX file (a CNN exported by PyTorch in training mode with batch
+    norm kept, or by `lowmem export`), its initializers loaded as the weights; parameter names
+    are the initializers' names. input_shape (C, H, W): needed where the file leaves H and W
+    symbolic, checked against the file otherwise. Raises ValueError (export.ExportError) with
+    one line naming the problem: an unreadable file, an unsupported node (its name, op type
+    and the supported ops), a shape the file does not allow. lowmem/tools/onnx_import.py."""
+    # the reader sits in tools/ beside the exporter (it reads what export writes, through onnx)
+    from .tools.onnx_import import read_onnx
+    return read_onnx(path, input_shape, seed)
 
 
 def _int(v):

@@ -199,3 +199,37 @@ def unit_case(dtype, C=7, M=1024, seed=0):
         gamma[c] = sign * abs(gamma[c])
         beta[c] = -6 * abs(gamma[c])
     return x, gamma, beta
+
+
+# ---- ops of general graphs: grouped convs, flatten + linear ------------------------------------
+
+def grouped_conv_ref(x, w, stride, pad, groups, bias=None):
+    """Naive float64 loops, group by group: output channel o of group g = o // (Cout/G) sums
+    input channels g*Cin_g .. (g+1)*Cin_g - 1 of the zero-padded x; plus bias[o]."""
+    Cin, N, H, W = x.shape
+    Cout, cig, kh, kw = w.shape
+    cog = Cout // groups
+    xpad = np.zeros((Cin, N, H + 2 * pad, W + 2 * pad))
+    xpad[:, :, pad:pad + H, pad:pad + W] = x
+    Ho, Wo = (H + 2 * pad - kh) // stride + 1, (W + 2 * pad - kw) // stride + 1
+    out = np.zeros((Cout, N, Ho, Wo))
+    for o in range(Cout):
+        g = o // cog
+        for n in range(N):
+            for i in range(Ho):
+                for j in range(Wo):
+                    patch = xpad[g * cig:(g + 1) * cig, n, stride * i:stride * i + kh, stride * j:stride * j + kw]
+                    out[o, n, i, j] = np.sum(patch * w[o]) + (0 if bias is None else bias[o])
+    return out
+
+
+def flatten_linear_ref(x, w, b):
+    """(K, N): nn.Linear on torch.flatten of the NCHW batch, from channels-major x (C, N, H, W)."""
+    N = x.shape[1]
+    flat = x.transpose(1, 0, 2, 3).reshape(N, -1)       # (N, C*H*W) in (c, h, w) order
+    return (flat @ w.T + b).T
+
+
+def packbits_little(bits_bool):
+    """numpy.packbits of a flat bool array, bit j of byte i = element 8*i + j."""
+    return np.packbits(np.asarray(bits_bool, bool).reshape(-1), bitorder="little")

@@ -260,7 +260,7 @@ def test_model_wrn_k_takes_any_positive_widening_factor(capsys):
     assert "wrn-10-3" in out
     assert models.build_model("wrn-3", 10).num_params() == models.wide_resnet(10, 3).num_params()
     TrainConfig(model="wrn-6", depth=10, dataset="synthetic")                       # accepted
-    for bad in ("wrn-0", "wrn--1", "wrn-x", "wrn-", "wrn-03", "resnet"):
+    for bad in ("wrn-0", "wrn--1", "wrn-x", "wrn-", "wrn-03", "resnetx"):
         rc, out, err = run(capsys, "plan", "--model", bad, "--depth", "10")
         assert rc == 2 and "Traceback" not in err, bad
         last = err.strip().splitlines()[-1]

@@ -125,7 +125,8 @@ def test_reserve_must_be_below_budget():
         maxbatch_command(args)
 
 
-SMALLEST_DEPTH = {"preact-cifar": 8, "preact-imagenet": 18, "vgg-bn": 11}
+SMALLEST_DEPTH = {"preact-cifar": 8, "preact-imagenet": 18, "vgg-bn": 11, "resnet": 18, "densenet": 121,
+                  "mobilenet": 2}
 
 
 @pytest.mark.parametrize("model", sorted(models.MODELS))

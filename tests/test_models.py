@@ -385,7 +385,7 @@ def test_wide_resnet_matches_the_pytorch_reference():
 
 def test_registry_builds_every_family_with_its_defaults():
     from lowmem.models import MODELS, build_model, model_spec
-    assert sorted(MODELS) == ["preact-cifar", "preact-imagenet", "vgg-bn",
+    assert sorted(MODELS) == ["densenet", "mobilenet", "preact-cifar", "preact-imagenet", "resnet", "vgg-bn",
                               "wrn-1", "wrn-10", "wrn-2", "wrn-4", "wrn-8"]
     for name, depth in (("preact-cifar", 8), ("preact-imagenet", 18), ("vgg-bn", 11), ("wrn-4", 16)):
         spec = model_spec(name)
@@ -396,7 +396,8 @@ def test_registry_builds_every_family_with_its_defaults():
     assert build_model("preact-cifar", 8, num_classes=3, in_channels=1).num_params() == \
         preact_resnet_cifar(8, num_classes=3, in_channels=1).num_params()
     assert build_model("wrn-4", 16).num_params() == 2_748_890                # WRN-16-4
-    with pytest.raises(ValueError, match="unknown model 'vgg': expected one of preact-cifar, preact-imagenet, vgg-bn"):
+    with pytest.raises(ValueError, match="unknown model 'vgg': expected one of densenet, mobilenet, preact-cifar, "
+                                         "preact-imagenet, resnet, vgg-bn"):
         build_model("vgg", 16)
 
 

@@ -8,9 +8,10 @@
   a small synthetic set, approx 4-bit) and, where torch is installed, match
   an independent PyTorch implementation (tests/torch_reference.py's
   conventions: loss, logits, every gradient, eval logits).
-* Every rule of the method is enforced at build time with an explaining
-  NetworkError; `check` rejects hand-built Networks the engine would plan
-  wrongly (including one it plans silently, with wrong gradients).
+* The rules left (arguments, shapes, names, every output used) are enforced
+  at build time with an explaining NetworkError; `check` rejects broken
+  hand-built records the same way the engine does (tests/test_graph.py runs
+  the graphs the old three-buffer rules refused).
 """
 import numpy as np
 import pytest
@@ -161,9 +162,10 @@ def test_custom_network_trains_in_approx_mode(which):
 
 @pytest.mark.parametrize("which", list(CUSTOM))
 def test_custom_network_plans_like_any_other(which):
-    """Three shared buffers whatever the layout; the schedule names every layer."""
+    """The shared buffers the colouring found (the ping-pong pair at least); the schedule
+    names every layer."""
     eng = Engine(CUSTOM[which](), 8, (3, 16, 16), mode="approx", bits=4, allocate=False)
-    assert {e.name for e in eng.plan.entries if e.kind == "buffers"} >= {"act0", "act1", "res"}
+    assert {e.name for e in eng.plan.entries if e.kind == "buffers"} >= {"act0", "act1"}
     names = {s.layer.name for s in eng.schedule if s.layer is not None}
     assert names == {L.name for L in eng.net.layers}
 
@@ -275,22 +277,6 @@ def raises(words, f, *args, **kw):
     return e.value
 
 
-def test_conv_must_read_a_bn_relu_output_or_the_input():
-    g = graph()
-    x = g.conv(g.input, 4, 3, name="c1")
-    raises(["conv 'c2'", "conv 'c1'", "bn_relu", "x-hat", "approx"], g.conv, x, 4, 3, name="c2")
-    p = g.max_pool(g.bn_relu(x), 2, name="p")
-    raises(["maxpool 'p'", "conv -> max_pool -> bn_relu -> conv"], g.conv, p, 4, 3)
-
-
-def test_input_feeds_convs_only():
-    g = graph()
-    for f in (g.bn_relu, g.max_pool):
-        raises(["network input", "convs only"], f, g.input)
-    x = g.conv(g.input, 3, 3)
-    raises(["network input"], g.add, g.input, x)
-
-
 def test_residual_add_needs_equal_shapes():
     g = graph()
     a = g.bn_relu(g.conv(g.input, 4, 3, name="c1"))
@@ -299,7 +285,6 @@ def test_residual_add_needs_equal_shapes():
     assert "'c2'" in str(e)
     c = g.conv(a, 4, 3, stride=2, name="c3")
     raises(["(4, 4, 4)"], g.add, a, c)
-    raises(["both operands"], g.add, a, a)
 
 
 def test_bad_arguments_are_named():
@@ -331,54 +316,6 @@ def test_every_output_must_be_used():
     x = g.bn_relu(g.conv(g.input, 4, 3, name="c1"), name="b1")
     g.conv(x, 4, 3, name="dead")
     raises(["'dead'", "never used"], g.head, x)
-
-
-def test_branch_of_an_add_feeds_only_the_add():
-    g = graph()
-    x = g.conv(g.input, 4, 3, name="stem")
-    a = g.bn_relu(x, "b1")
-    h = g.conv(a, 4, 3, name="c1")
-    y = g.add(x, h, "add1")
-    z = g.add(y, g.conv(g.bn_relu(h, "b2"), 4, 3, name="c2"), "add2")
-    raises(["add 'add1'", "'c1'", "bnrelu 'b2'", "share one gradient buffer"], g.head, g.bn_relu(z))
-
-
-def test_skip_is_not_readable_after_its_add():
-    g = graph()
-    x = g.conv(g.input, 4, 3, name="stem")
-    y = g.add(x, g.conv(g.bn_relu(x, "b1"), 4, 3, name="c1"), "add1")
-    late = g.bn_relu(x, "late")                  # reads x after add1 overwrote it
-    z = g.add(y, g.conv(late, 4, 3, name="c2"), "add2")
-    raises(["add 'add1'", "in place", "bnrelu 'late'"], g.head, g.bn_relu(z))
-
-
-def test_max_pool_input_feeds_nothing_after_the_pool():
-    g = graph()
-    x = g.bn_relu(g.conv(g.input, 4, 3, name="c1"), "b1")
-    p = g.max_pool(x, 2, name="p")
-    q = g.conv(x, 4, 3, stride=2, name="after")
-    s = g.add(g.conv(g.bn_relu(p, "b2"), 4, 3, name="c2"), q)
-    raises(["max_pool 'p'", "conv 'after'", "only before the pool"], g.head, g.bn_relu(s))
-
-
-def test_residual_connections_cannot_nest():
-    g = graph()
-    x = g.conv(g.input, 4, 3, name="stem")
-    a = g.bn_relu(x, "b1")
-    inner_skip = g.conv(a, 4, 3, name="c1")            # skip of the inner add, while x waits for the outer
-    inner = g.add(inner_skip, g.conv(g.bn_relu(inner_skip, "b2"), 4, 3, name="c2"), "inner")
-    outer = g.add(x, g.conv(g.bn_relu(inner, "b3"), 4, 3, name="c3"), "outer")
-    raises(["conv 'c1'", "one residual buffer", "'stem'", "nest"], g.head, g.bn_relu(outer))
-
-
-def test_pooling_the_residual_stream_is_explained():
-    """A pooled add result that is itself a skip would have to be pooled in place in res."""
-    g = graph()
-    x = g.conv(g.input, 4, 3, name="stem")
-    y = g.add(x, g.conv(g.bn_relu(x), 4, 3), "add1")
-    p = g.max_pool(y, 2, name="p")
-    z = g.add(p, g.conv(g.bn_relu(p), 4, 3), "add2")
-    raises(["maxpool 'p'", "cannot run in place", "projection"], g.head, g.bn_relu(z))
 
 
 def test_finished_graph_cannot_grow():
@@ -429,12 +366,12 @@ def test_check_accepts_the_models_and_a_valid_hand_built_net():
     ({"bn1": {"src": "act1"}}, ["'bn1'", "act1 before any layer wrote it"]),
     ({"conv2": {"dst": "act0"}}, ["conv 'conv2'", "in place"]),
     ({"conv2": {"dst": "input"}}, ["never the input"]),
-    ({"bn2": {"dst": "act0"}}, ["conv 'conv3'", "conv 'conv2'", "BN->ReLU"]),
-    ({"add": {"src": "res"}}, ["res += res"]),
+    ({"conv2": {"dst": "fc.x"}}, ["'fc.x'", "without dots"]),
+    ({"add": {"inputs": ("res", "act1")}}, ["layer 'add'", "src among them"]),
     ({"bn2": {"cin": 5}}, ["'bn2'", "5 input channels", "holds 4"]),
     ({"conv3": {"stride": 2}}, ["add 'add'", "(4, 4, 4)", "(4, 8, 8)"]),
     ({"conv3": {"dst": "act1"}}, ["in place"]),
-    ({"bn2": {"op": "relu"}}, ["unknown op 'relu'"]),
+    ({"bn2": {"op": "softmax"}}, ["unknown op 'softmax'"]),
     ({"conv2": {"name": "conv3"}}, ["'conv3'", "twice"]),
 ])
 def test_check_rejects_broken_records(changes, words):
@@ -453,36 +390,3 @@ def test_check_rejects_an_output_overwritten_before_it_is_read():
     net.head("act0", 4)
     raises(["bnrelu 'unread'", "never read"], nn.check, net, (3, 6, 6))
     engine_refuses_as_check(net, (3, 6, 6))
-
-
-def test_check_rejects_a_net_the_engine_plans_with_wrong_gradients(rng):
-    """An add whose branch also feeds a layer after it: the engine used to plan it and return a
-    gradient that missed that path; check() and now the engine's planner refuse it."""
-    net = Network("hazard", 3, 3)
-    net.conv("conv1", "input", "res", 3, 4, 3)
-    net.bnrelu("bn1", "res", "act0", 4)
-    net.conv("conv2", "act0", "act1", 4, 4, 3)
-    net.add("add1", "act1")
-    net.bnrelu("bnx", "act1", "act0", 4)              # reads the branch after the add
-    net.conv("conv3", "act0", "act1", 4, 4, 3)
-    net.add("add2", "act1")
-    net.bnrelu("bn_final", "res", "act0", 4)
-    net.head("act0", 4)
-    raises(["add 'add1'", "gradient would be lost"], nn.check, net, (3, 6, 6))
-    engine_refuses_as_check(net, (3, 6, 6), mode="exact", dtype="float64")
-
-
-def test_check_rejects_a_unit_writing_over_a_shared_gradient():
-    """A branch that ends in BN-ReLU while the skip is still open: the engine's in-place
-    unit backward would overwrite the gradient both operands share."""
-    net = Network("ends-in-unit", 3, 3)
-    net.conv("conv1", "input", "res", 3, 4, 3)
-    net.bnrelu("bn1", "res", "act0", 4)
-    net.add("add", "act0")
-    net.bnrelu("bn_final", "res", "act0", 4)
-    net.head("act0", 4)
-    raises(["bnrelu 'bn1'", "in place"], nn.check, net, (3, 6, 6))
-    engine_refuses_as_check(net, (3, 6, 6))
-    g = graph()                                           # the builder says the same
-    x = g.conv(g.input, 4, 3)
-    raises(["in place"], g.head, g.bn_relu(g.add(x, g.bn_relu(x))))

@@ -82,6 +82,15 @@ def unit_bits(bits, mode, units):
     return {n: None if K == FLOAT else K for n, K in widths.items()}
 
 
+def code_bits(bits, mode):
+    """The width of the range codes convs keep their non-unit inputs in: None (float) in exact
+    mode; else the int bits, or a dict's "*" default (None when that says "float" or is absent)."""
+    if mode == "exact":
+        return None
+    K = bits.get("*") if isinstance(bits, dict) else bits
+    return None if K in (None, FLOAT) else K
+
+
 def width_labels(mode, unit_bits):
     """{unit: '4-bit' (x-hat saved as a code), 'float' (saved exact), or '' in exact mode}."""
     if mode == "exact":

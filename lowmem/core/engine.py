@@ -15,13 +15,14 @@ and the handlers' view of it is one runstate.RunState.
 One training step, in the order the code runs it:
   1. `forward` checks the batch, copies it (and the labels) into the planned
      "input" / "labels" slots, then runs every forward step of the schedule,
-     `OPS[step.op].forward(run, step)`: the layers, exact, through three
-     shared buffers (act0, act1 ping-pong, res for the residual stream), each
+     `OPS[step.op].forward(run, step)`: the layers, exact, through the
+     shared buffers the walk planned (a pre-activation ResNet: act0, act1
+     ping-pong, res for the residual stream), each
      BN->ReLU unit keeping what its kernel set saves (x-hat in float, or its
      packed K-bit code, plus rstd); under data parallelism the average of the
      running statistics over ranks; then the loss.
   2. `backward` zeroes the gradients and runs every backward step: the loss,
-     then the layers, last first, through the same three buffers, now holding
+     then the layers, last first, through the same buffers, now holding
      gradients (which buffer holds which was decided by the walk); under data
      parallelism, the average of the gradients over ranks.
   3. `opt.step()` (optim.SGD) updates the parameters in place.
@@ -42,8 +43,8 @@ import numpy
 from ..system import backend, distributed, threads
 from . import checks
 from .. import units as kernels
-from ..units import quant
-from .network import BUFFERS
+from ..units import quant, rangecode
+from ..ops import dropout
 from ..ops.conv import columns_for
 from .optable import OPS, BatchStatisticsError, step_temporaries
 from .plan import Plan, bind_parameters
@@ -92,11 +93,22 @@ class Engine:
         unit_names = [L.name for L in net.layers if getattr(OPS.get(L.op), "unit", False)]
         self.unit_bits = checks.unit_bits(self.bits, self.mode, unit_names)
         ranks = self.comm.size > 1
+        # how a conv keeps an input no unit rebuilds: float in exact mode, else a range code
+        self.keeper = rangecode.keeper(checks.code_bits(self.bits, self.mode))
         self.schedule = walk(net, self.input_shape, {u for u, K in self.unit_bits.items() if K is not None},
-                             average_stats=ranks and not self.sync_bn, average_grads=ranks)
+                             average_stats=ranks and not self.sync_bn, average_grads=ranks,
+                             keep_codes=self.keeper.decodes)
         self.in_shape, self.out_shape = self.schedule.in_shape, self.schedule.out_shape
         self._unit_sizes = {u: self.in_shape[u] for u in unit_names}
-        checks.batch_norm(self._unit_sizes, self.N, "batch_size")
+        # every batch norm (units and standalone): the batch-statistics scratch and the batch check
+        self._norm_sizes = {L.name: self.in_shape[L.name] for L in net.layers if OPS[L.op].norm}
+        self._keyed = [L.name for L in net.layers if OPS[L.op].keyed]      # dropout: its mask's stream
+        if self.sync_bn and len(self._norm_sizes) > len(self._unit_sizes):
+            alone = sorted(set(self._norm_sizes) - set(self._unit_sizes))
+            raise ValueError(f"sync_bn synchronizes the BN->ReLU units only; {', '.join(alone[:3])} "
+                             f"{'is a batch norm' if len(alone) == 1 else 'are batch norms'} without a "
+                             f"ReLU after it (train without sync_bn)")
+        checks.batch_norm(self._norm_sizes, self.N, "batch_size")
         sizes = self._sizes(self.N)
         self.fused = kernels.fused_applies(self.xp, self.dtype, sizes) if use_fast is None else bool(use_fast)
         self.selected = self._select_units(sizes)
@@ -109,11 +121,10 @@ class Engine:
             bind_parameters(self.arrays, net, self.xp)
             self.selected = self._select_units(sizes, self.arrays)   # with the CUDA set's workspace
             self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected,
-                                columns_for(self.xp, self.fused))
+                                columns_for(self.xp, self.fused), keeper=self.keeper)
         self.reference_units = self._select_units(sizes, self.arrays, reference=True)
         self._ready = False                       # saved state holds a training forward
-        stems = [s for s in self.schedule if s.phase == "bwd" and s.optional]
-        self._input_grad_buffer = stems[-1].dx if stems else None
+        self._input_grad_buffer = self.schedule.input_grad
 
     @property
     def use_fast(self):
@@ -155,7 +166,7 @@ class Engine:
         # statistics are views into them, and a data-parallel step sums each in one allreduce
         plan.add("grads", "grads", (sum(int(math.prod(sh)) for _, sh, _ in specs),), dt)
         plan.add("bn.running", "stats", (sum(int(math.prod(sh)) for _, sh in net.stat_shapes()),), dt)
-        max_c = max((c for (c, _, _) in self._unit_sizes.values()), default=1)
+        max_c = max((c for (c, _, _) in self._norm_sizes.values()), default=1)
         plan.add("bn.batch_mean", "stats", (max_c,), dt)
         plan.add("bn.batch_var", "stats", (max_c,), dt)
         partials = kernels.partials_size(self.xp, max_c, self.fused)
@@ -164,10 +175,10 @@ class Engine:
         if self.sync_bn:                          # the 2C sums each unit exchanges
             plan.add("sync.bn", "workspace", (2 * max_c,), "float64")
 
-        # the three shared buffers: each holds the largest activation written there
-        acts = [math.prod(self.out_shape[L.name]) for L in net.layers if L.dst in BUFFERS]
-        for b in BUFFERS:
-            plan.add(b, "buffers", (int(max(acts + [math.prod(self.input_shape)])) * N,), dt)
+        # the shared buffers the walk planned by liveness: each holds the largest tensor,
+        # gradient or scratch it ever holds (schedule.buffers: per-sample elements)
+        for b, per_sample in self.schedule.buffers.items():
+            plan.add(b, "buffers", (per_sample * N,), dt)
         head = net.layers[-1]                     # the classifier (the walk checked the head)
         plan.add("logits", "buffers", (N, head.cout), dt)
         plan.add("dlogits", "buffers", (N, head.cout), dt)
@@ -178,10 +189,14 @@ class Engine:
         plan.add("labels", "input", (N,), "int64")
         saved, shared = {}, {}
         budget = max(1, workspace_bytes // dt.itemsize)
-        for L in net.layers:
-            entries = OPS[L.op].plan(L, N, self.in_shape[L.name], self.out_shape[L.name],
-                                     self.selected.get(L.name), dt, budget)
+        for step in self.schedule:
+            if step.phase != "fwd" or step.layer is None:
+                continue
+            L = step.layer
+            entries = OPS[L.op].plan(step, N, self.selected.get(L.name, self.keeper), dt, budget)
             saved[L.name] = [name for name, kind, _, _ in entries if kind == "saved"]
+            if step.keep:                         # a kept conv input: every conv reading it finds it
+                saved[("kept", step.keep)] = saved[L.name]
             for name, kind, shape, dtype in entries:
                 if name.startswith(L.name + "."):
                     plan.add(name, kind, shape, dtype)
@@ -192,7 +207,7 @@ class Engine:
         for name, (kind, shape, dtype) in shared.items():
             plan.add(name, kind, shape, dtype)
         decodes = any(u.decodes for u in self.selected.values())
-        for what, nbytes in step_temporaries(net, self.out_shape, self._unit_sizes, N, dt.itemsize, decodes):
+        for what, nbytes in step_temporaries(net, self.out_shape, self._norm_sizes, N, dt.itemsize, decodes):
             plan.add_temporary(what, nbytes)            # bounds, not held (lowmem/core/optable.py)
         return plan, saved
 
@@ -203,7 +218,7 @@ class Engine:
         self._check_ownership()
         checks.batch(x, self.xp, self.dtype, self.input_shape, self.N, "forward")
         checks.labels(labels, self.xp, x.shape[0], self.net.num_classes)
-        checks.batch_norm(self._unit_sizes, x.shape[0], "forward: batch of")
+        checks.batch_norm(self._norm_sizes, x.shape[0], "forward: batch of")
         self._ready = False
         self._start(x, training=True)
         self.run.batch("labels")[...] = labels
@@ -233,6 +248,9 @@ class Engine:
         if training and self.rounding == "stochastic":
             run.keys = {u: quant.stream_key(self.seed, self.step, i, self.comm.rank)
                         for i, (u, K) in enumerate(self.unit_bits.items()) if K is not None}
+        if training:                              # dropout: each layer's mask stream for this step
+            run.keys.update({name: dropout.stream_key(self.seed, self.step, i, self.comm.rank)
+                             for i, name in enumerate(self._keyed)})
         self.xp.copyto(run.act("input", self.input_shape), x.transpose(1, 0, 2, 3))
 
     def _sweep(self, phase, before=None):

@@ -1,13 +1,20 @@
 """The network description: parameters, BN statistics and an ordered layer list.
 
 A `Network` is data, not code: a list of `Layer` records in forward order,
-each naming the buffer it reads (`src`) and writes (`dst`) — "input",
-"act0", "act1" (ping-pong) or "res" (the residual stream) — plus the
-parameters it owns. It holds no activations and no saved state: the engine
-(lowmem/core/engine.py) turns it into a schedule and a memory plan.
+each naming the buffer(s) it reads (`src`, or `inputs` for an op with several)
+and the buffer it writes (`dst`) — "input" (the network input's planned slot)
+or any buffer name (no dot: "act0", "act1", "res", ...) — plus the parameters
+it owns. A buffer is a shared, planned array: a layer reading it reads the
+tensor written there last, so the records themselves say which tensors are
+reused when (lowmem.nn.Graph assigns them from liveness; the hand-written
+pre-activation ResNets of lowmem/models.py use act0/act1 ping-pong and res
+for the residual stream). The network holds no activations and no saved
+state: the engine (lowmem/core/engine.py) turns it into a schedule and a
+memory plan, each buffer sized to the largest tensor it ever holds.
 
-Layer ops: conv, bnrelu, add (res += src), maxpool, avgpool2d, and the head's
-avgpool (global) and linear; what each does is its entry in lowmem/core/optable.py.
+Layer ops: conv (groups, bias), bnrelu, bn, relu, relu6, dropout, add, concat,
+maxpool, avgpool2d, and the head's avgpool (global) and linear; what each does
+is its entry in lowmem/core/optable/.
 `nn.check(net, input_shape)` says whether the engine can run a Network
 (the engine runs the same check on every network it is given).
 
@@ -22,7 +29,9 @@ import numpy
 
 from ..system.backend import to_numpy
 
-BUFFERS = ("act0", "act1", "res")     # the engine's three shared activation / gradient buffers
+BUFFERS = ("act0", "act1", "res")     # the pre-activation layout's buffers (ping-pong, residual stream)
+# plan and schedule names no buffer may take (the input slot, the head's arrays, flat plan arrays)
+RESERVED_BUFFERS = ("input", "labels", "logits", "dlogits", "dfeat", "feat", "grads")
 
 
 class NetworkError(ValueError):
@@ -51,7 +60,7 @@ class Parameter:
 
 @dataclass
 class Layer:
-    op: str            # a key of optable.OPS: conv | bnrelu | add | maxpool | avgpool2d | avgpool | linear
+    op: str            # a key of optable.OPS: conv | bnrelu | bn | relu | relu6 | dropout | add | concat | ...
     name: str
     src: str
     dst: str
@@ -60,6 +69,15 @@ class Layer:
     pad: int = 0
     cin: int = 0
     cout: int = 0
+    inputs: tuple = ()  # an op with several inputs (add, concat): every buffer it reads, in order
+    groups: int = 1     # conv: channel groups (cin == groups: depthwise)
+    bias: bool = False  # conv: has a bias (<name>.bias)
+    p: float = 0.0      # dropout: the probability of dropping an element
+
+    @property
+    def reads(self):
+        """The buffers this layer reads, in order (its inputs; `src` alone for a one-input op)."""
+        return self.inputs or (self.src,)
 
 
 class Network:
@@ -85,23 +103,61 @@ class Network:
             raise ValueError(f"network {self.name!r}: parameter {name!r} declared twice")
         self._param_specs[name] = (tuple(int(s) for s in shape), decay, init)
 
-    def conv(self, name, src, dst, cin, cout, k, stride=1, pad=None):
+    def conv(self, name, src, dst, cin, cout, k, stride=1, pad=None, groups=1, bias=False):
+        """k x k convolution; groups splits the channels (cin == groups: depthwise); bias adds
+        <name>.bias (PyTorch's default init, uniform +-1/sqrt(fan-in), no weight decay)."""
         pad = (k - 1) // 2 if pad is None else pad
-        std = numpy.sqrt(2.0 / (cin * k * k))          # He et al. (fan-in, ReLU)
-        self._param(name + ".weight", (cout, cin, k, k), True,
+        fan_in = (cin // groups) * k * k
+        std = numpy.sqrt(2.0 / fan_in)                 # He et al. (fan-in, ReLU)
+        self._param(name + ".weight", (cout, cin // groups, k, k), True,
                     lambda rng, shape: (rng.standard_normal(shape) * std).astype(numpy.float32))
-        self.layers.append(Layer("conv", name, src, dst, k, stride, pad, cin, cout))
+        if bias:
+            bound = 1.0 / numpy.sqrt(fan_in)
+            self._param(name + ".bias", (cout,), False,
+                        lambda rng, shape: rng.uniform(-bound, bound, shape).astype(numpy.float32))
+        self.layers.append(Layer("conv", name, src, dst, k, stride, pad, cin, cout, groups=groups, bias=bool(bias)))
 
     def bnrelu(self, name, src, dst, c):
+        self._bn_params(name, c)
+        self.layers.append(Layer("bnrelu", name, src, dst, cin=c, cout=c))
+
+    def bn(self, name, src, dst, c):
+        """Batch norm with no ReLU after it (gamma=1, beta=0 at init; running statistics)."""
+        self._bn_params(name, c)
+        self.layers.append(Layer("bn", name, src, dst, cin=c, cout=c))
+
+    def _bn_params(self, name, c):
         self._param(name + ".weight", (c,), False, lambda rng, shape: numpy.ones(shape, numpy.float32))   # gamma
         self._param(name + ".bias", (c,), False, lambda rng, shape: numpy.zeros(shape, numpy.float32))    # beta
         self._stat_specs[name + ".running_mean"] = ((c,), 0.0)
         self._stat_specs[name + ".running_var"] = ((c,), 1.0)
-        self.layers.append(Layer("bnrelu", name, src, dst, cin=c, cout=c))
 
-    def add(self, name, src, dst="res"):
-        """res += src: the residual add (dst is always the residual buffer)."""
-        self.layers.append(Layer("add", name, src, dst))
+    def relu(self, name, src, dst):
+        """max(x, 0) on its own (not after a batch norm): keeps a 1-bit mask."""
+        self.layers.append(Layer("relu", name, src, dst))
+
+    def relu6(self, name, src, dst):
+        """min(max(x, 0), 6): keeps a 2-bit region code."""
+        self.layers.append(Layer("relu6", name, src, dst))
+
+    def dropout(self, name, src, dst, p=0.5):
+        """Inverted dropout (training only): keeps its 1-bit mask, drawn from the engine's stream."""
+        self.layers.append(Layer("dropout", name, src, dst, p=float(p)))
+
+    def concat(self, name, srcs, dst, cout=0):
+        """dst = srcs stacked on the channel axis, in order (cout: their channels in all, checked)."""
+        srcs = tuple(srcs)
+        self.layers.append(Layer("concat", name, srcs[0], dst, cout=cout, inputs=srcs))
+
+    def add(self, name, src, dst="res", skip=None):
+        """dst = skip + src, the residual add; skip defaults to dst (dst += src, in place); src
+        may also be the pair (skip, src).
+
+        The layer's inputs are (skip, src): dst may be either of them (in place) or another buffer."""
+        if isinstance(src, tuple):
+            skip, src = src
+        skip = dst if skip is None else skip
+        self.layers.append(Layer("add", name, src, dst, inputs=(skip, src)))
 
     def maxpool(self, name, src, dst, k=3, stride=2, pad=1):
         self.layers.append(Layer("maxpool", name, src, dst, k, stride, pad))
@@ -110,17 +166,18 @@ class Network:
         """Mean over k x k windows (stride defaults to k); zero padding counts in the mean."""
         self.layers.append(Layer("avgpool2d", name, src, dst, k, k if stride is None else stride, pad))
 
-    def head(self, src, c):
-        """Global average pool, then the fully connected classifier (PyTorch's init)."""
+    def head(self, src, c, name="fc"):
+        """Global average pool, then the fully connected classifier `name` (PyTorch's init;
+        parameters <name>.weight, <name>.bias)."""
         bound = 1.0 / numpy.sqrt(c)
 
         def uniform(rng, shape):
             return rng.uniform(-bound, bound, shape).astype(numpy.float32)
 
         self.layers.append(Layer("avgpool", "pool", src, "feat", cin=c, cout=c))
-        self._param("fc.weight", (self.num_classes, c), True, uniform)
-        self._param("fc.bias", (self.num_classes,), False, uniform)
-        self.layers.append(Layer("linear", "fc", "feat", "logits", cin=c, cout=self.num_classes))
+        self._param(name + ".weight", (self.num_classes, c), True, uniform)
+        self._param(name + ".bias", (self.num_classes,), False, uniform)
+        self.layers.append(Layer("linear", name, "feat", "logits", cin=c, cout=self.num_classes))
 
     # -- using ------------------------------------------------------------
     @property

@@ -14,7 +14,8 @@ each forward or backward. A handler reads its `schedule.Step` and this, nothing 
     training    a training forward (batch statistics, saved state) or eval (running statistics)
     input_grad  backward also computes the gradient of the network input
     loss        the mean loss of the last training forward (the loss step writes it)
-    keys        {unit: stochastic rounding's stream key} of the current training forward ({}: nearest)
+    keys        {unit or dropout layer: its stream key} for the current training forward
+    keeper      how a conv keeps an input no unit rebuilds (lowmem/units/rangecode.py), chosen once
 """
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ class RunState:
     input_grad: bool = False
     loss: float = None
     keys: dict = field(default_factory=dict)
+    keeper: object = None
 
     def act(self, buf, shape):
         """(C, n, H, W) view at the start of a flat buffer (or the input slot), shape = (C, H, W)."""

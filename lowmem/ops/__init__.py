@@ -19,3 +19,10 @@ from .pool import (maxpool_forward, maxpool_backward, avgpool_forward, avgpool_b
 from .linear import linear_forward, linear_backward
 from .add import add_forward
 from .loss import softmax_xent_forward, softmax_xent_backward
+from .conv_groups import (grouped_conv2d_forward, grouped_conv2d_backward_input, grouped_conv2d_backward_weight,
+                          conv_bias_forward, conv_bias_backward)
+from .batchnorm import bn_apply_forward, bn_eval_forward, bn_backward
+from .relu import relu_forward, relu_backward, clip_forward, clip_backward, relu6_forward, relu6_backward
+from .concat import concat_forward, concat_backward, concat_slices
+from .dropout import dropout_forward, dropout_backward, dropout_mask
+from .linear import flatten_linear_forward, flatten_linear_backward

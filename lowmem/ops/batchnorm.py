@@ -139,3 +139,35 @@ def bn_relu_backward_apply(dx, dy, xhat, sum_dy, sum_dyx, M, gamma, rstd, accumu
         else:
             xp.subtract(dy[r], t, out=dx[r])
             dx[r] *= a
+
+
+# ---- batch norm on its own (no ReLU after it) ------------------------------------------------
+
+def bn_apply_forward(out, xhat, gamma, beta):
+    """out (C, M) = gamma*xhat + beta (multiply, then add, as the unit's expression); out may alias xhat."""
+    xp = array_module(out)
+    xp.multiply(xhat, gamma[:, None], out=out)
+    xp.add(out, beta[:, None], out=out)
+
+
+def bn_eval_forward(out, x, running_mean, running_var, gamma, beta, eps):
+    """Eval mode: out (C, M) = gamma*(x - running_mean)/sqrt(running_var + eps) + beta."""
+    xp = array_module(out)
+    scale = gamma / xp.sqrt(running_var + eps)
+    xp.subtract(x, running_mean[:, None], out=out)
+    out *= scale[:, None]
+    out += beta[:, None]
+
+
+def bn_backward(dx, dgamma, dbeta, dy, xhat, gamma, rstd, accumulate=False):
+    """Backward through y = gamma*xhat + beta, xhat = batch-normalised x (no ReLU):
+        dgamma += sum(dy * xhat),  dbeta += sum(dy)
+        dx = (or += with accumulate) gamma*rstd * (dy - mean(dy) - xhat * mean(dy*xhat))
+
+    # saved: xhat (C, M) — exact float, or decoded from a K-bit code — and rstd (C,) exact.
+    dy (C, M) is read only; dx may alias dy (without accumulate). The two passes of
+    bn_relu_backward with the mask left out (bn_relu_backward_sums, bn_relu_backward_apply)."""
+    sum_dy, sum_dyx = bn_relu_backward_sums(dy, xhat, gamma, None, dr_already_masked=True)
+    dgamma += sum_dyx
+    dbeta += sum_dy
+    bn_relu_backward_apply(dx, dy, xhat, sum_dy, sum_dyx, dy.shape[1], gamma, rstd, accumulate)

@@ -92,11 +92,12 @@ def folder(text):
 def model_help():
     """The --model help: the registry's families (lowmem.models.MODELS), wrn-K for any K."""
     families = sorted(n for n in models.MODELS if not n.startswith("wrn-"))
-    return " | ".join(families + ["wrn-K (K: the widening factor, any positive integer)"])
+    return " | ".join(families + ["wrn-K (K: the widening factor, any positive integer)",
+                                  "PATH.onnx (a CNN exported to ONNX, e.g. by PyTorch in training mode)"])
 
 
 def model(text):
-    """A model family name (lowmem.models.model_spec: a registry name or wrn-K)."""
+    """A model family name (lowmem.models.model_spec: a registry name, wrn-K or a .onnx path)."""
     try:
         models.model_spec(text)
     except ValueError as e:

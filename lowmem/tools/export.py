@@ -36,6 +36,7 @@ model (nor harms an existing one).
 `network_from_checkpoint(path)` rebuilds a training run's network with its weights: what
 `lowmem export RUN_DIR OUT` (lowmem/tools/commands/export.py) writes out.
 """
+import collections
 import json
 import os
 
@@ -43,7 +44,7 @@ import numpy
 
 from .._version import __version__
 from ..core.optable import OPS
-from ..models import MODELS
+from ..models import MODELS, build_model, is_onnx_path, model_spec
 from ..system.atomic import atomic_write
 from ..train.checkpoint import load_checkpoint
 from ..train.trainstate import load_model_state
@@ -136,7 +137,7 @@ def onnx_model(net, input_shape=None, opset=OPSET, metadata=None):
     opset = check_opset(opset)
     state = net.state_dict()
     inits = [numpy_helper.from_array(numpy.ascontiguousarray(v, numpy.float32), k) for k, v in state.items()]
-    version = {"input": 0, "act0": 0, "act1": 0, "res": 0}
+    version = collections.defaultdict(int)
     names = {("input", 0): "input"}
     nodes = []
 
@@ -237,9 +238,16 @@ def network_from_checkpoint(path):
     arrays, meta = load_checkpoint(path)
     config = meta.get("config") or {}
     model = config.get("model")
-    if model not in MODELS:
+    try:
+        model_spec(model)
+    except (ValueError, TypeError):
         raise ExportError(f"{path}: unknown model {model!r} in the checkpoint's configuration "
-                          f"(this lowmem knows {', '.join(sorted(MODELS))})")
+                          f"(this lowmem knows {', '.join(sorted(MODELS))} and .onnx files)") from None
+    shape = (meta.get("data") or {}).get("input_shape")      # an ONNX model's sizes (where symbolic)
+    if is_onnx_path(model):                                  # the file has the architecture and classes
+        net = build_model(model, None, seed=config.get("seed", 0), input_shape=tuple(shape) if shape else None)
+        load_model_state(path, net)
+        return net, meta
     fc, first = arrays.get("net/fc.weight"), next((a for k, a in arrays.items()
                                                    if k.startswith("net/") and a.ndim == 4), None)
     if fc is None or first is None:
@@ -247,7 +255,7 @@ def network_from_checkpoint(path):
     if config.get("depth") is None:
         raise ExportError(f"{path}: the checkpoint's configuration has no depth for model {model!r}, "
                           f"so the network cannot be rebuilt (was it written by lowmem train?)")
-    net = MODELS[model].build(config["depth"], num_classes=int(fc.shape[0]), in_channels=int(first.shape[1]),
-                              seed=config.get("seed", 0))
+    net = build_model(model, config["depth"], num_classes=int(fc.shape[0]), in_channels=int(first.shape[1]),
+                      seed=config.get("seed", 0))
     load_model_state(path, net)
     return net, meta

@@ -60,15 +60,18 @@ def model_arguments(p, depth, batch):
 
 
 def input_shape(args):
-    """--input, or the model's default input shape."""
-    return args.input or models.model_spec(args.model).input_shape
+    """--input, or the model's default input shape (an ONNX file's own, where it fixes one)."""
+    if args.input or not models.is_onnx_path(args.model):
+        return args.input or models.model_spec(args.model).input_shape
+    from .onnx_import import file_input_shape
+    return file_input_shape(args.model)
 
 
 def build_network(args):
     """(network, input_shape) from the model options; ValueError on a bad combination."""
     shape = input_shape(args)
     net = models.build_model(args.model, args.depth, num_classes=args.classes, in_channels=shape[0],
-                             seed=getattr(args, "seed", 0))
+                             seed=getattr(args, "seed", 0), input_shape=shape)
     return net, shape
 
 

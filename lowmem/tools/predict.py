@@ -33,7 +33,7 @@ from ..core.inference import InferenceEngine
 from ..data.files import DataError
 from ..data.decode import decode
 from ..data.transforms import normalize
-from ..models import MODELS
+from ..models import MODELS, build_model, is_onnx_path
 from ..system.backend import to_numpy
 from ..train.rundir import CHECKPOINT
 from .export import ExportError, network_from_checkpoint, read_metadata, read_safetensors
@@ -62,16 +62,22 @@ def load(model_path, batch_size=CHUNK):
     info = check_info(read_metadata(path), path)
     if suffix == ".onnx":
         return _onnx_logits(path, info), info
-    if info.get("model") not in MODELS or not isinstance(info.get("depth"), int):
+    onnx_model = is_onnx_path(info.get("model"))          # a run of `lowmem train --model file.onnx`
+    if not onnx_model and (info.get("model") not in MODELS or not isinstance(info.get("depth"), int)):
         raise ExportError(f"{path}: its metadata does not name a lowmem model and depth (exported by an "
                           f"older lowmem?); export the run again")
     state = read_safetensors(path)
-    fc = state.get("fc.weight")
-    if fc is None or fc.ndim != 2:
-        raise ExportError(f"{path}: no classifier weights (fc.weight) in this file")
-    _check_outputs(path, info, fc.shape[0])
-    net = MODELS[info["model"]].build(info["depth"], num_classes=int(fc.shape[0]),
-                                      in_channels=info["input_shape"][0])
+    if onnx_model:                                         # the .onnx file it names has the architecture
+        net = build_model(info["model"], None, in_channels=info["input_shape"][0],
+                          input_shape=tuple(info["input_shape"]))
+        _check_outputs(path, info, net.num_classes)
+    else:
+        fc = state.get("fc.weight")
+        if fc is None or fc.ndim != 2:
+            raise ExportError(f"{path}: no classifier weights (fc.weight) in this file")
+        _check_outputs(path, info, fc.shape[0])
+        net = MODELS[info["model"]].build(info["depth"], num_classes=int(fc.shape[0]),
+                                          in_channels=info["input_shape"][0])
     try:
         net.load_state_dict(state)
     except ValueError as e:

@@ -223,7 +223,8 @@ class Trainer:
         try:
             distributed.shard(c.batch, self.comm)                 # refuses a batch the ranks do not divide
             self.net = build_model(c.model, c.depth, num_classes=self.data.num_classes,
-                                   in_channels=self.data.input_shape[0], seed=c.seed)
+                                   in_channels=self.data.input_shape[0], seed=c.seed,
+                                   input_shape=self.data.input_shape)
             self.allocation = None
             if c.bits == "auto":        # measured once, at the start; the config keeps the widths (resume)
                 self.allocation = allocate_widths(self.net, self.data, c, self.comm)

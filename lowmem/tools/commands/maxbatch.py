@@ -71,7 +71,7 @@ def run(args):
     """`lowmem maxbatch`: print the batch and its plan by kind; 0, or 1 when --verify fails."""
     shape = input_shape(args)
     factory = lambda: models.build_model(args.model, args.depth, num_classes=args.classes,  # noqa: E731
-                                         in_channels=shape[0])
+                                         in_channels=shape[0], input_shape=shape)
     ws = args.workspace_mib << 20
     if args.reserve >= args.budget:
         raise ValueError(f"--reserve ({fmt_bytes(args.reserve)}) must be smaller than --budget "

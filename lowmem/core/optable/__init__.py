@@ -1,0 +1,79 @@
+"""The op table: everything lowmem knows about each op, in one entry per op.
+
+    OPS[op].out_shape(L, (c, h, w), ...) -> (c, h, w)   per-sample output shape (one shape per input)
+    OPS[op].check(L, shape, walk)                  its rules on the layer record (raise NetworkError)
+    OPS[op].route(L, walk)                         backward: which buffer receives its input gradient
+    OPS[op].plan(step, N, units, dtype, budget) -> [(name, kind, shape, dtype)]
+                                                   what it keeps for backward ("saved") and its
+                                                   scratch ("workspace") in the memory plan
+    OPS[op].slots(step, saved)                     the saved slots a step fills or reads (printed)
+    OPS[op].forward(run, step), .backward(run, step)    the handlers
+    OPS[op].onnx(L, helper, read, write) -> [nodes]     its inference form (lowmem/tools/export.py)
+    flags: unit (a BN-ReLU unit: own kernel set, own bit width), in_place (may write a buffer
+           it reads), several (reads Layer.inputs, not one src)
+
+The entries, by family: base.py (the defaults), conv.py, norm.py (the BN->ReLU unit, batch
+norm alone), activations.py (ReLU, ReLU6, dropout), pools.py, graph.py (add, concat; the
+backward-only copy and addgrad steps), head.py (global pool, linear, loss, data-parallel
+averages).
+
+The walk (schedule.walk) visits the layers once forward (checks, shapes) and
+once backward (gradient buffers), calling these; the engine (lowmem/core/engine.py)
+builds its plan from `plan` and runs the handlers; nn.check is that same walk;
+lowmem/tools/export.py writes `onnx`. Nothing outside this package switches on an op name.
+
+Handlers receive the step (schedule.Step: buffers, shapes, slot and parameter
+names, accumulate / scratch) and a runstate.RunState: the arrays, parameters,
+statistics, the units' kernel sets, the batch n and the flags, never the engine.
+
+Gradient semantics (lowmem/ops): activation gradients overwrite their buffer
+unless `step.accumulate` (a tensor with a second consumer); parameter
+gradients accumulate (the engine zeroes them once per backward).
+
+Adding an op: its functions in lowmem/ops, one class in the family's module here (and
+its key in OPS), a builder method in lowmem/core/network.py and lowmem/nn.py
+(docs/engine.md walks through the k x k average pool, added that way).
+"""
+import math
+
+from ...units import quant
+from ...system import threads
+from ...ops.batchnorm import ROW_BLOCK
+from .base import BN_MOMENTUM, MAX_POOL_WINDOW, BatchStatisticsError, Op
+from .conv import Conv
+from .activations import Dropout, ReLU, ReLU6
+from .graph import Add, AddGrad, Concat, Copy
+from .head import Average, GlobalAvgPool, Linear, Loss
+from .norm import BN, BNReLU
+from .pools import AvgPool2d, MaxPool
+
+__all__ = ["OPS", "HEAD", "STEP_ONLY", "BN_MOMENTUM", "MAX_POOL_WINDOW", "BatchStatisticsError", "Op",
+           "step_temporaries"]
+
+OPS = {"conv": Conv, "bnrelu": BNReLU, "bn": BN, "relu": ReLU, "relu6": ReLU6, "dropout": Dropout,
+       "add": Add, "concat": Concat, "maxpool": MaxPool, "avgpool2d": AvgPool2d,
+       "avgpool": GlobalAvgPool, "linear": Linear, "loss": Loss, "average": Average,
+       "copy": Copy, "addgrad": AddGrad}
+HEAD = ("avgpool", "linear")            # every network ends with these two (Network.head)
+STEP_ONLY = ("loss", "average", "copy", "addgrad")   # ops of the schedule, never of a network's layers
+
+
+def step_temporaries(net, out_shape, unit_sizes, N, itemsize, decodes):
+    """[(what, bytes)]: bounds on the NumPy temporaries one step allocates beyond the plan
+    (lowmem/ops, lowmem/units/quant), which the plan states but does not hold. out_shape: {layer:
+    per-sample output shape}; unit_sizes: {batch norm: its input (C, H, W)}; decodes: some unit's
+    kernel set decodes codes through quantizer chunks."""
+    weights = [int(math.prod(shape)) for _, shape, _ in net.param_shapes()]
+    per = threads.threads() + 1         # conv2d_backward_weight: a partial per thread + the GEMM result
+    out = [(f"weight-sized GEMM results (x{per})", per * max(weights) * itemsize)]
+    rows = [N * h * w for (_, h, w) in unit_sizes.values()] or [0]
+    units = [c * N * h * w for (c, h, w) in unit_sizes.values()] or [0]
+    out.append(("a BN row block (x2)", 2 * min(max(units), max(ROW_BLOCK, max(rows))) * itemsize))
+    if decodes:
+        out.append(("quantizer chunks", (2 * itemsize + 4) * min(quant.CHUNK, max(units))))
+    per_op = {}                         # the ops' own bounds (each entry's `temporary`)
+    for L in net.layers:
+        what, nbytes = OPS[L.op].temporary(L, out_shape[L.name], itemsize) or ("", 0)
+        if what:
+            per_op[what] = max(per_op.get(what, 0), nbytes)
+    return out + list(per_op.items())

@@ -1,0 +1,188 @@
+"""Grouped 2-D convolution (depthwise included) and the conv bias, on top of ops/conv.py.
+
+Dimensions:  Cin, Cout channels;  G groups;  Cin_g = Cin/G, Cout_g = Cout/G per group;
+             N batch;  H, W input;  Ho, Wo output;  kh, kw kernel.
+Layout: x (Cin, N, H, W), w (Cout, Cin_g, kh, kw) (PyTorch's grouped layout), b (Cout,),
+out (Cout, N, Ho, Wo). Output channels of group g read input channels g*Cin_g .. (g+1)*Cin_g - 1.
+
+Channels-major, so a group's input, weights and output are contiguous channel slices: a
+grouped conv is ops/conv.py's im2col conv run once per group on those slices, with the
+workspace sized for one group (workspace_per_sample: Cin_g*kh*kw*Ho*Wo elements a sample).
+G = 1 is ops/conv.py itself, bit for bit.
+
+Depthwise (Cin_g = Cout_g = 1, MobileNet's 3x3) would be G tiny GEMMs; it runs instead as a sum
+over kernel offsets of per-channel scaled, shifted slices (no workspace, no GEMM):
+    out[c, :, oh, ow] += w[c, 0, i, j] * x[c, :, ih, iw]      for each offset (i, j)
+in blocks of whole channels, or of samples of one channel (DEPTHWISE_BLOCK elements, at least
+one sample's plane), the one temporary a block-sized product, threads splitting the channels.
+"""
+from ..system import threads
+from ..system.backend import array_module
+from .conv import conv2d_backward_input, conv2d_backward_weight, conv2d_forward, window_slices
+
+DEPTHWISE_BLOCK = 1 << 16   # output elements per channel block of the depthwise path (tests vary it)
+
+
+def check_groups(cin, cout, groups):
+    """groups as an int dividing both channel counts; ValueError naming the numbers otherwise."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"conv groups must be an int >= 1, got {groups!r}")
+    if cin % groups or cout % groups:
+        raise ValueError(f"conv groups={groups} must divide both channel counts (in {cin}, out {cout})")
+    return groups
+
+
+def is_depthwise(w, groups):
+    """True when every group has one input and one output channel."""
+    return groups > 1 and w.shape[0] == groups and w.shape[1] == 1
+
+
+def workspace_per_sample(cin, kh, kw, ho, wo, groups=1, cout=None):
+    """Workspace elements one sample needs: one group's im2col columns; 0 on the depthwise path."""
+    if cout is not None and groups > 1 and cin == cout == groups:
+        return 0
+    return (cin // groups) * kh * kw * ho * wo
+
+
+def scratch_bytes(cin, cout, groups, h, w, ho, wo, itemsize, threads_=1, block=None):
+    """A bound on what one depthwise call allocates beyond its arguments, whatever the batch:
+    per thread, one product of a block (at most max(DEPTHWISE_BLOCK, one sample's plane) elements,
+    the plane the larger of H*W and Ho*Wo) and NumPy's buffers for the strided window operands,
+    three such blocks (measured in tests/test_ops_graph.py). 0 for other grouped convs: they are
+    ops/conv.py's calls on channel slices, whose own bounds (weight-sized GEMM results) apply."""
+    if not (groups > 1 and cin == cout == groups):
+        return 0
+    b = max(DEPTHWISE_BLOCK if block is None else block, h * w, ho * wo)
+    return 3 * b * int(itemsize) * max(1, int(threads_))
+
+
+def _shapes(x_or_dx, w, out_or_dout, groups):
+    Cout, cig = w.shape[:2]
+    Cin = x_or_dx.shape[0]
+    check_groups(Cin, Cout, groups)
+    if cig * groups != Cin or out_or_dout.shape[0] != Cout:
+        raise ValueError(f"grouped conv: w {tuple(w.shape)} with groups={groups} does not fit "
+                         f"{Cin} input and {out_or_dout.shape[0]} output channels "
+                         f"(expected w (Cout, Cin/groups, kh, kw))")
+    return Cin // groups, Cout // groups
+
+
+def _blocks(C, N, plane, body, like):
+    """body(cs, ns) over (channels, samples) blocks of at most max(DEPTHWISE_BLOCK, plane) elements
+    (plane: one sample's, the larger of H*W and Ho*Wo): whole channels when they fit, else samples
+    of one channel. Threads split the channels; a channel's blocks run in order on one thread, so
+    results are the same bit for bit for any thread count. One host thread for CuPy arrays `like`
+    (the GPU runs each block's kernels on one stream)."""
+    if N * plane <= DEPTHWISE_BLOCK:
+        per = DEPTHWISE_BLOCK // (N * plane)
+        work = [[(slice(c, min(C, c + per)), slice(0, N))] for c in range(0, C, per)]
+    else:
+        nb = max(1, DEPTHWISE_BLOCK // plane)
+        work = [[(slice(c, c + 1), slice(n, min(N, n + nb))) for n in range(0, N, nb)] for c in range(C)]
+
+    def run(g0, g1):
+        for blocks in work[g0:g1]:
+            for cs, ns in blocks:
+                body(cs, ns)
+    if array_module(like).__name__ == "cupy":
+        run(0, len(work))
+    else:
+        threads.parallel_for(run, len(work))
+
+
+def _depthwise_forward(out, x, w, stride, pad):
+    C, N, H, W = x.shape
+    Ho, Wo = out.shape[2:]
+    kh, kw = w.shape[2:]
+
+    def block(cs, ns):
+        o = out[cs, ns]
+        o.fill(0)
+        for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
+            o[:, :, oh, ow] += x[cs, ns, ih, iw] * w[cs, 0, i, j, None, None, None]   # one block
+    _blocks(C, N, max(H * W, Ho * Wo), block, out)
+
+
+def _depthwise_backward_input(dx, dout, w, stride, pad, accumulate):
+    C, N, H, W = dx.shape
+    Ho, Wo = dout.shape[2:]
+    kh, kw = w.shape[2:]
+
+    def block(cs, ns):
+        d = dx[cs, ns]
+        if not accumulate:
+            d.fill(0)
+        for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
+            d[:, :, ih, iw] += dout[cs, ns, oh, ow] * w[cs, 0, i, j, None, None, None]
+    _blocks(C, N, max(H * W, Ho * Wo), block, dx)
+
+
+def _depthwise_backward_weight(dw, x, dout, stride, pad):
+    C, N, H, W = x.shape
+    Ho, Wo = dout.shape[2:]
+    kh, kw = dw.shape[2:]
+
+    def block(cs, ns):
+        for i, j, oh, ow, ih, iw in window_slices(H, W, Ho, Wo, kh, kw, stride, pad):
+            t = dout[cs, ns, oh, ow] * x[cs, ns, ih, iw]                    # one block
+            dw[cs, 0, i, j] += t.reshape(t.shape[0], -1).sum(axis=1)
+    _blocks(C, N, max(H * W, Ho * Wo), block, dw)
+
+
+def grouped_conv2d_forward(out, x, w, stride, pad, groups, ws, bias=None, columns=None):
+    """out (Cout, N, Ho, Wo) = grouped conv of x (Cin, N, H, W) with w (Cout, Cin/groups, kh, kw),
+    plus bias (Cout,) when given. ws: the workspace (workspace_per_sample elements a sample at
+    least; unused on the depthwise path); columns: as ops/conv.py's."""
+    cig, cog = _shapes(x, w, out, groups)
+    if groups == 1:
+        conv2d_forward(out, x, w, stride, pad, ws, columns)
+    elif is_depthwise(w, groups):
+        _depthwise_forward(out, x, w, stride, pad)
+    else:
+        for g in range(groups):
+            conv2d_forward(out[g * cog:(g + 1) * cog], x[g * cig:(g + 1) * cig], w[g * cog:(g + 1) * cog],
+                           stride, pad, ws, columns)
+    if bias is not None:
+        conv_bias_forward(out, bias)
+
+
+def grouped_conv2d_backward_input(dx, dout, w, stride, pad, groups, ws, accumulate=False, columns=None):
+    """dx (Cin, N, H, W) = (or += with accumulate) the grouped conv's input gradient from dout.
+
+    # saved: nothing but the weights (exact)."""
+    cig, cog = _shapes(dx, w, dout, groups)
+    if groups == 1:
+        conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate, columns)
+    elif is_depthwise(w, groups):
+        _depthwise_backward_input(dx, dout, w, stride, pad, accumulate)
+    else:
+        for g in range(groups):
+            conv2d_backward_input(dx[g * cig:(g + 1) * cig], dout[g * cog:(g + 1) * cog], w[g * cog:(g + 1) * cog],
+                                  stride, pad, ws, accumulate, columns)
+
+
+def grouped_conv2d_backward_weight(dw, x, dout, stride, pad, groups, ws, columns=None):
+    """dw (Cout, Cin/groups, kh, kw) += dout (Cout, N, Ho, Wo) correlated with x, group by group.
+
+    # saved: the conv input x (exact, or decoded from a code by the caller)."""
+    cig, cog = _shapes(x, dw, dout, groups)
+    if groups == 1:
+        conv2d_backward_weight(dw, x, dout, stride, pad, ws, columns)
+    elif is_depthwise(dw, groups):
+        _depthwise_backward_weight(dw, x, dout, stride, pad)
+    else:
+        for g in range(groups):
+            conv2d_backward_weight(dw[g * cog:(g + 1) * cog], x[g * cig:(g + 1) * cig], dout[g * cog:(g + 1) * cog],
+                                   stride, pad, ws, columns)
+
+
+def conv_bias_forward(out, b):
+    """out (Cout, N, Ho, Wo) += b (Cout,), per output channel."""
+    out += b.reshape((-1,) + (1,) * (out.ndim - 1))        # any view: no copy to lose
+
+
+def conv_bias_backward(db, dout):
+    """db (Cout,) += sum of dout (Cout, N, Ho, Wo) over N, Ho, Wo.
+
+    # saved: nothing."""
+    db += dout.sum(axis=tuple(range(1, dout.ndim)))

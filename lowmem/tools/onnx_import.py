@@ -1,0 +1,221 @@
+"""ONNX in: a CNN graph file -> a lowmem Network built through nn.Graph, its initializers as weights.
+
+    net = lowmem.nn.from_onnx("model.onnx")                  # input shape from the file
+    net = lowmem.nn.from_onnx("model.onnx", input_shape=(3, 32, 32))   # where H, W are symbolic
+
+Reads files exported by PyTorch in training mode with batch norm kept,
+
+    torch.onnx.export(model, x, path, training=torch.onnx.TrainingMode.TRAINING,
+                      do_constant_folding=False, dynamo=False)
+
+(the TorchScript exporter: the torch.export-based one needs onnxscript), and lowmem's own
+`lowmem export` files (eval-mode batch norm). The `onnx` package parses and checks the file;
+nothing here reads protobuf by hand.
+
+Each ONNX node becomes one nn.Graph call (lowmem/tools/onnx_nodes.py: op type -> handler); a node whose op
+the builder does not offer is refused with its name, its op type and the list of supported
+ops. BatchNormalization whose only reader is a Relu becomes one BN->ReLU unit (`bn_relu`);
+GlobalAveragePool (or ReduceMean over H, W) -> Flatten -> Gemm at the end becomes the head.
+Identity and Dropout in eval form pass their input through.
+
+Names: a layer takes the name of its parameters' initializers (`layer1.0.conv1.weight` ->
+layer `layer1.0.conv1`, so parameters keep the ONNX initializer names, which for a torch
+model are its `named_parameters()` names); a layer without parameters takes its node's name
+when that is a valid layer name, else the builder's default. The classifier (the head's linear
+layer) takes its initializers' name too (torchvision's `classifier`), else fc.
+"""
+import os
+
+from .export import ExportError, _require
+from .onnx_nodes import IMPORTS, _attr, builder_has, supported_ops
+
+GENERIC_NAMES = ("", "main_graph", "torch_jit", "torch-jit-export")    # exporters' defaults: the file's name instead
+
+
+class _Reader:
+    """One pass over a checked onnx.ModelProto, building the nn.Graph and collecting weights."""
+
+    def __init__(self, model, path, input_shape, seed):
+        from onnx import numpy_helper
+        from .. import nn
+        self.nn, self.path = nn, path
+        g = model.graph
+        self.inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        self.consts = {}
+        for n in g.node:                                  # every Constant first: a pattern may look ahead
+            if n.op_type == "Constant":
+                IMPORTS["Constant"](self, n)
+        self.readers = {}                                 # value -> [nodes reading it]
+        for n in g.node:
+            for v in n.input:
+                if v:
+                    self.readers.setdefault(v, []).append(n)
+        inputs = [i for i in g.input if i.name not in self.inits]
+        if len(inputs) != 1:
+            raise ExportError(f"{path}: expected one graph input (the image batch), found "
+                              f"{len(inputs)}: {[i.name for i in inputs]}")
+        self.outputs = [o.name for o in g.output]
+        if len(self.outputs) != 1:
+            raise ExportError(f"{path}: expected one graph output (the logits), found {self.outputs}")
+        shape = _input_shape(inputs[0], input_shape, path)
+        num_classes = self._num_classes(g)
+        name = g.name if g.name not in GENERIC_NAMES else os.path.splitext(os.path.basename(path))[0]
+        self.graph = nn.Graph(name, shape, num_classes, seed)
+        self.values = {inputs[0].name: self.graph.input}  # ONNX value -> nn Tensor
+        self.weights = {}                                 # lowmem parameter name -> array
+        self.done = set()                                 # nodes consumed by a pattern (id)
+        self.network = None
+
+    # ------------------------------------------------------------------ walking
+    def run(self, nodes):
+        for node in nodes:
+            if id(node) in self.done or node.op_type == "Constant":     # constants: read in __init__
+                continue
+            if self.network is not None:
+                raise ExportError(f"{self.path}: node {node.name!r} ({node.op_type}) comes after the "
+                                  f"classifier; the graph must end with the logits (lowmem applies "
+                                  f"softmax cross-entropy itself)")
+            handler = IMPORTS.get(node.op_type)
+            if handler is None or not builder_has(node.op_type):
+                raise ExportError(f"{self.path}: node {node.name!r}: op {node.op_type} is not supported; "
+                                  f"supported ops: {', '.join(supported_ops())}")
+            handler(self, node)
+        if self.network is None:
+            raise ExportError(f"{self.path}: no classifier head found: the graph must end with a "
+                              f"global average pool (GlobalAveragePool or ReduceMean over H, W), "
+                              f"Flatten and Gemm")
+        return self.network
+
+    def tensor(self, node, i=0):
+        v = node.input[i]
+        if v not in self.values:
+            what = "an initializer" if v in self.inits else "not computed by a supported node"
+            raise ExportError(f"{self.path}: node {node.name!r} ({node.op_type}) reads {v!r}, which is "
+                              f"{what}; lowmem reads activations there")
+        return self.values[v]
+
+    def const(self, node, i):
+        """The constant array of input i (an initializer or a Constant node's value), or None."""
+        if i >= len(node.input) or not node.input[i]:
+            return None
+        v = node.input[i]
+        if v in self.inits:
+            return self.inits[v]
+        if v in self.consts:
+            return self.consts[v]
+        raise ExportError(f"{self.path}: node {node.name!r} ({node.op_type}): input {v!r} must be a "
+                          f"constant (an initializer)")
+
+    def only_reader(self, value, op_type):
+        """The single node reading `value` if it is an `op_type`, else None."""
+        r = self.readers.get(value, [])
+        return r[0] if len(r) == 1 and r[0].op_type == op_type and value not in self.outputs else None
+
+    def layer_name(self, node, param_names=(), suffixes=()):
+        """The layer name: the common prefix of its parameters' initializer names when they end in
+        `suffixes` (conv: .weight), else the node's name when valid, else None (builder default)."""
+        if param_names and all(p.endswith(s) for p, s in zip(param_names, suffixes)):
+            prefixes = {p[:-len(s)] for p, s in zip(param_names, suffixes)}
+            if len(prefixes) == 1:
+                return prefixes.pop()
+        name = node.name
+        if name.startswith("/"):                 # torch's scope path "/layer1/layer1.0/Add": layer1.0.add
+            parts = name.strip("/").split("/")
+            name = ".".join(parts[-2:-1] + [parts[-1].lower()])
+        nn = self.nn
+        bad = (not name or name.startswith(".") or name.endswith(".") or name in self.graph._names
+               or name in nn.RESERVED or name in nn.HEAD_VALUES or name.startswith(("pool.", "fc."))
+               or name.rsplit(".", 1)[-1] in nn.PARAM_SUFFIXES or name.endswith(".bn"))
+        return None if bad else name
+
+    def set(self, node, tensor, i=0):
+        self.values[node.output[i]] = tensor
+
+    def param(self, name, value, expected_shape, node):
+        if tuple(value.shape) != tuple(expected_shape):
+            raise ExportError(f"{self.path}: node {node.name!r}: initializer for {name!r} has shape "
+                              f"{tuple(value.shape)}, expected {tuple(expected_shape)}")
+        if value.dtype.kind != "f":
+            raise ExportError(f"{self.path}: node {node.name!r}: initializer for {name!r} is {value.dtype}, "
+                              f"expected floating-point values")
+        self.weights[name] = value
+
+    def _num_classes(self, g):
+        gemms = [n for n in g.node if n.op_type == "Gemm" and self.outputs[0] in n.output]
+        if not gemms or gemms[0].input[1] not in self.inits:
+            raise ExportError(f"{self.path}: the graph output {self.outputs[0]!r} is not a Gemm with "
+                              f"constant weights; lowmem needs a linear classifier at the end "
+                              f"(global average pool, Flatten, Gemm)")
+        w = self.inits[gemms[0].input[1]]
+        return int(w.shape[0] if _attr(gemms[0], "transB", 0) else w.shape[1])
+
+
+def _input_shape(value, given, path):
+    """(C, H, W) of one sample from the graph input's type, or `given` where H, W are symbolic;
+    ExportError when the two disagree."""
+    dims = value.type.tensor_type.shape.dim
+    if len(dims) != 4:
+        raise ExportError(f"{path}: the graph input {value.name!r} has {len(dims)} dimensions; expected "
+                          f"an image batch (N, C, H, W)")
+    fixed = [d.dim_value if d.HasField("dim_value") else None for d in dims[1:]]
+    if fixed[0] is None:
+        raise ExportError(f"{path}: the graph input's channel count is symbolic; lowmem needs it fixed")
+    if given is not None:
+        given = tuple(int(v) for v in given)
+        if len(given) != 3 or any(f is not None and f != v for f, v in zip(fixed, given)):
+            shown = "x".join("?" if f is None else str(f) for f in fixed)
+            raise ExportError(f"{path}: input shape {'x'.join(map(str, given))} does not match the model's "
+                              f"input {shown} (C x H x W)")
+        return given
+    if None in fixed:
+        raise ExportError(f"{path}: the model's input height and width are symbolic; give input_shape "
+                          f"(C, H, W), e.g. input_shape=({fixed[0]}, 32, 32) (--input on the command line)")
+    return tuple(fixed)
+
+
+def _load(path):
+    """The checked onnx.ModelProto of `path`; ExportError naming the file otherwise."""
+    onnx = _require("onnx", "onnx")
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ExportError(f"{path}: no such file")
+    try:
+        model = onnx.load(path, load_external_data=False)
+        onnx.checker.check_model(model)
+    except Exception as e:                               # DecodeError, ValidationError, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"{path}: not a readable ONNX model ({first})") from None
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        raise ExportError(f"{path}: weights stored in external data files are not supported; "
+                          f"export with the weights inside the .onnx file")
+    return model
+
+
+def file_input_shape(path):
+    """(C, H, W) of one sample as the file fixes it; ExportError where H and W are symbolic
+    (then the caller must say: --input CxHxW)."""
+    model = _load(path)
+    inits = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    if len(inputs) != 1:
+        raise ExportError(f"{path}: expected one graph input (the image batch), found {len(inputs)}")
+    return _input_shape(inputs[0], None, os.fspath(path))
+
+
+def read_onnx(path, input_shape=None, seed=0):
+    """The Network of an ONNX file, its weights loaded (see the module docstring). ExportError
+    (a ValueError) naming the file and the problem for anything it cannot read."""
+    path = os.fspath(path)
+    model = _load(path)
+    r = _Reader(model, path, input_shape, seed)
+    from ..core.network import NetworkError
+    try:
+        net = r.run(model.graph.node)
+    except NetworkError as e:
+        raise ExportError(f"{path}: {e}") from None
+    names = [n for n, _, _ in net.param_shapes()] + [n for n, _ in net.stat_shapes()]
+    try:
+        net.load_state_dict({n: r.weights[n] for n in names})
+    except ValueError as e:
+        raise ExportError(f"{path}: {e}") from None
+    return net

@@ -1,0 +1,258 @@
+"""ONNX in, node by node: each ONNX op type lowmem reads and the nn.Graph call it becomes.
+
+IMPORTS maps an op type to its handler, handler(reader, node): it reads the node's inputs (the
+reader's tensors, constants and initializers), calls the builder (reader.graph, an nn.Graph),
+records the parameters it loads (reader.param) and maps the node's outputs to the new tensor
+(reader.set). NEEDS names the nn.Graph methods a handler calls: an op whose methods this lowmem's
+builder lacks is refused by name (supported_ops). The reader, the file checks and the walk are
+lowmem/tools/onnx_import.py.
+"""
+import inspect
+import math
+
+import numpy
+
+from .export import ExportError
+
+BN_EPS = 1e-5
+BN_MOMENTUM_ONNX = 0.9          # ONNX's momentum is 1 - PyTorch's (0.1, lowmem's)
+
+
+# ---------------------------------------------------------------------- attributes
+
+def _attr(node, name, default=None):
+    from onnx import helper
+    for a in node.attribute:
+        if a.name == name:
+            v = helper.get_attribute_value(a)
+            return v.decode() if isinstance(v, bytes) else v
+    return default
+
+
+def _window(r, node, kernel):
+    """(k, stride, pad) of a square window with equal strides and symmetric, equal pads."""
+    k = list(kernel)
+    strides = list(_attr(node, "strides", [1] * len(k)))
+    pads = list(_attr(node, "pads", [0] * 2 * len(k)))
+    dil = list(_attr(node, "dilations", [1] * len(k)))
+    problems = []
+    if len(k) != 2 or k[0] != k[1]:
+        problems.append(f"kernel {k} (lowmem's windows are square, 2-D)")
+    if len(set(strides)) != 1:
+        problems.append(f"strides {strides} (must be equal)")
+    if len(set(pads)) > 1:
+        problems.append(f"pads {pads} (must be equal on every side)")
+    if any(d != 1 for d in dil):
+        problems.append(f"dilations {dil} (must be 1)")
+    if _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        problems.append(f"auto_pad {_attr(node, 'auto_pad')} (write explicit pads)")
+    if _attr(node, "ceil_mode", 0):
+        problems.append("ceil_mode 1 (lowmem rounds output sizes down)")
+    if problems:
+        raise ExportError(f"{r.path}: node {node.name!r} ({node.op_type}): unsupported " + "; ".join(problems))
+    return k[0], strides[0], pads[0] if pads else 0
+
+
+# ------------------------------------------------------------------------ handlers
+
+def _conv(r, node):
+    x = r.tensor(node)
+    wname = node.input[1]
+    w = r.const(node, 1)
+    groups = int(_attr(node, "group", 1))
+    bias = r.const(node, 2)
+    k, stride, pad = _window(r, node, _attr(node, "kernel_shape", w.shape[2:]))
+    if w.shape[1] * groups != x.shape[0]:
+        raise ExportError(f"{r.path}: node {node.name!r} (Conv): weight {tuple(w.shape)} with group={groups} "
+                          f"does not fit its input's {x.shape[0]} channels")
+    names = (wname, node.input[2]) if bias is not None else (wname,)
+    name = r.layer_name(node, names, (".weight", ".bias"))
+    kwargs = {}
+    if groups != 1:
+        kwargs["groups"] = groups
+    if bias is not None:
+        kwargs["bias"] = True
+    if kwargs and not _accepts(r.nn.Graph.conv, *kwargs):
+        raise ExportError(f"{r.path}: node {node.name!r}: a Conv with {' and '.join(f'{k}={v}' for k, v in kwargs.items())} "
+                          f"is not supported by this lowmem's nn.Graph.conv; supported ops: {', '.join(supported_ops())}")
+    t = r.graph.conv(x, int(w.shape[0]), k, stride, pad, name=name, **kwargs)
+    r.param(f"{t.name}.weight", w, w.shape, node)
+    if bias is not None:
+        r.param(f"{t.name}.bias", bias, (w.shape[0],), node)
+    r.set(node, t)
+
+
+def _batchnorm(r, node):
+    x = r.tensor(node)
+    eps, momentum = _attr(node, "epsilon", 1e-5), _attr(node, "momentum", BN_MOMENTUM_ONNX)
+    if not math.isclose(eps, BN_EPS, rel_tol=1e-6):
+        raise ExportError(f"{r.path}: node {node.name!r}: batch norm epsilon {eps:.4g}; lowmem's is {BN_EPS:g}")
+    if not math.isclose(momentum, BN_MOMENTUM_ONNX, rel_tol=1e-6):
+        raise ExportError(f"{r.path}: node {node.name!r}: batch norm momentum {momentum:.4g} (PyTorch's "
+                          f"{1 - momentum:.4g}); lowmem's is PyTorch's default 0.1 (ONNX 0.9)")
+    if any(o and r.readers.get(o) for o in node.output[1:]):
+        raise ExportError(f"{r.path}: node {node.name!r}: the batch statistics outputs are read by "
+                          f"other nodes; lowmem keeps them to itself")
+    params = node.input[1:5]
+    arrays = [r.const(node, i) for i in range(1, 5)]
+    suffixes = (".weight", ".bias", ".running_mean", ".running_var")
+    relu = r.only_reader(node.output[0], "Relu")
+    if relu is not None:
+        t = r.graph.bn_relu(x, name=r.layer_name(node, params, suffixes))
+        r.done.add(id(relu))
+        out_node = relu
+    else:
+        if not hasattr(r.nn.Graph, "bn"):
+            raise ExportError(f"{r.path}: node {node.name!r}: a BatchNormalization not followed by a Relu "
+                              f"is not supported by this lowmem's nn.Graph; supported ops: "
+                              f"{', '.join(supported_ops())}")
+        t = r.graph.bn(x, name=r.layer_name(node, params, suffixes))
+        out_node = node
+    for suffix, a in zip(suffixes, arrays):
+        r.param(t.name + suffix, a, (x.shape[0],), node)
+    r.set(out_node, t)
+
+
+def _unary(method):
+    def handler(r, node):
+        r.set(node, getattr(r.graph, method)(r.tensor(node), name=r.layer_name(node)))
+    return handler
+
+
+def _clip(r, node):
+    lo, hi = r.const(node, 1), r.const(node, 2)
+    lo = _attr(node, "min") if lo is None else float(lo)
+    hi = _attr(node, "max") if hi is None else float(hi)
+    if lo != 0 or hi != 6:
+        raise ExportError(f"{r.path}: node {node.name!r}: Clip({lo}, {hi}); lowmem supports ReLU6, Clip(0, 6)")
+    r.set(node, r.graph.relu6(r.tensor(node), name=r.layer_name(node)))
+
+
+def _add(r, node):
+    r.set(node, r.graph.add(r.tensor(node, 0), r.tensor(node, 1), name=r.layer_name(node)))
+
+
+def _concat(r, node):
+    if _attr(node, "axis") != 1:
+        raise ExportError(f"{r.path}: node {node.name!r}: Concat on axis {_attr(node, 'axis')}; lowmem "
+                          f"concatenates channels (axis 1) only")
+    r.set(node, r.graph.concat(*[r.tensor(node, i) for i in range(len(node.input))], name=r.layer_name(node)))
+
+
+def _maxpool(r, node):
+    if len(node.output) > 1 and node.output[1]:
+        raise ExportError(f"{r.path}: node {node.name!r}: MaxPool's Indices output is not supported")
+    k, stride, pad = _window(r, node, _attr(node, "kernel_shape"))
+    r.set(node, r.graph.max_pool(r.tensor(node), k, stride, pad, name=r.layer_name(node)))
+
+
+def _avgpool(r, node):
+    k, stride, pad = _window(r, node, _attr(node, "kernel_shape"))
+    if pad and not _attr(node, "count_include_pad", 0):
+        raise ExportError(f"{r.path}: node {node.name!r}: AveragePool with padding excluded from the mean "
+                          f"(count_include_pad=0); lowmem counts padding (PyTorch's default)")
+    r.set(node, r.graph.avg_pool(r.tensor(node), k, stride, pad, name=r.layer_name(node)))
+
+
+def _identity(r, node):
+    r.set(node, r.tensor(node))
+
+
+def _dropout_ratio(r, node):
+    ratio = r.const(node, 1)
+    ratio = _attr(node, "ratio", 0.5) if ratio is None else ratio
+    return float(str(numpy.float32(ratio)))              # the float32 ratio's shortest decimal: 0.3, not 0.30000001
+
+
+def _dropout(r, node):
+    """Dropout with a ratio > 0 trains as dropout (an inference graph writes it as a no-op there,
+    a training-mode one with training_mode = 1: either way the model was trained with it)."""
+    ratio = _dropout_ratio(r, node)
+    if len(node.output) > 1 and node.output[1] and r.readers.get(node.output[1]):
+        raise ExportError(f"{r.path}: node {node.name!r}: Dropout's mask output is read by other nodes; "
+                          f"lowmem keeps its mask to itself")
+    if ratio == 0:
+        return _identity(r, node)
+    r.set(node, r.graph.dropout(r.tensor(node), ratio, name=r.layer_name(node)))
+
+
+def _constant(r, node):
+    from onnx import numpy_helper
+    value = next((a for a in node.attribute if a.name == "value"), None)
+    if value is None:
+        raise ExportError(f"{r.path}: node {node.name!r}: a Constant without a tensor value is not supported")
+    r.consts[node.output[0]] = numpy_helper.to_array(value.t)
+
+
+def _global_pool(r, node):
+    """GlobalAveragePool -> Flatten -> Gemm, or ReduceMean(H, W) [-> Flatten] -> Gemm, at the end: the head."""
+    x = r.tensor(node)
+    if node.op_type == "ReduceMean":
+        axes = r.const(node, 1) if len(node.input) > 1 else _attr(node, "axes")
+        if axes is None or sorted(int(a) % 4 for a in numpy.ravel(axes)) != [2, 3]:
+            raise ExportError(f"{r.path}: node {node.name!r}: ReduceMean over axes {axes}; lowmem reads "
+                              f"only the global average over H, W (axes 2, 3) before the classifier")
+    chain, v = [], node.output[0]
+
+    def skip_identities(v):
+        """Past Identity and ratio-0 Dropout nodes (torchvision's classifier Dropout exported at p=0)."""
+        while True:
+            nxt = r.only_reader(v, "Identity") or r.only_reader(v, "Dropout")
+            if nxt is None:
+                return v
+            if nxt.op_type == "Dropout" and _dropout_ratio(r, nxt) != 0:
+                raise ExportError(f"{r.path}: node {nxt.name!r}: a Dropout between the global pool and the "
+                                  f"classifier is not supported (lowmem's head is the pool, then the linear "
+                                  f"layer); export it with p = 0, or move it before the pool")
+            chain.append(nxt)
+            v = nxt.output[0]
+
+    v = skip_identities(v)
+    flat = r.only_reader(v, "Flatten")
+    if flat is not None:
+        chain.append(flat)
+        v = skip_identities(flat.output[0])
+    elif node.op_type == "GlobalAveragePool" or _attr(node, "keepdims", 1):
+        raise ExportError(f"{r.path}: node {node.name!r} ({node.op_type}): expected Flatten after it, then Gemm")
+    gemm = r.only_reader(v, "Gemm")
+    if gemm is None or gemm.output[0] not in r.outputs:
+        raise ExportError(f"{r.path}: node {node.name!r} ({node.op_type}): a global average pool must feed "
+                          f"the classifier (Flatten, Gemm) that writes the graph's output")
+    if _attr(gemm, "alpha", 1.0) != 1 or _attr(gemm, "beta", 1.0) != 1 or _attr(gemm, "transA", 0):
+        raise ExportError(f"{r.path}: node {gemm.name!r}: Gemm with alpha, beta != 1 or transA is not supported")
+    w, b = r.const(gemm, 1), r.const(gemm, 2)
+    if not _attr(gemm, "transB", 0):
+        w = w.T
+    if b is None:
+        raise ExportError(f"{r.path}: node {gemm.name!r}: the classifier needs a bias (lowmem's head has one)")
+    name = r.layer_name(gemm, (gemm.input[1], gemm.input[2]), (".weight", ".bias")) or "fc"
+    r.network = r.graph.head(x, name=name)
+    r.param(f"{name}.weight", numpy.ascontiguousarray(w), (r.graph.num_classes, x.shape[0]), gemm)
+    r.param(f"{name}.bias", b, (r.graph.num_classes,), gemm)
+    r.done.update(id(n) for n in chain + [gemm])
+
+
+# ONNX op type -> handler; NEEDS: the nn.Graph methods a handler calls (absent: refused, named)
+IMPORTS = {"Conv": _conv, "BatchNormalization": _batchnorm, "Relu": _unary("relu"), "Clip": _clip,
+           "Add": _add, "Concat": _concat, "MaxPool": _maxpool, "AveragePool": _avgpool,
+           "GlobalAveragePool": _global_pool, "ReduceMean": _global_pool, "Identity": _identity,
+           "Dropout": _dropout, "Constant": _constant}
+NEEDS = {"Conv": ("conv",), "BatchNormalization": ("bn_relu",), "Relu": ("relu",), "Clip": ("relu6",),
+         "Add": ("add",), "Concat": ("concat",), "MaxPool": ("max_pool",), "AveragePool": ("avg_pool",),
+         "GlobalAveragePool": ("head",), "ReduceMean": ("head",), "Dropout": ("dropout",)}
+
+
+def builder_has(op_type):
+    """Whether this lowmem's nn.Graph has the methods the op type's handler calls."""
+    from .. import nn
+    return all(hasattr(nn.Graph, m) for m in NEEDS.get(op_type, ()))
+
+
+def supported_ops():
+    """The ONNX op types this lowmem imports (those whose nn.Graph methods exist)."""
+    return sorted(op for op in IMPORTS if builder_has(op))
+
+
+def _accepts(fn, *names):
+    params = inspect.signature(fn).parameters
+    return all(n in params for n in names)

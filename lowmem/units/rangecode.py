@@ -1,0 +1,125 @@
+"""A per-group range code with 0 an exact level: how a conv keeps an input that no BN->ReLU
+unit can rebuild (a ReLU after an add, an add, a batch norm alone, a pool, another conv).
+
+Groups: G = 256 consecutive elements of the flat (C*N*H*W,) tensor (channels-major, so a
+group lies in one channel's row except where two rows meet). Per group, with lo = min(x, 0)
+and hi = max(x, 0) over the group and L = 2**K levels:
+
+    step s = (hi - lo) / (L - 1),  zero point z = round(-lo / s)   (an integer level)
+    code q = clip(round(x / s) + z, 0, L - 1),  decode x~ = (q - z) * s
+
+so 0 encodes to z and decodes to exactly 0 (a ReLU's zeros stay zeros), and every element
+is within s/2 of its decode (the group's own range always fits: -z*s <= lo + s/2 and
+(L-1-z)*s >= hi - s/2). A group of zeros keeps s = 0 and decodes to zeros. Per group the
+code stores s (float32) and z (uint8): 5 bytes per 256 elements, 0.16 bits per element on
+top of the K-bit codes. Deterministic (nearest rounding, round half to even).
+
+`keeper(bits)` is what the engine hands every conv that keeps its input: `ExactKeep` (float,
+exact mode or bits None) or `RangeKeep(K)`; their slots come from `entries`, `keep` fills
+them in forward, `restore` decodes into a buffer for backward. Temporaries: one CHUNK
+(quant.CHUNK) of elements at a time, about (2 * itemsize + 2) bytes each.
+"""
+import numpy
+
+from ..system.backend import array_module
+from . import quant
+
+GROUP = 256                 # elements per group; quant.CHUNK is a multiple of it
+
+
+def groups(n):
+    """Groups covering n elements: ceil(n / GROUP)."""
+    return (int(n) + GROUP - 1) // GROUP
+
+
+def _chunk_elems():
+    step = quant._chunk()
+    return max(GROUP, step // GROUP * GROUP)
+
+
+def range_encode(packed, scale, zero, x, bits):
+    """packed (packed_nbytes(n, bits),) uint8, scale (groups(n),) float32, zero (groups(n),)
+    uint8 <- the range code of x (n,) (any float dtype, C-contiguous)."""
+    xp = array_module(x)
+    n, levels = x.size, (1 << bits) - 1
+    for a in range(0, n, _chunk_elems()):
+        b = min(a + _chunk_elems(), n)
+        full = (b - a) // GROUP * GROUP
+        g0 = a // GROUP
+        codes = xp.empty(b - a, numpy.uint8)
+        for lo_i, hi_i, rows in ((a, a + full, full // GROUP), (a + full, b, 1 if b > a + full else 0)):
+            if not rows:
+                continue
+            v = x[lo_i:hi_i].reshape(rows, -1)
+            lo = xp.minimum(v.min(axis=1), 0)
+            hi = xp.maximum(v.max(axis=1), 0)
+            s = ((hi - lo) / levels).astype(numpy.float32)
+            safe = xp.where(s > 0, s, 1).astype(v.dtype)
+            z = xp.rint(-lo / safe)
+            q = xp.rint(v / safe[:, None]) + z[:, None]                 # one chunk
+            xp.clip(q, 0, levels, out=q)
+            codes[lo_i - a:hi_i - a] = q.reshape(-1).astype(numpy.uint8)
+            g = g0 + (lo_i - a) // GROUP
+            scale[g:g + rows] = s
+            zero[g:g + rows] = z.astype(numpy.uint8)
+        quant.pack_codes(packed[a * bits // 8:(b * bits + 7) // 8], codes, bits)
+
+
+def range_decode(out, packed, scale, zero, bits):
+    """out (n,) <- (q - z) * s, the decoded range code (out's dtype)."""
+    xp = array_module(out)
+    n = out.size
+    for a in range(0, n, _chunk_elems()):
+        b = min(a + _chunk_elems(), n)
+        codes = xp.empty(b - a, numpy.uint8)
+        quant.unpack_codes(codes, packed[a * bits // 8:(b * bits + 7) // 8], bits)
+        g = xp.arange(a, b) // GROUP                                    # one chunk
+        o = out[a:b]
+        xp.subtract(codes, zero[g], out=o, dtype=o.dtype, casting="unsafe")
+        o *= scale[g]
+
+
+class ExactKeep:
+    """The input kept exactly, in float (exact mode, or no code width)."""
+    bits = None
+    decodes = False
+
+    @staticmethod
+    def entries(name, n, dtype):
+        return [(name, "saved", (n,), dtype)]
+
+    @staticmethod
+    def keep(slots, x):
+        slots[0][:x.size] = x
+
+    @staticmethod
+    def restore(out, slots):
+        out[...] = slots[0][:out.size]
+
+
+class RangeKeep:
+    """The input kept as a K-bit range code (approx and naive modes)."""
+    decodes = True
+
+    def __init__(self, bits):
+        self.bits = quant.check_bits(bits)
+
+    def entries(self, name, n, dtype):
+        return [(name, "saved", (quant.packed_nbytes(n, self.bits),), "uint8"),
+                (name + "_scale", "saved", (groups(n),), "float32"),
+                (name + "_zero", "saved", (groups(n),), "uint8")]
+
+    def keep(self, slots, x):
+        n = x.size
+        range_encode(slots[0][:quant.packed_nbytes(n, self.bits)], slots[1][:groups(n)], slots[2][:groups(n)],
+                     x, self.bits)
+
+    def restore(self, out, slots):
+        n = out.size
+        range_decode(out, slots[0][:quant.packed_nbytes(n, self.bits)], slots[1][:groups(n)],
+                     slots[2][:groups(n)], self.bits)
+
+
+def keeper(bits):
+    """ExactKeep for bits None (exact mode), else RangeKeep(bits)."""
+    return ExactKeep() if bits is None else RangeKeep(bits)

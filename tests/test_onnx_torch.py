@@ -1,0 +1,318 @@
+"""PyTorch models (written here as ordinary nn.Modules) exported to ONNX in training mode with
+batch norm kept, imported by lowmem.nn.from_onnx, and compared with autograd in float64.
+
+    torch.onnx.export(model, x, path, training=torch.onnx.TrainingMode.TRAINING,
+                      do_constant_folding=False, dynamo=False)
+
+Compared on one training-mode batch (the imported weights loaded into the torch model, which
+checks that every name matches): the loss, and every parameter gradient under the same name,
+relative error ||a - b|| / ||b|| <= 1e-8 (TOL; float64 with a different summation order
+measures ~1e-14, so a real difference in the maths shows). Approx 4-bit mode gives the same
+loss bit for bit (its forward is exact).
+
+Full-size torchvision architectures (ResNet-18/50, DenseNet-121, MobileNetV2): benchmarks/onnx_vs_torch.py.
+Each family needs the builder's ops (NEEDS: nn.Graph methods); a family whose ops this
+lowmem's builder does not have is skipped, naming them.
+"""
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnx")
+from torch import nn as tnn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+from lowmem import nn  # noqa: E402
+from lowmem.core.engine import Engine  # noqa: E402
+import torch_reference as ref  # noqa: E402
+import torchvision_layout as tv  # noqa: E402
+
+torch.set_num_threads(1)
+N, K, TOL = 4, 5, 1e-8
+
+
+def bn(c):
+    return tnn.BatchNorm2d(c)
+
+
+class PostActBlock(tnn.Module):
+    """torchvision's BasicBlock: conv-bn-relu-conv-bn, + identity (or 1x1 conv-bn), relu."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = tnn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = bn(cout)
+        self.conv2 = tnn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = bn(cout)
+        self.downsample = (tnn.Sequential(tnn.Conv2d(cin, cout, 1, stride, bias=False), bn(cout))
+                           if stride != 1 or cin != cout else None)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class PostActResNet(tnn.Module):
+    def __init__(self, cin=3):
+        super().__init__()
+        self.conv1 = tnn.Conv2d(cin, 8, 3, 1, 1, bias=False)
+        self.bn1 = bn(8)
+        self.maxpool = tnn.MaxPool2d(3, 2, 1)
+        self.layer1 = tnn.Sequential(PostActBlock(8, 8, 1), PostActBlock(8, 8, 1))
+        self.layer2 = tnn.Sequential(PostActBlock(8, 16, 2), PostActBlock(16, 16, 1))
+        self.avgpool = tnn.AdaptiveAvgPool2d(1)
+        self.fc = tnn.Linear(16, K)
+
+    def forward(self, x):
+        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class DenseLayer(tnn.Module):
+    def __init__(self, cin, growth):
+        super().__init__()
+        self.norm1, self.conv1 = bn(cin), tnn.Conv2d(cin, 2 * growth, 1, bias=False)
+        self.norm2, self.conv2 = bn(2 * growth), tnn.Conv2d(2 * growth, growth, 3, 1, 1, bias=False)
+
+    def forward(self, x):
+        new = self.conv2(F.relu(self.norm2(self.conv1(F.relu(self.norm1(x))))))
+        return torch.cat([x, new], 1)
+
+
+class DenseNet(tnn.Module):
+    """DenseNet-BC: two dense blocks of three layers (growth 4) and a transition between."""
+
+    def __init__(self, cin=3):
+        super().__init__()
+        self.conv0 = tnn.Conv2d(cin, 8, 3, 1, 1, bias=False)
+        self.block1 = tnn.Sequential(*[DenseLayer(8 + 4 * i, 4) for i in range(3)])
+        self.norm_t, self.conv_t = bn(20), tnn.Conv2d(20, 10, 1, bias=False)
+        self.pool_t = tnn.AvgPool2d(2)
+        self.block2 = tnn.Sequential(*[DenseLayer(10 + 4 * i, 4) for i in range(3)])
+        self.norm5 = bn(22)
+        self.fc = tnn.Linear(22, K)
+
+    def forward(self, x):
+        x = self.block1(self.conv0(x))
+        x = self.block2(self.pool_t(self.conv_t(F.relu(self.norm_t(x)))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(F.relu(self.norm5(x)), 1), 1))
+
+
+class InvertedResidual(tnn.Module):
+    """MobileNetV2's block: 1x1 expand-bn-relu6, 3x3 depthwise-bn-relu6, 1x1 project-bn (+ x)."""
+
+    def __init__(self, cin, cout, stride, expand):
+        super().__init__()
+        hidden = cin * expand
+        self.conv = tnn.Sequential(
+            tnn.Conv2d(cin, hidden, 1, bias=False), bn(hidden), tnn.ReLU6(),
+            tnn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), bn(hidden), tnn.ReLU6(),
+            tnn.Conv2d(hidden, cout, 1, bias=False), bn(cout))
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x):
+        return x + self.conv(x) if self.residual else self.conv(x)
+
+
+class MobileNet(tnn.Module):
+    def __init__(self, cin=3):
+        super().__init__()
+        self.stem = tnn.Sequential(tnn.Conv2d(cin, 8, 3, 2, 1, bias=False), bn(8), tnn.ReLU6())
+        self.blocks = tnn.Sequential(InvertedResidual(8, 8, 1, 2), InvertedResidual(8, 12, 2, 3),
+                                     InvertedResidual(12, 12, 1, 3))
+        self.head = tnn.Sequential(tnn.Conv2d(12, 16, 1, bias=False), bn(16), tnn.ReLU6())
+        self.fc = tnn.Linear(16, K)
+
+    def forward(self, x):
+        x = self.head(self.blocks(self.stem(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class BiasNet(tnn.Module):
+    """Convs with biases and plain ReLUs, no batch norm."""
+
+    def __init__(self, cin=3):
+        super().__init__()
+        self.conv1 = tnn.Conv2d(cin, 6, 3, 1, 1)
+        self.conv2 = tnn.Conv2d(6, 8, 3, 2, 1)
+        self.conv3 = tnn.Conv2d(8, 8, 1)
+        self.fc = tnn.Linear(8, K)
+
+    def forward(self, x):
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        x = F.relu(self.conv3(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def preact():
+    return ref.preact_resnet_cifar(8, num_classes=K)
+
+
+# family -> (model factory, input shape, the nn.Graph methods its import needs)
+FAMILIES = {
+    "preact-resnet": (preact, (3, 12, 12), ()),
+    "postact-resnet": (PostActResNet, (3, 12, 12), ("bn", "relu")),
+    "densenet": (DenseNet, (3, 8, 8), ("concat",)),
+    "inverted-residual": (MobileNet, (3, 12, 12), ("bn", "relu6")),
+    "conv-bias": (BiasNet, (3, 8, 8), ("relu",)),
+    # torchvision's own modules and names (tests/torchvision_layout.py), small instances
+    "tv-densenet": (lambda: tv.DenseNet(growth=4, blocks=(2, 3), init=8, bn_size=2, num_classes=K),
+                    (3, 32, 32), ("concat",)),
+    "tv-mobilenet_v2": (lambda: tv.mobilenet_v2(K, dropout=0.0, width_mult=0.25), (3, 64, 64), ("bn", "relu6")),
+}
+
+
+def randomized(model, seed):
+    """Non-trivial BN affine parameters and running statistics (float32), in place."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, tnn.BatchNorm2d):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.3)
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.2)
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
+    return model
+
+
+def export(model, shape, path):
+    x = torch.randn((2,) + shape)
+    with warnings.catch_warnings():              # the TorchScript exporter's deprecation and tracer notes
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, x, str(path), training=torch.onnx.TrainingMode.TRAINING,
+                          do_constant_folding=False, dynamo=False)
+    return path
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    nb = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_imported_model_matches_autograd_in_float64(tmp_path, family):
+    make, shape, needs = FAMILIES[family]
+    missing = [m for m in needs if not hasattr(nn.Graph, m)]
+    if missing:
+        pytest.skip(f"this lowmem's nn.Graph has no {', '.join(missing)}")
+    torch.manual_seed(0)
+    model = randomized(make(), 1).train()
+    net = nn.from_onnx(export(model, shape, tmp_path / f"{family}.onnx"))
+    # the file's weights into the torch model by name: the names must be torch's, all of them
+    state = {k: torch.from_numpy(v.astype(np.float64)) for k, v in net.state_dict().items()}
+    result = model.double().load_state_dict(state, strict=False)
+    assert not result.unexpected_keys
+    assert all(k.endswith("num_batches_tracked") for k in result.missing_keys), result.missing_keys
+    assert {p.name for p in net.parameters()} == {n for n, _ in model.named_parameters()}
+    assert net.name == family                         # the file's name: torch calls every graph main_graph
+
+    rng = np.random.default_rng(2)
+    x, labels = rng.standard_normal((N,) + shape), rng.integers(0, K, N)
+    eng = Engine(net, N, shape, mode="exact", dtype="float64")
+    loss, logits = eng.forward(x, labels)
+    eng.backward()
+    grads = {p.name: np.array(p.grad) for p in net.parameters()}
+
+    xt = torch.from_numpy(x)
+    tlogits = model(xt)
+    tloss = F.cross_entropy(tlogits, torch.from_numpy(labels))
+    model.zero_grad(set_to_none=True)
+    tloss.backward()
+    assert rel(loss, tloss.item()) <= TOL
+    assert rel(logits, tlogits.detach().numpy()) <= TOL
+    # relative to the gradient's own norm, floored at 1e-8 of the largest one: a BN bias whose every
+    # path runs into another batch norm has an exactly-zero gradient in exact arithmetic (~1e-17 in
+    # float64 on both sides), where a norm-relative error measures only rounding noise
+    floor = 1e-8 * max(np.linalg.norm(p.grad.numpy()) for p in model.parameters())
+    errors = {n: float(np.linalg.norm(grads[n] - p.grad.numpy()) / max(np.linalg.norm(p.grad.numpy()), floor))
+              for n, p in model.named_parameters()}
+    bad = {n: e for n, e in errors.items() if not e <= TOL}
+    assert not bad, sorted(bad.items(), key=lambda kv: -kv[1])[:5]
+
+    approx = nn.from_onnx(tmp_path / f"{family}.onnx")
+    approx.load_state_dict(net.state_dict())
+    loss4, logits4 = Engine(approx, N, shape, mode="approx", bits=4, dtype="float64").forward(x, labels)
+    assert loss4 == loss
+    np.testing.assert_array_equal(logits4, logits)
+
+
+class DropoutNet(tnn.Module):
+    def __init__(self, cin=3):
+        super().__init__()
+        self.conv1, self.bn1 = tnn.Conv2d(cin, 6, 3, 1, 1, bias=False), bn(6)
+        self.drop = tnn.Dropout(0.3)
+        self.conv2, self.bn2 = tnn.Conv2d(6, 6, 3, 1, 1, bias=False), bn(6)
+        self.fc = tnn.Linear(6, K)
+
+    def forward(self, x):
+        x = self.drop(F.relu(self.bn1(self.conv1(x))))
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def test_a_dropout_before_the_classifier_is_named(tmp_path):
+    """torchvision's MobileNetV2 ends Dropout(0.2) -> Linear; lowmem's head is the pool and the linear
+    layer, so that dropout is refused by name (exported at p = 0 it reads: tv-mobilenet_v2 above)."""
+    from lowmem.tools.export import ExportError
+    model = tv.mobilenet_v2(K, dropout=0.2, width_mult=0.25).train()
+    with pytest.raises(ExportError, match=r"node '/classifier/classifier.0/Dropout': a Dropout between the "
+                                          r"global pool and the classifier is not supported"):
+        nn.from_onnx(export(model, (3, 32, 32), tmp_path / "m.onnx"))
+
+
+def test_dropout_trains_as_dropout_and_predicts_as_torch_eval(tmp_path):
+    """A training-mode Dropout node becomes a dropout layer with its ratio; its masks are lowmem's own
+    (a counter stream, not torch's generator), so what is compared is eval mode, where dropout is the
+    identity: the imported network's predict equals the torch model's eval logits in float64."""
+    if not hasattr(nn.Graph, "dropout"):
+        pytest.skip("this lowmem's nn.Graph has no dropout")
+    torch.manual_seed(0)
+    model = randomized(DropoutNet(), 3)
+    net = nn.from_onnx(export(model.train(), (3, 8, 8), tmp_path / "drop.onnx"))
+    drops = [L for L in net.layers if L.op == "dropout"]
+    assert [(L.name, L.p) for L in drops] == [("drop.dropout", 0.3)]     # torch's node "/drop/Dropout"
+    model.double().load_state_dict({k: torch.from_numpy(v.astype(np.float64)) for k, v in net.state_dict().items()},
+                                   strict=False)
+    x, labels = np.random.default_rng(5).standard_normal((N, 3, 8, 8)), np.arange(N) % K
+    eng = Engine(net, N, (3, 8, 8), mode="exact", dtype="float64")
+    with torch.no_grad():
+        want = model.eval()(torch.from_numpy(x)).numpy()
+    assert rel(eng.predict(x), want) <= TOL              # before training moves the running statistics
+    loss, _ = eng.forward(x, labels)                      # a training step runs, with lowmem's masks
+    eng.backward()
+    assert np.isfinite(loss) and all(np.isfinite(p.grad).all() for p in net.parameters())
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "tv-mobilenet_v2"])
+def test_imported_model_steps_within_its_plan(tmp_path, family):
+    """A steady approx 4-bit float32 step of each imported model allocates at most the plan's
+    stated bound on temporaries beyond the plan (plus 16 KiB of interpreter bookkeeping, as
+    tests/test_engine.py allows), and keeps nothing between steps (tracemalloc)."""
+    import tracemalloc
+    from lowmem.train.optim import SGD
+    make, shape, needs = FAMILIES[family]
+    if [m for m in needs if not hasattr(nn.Graph, m)]:
+        pytest.skip("this lowmem's nn.Graph lacks the family's ops")
+    torch.manual_seed(0)
+    net = nn.from_onnx(export(randomized(make(), 1).train(), shape, tmp_path / f"{family}.onnx"))
+    eng = Engine(net, 16, shape, mode="approx", bits=4, dtype="float32")
+    opt = SGD(net.parameters(), lr=0.01)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((16,) + shape).astype(np.float32), rng.integers(0, K, 16)
+    eng.train_step(x, y, opt)                                     # first step: caches, imports
+    tracemalloc.start()
+    try:
+        eng.train_step(x, y, opt)
+        tracemalloc.reset_peak()
+        start = tracemalloc.get_traced_memory()[0]
+        eng.train_step(x, y, opt)
+        end, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak - start <= eng.plan.temporary_bytes + (16 << 10), (peak - start, eng.plan.temporary_bytes)
+    assert end - start < 16 << 10
