@@ -285,3 +285,21 @@ def test_hand_built_records_with_shared_gradients_run(rng):
         for name, g in grads.items():
             check_directional(loss, [net.params[name].data], [g], rng, f"{net.name} {name}")
         check_directional(loss, [x], [dx], rng, f"{net.name} input")
+
+
+@pytest.mark.parametrize("which", ["post_activation_blocks", "dense_block", "inverted_residuals"])
+def test_new_ops_export_to_onnx_and_run_in_onnxruntime(tmp_path, which):
+    """bn, relu, relu6 (Clip), concat, grouped and biased convs, dropout (Identity in eval):
+    onnxruntime's logits equal the engine's eval logits (float32)."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    from lowmem.tools import export
+    net = GRAPHS[which]()
+    randomize_units(net, np.random.default_rng(0))
+    x, y = batch(np.random.default_rng(1), net, 3, (3, 8, 8), np.float32)
+    eng = Engine(net, 3, (3, 8, 8))
+    eng.forward(x, y)                                   # running statistics off their start
+    logits = eng.predict(x)
+    path = export.export_onnx(net, tmp_path / "m.onnx")
+    (out,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["logits"], {"input": x})
+    assert float(np.abs(out - logits).max()) <= 1e-5 * float(np.abs(logits).max())
