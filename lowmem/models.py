@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .core.network import Network
-from .nn import Graph
+from .nn import Graph, from_onnx
 
 CIFAR_WIDTHS = (16, 32, 64)
 IMAGENET_WIDTHS = (64, 128, 256, 512)
@@ -233,7 +233,6 @@ def resnet(depth, num_classes=1000, in_channels=3, seed=0, input_size=224, width
     if depth not in IMAGENET_BLOCKS:
         raise ValueError(f"unsupported depth {depth!r} for resnet: expected one of {sorted(IMAGENET_BLOCKS)}")
     _check_classes(num_classes, in_channels)
-    from .nn import Graph
     kind, blocks = IMAGENET_BLOCKS[depth]
     block = _post_basic if kind == "basic" else _post_bottleneck
     g = Graph(f"resnet{depth}", (in_channels, input_size, input_size), num_classes, seed)
@@ -264,7 +263,6 @@ def densenet(depth=121, num_classes=1000, in_channels=3, seed=0, input_size=224,
     if depth not in DENSENET_BLOCKS:
         raise ValueError(f"unsupported depth {depth!r} for densenet: expected one of {sorted(DENSENET_BLOCKS)}")
     _check_classes(num_classes, in_channels)
-    from .nn import Graph
     g = Graph(f"densenet{depth}", (in_channels, input_size, input_size), num_classes, seed)
     x = g.bn_relu(g.conv(g.input, init, 7, 2, 3, name="features.conv0"), "features.norm0")
     x = g.max_pool(x, 3, 2, 1, name="features.pool0")
@@ -303,7 +301,6 @@ def mobilenet_v2(depth=2, num_classes=1000, in_channels=3, seed=0, input_size=22
     if depth != 2:
         raise ValueError(f"unsupported depth {depth!r} for mobilenet: expected 2 (MobileNetV2)")
     _check_classes(num_classes, in_channels)
-    from .nn import Graph
     g = Graph("mobilenet-v2", (in_channels, input_size, input_size), num_classes, seed)
 
     def conv_bn_act(x, name, cout, k=1, stride=1, groups=1):
@@ -373,7 +370,6 @@ def onnx_network(path, depth=None, num_classes=None, in_channels=None, seed=0, i
     num_classes and in_channels (the data's; None: the file's), input_shape (C, H, W; needed
     where the file leaves H and W symbolic). depth is ignored: the file fixes the architecture.
     ValueError with one line naming the mismatch."""
-    from .nn import from_onnx
     if input_shape is not None and in_channels is not None and input_shape[0] != in_channels:
         raise ValueError(f"input_shape {tuple(input_shape)} does not have in_channels={in_channels}")
     net = from_onnx(path, input_shape, seed)

@@ -52,6 +52,7 @@ with the low-level methods of lowmem/core/network.py (named buffers), where it
 also catches a buffer read before it is written and a layer overwriting its
 own input.
 """
+import sys
 from dataclasses import dataclass
 
 from .core import liveness
@@ -363,9 +364,10 @@ def from_onnx(path, input_shape=None, seed=0):
     symbolic, checked against the file otherwise. Raises ValueError (export.ExportError) with
     one line naming the problem: an unreadable file, an unsupported node (its name, op type
     and the supported ops), a shape the file does not allow. lowmem/tools/onnx_import.py."""
-    # the reader sits in tools/ beside the exporter (it reads what export writes, through onnx)
+    # why here: the reader sits in tools/ beside the exporter; imported at the top it would put
+    # tools/ under nn, models and train/ (the reader does not import nn: it is handed this module)
     from .tools.onnx_import import read_onnx
-    return read_onnx(path, input_shape, seed)
+    return read_onnx(sys.modules[__name__], path, input_shape, seed)
 
 
 def _int(v):

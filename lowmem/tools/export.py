@@ -48,6 +48,7 @@ from ..models import MODELS, build_model, is_onnx_path, model_spec
 from ..system.atomic import atomic_write
 from ..train.checkpoint import load_checkpoint
 from ..train.trainstate import load_model_state
+from .formats import ExportError, require
 
 OPSET = 17
 MIN_OPSET = 7          # onnxruntime runs the graph from opset 7 (BatchNormalization-7); onnx's checker
@@ -72,19 +73,6 @@ def check_opset(opset):
 FORMATS = {".safetensors": "safetensors", ".onnx": "onnx"}
 
 
-class ExportError(ValueError):
-    """A network or file that cannot be exported or read back; the message names it."""
-
-
-# --------------------------------------------------------------------------- files
-
-def _require(module, extra):
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError:
-        raise ImportError(f"{module} is not installed: pip install 'lowmem[{extra}]'") from None
-
-
 # --------------------------------------------------------------------- safetensors
 
 def export_safetensors(net, path, dtype="float32", metadata=None):
@@ -93,7 +81,7 @@ def export_safetensors(net, path, dtype="float32", metadata=None):
     dtype: the stored float type ("float32", PyTorch's default; None keeps the
     network's). Metadata: the network's name and the lowmem version, plus
     `metadata` (a dict of strings, e.g. `model_metadata(meta)`: classes, preprocessing)."""
-    st = _require("safetensors.numpy", "safetensors")
+    st = require("safetensors.numpy", "safetensors")
     state = net.state_dict()                             # host copies
     if dtype is not None:
         state = {k: numpy.ascontiguousarray(v, dtype=dtype) for k, v in state.items()}
@@ -104,7 +92,7 @@ def export_safetensors(net, path, dtype="float32", metadata=None):
 
 def read_safetensors(path):
     """name -> NumPy array of a safetensors file; ExportError naming the file if it is not one."""
-    st = _require("safetensors.numpy", "safetensors")
+    st = require("safetensors.numpy", "safetensors")
     if not os.path.isfile(path):
         raise ExportError(f"{path}: no such file")
     try:
@@ -132,7 +120,7 @@ def onnx_model(net, input_shape=None, opset=OPSET, metadata=None):
     input_shape: (C, H, W) to fix H and W in the graph's input type; None
     leaves them symbolic (convolutional networks take any size). metadata:
     a dict of strings stored as the model's metadata_props."""
-    onnx = _require("onnx", "onnx")
+    onnx = require("onnx", "onnx")
     from onnx import TensorProto, helper, numpy_helper
     opset = check_opset(opset)
     state = net.state_dict()
@@ -205,7 +193,7 @@ def read_metadata(path):
     if not os.path.isfile(path):
         raise ExportError(f"{path}: no such file")
     if fmt == "safetensors":
-        _require("safetensors", "safetensors")
+        require("safetensors", "safetensors")
         from safetensors import safe_open
         try:
             with safe_open(path, "np") as f:
@@ -213,7 +201,7 @@ def read_metadata(path):
         except Exception as e:
             raise ExportError(f"{path}: not a readable safetensors file ({e})") from None
     elif fmt == "onnx":
-        onnx = _require("onnx", "onnx")
+        onnx = require("onnx", "onnx")
         try:
             raw = {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
         except Exception as e:

@@ -26,7 +26,8 @@ layer) takes its initializers' name too (torchvision's `classifier`), else fc.
 """
 import os
 
-from .export import ExportError, _require
+from ..core.network import NetworkError
+from .formats import ExportError, require
 from .onnx_nodes import IMPORTS, _attr, builder_has, supported_ops
 
 GENERIC_NAMES = ("", "main_graph", "torch_jit", "torch-jit-export")    # exporters' defaults: the file's name instead
@@ -35,9 +36,8 @@ GENERIC_NAMES = ("", "main_graph", "torch_jit", "torch-jit-export")    # exporte
 class _Reader:
     """One pass over a checked onnx.ModelProto, building the nn.Graph and collecting weights."""
 
-    def __init__(self, model, path, input_shape, seed):
+    def __init__(self, model, path, input_shape, seed, nn):
         from onnx import numpy_helper
-        from .. import nn
         self.nn, self.path = nn, path
         g = model.graph
         self.inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
@@ -76,9 +76,9 @@ class _Reader:
                                   f"classifier; the graph must end with the logits (lowmem applies "
                                   f"softmax cross-entropy itself)")
             handler = IMPORTS.get(node.op_type)
-            if handler is None or not builder_has(node.op_type):
+            if handler is None or not builder_has(self.nn.Graph, node.op_type):
                 raise ExportError(f"{self.path}: node {node.name!r}: op {node.op_type} is not supported; "
-                                  f"supported ops: {', '.join(supported_ops())}")
+                                  f"supported ops: {', '.join(supported_ops(self.nn.Graph))}")
             handler(self, node)
         if self.network is None:
             raise ExportError(f"{self.path}: no classifier head found: the graph must end with a "
@@ -175,7 +175,7 @@ def _input_shape(value, given, path):
 
 def _load(path):
     """The checked onnx.ModelProto of `path`; ExportError naming the file otherwise."""
-    onnx = _require("onnx", "onnx")
+    onnx = require("onnx", "onnx")
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ExportError(f"{path}: no such file")
@@ -202,13 +202,13 @@ def file_input_shape(path):
     return _input_shape(inputs[0], None, os.fspath(path))
 
 
-def read_onnx(path, input_shape=None, seed=0):
+def read_onnx(nn, path, input_shape=None, seed=0):
     """The Network of an ONNX file, its weights loaded (see the module docstring). ExportError
-    (a ValueError) naming the file and the problem for anything it cannot read."""
+    (a ValueError) naming the file and the problem for anything it cannot read. nn: the builder
+    module (lowmem.nn, whose from_onnx calls this: handed in, so the reader does not import it back)."""
     path = os.fspath(path)
     model = _load(path)
-    r = _Reader(model, path, input_shape, seed)
-    from ..core.network import NetworkError
+    r = _Reader(model, path, input_shape, seed, nn)
     try:
         net = r.run(model.graph.node)
     except NetworkError as e:

@@ -12,7 +12,7 @@ import math
 
 import numpy
 
-from .export import ExportError
+from .formats import ExportError
 
 BN_EPS = 1e-5
 BN_MOMENTUM_ONNX = 0.9          # ONNX's momentum is 1 - PyTorch's (0.1, lowmem's)
@@ -74,7 +74,7 @@ def _conv(r, node):
         kwargs["bias"] = True
     if kwargs and not _accepts(r.nn.Graph.conv, *kwargs):
         raise ExportError(f"{r.path}: node {node.name!r}: a Conv with {' and '.join(f'{k}={v}' for k, v in kwargs.items())} "
-                          f"is not supported by this lowmem's nn.Graph.conv; supported ops: {', '.join(supported_ops())}")
+                          f"is not supported by this lowmem's nn.Graph.conv; supported ops: {', '.join(supported_ops(r.nn.Graph))}")
     t = r.graph.conv(x, int(w.shape[0]), k, stride, pad, name=name, **kwargs)
     r.param(f"{t.name}.weight", w, w.shape, node)
     if bias is not None:
@@ -105,7 +105,7 @@ def _batchnorm(r, node):
         if not hasattr(r.nn.Graph, "bn"):
             raise ExportError(f"{r.path}: node {node.name!r}: a BatchNormalization not followed by a Relu "
                               f"is not supported by this lowmem's nn.Graph; supported ops: "
-                              f"{', '.join(supported_ops())}")
+                              f"{', '.join(supported_ops(r.nn.Graph))}")
         t = r.graph.bn(x, name=r.layer_name(node, params, suffixes))
         out_node = node
     for suffix, a in zip(suffixes, arrays):
@@ -242,15 +242,15 @@ NEEDS = {"Conv": ("conv",), "BatchNormalization": ("bn_relu",), "Relu": ("relu",
          "GlobalAveragePool": ("head",), "ReduceMean": ("head",), "Dropout": ("dropout",)}
 
 
-def builder_has(op_type):
-    """Whether this lowmem's nn.Graph has the methods the op type's handler calls."""
-    from .. import nn
-    return all(hasattr(nn.Graph, m) for m in NEEDS.get(op_type, ()))
+def builder_has(graph, op_type):
+    """Whether the builder class `graph` (this lowmem's nn.Graph) has the methods the op type's
+    handler calls."""
+    return all(hasattr(graph, m) for m in NEEDS.get(op_type, ()))
 
 
-def supported_ops():
-    """The ONNX op types this lowmem imports (those whose nn.Graph methods exist)."""
-    return sorted(op for op in IMPORTS if builder_has(op))
+def supported_ops(graph):
+    """The ONNX op types this lowmem imports (those whose methods the builder class `graph` has)."""
+    return sorted(op for op in IMPORTS if builder_has(graph, op))
 
 
 def _accepts(fn, *names):

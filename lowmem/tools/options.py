@@ -19,6 +19,7 @@ lowmem.models.MODELS. The value types of the options are lowmem/tools/argtypes.p
 import signal
 
 from . import argtypes, diagnostics as D
+from .onnx_import import file_input_shape
 from .. import models
 from ..bits.auto import choose_widths
 from ..core.engine import DTYPES
@@ -63,7 +64,6 @@ def input_shape(args):
     """--input, or the model's default input shape (an ONNX file's own, where it fixes one)."""
     if args.input or not models.is_onnx_path(args.model):
         return args.input or models.model_spec(args.model).input_shape
-    from .onnx_import import file_input_shape
     return file_input_shape(args.model)
 
 
