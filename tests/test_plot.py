@@ -93,9 +93,16 @@ def renamed(eng, names):
     for e in eng.plan.entries:
         plan.add(names.get(e.name, e.name), e.kind, e.shape, e.dtype)
     fields = ("src", "dst", "dout", "dx", "scratch")
-    steps = [dataclasses.replace(s, **{f: names.get(getattr(s, f), getattr(s, f)) for f in fields})
-             for s in eng.schedule]
-    return plan, steps
+
+    def step(s):
+        kw = {f: names.get(getattr(s, f), getattr(s, f)) for f in fields}
+        kw["dxs"] = tuple((names.get(b, b), acc) for b, acc in s.dxs)
+        if s.layer is not None:            # an op with several inputs names them in its layer
+            L = s.layer
+            kw["layer"] = dataclasses.replace(L, src=names.get(L.src, L.src), dst=names.get(L.dst, L.dst),
+                                              inputs=tuple(names.get(b, b) for b in L.inputs))
+        return dataclasses.replace(s, **kw)
+    return plan, [step(s) for s in eng.schedule]
 
 
 @needs_mpl

@@ -10,7 +10,7 @@ figure draws (lowmem/tools/plot.py), computed from the plan and the schedule alo
     saved_by_step(engine.plan, engine.schedule, engine.unit_bits)   # [(step, [(what, bytes)])]
 
 Only Step fields are read: forward `src` (read), `dst` (written; added into when the op's
-table entry says `reads_dst`); backward `dout` (read), `dx` (written, `accumulate`: added
+table entry says `several` and dst is one of its inputs); backward `dout` (read), `dx` (written, `accumulate`: added
 into; the same buffer as `dout` for an op that is no unit: shared, nothing written),
 `scratch` (a rebuilt conv input or a decoded x-hat, written and read within the step) and,
 for the network input kept in its own slot, `src`. A buffer name is any plan entry a step
@@ -62,11 +62,19 @@ class Timeline:
         return [tuple(g) for g in out]
 
 
+def _step_reads(step):
+    """The buffers a forward step reads: its layer's inputs for an op with several (add,
+    concat), else `src`."""
+    if step.phase == "fwd" and step.layer is not None and OPS[step.op].several:
+        return tuple(step.layer.reads)
+    return (step.src,) if step.phase == "fwd" else ()
+
+
 def _named(step, entries):
     """The plan entries the step reads or writes, by its buffer fields (backward: a step's `src`
     is its forward input, read again only when that is the kept network input)."""
     fields = ("src", "dst") if step.phase == "fwd" else ("dout", "dx", "scratch")
-    names = {getattr(step, f) for f in fields}
+    names = {getattr(step, f) for f in fields} | set(_step_reads(step)) | {b for b, _ in step.dxs}
     if step.phase == "bwd" and step.src in entries and entries[step.src].kind == "input":
         names.add(step.src)
     return names & set(entries)
@@ -109,10 +117,11 @@ def buffer_timeline(plan, schedule):
     for i, s in enumerate(t.steps):
         if s.phase == "fwd":
             fwd_input[s.name] = held.get(s.src, "")
-            read(s.src, i)
+            reads = _step_reads(s)
+            for b in reads:
+                read(b, i)
             out = short(s.name) if s.layer is not None else s.op
-            if OPS[s.op].reads_dst:             # dst += src: the result stays in dst
-                read(s.dst, i)
+            if OPS[s.op].several and s.dst in reads:    # dst = dst + the others: added into dst
                 write(s.dst, i, "acc", out)
             else:
                 write(s.dst, i, "write", out)
@@ -130,6 +139,13 @@ def buffer_timeline(plan, schedule):
                 write(s.dx, i, "acc", "Σ" + grad)     # a second consumer's part of the sum
             elif s.dx:
                 write(s.dx, i, "write", grad)
+            for b, acc in s.dxs:                # several inputs: each one's gradient
+                if b == s.dx:
+                    continue
+                if b == s.dout:
+                    write(b, i, "shared", "∂" + short(s.name))
+                else:
+                    write(b, i, "acc" if acc else "write", grad)
         for b in rows_set:
             t.text[b][i] = held[b]
     return t
