@@ -363,9 +363,10 @@ def from_onnx(path, input_shape=None, seed=0):
     symbolic, checked against the file otherwise. Raises ValueError (export.ExportError) with
     one line naming the problem: an unreadable file, an unsupported node (its name, op type
     and the supported ops), a shape the file does not allow. lowmem/tools/onnx_import.py."""
-    # the reader sits in tools/ beside the exporter (it reads what export writes, through onnx)
+    # the reader sits in tools/ beside the exporter (it reads what export writes, through onnx);
+    # it gets the builder handed in, so it imports nothing above it
     from .tools.onnx_import import read_onnx
-    return read_onnx(path, input_shape, seed)
+    return read_onnx(path, Graph, input_shape, seed)
 
 
 def _int(v):

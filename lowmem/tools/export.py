@@ -46,6 +46,7 @@ from .._version import __version__
 from ..core.optable import OPS
 from ..models import MODELS, build_model, is_onnx_path, model_spec
 from ..system.atomic import atomic_write
+from .errors import ExportError, require as _require      # noqa: F401 (ExportError: this module's error, re-exported)
 from ..train.checkpoint import load_checkpoint
 from ..train.trainstate import load_model_state
 
@@ -72,18 +73,7 @@ def check_opset(opset):
 FORMATS = {".safetensors": "safetensors", ".onnx": "onnx"}
 
 
-class ExportError(ValueError):
-    """A network or file that cannot be exported or read back; the message names it."""
-
-
 # --------------------------------------------------------------------------- files
-
-def _require(module, extra):
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError:
-        raise ImportError(f"{module} is not installed: pip install 'lowmem[{extra}]'") from None
-
 
 # --------------------------------------------------------------------- safetensors
 

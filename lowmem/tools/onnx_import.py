@@ -26,7 +26,8 @@ layer) takes its initializers' name too (torchvision's `classifier`), else fc.
 """
 import os
 
-from .export import ExportError, _require
+from ..core.network import NetworkError
+from .errors import ExportError, require
 from .onnx_nodes import IMPORTS, _attr, builder_has, supported_ops
 
 GENERIC_NAMES = ("", "main_graph", "torch_jit", "torch-jit-export")    # exporters' defaults: the file's name instead
@@ -35,10 +36,9 @@ GENERIC_NAMES = ("", "main_graph", "torch_jit", "torch-jit-export")    # exporte
 class _Reader:
     """One pass over a checked onnx.ModelProto, building the nn.Graph and collecting weights."""
 
-    def __init__(self, model, path, input_shape, seed):
+    def __init__(self, model, path, input_shape, seed, builder):
         from onnx import numpy_helper
-        from .. import nn
-        self.nn, self.path = nn, path
+        self.builder, self.path = builder, path
         g = model.graph
         self.inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
         self.consts = {}
@@ -60,7 +60,7 @@ class _Reader:
         shape = _input_shape(inputs[0], input_shape, path)
         num_classes = self._num_classes(g)
         name = g.name if g.name not in GENERIC_NAMES else os.path.splitext(os.path.basename(path))[0]
-        self.graph = nn.Graph(name, shape, num_classes, seed)
+        self.graph = builder(name, shape, num_classes, seed)
         self.values = {inputs[0].name: self.graph.input}  # ONNX value -> nn Tensor
         self.weights = {}                                 # lowmem parameter name -> array
         self.done = set()                                 # nodes consumed by a pattern (id)
@@ -76,9 +76,9 @@ class _Reader:
                                   f"classifier; the graph must end with the logits (lowmem applies "
                                   f"softmax cross-entropy itself)")
             handler = IMPORTS.get(node.op_type)
-            if handler is None or not builder_has(node.op_type):
+            if handler is None or not builder_has(node.op_type, self.builder):
                 raise ExportError(f"{self.path}: node {node.name!r}: op {node.op_type} is not supported; "
-                                  f"supported ops: {', '.join(supported_ops())}")
+                                  f"supported ops: {', '.join(supported_ops(self.builder))}")
             handler(self, node)
         if self.network is None:
             raise ExportError(f"{self.path}: no classifier head found: the graph must end with a "
@@ -122,11 +122,12 @@ class _Reader:
         if name.startswith("/"):                 # torch's scope path "/layer1/layer1.0/Add": layer1.0.add
             parts = name.strip("/").split("/")
             name = ".".join(parts[-2:-1] + [parts[-1].lower()])
-        nn = self.nn
-        bad = (not name or name.startswith(".") or name.endswith(".") or name in self.graph._names
-               or name in nn.RESERVED or name in nn.HEAD_VALUES or name.startswith(("pool.", "fc."))
-               or name.rsplit(".", 1)[-1] in nn.PARAM_SUFFIXES or name.endswith(".bn"))
-        return None if bad else name
+        if not name or name.endswith(".bn"):    # <unit>.bn: the value name of a BN->ReLU unit's export
+            return None
+        try:
+            return self.graph._name(name, "")       # the builder's own rules (reserved, unique, ...)
+        except NetworkError:
+            return None
 
     def set(self, node, tensor, i=0):
         self.values[node.output[i]] = tensor
@@ -175,7 +176,7 @@ def _input_shape(value, given, path):
 
 def _load(path):
     """The checked onnx.ModelProto of `path`; ExportError naming the file otherwise."""
-    onnx = _require("onnx", "onnx")
+    onnx = require("onnx", "onnx")
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ExportError(f"{path}: no such file")
@@ -202,13 +203,13 @@ def file_input_shape(path):
     return _input_shape(inputs[0], None, os.fspath(path))
 
 
-def read_onnx(path, input_shape=None, seed=0):
-    """The Network of an ONNX file, its weights loaded (see the module docstring). ExportError
-    (a ValueError) naming the file and the problem for anything it cannot read."""
+def read_onnx(path, builder, input_shape=None, seed=0):
+    """The Network of an ONNX file, its weights loaded (see the module docstring), built by
+    `builder` (lowmem.nn.Graph: handed in, so this reader imports no builder and no registry).
+    ExportError (a ValueError) naming the file and the problem for anything it cannot read."""
     path = os.fspath(path)
     model = _load(path)
-    r = _Reader(model, path, input_shape, seed)
-    from ..core.network import NetworkError
+    r = _Reader(model, path, input_shape, seed, builder)
     try:
         net = r.run(model.graph.node)
     except NetworkError as e:

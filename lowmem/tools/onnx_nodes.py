@@ -12,7 +12,7 @@ import math
 
 import numpy
 
-from .export import ExportError
+from .errors import ExportError
 
 BN_EPS = 1e-5
 BN_MOMENTUM_ONNX = 0.9          # ONNX's momentum is 1 - PyTorch's (0.1, lowmem's)
@@ -72,9 +72,10 @@ def _conv(r, node):
         kwargs["groups"] = groups
     if bias is not None:
         kwargs["bias"] = True
-    if kwargs and not _accepts(r.nn.Graph.conv, *kwargs):
+    if kwargs and not _accepts(r.builder.conv, *kwargs):
         raise ExportError(f"{r.path}: node {node.name!r}: a Conv with {' and '.join(f'{k}={v}' for k, v in kwargs.items())} "
-                          f"is not supported by this lowmem's nn.Graph.conv; supported ops: {', '.join(supported_ops())}")
+                          f"is not supported by this lowmem's nn.Graph.conv; supported ops: "
+                          f"{', '.join(supported_ops(r.builder))}")
     t = r.graph.conv(x, int(w.shape[0]), k, stride, pad, name=name, **kwargs)
     r.param(f"{t.name}.weight", w, w.shape, node)
     if bias is not None:
@@ -102,10 +103,10 @@ def _batchnorm(r, node):
         r.done.add(id(relu))
         out_node = relu
     else:
-        if not hasattr(r.nn.Graph, "bn"):
+        if not hasattr(r.builder, "bn"):
             raise ExportError(f"{r.path}: node {node.name!r}: a BatchNormalization not followed by a Relu "
                               f"is not supported by this lowmem's nn.Graph; supported ops: "
-                              f"{', '.join(supported_ops())}")
+                              f"{', '.join(supported_ops(r.builder))}")
         t = r.graph.bn(x, name=r.layer_name(node, params, suffixes))
         out_node = node
     for suffix, a in zip(suffixes, arrays):
@@ -242,15 +243,14 @@ NEEDS = {"Conv": ("conv",), "BatchNormalization": ("bn_relu",), "Relu": ("relu",
          "GlobalAveragePool": ("head",), "ReduceMean": ("head",), "Dropout": ("dropout",)}
 
 
-def builder_has(op_type):
-    """Whether this lowmem's nn.Graph has the methods the op type's handler calls."""
-    from .. import nn
-    return all(hasattr(nn.Graph, m) for m in NEEDS.get(op_type, ()))
+def builder_has(op_type, builder):
+    """Whether the builder (lowmem.nn.Graph) has the methods the op type's handler calls."""
+    return all(hasattr(builder, m) for m in NEEDS.get(op_type, ()))
 
 
-def supported_ops():
-    """The ONNX op types this lowmem imports (those whose nn.Graph methods exist)."""
-    return sorted(op for op in IMPORTS if builder_has(op))
+def supported_ops(builder):
+    """The ONNX op types this lowmem imports (those whose builder methods exist)."""
+    return sorted(op for op in IMPORTS if builder_has(op, builder))
 
 
 def _accepts(fn, *names):
