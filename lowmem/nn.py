@@ -17,6 +17,7 @@ The vocabulary is what the engine runs (lowmem/core/engine.py):
   relu(x), relu6(x)                          on their own (after an add, say)
   dropout(x, p=0.5)                          inverted dropout (training only)
   concat(a, b, ...)                          channel concatenation
+  linear(x, cout, bias=True)                 flatten, then fully connected (before the head)
   max_pool(x, k=2, stride=k, pad=0)          max over k x k windows (k <= 4)
   avg_pool(x, k=2, stride=k, pad=0)          mean over k x k windows (zero padding counted)
   add(a, b)                                  a + b, same shape: the residual add
@@ -172,6 +173,19 @@ class Graph:
         self._own(x, name)
         return self._node(op, name, (x,), x.shape, dict(args or {}))
 
+    def linear(self, x, cout, bias=True, name=None):
+        """Flatten x (C, H, W), then a fully connected layer to cout features, as an activation
+        (cout, 1, 1) that ReLUs, dropout, more linear layers and the head read (torch's
+        nn.Linear on torch.flatten(x, 1): weight (cout, C*H*W), PyTorch's default init)."""
+        name = self._name(name, "linear")
+        self._own(x, name)
+        if not _int(cout) or cout < 1:
+            raise NetworkError(f"linear {name!r}: cout must be an int >= 1, got {cout!r}")
+        if not isinstance(bias, bool):
+            raise NetworkError(f"linear {name!r}: bias must be True or False, got {bias!r}")
+        return self._node("flatten_linear", name, (x,), (cout, 1, 1),
+                          dict(cin=x.shape[0] * x.shape[1] * x.shape[2], cout=cout, bias=bias))
+
     def concat(self, *xs, name=None):
         """The tensors xs (equal H, W) stacked on the channel axis, in order (DenseNet's blocks)."""
         name = self._name(name, "concat")
@@ -270,30 +284,7 @@ class Graph:
         return t
 
     def _name(self, name, prefix):
-        if self.network is not None:
-            raise NetworkError(f"graph {self.name!r} is finished (head() was called); start a new Graph")
-        if name is None:
-            i = 1
-            while f"{prefix}{i}" in self._names:
-                i += 1
-            return f"{prefix}{i}"
-        if not isinstance(name, str) or not name or name.startswith(".") or name.endswith("."):
-            raise NetworkError(f"layer name must be a non-empty string without leading or trailing "
-                               f"dots, got {name!r}")
-        if name in RESERVED or name in HEAD_VALUES or name.startswith(("pool.", "fc.")):
-            raise NetworkError(f"layer name {name!r} is reserved ({', '.join(RESERVED + HEAD_VALUES)} "
-                               f"and pool.* / fc.*: the input, the head and its values)")
-        if name.rsplit(".", 1)[-1] in PARAM_SUFFIXES:
-            raise NetworkError(f"layer name {name!r} ends in a parameter's name (.{name.rsplit('.', 1)[-1]}); "
-                               f"it would clash with a layer's parameters ({', '.join(PARAM_SUFFIXES)})")
-        unit = {n.name for n in self.nodes if getattr(OPS.get(n.op), "unit", False)}
-        if (name.endswith(".bn") and name[:-3] in unit) or (prefix == "bn" and f"{name}.bn" in self._names):
-            raise NetworkError(f"layer name {name!r} clashes with the batch-norm value of bn_relu "
-                               f"{name if prefix == 'bn' else name[:-3]!r} (its export names it <unit>.bn)")
-        if name in self._names:
-            raise NetworkError(f"layer name {name!r} is used twice; names key the parameters "
-                               f"({name}.weight, ...) and must be unique")
-        return name
+        return _layer_name(self, name, prefix)
 
     def _own(self, t, where):
         if not isinstance(t, Tensor):
@@ -332,6 +323,34 @@ class Graph:
 
     def _label(self, pos):
         return "the head" if pos == len(self.nodes) else f"{self.nodes[pos].op} {self.nodes[pos].name!r}"
+
+
+def _layer_name(graph, name, prefix):
+    """A checked layer name for a new node of graph (a made-up one when name is None)."""
+    if graph.network is not None:
+        raise NetworkError(f"graph {graph.name!r} is finished (head() was called); start a new Graph")
+    if name is None:
+        i = 1
+        while f"{prefix}{i}" in graph._names:
+            i += 1
+        return f"{prefix}{i}"
+    if not isinstance(name, str) or not name or name.startswith(".") or name.endswith("."):
+        raise NetworkError(f"layer name must be a non-empty string without leading or trailing "
+                           f"dots, got {name!r}")
+    if name in RESERVED or name in HEAD_VALUES or name.startswith(("pool.", "fc.")):
+        raise NetworkError(f"layer name {name!r} is reserved ({', '.join(RESERVED + HEAD_VALUES)} "
+                           f"and pool.* / fc.*: the input, the head and its values)")
+    if name.rsplit(".", 1)[-1] in PARAM_SUFFIXES:
+        raise NetworkError(f"layer name {name!r} ends in a parameter's name (.{name.rsplit('.', 1)[-1]}); "
+                           f"it would clash with a layer's parameters ({', '.join(PARAM_SUFFIXES)})")
+    unit = {n.name for n in graph.nodes if getattr(OPS.get(n.op), "unit", False)}
+    if (name.endswith(".bn") and name[:-3] in unit) or (prefix == "bn" and f"{name}.bn" in graph._names):
+        raise NetworkError(f"layer name {name!r} clashes with the batch-norm value of bn_relu "
+                           f"{name if prefix == 'bn' else name[:-3]!r} (its export names it <unit>.bn)")
+    if name in graph._names:
+        raise NetworkError(f"layer name {name!r} is used twice; names key the parameters "
+                           f"({name}.weight, ...) and must be unique")
+    return name
 
 
 def assign_buffers(graph, x):

@@ -2,7 +2,8 @@
 
 * Networks the three fixed buffers could not run (a conv reading a conv, a pool or an add;
   a tensor feeding many layers; nested residuals; a pool whose input feeds later layers;
-  an add whose branch feeds other layers; a + a; four tensors alive at once) build, plan
+  an add whose branch feeds other layers; a + a; four tensors alive at once; post-activation
+  blocks, a dense block, inverted residuals, flatten + linear layers before the head) build, plan
   and pass float64 finite differences of the engine's own loss (every parameter, the input),
   and their approx 4-bit forward equals the exact one bit for bit.
 * The liveness colouring finds the paper's three buffers on the pre-activation ResNets: the
@@ -136,9 +137,21 @@ def inverted_residuals():
     return g.head(g.dropout(g.relu(x, "last_relu"), 0.25, "drop"))
 
 
+def linear_classifier():
+    """VGG's classifier: flatten + linear layers (with ReLU and dropout) before the head; one
+    linear layer reads a unit's output (rebuilt from its code), another a ReLU's (kept)."""
+    g = nn.Graph("mlp-head", (3, 8, 8), 3)
+    x = g.max_pool(g.bn_relu(g.conv(g.input, 4, 3, name="c1"), "b1"), 2, name="p1")
+    x = g.linear(g.bn_relu(x, "b2"), 16, name="fc1")            # reads a unit's output
+    x = g.dropout(g.relu(x, "r1"), 0.25, "d1")
+    x = g.relu(g.linear(x, 12, name="fc2"), "r2")              # reads dropout's output (kept)
+    x = g.linear(x, 8, bias=False, name="fc3")
+    return g.head(g.relu(x, "r3"))
+
+
 GRAPHS = {f.__name__: f for f in (conv_reads_conv, conv_reads_pool_and_add, nested_residuals,
                                   shared_branch, unit_over_shared_gradient, four_alive, input_read_by_many,
-                                  post_activation_blocks, dense_block, inverted_residuals)}
+                                  post_activation_blocks, dense_block, inverted_residuals, linear_classifier)}
 
 
 @pytest.mark.parametrize("which", list(GRAPHS))
@@ -285,3 +298,22 @@ def test_hand_built_records_with_shared_gradients_run(rng):
         for name, g in grads.items():
             check_directional(loss, [net.params[name].data], [g], rng, f"{net.name} {name}")
         check_directional(loss, [x], [dx], rng, f"{net.name} input")
+
+
+@pytest.mark.parametrize("which", ["post_activation_blocks", "dense_block", "inverted_residuals",
+                                   "linear_classifier"])
+def test_new_ops_export_to_onnx_and_run_in_onnxruntime(tmp_path, which):
+    """bn, relu, relu6 (Clip), concat, grouped and biased convs, dropout (Identity in eval):
+    onnxruntime's logits equal the engine's eval logits (float32)."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    from lowmem.tools import export
+    net = GRAPHS[which]()
+    randomize_units(net, np.random.default_rng(0))
+    x, y = batch(np.random.default_rng(1), net, 3, (3, 8, 8), np.float32)
+    eng = Engine(net, 3, (3, 8, 8))
+    eng.forward(x, y)                                   # running statistics off their start
+    logits = eng.predict(x)
+    path = export.export_onnx(net, tmp_path / "m.onnx")
+    (out,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["logits"], {"input": x})
+    assert float(np.abs(out - logits).max()) <= 1e-5 * float(np.abs(logits).max())

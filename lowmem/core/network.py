@@ -144,6 +144,18 @@ class Network:
         """Inverted dropout (training only): keeps its 1-bit mask, drawn from the engine's stream."""
         self.layers.append(Layer("dropout", name, src, dst, p=float(p)))
 
+    def flatten_linear(self, name, src, dst, cin, cout, bias=True):
+        """Flatten src (cin = C*H*W features), then a fully connected layer to cout features (a
+        (cout, 1, 1) activation); PyTorch's nn.Linear init (uniform +-1/sqrt(cin))."""
+        bound = 1.0 / numpy.sqrt(cin)
+
+        def uniform(rng, shape):
+            return rng.uniform(-bound, bound, shape).astype(numpy.float32)
+        self._param(name + ".weight", (cout, cin), True, uniform)
+        if bias:
+            self._param(name + ".bias", (cout,), False, uniform)
+        self.layers.append(Layer("flatten_linear", name, src, dst, cin=cin, cout=cout, bias=bool(bias)))
+
     def concat(self, name, srcs, dst, cout=0):
         """dst = srcs stacked on the channel axis, in order (cout: their channels in all, checked)."""
         srcs = tuple(srcs)

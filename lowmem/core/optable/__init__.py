@@ -12,7 +12,7 @@
     flags: unit (a BN-ReLU unit: own kernel set, own bit width), in_place (may write a buffer
            it reads), several (reads Layer.inputs, not one src)
 
-The entries, by family: base.py (the defaults), conv.py, norm.py (the BN->ReLU unit, batch
+The entries, by family: base.py (the defaults), conv.py, dense.py (flatten + linear), norm.py (the BN->ReLU unit, batch
 norm alone), activations.py (ReLU, ReLU6, dropout), pools.py, graph.py (add, concat; the
 backward-only copy and addgrad steps), head.py (global pool, linear, loss, data-parallel
 averages).
@@ -41,6 +41,7 @@ from ...system import threads
 from ...ops.batchnorm import ROW_BLOCK
 from .base import BN_MOMENTUM, MAX_POOL_WINDOW, BatchStatisticsError, Op
 from .conv import Conv
+from .dense import FlattenLinear
 from .activations import Dropout, ReLU, ReLU6
 from .graph import Add, AddGrad, Concat, Copy
 from .head import Average, GlobalAvgPool, Linear, Loss
@@ -50,7 +51,7 @@ from .pools import AvgPool2d, MaxPool
 __all__ = ["OPS", "HEAD", "STEP_ONLY", "BN_MOMENTUM", "MAX_POOL_WINDOW", "BatchStatisticsError", "Op",
            "step_temporaries"]
 
-OPS = {"conv": Conv, "bnrelu": BNReLU, "bn": BN, "relu": ReLU, "relu6": ReLU6, "dropout": Dropout,
+OPS = {"conv": Conv, "flatten_linear": FlattenLinear, "bnrelu": BNReLU, "bn": BN, "relu": ReLU, "relu6": ReLU6, "dropout": Dropout,
        "add": Add, "concat": Concat, "maxpool": MaxPool, "avgpool2d": AvgPool2d,
        "avgpool": GlobalAvgPool, "linear": Linear, "loss": Loss, "average": Average,
        "copy": Copy, "addgrad": AddGrad}

@@ -4,9 +4,12 @@ channel) and with a bias.
 Its weight gradient needs the conv's input, which it gets one of three ways (decided by the
 walk, printed in the schedule): the network input's own planned slot; a BN->ReLU unit's
 output, rebuilt as relu(gamma*x-hat + beta) from that unit's saved x-hat (nothing kept by
-the conv); any other tensor (a pool, an add, another conv), copied exactly, once, into a
+the conv); any other tensor (a pool, an add, a ReLU alone, another conv), kept once, in a
 saved slot named after the layer that made it ("<layer>.out", shared by every conv reading
-that tensor). Its input gradient needs only the weights."""
+that tensor): exactly in float in exact mode, else as a K-bit range code with 0 an exact
+level (lowmem/units/rangecode.py, the engine's `keeper`), decoded into a free buffer for
+backward. Its input gradient needs only the weights. `keep_input` and `layer_input` say the
+same for the linear layers (optable/dense.py)."""
 from ...ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, grouped_conv2d_forward,
                     grouped_conv2d_backward_input, grouped_conv2d_backward_weight, conv_bias_forward,
                     conv_bias_backward)
@@ -17,6 +20,41 @@ from ..network import NetworkError
 from .base import Op, channels, window_shape
 
 INPUT = ("input", 0)        # the network input, as a (buffer, version) tensor
+
+
+def keep_input(L, walk):
+    """Where the backward of L (a conv or a linear layer) finds its input (walk.extra): the input
+    slot; nothing to say for a unit's output (rebuilt from its code); else a slot named after
+    the input's producer, filled by the first layer reading it (keep) and read by every one."""
+    t = walk.tin[L.name][0]
+    made_by = walk.producer.get(t)
+    if t == INPUT:
+        walk.extra[L.name] = dict(input_slot="input")
+    elif made_by is not None and not walk.is_unit(made_by):
+        slot = walk.kept.get(t)
+        if slot is None:                         # the first layer to read it keeps it
+            slot = walk.kept[t] = f"{made_by.name}.out"
+            walk.extra[L.name] = dict(keep=slot, input_slot=slot)
+        else:
+            walk.extra[L.name] = dict(input_slot=slot)
+
+
+def layer_input(run, step):
+    """The (C, n, H, W) input of a conv's or linear layer's backward step: rebuilt from a
+    unit's code into scratch, decoded from a kept range code into scratch, or read where it
+    sits (the input slot, a kept float copy)."""
+    if step.unit:                                    # relu(gamma*x-hat + beta) into scratch
+        g, b = (run.params[n].data for n in step.unit_params)
+        units = run.units[step.unit]
+        c, h, w = step.in_shape
+        units.conv_input(run.rows(step.scratch, step.in_shape),
+                         units.saved_view(run.arrays[step.unit_saved], c, run.n * h * w), g, b)
+        return run.act(step.scratch, step.in_shape)
+    if step.scratch:                                 # a kept range code, decoded
+        x = run.act(step.scratch, step.in_shape)
+        run.keeper.restore(x.reshape(-1), [run.arrays[n] for n in step.saved])
+        return x
+    return run.act(step.saved[0] if step.saved else step.input_slot, step.in_shape)   # input, float copy
 
 
 class Conv(Op):
@@ -31,17 +69,7 @@ class Conv(Op):
         if not isinstance(L.groups, int) or L.groups < 1 or L.cin % L.groups or L.cout % L.groups:
             raise NetworkError(f"conv {L.name!r}: groups={L.groups!r} must be an int >= 1 dividing its "
                                f"{L.cin} input and {L.cout} output channels")
-        t = walk.tin[L.name][0]
-        made_by = walk.producer.get(t)
-        if t == INPUT:
-            walk.extra[L.name] = dict(input_slot="input")
-        elif made_by is not None and not walk.is_unit(made_by):
-            slot = walk.kept.get(t)
-            if slot is None:                         # the first conv to read it keeps it
-                slot = walk.kept[t] = f"{made_by.name}.out"
-                walk.extra[L.name] = dict(keep=slot, input_slot=slot)
-            else:
-                walk.extra[L.name] = dict(input_slot=slot)
+        keep_input(L, walk)
 
     @staticmethod
     def plan(step, N, units, dtype, budget):
@@ -119,18 +147,7 @@ class Conv(Op):
         L, p = step.layer, run.params[step.params[0]]
         dout = run.act(step.dout, step.out_shape)
         ws = run.arrays["conv.cols"]
-        if step.unit:                                    # relu(gamma*x-hat + beta) into scratch
-            g, b = (run.params[n].data for n in step.unit_params)
-            units = run.units[step.unit]
-            c, h, w = step.in_shape
-            units.conv_input(run.rows(step.scratch, step.in_shape),
-                             units.saved_view(run.arrays[step.unit_saved], c, run.n * h * w), g, b)
-            x = run.act(step.scratch, step.in_shape)
-        elif step.scratch:                               # a kept range code, decoded
-            x = run.act(step.scratch, step.in_shape)
-            run.keeper.restore(x.reshape(-1), [run.arrays[n] for n in step.saved])
-        else:
-            x = run.act(step.saved[0] if step.saved else step.input_slot, step.in_shape)   # input, float copy
+        x = layer_input(run, step)
         if L.bias:
             conv_bias_backward(run.params[step.params[1]].grad, dout)
         if L.groups == 1:
