@@ -115,7 +115,19 @@ def bias_graph():
     return g.head(x)
 
 
-GRAPHS = {"postact": postact_graph, "dense": dense_graph, "inverted": inverted_graph, "bias": bias_graph}
+def classifier_graph():
+    """VGG-style: convs, a pool, then flatten + linear layers with ReLUs before the head. (No dropout:
+    lowmem's inference export writes a dropout as the Identity it is in inference, so it reads back
+    as nothing; a training-mode Dropout node reads as dropout, tests/test_onnx_torch.py.)"""
+    g = nn.Graph("classifier", (3, 8, 8), 4)
+    x = g.max_pool(g.bn_relu(g.conv(g.input, 4, 3, name="features.0"), name="features.1"), 2, name="features.3")
+    x = g.relu(g.linear(x, 12, name="classifier.0"), name="classifier.1")
+    x = g.relu(g.linear(x, 10, bias=False, name="classifier.3"), name="classifier.4")
+    return g.head(x, name="classifier.6")
+
+
+GRAPHS = {"postact": postact_graph, "dense": dense_graph, "inverted": inverted_graph, "bias": bias_graph,
+          "classifier": classifier_graph}
 
 
 @pytest.mark.parametrize("which", list(GRAPHS))

@@ -148,6 +148,22 @@ class BiasNet(tnn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+class VGGStyle(tnn.Module):
+    """torchvision's VGG shape: features, a pool, then classifier = Linear-ReLU-Dropout-Linear-ReLU-Linear
+    on torch.flatten (dropout at p = 0 here: its masks are PyTorch's own)."""
+
+    def __init__(self, cin=3):
+        super().__init__()
+        self.features = tnn.Sequential(tnn.Conv2d(cin, 6, 3, 1, 1, bias=False), bn(6), tnn.ReLU(),
+                                       tnn.MaxPool2d(2), tnn.Conv2d(6, 8, 3, 1, 1), tnn.ReLU())
+        self.avgpool = tnn.AvgPool2d(2)
+        self.classifier = tnn.Sequential(tnn.Linear(8 * 2 * 2, 16), tnn.ReLU(), tnn.Dropout(0.0),
+                                         tnn.Linear(16, 12), tnn.ReLU(), tnn.Linear(12, K))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
 def preact():
     return ref.preact_resnet_cifar(8, num_classes=K)
 
@@ -159,6 +175,7 @@ FAMILIES = {
     "densenet": (DenseNet, (3, 8, 8), ("concat",)),
     "inverted-residual": (MobileNet, (3, 12, 12), ("bn", "relu6")),
     "conv-bias": (BiasNet, (3, 8, 8), ("relu",)),
+    "vgg-classifier": (VGGStyle, (3, 8, 8), ("relu", "linear")),
     # torchvision's own modules and names (tests/torchvision_layout.py), small instances
     "tv-densenet": (lambda: tv.DenseNet(growth=4, blocks=(2, 3), init=8, bn_size=2, num_classes=K),
                     (3, 32, 32), ("concat",)),

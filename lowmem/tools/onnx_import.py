@@ -12,11 +12,14 @@ Reads files exported by PyTorch in training mode with batch norm kept,
 `lowmem export` files (eval-mode batch norm). The `onnx` package parses and checks the file;
 nothing here reads protobuf by hand.
 
-Each ONNX node becomes one nn.Graph call (lowmem/tools/onnx_nodes.py: op type -> handler); a node whose op
-the builder does not offer is refused with its name, its op type and the list of supported
-ops. BatchNormalization whose only reader is a Relu becomes one BN->ReLU unit (`bn_relu`);
-GlobalAveragePool (or ReduceMean over H, W) -> Flatten -> Gemm at the end becomes the head.
-Identity and Dropout in eval form pass their input through.
+Each ONNX node becomes one nn.Graph call (lowmem/tools/onnx_nodes.py: op type -> handler); a node
+whose op the builder does not offer is refused with its name, its op type and the list of
+supported ops. The builder comes in as an argument (nn.from_onnx hands in nn.Graph), so this
+module imports nothing above it. BatchNormalization whose only reader is a Relu becomes one
+BN->ReLU unit (`bn_relu`); Flatten -> Gemm inside the network a linear layer;
+GlobalAveragePool (or ReduceMean over H, W) -> Flatten -> Gemm at the end, or a last Gemm on a
+linear layer's output, the head. Identity and ratio-0 Dropout pass their input through; a
+Dropout with a ratio trains as dropout.
 
 Names: a layer takes the name of its parameters' initializers (`layer1.0.conv1.weight` ->
 layer `layer1.0.conv1`, so parameters keep the ONNX initializer names, which for a torch

@@ -232,14 +232,66 @@ def _global_pool(r, node):
     r.done.update(id(n) for n in chain + [gemm])
 
 
+def _flatten(r, node):
+    """Flatten (axis 1) feeding a Gemm: lowmem's linear layer flattens its input itself, so the
+    flattened value is the same tensor (its (c, h, w) order is torch.flatten's)."""
+    if _attr(node, "axis", 1) != 1:
+        raise ExportError(f"{r.path}: node {node.name!r}: Flatten on axis {_attr(node, 'axis')}; lowmem "
+                          f"flattens (C, H, W) per sample (axis 1) only")
+    if not all(n.op_type == "Gemm" for n in r.readers.get(node.output[0], [])):
+        raise ExportError(f"{r.path}: node {node.name!r}: a Flatten must feed linear layers (Gemm) only")
+    r.set(node, r.tensor(node))
+
+
+def _gemm(r, node):
+    """Gemm: a linear layer (flatten + linear) inside the network; the graph's last one, reading a
+    (C, 1, 1) tensor, is the head (its global average pool over 1 x 1 is the identity)."""
+    x = r.tensor(node)
+    if _attr(node, "alpha", 1.0) != 1 or _attr(node, "beta", 1.0) != 1 or _attr(node, "transA", 0):
+        raise ExportError(f"{r.path}: node {node.name!r}: Gemm with alpha, beta != 1 or transA is not supported")
+    w, b = r.const(node, 1), r.const(node, 2)
+    w = numpy.ascontiguousarray(w if _attr(node, "transB", 0) else w.T)
+    names = (node.input[1], node.input[2]) if b is not None else (node.input[1],)
+    name = r.layer_name(node, names, (".weight", ".bias"))
+    if node.output[0] in r.outputs:
+        if x.shape[1:] != (1, 1) or b is None:
+            raise ExportError(f"{r.path}: node {node.name!r}: the classifier must read a global average pool "
+                              f"or a 1 x 1 tensor and have a bias (lowmem's head is a global average pool and "
+                              f"a linear layer with bias); it reads {x.shape}")
+        name = name or "fc"
+        r.network = r.graph.head(x, name=name)
+        r.param(f"{name}.weight", w, (r.graph.num_classes, x.shape[0]), node)
+        r.param(f"{name}.bias", b, (r.graph.num_classes,), node)
+        return
+    t = r.graph.linear(x, int(w.shape[0]), bias=b is not None, name=name)
+    r.param(f"{t.name}.weight", w, (w.shape[0], x.shape[0] * x.shape[1] * x.shape[2]), node)
+    if b is not None:
+        r.param(f"{t.name}.bias", b, (w.shape[0],), node)
+    r.set(node, t)
+
+
+def _reshape(r, node):
+    """A Reshape of a linear layer's (K, 1, 1) output to (N, K, 1, 1) or (N, K), either way: the same tensor."""
+    x, shape = r.tensor(node), r.const(node, 1)
+    target = [int(v) for v in numpy.ravel(shape)] if shape is not None else None
+    k = x.shape[0]
+    fits = target is not None and x.shape[1:] == (1, 1) and len(target) in (2, 4) and \
+        target[1] in (k, -1) and all(v == 1 for v in target[2:]) and target[0] in (0, -1)
+    if not fits:
+        raise ExportError(f"{r.path}: node {node.name!r}: Reshape of {x.shape} to {target} is not supported "
+                          f"(lowmem reads a linear layer's output as (N, K) or (N, K, 1, 1) only)")
+    r.set(node, x)
+
+
 # ONNX op type -> handler; NEEDS: the nn.Graph methods a handler calls (absent: refused, named)
 IMPORTS = {"Conv": _conv, "BatchNormalization": _batchnorm, "Relu": _unary("relu"), "Clip": _clip,
            "Add": _add, "Concat": _concat, "MaxPool": _maxpool, "AveragePool": _avgpool,
            "GlobalAveragePool": _global_pool, "ReduceMean": _global_pool, "Identity": _identity,
-           "Dropout": _dropout, "Constant": _constant}
+           "Dropout": _dropout, "Constant": _constant, "Flatten": _flatten, "Gemm": _gemm, "Reshape": _reshape}
 NEEDS = {"Conv": ("conv",), "BatchNormalization": ("bn_relu",), "Relu": ("relu",), "Clip": ("relu6",),
          "Add": ("add",), "Concat": ("concat",), "MaxPool": ("max_pool",), "AveragePool": ("avg_pool",),
-         "GlobalAveragePool": ("head",), "ReduceMean": ("head",), "Dropout": ("dropout",)}
+         "GlobalAveragePool": ("head",), "ReduceMean": ("head",), "Dropout": ("dropout",),
+         "Flatten": ("linear",), "Gemm": ("linear", "head"), "Reshape": ("linear",)}
 
 
 def builder_has(graph, op_type):
