@@ -27,7 +27,7 @@ ROUND_TRIPS = [("preact-cifar", 8, (3, 16, 16)), ("preact-cifar", 11, (3, 16, 16
 # The hand-written bottleneck ResNet (models.py) keeps the stem conv's output in `res` although
 # no add reads it (the first block projects its pre-activated input); the builder (nn.Graph)
 # gives it act0. Same plan (bytes, every entry), same step bit for bit; only that buffer's name differs.
-OTHER_BUFFERS = {("preact-cifar", 11)}
+OTHER_BUFFERS = {("preact-cifar", 11), ("preact-cifar", 164)}
 
 
 def test_every_registry_family_is_round_tripped():
@@ -51,6 +51,16 @@ def step(net, shape, x, labels):
 
 @pytest.mark.parametrize("model,depth,shape", ROUND_TRIPS, ids=[f"{m}-{d}" for m, d, _ in ROUND_TRIPS])
 def test_a_registry_model_round_trips_through_onnx(tmp_path, model, depth, shape):
+    round_trip(tmp_path, model, depth, shape, batch=4)
+
+
+def test_a_deep_bottleneck_resnet_round_trips_through_onnx(tmp_path):
+    """Pre-activation ResNet-164 (54 bottleneck blocks) at batch 2 on 3x32x32: the same plan (the
+    report: every entry and its bytes), the same schedule, a bit-identical approx 4-bit step."""
+    round_trip(tmp_path, "preact-cifar", 164, (3, 32, 32), batch=2)
+
+
+def round_trip(tmp_path, model, depth, shape, batch):
     rng = np.random.default_rng(3)
     net = randomize_units(models.build_model(model, depth, num_classes=5, in_channels=shape[0]), rng)
     path = export.export_onnx(net, tmp_path / "m.onnx", input_shape=shape)
@@ -61,8 +71,8 @@ def test_a_registry_model_round_trips_through_onnx(tmp_path, model, depth, shape
     assert list(a) == list(b)                                  # names, in forward order
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)   # float32 in, float32 out: exact
-    x = rng.standard_normal((4,) + shape).astype(np.float32)
-    labels = rng.integers(0, 5, 4)
+    x = rng.standard_normal((batch,) + shape).astype(np.float32)
+    labels = rng.integers(0, 5, batch)
     e1, l1, s1 = step(net, shape, x, labels)
     e2, l2, s2 = step(back, shape, x, labels)
     assert e2.plan.report() == e1.plan.report()
