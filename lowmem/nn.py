@@ -248,6 +248,8 @@ class Graph:
         """Finish: global average pool of x, then the linear classifier `name` (parameters
         <name>.weight, <name>.bias; torchvision's DenseNet and MobileNetV2 say "classifier").
         Returns the Network."""
+        if self.network is not None:                     # a second head would be a second Network
+            raise NetworkError(f"graph {self.name!r} is finished (head() was called); start a new Graph")
         if name != "fc":
             name = self._name(name, "fc")
         self._own(x, "head")

@@ -48,7 +48,7 @@ from ..models import MODELS, build_model, is_onnx_path, model_spec
 from ..system.atomic import atomic_write
 from ..train.checkpoint import load_checkpoint
 from ..train.trainstate import load_model_state
-from .formats import ExportError, require
+from .formats import ExportError, check_file, require
 
 OPSET = 17
 MIN_OPSET = 7          # onnxruntime runs the graph from opset 7 (BatchNormalization-7); onnx's checker
@@ -190,8 +190,7 @@ def read_metadata(path):
     `model_metadata` wrote them); keys it lacks are absent. ExportError if it is not such a file."""
     path = os.fspath(path)
     fmt = FORMATS.get(os.path.splitext(path)[1].lower())
-    if not os.path.isfile(path):
-        raise ExportError(f"{path}: no such file")
+    check_file(path)
     if fmt == "safetensors":
         require("safetensors", "safetensors")
         from safetensors import safe_open

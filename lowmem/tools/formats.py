@@ -1,6 +1,7 @@
 """What the weight files share, out (lowmem/tools/export.py) and in (lowmem/tools/onnx_import.py):
-the one error for a network or file that cannot be written or read, and the check that names
-the extra to install when an optional library (safetensors, onnx) is missing."""
+the one error for a network or file that cannot be written or read, the check that a path is
+a non-empty file, and the check that names the extra to install when an optional library
+(safetensors, onnx) is missing."""
 
 
 class ExportError(ValueError):
@@ -13,3 +14,15 @@ def require(module, extra):
         return __import__(module, fromlist=["_"])
     except ImportError:
         raise ImportError(f"{module} is not installed: pip install 'lowmem[{extra}]'") from None
+
+
+def check_file(path):
+    """ExportError unless path is a non-empty regular file: missing, a directory and an empty
+    file each named as such (an empty file parses as an empty ONNX model with no graph)."""
+    import os
+    if os.path.isdir(path):
+        raise ExportError(f"{path}: is a directory, not a model file")
+    if not os.path.isfile(path):
+        raise ExportError(f"{path}: no such file")
+    if os.path.getsize(path) == 0:
+        raise ExportError(f"{path}: empty file (0 bytes)")

@@ -29,8 +29,10 @@ layer) takes its initializers' name too (torchvision's `classifier`), else fc.
 """
 import os
 
+import numpy
+
 from ..core.network import NetworkError
-from .formats import ExportError, require
+from .formats import ExportError, check_file, require
 from .onnx_nodes import IMPORTS, _attr, builder_has, supported_ops
 
 GENERIC_NAMES = ("", "main_graph", "torch_jit", "torch-jit-export")    # exporters' defaults: the file's name instead
@@ -44,6 +46,11 @@ class _Reader:
         self.nn, self.path = nn, path
         g = model.graph
         self.inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        for name, a in self.inits.items():               # as stored: before any conversion
+            bad = int(numpy.count_nonzero(~numpy.isfinite(a))) if a.dtype.kind in "fc" else 0
+            if bad:
+                raise ExportError(f"{path}: initializer {name!r} {a.shape} holds {bad} NaN or inf "
+                                  f"value(s); refusing to import non-finite weights")
         self.consts = {}
         for n in g.node:                                  # every Constant first: a pattern may look ahead
             if n.op_type == "Constant":
@@ -180,18 +187,29 @@ def _load(path):
     """The checked onnx.ModelProto of `path`; ExportError naming the file otherwise."""
     onnx = require("onnx", "onnx")
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ExportError(f"{path}: no such file")
+    check_file(path)
     try:
         model = onnx.load(path, load_external_data=False)
+    except Exception as e:                               # DecodeError, ...
+        raise ExportError(f"{path}: not a readable ONNX model ({_first_line(e)})") from None
+    known = onnx.defs.onnx_opset_version()               # the newest default-domain opset onnx knows
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx") and o.version > known:
+            raise ExportError(f"{path}: written for ONNX opset {o.version}, newer than the installed onnx "
+                              f"{onnx.__version__} knows (opset {known}); export with opset <= {known} "
+                              f"or upgrade onnx")
+    try:
         onnx.checker.check_model(model)
-    except Exception as e:                               # DecodeError, ValidationError, ...
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ExportError(f"{path}: not a readable ONNX model ({first})") from None
+    except Exception as e:                               # ValidationError, ...
+        raise ExportError(f"{path}: not a readable ONNX model ({_first_line(e)})") from None
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
         raise ExportError(f"{path}: weights stored in external data files are not supported; "
                           f"export with the weights inside the .onnx file")
     return model
+
+
+def _first_line(e):
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def file_input_shape(path):

@@ -14,6 +14,15 @@ is within s/2 of its decode (the group's own range always fits: -z*s <= lo + s/2
 code stores s (float32) and z (uint8): 5 bytes per 256 elements, 0.16 bits per element on
 top of the K-bit codes. Deterministic (nearest rounding, round half to even).
 
+Range ends: s is computed as hi/(L-1) - lo/(L-1), so a group spanning -3.4e38 to 3.4e38 (the
+float32 ends) gets a finite step; s is capped at the float32 maximum, and levels whose decode
+would pass it are cut, so every finite input decodes to a finite value: within s of x for a
+group that reaches within s of the float32 maximum (s/2 elsewhere); a float64 value beyond the
+float32 range decodes to at most 3.4e38 in magnitude. Values too small for s (subnormal steps)
+decode to 0, within the smallest subnormal of x. inf and NaN: no warning, no exception, the
+decode of such a group is meaningless (a NaN element codes as level 0); the engine refuses a
+batch holding either and a non-finite loss before backward ever decodes one.
+
 `keeper(bits)` is what the engine hands every conv that keeps its input: `ExactKeep` (float,
 exact mode or bits None) or `RangeKeep(K)`; their slots come from `entries`, `keep` fills
 them in forward, `restore` decodes into a buffer for backward. Temporaries: one CHUNK
@@ -25,6 +34,7 @@ from ..system.backend import array_module
 from . import quant
 
 GROUP = 256                 # elements per group; quant.CHUNK is a multiple of it
+F32_MAX = float(numpy.finfo(numpy.float32).max)      # the largest step s (scale is float32)
 
 
 def groups(n):
@@ -42,6 +52,11 @@ def range_encode(packed, scale, zero, x, bits):
     uint8 <- the range code of x (n,) (any float dtype, C-contiguous)."""
     xp = array_module(x)
     n, levels = x.size, (1 << bits) - 1
+    with numpy.errstate(over="ignore", invalid="ignore"):      # inf / NaN inputs: see the module docstring
+        _encode(xp, packed, scale, zero, x, bits, n, levels)
+
+
+def _encode(xp, packed, scale, zero, x, bits, n, levels):
     for a in range(0, n, _chunk_elems()):
         b = min(a + _chunk_elems(), n)
         full = (b - a) // GROUP * GROUP
@@ -53,11 +68,19 @@ def range_encode(packed, scale, zero, x, bits):
             v = x[lo_i:hi_i].reshape(rows, -1)
             lo = xp.minimum(v.min(axis=1), 0)
             hi = xp.maximum(v.max(axis=1), 0)
-            s = ((hi - lo) / levels).astype(numpy.float32)
-            safe = xp.where(s > 0, s, 1).astype(v.dtype)
-            z = xp.rint(-lo / safe)
+            s = hi / levels - lo / levels               # not (hi - lo) / levels: that overflows near the float32 max
+            s = xp.minimum(s, F32_MAX).astype(numpy.float32)      # a NaN group keeps NaN here
+            safe = xp.where(s > 0, s, 1).astype(v.dtype)          # NaN > 0 is False: 1
+            z = xp.clip(xp.nan_to_num(xp.rint(-lo / safe)), 0, levels)
+            # levels whose decode (q - z) * s would pass the float32 max are cut (near the range ends)
+            s64 = safe.astype(numpy.float64)
+            reach = xp.floor(F32_MAX / s64)
+            reach -= reach * s64 > F32_MAX                             # reach * s is exact in float64
+            q_lo = xp.maximum(z - reach, 0).astype(v.dtype)
+            q_hi = xp.minimum(z + reach, levels).astype(v.dtype)
             q = xp.rint(v / safe[:, None]) + z[:, None]                 # one chunk
-            xp.clip(q, 0, levels, out=q)
+            xp.clip(q, q_lo[:, None], q_hi[:, None], out=q)
+            q[q != q] = 0                                               # NaN elements (never in a checked batch)
             codes[lo_i - a:hi_i - a] = q.reshape(-1).astype(numpy.uint8)
             g = g0 + (lo_i - a) // GROUP
             scale[g:g + rows] = s

@@ -1,0 +1,184 @@
+"""`lowmem train / plan / predict` and nn.from_onnx given ONNX files a careful user can get wrong:
+each refused in one line naming the file and the problem, nothing written into the run folder;
+a run trained from an ONNX model exports and predicts."""
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+from onnx import helper, numpy_helper  # noqa: E402
+
+from lowmem import models, nn  # noqa: E402
+from lowmem.tools import cli, export  # noqa: E402
+from lowmem.tools.formats import ExportError  # noqa: E402
+
+TRAIN = ["train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8",
+         "--batch", "16", "--epochs", "1", "--no-progress"]
+
+
+def cli_run(capsys, *argv):
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def free(tmp_path_factory):
+    """A preact-resnet8 for 10 classes, H and W symbolic."""
+    d = tmp_path_factory.mktemp("onnx")
+    return export.export_onnx(models.build_model("preact-cifar", 8, num_classes=10), d / "free.onnx")
+
+
+def edited(tmp_path, src, edit, name="edited.onnx"):
+    model = onnx.load(src)
+    edit(model)
+    path = tmp_path / name
+    onnx.save(model, path)                               # unchecked: the reader must catch it
+    return path
+
+
+def set_value(name, where, value):
+    def edit(model):
+        t = next(t for t in model.graph.initializer if t.name == name)
+        a = numpy_helper.to_array(t).copy()
+        a.flat[where] = value
+        t.CopyFrom(numpy_helper.from_array(a, t.name))
+    return edit
+
+
+def bad_files(tmp_path, free):
+    """(path, words of the one-line error) for files that are not usable models."""
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    folder = tmp_path / "folder.onnx"
+    folder.mkdir()
+    cut = tmp_path / "cut.onnx"
+    cut.write_bytes(open(free, "rb").read()[:3000])
+
+    def newer_opset(model):
+        model.opset_import[0].version = 99
+
+    def two_outputs(model):
+        model.graph.output.append(helper.make_tensor_value_info(
+            model.graph.node[0].output[0], onnx.TensorProto.FLOAT, ["N", 16, "H", "W"]))
+
+    def two_inputs(model):
+        model.graph.input.append(helper.make_tensor_value_info("extra", onnx.TensorProto.FLOAT, [1, 3]))
+    return [
+        (empty, "empty file (0 bytes)"),
+        (folder, "is a directory, not a model file"),
+        (cut, "not a readable ONNX model"),
+        (edited(tmp_path, free, newer_opset, "opset99.onnx"),
+         f"written for ONNX opset 99, newer than the installed onnx {onnx.__version__} knows"),
+        (edited(tmp_path, free, set_value("layer1.0.conv1.weight", 3, np.nan), "nan.onnx"),
+         "initializer 'layer1.0.conv1.weight' (16, 16, 3, 3) holds 1 NaN or inf value(s)"),
+        (edited(tmp_path, free, set_value("layer1.0.bn1.running_var", 0, np.inf), "inf.onnx"),
+         "initializer 'layer1.0.bn1.running_var' (16,) holds 1 NaN or inf value(s)"),
+        (edited(tmp_path, free, set_value("fc.bias", 1, -np.inf), "inf_bias.onnx"),
+         "initializer 'fc.bias' (10,) holds 1 NaN or inf value(s)"),
+        (edited(tmp_path, free, two_outputs, "two_outputs.onnx"),
+         "expected one graph output (the logits), found ['logits', 'conv1']"),
+        (edited(tmp_path, free, two_inputs, "two_inputs.onnx"),
+         "expected one graph input (the image batch), found 2: ['input', 'extra']"),
+    ]
+
+
+def test_unusable_files_are_refused_by_from_onnx_train_and_plan(tmp_path, free, capsys):
+    for path, words in bad_files(tmp_path, free):
+        with pytest.raises(ExportError) as e:
+            nn.from_onnx(path, input_shape=(3, 32, 32))
+        assert words in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+        run = tmp_path / f"run-{path.stem}"
+        rc, _, err = cli_run(capsys, *TRAIN, "--model", path, "--out", run)
+        assert rc != 0 and words in err and err.count("\n") == 1, err
+        assert not (run / "checkpoint.ckpt").exists()
+        rc, _, err = cli_run(capsys, "plan", "--model", path, "--input", "3x32x32", "--batch", "4")
+        assert rc != 0 and words in err and err.count("\n") == 1, err
+
+
+def test_predict_names_an_empty_file_a_directory_and_nan_weights(tmp_path, free, capsys):
+    img = tmp_path / "a.png"
+    from PIL import Image
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(img)
+    bad = dict((p.name, p) for p, _ in bad_files(tmp_path, free))
+    for name, words in (("empty.onnx", "empty file (0 bytes)"), ("cut.onnx", "not a readable ONNX"),
+                        ("folder.onnx", "no model here (a run folder, checkpoint, .safetensors or .onnx)")):
+        rc, _, err = cli_run(capsys, "predict", bad[name], img)
+        assert rc != 0 and words in err and err.count("\n") == 1, err
+    pytest.importorskip("onnxruntime")
+    rc, _, err = cli_run(capsys, *TRAIN, "--model", free, "--out", tmp_path / "run")
+    assert rc == 0, err
+    rc, _, err = cli_run(capsys, "export", tmp_path / "run", tmp_path / "good.onnx")
+    assert rc == 0, err
+    nan = edited(tmp_path, tmp_path / "good.onnx", set_value("layer1.0.conv1.weight", slice(None), np.nan))
+    rc, out, err = cli_run(capsys, "predict", nan, img)
+    assert rc != 0 and out == "" and "gives non-finite logits" in err and err.count("\n") == 1, err
+
+
+def test_an_unsupported_op_is_named_with_its_node(tmp_path, free, capsys):
+    def insert_sigmoid(model):
+        g = model.graph
+        first = g.node[0]
+        out = first.output[0]
+        first.output[0] = "pre"
+        g.node.insert(1, helper.make_node("Sigmoid", ["pre"], [out], name="gate"))
+    path = edited(tmp_path, free, insert_sigmoid)
+    rc, _, err = cli_run(capsys, *TRAIN, "--model", path, "--out", tmp_path / "run")
+    assert rc != 0 and "node 'gate': op Sigmoid is not supported; supported ops: " in err
+    assert err.count("\n") == 1
+
+
+def test_a_three_channel_model_on_one_channel_fashion_mnist_is_one_line(tmp_path, free, capsys):
+    from lowmem.data import datasets
+    try:
+        datasets.load_fashion_mnist(limit_train=16, limit_test=8)
+    except Exception as e:                              # the Debian package is optional
+        pytest.skip(f"Fashion-MNIST files not installed ({e})")
+    fixed = export.export_onnx(models.build_model("preact-cifar", 8, num_classes=10), tmp_path / "fixed.onnx",
+                               input_shape=(3, 32, 32))
+    base = [a if a != "synthetic" else "fashion-mnist" for a in TRAIN]
+    for path, data, words in ((free, [], "input shape 1x32x32 does not match the model's input 3x?x?"),
+                              (fixed, [], "input shape 1x32x32 does not match the model's input 3x32x32"),
+                              (fixed, ["--pad-to", "0"],
+                               "input shape 1x28x28 does not match the model's input 3x32x32")):
+        run = tmp_path / f"run-{len(data)}-{path.stem}"
+        rc, _, err = cli_run(capsys, *base, *data, "--no-download", "--model", path, "--out", run)
+        assert rc != 0 and words in err and err.count("\n") == 1, err
+        assert not (run / "checkpoint.ckpt").exists()
+
+
+def test_a_model_whose_sizes_do_not_fit_the_data_is_one_line(tmp_path, capsys):
+    net = models.build_model("preact-cifar", 8, num_classes=10)
+    small = export.export_onnx(net, tmp_path / "small.onnx", input_shape=(3, 8, 8))
+    rc, _, err = cli_run(capsys, *TRAIN, "--model", small, "--out", tmp_path / "run")
+    assert rc != 0 and "input shape 3x32x32 does not match the model's input 3x8x8" in err
+    assert err.count("\n") == 1
+    free = export.export_onnx(models.build_model("densenet", 121, num_classes=10), tmp_path / "dense.onnx")
+    with pytest.raises(ExportError, match=r"dense.onnx: 'features.transition1.pool': input \(128, 1, 1\) is "
+                                          r"too small, the output would be \(128, 0, 0\) \(input_shape "
+                                          r"\(3, 4, 4\)\)"):
+        nn.from_onnx(free, input_shape=(3, 4, 4))
+
+
+def test_a_run_trained_from_onnx_exports_and_predicts(tmp_path, free, capsys):
+    pytest.importorskip("onnxruntime")
+    from PIL import Image
+    from lowmem.tools import predict
+    rc, _, err = cli_run(capsys, *TRAIN, "--model", free, "--out", tmp_path / "run")
+    assert rc == 0, err
+    rc, _, err = cli_run(capsys, "export", tmp_path / "run", tmp_path / "out.onnx")
+    assert rc == 0, err
+    rng = np.random.default_rng(0)
+    imgs = []
+    for i, size in enumerate((32, 40)):                 # predict resizes to the stored input
+        imgs.append(tmp_path / f"im{i}.png")
+        Image.fromarray((rng.random((size, size, 3)) * 255).astype(np.uint8)).save(imgs[-1])
+    rc, out_onnx, err = cli_run(capsys, "predict", tmp_path / "out.onnx", *imgs)
+    assert rc == 0, err
+    rc, out_run, err = cli_run(capsys, "predict", tmp_path / "run", *imgs)
+    assert rc == 0, err
+    labels = lambda out: [line.rsplit(" (", 1)[0] for line in out.strip().splitlines()]  # noqa: E731
+    assert labels(out_onnx) == labels(out_run) and len(labels(out_run)) == 2
+    logits_file, _ = predict.load(tmp_path / "out.onnx")
+    logits_run, _ = predict.load(tmp_path / "run")
+    x = rng.standard_normal((2, 3, 32, 32)).astype(np.float32)
+    np.testing.assert_allclose(logits_file(x), logits_run(x), rtol=1e-4, atol=1e-5)
