@@ -335,7 +335,7 @@ def test_forward_code_packs_bit_identical_codes(dev, dtype, bits, naive):
 @pytest.mark.parametrize("bits", quant.BITS)
 @pytest.mark.parametrize("naive", [False, True])
 def test_stochastic_forward_code_packs_numpys_codes(dev, dtype, bits, naive):
-    """rounding="stochastic": the CUDA codes (uint64 stream in-kernel) equal quant.quantize_pack's
+    """rounding="stochastic-window": the CUDA codes (uint64 stream in-kernel) equal quant.quantize_pack's
     for the same key bit for bit, and naive's decoded output; the same key gives the same codes,
     another key other ones; the mask stays exact."""
     x, g, b = unit(dtype, seed=40 + bits)
@@ -343,7 +343,7 @@ def test_stochastic_forward_code_packs_numpys_codes(dev, dtype, bits, naive):
     qp = quant.quant_params(g, b, bits)
     key = quant.stream_key(1, 2, 3)
     ref = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
-    quant.quantize_pack(ref, xhat, qp, "stochastic", key)
+    quant.quantize_pack(ref, xhat, qp, "stochastic-window", key)
     ref_out = np.empty_like(x)
     if naive:
         quant.decode_relu(ref_out, ref, qp, g, b)
@@ -351,19 +351,19 @@ def test_stochastic_forward_code_packs_numpys_codes(dev, dtype, bits, naive):
         bn_relu_apply_forward(ref_out, xhat, g, b)
     args = [dev.put(a) for a in (mean, rstd, g, b)]
     packed, xd = dev.put(np.zeros_like(ref)), dev.put(x)
-    cuda.unit_forward_code(xd, packed, xd, *args, bits, naive, "stochastic", key)
+    cuda.unit_forward_code(xd, packed, xd, *args, bits, naive, "stochastic-window", key)
     assert np.array_equal(dev.get(packed), ref)
     assert np.array_equal(dev.get(xd), ref_out)
     xt, mask = np.empty_like(x), np.empty(x.shape, bool)
     quant.unpack_decode(xt, ref, qp, mask_out=mask)
     assert np.array_equal(mask, (xhat * g[:, None]) + b[:, None] > 0)
     again, other = dev.put(np.zeros_like(ref)), dev.put(np.zeros_like(ref))
-    cuda.unit_forward_code(dev.put(np.empty_like(x)), again, dev.put(x), *args, bits, naive, "stochastic", key)
-    cuda.unit_forward_code(dev.put(np.empty_like(x)), other, dev.put(x), *args, bits, naive, "stochastic",
+    cuda.unit_forward_code(dev.put(np.empty_like(x)), again, dev.put(x), *args, bits, naive, "stochastic-window", key)
+    cuda.unit_forward_code(dev.put(np.empty_like(x)), other, dev.put(x), *args, bits, naive, "stochastic-window",
                            key ^ 1)
     assert np.array_equal(dev.get(again), ref) and not np.array_equal(dev.get(other), ref)
     with pytest.raises(ValueError, match="needs a key"):
-        cuda.unit_forward_code(xd, packed, xd, *args, bits, naive, "stochastic")
+        cuda.unit_forward_code(xd, packed, xd, *args, bits, naive, "stochastic-window")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -85,11 +85,26 @@ def unit_bits(bits, mode, units):
     return {n: None if K == FLOAT else K for n, K in widths.items()}
 
 
-def width_labels(mode, unit_bits):
-    """{unit: '4-bit' (x-hat saved as a code), 'float' (saved exact), or '' in exact mode}."""
+def width_labels(mode, unit_bits, code_bits=None):
+    """{unit: '4-bit' (x-hat saved as a code), 'float' (saved exact), or '' in exact mode};
+    with code_bits {unit: bits per element of its slot} a code whose slot holds more than K bits
+    per element (the unbiased code's group ends) reads e.g. '2-bit, 2.125 bits/elem'."""
     if mode == "exact":
         return dict.fromkeys(unit_bits, "")
-    return {u: "float" if K is None else f"{K}-bit" for u, K in unit_bits.items()}
+    code_bits = code_bits or {}
+
+    def label(u, K):
+        if K is None:
+            return "float"
+        b = code_bits.get(u)
+        return f"{K}-bit" + (f", {b:.4g} bits/elem" if b is not None and b > K * 1.001 else "")
+    return {u: label(u, K) for u, K in unit_bits.items()}
+
+
+def rounding_label(rounding):
+    """', unbiased stochastic rounding' etc. for a summary (nearest, the default: '')."""
+    return {"nearest": "", "stochastic": ", unbiased stochastic rounding",
+            "stochastic-window": ", window stochastic rounding"}[rounding]
 
 
 def bits_label(mode, unit_bits):

@@ -192,6 +192,9 @@ def plan_arguments(p):
     p.add_argument("--budget", type=_budget, default=None,
                    help="with --bits auto: the whole plan within this many bytes, e.g. 300MiB")
     auto_arguments(p)
+    p.add_argument("--rounding", choices=quant.ROUNDINGS, default="nearest",
+                   help="the code (docs/quantizer.md): nearest (the fixed window), stochastic (unbiased, with "
+                        "group ends: a little metadata per element), stochastic-window (default: %(default)s)")
     p.add_argument("--workspace-mib", type=argtypes.positive, default=DEFAULT_WORKSPACE_BYTES >> 20,
                    help="bound on the conv workspace, MiB (default: %(default)s)")
     p.add_argument("--compare", action="store_true",
@@ -230,8 +233,12 @@ def plan_command(args):
     elif args.budget is not None or args.avg_bits is not None:
         raise ValueError("--budget and --avg-bits choose the widths of --bits auto; "
                          "with a fixed --bits drop them")
-    eng = Engine(net, args.batch, shape, args.mode, args.bits, args.dtype, ws, allocate=False)
+    eng = Engine(net, args.batch, shape, args.mode, args.bits, args.dtype, ws, allocate=False,
+                 rounding=args.rounding)
     print(describe(net, args.batch, shape, args.dtype, "mode " + mode_label(args.mode, args.bits)))
+    if eng.bits_per_element() is not None:
+        print(f"saved codes: {eng.bits_per_element():.4g} bits/elem, metadata included "
+              f"(rounding {args.rounding})")
     if not args.no_schedule:
         print(f"\nschedule ({len(eng.schedule)} steps):")
         print(eng.schedule.format(max_rows=60))
@@ -355,8 +362,10 @@ def train_arguments(parser):
         type=argtypes.bits, choices=argtypes.BITS_CHOICES)
     opt("--avg-bits", "avg_bits", "with --bits auto: the saved x-hat within what every unit at A bits would take",
         type=argtypes.average_bits, metavar="A")
-    opt("--rounding", "rounding", "how x-hat becomes a code: nearest, or stochastic (unbiased within the window, "
-        "the ReLU mask exact; the draws follow --seed and the iteration)", choices=quant.ROUNDINGS)
+    opt("--rounding", "rounding", "how x-hat becomes a code: nearest (the fixed window), stochastic (unbiased "
+        "everywhere: group ends stored, 2.125 bits/elem at --bits 2), or stochastic-window (stochastic inside "
+        "the fixed window only); the ReLU mask is exact and the draws follow --seed and the iteration",
+        choices=quant.ROUNDINGS)
     opt("--dtype", "dtype", "float32 | float64", choices=DTYPES)
     opt("--batch", "batch", "batch size (also the planned batch of the engine)", type=argtypes.positive)
     opt("--epochs", "epochs", "epochs to train in total (including those already done)", type=argtypes.positive)

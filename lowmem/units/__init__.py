@@ -27,19 +27,33 @@ a multiple of 8), in every mode alike.
 import numpy
 
 from . import fused
-from .reference import BN_EPS, CodeUnits, ExactUnits
+from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
 
 MODES = ("exact", "approx", "naive")
 
 
 def reference(mode, bits, rounding="nearest"):
-    """The array-op set for a mode, bit width and rounding ("nearest" or "stochastic")."""
-    return ExactUnits() if mode == "exact" else CodeUnits(bits, naive=(mode == "naive"), rounding=rounding)
+    """The array-op set for a mode, bit width and rounding (quant.ROUNDINGS): "stochastic" is the
+    unbiased code (at 1 bit, which no code can make unbiased with an exact mask, the window
+    code rounded to nearest), "nearest" and "stochastic-window" the window codes."""
+    if mode == "exact":
+        return ExactUnits()
+    if rounding == "stochastic" and bits != 1:
+        return UnbiasedCodeUnits(bits, naive=(mode == "naive"))
+    if rounding == "stochastic":
+        rounding = "nearest"
+    return CodeUnits(bits, naive=(mode == "naive"), rounding=rounding)
 
 
-def fused_applies(xp, dtype, sizes):
+def has_fused(rounding):
+    """Whether the fused kernel sets implement codes of this rounding (the unbiased code runs on
+    the reference set: an engine with rounding="stochastic" picks it for every unit)."""
+    return rounding != "stochastic"
+
+
+def fused_applies(xp, dtype, sizes, rounding="nearest"):
     """Whether the fused kernels can run units of these M = N*H*W sizes on xp in dtype."""
-    return fused.applies(xp, dtype, sizes)
+    return has_fused(rounding) and fused.applies(xp, dtype, sizes)
 
 
 def synchronized(units, comm, buf):
@@ -55,10 +69,13 @@ def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None, rounding=
     (the CUDA set's reductions; None on the CPU, or when only planning)."""
     ok = fused.applies(xp, dtype, sizes)
     if use_fast is None:
-        use_fast = ok
+        use_fast = ok and has_fused(rounding)
     if use_fast and not ok:
         raise ValueError("use_fast=True needs numba (pip install lowmem[fast]) and float32 on the "
                          "NumPy backend, or the CuPy backend, and N*H*W a multiple of 8 in every unit")
+    if use_fast and not has_fused(rounding):
+        raise ValueError("use_fast=True: the fused kernels do not implement rounding='stochastic' (the "
+                         "unbiased code) yet; it runs on the reference kernels (use_fast=None or False)")
     if not use_fast:
         return reference(mode, bits, rounding)
     module = fused.module_for(xp)
