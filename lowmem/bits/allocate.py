@@ -26,7 +26,7 @@ from functools import reduce
 
 import numpy
 
-from ..units import quant
+from ..units import quant, unbiased
 from ..core.plan import fmt_bytes
 from .sensitivity import FLOAT
 
@@ -92,11 +92,20 @@ def solve(costs, errors, budget, max_cells=MAX_CELLS):
     return Solution(choice, total, float(sum(errors[i][k] for i, k in enumerate(choice))), exact)
 
 
-def unit_bytes(elements, choice, itemsize=4):
-    """Bytes of a unit's saved x-hat slot for `elements` = C*N*H*W at `choice` (K or FLOAT)."""
+def unit_bytes(elements, choice, itemsize=4, channels=None, rounding="nearest"):
+    """Bytes of a unit's saved x-hat slot for `elements` = C*N*H*W at `choice` (K or FLOAT);
+    the unbiased code (rounding="stochastic", K >= 2) with its group ends and split (needs
+    `channels` = C): units/unbiased.py's slot_nbytes, the engine's plan entry."""
     if choice == FLOAT:
         return int(elements) * int(itemsize)
+    if rounding == "stochastic" and choice > 1:
+        return unbiased.slot_nbytes(channels, int(elements) // channels, choice)
     return quant.packed_nbytes(elements, choice)
+
+
+def _uniform(elements, channels, rounding):
+    return {k: sum(unit_bytes(n, k, channels=channels[u], rounding=rounding) for u, n in elements.items())
+            for k in (8, 4, 2, 1)}
 
 
 @dataclass
@@ -154,34 +163,40 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
         raise ValueError(f"choices must be drawn from {CHOICES}, got {choices!r}")
     batch_size = int(batch_size)
     elements = {u: int(math.prod(sens.shapes[u])) * batch_size for u in sens.units}
+    channels = {u: int(sens.shapes[u][0]) for u in sens.units}
+    rounding = getattr(sens, "rounding", "nearest")
+    uniform = _uniform(elements, channels, rounding)
     if avg_bits is not None:
         if not (isinstance(avg_bits, (int, float)) and 0 < avg_bits <= 32):
             raise ValueError(f"avg_bits must be a number in (0, 32], got {avg_bits!r}")
-        if avg_bits in quant.BITS:
-            code_bytes = sum(quant.packed_nbytes(n, int(avg_bits)) for n in elements.values())
+        if avg_bits in quant.BITS:          # uniform K of the same code, its metadata included
+            code_bytes = uniform[int(avg_bits)]
         else:
             code_bytes = int(sum(elements.values()) * avg_bits // 8)
     code_bytes = int(code_bytes)
-    costs = [[unit_bytes(elements[u], c, itemsize) for c in choices] for u in sens.units]
+    costs = [[unit_bytes(elements[u], c, itemsize, channels[u], rounding) for c in choices] for u in sens.units]
     # errors were measured at sens.batch; a squared norm of a gradient that is a mean over the
     # batch scales like 1/N for independent errors, and so does the squared noise: the ratios
     # and therefore the choice do not depend on it, so no rescaling
     errors = [[sens.error2(u, c) for c in choices] for u in sens.units]
     sol = solve(costs, errors, code_bytes, max_cells)
     bits = {u: choices[k] for u, k in zip(sens.units, sol.choice)}
-    return Allocation(bits, dict(sens.shapes), {u: unit_bytes(elements[u], bits[u], itemsize) for u in bits},
+    return Allocation(bits, dict(sens.shapes),
+                      {u: unit_bytes(elements[u], bits[u], itemsize, channels[u], rounding) for u in bits},
                       {u: sens.error2(u, bits[u]) for u in bits}, sens.noise_norm, batch_size, code_bytes,
-                      sol.exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in (8, 4, 2, 1)})
+                      sol.exact, uniform)
 
 
 def allocation_for(sens, bits, batch_size, budget=None, itemsize=4, exact=True):
     """The Allocation record (bytes, predicted errors, table) of given widths {unit: K or FLOAT}
     at `batch_size` (e.g. an allocation chosen at one batch, shown at another)."""
     elements = {u: int(math.prod(sens.shapes[u])) * int(batch_size) for u in sens.units}
-    nbytes = {u: unit_bytes(elements[u], bits[u], itemsize) for u in sens.units}
+    channels = {u: int(sens.shapes[u][0]) for u in sens.units}
+    rounding = getattr(sens, "rounding", "nearest")
+    nbytes = {u: unit_bytes(elements[u], bits[u], itemsize, channels[u], rounding) for u in sens.units}
     return Allocation(dict(bits), dict(sens.shapes), nbytes, {u: sens.error2(u, bits[u]) for u in sens.units},
                       sens.noise_norm, int(batch_size), sum(nbytes.values()) if budget is None else int(budget),
-                      exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in (8, 4, 2, 1)})
+                      exact, _uniform(elements, channels, rounding))
 
 
 def fixed_plan_bytes(net, batch_size, input_shape, mode="approx", dtype="float32", workspace_bytes=None):

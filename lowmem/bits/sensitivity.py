@@ -169,6 +169,7 @@ class Sensitivity:
     batch: int
     num_batches: int
     input_shape: tuple = ()
+    rounding: str = "nearest"
 
     def error2(self, unit, bits):
         """E_u(K): predicted squared gradient error (all parameters) of `unit` at `bits`
@@ -277,7 +278,7 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
     del layer_of
     return Sensitivity(units, shapes, {u: int(math.prod(shapes[u])) * n for u in units}, local, inject,
                        gain, noise_norm, grad_norm, {"bits": calibration_bits, "measured": measured_total},
-                       time.perf_counter() - t0, n, B, tuple(batches[0][0].shape[1:]))
+                       time.perf_counter() - t0, n, B, tuple(batches[0][0].shape[1:]), rounding)
 
 
 class _InjectView:

@@ -82,13 +82,15 @@ def warm_up(net, batches, steps, lr=0.05, dtype="float32"):
 
 # ---- gradient error ----------------------------------------------------------
 
-def parameter_grads(net, batches, mode, bits=4, dtype="float32", rounding="nearest"):
+def parameter_grads(net, batches, mode, bits=4, dtype="float32", rounding="nearest", seed=0):
     """Per parameter name, the float64 host gradients on each batch: {name: (B, *shape)}.
 
     Uses an Engine on a deep copy of `net` (so `net` is not consumed). bits: K or per-unit
-    widths (Engine's bits); rounding="stochastic": batch b draws the codes of engine step b, seed 0."""
+    widths (Engine's bits); stochastic rounding: batch b draws the codes of engine step b of
+    `seed` (another seed: another, independent draw of every code)."""
     x0 = batches[0][0]
-    eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], mode, bits, dtype, rounding=rounding)
+    eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], mode, bits, dtype, rounding=rounding,
+                 seed=seed)
     params = eng.net.parameters()
     out = {p.name: numpy.empty((len(batches),) + p.shape) for p in params}
     for b, (x, labels) in enumerate(batches):
@@ -96,6 +98,42 @@ def parameter_grads(net, batches, mode, bits=4, dtype="float32", rounding="neare
         eng.backward()
         for p in params:
             out[p.name][b] = backend.to_numpy(p.grad)
+    return out
+
+
+def bias_and_noise(exact, draws):
+    """Bias apart from noise, all parameters as one vector. exact: {name: (B, ...)} exact
+    gradients; draws: a list of D >= 1 such dicts of one approximate mode, each an independent
+    draw of its codes on the same B batches. With e_bd = g_bd − g_b (flattened), m_b its mean
+    over draws and μ = mean_b m_b:
+
+        persistent_bias  sqrt(max(||μ||² − tr cov_b(m_b)/B, 0)): ||E_b E_draw e|| with the
+                         finite-sample part removed; the error that does not average out
+        mean_grad        the same estimate of ||E_b g_b||
+        draw_noise       sqrt(D/(D−1) · mean_bd ||e_bd − m_b||²) (D >= 2; else nan): per-step noise
+        sgd_noise        σ of all parameters (the module docstring)
+        error            rms_bd ||e_bd||
+    Returns a dict of these floats, plus bias_ratio = persistent_bias / mean_grad and
+    noise_ratio = draw_noise / sgd_noise."""
+    names = list(exact)
+    g = numpy.concatenate([exact[n].reshape(exact[n].shape[0], -1) for n in names], axis=1)
+    e = numpy.stack([numpy.concatenate([d[n].reshape(d[n].shape[0], -1) for n in names], axis=1) - g
+                     for d in draws])                                   # (D, B, P)
+    D, B = e.shape[0], e.shape[1]
+    if B < 2:
+        raise ValueError(f"bias_and_noise needs at least 2 batches, got {B}")
+
+    def corrected(v):                         # ||E v_b||² without the sampling part, v (B, P)
+        mu = v.mean(axis=0)
+        tr = ((v - mu) ** 2).sum() / (B - 1)
+        return float(numpy.sqrt(max((mu ** 2).sum() - tr / B, 0.0)))
+    m = e.mean(axis=0)
+    out = {"persistent_bias": corrected(m), "mean_grad": corrected(g),
+           "draw_noise": float(numpy.sqrt(((e - m) ** 2).sum(axis=2).mean() * D / (D - 1))) if D > 1 else float("nan"),
+           "sgd_noise": float(numpy.sqrt(((g - g.mean(axis=0)) ** 2).sum(axis=1).mean() * B / (B - 1))),
+           "error": float(numpy.sqrt((e ** 2).sum(axis=2).mean()))}
+    out["bias_ratio"] = out["persistent_bias"] / out["mean_grad"] if out["mean_grad"] > 0 else float("nan")
+    out["noise_ratio"] = out["draw_noise"] / out["sgd_noise"] if out["sgd_noise"] > 0 else float("nan")
     return out
 
 

@@ -239,9 +239,11 @@ def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
     before the floor (key: an integer in [0, 2**64) or a Stream); "nearest" ignores key;
     "stochastic" is the unbiased code (units/unbiased.py: the same (x̃, mask) contract).
     """
-    if check_rounding(rounding) == "stochastic":               # the unbiased code
-        from . import unbiased
-        return unbiased.quantize_simulated(xhat, gamma, beta, bits, key)
+    if check_rounding(rounding) == "stochastic":
+        if check_bits(bits) > 1:                                 # the unbiased code
+            from . import unbiased
+            return unbiased.quantize_simulated(xhat, gamma, beta, bits, key)
+        rounding = "nearest"            # 1 bit: no unbiased code exists (units/reference.py)
     xp = array_module(xhat)
     qp = quant_params(gamma, beta, bits)
     L, w = qp.levels, qp.w
