@@ -1,0 +1,205 @@
+"""The unbiased group-range code (rounding="stochastic", lowmem/units/unbiased.py).
+
+* E[x̃ | x̂] = x̂ in the threshold's half-bins, beyond the fixed window and in between, on both
+  sides of the threshold; the fixed-window stochastic code fails the same test;
+* the ReLU mask is exact on every draw (γ > 0, γ < 0, γ = 0, t inside and outside the data,
+  an all-zero and a constant channel); the lowest open level rebuilds a conv input of exactly 0;
+* the packed slot decodes bit for bit what quantize_simulated computes, for any chunking, and a
+  shard keyed by its global place draws the codes the whole batch draws there;
+* the group ends are bf16, rounded outward; the slot's bytes are what the plan counts.
+"""
+import numpy as np
+import pytest
+
+from lowmem.units import quant, unbiased
+from lowmem.units.stream import Stream
+
+W2 = quant.WINDOWS[2]          # the fixed window's half-width at 2 bits
+HALF = quant.bin_width(2) / 2   # half a bin of the fixed window at 2 bits
+
+
+def draws(x, gamma, beta, bits, rounding, K, seed=0):
+    """K decodes of x under independent keys: (sum of x̃ − x, sum of its square), and every mask."""
+    s1 = np.zeros_like(x)
+    s2 = np.zeros_like(x)
+    for d in range(K):
+        xt, mask = quant.quantize_simulated(x, gamma, beta, bits, rounding, quant.stream_key(seed, d, 0))
+        assert np.array_equal(mask, (x * gamma[:, None]) + beta[:, None] > 0)
+        s1 += xt - x
+        s2 += (xt - x) ** 2
+    return s1, s2
+
+
+def region_bias(x, gamma, beta, bits, rounding, K=200):
+    """{region: (mean error, its standard error)} over the elements of each region and K draws.
+    Regions (at t = 0): the threshold's half-bins of the fixed window (open, closed), beyond the
+    fixed window's reach (|x| > W − w/2; open, closed) and in between."""
+    s1, s2 = draws(x, gamma, beta, bits, rounding, K)
+    a = np.abs(x)
+    regions = {"half-bin open": (x > 0) & (a < HALF), "half-bin closed": (x <= 0) & (a < HALF),
+               "beyond open": x > W2 - HALF, "beyond closed": x < -(W2 - HALF),
+               "between": (a >= HALF) & (a <= W2 - HALF)}
+    out = {}
+    for name, sel in regions.items():
+        n = sel.sum()
+        mean = s1[sel].sum() / (n * K)
+        # per-element draws are independent across elements and draws: the variance of the mean
+        var = (s2[sel].sum() / K - (s1[sel] / K) ** 2 @ np.ones(n)) / n
+        out[name] = (mean, np.sqrt(max(var, 1e-300) / (n * K)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 4096)) * 1.3          # tails well beyond ±2.5
+    return x, np.array([1.0, 1.0]), np.array([0.0, 0.0])   # t = 0
+
+
+def test_unbiased_in_every_region(data):
+    """Seed 0 (keys stream_key(0, d, 0), d < 200). Tolerance: |mean error| < 4 standard errors
+    in each of the 5 regions (a false alarm about 6e-5 per region)."""
+    for name, (mean, se) in region_bias(*data, 2, "stochastic").items():
+        assert abs(mean) < 4 * se, (name, mean, se)
+
+
+def test_the_window_code_fails_the_same_test(data):
+    """The same statistics for the fixed-window stochastic code: biased by many standard errors in
+    the threshold half-bins (open up, closed down) and beyond the window (clipped inward)."""
+    r = region_bias(*data, 2, "stochastic-window")
+    assert r["half-bin open"][0] > 10 * r["half-bin open"][1]
+    assert r["half-bin closed"][0] < -10 * r["half-bin closed"][1]
+    assert r["beyond open"][0] < -10 * r["beyond open"][1]
+    assert r["beyond closed"][0] > 10 * r["beyond closed"][1]
+
+
+CASES = {   # name: (gamma, beta) of one channel; x drawn standard normal (some channels replaced)
+    "gamma>0 t inside": (1.3, 0.4), "gamma<0 t inside": (-0.8, 0.3), "gamma=0 beta>0": (0.0, 0.5),
+    "gamma=0 beta<=0": (0.0, -0.2), "t below the data": (1.0, 9.0), "t above the data": (1.0, -9.0),
+    "gamma<0 t beyond": (-2.0, -30.0), "tiny gamma": (1e-30, 0.5),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_mask_exact_on_every_draw_and_conv_input(dtype, bits):
+    rng = np.random.default_rng(3)
+    C = len(CASES) + 2
+    M = 700                                          # groups of 256, 256 and 188
+    x = rng.standard_normal((C, M)).astype(dtype)
+    x[-2] = 0                                        # an all-zero channel
+    x[-1] = dtype(0.75)                              # a constant one
+    gamma = np.array([g for g, _ in CASES.values()] + [1.0, -1.0], dtype)
+    beta = np.array([b for _, b in CASES.values()] + [0.0, 1.0], dtype)
+    mask = (x * gamma[:, None]) + beta[:, None] > 0
+    slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
+    xt, u = np.empty_like(x), np.empty_like(x)
+    for d in range(8):
+        key = quant.stream_key(4, d, 1)
+        unbiased.quantize_pack(slot, x, gamma, beta, bits, key)
+        got = {}
+        unbiased.decode_each_chunk(xt, slot, gamma, beta, bits,
+                                   extra=lambda ob, op, r0, r1, c0, c1: got.setdefault((r0, c0), op.copy()))
+        decoded = np.zeros_like(mask)
+        for (r0, c0), op in got.items():
+            decoded[r0:r0 + op.shape[0], c0:c0 + op.shape[1]] = op
+        assert np.array_equal(decoded, mask)
+        sim, smask = unbiased.quantize_simulated(x, gamma, beta, bits, key)
+        assert np.array_equal(xt, sim) and np.array_equal(smask, mask)
+        unbiased.decode_each_chunk(u, slot, gamma, beta, bits, relu=True)
+        assert (u[~mask] == 0).all() and (u >= 0).all() and np.isfinite(u).all()
+        assert (xt * gamma[:, None] + beta[:, None] >= -1e-5 * np.abs(beta[:, None]) - 1e-6)[mask].all()
+    # constant and zero channels decode exactly
+    np.testing.assert_array_equal(xt[-2], 0)
+    np.testing.assert_array_equal(xt[-1], x[-1])
+
+
+def test_lowest_open_level_rebuilds_exactly_zero():
+    """An open element just above t, drawn to its lowest level (code k): conv input exactly 0."""
+    x = np.array([[1e-4, 0.3, 1.0, -0.5, -1.5, 2.0] * 50], np.float32)
+    gamma, beta = np.array([1.0], np.float32), np.array([0.0], np.float32)
+    seen = set()
+    slot = np.zeros(unbiased.slot_nbytes(1, x.shape[1], 2), np.uint8)
+    u = np.empty_like(x)
+    for d in range(20):
+        unbiased.quantize_pack(slot, x, gamma, beta, 2, d)
+        unbiased.decode_each_chunk(u, slot, gamma, beta, 2, relu=True)
+        seen.update(u[0, ::6].tolist())              # the element at 1e-4: 0 or the top level
+    assert 0.0 in seen and len(seen) == 2
+
+
+@pytest.mark.parametrize("chunk", [8, 64, 264, 1 << 16])
+def test_packed_equals_simulated_for_any_chunking(chunk, monkeypatch):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 1000)).astype(np.float32)
+    gamma, beta = np.array([0.7, -1.1, 0.0], np.float32), np.array([0.1, 0.4, 0.3], np.float32)
+    want, _ = unbiased.quantize_simulated(x, gamma, beta, 2, 99)
+    monkeypatch.setattr(quant, "CHUNK", chunk)
+    slot = np.zeros(unbiased.slot_nbytes(3, 1000, 2), np.uint8)
+    unbiased.quantize_pack(slot, x, gamma, beta, 2, 99)
+    got = np.empty_like(x)
+    unbiased.decode_each_chunk(got, slot, gamma, beta, 2)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_shard_draws_what_the_whole_batch_draws_there():
+    """Rows of 2 shards of 512 elements (whole groups): each shard, keyed by its global place,
+    gets bit for bit the codes the whole batch gets for those elements."""
+    rng = np.random.default_rng(6)
+    C, M = 3, 1024
+    x = rng.standard_normal((C, M))
+    gamma, beta = rng.standard_normal(C), rng.standard_normal(C) * 0.3
+    key = quant.stream_key(1, 7, 2)
+    whole, _ = unbiased.quantize_simulated(x, gamma, beta, 4, key)
+    for r in range(2):
+        part = np.ascontiguousarray(x[:, r * 512:(r + 1) * 512])
+        got, _ = unbiased.quantize_simulated(part, gamma, beta, 4, Stream(key, start=r * 512, row=M))
+        if r == 0:
+            assert not np.array_equal(got, whole[:, 512:])
+        np.testing.assert_array_equal(got, whole[:, r * 512:(r + 1) * 512])
+    # the window code too, for any split
+    whole, _ = quant.quantize_simulated(x, gamma, beta, 2, "stochastic-window", key)
+    part = np.ascontiguousarray(x[:, 300:])
+    got, _ = quant.quantize_simulated(part, gamma, beta, 2, "stochastic-window", Stream(key, 300, M))
+    np.testing.assert_array_equal(got, whole[:, 300:])
+    with pytest.raises(ValueError, match="does not fit in a global row"):
+        quant.quantize_simulated(part, gamma, beta, 2, "stochastic-window", Stream(key, 400, M))
+
+
+def test_group_ends_are_bf16_rounded_outward():
+    rng = np.random.default_rng(8)
+    for dtype in (np.float32, np.float64):
+        v = (rng.standard_normal(2000) * 3).astype(dtype)
+        up, down = unbiased.bf16_value(unbiased.bf16_up(v), dtype), unbiased.bf16_value(unbiased.bf16_down(v), dtype)
+        assert (up >= v).all() and (down <= v).all()
+        assert (up - down <= np.abs(v) * 2 ** -7 + 1e-38).all()          # one bf16 step at most
+        exact = unbiased.bf16_value(unbiased.bf16_up(up), dtype)          # bf16 values stay put
+        np.testing.assert_array_equal(exact, up)
+    C, M = 2, 600
+    x = rng.standard_normal((C, M)).astype(np.float32)
+    gamma, beta = np.array([1.0, -1.0], np.float32), np.array([0.2, 0.1], np.float32)
+    ends = np.empty((C, 3, 2), np.uint16)
+    unbiased.metadata(ends, x, gamma)
+    u = x * np.where(gamma < 0, -1, 1)[:, None]
+    for g in range(3):
+        sl = slice(256 * g, min(M, 256 * (g + 1)))
+        hi, lo = (unbiased.bf16_value(ends[:, g, i], np.float32) for i in (0, 1))
+        assert (hi >= u[:, sl].max(axis=1)).all() and (lo <= u[:, sl].min(axis=1)).all()
+        assert (hi - u[:, sl].max(axis=1) <= np.abs(hi) * 2 ** -7).all()     # within one bf16 step
+    np.testing.assert_array_equal(unbiased.split(gamma, beta, 2), [2, 2])
+
+
+def test_slot_bytes_and_bad_input():
+    # 2 bits: 2 + 4*8/256 = 2.125 bits per element
+    C, M = 16, 4096
+    assert unbiased.slot_nbytes(C, M, 2) == C * M // 4 + 4 * C * M // 256
+    assert 8 * unbiased.slot_nbytes(C, M, 2) / (C * M) == 2.125
+    assert unbiased.metadata_nbytes(C, M, 2) == unbiased.slot_nbytes(C, M, 2) - C * M // 4
+    x = np.zeros((C, M), np.float32)
+    g = np.ones(C, np.float32)
+    with pytest.raises(ValueError, match="needs bits >= 2"):
+        unbiased.quantize_simulated(x, g, g, 1, 5)
+    with pytest.raises(ValueError, match="rounding='stochastic' needs a key"):
+        unbiased.quantize_simulated(x, g, g, 2, None)
+    with pytest.raises(ValueError, match="slot must be uint8 of at least"):
+        unbiased.quantize_pack(np.zeros(10, np.uint8), x, g, g, 2, 5)
