@@ -2,7 +2,8 @@
 
 * The forward (loss, logits) is exact mode's, bit for bit: only the saved codes change.
 * The codes are those of quant.quantize_pack with the key quant.stream_key(seed, step, unit
-  index, rank) for every unit, on the reference and the fused kernels alike; a new training
+  index) at each element's global index (quant.Stream) for every unit, on the reference and the
+  fused kernels alike; a new training
   forward (engine.step + 1) draws new codes, the same step and seed draw the same ones.
 * Nearest rounding (the default) is untouched (tests/test_unit_bits.py: bit for bit).
 * The trainer keeps `rounding` with the run and sets engine.step to the iteration, so a
