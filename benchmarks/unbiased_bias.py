@@ -90,7 +90,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "unbiased_bias.json"))
     args = p.parse_args(argv)
-    data = load_dataset("fashion-mnist", pad_to=0, limit_train=4000, limit_test=16)
+    data = load_dataset("fashion-mnist", pad_to=None, limit_train=4000, limit_test=16)
     results = {"settings": vars(args), "depths": {}}
     for depth in [int(d) for d in args.depths.split(",")]:
         t = time.time()

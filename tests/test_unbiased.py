@@ -273,3 +273,40 @@ def test_gradients_averaged_over_draws_converge_to_the_exact_gradient():
     window_ratio = mean_gradient_distance("stochastic-window", 40)
     assert unbiased_ratio < 2, unbiased_ratio
     assert window_ratio > 3.5, window_ratio
+
+
+def test_the_engine_keys_each_rank_by_its_global_place_and_refuses_a_split_dependent_resume():
+    """Rank r of R draws from Stream(stream_key(seed, step, unit), r*n*H*W, R*n*H*W); a resume on
+    another world size is refused when a unit's per-rank rows are not whole groups of 256."""
+    import copy
+    from lowmem.core.engine import Engine
+    from lowmem.models import preact_resnet_cifar
+    from lowmem.system import distributed
+    from lowmem.train import trainstate
+
+    class Rank1(distributed.Communicator):
+        rank, size = 1, 2
+
+        def allreduce(self, a):            # stands in for rank 0 sending the same values
+            a *= 2
+
+    net = preact_resnet_cifar(8)
+    eng = Engine(copy.deepcopy(net), 4, (3, 8, 8), "approx", 2, rounding="stochastic", seed=9, comm=Rank1())
+    rng = np.random.default_rng(0)
+    eng.forward(rng.standard_normal((4, 3, 8, 8)).astype(np.float32), rng.integers(0, 10, 4))
+    for i, u in enumerate(eng.unit_bits):
+        c, h, w = eng.in_shape[u]
+        assert eng.run.keys[u] == Stream(quant.stream_key(9, 0, i), 4 * h * w, 8 * h * w)
+    assert eng.split_dependent_units(64) == [] and "bn_final" in eng.split_dependent_units(4)
+
+    class Config:
+        rounding, mode, batch = "stochastic", "approx", 8
+    meta = {"world_size": 2}
+    trainstate.check_world_size(meta, Config, 2, eng.split_dependent_units, "run/c.ckpt")   # same world: fine
+    with pytest.raises(trainstate.ResumeError, match=r"cannot resume from run/c.ckpt on 1 rank\(s\): it was "
+                                                     r"saved on 2 with rounding='stochastic'.*not whole groups"):
+        trainstate.check_world_size(meta, Config, 1, eng.split_dependent_units, "run/c.ckpt")
+    Config.batch = 256                                  # whole groups on 1 and on 2 ranks: fine
+    trainstate.check_world_size(meta, Config, 1, eng.split_dependent_units, "run/c.ckpt")
+    Config.rounding, Config.batch = "stochastic-window", 8     # the window code never depends on the split
+    trainstate.check_world_size(meta, Config, 1, eng.split_dependent_units, "run/c.ckpt")

@@ -42,7 +42,7 @@ import numpy
 from ..system import backend, distributed, threads
 from . import checks
 from .. import units as kernels
-from ..units import quant
+from ..units import quant, unbiased
 from .network import BUFFERS
 from ..ops.conv import columns_for
 from .optable import OPS, BatchStatisticsError, step_temporaries
@@ -215,6 +215,16 @@ class Engine:
                 c, h, w = self._unit_sizes[u]
                 out[u] = 8 * self.nbytes[self.saved_slots[u][0]] / (c * self.N * h * w)
         return out
+
+    def split_dependent_units(self, per_rank_batch=None):
+        """Coded units whose codes would depend on how a global batch is split over ranks at this
+        per-rank batch (default: the planned one): with the unbiased code (rounding="stochastic",
+        K >= 2) a unit whose per-rank row n*H*W is not a whole number of 256-element groups."""
+        if self.rounding != "stochastic" or self.mode == "exact":
+            return []
+        n = self.N if per_rank_batch is None else int(per_rank_batch)
+        return [u for u, K in self.unit_bits.items() if K is not None and K > 1
+                and (n * self._unit_sizes[u][1] * self._unit_sizes[u][2]) % unbiased.GROUP]
 
     def bits_per_element(self):
         """Bits per element of all coded units' saved slots together, metadata included (None
