@@ -310,3 +310,27 @@ def test_the_engine_keys_each_rank_by_its_global_place_and_refuses_a_split_depen
     trainstate.check_world_size(meta, Config, 1, eng.split_dependent_units, "run/c.ckpt")
     Config.rounding, Config.batch = "stochastic-window", 8     # the window code never depends on the split
     trainstate.check_world_size(meta, Config, 1, eng.split_dependent_units, "run/c.ckpt")
+
+
+def test_the_allocator_prices_bias_and_variance_apart():
+    """measure_sensitivity(rounding="stochastic") takes two draws per batch: the unbiased widths'
+    error is mostly variance, 1 bit (no unbiased code exists) is all bias; nearest has no
+    variance. The objective weighs bias² by ||E g||² and variance by the SGD noise², and the
+    allocation's budget counts the group ends (uniform 2-bit unbiased fits exactly)."""
+    from lowmem.bits.allocate import allocate
+    from lowmem.bits.sensitivity import measure_sensitivity
+    from lowmem.models import preact_resnet_cifar
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal((8, 3, 16, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(2)]
+    net = preact_resnet_cifar(8)
+    sens = measure_sensitivity(net, batches, rounding="stochastic")
+    near = measure_sensitivity(net, batches)
+    for u in sens.units:
+        assert sens.variance2(u, 1) == 0 and sens.bias2(u, 1) == sens.error2(u, 1) > 0
+        assert near.variance2(u, 2) == 0
+        assert sens.variance2(u, 2) > 0.5 * sens.error2(u, 2)           # the unbiased code: mostly noise
+        want = sens.bias2(u, 4) / sens.mean_grad_norm ** 2 + sens.variance2(u, 4) / sens.noise_norm ** 2
+        assert sens.objective(u, 4) == pytest.approx(want)
+    a = allocate(sens, 8, avg_bits=2)
+    assert a.uniform_bytes[2] == sum(unbiased.slot_nbytes(s[0], 8 * s[1] * s[2], 2) for s in sens.shapes.values())
+    assert a.total_bytes <= a.uniform_bytes[2] == a.budget

@@ -2,9 +2,9 @@
 
 Each unit u can keep x-hat at K in {1, 2, 4, 8} bits or in float; choice k costs
 bytes[u][k] (its saved slot: quant.packed_nbytes(C*N*H*W, K), or C*N*H*W*itemsize)
-and adds err[u][k] to the predicted squared gradient error (lowmem/bits/sensitivity.py:
-squared errors of different units add, because the forward pass is exact). The
-allocation minimises
+and adds err[u][k] to the objective (lowmem/bits/sensitivity.py's Sensitivity.objective:
+the unit's persistent bias² over ||E g||² plus its draw variance over the SGD noise's; squared
+errors of different units add, because the forward pass is exact). The allocation minimises
 
     sum_u err[u][k_u]    subject to    sum_u bytes[u][k_u] <= budget,
 
@@ -175,10 +175,12 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
             code_bytes = int(sum(elements.values()) * avg_bits // 8)
     code_bytes = int(code_bytes)
     costs = [[unit_bytes(elements[u], c, itemsize, channels[u], rounding) for c in choices] for u in sens.units]
-    # errors were measured at sens.batch; a squared norm of a gradient that is a mean over the
-    # batch scales like 1/N for independent errors, and so does the squared noise: the ratios
-    # and therefore the choice do not depend on it, so no rescaling
-    errors = [[sens.error2(u, c) for c in choices] for u in sens.units]
+    # what is minimised: persistent bias² against ||E g||² plus draw variance against the SGD
+    # noise's (Sensitivity.objective; docs/bits.md). Both were measured at sens.batch; squared
+    # norms of batch means scale like 1/N for independent errors, and so do the squared noise
+    # and (its finite-sample part removed) nothing else: the choice does not depend on N
+    objective = getattr(sens, "objective", sens.error2)
+    errors = [[objective(u, c) for c in choices] for u in sens.units]
     sol = solve(costs, errors, code_bytes, max_cells)
     bits = {u: choices[k] for u, k in zip(sens.units, sol.choice)}
     return Allocation(bits, dict(sens.shapes),

@@ -275,6 +275,9 @@ register("plan", "print the schedule and memory plan of a network (no allocation
 def diagnose_arguments(p):
     model_arguments(p, depth=20, batch=32)
     p.add_argument("--bits", type=int, choices=quant.BITS[::-1], default=4, help="default: %(default)s")
+    p.add_argument("--rounding", choices=quant.ROUNDINGS, default="nearest",
+                   help="the code (docs/quantizer.md); a stochastic one is drawn twice per batch, so the "
+                        "persistent bias is told apart from the draws' noise (default: %(default)s)")
     p.add_argument("--batches", type=int, default=4,
                    help="mini-batches to average over; >= 2, the SGD noise needs several (default: %(default)s)")
     p.add_argument("--warmup", type=argtypes.count, default=0,
@@ -296,7 +299,8 @@ def diagnose_command(args):
     data = samples * int(numpy.prod(shape)) * numpy.dtype(args.dtype).itemsize
     sysmem.require(plan + data + 2 * args.batches * net.num_params() * 8,
                    f"diagnosing {net.name} at batch {args.batch} over {args.batches} batches", backend.xp)
-    print(describe(net, args.batch, shape, args.dtype, f"modes approx and naive ({args.bits}-bit) vs exact"))
+    print(describe(net, args.batch, shape, args.dtype, f"modes approx and naive ({args.bits}-bit, rounding "
+                                                       f"{args.rounding}) vs exact"))
     print(f"data: lowmem.data.datasets.synthetic (learnable), {args.batches} batches, seed {args.seed}; "
           f"warm-up: {args.warmup} exact SGD steps (lr {args.lr})")
     batches = D.synthetic_batches(args.batches, args.batch, shape, net.num_classes, args.seed, args.dtype)
@@ -304,7 +308,7 @@ def diagnose_command(args):
         warm = D.synthetic_batches(min(args.warmup, 8), args.batch, shape, net.num_classes,
                                    args.seed + 1, args.dtype)
         net = D.warm_up(net, warm, args.warmup, lr=args.lr, dtype=args.dtype)
-    d = D.gradient_errors(net, batches, bits=args.bits, dtype=args.dtype)
+    d = D.gradient_errors(net, batches, bits=args.bits, dtype=args.dtype, rounding=args.rounding)
     if not args.no_table:
         print()
         print(d.table())

@@ -200,6 +200,9 @@ class GradientDiagnosis:
                       "worst_ratio": float("nan") if worst is None else float(r[worst]),
                       "worst_tensor": None if worst is None else self.names[worst],
                       "total_ratio": div(t["error_norm"][m], t["noise_norm"])}
+            if m in t.get("bias", {}):
+                out[m]["bias_ratio"] = t["bias"][m]["bias_ratio"]
+                out[m]["draw_noise_ratio"] = t["bias"][m]["noise_ratio"]
         return out
 
     def table(self):
@@ -227,7 +230,12 @@ class GradientDiagnosis:
             lines.append(f"{m:<7} relative error: median {d['median_error']:.3g}, all parameters "
                          f"{d['total_error']:.3g} | error/noise: median {d['median_ratio']:.3g}, "
                          f"worst {d['worst_ratio']:.3g} ({d['worst_tensor'] or 'no gradient'}), "
-                         f"all parameters {d['total_ratio']:.3g}")
+                         f"all parameters {d['total_ratio']:.3g}"
+                         + (f" | persistent bias / |E g| "
+                            + (f"{d['bias_ratio']:.3g}" if d["bias_ratio"] == d["bias_ratio"]
+                               else "not resolved (|E g| within the batches' noise: use more --batches)")
+                            + ", draw noise / SGD noise "
+                            f"{d['draw_noise_ratio']:.3g}" if "bias_ratio" in d else ""))
         return "\n".join(lines)
 
 
@@ -237,8 +245,9 @@ def _nanmedian(a):
     return float(numpy.median(a)) if a.size else float("nan")
 
 
-def gradient_errors(net, batches, bits=4, modes=("approx", "naive"), dtype="float32"):
-    """Compare each mode's gradients with exact ones on the same weights and batches.
+def gradient_errors(net, batches, bits=4, modes=("approx", "naive"), dtype="float32", rounding="nearest"):
+    """Compare each mode's gradients with exact ones on the same weights and batches; bias apart
+    from noise (bias_and_noise: total["bias"][mode]), from two draws of a stochastic code.
 
     net: a Network (not consumed: each Engine gets a deep copy); batches: a
     list of B >= 2 (x, labels) of equal batch size (B >= 2: the noise needs
@@ -267,10 +276,14 @@ def gradient_errors(net, batches, bits=4, modes=("approx", "naive"), dtype="floa
     total = {"grad_norm": float(g_all), "mean_norm": float(m_all), "noise_norm": float(n_all),
              "error_norm": {}}
     error_norm = {}
+    total["bias"] = {}
     for m in modes:
-        g = parameter_grads(net, batches, m, bits, dtype)
+        draws = [parameter_grads(net, batches, m, bits, dtype, rounding, seed=d)
+                 for d in range(1 if rounding == "nearest" else 2)]
+        g = draws[0]
         error_norm[m] = numpy.array([numpy.sqrt(_sq_norms(g[n] - exact[n]).mean()) for n in names])
         total["error_norm"][m] = float(numpy.sqrt(_sq_norms(flat(g) - e_all).mean()))
+        total["bias"][m] = bias_and_noise(exact, draws)
     return GradientDiagnosis(names, [exact[n].shape[1:] for n in names], bits, B,
                              per[:, 0], per[:, 1], per[:, 2], error_norm, total)
 
