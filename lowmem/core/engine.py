@@ -226,6 +226,10 @@ class Engine:
         return [u for u, K in self.unit_bits.items() if K is not None and K > 1
                 and (n * self._unit_sizes[u][1] * self._unit_sizes[u][2]) % unbiased.GROUP]
 
+    def _has_metadata(self):
+        """Whether some coded unit's slot holds more than its K bits per element (group ends)."""
+        return any(b > self.unit_bits[u] * 1.001 for u, b in self.unit_code_bits.items())
+
     def bits_per_element(self):
         """Bits per element of all coded units' saved slots together, metadata included (None
         when no unit is coded)."""
@@ -330,7 +334,7 @@ class Engine:
                 f"input {self.input_shape}, mode {self.mode}"
                 + (f" ({checks.bits_label(self.mode, self.unit_bits)}"
                    + checks.rounding_label(self.rounding)
-                   + (f", {self.bits_per_element():.4g} bits/elem" if self.unit_code_bits else "") + ")"
+                   + (f", {self.bits_per_element():.4g} bits/elem" if self._has_metadata() else "") + ")"
                    if self.mode != "exact" and self.unit_bits else "")
                 + f", {self.dtype}; planned {fmt_bytes(self.plan.total_bytes)} "
                   f"(saved {fmt_bytes(by['saved'])}, buffers {fmt_bytes(by['buffers'])})")

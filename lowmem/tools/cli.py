@@ -236,7 +236,7 @@ def plan_command(args):
     eng = Engine(net, args.batch, shape, args.mode, args.bits, args.dtype, ws, allocate=False,
                  rounding=args.rounding)
     print(describe(net, args.batch, shape, args.dtype, "mode " + mode_label(args.mode, args.bits)))
-    if eng.bits_per_element() is not None:
+    if eng.bits_per_element() is not None and args.rounding == "stochastic":
         print(f"saved codes: {eng.bits_per_element():.4g} bits/elem, metadata included "
               f"(rounding {args.rounding})")
     if not args.no_schedule:

@@ -38,29 +38,19 @@ The grid, per channel c (all in units of x̂, i.e. of the batch std):
 
 The grid needs only γ and β: no min/max pass over the data, deterministic.
 
-Rounding (`rounding=`): "nearest" (the default) takes code = floor((u − lo)/w),
-the bin whose midpoint is nearest. "stochastic-window" takes floor((u − lo)/w + d)
-with d uniform in [−1/2, 1/2) from the counter stream (units/stream.py): between
-two neighbouring midpoints it picks the upper with probability equal to the
-distance from the lower over w. The same two clamps follow (window, then the exact
-mask's side), so the mask stays exact on every draw, and the decode is unchanged
-(the midpoint). Unbiased only between the midpoints of the lowest and highest code
-its side of the threshold allows: within half a bin of the threshold, at the
-window's ends and beyond them the clamp gives that end code, as nearest rounding
-does, and those two regions leave a persistent gradient bias (docs/quantizer.md §6).
-"stochastic" is the unbiased group-range code of units/unbiased.py, which shares
-this module's packing and its mask rule; `quantize_simulated` dispatches to it.
+Rounding (`rounding=`): "nearest" (the default) takes code = floor((u − lo)/w).
+"stochastic-window" takes floor((u − lo)/w + d), d uniform in [−1/2, 1/2) from the
+counter stream (units/stream.py), then the same two clamps (window, the exact mask's
+side): the mask stays exact on every draw, the decode is the midpoint. Unbiased only
+between the midpoints of its side's lowest and highest code; within half a bin of the
+threshold and at or beyond the window's ends the clamp biases it (docs/quantizer.md §6).
+"stochastic" is the unbiased group-range code of units/unbiased.py (same packing, same
+mask rule); `quantize_simulated` dispatches to it. Packing: units/packing.py.
 
-Codes are packed 8/K per byte, little end first: element i (flat C order)
-lives at bits (i % (8/K))·K of byte i // (8/K); `ceil(n·K/8)` bytes.
-
-Memory: `quantize_pack`, `unpack_decode`, `decode_relu`, `pack_codes` and
-`unpack_codes` walk the array in chunks of `CHUNK` flat elements (a multiple
-of 8, so every chunk starts on a byte boundary for every K) and allocate
-only chunk-sized scratch, about 20 bytes per CHUNK element in all (44 with
-stochastic rounding: three uint64 arrays for the stream), whatever the
-array size. `quantize_simulated` is the whole-array float reference
-(readable, allocates freely) that the packed path must match bit for bit.
+Memory: quantize_pack, unpack_decode, decode_relu, pack_codes and unpack_codes walk the
+array in chunks of CHUNK flat elements (a multiple of 8: every chunk starts on a byte
+boundary) with chunk-sized scratch only, about 20 bytes per CHUNK element (36 with the
+stream). `quantize_simulated` is the whole-array reference the packed path matches bit for bit.
 
 Not here: choosing K, storing rstd, the backward maths (batchnorm/relu ops).
 
@@ -88,9 +78,7 @@ MAX_ODD = 64        # w = m·2**e with odd m < MAX_ODD keeps (code + 0.5)·w exa
 ROUNDINGS = ("nearest", "stochastic", "stochastic-window")
 WINDOW_ROUNDINGS = ("nearest", "stochastic-window")     # the codes of this module
 
-# (bits, W) -> float(W) for each window that passed `window`'s checks: quant_params runs once per
-# unit per step (491 times in a ResNet-164 step) and the exactness check builds a Fraction.
-# Keyed by the value, so a changed quant.WINDOWS entry is checked again.
+# (bits, W) -> float(W) of each checked window (quant_params runs per unit per step; keyed by value)
 _CHECKED = {}
 
 
@@ -106,11 +94,8 @@ def check_bits(bits):
 
 
 def window(bits):
-    """W, the half-width of the quantization window for `bits`, in x̂ units.
-
-    Checked to be exact arithmetic: the bin width w = 2·W/2**bits must be
-    m·2**e with an odd integer m < MAX_ODD, so that (code + 0.5)·w (at most
-    bits + 7 significant bits), k·w and w/2 are exact in float32 (24 bits)."""
+    """W, the half-width of the quantization window for `bits`, in x̂ units; checked exact: w =
+    2·W/2**bits is m·2**e with odd m < MAX_ODD, so (code + 0.5)·w, k·w, w/2 are exact in float32."""
     bits = check_bits(bits)
     W = WINDOWS[bits]
     try:
