@@ -128,18 +128,32 @@ def test_lowest_open_level_rebuilds_exactly_zero():
     assert 0.0 in seen and len(seen) == 2
 
 
+@pytest.mark.parametrize("M", [1000, 701])          # rows on code bytes (grouped blocks), or not (pieces)
 @pytest.mark.parametrize("chunk", [8, 64, 264, 1 << 16])
-def test_packed_equals_simulated_for_any_chunking(chunk, monkeypatch):
+def test_packed_equals_simulated_for_any_chunking(chunk, M, monkeypatch):
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((3, 1000)).astype(np.float32)
+    x = rng.standard_normal((3, M)).astype(np.float32)
     gamma, beta = np.array([0.7, -1.1, 0.0], np.float32), np.array([0.1, 0.4, 0.3], np.float32)
-    want, _ = unbiased.quantize_simulated(x, gamma, beta, 2, 99)
-    monkeypatch.setattr(quant, "CHUNK", chunk)
-    slot = np.zeros(unbiased.slot_nbytes(3, 1000, 2), np.uint8)
+    want, mask = unbiased.quantize_simulated(x, gamma, beta, 2, 99)
+    relu_want = np.empty_like(x)
+    monkeypatch.setattr(quant, "CHUNK", 1 << 16)
+    slot = np.zeros(unbiased.slot_nbytes(3, M, 2), np.uint8)
     unbiased.quantize_pack(slot, x, gamma, beta, 2, 99)
-    got = np.empty_like(x)
-    unbiased.decode_each_chunk(got, slot, gamma, beta, 2)
+    unbiased.decode_each_chunk(relu_want, slot, gamma, beta, 2, relu=True)
+    monkeypatch.setattr(quant, "CHUNK", chunk)
+    again = np.zeros_like(slot)
+    unbiased.quantize_pack(again, x, gamma, beta, 2, 99)
+    np.testing.assert_array_equal(again, slot)
+    got, relu, seen = np.empty_like(x), np.empty_like(x), np.zeros(x.shape, bool)
+
+    def check_mask(ob, open_, r0, r1, c0, c1):
+        np.testing.assert_array_equal(open_, mask[r0:r1, c0:c1])
+        seen[r0:r1, c0:c1] = True
+    unbiased.decode_each_chunk(got, slot, gamma, beta, 2, extra=check_mask)
+    unbiased.decode_each_chunk(relu, slot, gamma, beta, 2, relu=True)
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(relu, relu_want)
+    assert seen.all()
 
 
 def test_a_shard_draws_what_the_whole_batch_draws_there():

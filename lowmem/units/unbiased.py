@@ -152,6 +152,16 @@ class Levels:
         self.step_o = xp.where(ok_o, step_o, 0).astype(dt)
         self.step_c = xp.where(ok_c, step_c, 0).astype(dt)
 
+    def tables(self, relu):
+        """(C, G, L) decode tables, built once per call (K <= 4: L <= 16 entries per group of 256):
+        x̃ (relu=False) or the conv input (relu=True) of every code, with the operations of
+        _decode_piece, so a lookup equals the formula bit for bit."""
+        xp = array_module(self.base_o)
+        C, G = self.base_o.shape
+        code = xp.broadcast_to(xp.arange(self.levels, dtype=self.base_o.dtype), (C, G, self.levels))
+        return _decode_levels(code, self, slice(0, C), tuple(a[:, :, None] for a in
+                              (self.base_o, self.step_o, self.base_c, self.step_c)), relu)[0]
+
     def piece(self, r0, r1, c0, c1):
         """Per element of rows r0:r1, columns c0:c1: (base_o, step_o, base_c, step_c) gathered
         from their groups, each (r1−r0, c1−c0)."""
@@ -255,9 +265,63 @@ def quantize_simulated(xhat, gamma, beta, bits, key, variant="group"):
     return _decode_piece(code, lv, 0, C, 0, M, relu=False), mask
 
 
+def _segments(r0, r1, c0, c1, M):
+    """A block of whole groups (c0 a multiple of GROUP) as (c0, c1, size) runs of equal groups:
+    the full groups, then the row's shorter last group if the block ends there."""
+    full = (c1 - c0) // GROUP * GROUP
+    out = [(c0, c0 + full, GROUP)] if full else []
+    if c0 + full < c1:
+        out.append((c0 + full, c1, c1 - c0 - full))
+    return out
+
+
+def _grouped(lv, r0, r1, c0, c1, size):
+    """(base_o, step_o, base_c, step_c) of rows r0:r1 for the groups of columns c0:c1, shaped
+    (R, g, 1) to broadcast over (R, g, size) views: no per-element gather."""
+    gs = slice(c0 // GROUP, c0 // GROUP + (c1 - c0) // size)
+    return tuple(a[r0:r1, gs, None] for a in (lv.base_o, lv.step_o, lv.base_c, lv.step_c))
+
+
+def _encode_block(x3, lv, rows, params, r):
+    """Codes (floats) of the (R, g, size) view x3; the same operations as _encode_piece."""
+    xp = array_module(x3)
+    bo, so, bc, sc = params
+    mask = (x3 * lv.gamma[rows, None, None]) + lv.beta[rows, None, None] > 0
+    u = x3 * lv.s[rows, None, None]
+    k = lv.k[rows, None, None].astype(x3.dtype)
+    base, step = xp.where(mask, bo, bc), xp.where(mask, so, sc)
+    n = xp.where(mask, lv.levels - k, k)
+    with numpy.errstate(divide="ignore", invalid="ignore"):
+        p = xp.where(step > 0, (u - base) / xp.where(step > 0, step, 1), 0)
+    p = p + r
+    j = xp.minimum(xp.maximum(xp.floor(p), 0), n - 1)
+    return xp.where(mask, k + j, j)
+
+
+def _decode_levels(code, lv, rows, params, relu):
+    """x̃ or the conv input of (R, g, size) float codes, and their open mask; the same
+    operations as _decode_piece."""
+    xp = array_module(code)
+    bo, so, bc, sc = params
+    k = lv.k[rows, None, None].astype(code.dtype)
+    open_ = code >= k
+    j = code - xp.where(open_, k, 0)
+    if relu:
+        ag, t, zero = (a[rows, :, None] for a in (lv.ag, lv.t, lv.zero))
+        val = xp.where(zero, lv.beta[rows, None, None], ag * ((bo - xp.where(zero, bo, t)) + j * so))
+        return xp.where(open_, xp.maximum(val, 0), 0), open_
+    return lv.s[rows, None, None] * xp.where(open_, bo + j * so, bc + j * sc), open_
+
+
+def _aligned(M, bits):
+    """Whether every block of whole groups starts on a code byte (the grouped fast path)."""
+    return (M * bits) % 8 == 0
+
+
 def quantize_pack(slot, xhat, gamma, beta, bits, key):
-    """Encode x̂ (C, M) into the unit's slot (uint8, >= slot_nbytes): metadata, then the codes
-    packed chunk by chunk (quant's walk and packing). key: integer or Stream (required)."""
+    """Encode x̂ (C, M) into the unit's slot (uint8, >= slot_nbytes): metadata, then the codes,
+    block by block of whole groups (quant.CHUNK elements; the codes packed with quant's packing).
+    key: integer or Stream (required)."""
     bits = check_bits(bits)
     xp = array_module(xhat)
     C, M = xhat.shape
@@ -265,6 +329,26 @@ def quantize_pack(slot, xhat, gamma, beta, bits, key):
     metadata(ends, xhat, gamma)
     lv = Levels(ends, gamma, beta, bits)
     stream = resolve(key, M, what="stochastic")
+    if not _aligned(M, bits):
+        return _quantize_pack_pieces(codes, xhat, lv, bits, stream)
+    for r0, r1, c0, c1 in _blocks(C, M):
+        buf = xp.empty((r1 - r0, c1 - c0), numpy.uint8)
+        r = uniforms(stream, r0, r1, c0, c1, xhat.dtype, xp)
+        for s0, s1, size in _segments(r0, r1, c0, c1, M):
+            shape = (r1 - r0, (s1 - s0) // size, size)
+            code = _encode_block(xhat[r0:r1, s0:s1].reshape(shape), lv, slice(r0, r1),
+                                 _grouped(lv, r0, r1, s0, s1, size), r[:, s0 - c0:s1 - c0].reshape(shape))
+            xp.copyto(buf[:, s0 - c0:s1 - c0].reshape(shape), code, casting="unsafe")
+        a = r0 * M + c0                           # whole rows, or a part of one: contiguous
+        quant._pack_block(codes[a * bits // 8:(a + buf.size) * bits // 8], buf.reshape(-1), bits,
+                          xp.empty(buf.size * bits // 8, numpy.uint8))
+
+
+def _quantize_pack_pieces(codes, xhat, lv, bits, stream):
+    """quantize_pack for rows whose blocks do not start on a code byte: quant's flat chunks,
+    each element's group parameters gathered (slower)."""
+    xp = array_module(xhat)
+    C, M = xhat.shape
     n = C * M
     step = quant._chunk(n)
     buf = xp.empty(step, numpy.uint8)
@@ -277,12 +361,38 @@ def quantize_pack(slot, xhat, gamma, beta, bits, key):
 
 
 def decode_each_chunk(out, slot, gamma, beta, bits, relu=False, extra=None):
-    """Decode the slot chunk by chunk into out (C, M) float: x̃, or the conv input (relu=True);
+    """Decode the slot block by block into out (C, M) float: x̃, or the conv input (relu=True);
     then extra(out_block, open_block, r0, r1, c0, c1) (open: the exact mask of the block)."""
     xp = array_module(out)
     C, M = out.shape
     codes, ends = split_slot(slot, C, M, bits)
     lv = Levels(ends, gamma, beta, bits)
+    if not _aligned(M, bits):
+        return _decode_pieces(out, codes, lv, bits, relu, extra)
+    table = lv.tables(relu).astype(out.dtype) if bits <= 4 else None
+    for r0, r1, c0, c1 in _blocks(C, M):
+        buf = xp.empty((r1 - r0, c1 - c0), numpy.uint8)
+        a = r0 * M + c0
+        quant._unpack_block(buf.reshape(-1), codes[a * bits // 8:(a + buf.size) * bits // 8], bits)
+        for s0, s1, size in _segments(r0, r1, c0, c1, M):
+            shape = (r1 - r0, (s1 - s0) // size, size)
+            gs = slice(s0 // GROUP, s0 // GROUP + shape[1])
+            codes3 = buf[:, s0 - c0:s1 - c0].reshape(shape)
+            if table is not None:           # one lookup per element
+                val = xp.take_along_axis(table[r0:r1, gs], codes3.astype(numpy.intp), axis=2)
+            else:
+                val = _decode_levels(codes3.astype(out.dtype), lv, slice(r0, r1),
+                                     _grouped(lv, r0, r1, s0, s1, size), relu)[0]
+            out[r0:r1, s0:s1] = val.reshape(r1 - r0, s1 - s0)
+        if extra is not None:
+            extra(out[r0:r1, c0:c1], buf >= lv.k[r0:r1, None].astype(numpy.uint8) if bits < 8
+                  else buf.astype(numpy.int32) >= lv.k[r0:r1, None], r0, r1, c0, c1)
+
+
+def _decode_pieces(out, codes, lv, bits, relu, extra):
+    """decode_each_chunk through quant's flat chunks (rows not starting on a code byte)."""
+    xp = array_module(out)
+    C, M = out.shape
     n = C * M
     buf = xp.empty(quant._chunk(n), numpy.uint8)
     for a, b, pieces in quant._chunks(n, M):
