@@ -221,19 +221,23 @@ def test_slot_bytes_and_bad_input():
 
 # ---- through the engine -------------------------------------------------------
 
-def test_engine_unbiased_codes_are_the_slot_of_quantize_pack():
+@pytest.mark.parametrize("use_fast", [False, None])
+def test_engine_unbiased_codes_are_the_slot_of_quantize_pack(use_fast):
     """Engine(rounding="stochastic"): the forward is exact mode's bit for bit; every unit's slot is
-    unbiased.quantize_pack's with the key stream_key(seed, step, unit index); the plan counts the
-    group ends and the summary shows the bits per element with them."""
+    unbiased.quantize_pack's with the key stream_key(seed, step, unit index), on the reference and
+    the fused (numba forward) sets alike; the plan counts the group ends and the summary shows
+    the bits per element with them; a training step runs."""
     import copy
     from lowmem.core.engine import Engine
     from lowmem.models import preact_resnet_cifar
+    from lowmem.train.optim import SGD
     net = preact_resnet_cifar(8)
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((4, 3, 16, 16)).astype(np.float32), rng.integers(0, 10, 4)
-    exact = Engine(copy.deepcopy(net), 4, (3, 16, 16), "exact")
-    eng = Engine(copy.deepcopy(net), 4, (3, 16, 16), "approx", 2, rounding="stochastic", seed=3)
-    assert not eng.fused                                         # the reference kernels run the code
+    exact = Engine(copy.deepcopy(net), 4, (3, 16, 16), "exact", use_fast=use_fast)
+    eng = Engine(copy.deepcopy(net), 4, (3, 16, 16), "approx", 2, rounding="stochastic", seed=3,
+                 use_fast=use_fast)
+    assert eng.fused == exact.fused
     eng.step = 2
     assert exact.forward(x, y)[0] == eng.forward(x, y)[0]
     for i, u in enumerate(eng.unit_bits):
@@ -248,8 +252,10 @@ def test_engine_unbiased_codes_are_the_slot_of_quantize_pack():
     assert "unbiased stochastic rounding" in eng.summary() and "bits/elem" in eng.summary()
     assert 2.125 <= eng.bits_per_element() < 2.2
     assert "bits/elem" in str(eng.schedule)
-    with pytest.raises(ValueError, match="fused kernels do not implement rounding='stochastic'"):
-        Engine(copy.deepcopy(net), 4, (3, 16, 16), "approx", 2, rounding="stochastic", use_fast=True)
+    eng.backward()
+    grads = [p.grad.copy() for p in eng.net.parameters()]
+    assert all(np.isfinite(g).all() for g in grads) and any(np.abs(g).max() > 0 for g in grads)
+    SGD(eng.net.parameters(), lr=0.1).step()
 
 
 def mean_gradient_distance(rounding, draws, seed=0):
@@ -348,3 +354,39 @@ def test_the_allocator_prices_bias_and_variance_apart():
     a = allocate(sens, 8, avg_bits=2)
     assert a.uniform_bytes[2] == sum(unbiased.slot_nbytes(s[0], 8 * s[1] * s[2], 2) for s in sens.shapes.values())
     assert a.total_bytes <= a.uniform_bytes[2] == a.budget
+
+
+@pytest.mark.parametrize("naive", [False, True])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_numba_forward_writes_the_reference_slot(bits, naive):
+    """units/cpu_unbiased.py: the same slot bytes as unbiased.quantize_pack (float32, shards keyed
+    by their global place, γ of both signs and 0, t outside the data, a constant channel, a
+    short last group), and out = relu(y) as the exact forward, or naive's decoded conv input."""
+    from lowmem.units import cpu_unbiased
+    from lowmem.ops import bn_normalize
+    if not cpu_unbiased.AVAILABLE:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(12)
+    C, M = 6, 776                                   # groups of 256, 256, 256, 8
+    x = (rng.standard_normal((C, M)) * 2 + 0.3).astype(np.float32)
+    x[5] = 1.5
+    gamma = np.array([1.2, -0.7, 0.0, 0.9, -1.1, 1.0], np.float32)
+    beta = np.array([0.1, 0.3, 0.4, 9.0, -8.0, 0.2], np.float32)
+    mean, rstd = x.mean(axis=1).astype(np.float32), (1 / (x.std(axis=1) + 1e-3)).astype(np.float32)
+    xhat = np.empty_like(x)
+    bn_normalize(xhat, x, mean, rstd)
+    key = Stream(quant.stream_key(3, 1, 4), start=1024, row=4096)
+    want = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
+    unbiased.quantize_pack(want, xhat, gamma, beta, bits, key)
+    got, out = np.zeros_like(want), np.empty_like(x)
+    cpu_unbiased.unit_forward(out, got, x, mean, rstd, gamma, beta, bits, naive, key)
+    np.testing.assert_array_equal(got, want)
+    ref = np.empty_like(x)
+    if naive:
+        unbiased.decode_each_chunk(ref, want, gamma, beta, bits, relu=True)
+    else:
+        ref = np.maximum(xhat * gamma[:, None] + beta[:, None], 0)
+    np.testing.assert_array_equal(out, ref)
+    inplace = x.copy()                              # out may alias x
+    cpu_unbiased.unit_forward(inplace, got, inplace, mean, rstd, gamma, beta, bits, naive, key)
+    np.testing.assert_array_equal(inplace, out)

@@ -45,15 +45,16 @@ def reference(mode, bits, rounding="nearest"):
     return CodeUnits(bits, naive=(mode == "naive"), rounding=rounding)
 
 
-def has_fused(rounding):
-    """Whether the fused kernel sets implement codes of this rounding (the unbiased code runs on
-    the reference set: an engine with rounding="stochastic" picks it for every unit)."""
-    return rounding != "stochastic"
+def has_fused(rounding, xp=numpy):
+    """Whether the fused kernel sets implement codes of this rounding on xp: the unbiased code
+    ("stochastic") has a numba forward (units/cpu_unbiased.py) but no CUDA kernel, so on CuPy an
+    engine with rounding="stochastic" runs every unit on the reference set."""
+    return rounding != "stochastic" or xp is numpy
 
 
 def fused_applies(xp, dtype, sizes, rounding="nearest"):
     """Whether the fused kernels can run units of these M = N*H*W sizes on xp in dtype."""
-    return has_fused(rounding) and fused.applies(xp, dtype, sizes)
+    return has_fused(rounding, xp) and fused.applies(xp, dtype, sizes)
 
 
 def synchronized(units, comm, buf):
@@ -69,18 +70,22 @@ def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None, rounding=
     (the CUDA set's reductions; None on the CPU, or when only planning)."""
     ok = fused.applies(xp, dtype, sizes)
     if use_fast is None:
-        use_fast = ok and has_fused(rounding)
+        use_fast = ok and has_fused(rounding, xp)
     if use_fast and not ok:
         raise ValueError("use_fast=True needs numba (pip install lowmem[fast]) and float32 on the "
                          "NumPy backend, or the CuPy backend, and N*H*W a multiple of 8 in every unit")
-    if use_fast and not has_fused(rounding):
-        raise ValueError("use_fast=True: the fused kernels do not implement rounding='stochastic' (the "
+    if use_fast and not has_fused(rounding, xp):
+        raise ValueError("use_fast=True: the CUDA kernels do not implement rounding='stochastic' (the "
                          "unbiased code) yet; it runs on the reference kernels (use_fast=None or False)")
     if not use_fast:
         return reference(mode, bits, rounding)
     module = fused.module_for(xp)
     if mode == "exact":
         return fused.FusedExactUnits(module, partials)
+    if rounding == "stochastic" and bits != 1:
+        return fused.FusedUnbiasedCodeUnits(bits, naive=(mode == "naive"))
+    if rounding == "stochastic":
+        rounding = "nearest"                      # 1 bit: as reference() does
     return fused.FusedCodeUnits(module, bits, naive=(mode == "naive"), partials=partials, rounding=rounding)
 
 

@@ -19,7 +19,7 @@ import numpy
 
 from . import quant
 from . import cpu, gpu
-from .reference import BN_EPS, CodeUnits, ExactUnits
+from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
 
 
 class FusedExactUnits(ExactUnits):
@@ -71,6 +71,25 @@ class FusedCodeUnits(CodeUnits):
         # saved: the K-bit code (approximate x-tilde, exact mask), decoded inline; rstd exact
         self.module.unit_backward(dx, dgamma, dbeta, dr, None, saved, self.grid(gamma, beta), gamma, beta,
                              rstd, accumulate, **self._extra)
+
+
+class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
+    """The unbiased code with its forward (normalise, group ranges, draws, pack, relu) in one numba
+    pass (units/cpu_unbiased.py); the conv input and backward decode through
+    unbiased.decode_each_chunk's tables (NumPy), as UnbiasedCodeUnits. CPU only (no CUDA kernel)."""
+    fused = True
+
+    def __init__(self, bits, naive=False):
+        super().__init__(bits, naive)
+        from . import cpu_unbiased
+        self._forward = cpu_unbiased.unit_forward
+
+    stats = FusedExactUnits.stats
+    _extra = {}
+    module = cpu
+
+    def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
+        self._forward(out, saved, x, mean, rstd, gamma, beta, self.bits, self.naive, key)
 
 
 def module_for(xp):
