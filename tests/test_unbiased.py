@@ -390,3 +390,14 @@ def test_numba_forward_writes_the_reference_slot(bits, naive):
     inplace = x.copy()                              # out may alias x
     cpu_unbiased.unit_forward(inplace, got, inplace, mean, rstd, gamma, beta, bits, naive, key)
     np.testing.assert_array_equal(inplace, out)
+
+
+def test_plan_prints_bits_per_element_with_the_group_ends(capsys):
+    from lowmem.tools import cli
+    assert cli.main(["plan", "--depth", "8", "--batch", "64", "--bits", "2", "--rounding", "stochastic",
+                     "--rows", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "saved codes: 2.125 bits/elem, metadata included (rounding stochastic)" in out
+    assert "(278,592 B, 2-bit, 2.125 bits/elem)" in out           # the schedule's saved slots
+    assert cli.main(["plan", "--depth", "8", "--batch", "64", "--bits", "2", "--rows", "3"]) == 0
+    assert "bits/elem" not in capsys.readouterr().out              # the window code: K bits exactly
