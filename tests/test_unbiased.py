@@ -401,3 +401,54 @@ def test_plan_prints_bits_per_element_with_the_group_ends(capsys):
     assert "(278,592 B, 2-bit, 2.125 bits/elem)" in out           # the schedule's saved slots
     assert cli.main(["plan", "--depth", "8", "--batch", "64", "--bits", "2", "--rows", "3"]) == 0
     assert "bits/elem" not in capsys.readouterr().out              # the window code: K bits exactly
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_numba_decode_is_the_reference_decode(bits):
+    from lowmem.units import cpu_unbiased
+    if not cpu_unbiased.AVAILABLE:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(13)
+    C, M = 6, 776
+    x = (rng.standard_normal((C, M)) * 2).astype(np.float32)
+    x[5] = 0
+    gamma = np.array([1.2, -0.7, 0.0, 0.9, -1.1, 1.0], np.float32)
+    beta = np.array([0.1, 0.3, -0.4, 9.0, -8.0, 0.2], np.float32)
+    slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
+    unbiased.quantize_pack(slot, x, gamma, beta, bits, 77)
+    mask = (x * gamma[:, None]) + beta[:, None] > 0
+    for relu in (False, True):
+        want, got = np.empty_like(x), np.empty_like(x)
+        unbiased.decode_each_chunk(want, slot, gamma, beta, bits, relu=relu)
+        cpu_unbiased.decode(got, slot, gamma, beta, bits, relu=relu)
+        np.testing.assert_array_equal(got, want)
+    dr = rng.standard_normal((C, M)).astype(np.float32)
+    masked = dr.copy()
+    cpu_unbiased.decode(np.empty_like(x), slot, gamma, beta, bits, dr=masked)
+    np.testing.assert_array_equal(masked, dr * mask)
+
+
+def test_fused_and_reference_engines_train_alike():
+    """The numba set (forward and decodes) and the reference set draw the same codes: the
+    gradients agree to float rounding (the batch statistics and convolutions of the two engines
+    round differently, so x-hat differs in its last bits; other draws would differ by O(1))."""
+    import copy
+    from lowmem.core.engine import Engine
+    from lowmem.models import preact_resnet_cifar
+    from lowmem.units import cpu_unbiased
+    if not cpu_unbiased.AVAILABLE:
+        pytest.skip("numba not installed")
+    net = preact_resnet_cifar(8)
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((8, 3, 8, 8)).astype(np.float32), rng.integers(0, 10, 8)
+    grads = []
+    for fast in (True, False):
+        eng = Engine(copy.deepcopy(net), 8, (3, 8, 8), "approx", {"*": 2, "layer2.0.bn1": 4},
+                     rounding="stochastic", seed=4, use_fast=fast)
+        assert eng.fused is fast
+        for _ in range(2):
+            eng.forward(x, y)
+            eng.backward()
+        grads.append([p.grad.copy() for p in eng.net.parameters()])
+    for a, b in zip(*grads):
+        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-7

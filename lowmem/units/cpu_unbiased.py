@@ -5,8 +5,9 @@ elements, which stay in cache).
 Arithmetic: every float operation of unbiased.metadata, Levels and _encode_piece, one rounding
 each, in the same order (float32 only, no fastmath), and the counter stream of units/stream.py
 in uint64: the slot equals unbiased.quantize_pack's byte for byte for the same x-hat and key
-(tests/test_unbiased.py). The decode (conv input, backward) stays unbiased.decode_each_chunk's
-table lookup (NumPy): the set using this is units/fused.py's FusedUnbiasedCodeUnits.
+(tests/test_unbiased.py); `decode` gives unbiased.decode_each_chunk's x-tilde or conv input bit
+for bit (and masks the backward's incoming gradient). The set using them is units/fused.py's
+FusedUnbiasedCodeUnits; its BN backward sums stay the reference's (NumPy).
 """
 import numpy
 
@@ -101,6 +102,75 @@ if AVAILABLE:
                     else:
                         out[c, i] = y if y > 0 else F0
                 cpu._pack(slot_codes[(c * M + g0) // per:(c * M + g1) // per], codes[:g1 - g0], bits)
+
+    @njit(cache=True, nogil=True)
+    def _levels(ends, c, gi, t_o, t_c, kc, L, box, bits_view):
+        """(base_o, step_o, base_c, step_c) of group gi of row c from its stored bf16 ends."""
+        bits_view[0] = numpy.uint32(ends[c, gi, 0]) << numpy.uint32(16)
+        hi = box[0]
+        bits_view[0] = numpy.uint32(ends[c, gi, 1]) << numpy.uint32(16)
+        lo = box[0]
+        bo = min(max(t_o, lo), hi)
+        top_c = max(min(t_c, hi), lo)
+        so = (hi - bo) / F32(max(L - kc - 1, 1))
+        if not (L - kc > 1 and so > 0 and so < INF):
+            so = F0
+        sc = (top_c - lo) / F32(max(kc - 1, 1))
+        if not (kc > 1 and sc > 0 and sc < INF):
+            sc = F0
+        return bo, so, lo, sc
+
+    @njit(cache=True, nogil=True)
+    def _decode_rows(out, dr, slot_codes, ends, gamma, beta, k, L, relu, mask_dr, codes, box, bits_view, bits):
+        """out <- x-tilde (relu False) or the conv input (relu True); mask_dr: dr *= the mask."""
+        C, M = out.shape
+        per = 8 // bits
+        for c in range(C):
+            g, b = gamma[c], beta[c]
+            s = F32(-1) if g < 0 else F32(1)
+            zero = g == 0
+            ag = abs(g)
+            t = -b / (F32(1) if zero else ag)
+            t_o = -INF if zero else t
+            t_c = INF if zero else t
+            kc = k[c]
+            kf = F32(kc)
+            for g0 in range(0, M, GROUP):
+                g1 = min(M, g0 + GROUP)
+                bo, so, bc, sc = _levels(ends, c, g0 // GROUP, t_o, t_c, kc, L, box, bits_view)
+                cpu._unpack(codes[:g1 - g0], slot_codes[(c * M + g0) // per:(c * M + g1) // per], bits)
+                for i in range(g0, g1):
+                    code = F32(codes[i - g0])
+                    on = code >= kf
+                    j = code - kf if on else code
+                    if relu:
+                        if not on:
+                            out[c, i] = F0
+                        elif zero:
+                            out[c, i] = max(b, F0)
+                        else:
+                            out[c, i] = max(ag * ((bo - t_o) + j * so), F0)
+                    else:
+                        out[c, i] = s * (bo + j * so if on else bc + j * sc)
+                    if mask_dr and not on:
+                        dr[c, i] = F0
+
+
+def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
+    """unbiased.decode_each_chunk's output (x-tilde, or the conv input with relu=True), bit for
+    bit, in one numba pass; with dr (C, M): dr *= the exact mask (the backward's masking)."""
+    C, M = out.shape
+    codes, ends = unbiased.split_slot(slot, C, M, bits)
+    k = unbiased.split(gamma, beta, bits)
+    mask_dr = dr is not None
+    drr = dr if mask_dr else out
+
+    def rows(c0, c1):
+        b = numpy.empty(1, numpy.float32)
+        _decode_rows(out[c0:c1], drr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1],
+                     gamma[c0:c1], beta[c0:c1], k[c0:c1], 1 << bits, bool(relu), mask_dr,
+                     numpy.empty(GROUP, numpy.uint8), b, b.view(numpy.uint32), bits)
+    cpu._over_channels(rows, C, M)
 
 
 def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key):

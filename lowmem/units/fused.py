@@ -20,6 +20,7 @@ import numpy
 from . import quant
 from . import cpu, gpu
 from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
+from ..ops import bn_relu_backward
 
 
 class FusedExactUnits(ExactUnits):
@@ -74,22 +75,32 @@ class FusedCodeUnits(CodeUnits):
 
 
 class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
-    """The unbiased code with its forward (normalise, group ranges, draws, pack, relu) in one numba
-    pass (units/cpu_unbiased.py); the conv input and backward decode through
-    unbiased.decode_each_chunk's tables (NumPy), as UnbiasedCodeUnits. CPU only (no CUDA kernel)."""
+    """The unbiased code on numba (units/cpu_unbiased.py): the forward (normalise, group ranges,
+    draws, pack, relu) in one pass, the decodes (conv input; x-tilde with the gradient's masking)
+    in one pass each; the BN backward's sums and dx are the reference's array ops on the decoded
+    x-tilde. CPU only (no CUDA kernel yet)."""
     fused = True
 
     def __init__(self, bits, naive=False):
         super().__init__(bits, naive)
         from . import cpu_unbiased
-        self._forward = cpu_unbiased.unit_forward
+        self.kernels = cpu_unbiased
 
     stats = FusedExactUnits.stats
     _extra = {}
     module = cpu
 
     def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
-        self._forward(out, saved, x, mean, rstd, gamma, beta, self.bits, self.naive, key)
+        self.kernels.unit_forward(out, saved, x, mean, rstd, gamma, beta, self.bits, self.naive, key)
+
+    def conv_input(self, u, saved, gamma, beta):
+        self.kernels.decode(u, saved, gamma, beta, self.bits, relu=True)
+
+    def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
+        # saved: the unbiased code (x-tilde with E = x-hat, exact mask), decoded into scratch; rstd exact
+        self.kernels.decode(scratch, saved, gamma, beta, self.bits, dr=dr)
+        bn_relu_backward(dx, dgamma, dbeta, dr, scratch, gamma, beta, rstd, dr_already_masked=True,
+                         accumulate=accumulate)
 
 
 def module_for(xp):
