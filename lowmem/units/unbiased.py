@@ -196,11 +196,11 @@ def metadata(ends_out, xhat, gamma, variant="group"):
     s = xp.where(gamma < 0, -1, 1).astype(dt)
     hi, lo = xp.empty((C, G), dt), xp.empty((C, G), dt)
     for r0, r1, c0, c1 in _blocks(C, M):
-        u = xhat[r0:r1, c0:c1] * s[r0:r1, None]
-        ix = xp.arange(0, c1 - c0, GROUP)
-        gs = slice(c0 // GROUP, c0 // GROUP + ix.size)
-        hi[r0:r1, gs] = xp.maximum.reduceat(u, ix, axis=1)
-        lo[r0:r1, gs] = xp.minimum.reduceat(u, ix, axis=1)
+        for s0, s1, size in _segments(r0, r1, c0, c1, M):       # (R, g, size) views: whole groups
+            u = xhat[r0:r1, s0:s1].reshape(r1 - r0, (s1 - s0) // size, size) * s[r0:r1, None, None]
+            gs = slice(s0 // GROUP, s0 // GROUP + u.shape[1])
+            hi[r0:r1, gs] = u.max(axis=2)
+            lo[r0:r1, gs] = u.min(axis=2)
     if variant == "open":                     # the cheaper variant: the lower end per channel
         lo = xp.broadcast_to(lo.min(axis=1, keepdims=True), lo.shape)
     elif variant != "group":
