@@ -78,7 +78,7 @@ class Engine:
 
         rounding: how x-hat becomes a code (docs/quantizer.md): "nearest" (the default, the
         fixed-window code), "stochastic" (the unbiased group-range code: E[x-tilde] = x-hat
-        everywhere, the ReLU mask exact; on the reference kernels) or "stochastic-window" (the
+        everywhere, the ReLU mask exact) or "stochastic-window" (the
         fixed window with stochastic rounding, unbiased only inside it). Stochastic codes are
         drawn from quant.stream_key(seed, step, unit index) at each element's index in the
         GLOBAL batch (quant.Stream: this rank's shard starts at rank*batch_size), so the draws
@@ -101,8 +101,7 @@ class Engine:
         self._unit_sizes = {u: self.in_shape[u] for u in unit_names}
         self._check_batch_norm(self.N, "batch_size")
         sizes = self._sizes(self.N)
-        self.fused = (kernels.fused_applies(self.xp, self.dtype, sizes, self.rounding) if use_fast is None
-                      else bool(use_fast))
+        self.fused = kernels.fused_applies(self.xp, self.dtype, sizes) if use_fast is None else bool(use_fast)
         self.selected = self._select_units(sizes)
         self.plan, self.saved_slots = self._make_plan(workspace_bytes)
         self.nbytes = {e.name: e.nbytes for e in self.plan.entries}
@@ -268,7 +267,7 @@ class Engine:
         run.n, run.training = x.shape[0], training
         # a batch whose units are not whole code bytes runs on the reference kernels, in every
         # mode alike (so exact and approx still compute the same forward)
-        aligned = kernels.fused_applies(self.xp, self.dtype, self._sizes(run.n), self.rounding)
+        aligned = kernels.fused_applies(self.xp, self.dtype, self._sizes(run.n))
         run.units = self.selected if aligned or not self.fused else self.reference_units
         # stochastic rounding: each coded unit's stream key for this training step
         run.keys = {}

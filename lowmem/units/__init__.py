@@ -45,16 +45,11 @@ def reference(mode, bits, rounding="nearest"):
     return CodeUnits(bits, naive=(mode == "naive"), rounding=rounding)
 
 
-def has_fused(rounding, xp=numpy):
-    """Whether the fused kernel sets implement codes of this rounding on xp: the unbiased code
-    ("stochastic") has a numba forward (units/cpu_unbiased.py) but no CUDA kernel, so on CuPy an
-    engine with rounding="stochastic" runs every unit on the reference set."""
-    return rounding != "stochastic" or xp is numpy
-
-
-def fused_applies(xp, dtype, sizes, rounding="nearest"):
-    """Whether the fused kernels can run units of these M = N*H*W sizes on xp in dtype."""
-    return has_fused(rounding, xp) and fused.applies(xp, dtype, sizes)
+def fused_applies(xp, dtype, sizes):
+    """Whether the fused kernels can run units of these M = N*H*W sizes on xp in dtype (every
+    rounding has fused kernels: the window codes' in units/cpu.py, gpu.py, the unbiased code's
+    in units/cpu_unbiased.py, gpu_unbiased.py)."""
+    return fused.applies(xp, dtype, sizes)
 
 
 def synchronized(units, comm, buf):
@@ -70,20 +65,17 @@ def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None, rounding=
     (the CUDA set's reductions; None on the CPU, or when only planning)."""
     ok = fused.applies(xp, dtype, sizes)
     if use_fast is None:
-        use_fast = ok and has_fused(rounding, xp)
+        use_fast = ok
     if use_fast and not ok:
         raise ValueError("use_fast=True needs numba (pip install lowmem[fast]) and float32 on the "
                          "NumPy backend, or the CuPy backend, and N*H*W a multiple of 8 in every unit")
-    if use_fast and not has_fused(rounding, xp):
-        raise ValueError("use_fast=True: the CUDA kernels do not implement rounding='stochastic' (the "
-                         "unbiased code) yet; it runs on the reference kernels (use_fast=None or False)")
     if not use_fast:
         return reference(mode, bits, rounding)
     module = fused.module_for(xp)
     if mode == "exact":
         return fused.FusedExactUnits(module, partials)
     if rounding == "stochastic" and bits != 1:
-        return fused.FusedUnbiasedCodeUnits(bits, naive=(mode == "naive"))
+        return fused.FusedUnbiasedCodeUnits(module, bits, naive=(mode == "naive"), partials=partials)
     if rounding == "stochastic":
         rounding = "nearest"                      # 1 bit: as reference() does
     return fused.FusedCodeUnits(module, bits, naive=(mode == "naive"), partials=partials, rounding=rounding)

@@ -75,20 +75,20 @@ class FusedCodeUnits(CodeUnits):
 
 
 class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
-    """The unbiased code on numba (units/cpu_unbiased.py): the forward (normalise, group ranges,
-    draws, pack, relu) in one pass, the decodes (conv input; x-tilde with the gradient's masking)
-    in one pass each; the BN backward's sums and dx are the reference's array ops on the decoded
-    x-tilde. CPU only (no CUDA kernel yet)."""
+    """The unbiased code on the fused kernels: numba (units/cpu_unbiased.py) or CUDA
+    (units/gpu_unbiased.py). The forward (normalise, group ranges, draws, pack, relu) in one
+    pass, the decodes (conv input; x-tilde with the gradient's masking) in one pass each; the BN
+    backward's sums and dx are the reference's array ops on the decoded x-tilde."""
     fused = True
 
-    def __init__(self, bits, naive=False):
+    def __init__(self, module, bits, naive=False, partials=None):
         super().__init__(bits, naive)
-        from . import cpu_unbiased
-        self.kernels = cpu_unbiased
+        from . import cpu_unbiased, gpu_unbiased
+        self.module, self.partials = module, partials
+        self._extra = {} if partials is None else {"partials": partials}
+        self.kernels = gpu_unbiased if module is gpu else cpu_unbiased
 
     stats = FusedExactUnits.stats
-    _extra = {}
-    module = cpu
 
     def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
         self.kernels.unit_forward(out, saved, x, mean, rstd, gamma, beta, self.bits, self.naive, key)
