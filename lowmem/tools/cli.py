@@ -156,7 +156,7 @@ def measure_sensitivity_synthetic(args, net, shape, batch):
     from ..bits.sensitivity import measure_sensitivity
     n = args.measure_batch or min(batch, 32)
     batches = D.synthetic_batches(args.measure_batches, n, shape, net.num_classes, 0, args.dtype)
-    sens = measure_sensitivity(net, batches, dtype=args.dtype)
+    sens = measure_sensitivity(net, batches, dtype=args.dtype, rounding=getattr(args, "rounding", "nearest"))
     print(f"sensitivity: {args.measure_batches} synthetic batches of {n} (lowmem.data.datasets.synthetic, "
           f"untrained weights), measured in {sens.seconds:.1f} s")
     return sens
