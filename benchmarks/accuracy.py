@@ -86,18 +86,22 @@ class Spec(tuple):
     mode, bits, rounding, avg = (property(lambda self, i=i: self[i]) for i in range(4))
 
 
+SUFFIX = {"": "nearest", "u": "stochastic", "s": "stochastic-window"}
+
+
 def parse_mode(text):
     """'exact'; 'approx4' / 'naive4' (K in 1, 2, 4, 8); 'auto2' (approx, a width per unit chosen
-    to fit an average of 2 bits, lowmem/bits/allocate.py); a trailing 's': stochastic rounding."""
-    m = re.fullmatch(r"(exact)|(approx|naive)([1248])(s?)|auto(\d+(?:\.\d+)?)(s?)", text.strip())
+    to fit an average of 2 bits, lowmem/bits/allocate.py); a trailing 'u': the unbiased code
+    (rounding="stochastic"), 's': the fixed window with stochastic rounding ("stochastic-window")."""
+    m = re.fullmatch(r"(exact)|(approx|naive)([1248])([us]?)|auto(\d+(?:\.\d+)?)([us]?)", text.strip())
     if not m:
         raise ValueError(f"unknown mode {text!r}: expected exact, approxK, naiveK (K in 1, 2, 4, 8) or autoA, "
-                         f"each but exact with an optional s (stochastic rounding)")
+                         f"each but exact with an optional u (unbiased code) or s (window stochastic rounding)")
     if m.group(1):
         return Spec("exact", 4)
     if m.group(2):
-        return Spec(m.group(2), int(m.group(3)), "stochastic" if m.group(4) else "nearest")
-    return Spec("approx", "auto", "stochastic" if m.group(6) else "nearest", float(m.group(5)))
+        return Spec(m.group(2), int(m.group(3)), SUFFIX[m.group(4)])
+    return Spec("approx", "auto", SUFFIX[m.group(6)], float(m.group(5)))
 
 
 def label(spec):
@@ -105,7 +109,7 @@ def label(spec):
     if mode == "exact":
         return mode
     text = f"auto {avg:g}-bit avg" if bits == "auto" else f"{mode} {bits}-bit"
-    return text + (" stochastic" if rounding == "stochastic" else "")
+    return text + {"nearest": "", "stochastic": " unbiased", "stochastic-window": " stochastic"}[rounding]
 
 
 def seeds_of(text):
@@ -189,7 +193,11 @@ def measure_checkpoint(net, batches, modes, auto_bits):
     rec = {"names": names, "noise_norm": noise.tolist(), "grad_norm": grad.tolist(), "modes": {}}
     for spec in modes:
         bits = auto_bits[label(spec)] if spec.bits == "auto" else spec.bits
-        g = D.parameter_grads(net, batches, spec.mode, bits, rounding=spec.rounding)
+        # two independent draws of a stochastic code (one of nearest's): bias apart from noise
+        draws = [D.parameter_grads(net, batches, spec.mode, bits, rounding=spec.rounding, seed=d)
+                 for d in range(1 if spec.rounding == "nearest" else 2)]
+        g = draws[0]
+        bn = D.bias_and_noise(exact, draws)
         err = numpy.array([math.sqrt(sq(g[n] - exact[n]).mean()) for n in names])
         ratio = err / numpy.where(noise > 0, noise, numpy.nan)
         rel = err / numpy.where(grad > 0, grad, numpy.nan)
@@ -197,7 +205,8 @@ def measure_checkpoint(net, batches, modes, auto_bits):
         rec["modes"][label(spec)] = {
             "error_norm": err.tolist(), "median_ratio": float(numpy.nanmedian(ratio)),
             "worst_ratio": float(ratio[worst]), "worst_tensor": names[worst],
-            "median_rel_error": float(numpy.nanmedian(rel))}
+            "median_rel_error": float(numpy.nanmedian(rel)),
+            "bias_ratio": bn["bias_ratio"], "draw_noise_ratio": bn["noise_ratio"] if len(draws) > 1 else 0.0}
     return rec
 
 
@@ -272,11 +281,23 @@ def targets(s, noise):
         out.append(f"* {name} within 0.5 pp of exact (paired mean): {'met' if abs(r['diff']) <= 0.005 else 'missed'}"
                    f"; stretch, interval inside ±0.5 pp: {_within(r, 0.005)} (difference {100 * r['diff']:+.2f} pp, "
                    f"95% interval [{100 * r['diff_ci'][0]:+.2f}, {100 * r['diff_ci'][1]:+.2f}])")
-        uniform = "approx 2-bit" + (" stochastic" if name.endswith("stochastic") else "")
+        uniform = "approx 2-bit" + next((" " + w for w in ("stochastic", "unbiased") if name.endswith(w)), "")
         if uniform in s and "diff" in s[uniform]:
             out.append(gap_halved(s, name, uniform))
-        if name.endswith("stochastic") and "approx 2-bit" in s and "diff" in s.get("approx 2-bit", {}):
+        if name.endswith(("stochastic", "unbiased")) and "approx 2-bit" in s and "diff" in s.get("approx 2-bit", {}):
             out.append(gap_halved(s, name, "approx 2-bit"))
+    for name, floor, stretch in (("approx 2-bit unbiased", 0.005, 0.003), ("approx 4-bit unbiased", 0.002, None),
+                                 ("auto 2-bit avg unbiased", 0.005, None)):
+        if name in s and "diff" in s[name]:
+            r = s[name]
+            line = (f"* {name}: paired mean at least −{100 * floor:g} pp: {'met' if r['diff'] >= -floor else 'missed'} "
+                    f"(difference {100 * r['diff']:+.2f} pp, 95% interval [{100 * r['diff_ci'][0]:+.2f}, "
+                    f"{100 * r['diff_ci'][1]:+.2f}])")
+            if stretch is not None:
+                ok = r["diff"] >= -stretch and r["diff_ci"][0] >= -0.008
+                line += f"; stretch (at least −{100 * stretch:g} pp and the interval's lower end at least −0.8): " \
+                        f"{'met' if ok else 'missed'}"
+            out.append(line)
     for name, bound in (("approx 4-bit", 0.003), ("approx 2-bit", 0.01)):
         if name in s and "diff" in s[name]:
             r = s[name]
@@ -479,14 +500,21 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
           "one mini-batch gradient lies from the expected one (B/(B−1): ḡ is a sample mean);",
           "* **ratio** `e_m(p) / σ(p)`; ‖·‖ is the Euclidean norm over the tensor's elements. Below 1 the "
           "approximation adds less to the gradient's error than SGD's sampling already has.", "",
-          "The last number in each cell is the ratio of all parameters taken as one vector (what the "
-          "auto allocation minimises): `sqrt(Σ_p e_m(p)²) / sqrt(Σ_p σ(p)²)`.", "",
-          "| iteration | epoch | " + " | ".join(f"{m}: median / worst / all" for m in
+          "The third number in each cell is the ratio of all parameters taken as one vector: "
+          "`sqrt(Σ_p e_m(p)²) / sqrt(Σ_p σ(p)²)`. The last two separate bias from noise "
+          "(lowmem.tools.diagnostics.bias_and_noise, all parameters as one vector, two independent draws "
+          "of a stochastic code per batch): **persistent bias / ‖E g‖**, the part of the error that "
+          "averages out over neither batches nor draws (`‖mean‖² − tr(cov)/B`, clipped at 0) against the "
+          "expected gradient's norm, and **draw noise / SGD noise**, the per-step noise of the draws (0 "
+          "for nearest rounding). A bias rotates every expected step; noise of the same size is averaged "
+          "away by SGD.", "",
+          "| iteration | epoch | " + " | ".join(f"{m}: median / worst / all / bias / draw noise" for m in
                                                  (noise[0]["modes"] if noise else [])) + " |",
           "|---|---|" + "---|" * (len(noise[0]["modes"]) if noise else 0)]
     for r in noise:
         L.append(f"| {r['iteration']} | {r['epoch']:.2f} | " + " | ".join(
-            f"{v['median_ratio']:.3g} / {v['worst_ratio']:.3g} / {total_ratio(r, v):.3g}"
+            f"{v['median_ratio']:.3g} / {v['worst_ratio']:.3g} / {total_ratio(r, v):.3g} / "
+            f"{v.get('bias_ratio', float('nan')):.3g} / {v.get('draw_noise_ratio', float('nan')):.3g}"
             for v in r["modes"].values()) + " |")
     if noise:
         L += ["", "Median over tensors of the ratio, over all checkpoints: " + "; ".join(

@@ -118,7 +118,7 @@ def test_train_rounding_is_kept_with_the_run(capsys, tmp_path):
                        "--depth", "8", "--batch", "16", "--epochs", "1", "--no-progress", "--bits", "2",
                        "--rounding", "stochastic", "--out", str(out_dir))
     assert rc == 0, err
-    assert "(2-bit, stochastic rounding)" in out
+    assert "(2-bit, unbiased stochastic rounding, 2.1" in out
     assert json.loads((out_dir / "config.json").read_text())["rounding"] == "stochastic"
     rc, out, err = run(capsys, "train", "--out", str(out_dir), "--resume", "--rounding", "nearest")
     assert rc == 1 and "rounding (checkpoint 'stochastic', this run 'nearest')" in err

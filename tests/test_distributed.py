@@ -26,11 +26,11 @@ sys.path.insert(0, str(WORKER.parent))
 import mpi_worker  # noqa: E402
 
 
-def launch(tmp_path, mode, sync_bn, dtype, action="train", n=2, timeout=120):
+def launch(tmp_path, mode, sync_bn, dtype, action="train", n=2, timeout=120, extra=()):
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1", LOWMEM_THREADS="1")
     out = tmp_path / "state"
     cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKER), mode,
-           "1" if sync_bn else "0", dtype, str(out), action]
+           "1" if sync_bn else "0", dtype, str(out), action, *map(str, extra)]
     t = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
                        cwd=str(WORKER.parent.parent))
@@ -49,6 +49,22 @@ def test_sync_bn_over_two_ranks_equals_one_rank_at_the_global_batch(tmp_path, mo
         for name, want in one.items():
             err = np.linalg.norm(state[name] - want) / max(np.linalg.norm(want), 1e-30)
             assert err < tol, (name, err)
+
+
+@pytest.mark.parametrize("rounding,global_batch", [("stochastic-window", 8), ("stochastic", 128)])
+def test_stochastic_draws_do_not_depend_on_the_split(tmp_path, rounding, global_batch):
+    """With sync_bn, 2 ranks draw the codes 1 rank at the global batch draws (the stream follows the
+    element's global index, not the rank): the same parameters within float64 rounding. The
+    unbiased code needs each rank's rows to be whole groups of 256 (64 samples of the 2x2 units)."""
+    r, states, _ = launch(tmp_path, "approx", True, "float64", extra=(rounding, global_batch))
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = mpi_worker.train(distributed.SingleProcess(), "approx", False, "float64", rounding=rounding,
+                           global_batch=global_batch)
+    assert len(states) == 2
+    for state in states:
+        for name, want in one.items():
+            err = np.linalg.norm(state[name] - want) / max(np.linalg.norm(want), 1e-30)
+            assert err < 1e-6, (name, err)
 
 
 @pytest.mark.parametrize("mode", ["exact", "approx"])

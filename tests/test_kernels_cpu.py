@@ -228,7 +228,7 @@ def test_col2im_equals_numpy_reference(dtype, k, stride, pad, H, W):
 @pytest.mark.parametrize("naive", [False, True])
 @pytest.mark.parametrize("inplace", [True, False])
 def test_stochastic_codes_equal_numpy_across_blocks_and_threads(long_rows, bits, naive, inplace):
-    """rounding="stochastic": the numba codes (and naive's decoded output) equal
+    """rounding="stochastic-window": the numba codes (and naive's decoded output) equal
     quant.quantize_pack's for the same key bit for bit, with rows of 2.5 blocks split over
     threads (the stream counts the global element index c*M + i); another key gives other codes,
     the same key the same ones, and the mask stays exact."""
@@ -239,8 +239,8 @@ def test_stochastic_codes_equal_numpy_across_blocks_and_threads(long_rows, bits,
     key = quant.stream_key(7, 3, 2)
     packed, ref = (np.empty(quant.packed_nbytes(x.size, bits), np.uint8) for _ in range(2))
     out = x.copy() if inplace else np.full_like(x, np.nan)
-    fast.unit_forward_code(out, packed, out if inplace else x, mean, rstd, g, b, qp, naive, "stochastic", key)
-    quant.quantize_pack(ref, xhat, qp, "stochastic", key)
+    fast.unit_forward_code(out, packed, out if inplace else x, mean, rstd, g, b, qp, naive, "stochastic-window", key)
+    quant.quantize_pack(ref, xhat, qp, "stochastic-window", key)
     assert np.array_equal(packed, ref)
     ref_out = np.empty_like(x)
     if naive:
@@ -254,14 +254,14 @@ def test_stochastic_codes_equal_numpy_across_blocks_and_threads(long_rows, bits,
     near = np.empty_like(packed)
     quant.quantize_pack(near, xhat, qp)
     again, other = np.empty_like(packed), np.empty_like(packed)
-    fast.unit_forward_code(np.empty_like(x), again, x, mean, rstd, g, b, qp, naive, "stochastic", key)
-    fast.unit_forward_code(np.empty_like(x), other, x, mean, rstd, g, b, qp, naive, "stochastic", key + 1)
+    fast.unit_forward_code(np.empty_like(x), again, x, mean, rstd, g, b, qp, naive, "stochastic-window", key)
+    fast.unit_forward_code(np.empty_like(x), other, x, mean, rstd, g, b, qp, naive, "stochastic-window", key + 1)
     assert np.array_equal(again, packed) and not np.array_equal(other, packed)
     assert not np.array_equal(near, packed)
 
 
 def test_the_code_sets_round_stochastically_alike():
-    """FusedCodeUnits(cpu, rounding="stochastic") and CodeUnits(rounding="stochastic"): the same
+    """FusedCodeUnits(cpu, rounding="stochastic-window") and CodeUnits(rounding="stochastic-window"): the same
     saved codes and conv input for the same key; forward without a key is refused."""
     from lowmem.units import fused
     from lowmem.units.reference import CodeUnits
@@ -269,8 +269,8 @@ def test_the_code_sets_round_stochastically_alike():
     C, M = x.shape
     mean, var, rstd = stats(x)
     got = {}
-    for name, units in (("ref", CodeUnits(2, rounding="stochastic")),
-                        ("numba", fused.FusedCodeUnits(fast, 2, rounding="stochastic"))):
+    for name, units in (("ref", CodeUnits(2, rounding="stochastic-window")),
+                        ("numba", fused.FusedCodeUnits(fast, 2, rounding="stochastic-window"))):
         shape, dt = units.saved_entry(C, M, F)
         slot, out, u = np.zeros(shape, dt), np.empty_like(x), np.empty_like(x)
         with pytest.raises(ValueError, match="needs a key"):

@@ -41,6 +41,8 @@ from lowmem.system import cuda as cuda_helper
 from lowmem.train import optim, optim_gpu
 from lowmem.units import quant
 from lowmem.units import gpu as cuda
+from lowmem.units import gpu_unbiased, unbiased
+from lowmem.units.stream import Stream
 from lowmem.core.network import Parameter
 from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
 from lowmem.ops import columns_gpu
@@ -57,13 +59,13 @@ EPS = 1e-5
 NVCC = shutil.which("nvcc")
 
 
-PROGRAMS = cuda_helper.PROGRAMS       # every program, now that the three modules are imported
+PROGRAMS = cuda_helper.PROGRAMS       # every program, now that the four modules are imported
 
 
 def test_every_program_is_registered():
-    assert set(PROGRAMS) == {"units", "columns", "sgd"}
+    assert set(PROGRAMS) == {"units", "columns", "sgd", "unbiased"}
     assert (PROGRAMS["units"] is cuda.PROGRAM and PROGRAMS["columns"] is columns_gpu.PROGRAM
-            and PROGRAMS["sgd"] is optim_gpu.PROGRAM)
+            and PROGRAMS["sgd"] is optim_gpu.PROGRAM and PROGRAMS["unbiased"] is gpu_unbiased.PROGRAM)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -135,6 +137,8 @@ static inline double __dsub_rn(double a, double b) { return a - b; }
 static inline double __ddiv_rn(double a, double b) { return a / b; }
 static inline double __dsqrt_rn(double a) { return std::sqrt(a); }
 static inline double __drcp_rn(double a) { return 1.0 / a; }
+static inline unsigned __float_as_uint(float f) { unsigned u; __builtin_memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
 """
 
 LAUNCHER = r"""
@@ -190,6 +194,7 @@ class Emulated:
 
     def _ctype(self, t):
         return {"real*": self.dtype, "double*": np.dtype(np.float64), "unsigned char*": np.dtype(np.uint8),
+                "unsigned short*": np.dtype(np.uint16), "int*": np.dtype(np.int32),
                 "real": self.dtype.type, "double": np.float64, "int": np.int32, "long long": np.int64,
                 "unsigned long long": np.uint64}[t]
 
@@ -335,7 +340,7 @@ def test_forward_code_packs_bit_identical_codes(dev, dtype, bits, naive):
 @pytest.mark.parametrize("bits", quant.BITS)
 @pytest.mark.parametrize("naive", [False, True])
 def test_stochastic_forward_code_packs_numpys_codes(dev, dtype, bits, naive):
-    """rounding="stochastic": the CUDA codes (uint64 stream in-kernel) equal quant.quantize_pack's
+    """rounding="stochastic-window": the CUDA codes (uint64 stream in-kernel) equal quant.quantize_pack's
     for the same key bit for bit, and naive's decoded output; the same key gives the same codes,
     another key other ones; the mask stays exact."""
     x, g, b = unit(dtype, seed=40 + bits)
@@ -343,7 +348,7 @@ def test_stochastic_forward_code_packs_numpys_codes(dev, dtype, bits, naive):
     qp = quant.quant_params(g, b, bits)
     key = quant.stream_key(1, 2, 3)
     ref = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
-    quant.quantize_pack(ref, xhat, qp, "stochastic", key)
+    quant.quantize_pack(ref, xhat, qp, "stochastic-window", key)
     ref_out = np.empty_like(x)
     if naive:
         quant.decode_relu(ref_out, ref, qp, g, b)
@@ -351,19 +356,19 @@ def test_stochastic_forward_code_packs_numpys_codes(dev, dtype, bits, naive):
         bn_relu_apply_forward(ref_out, xhat, g, b)
     args = [dev.put(a) for a in (mean, rstd, g, b)]
     packed, xd = dev.put(np.zeros_like(ref)), dev.put(x)
-    cuda.unit_forward_code(xd, packed, xd, *args, bits, naive, "stochastic", key)
+    cuda.unit_forward_code(xd, packed, xd, *args, bits, naive, "stochastic-window", key)
     assert np.array_equal(dev.get(packed), ref)
     assert np.array_equal(dev.get(xd), ref_out)
     xt, mask = np.empty_like(x), np.empty(x.shape, bool)
     quant.unpack_decode(xt, ref, qp, mask_out=mask)
     assert np.array_equal(mask, (xhat * g[:, None]) + b[:, None] > 0)
     again, other = dev.put(np.zeros_like(ref)), dev.put(np.zeros_like(ref))
-    cuda.unit_forward_code(dev.put(np.empty_like(x)), again, dev.put(x), *args, bits, naive, "stochastic", key)
-    cuda.unit_forward_code(dev.put(np.empty_like(x)), other, dev.put(x), *args, bits, naive, "stochastic",
+    cuda.unit_forward_code(dev.put(np.empty_like(x)), again, dev.put(x), *args, bits, naive, "stochastic-window", key)
+    cuda.unit_forward_code(dev.put(np.empty_like(x)), other, dev.put(x), *args, bits, naive, "stochastic-window",
                            key ^ 1)
     assert np.array_equal(dev.get(again), ref) and not np.array_equal(dev.get(other), ref)
     with pytest.raises(ValueError, match="needs a key"):
-        cuda.unit_forward_code(xd, packed, xd, *args, bits, naive, "stochastic")
+        cuda.unit_forward_code(xd, packed, xd, *args, bits, naive, "stochastic-window")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -612,6 +617,25 @@ def test_engine_gpu_path_on_emulated_kernels(emulator, monkeypatch, mode, n):
     cuda_helper.reset()
 
 
+@pytest.mark.parametrize("mode,n", [("approx", 8), ("naive", 4)])
+def test_engine_gpu_path_runs_the_unbiased_code_on_emulated_kernels(emulator, monkeypatch, mode, n):
+    """rounding="stochastic" on the CuPy wiring (units/gpu_unbiased.py, emulated), float64: the
+    NumPy engine's loss, gradients and two SGD steps (the same draws: they follow the element's
+    index, not the kernels)."""
+    emulate(monkeypatch, emulator)
+    net, shape = randomized(lowmem.models.preact_resnet_cifar(11), 2), (3, 8, 8)
+    rng = np.random.default_rng(9)
+    x, y = rng.standard_normal((n,) + shape), rng.integers(0, net.num_classes, n)
+    kw = dict(mode=mode, bits=2, N=8, steps=2, rounding="stochastic", seed=3)
+    ref = run(net, shape, x, y, np, "float64", **kw)
+    monkeypatch.setattr(lowmem.system.backend, "xp", NumpyAsCupy("cupy"))
+    got = run(net, shape, x, y, np, "float64", **kw)
+    eng = got[5]
+    assert eng.use_fast and all(u.kernels is gpu_unbiased for u in eng.units.values())
+    compare(got, ref, 1e-10)
+    cuda_helper.reset()
+
+
 @pytest.mark.parametrize("which", ["cifar11-bottleneck", "tiny-imagenet-style"])
 @pytest.mark.parametrize("mode", ["exact", "approx", "naive"])
 @pytest.mark.parametrize("use_fast", [True, False])
@@ -708,3 +732,42 @@ def test_the_conv_ops_take_the_one_launch_columns_on_gpu_arrays(dev, k, stride, 
     assert "im2col" in calls and ("col2im" in calls or (k, stride) == (1, 2))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
+
+
+# ---- the unbiased code (lowmem/units/gpu_unbiased.py) ---------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("naive", [False, True])
+def test_unbiased_forward_and_decode_are_the_reference(dev, dtype, bits, naive):
+    """The CUDA unbiased code: the slot byte for byte unbiased.quantize_pack's (a shard keyed by
+    its global place; γ of both signs and 0, t outside the data, a short last group), relu(y) or
+    naive's conv input as the reference, and the decodes (x-tilde, conv input, masked gradient)
+    bit for bit unbiased.decode_each_chunk's."""
+    x, g, b = unit(dtype, C=7, M=776, seed=bits)
+    g[2], b[3], b[4] = 0, 9.0, -9.0
+    xhat, mean, _, rstd = host_stats(x)
+    key = Stream(quant.stream_key(2, 3, 4), start=776, row=3 * 776)
+    C, M = x.shape
+    want = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
+    unbiased.quantize_pack(want, xhat, g, b, bits, key)
+    ref_out = np.empty_like(x)
+    if naive:
+        unbiased.decode_each_chunk(ref_out, want, g, b, bits, relu=True)
+    else:
+        bn_relu_apply_forward(ref_out, xhat, g, b)
+    slot, xd = dev.put(np.zeros_like(want)), dev.put(x)
+    gd, bd = dev.put(g), dev.put(b)
+    gpu_unbiased.unit_forward(xd, slot, xd, dev.put(mean), dev.put(rstd), gd, bd, bits, naive, key)   # in place
+    assert np.array_equal(dev.get(slot), want)
+    assert np.array_equal(dev.get(xd), ref_out)
+    for relu in (False, True):
+        ref = np.empty_like(x)
+        unbiased.decode_each_chunk(ref, want, g, b, bits, relu=relu)
+        got = dev.put(np.empty_like(x))
+        gpu_unbiased.decode(got, slot, gd, bd, bits, relu=relu)
+        assert np.array_equal(dev.get(got), ref)
+    dr = np.random.default_rng(1).standard_normal(x.shape).astype(dtype)
+    drd = dev.put(dr.copy())
+    gpu_unbiased.decode(dev.put(np.empty_like(x)), slot, gd, bd, bits, dr=drd)
+    assert np.array_equal(dev.get(drd), dr * ((xhat * g[:, None]) + b[:, None] > 0))

@@ -413,7 +413,7 @@ def test_conv_input_example_of_the_issue():
 def stochastic_roundtrip(xhat, gamma, beta, bits, key):
     qp = q.quant_params(gamma, beta, bits)
     packed = np.empty(q.packed_nbytes(xhat.size, bits), np.uint8)
-    q.quantize_pack(packed, xhat, qp, "stochastic", key)
+    q.quantize_pack(packed, xhat, qp, "stochastic-window", key)
     xt = np.empty_like(xhat)
     mask = np.empty(xhat.shape, bool)
     q.unpack_decode(xt, packed, qp, mask_out=mask)
@@ -442,10 +442,12 @@ def test_the_stream_is_splitmix64():
 
 
 def test_stream_key():
-    keys = {q.stream_key(seed, step, unit, rank) for seed in range(3) for step in range(20)
-            for unit in range(10) for rank in range(2)}
-    assert len(keys) == 3 * 20 * 10 * 2 and all(0 <= k < 2 ** 64 for k in keys)
-    assert q.stream_key(1, 2, 3) == q.stream_key(1, 2, 3, 0) == q.stream_key(np.int64(1), 2, 3)
+    keys = {q.stream_key(seed, step, unit) for seed in range(3) for step in range(20)
+            for unit in range(10)}
+    assert len(keys) == 3 * 20 * 10 and all(0 <= k < 2 ** 64 for k in keys)
+    assert q.stream_key(1, 2, 3) == q.stream_key(np.int64(1), 2, 3)
+    with pytest.raises(TypeError):
+        q.stream_key(1, 2, 3, 0)                    # no rank: the global index tells shards apart
     with pytest.raises(ValueError, match=r"key must be an integer in \[0, 2\*\*64\)"):
         q.stream_key(-1, 0, 0)
 
@@ -454,7 +456,7 @@ def test_stream_key():
 @pytest.mark.parametrize("bits", q.BITS)
 def test_stochastic_packed_equals_simulated(dtype, bits, monkeypatch):
     gamma, beta, x = make_case(dtype, seed=2, bits=bits)
-    xs, ms = q.quantize_simulated(x, gamma, beta, bits, "stochastic", 12345)
+    xs, ms = q.quantize_simulated(x, gamma, beta, bits, "stochastic-window", 12345)
     for chunk in (q.CHUNK, 8, 24, 64):                  # pieces and chunks split rows
         monkeypatch.setattr(q, "CHUNK", chunk)
         _, xt, mask, _ = stochastic_roundtrip(x, gamma, beta, bits, 12345)
@@ -501,13 +503,13 @@ def test_stochastic_is_deterministic_per_key(bits):
     q.quantize_pack(n0, x, qp)
     q.quantize_pack(n1, x, qp, "nearest", 77)
     np.testing.assert_array_equal(n0, n1)
-    with pytest.raises(ValueError, match="rounding='stochastic' needs a key"):
-        q.quantize_pack(n0, x, qp, "stochastic")
-    with pytest.raises(ValueError, match="rounding must be 'nearest' or 'stochastic', got 'up'"):
+    with pytest.raises(ValueError, match="rounding='stochastic-window' needs a key"):
+        q.quantize_pack(n0, x, qp, "stochastic-window")
+    with pytest.raises(ValueError, match="rounding must be one of 'nearest', 'stochastic', 'stochastic-window', got 'up'"):
         q.quantize_pack(n0, x, qp, "up", 1)
     for bad in (-1, 2 ** 64, 1.0, True, "1"):
         with pytest.raises(ValueError, match=r"key must be an integer in \[0, 2\*\*64\)"):
-            q.quantize_simulated(x, gamma, beta, bits, "stochastic", bad)
+            q.quantize_simulated(x, gamma, beta, bits, "stochastic-window", bad)
 
 
 def allowed_codes(x, gamma, beta, qp):
@@ -546,7 +548,7 @@ def test_stochastic_rounding_is_unbiased_within_the_window(bits):
     want_mask = exact_mask(x, gamma, beta)
     all_nearest = np.ones(x.shape, bool)
     for draw in range(K):
-        xt, mask = q.quantize_simulated(x, gamma, beta, bits, "stochastic", q.stream_key(0, draw, 0))
+        xt, mask = q.quantize_simulated(x, gamma, beta, bits, "stochastic-window", q.stream_key(0, draw, 0))
         np.testing.assert_array_equal(mask, want_mask)
         total += xt
         all_nearest &= xt == nearest
@@ -588,7 +590,7 @@ def test_stochastic_bias_regions_are_half_a_bin_at_the_threshold():
     codes = []
     for draw in range(200):
         packed = np.empty(q.packed_nbytes(4, bits), np.uint8)
-        q.quantize_pack(packed, x, qp, "stochastic", draw)
+        q.quantize_pack(packed, x, qp, "stochastic-window", draw)
         c = np.empty(4, np.uint8)
         q.unpack_codes(c, packed, bits)
         codes.append(c)
@@ -625,7 +627,7 @@ def test_scratch_bounded_by_chunk():
         # stochastic rounding: + three uint64 arrays of CHUNK (the stream)
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
-        q.quantize_pack(packed, x, qp, "stochastic", 5)
+        q.quantize_pack(packed, x, qp, "stochastic-window", 5)
         peak = tracemalloc.get_traced_memory()[1] - base
         assert peak < bound + 24 * q.CHUNK, (peak, bound)
     finally:

@@ -1,8 +1,9 @@
-"""Stochastic rounding wired through the engine: Engine(..., rounding="stochastic", seed=s).
+"""Stochastic rounding wired through the engine: Engine(..., rounding="stochastic-window", seed=s).
 
 * The forward (loss, logits) is exact mode's, bit for bit: only the saved codes change.
 * The codes are those of quant.quantize_pack with the key quant.stream_key(seed, step, unit
-  index, rank) for every unit, on the reference and the fused kernels alike; a new training
+  index) at each element's global index (quant.Stream) for every unit, on the reference and the
+  fused kernels alike; a new training
   forward (engine.step + 1) draws new codes, the same step and seed draw the same ones.
 * Nearest rounding (the default) is untouched (tests/test_unit_bits.py: bit for bit).
 * The trainer keeps `rounding` with the run and sets engine.step to the iteration, so a
@@ -36,7 +37,7 @@ def test_stochastic_codes_are_quantize_pack_with_the_unit_keys(use_fast):
     net = preact_resnet_cifar(8)
     x, y = batch()
     exact = Engine(copy.deepcopy(net), N, SHAPE, "exact", use_fast=use_fast)
-    eng = Engine(copy.deepcopy(net), N, SHAPE, "approx", {"*": 2, "layer2.0.bn1": 4}, rounding="stochastic",
+    eng = Engine(copy.deepcopy(net), N, SHAPE, "approx", {"*": 2, "layer2.0.bn1": 4}, rounding="stochastic-window",
                  seed=7, use_fast=use_fast)
     nearest = Engine(copy.deepcopy(net), N, SHAPE, "approx", {"*": 2, "layer2.0.bn1": 4}, use_fast=use_fast)
     eng.step = 5
@@ -51,7 +52,7 @@ def test_stochastic_codes_are_quantize_pack_with_the_unit_keys(use_fast):
         g, b = (exact.net.params[n].data for n in (u + ".weight", u + ".bias"))
         qp = quant.quant_params(g, b, eng.unit_bits[u])
         want = np.empty_like(got[u])
-        quant.quantize_pack(want, np.ascontiguousarray(xhat), qp, "stochastic", quant.stream_key(7, 5, i))
+        quant.quantize_pack(want, np.ascontiguousarray(xhat), qp, "stochastic-window", quant.stream_key(7, 5, i))
         assert np.array_equal(got[u], want), u
     assert any(not np.array_equal(got[u], near[u]) for u in got)      # stochastic codes differ from nearest
 
@@ -59,7 +60,7 @@ def test_stochastic_codes_are_quantize_pack_with_the_unit_keys(use_fast):
 def test_stochastic_draws_follow_seed_and_step_and_match_across_kernels():
     net = preact_resnet_cifar(8)
     x, y = batch()
-    make = lambda seed, fast: Engine(copy.deepcopy(net), N, SHAPE, "approx", 2, rounding="stochastic",  # noqa
+    make = lambda seed, fast: Engine(copy.deepcopy(net), N, SHAPE, "approx", 2, rounding="stochastic-window",  # noqa
                                      seed=seed, use_fast=fast)
     a, b, c, ref = make(1, None), make(1, None), make(2, None), make(1, False)
     for e in (a, b, c, ref):
@@ -73,7 +74,7 @@ def test_stochastic_draws_follow_seed_and_step_and_match_across_kernels():
 
 
 def test_rounding_is_checked():
-    with pytest.raises(ValueError, match="rounding must be 'nearest' or 'stochastic', got 'up'"):
+    with pytest.raises(ValueError, match="rounding must be one of 'nearest', 'stochastic', 'stochastic-window', got 'up'"):
         Engine(preact_resnet_cifar(8), N, SHAPE, "approx", 2, rounding="up", allocate=False)
     with pytest.raises(Exception, match=r"rounding='up': expected one of nearest, stochastic"):
         TrainConfig(dataset="synthetic", rounding="up").validate()
@@ -82,7 +83,7 @@ def test_rounding_is_checked():
 def test_trainer_resume_draws_the_same_stream(tmp_path):
     def cfg(epochs, out):
         return TrainConfig(dataset="synthetic", limit_train=32, limit_test=8, depth=8, batch=16, epochs=epochs,
-                           mode="approx", bits=2, rounding="stochastic", seed=3, out=str(out), progress=False,
+                           mode="approx", bits=2, rounding="stochastic-window", seed=3, out=str(out), progress=False,
                            schedule="constant", warmup_iters=0)   # the lr does not depend on the length
     whole = Trainer(cfg(2, tmp_path / "a"), log=lambda s: None)
     assert "stochastic rounding" in whole.describe()

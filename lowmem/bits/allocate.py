@@ -2,9 +2,9 @@
 
 Each unit u can keep x-hat at K in {1, 2, 4, 8} bits or in float; choice k costs
 bytes[u][k] (its saved slot: quant.packed_nbytes(C*N*H*W, K), or C*N*H*W*itemsize)
-and adds err[u][k] to the predicted squared gradient error (lowmem/bits/sensitivity.py:
-squared errors of different units add, because the forward pass is exact). The
-allocation minimises
+and adds err[u][k] to the objective (lowmem/bits/sensitivity.py's Sensitivity.objective:
+the unit's persistent bias² over ||E g||² plus its draw variance over the SGD noise's; squared
+errors of different units add, because the forward pass is exact). The allocation minimises
 
     sum_u err[u][k_u]    subject to    sum_u bytes[u][k_u] <= budget,
 
@@ -28,7 +28,7 @@ from functools import reduce
 import numpy
 
 from ..core.engine import DEFAULT_WORKSPACE_BYTES, Engine
-from ..units import quant
+from ..units import quant, unbiased
 from ..system.memory import fmt_bytes
 from ..units.widths import BITS, FLOAT
 from .sensitivity import measure_sensitivity, measured_batches
@@ -108,11 +108,20 @@ def solve(costs, errors, budget, max_cells=MAX_CELLS):
     return Solution(choice, total, float(sum(errors[i][k] for i, k in enumerate(choice))), exact)
 
 
-def unit_bytes(elements, choice, itemsize=4):
-    """Bytes of a unit's saved x-hat slot for `elements` = C*N*H*W at `choice` (K or FLOAT)."""
+def unit_bytes(elements, choice, itemsize=4, channels=None, rounding="nearest"):
+    """Bytes of a unit's saved x-hat slot for `elements` = C*N*H*W at `choice` (K or FLOAT);
+    the unbiased code (rounding="stochastic", K >= 2) with its group ends and split (needs
+    `channels` = C): units/unbiased.py's slot_nbytes, the engine's plan entry."""
     if choice == FLOAT:
         return int(elements) * int(itemsize)
+    if rounding == "stochastic" and choice > 1:
+        return unbiased.slot_nbytes(channels, int(elements) // channels, choice)
     return quant.packed_nbytes(elements, choice)
+
+
+def _uniform(elements, channels, rounding):
+    return {k: sum(unit_bytes(n, k, channels=channels[u], rounding=rounding) for u, n in elements.items())
+            for k in (8, 4, 2, 1)}
 
 
 @dataclass
@@ -189,21 +198,26 @@ def check_batch_size(batch_size, name="batch_size"):
     return int(batch_size)
 
 
-def code_budget(elements, avg_bits=None, code_bytes=None):
+def code_budget(elements, avg_bits=None, code_bytes=None, uniform=None):
     """The saved x-hat bytes allowed: `code_bytes`, or what every unit at `avg_bits` would take
-    (exactly uniform K's bytes for K in 1, 2, 4, 8); elements {unit: C*N*H*W}."""
+    (exactly uniform K's bytes for K in 1, 2, 4, 8, `uniform` {K: bytes} where the code carries
+    metadata, e.g. the unbiased code's group ends); elements {unit: C*N*H*W}."""
     if avg_bits is None:
         return int(check_amount("code_bytes", code_bytes, 0, low_open=False, what="a number of bytes"))
     avg_bits = check_amount("avg_bits", avg_bits, 0, 32)
     if avg_bits in BITS:
+        if uniform is not None:
+            return uniform[int(avg_bits)]
         return sum(quant.packed_nbytes(n, int(avg_bits)) for n in elements.values())
     return int(sum(elements.values()) * avg_bits // 8)
 
 
-def check_fits(elements, code_bytes, choices, itemsize, said):
+def check_fits(elements, code_bytes, choices, itemsize, said, channels=None, rounding="nearest"):
     """ValueError unless every unit at its cheapest choice fits `code_bytes`; `said` words the
     budget the way the caller gave it (a callable: least bytes -> the message)."""
-    least = sum(min(unit_bytes(n, c, itemsize) for c in choices) for n in elements.values())
+    channels = channels or {}
+    least = sum(min(unit_bytes(n, c, itemsize, channels.get(u), rounding) for c in choices)
+                for u, n in elements.items())
     if least > code_bytes:
         raise ValueError(said(least))
 
@@ -220,27 +234,35 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
     if not sens.units:
         raise ValueError(NO_UNITS)
     elements = {u: int(math.prod(sens.shapes[u])) * batch_size for u in sens.units}
-    code_bytes = code_budget(elements, avg_bits, code_bytes)
-    costs = [[unit_bytes(elements[u], c, itemsize) for c in choices] for u in sens.units]
-    # errors were measured at sens.batch; a squared norm of a gradient that is a mean over the
-    # batch scales like 1/N for independent errors, and so does the squared noise: the ratios
-    # and therefore the choice do not depend on it, so no rescaling
-    errors = [[sens.error2(u, c) for c in choices] for u in sens.units]
+    channels = {u: int(sens.shapes[u][0]) for u in sens.units}
+    rounding = getattr(sens, "rounding", "nearest")
+    uniform = _uniform(elements, channels, rounding)
+    code_bytes = code_budget(elements, avg_bits, code_bytes, uniform)
+    costs = [[unit_bytes(elements[u], c, itemsize, channels[u], rounding) for c in choices] for u in sens.units]
+    # what is minimised: persistent bias² against ||E g||² plus draw variance against the SGD
+    # noise's (Sensitivity.objective; docs/bits.md). Both were measured at sens.batch; squared
+    # norms of batch means scale like 1/N for independent errors, and so do the squared noise
+    # and (its finite-sample part removed) nothing else: the choice does not depend on N
+    objective = getattr(sens, "objective", sens.error2)
+    errors = [[objective(u, c) for c in choices] for u in sens.units]
     sol = solve(costs, errors, code_bytes, max_cells)
     bits = {u: choices[k] for u, k in zip(sens.units, sol.choice)}
-    return Allocation(bits, dict(sens.shapes), {u: unit_bytes(elements[u], bits[u], itemsize) for u in bits},
+    return Allocation(bits, dict(sens.shapes),
+                      {u: unit_bytes(elements[u], bits[u], itemsize, channels[u], rounding) for u in bits},
                       {u: sens.error2(u, bits[u]) for u in bits}, sens.noise_norm, batch_size, code_bytes,
-                      sol.exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in BITS[::-1]})
+                      sol.exact, uniform)
 
 
 def allocation_for(sens, bits, batch_size, budget=None, itemsize=4, exact=True):
     """The Allocation record (bytes, predicted errors, table) of given widths {unit: K or FLOAT}
     at `batch_size` (e.g. an allocation chosen at one batch, shown at another)."""
     elements = {u: int(math.prod(sens.shapes[u])) * int(batch_size) for u in sens.units}
-    nbytes = {u: unit_bytes(elements[u], bits[u], itemsize) for u in sens.units}
+    channels = {u: int(sens.shapes[u][0]) for u in sens.units}
+    rounding = getattr(sens, "rounding", "nearest")
+    nbytes = {u: unit_bytes(elements[u], bits[u], itemsize, channels[u], rounding) for u in sens.units}
     return Allocation(dict(bits), dict(sens.shapes), nbytes, {u: sens.error2(u, bits[u]) for u in sens.units},
                       sens.noise_norm, int(batch_size), sum(nbytes.values()) if budget is None else int(budget),
-                      exact, {k: sum(quant.packed_nbytes(n, k) for n in elements.values()) for k in BITS[::-1]})
+                      exact, _uniform(elements, channels, rounding))
 
 
 def plan_parts(net, batch_size, input_shape, mode="approx", dtype="float32", workspace_bytes=None):
@@ -259,7 +281,7 @@ def fixed_plan_bytes(net, batch_size, input_shape, mode="approx", dtype="float32
 
 
 def check_budget(net, batch_size, input_shape, avg_bits=None, code_bytes=None, budget=None, mode="approx",
-                 dtype="float32", workspace_bytes=None, choices=CHOICES, names=None):
+                 dtype="float32", workspace_bytes=None, choices=CHOICES, names=None, rounding="nearest"):
     """Before any measurement: ValueError, in one line, unless exactly one budget is given, it is
     a valid number and the cheapest allocation fits it at `batch_size`. names: how the caller
     spells the three ({"avg_bits": "--avg-bits", ...}; default the parameter names). Returns the
@@ -282,20 +304,21 @@ def check_budget(net, batch_size, input_shape, avg_bits=None, code_bytes=None, b
     if not shapes:
         raise ValueError(NO_UNITS)
     elements = {u: int(math.prod(s)) * batch_size for u, s in shapes.items()}
+    channels = {u: int(s[0]) for u, s in shapes.items()}
     itemsize = numpy.dtype(dtype).itemsize
     cheapest = min(choices, key=lambda c: unit_bytes(8, c, itemsize))
     width = "float" if cheapest == FLOAT else f"{cheapest}-bit"
     if budget is not None:
         budget = int(budget)
-        check_fits(elements, budget - fixed, choices, itemsize, lambda least: (
+        check_fits(elements, budget - fixed, choices, itemsize, channels=channels, rounding=rounding, said=lambda least: (
             f"{names['budget']} {fmt_bytes(budget)} is below the smallest plan at batch {batch_size}, "
             f"{fmt_bytes(fixed + least)} ({fixed + least:,} B: {fmt_bytes(fixed)} besides the saved x-hat, "
             f"{fmt_bytes(least)} with every unit {width}); give at least that"))
         return budget - fixed, fixed
-    allowed = code_budget(elements, avg_bits, code_bytes)
+    allowed = code_budget(elements, avg_bits, code_bytes, _uniform(elements, channels, rounding))
     name, given = (names["avg_bits"], f"{avg_bits:g}") if avg_bits is not None else \
         (names["code_bytes"], fmt_bytes(int(code_bytes)))
-    check_fits(elements, allowed, choices, itemsize, lambda least: (
+    check_fits(elements, allowed, choices, itemsize, channels=channels, rounding=rounding, said=lambda least: (
         f"{name} {given} allows {fmt_bytes(allowed)} of saved x-hat at batch {batch_size}, below the "
         f"{fmt_bytes(least)} of every unit {width}; {name} must be at least "
         + (f"{least * 8 / sum(elements.values()):.4g}" if avg_bits is not None else f"{least:,} B")))
@@ -333,7 +356,7 @@ def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None,
         raise ValueError(f"input_shape {tuple(input_shape)} differs from the shape the sensitivity was "
                          f"measured at, {measured_shape}: measure on batches of the training input shape")
     allowed, fixed = check_budget(net, batch_size, measured_shape, avg_bits, code_bytes, budget, mode, dtype,
-                                  workspace_bytes, choices)
+                                  workspace_bytes, choices, rounding=rounding)
     if sens is None:
         sens = measure_sensitivity(net, batches, dtype=dtype, rounding=rounding)
     itemsize = numpy.dtype(dtype).itemsize

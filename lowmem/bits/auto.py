@@ -69,7 +69,7 @@ def choose_widths(net, batches, batch_size, avg_bits=None, budget=None, mode="ap
     batches = measured_batches(batches)
     if len(batches) >= 2:                         # fewer: measure_sensitivity names the problem
         check_budget(net, batch_size, tuple(batches[0][0].shape[1:]), avg_bits=avg_bits, budget=budget,
-                     mode=mode, dtype=dtype, workspace_bytes=workspace_bytes, names=names)
+                     mode=mode, dtype=dtype, workspace_bytes=workspace_bytes, names=names, rounding=rounding)
     sens = measure_sensitivity(net, batches, dtype=dtype, rounding=rounding)
     if measured is not None:
         measured(sens)

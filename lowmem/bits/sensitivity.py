@@ -137,6 +137,9 @@ class Sensitivity:
     shapes[u]        (C, H, W) per sample;  elements[u] = C*N*H*W at the measured batch N
     local[u][K]      L_u(K): squared error of u's own dgamma and its conv's dW
     inject[u][K]     D_u(K): squared error of u's dx
+    local_var, inject_var  the part of each that is draw variance (stochastic codes, two draws per
+                     batch: ||d1 − d2||²/2; 0 for nearest rounding): the rest is bias²
+    mean_grad_norm   ||E g|| of all parameters (||mean||² − tr(cov)/B over the batches)
     gain[u]          G_u: the fraction of injected squared error reaching the gradients below
     noise_norm       SGD noise of all parameters (diagnostics' sigma, one vector)
     grad_norm        rms over batches of the exact gradient's norm
@@ -155,6 +158,10 @@ class Sensitivity:
     batch: int
     num_batches: int
     input_shape: tuple = ()
+    rounding: str = "nearest"
+    local_var: dict = None
+    inject_var: dict = None
+    mean_grad_norm: float = float("nan")
 
     def error2(self, unit, bits):
         """E_u(K): predicted squared gradient error (all parameters) of `unit` at `bits`
@@ -162,6 +169,24 @@ class Sensitivity:
         if bits in (None, FLOAT):
             return 0.0
         return self.local[unit][bits] + self.gain[unit] * self.inject[unit][bits]
+
+    def variance2(self, unit, bits):
+        """The draw-variance part of error2 (0 for deterministic codes and for FLOAT)."""
+        if bits in (None, FLOAT) or self.local_var is None:
+            return 0.0
+        return self.local_var[unit][bits] + self.gain[unit] * self.inject_var[unit][bits]
+
+    def bias2(self, unit, bits):
+        """The persistent part of error2: what remains after the draws' variance."""
+        return max(self.error2(unit, bits) - self.variance2(unit, bits), 0.0)
+
+    def objective(self, unit, bits):
+        """What the allocator minimises (docs/bits.md): bias² against the expected gradient's
+        squared norm (a bias rotates every expected step) plus variance against the SGD noise's
+        (zero-mean noise adds to SGD's own variance); with unbiased codes only the second term
+        remains (ActNN's variance model), a 1-bit unit (no unbiased code) is priced as bias."""
+        g2 = self.mean_grad_norm ** 2 if self.mean_grad_norm > 0 else self.noise_norm ** 2
+        return self.bias2(unit, bits) / g2 + self.variance2(unit, bits) / self.noise_norm ** 2
 
     def predict2(self, allocation):
         """Predicted squared error norm of an allocation {unit: K or FLOAT} (missing: FLOAT)."""
@@ -216,6 +241,9 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
     layer_of = {L.name: L for L in eng.net.layers}
     local = {u: dict.fromkeys(BITS, 0.0) for u in units}
     inject = {u: dict.fromkeys(BITS, 0.0) for u in units}
+    local_var = {u: dict.fromkeys(BITS, 0.0) for u in units}
+    inject_var = {u: dict.fromkeys(BITS, 0.0) for u in units}
+    acc = (local, inject, local_var, inject_var)
     tensor_local = {p: 0.0 for p in params}       # L at K0, by parameter tensor (for the gains)
     arrival = {p: 0.0 for p in params}            # sum of D_u(K0) over units above tensor p
     measured_tensor = {p: 0.0 for p in params}
@@ -233,14 +261,14 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
                 owner[step.params[0]] = u
                 for p in step.params:
                     arrival[p] += injected_so_far[0]
-                _measure_unit(eng, step, u, g, b, local, inject, tensor_local, calibration_bits, cache,
+                _measure_unit(eng, step, u, g, b, acc, tensor_local, calibration_bits, cache,
                               rounding, keys[u])
                 injected_so_far[0] += inject_batch[u]
             elif step.unit:                       # a conv whose input a unit's slot rebuilds
                 u = step.unit
                 owner[step.params[0]] = u
                 arrival[step.params[0]] += injected_so_far[0]
-                _measure_conv(eng, step, u, local, tensor_local, calibration_bits, cache, rounding, keys[u])
+                _measure_conv(eng, step, u, acc, tensor_local, calibration_bits, cache, rounding, keys[u])
             else:
                 for p in step.params:
                     arrival[p] += injected_so_far[0]
@@ -255,7 +283,7 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
             measured_tensor[p] += e
             measured_total += e
     # averages over batches
-    for d in (local, inject):
+    for d in acc:
         for u in units:
             for k in BITS:
                 d[u][k] /= B
@@ -276,11 +304,13 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
     mean = flat.mean(axis=0)
     noise_norm = math.sqrt(((flat - mean) ** 2).sum(axis=1).mean() * B / (B - 1))
     grad_norm = math.sqrt((flat ** 2).sum(axis=1).mean())
+    mean_grad = math.sqrt(max((mean ** 2).sum() - ((flat - mean) ** 2).sum() / (B - 1) / B, 0.0))
     n = batches[0][0].shape[0]
     del layer_of
     return Sensitivity(units, shapes, {u: int(math.prod(shapes[u])) * n for u in units}, local, inject,
                        gain, noise_norm, grad_norm, {"bits": calibration_bits, "measured": measured_total},
-                       time.perf_counter() - t0, n, B, tuple(batches[0][0].shape[1:]))
+                       time.perf_counter() - t0, n, B, tuple(batches[0][0].shape[1:]), rounding,
+                       local_var, inject_var, mean_grad)
 
 
 class _InjectView:
@@ -305,17 +335,30 @@ def _backward_order(eng):
 
 
 def _deltas(cache, u, xhat, gamma, beta, rounding, key):
-    """(exact mask, {K: x-tilde_K - x-hat}) of unit u, computed once per batch (unit-sized arrays)."""
+    """(exact mask, {K: [x-tilde_K - x-hat of each draw]}) of unit u, once per batch (unit-sized
+    arrays): one draw for nearest rounding, two independent ones (keys key, mix64(key + 1)) for a
+    stochastic code, so bias and variance can be told apart."""
     if u not in cache:
         mask = (xhat * gamma[:, None]) + beta[:, None] > 0      # the forward's exact expression
-        cache[u] = mask, {k: quant.quantize_simulated(xhat, gamma, beta, k, rounding, key)[0] - xhat
-                          for k in BITS}
+        keys = [key] if rounding == "nearest" else [key, quant.mix64(key + 1)]
+        cache[u] = mask, {k: [quant.quantize_simulated(xhat, gamma, beta, k, rounding, kk)[0] - xhat
+                              for kk in keys] for k in BITS}
     return cache[u]
 
 
-def _measure_unit(eng, step, u, gamma, beta, local, inject, tensor_local, k0, cache, rounding, key):
+def _add(acc, i, u, k, vectors):
+    """Accumulate the squared error (mean over draws) and its draw variance of one measured
+    quantity: acc[i] += mean ||d||², acc[i + 2] += ||d1 − d2||²/2 (two draws). Returns the first."""
+    e = sum(_sq(v) for v in vectors) / len(vectors)
+    acc[i][u][k] += e
+    if len(vectors) == 2:
+        acc[i + 2][u][k] += min(_sq(vectors[0] - vectors[1]) / 2, e)
+    return e
+
+
+def _measure_unit(eng, step, u, gamma, beta, acc, tensor_local, k0, cache, rounding, key):
     """At unit u's backward step, before it runs: the exact incoming gradient dr and x-hat give
-    delta dgamma and delta dx of quantizing u at each K."""
+    delta dgamma and delta dx of quantizing u at each K (each draw)."""
     xhat = _xhat(eng, step.saved[0], step.in_shape)
     rstd = eng.arrays[step.saved[1]]
     C, M = xhat.shape
@@ -324,19 +367,21 @@ def _measure_unit(eng, step, u, gamma, beta, local, inject, tensor_local, k0, ca
     dy = eng.run.rows(step.dout, step.out_shape) * mask
     s_exact = (dy * xhat).sum(axis=1)
     for k in BITS:
-        delta = deltas[k]
-        dgamma = (dy * delta).sum(axis=1)                    # delta dgamma = S(x-tilde) - S(x-hat), (C,)
-        # dx differs only in its last term, gamma*rstd/M * x*S(x): the difference of it at
-        # x-tilde = x-hat + delta and at x-hat
-        ddx = (gamma * rstd / M)[:, None] * (xhat * s_exact[:, None] - (xhat + delta) * (s_exact + dgamma)[:, None])
-        e_local, e_inject = _sq(dgamma), _sq(ddx)
-        local[u][k] += e_local
-        inject[u][k] += e_inject
+        dgammas, ddxs = [], []
+        for delta in deltas[k]:
+            dgamma = (dy * delta).sum(axis=1)                # delta dgamma = S(x-tilde) - S(x-hat), (C,)
+            # dx differs only in its last term, gamma*rstd/M * x*S(x): the difference of it at
+            # x-tilde = x-hat + delta and at x-hat
+            dgammas.append(dgamma)
+            ddxs.append((gamma * rstd / M)[:, None] * (xhat * s_exact[:, None]
+                                                       - (xhat + delta) * (s_exact + dgamma)[:, None]))
+        e_local = _add(acc, 0, u, k, dgammas)
+        _add(acc, 1, u, k, ddxs)
         if k == k0:
             tensor_local[step.params[0]] += e_local
 
 
-def _measure_conv(eng, step, u, local, tensor_local, k0, cache, rounding, key):
+def _measure_conv(eng, step, u, acc, tensor_local, k0, cache, rounding, key):
     """At the backward step of a conv reading unit u: delta dW of u's code at each K, from the
     exact output gradient: one extra weight gradient per width (the conv input's error at each
     K, rebuilt into the scratch buffer the handler is about to overwrite)."""
@@ -346,16 +391,17 @@ def _measure_conv(eng, step, u, local, tensor_local, k0, cache, rounding, key):
     xhat = _xhat(eng, step.unit_saved, step.in_shape)
     mask, deltas = _deltas(cache, u, xhat, g, b, rounding, key)
     du = run.rows(step.scratch, step.in_shape)
-    dw = xp.empty_like(p.data)
     for k in BITS:
-        # approx's rebuilt input minus the exact one where the mask is open (0 where closed)
-        xp.copyto(du, xp.where(mask, xp.maximum((xhat + deltas[k]) * g[:, None] + b[:, None], 0)
-                               - (xhat * g[:, None] + b[:, None]), 0))
-        dw.fill(0)
-        conv2d_backward_weight(dw, run.act(step.scratch, step.in_shape), run.act(step.dout, step.out_shape),
-                               L.stride, L.pad, eng.arrays["conv.cols"])
-        e = _sq(dw)
-        local[u][k] += e
+        dws = []
+        for delta in deltas[k]:
+            # approx's rebuilt input minus the exact one where the mask is open (0 where closed)
+            xp.copyto(du, xp.where(mask, xp.maximum((xhat + delta) * g[:, None] + b[:, None], 0)
+                                   - (xhat * g[:, None] + b[:, None]), 0))
+            dw = xp.zeros_like(p.data)
+            conv2d_backward_weight(dw, run.act(step.scratch, step.in_shape), run.act(step.dout, step.out_shape),
+                                   L.stride, L.pad, eng.arrays["conv.cols"])
+            dws.append(dw)
+        e = _add(acc, 0, u, k, dws)
         if k == k0:
             tensor_local[step.params[0]] += e
 

@@ -91,11 +91,26 @@ def code_bits(bits, mode):
     return None if K in (None, FLOAT) else K
 
 
-def width_labels(mode, unit_bits):
-    """{unit: '4-bit' (x-hat saved as a code), 'float' (saved exact), or '' in exact mode}."""
+def width_labels(mode, unit_bits, slot_bits=None):
+    """{unit: '4-bit' (x-hat saved as a code), 'float' (saved exact), or '' in exact mode};
+    with slot_bits {unit: bits per element of its slot} a code whose slot holds more than K bits
+    per element (the unbiased code's group ends) reads e.g. '2-bit, 2.125 bits/elem'."""
     if mode == "exact":
         return dict.fromkeys(unit_bits, "")
-    return {u: FLOAT if K is None else f"{K}-bit" for u, K in unit_bits.items()}
+    slot_bits = slot_bits or {}
+
+    def label(u, K):
+        if K is None:
+            return "float"
+        b = slot_bits.get(u)
+        return f"{K}-bit" + (f", {b:.4g} bits/elem" if b is not None and b > K * 1.001 else "")
+    return {u: label(u, K) for u, K in unit_bits.items()}
+
+
+def rounding_label(rounding):
+    """', unbiased stochastic rounding' etc. for a summary (nearest, the default: '')."""
+    return {"nearest": "", "stochastic": ", unbiased stochastic rounding",
+            "stochastic-window": ", window stochastic rounding"}[rounding]
 
 
 def bits_label(mode, unit_bits):

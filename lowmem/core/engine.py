@@ -43,7 +43,7 @@ import numpy
 from ..system import backend, distributed, threads
 from . import checks
 from .. import units as kernels
-from ..units import quant, rangecode
+from ..units import quant, rangecode, unbiased
 from ..ops import dropout
 from ..ops.conv import columns_for
 from .optable import OPS, BatchStatisticsError, step_temporaries
@@ -78,10 +78,14 @@ class Engine:
         the per-rank batch; gradients are averaged over ranks after backward). sync_bn: batch
         statistics over all ranks' batches (units/sync.py) instead of per replica.
 
-        rounding: how x-hat becomes a code, "nearest" (the default) or "stochastic" (unbiased
-        within the window, the ReLU mask still exact; docs/quantizer.md). Stochastic codes are
-        drawn from quant.stream_key(seed, step, unit index, rank): `engine.step` counts the
-        training forwards (set it to resume a run's stream; the Trainer sets it every step)."""
+        rounding: how x-hat becomes a code (docs/quantizer.md): "nearest" (the default, the
+        fixed-window code), "stochastic" (the unbiased group-range code: E[x-tilde] = x-hat
+        everywhere, the ReLU mask exact) or "stochastic-window" (the
+        fixed window with stochastic rounding, unbiased only inside it). Stochastic codes are
+        drawn from quant.stream_key(seed, step, unit index) at each element's index in the
+        GLOBAL batch (quant.Stream: this rank's shard starts at rank*batch_size), so the draws
+        do not depend on how the batch is split over ranks: `engine.step` counts the training
+        forwards (set it to resume a run's stream; the Trainer sets it every step)."""
         self.mode, self.bits, self.dtype = checks.engine_args(net, batch_size, mode, bits, dtype)
         self.net, self.N = net, int(batch_size)      # N: the planned batch (a call's batch n <= N)
         self.comm = comm if comm is not None else distributed.SingleProcess()
@@ -114,7 +118,9 @@ class Engine:
         self.selected = self._select_units(sizes)
         self.plan, self.saved_slots = self._make_plan(workspace_bytes)
         self.nbytes = {e.name: e.nbytes for e in self.plan.entries}
-        self.schedule.fill_slots(self.saved_slots, self.nbytes, checks.width_labels(self.mode, self.unit_bits))
+        self.unit_code_bits = self._code_bits()
+        self.schedule.fill_slots(self.saved_slots, self.nbytes,
+                                 checks.width_labels(self.mode, self.unit_bits, self.unit_code_bits))
         self.arrays = self.run = None
         if allocate:
             self.arrays = self.plan.allocate(self.xp)
@@ -211,6 +217,39 @@ class Engine:
             plan.add_temporary(what, nbytes)            # bounds, not held (lowmem/core/optable.py)
         return plan, saved
 
+    def _code_bits(self):
+        """{coded unit: bits per element of its saved code slot, metadata included}: 8 * the slot's
+        planned bytes / (C*N*H*W). The window codes hold K (plus the last byte's padding); the
+        unbiased code adds its group ends and split (units/unbiased.py)."""
+        out = {}
+        for u, K in self.unit_bits.items():
+            if K is not None and self.mode != "exact":
+                c, h, w = self._unit_sizes[u]
+                out[u] = 8 * self.nbytes[self.saved_slots[u][0]] / (c * self.N * h * w)
+        return out
+
+    def split_dependent_units(self, per_rank_batch=None):
+        """Coded units whose codes would depend on how a global batch is split over ranks at this
+        per-rank batch (default: the planned one): with the unbiased code (rounding="stochastic",
+        K >= 2) a unit whose per-rank row n*H*W is not a whole number of 256-element groups."""
+        if self.rounding != "stochastic" or self.mode == "exact":
+            return []
+        n = self.N if per_rank_batch is None else int(per_rank_batch)
+        return [u for u, K in self.unit_bits.items() if K is not None and K > 1
+                and (n * self._unit_sizes[u][1] * self._unit_sizes[u][2]) % unbiased.GROUP]
+
+    def _has_metadata(self):
+        """Whether some coded unit's slot holds more than its K bits per element (group ends)."""
+        return any(b > self.unit_bits[u] * 1.001 for u, b in self.unit_code_bits.items())
+
+    def bits_per_element(self):
+        """Bits per element of all coded units' saved slots together, metadata included (None
+        when no unit is coded)."""
+        if not self.unit_code_bits:
+            return None
+        elems = {u: math.prod(self._unit_sizes[u]) * self.N for u in self.unit_code_bits}
+        return sum(self.unit_code_bits[u] * elems[u] for u in elems) / sum(elems.values())
+
     def forward(self, x, labels):
         """Training-mode forward of x (N, C, H, W): returns (mean loss, logits (N, K) copy).
 
@@ -245,9 +284,14 @@ class Engine:
         run.units = self.selected if aligned or not self.fused else self.reference_units
         # stochastic rounding: each coded unit's stream key for this training step
         run.keys = {}
-        if training and self.rounding == "stochastic":
-            run.keys = {u: quant.stream_key(self.seed, self.step, i, self.comm.rank)
-                        for i, (u, K) in enumerate(self.unit_bits.items()) if K is not None}
+        if training and self.rounding != "nearest":
+            # keyed by the element's index in the global batch: every rank's shard is run.n samples
+            # (distributed.shard splits evenly), rank r's starting at sample r*run.n
+            R, r, n = self.comm.size, self.comm.rank, run.n
+            run.keys = {u: quant.Stream(quant.stream_key(self.seed, self.step, i),
+                                        start=r * n * h * w, row=R * n * h * w)
+                        for i, (u, K) in enumerate(self.unit_bits.items()) if K is not None
+                        for (_, h, w) in [self._unit_sizes[u]]}
         if training:                              # dropout: each layer's mask stream for this step
             run.keys.update({name: dropout.stream_key(self.seed, self.step, i, self.comm.rank)
                              for i, name in enumerate(self._keyed)})
@@ -327,7 +371,8 @@ class Engine:
         return (f"{self.net.name}: {self.net.num_params():,} params, batch {self.N}, "
                 f"input {self.input_shape}, mode {self.mode}"
                 + (f" ({checks.bits_label(self.mode, self.unit_bits)}"
-                   + (", stochastic rounding" if self.rounding == "stochastic" else "") + ")"
+                   + checks.rounding_label(self.rounding)
+                   + (f", {self.bits_per_element():.4g} bits/elem" if self._has_metadata() else "") + ")"
                    if self.mode != "exact" and self.unit_bits else "")
                 + f", {self.dtype}; planned {fmt_bytes(self.plan.total_bytes)} "
                   f"(saved {fmt_bytes(by['saved'])}, buffers {fmt_bytes(by['buffers'])})")

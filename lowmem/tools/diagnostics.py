@@ -84,13 +84,15 @@ def warm_up(net, batches, steps, lr=0.05, dtype="float32"):
 
 # ---- gradient error ----------------------------------------------------------
 
-def parameter_grads(net, batches, mode, bits=4, dtype="float32", rounding="nearest"):
+def parameter_grads(net, batches, mode, bits=4, dtype="float32", rounding="nearest", seed=0):
     """Per parameter name, the float64 host gradients on each batch: {name: (B, *shape)}.
 
     Uses an Engine on a deep copy of `net` (so `net` is not consumed). bits: K or per-unit
-    widths (Engine's bits); rounding="stochastic": batch b draws the codes of engine step b, seed 0."""
+    widths (Engine's bits); stochastic rounding: batch b draws the codes of engine step b of
+    `seed` (another seed: another, independent draw of every code)."""
     x0 = batches[0][0]
-    eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], mode, bits, dtype, rounding=rounding)
+    eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], mode, bits, dtype, rounding=rounding,
+                 seed=seed)
     params = eng.net.parameters()
     out = {p.name: numpy.empty((len(batches),) + p.shape) for p in params}
     for b, (x, labels) in enumerate(batches):
@@ -98,6 +100,42 @@ def parameter_grads(net, batches, mode, bits=4, dtype="float32", rounding="neare
         eng.backward()
         for p in params:
             out[p.name][b] = backend.to_numpy(p.grad)
+    return out
+
+
+def bias_and_noise(exact, draws):
+    """Bias apart from noise, all parameters as one vector. exact: {name: (B, ...)} exact
+    gradients; draws: a list of D >= 1 such dicts of one approximate mode, each an independent
+    draw of its codes on the same B batches. With e_bd = g_bd − g_b (flattened), m_b its mean
+    over draws and μ = mean_b m_b:
+
+        persistent_bias  sqrt(max(||μ||² − tr cov_b(m_b)/B, 0)): ||E_b E_draw e|| with the
+                         finite-sample part removed; the error that does not average out
+        mean_grad        the same estimate of ||E_b g_b||
+        draw_noise       sqrt(D/(D−1) · mean_bd ||e_bd − m_b||²) (D >= 2; else nan): per-step noise
+        sgd_noise        σ of all parameters (the module docstring)
+        error            rms_bd ||e_bd||
+    Returns a dict of these floats, plus bias_ratio = persistent_bias / mean_grad and
+    noise_ratio = draw_noise / sgd_noise."""
+    names = list(exact)
+    g = numpy.concatenate([exact[n].reshape(exact[n].shape[0], -1) for n in names], axis=1)
+    e = numpy.stack([numpy.concatenate([d[n].reshape(d[n].shape[0], -1) for n in names], axis=1) - g
+                     for d in draws])                                   # (D, B, P)
+    D, B = e.shape[0], e.shape[1]
+    if B < 2:
+        raise ValueError(f"bias_and_noise needs at least 2 batches, got {B}")
+
+    def corrected(v):                         # ||E v_b||² without the sampling part, v (B, P)
+        mu = v.mean(axis=0)
+        tr = ((v - mu) ** 2).sum() / (B - 1)
+        return float(numpy.sqrt(max((mu ** 2).sum() - tr / B, 0.0)))
+    m = e.mean(axis=0)
+    out = {"persistent_bias": corrected(m), "mean_grad": corrected(g),
+           "draw_noise": float(numpy.sqrt(((e - m) ** 2).sum(axis=2).mean() * D / (D - 1))) if D > 1 else float("nan"),
+           "sgd_noise": float(numpy.sqrt(((g - g.mean(axis=0)) ** 2).sum(axis=1).mean() * B / (B - 1))),
+           "error": float(numpy.sqrt((e ** 2).sum(axis=2).mean()))}
+    out["bias_ratio"] = out["persistent_bias"] / out["mean_grad"] if out["mean_grad"] > 0 else float("nan")
+    out["noise_ratio"] = out["draw_noise"] / out["sgd_noise"] if out["sgd_noise"] > 0 else float("nan")
     return out
 
 
@@ -175,6 +213,9 @@ class GradientDiagnosis:
                       "worst_ratio": float("nan") if worst is None else float(r[worst]),
                       "worst_tensor": None if worst is None else self.names[worst],
                       "total_ratio": div(t["error_norm"][m], t["noise_norm"])}
+            if m in t.get("bias", {}):
+                out[m]["bias_ratio"] = t["bias"][m]["bias_ratio"]
+                out[m]["draw_noise_ratio"] = t["bias"][m]["noise_ratio"]
         return out
 
     def table(self):
@@ -202,7 +243,12 @@ class GradientDiagnosis:
             lines.append(f"{m:<7} relative error: median {d['median_error']:.3g}, all parameters "
                          f"{d['total_error']:.3g} | error/noise: median {d['median_ratio']:.3g}, "
                          f"worst {d['worst_ratio']:.3g} ({d['worst_tensor'] or 'no gradient'}), "
-                         f"all parameters {d['total_ratio']:.3g}")
+                         f"all parameters {d['total_ratio']:.3g}"
+                         + (f" | persistent bias / |E g| "
+                            + (f"{d['bias_ratio']:.3g}" if d["bias_ratio"] == d["bias_ratio"]
+                               else "not resolved (|E g| within the batches' noise: use more --batches)")
+                            + ", draw noise / SGD noise "
+                            f"{d['draw_noise_ratio']:.3g}" if "bias_ratio" in d else ""))
         return "\n".join(lines)
 
 
@@ -213,7 +259,8 @@ def _nanmedian(a):
 
 
 def gradient_errors(net, batches, bits=4, modes=("approx", "naive"), dtype="float32", rounding="nearest"):
-    """Compare each mode's gradients with exact ones on the same weights and batches.
+    """Compare each mode's gradients with exact ones on the same weights and batches; bias apart
+    from noise (bias_and_noise: total["bias"][mode]), from two draws of a stochastic code.
 
     net: a Network (not consumed: each Engine gets a deep copy); batches: a
     list of B >= 2 (x, labels) of equal batch size (B >= 2: the noise needs
@@ -244,10 +291,14 @@ def gradient_errors(net, batches, bits=4, modes=("approx", "naive"), dtype="floa
     total = {"grad_norm": float(g_all), "mean_norm": float(m_all), "noise_norm": float(n_all),
              "error_norm": {}}
     error_norm = {}
+    total["bias"] = {}
     for m in modes:
-        g = parameter_grads(net, batches, m, bits, dtype, rounding)
+        draws = [parameter_grads(net, batches, m, bits, dtype, rounding, seed=d)
+                 for d in range(1 if rounding == "nearest" else 2)]
+        g = draws[0]
         error_norm[m] = numpy.array([numpy.sqrt(_sq_norms(g[n] - exact[n]).mean()) for n in names])
         total["error_norm"][m] = float(numpy.sqrt(_sq_norms(flat(g) - e_all).mean()))
+        total["bias"][m] = bias_and_noise(exact, draws)
     return GradientDiagnosis(names, [exact[n].shape[1:] for n in names], bits, B,
                              per[:, 0], per[:, 1], per[:, 2], error_norm, total, rounding)
 

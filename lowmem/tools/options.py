@@ -23,6 +23,7 @@ from .onnx_import import file_input_shape
 from .. import models
 from ..bits.auto import choose_widths
 from ..core.engine import DTYPES
+from ..units.quant import ROUNDINGS
 from ..units.widths import FLOAT
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DIVERGED, EXIT_TIME_LIMIT = 0, 1, 2, 3, 4
@@ -131,7 +132,8 @@ def check_auto(args, budget_ok):
 def auto_widths(args, net, shape, batch, budget=None, ws=None):
     """--bits auto for plan and maxbatch, through the one door (lowmem.bits.auto.choose_widths),
     measured on learnable synthetic batches (these commands have no data), at `batch` for
-    --avg-bits or `budget` (the whole plan); prints the measurement's line. (Allocation, Sensitivity)."""
+    --avg-bits or `budget` (the whole plan), with the code of --rounding where the command has
+    it; prints the measurement's line. (Allocation, Sensitivity)."""
     n = args.measure_batch or min(batch, 32)
     batches = D.synthetic_batches(args.measure_batches, n, shape, net.num_classes, 0, args.dtype)
 
@@ -139,7 +141,16 @@ def auto_widths(args, net, shape, batch, budget=None, ws=None):
         print(f"sensitivity: {args.measure_batches} synthetic batches of {n} (lowmem.data.datasets.synthetic, "
               f"untrained weights), measured in {sens.seconds:.1f} s")
     return choose_widths(net, batches, batch, avg_bits=args.avg_bits, budget=budget, mode=args.mode,
-                         dtype=args.dtype, workspace_bytes=ws, measured=measured, names=FLAG_NAMES)
+                         dtype=args.dtype, rounding=getattr(args, "rounding", "nearest"), workspace_bytes=ws,
+                         measured=measured, names=FLAG_NAMES)
 
 
 FLAG_NAMES = {"avg_bits": "--avg-bits", "budget": "--budget"}      # the budgets as the user typed them
+
+
+def rounding_argument(p, help_tail=""):
+    """--rounding: the code x-hat is kept in (docs/quantizer.md)."""
+    p.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
+                   help="the code (docs/quantizer.md): nearest (the fixed window), stochastic (unbiased, with "
+                        "group ends: a little metadata per element), stochastic-window (stochastic inside the "
+                        "fixed window only)" + help_tail + " (default: %(default)s)")

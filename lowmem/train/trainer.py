@@ -236,6 +236,9 @@ class Trainer:
             raise sysmem.NotEnoughMemory(f"training {self.net.name} at batch {c.batch}: {e}") from None
         except ValueError as e:                     # the builder or the engine refuses these settings
             raise ConfigError(str(e)) from None
+        if saved is not None:
+            trainstate.check_world_size(saved[1], c, self.comm.size, self.engine.split_dependent_units,
+                                        self.ckpt_path)
         self.opt = SGD(self.net.parameters(), lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
                        nesterov=c.nesterov)
         batches, self.test_batches = iterators(self.data, c)
@@ -403,7 +406,7 @@ class Trainer:
         """Rank 0 writes out/checkpoint.ckpt atomically (after checking the state is finite, on every rank)."""
         self._check_finite()
         if self.lead:
-            trainstate.save(self.ckpt_path, self.state, self.config, self.data_info, epoch_sums)
+            trainstate.save(self.ckpt_path, self.state, self.config, self.data_info, epoch_sums, self.comm.size)
 
     def _diverged(self, what):
         msg = divergence_message(what, self.ckpt_path, self.out)

@@ -73,8 +73,9 @@ def check_finite(state, why):
             raise TrainingDiverged(f"non-finite values in {name} after iteration {state.iteration}; {why}")
 
 
-def save(path, state, config, data_info, epoch_sums=None):
-    """Write the checkpoint atomically, after checking every array is finite."""
+def save(path, state, config, data_info, epoch_sums=None, world_size=1):
+    """Write the checkpoint atomically, after checking every array is finite. world_size: the
+    ranks the run trains on (a resume on another number is checked by check_world_size)."""
     check_finite(state, "not saving them")
     net = state.net
     arrays = {f"net/{n}": p.data for n, p in net.params.items()}
@@ -85,8 +86,25 @@ def save(path, state, config, data_info, epoch_sums=None):
             "iteration": state.iteration, "epoch": state.iteration / state.steps_per_epoch,
             "optimizer": state.opt.state_dict(), "rng": state.rng.bit_generator.state,
             "batches": state.batches.state_dict(), "epoch_sums": epoch_sums or state.sums,
-            "last_eval": state.last_eval}
+            "last_eval": state.last_eval, "world_size": int(world_size)}
     save_checkpoint(path, arrays, meta)
+
+
+def check_world_size(meta, config, world_size, split_dependent, path):
+    """ResumeError when a run saved on one number of ranks cannot continue identically on
+    another: the draws of stochastic rounding follow each element's global index and never
+    depend on the split, but the unbiased code's groups (256 elements of a unit's per-rank row)
+    do when a rank's row is not whole groups. split_dependent(per_rank_batch) -> [unit names]."""
+    saved = int(meta.get("world_size", 1))
+    if saved == world_size or config.rounding != "stochastic" or config.mode == "exact":
+        return
+    for ranks in (saved, world_size):
+        units = split_dependent(config.batch // ranks)
+        if units:
+            raise ResumeError(f"cannot resume from {path} on {world_size} rank(s): it was saved on {saved} with "
+                              f"rounding='stochastic', and at the per-rank batch {config.batch // ranks} unit "
+                              f"{units[0]}'s rows are not whole groups of 256 elements, so its codes depend on "
+                              f"the split; resume on {saved} rank(s)")
 
 
 def class_difference(saved, now, where="train"):

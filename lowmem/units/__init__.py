@@ -27,17 +27,27 @@ a multiple of 8), in every mode alike.
 import numpy
 
 from . import fused
-from .reference import BN_EPS, CodeUnits, ExactUnits
+from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
 from .sync import SyncUnits
 
 
 def reference(mode, bits, rounding="nearest"):
-    """The array-op set for a mode, bit width and rounding ("nearest" or "stochastic")."""
-    return ExactUnits() if mode == "exact" else CodeUnits(bits, naive=(mode == "naive"), rounding=rounding)
+    """The array-op set for a mode, bit width and rounding (quant.ROUNDINGS): "stochastic" is the
+    unbiased code (at 1 bit, which no code can make unbiased with an exact mask, the window
+    code rounded to nearest), "nearest" and "stochastic-window" the window codes."""
+    if mode == "exact":
+        return ExactUnits()
+    if rounding == "stochastic" and bits != 1:
+        return UnbiasedCodeUnits(bits, naive=(mode == "naive"))
+    if rounding == "stochastic":
+        rounding = "nearest"
+    return CodeUnits(bits, naive=(mode == "naive"), rounding=rounding)
 
 
 def fused_applies(xp, dtype, sizes):
-    """Whether the fused kernels can run units of these M = N*H*W sizes on xp in dtype."""
+    """Whether the fused kernels can run units of these M = N*H*W sizes on xp in dtype (every
+    rounding has fused kernels: the window codes' in units/cpu.py, gpu.py, the unbiased code's
+    in units/cpu_unbiased.py, gpu_unbiased.py)."""
     return fused.applies(xp, dtype, sizes)
 
 
@@ -62,6 +72,10 @@ def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None, rounding=
     module = fused.module_for(xp)
     if mode == "exact":
         return fused.FusedExactUnits(module, partials)
+    if rounding == "stochastic" and bits != 1:
+        return fused.FusedUnbiasedCodeUnits(module, bits, naive=(mode == "naive"), partials=partials)
+    if rounding == "stochastic":
+        rounding = "nearest"                      # 1 bit: as reference() does
     return fused.FusedCodeUnits(module, bits, naive=(mode == "naive"), partials=partials, rounding=rounding)
 
 

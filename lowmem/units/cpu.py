@@ -269,12 +269,12 @@ if AVAILABLE:
 
     @njit(**_opts)
     def _forward_code(out, packed, x, mean, rstd, gamma, beta, s, lo, k, w, top, bits, naive, inplace,
-                      stochastic, base, c_first, m_all):
+                      stochastic, base, c_first, m_all, start):
         """Normalise, quantize and pack x-hat; out = relu(y) (approx) or the decoded
         relu(x-tilde*gamma + beta) (naive). inplace: out overlaps x, so relu(y) goes through
         scratch (see _quantize_block); else straight into out. stochastic: round with the
-        stream starting at base (uint64); row c here is row c_first + c of a (C, m_all) array
-        (the element index the stream counts)."""
+        stream starting at base (uint64); row c here is row c_first + c, and element i of it has
+        the global counter (c_first + c)*m_all + start + i (units/stream.py)."""
         C, M = x.shape
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)
@@ -287,7 +287,7 @@ if AVAILABLE:
                 cb, orow = codes[:i1 - i0], out[c, i0:i1]
                 yb = ys[:i1 - i0] if inplace or naive else orow
                 if stochastic:
-                    z0 = base + U64((c_first + c) * m_all + i0 + 1) * GOLDEN
+                    z0 = base + U64((c_first + c) * m_all + start + i0 + 1) * GOLDEN
                     _quantize_block_stochastic(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
                                                s[c], lo[c], kf, km1, ftop, w, z0)
                 else:
@@ -428,13 +428,18 @@ def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive, roundi
     quant.quantize_pack) and pack x-hat; out = relu(y), or naive's decoded relu."""
     C, M = x.shape
     w, top, bits, inplace = _w(qp), qp.levels - 1, qp.bits, _overlap(out, x)
-    base = quant.stream_base(rounding, key)
-    stochastic, base = base is not None, numpy.uint64(base or 0)
+    stream = quant.stream_base(rounding, key, M)
+    if rounding == "stochastic":
+        raise ValueError("the numba kernels hold the window codes; rounding='stochastic' (the unbiased "
+                         "code) runs on the reference kernels")
+    stochastic = stream is not None
+    base, start, row = stream if stochastic else (0, 0, M)
+    base = numpy.uint64(base)
 
     def rows(c0, c1):
         _forward_code(out[c0:c1], _code_rows(packed, c0, c1, M, bits), x[c0:c1], mean[c0:c1], rstd[c0:c1],
                       gamma[c0:c1], beta[c0:c1], qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, top, bits, naive,
-                      inplace, stochastic, base, c0, M)
+                      inplace, stochastic, base, c0, row, start)
     _over_channels(rows, C, M)
 
 

@@ -19,7 +19,8 @@ import numpy
 
 from . import quant
 from . import cpu, gpu
-from .reference import BN_EPS, CodeUnits, ExactUnits
+from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
+from ..ops import bn_relu_backward
 
 
 class FusedExactUnits(ExactUnits):
@@ -71,6 +72,35 @@ class FusedCodeUnits(CodeUnits):
         # saved: the K-bit code (approximate x-tilde, exact mask), decoded inline; rstd exact
         self.module.unit_backward(dx, dgamma, dbeta, dr, None, saved, self.grid(gamma, beta), gamma, beta,
                              rstd, accumulate, **self._extra)
+
+
+class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
+    """The unbiased code on the fused kernels: numba (units/cpu_unbiased.py) or CUDA
+    (units/gpu_unbiased.py). The forward (normalise, group ranges, draws, pack, relu) in one
+    pass, the decodes (conv input; x-tilde with the gradient's masking) in one pass each; the BN
+    backward's sums and dx are the reference's array ops on the decoded x-tilde."""
+    fused = True
+
+    def __init__(self, module, bits, naive=False, partials=None):
+        super().__init__(bits, naive)
+        from . import cpu_unbiased, gpu_unbiased
+        self.module, self.partials = module, partials
+        self._extra = {} if partials is None else {"partials": partials}
+        self.kernels = gpu_unbiased if module is gpu else cpu_unbiased
+
+    stats = FusedExactUnits.stats
+
+    def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
+        self.kernels.unit_forward(out, saved, x, mean, rstd, gamma, beta, self.bits, self.naive, key)
+
+    def conv_input(self, u, saved, gamma, beta):
+        self.kernels.decode(u, saved, gamma, beta, self.bits, relu=True)
+
+    def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
+        # saved: the unbiased code (x-tilde with E = x-hat, exact mask), decoded into scratch; rstd exact
+        self.kernels.decode(scratch, saved, gamma, beta, self.bits, dr=dr)
+        bn_relu_backward(dx, dgamma, dbeta, dr, scratch, gamma, beta, rstd, dr_already_masked=True,
+                         accumulate=accumulate)
 
 
 def module_for(xp):

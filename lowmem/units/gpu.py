@@ -214,12 +214,12 @@ extern "C" __global__ void unit_forward_exact(real* out, real* xhat, const real*
 
 // grid (ceil(rowbytes / BLOCK), C), one thread per code byte (8/bits elements).
 // out may alias x. naive: out = the decoded relu(gamma*x-tilde + beta) instead of relu(y).
-// stochastic: round with the stream starting at base (element index c*M + i).
+// stochastic: round with the stream starting at base (global counter c*row + start + i).
 extern "C" __global__ void unit_forward_code(real* out, unsigned char* packed, const real* x,
                                              const real* mean, const real* rstd, const real* gamma,
                                              const real* beta, long long M, int bits, real w,
                                              real window, int naive, int stochastic,
-                                             unsigned long long base)
+                                             unsigned long long base, long long row, long long start)
 {
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
     const long long rowbytes = M / per;
@@ -233,7 +233,7 @@ extern "C" __global__ void unit_forward_code(real* out, unsigned char* packed, c
         const real xh = rn_mul(rn_sub(x[e0 + e], m), r);
         const real y = rn_add(rn_mul(xh, g), b);      // the exact mask's expression
         const bool on = y > (real)0;
-        const real d = stochastic ? offset(base, e0 + e) : (real)0;
+        const real d = stochastic ? offset(base, (long long)c * row + start + j * per + e) : (real)0;
         const int code = encode(xh, on, q, w, L, stochastic != 0, d);
         byte |= (unsigned int)code << (e * bits);
         if (naive)
@@ -515,10 +515,14 @@ def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive, roundi
     C, M = x.shape
     bits = _bits(qp)
     _check_code(packed, C, M, bits)
-    base = quant.stream_base(rounding, key)
+    if rounding == "stochastic":
+        raise ValueError("the CUDA kernels hold the window codes; rounding='stochastic' (the unbiased "
+                         "code) runs on the reference kernels")
+    stream = quant.stream_base(rounding, key, M)
+    base, start, row = stream if stream is not None else (0, 0, M)
     _launch("unit_forward_code", x.dtype, (_blocks(M * bits // 8), C),
             (out, packed, x, mean, rstd, gamma, beta, _i64(M), *_grid_args(bits, x.dtype),
-             _i32(bool(naive)), _i32(base is not None), numpy.uint64(base or 0)))
+             _i32(bool(naive)), _i32(stream is not None), numpy.uint64(base), _i64(row), _i64(start)))
 
 
 def conv_input(u, xhat, packed, qp, gamma, beta):

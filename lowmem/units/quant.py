@@ -38,35 +38,19 @@ The grid, per channel c (all in units of x̂, i.e. of the batch std):
 
 The grid needs only γ and β: no min/max pass over the data, deterministic.
 
-Rounding (`rounding=`): "nearest" (the default) takes code = floor((u − lo)/w),
-the bin whose midpoint is nearest. "stochastic" takes floor((u − lo)/w + d)
-with d uniform in [−1/2, 1/2) from a counter-based stream (`random_offsets`):
-between two neighbouring midpoints it picks the upper with probability equal
-to the distance from the lower over w, so E[x̃] = x̂. The same two clamps
-follow (window, then the exact mask's side), so the mask stays exact on every
-draw, and the decode is unchanged (the midpoint). Unbiased where u lies
-between the midpoints of the lowest and highest code its side of the
-threshold allows; outside that (within half a bin of the threshold, at the
-window's ends, beyond them) the clamp gives that end code, as nearest rounding
-does. docs/quantizer.md §6.
+Rounding (`rounding=`): "nearest" (the default) takes code = floor((u − lo)/w).
+"stochastic-window" takes floor((u − lo)/w + d), d uniform in [−1/2, 1/2) from the
+counter stream (units/stream.py), then the same two clamps (window, the exact mask's
+side): the mask stays exact on every draw, the decode is the midpoint. Unbiased only
+between the midpoints of its side's lowest and highest code; within half a bin of the
+threshold and at or beyond the window's ends the clamp biases it (docs/quantizer.md §6).
+"stochastic" is the unbiased group-range code of units/unbiased.py (same packing, same
+mask rule); `quantize_simulated` dispatches to it. Packing: units/packing.py.
 
-The random stream: element i (flat C order) of a call with key K gets
-h = mix64(mix64(K) + (i + 1)·φ mod 2**64) (SplitMix64 seeded with mix64(K):
-φ = 0x9E3779B97F4A7C15, mix64 its finaliser) and d = ((h >> 40) − 2**23)·2**−24,
-24 bits, exact in float32 and float64. Integer-only, so NumPy, numba and
-CUDA compute the same d and, with the same float operations, the same codes.
-`stream_key(seed, step, unit, rank)` derives a key per unit and step.
-
-Codes are packed 8/K per byte, little end first: element i (flat C order)
-lives at bits (i % (8/K))·K of byte i // (8/K); `ceil(n·K/8)` bytes.
-
-Memory: `quantize_pack`, `unpack_decode`, `decode_relu`, `pack_codes` and
-`unpack_codes` walk the array in chunks of `CHUNK` flat elements (a multiple
-of 8, so every chunk starts on a byte boundary for every K) and allocate
-only chunk-sized scratch, about 20 bytes per CHUNK element in all (44 with
-stochastic rounding: three uint64 arrays for the stream), whatever the
-array size. `quantize_simulated` is the whole-array float reference
-(readable, allocates freely) that the packed path must match bit for bit.
+Memory: quantize_pack, unpack_decode, decode_relu, pack_codes and unpack_codes walk the
+array in chunks of CHUNK flat elements (a multiple of 8: every chunk starts on a byte
+boundary) with chunk-sized scratch only, about 20 bytes per CHUNK element (36 with the
+stream). `quantize_simulated` is the whole-array reference the packed path matches bit for bit.
 
 Not here: choosing K, storing rstd, the backward maths (batchnorm/relu ops).
 
@@ -81,6 +65,9 @@ import numpy
 
 from ..system.backend import array_module
 from .widths import BITS
+from .packing import _pack_block, _pieces, _unpack_block  # noqa: F401
+from .stream import (GOLDEN, MASK64, MIX1, MIX2, OFFSET_BITS, Stream, check_key, mix64,  # noqa: F401
+                     draw_bits, mix64_array as _mix64_array, random_offsets, resolve, stream_key)
 
 CHUNK = 1 << 16     # flat elements per chunk; a multiple of 8 (tests lower it)
 # Half-width W of the window per bit width K, in x̂ units: the grid covers
@@ -88,19 +75,10 @@ CHUNK = 1 << 16     # flat elements per chunk; a multiple of 8 (tests lower it)
 # docs/quantizer.md §1b); the paper's ±3 for every K saturates too much at 8 bits.
 WINDOWS = {8: 5.5, 4: 3.5, 2: 2.5, 1: 2.0}
 MAX_ODD = 64        # w = m·2**e with odd m < MAX_ODD keeps (code + 0.5)·w exact in float32
-ROUNDINGS = ("nearest", "stochastic")
+ROUNDINGS = ("nearest", "stochastic", "stochastic-window")
+WINDOW_ROUNDINGS = ("nearest", "stochastic-window")     # the codes of this module
 
-# The random stream of stochastic rounding: SplitMix64 (Steele, Lea, Flood 2014; the
-# finaliser is Stafford's "Mix13"), in uint64 arithmetic that wraps the same everywhere.
-MASK64 = (1 << 64) - 1
-GOLDEN = 0x9E3779B97F4A7C15     # φ·2**64, the stream's increment
-MIX1 = 0xBF58476D1CE4E5B9
-MIX2 = 0x94D049BB133111EB
-OFFSET_BITS = 24                # d has 24 random bits: exact in float32 and float64
-
-# (bits, W) -> float(W) for each window that passed `window`'s checks: quant_params runs once per
-# unit per step (491 times in a ResNet-164 step) and the exactness check builds a Fraction.
-# Keyed by the value, so a changed quant.WINDOWS entry is checked again.
+# (bits, W) -> float(W) of each checked window (quant_params runs per unit per step; keyed by value)
 _CHECKED = {}
 
 
@@ -116,11 +94,8 @@ def check_bits(bits):
 
 
 def window(bits):
-    """W, the half-width of the quantization window for `bits`, in x̂ units.
-
-    Checked to be exact arithmetic: the bin width w = 2·W/2**bits must be
-    m·2**e with an odd integer m < MAX_ODD, so that (code + 0.5)·w (at most
-    bits + 7 significant bits), k·w and w/2 are exact in float32 (24 bits)."""
+    """W, the half-width of the quantization window for `bits`, in x̂ units; checked exact: w =
+    2·W/2**bits is m·2**e with odd m < MAX_ODD, so (code + 0.5)·w, k·w, w/2 are exact in float32."""
     bits = check_bits(bits)
     W = WINDOWS[bits]
     try:
@@ -151,77 +126,18 @@ def packed_nbytes(n, bits):
 
 
 def check_rounding(rounding):
-    """Return `rounding` if it is "nearest" or "stochastic"; else ValueError."""
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    """Return `rounding` if it is one of ROUNDINGS; else ValueError."""
+    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(map(repr, ROUNDINGS))}, got {rounding!r}")
     return rounding
 
 
-def check_key(key):
-    """Return `key` as an int if it is an integer in [0, 2**64); else ValueError."""
-    ok = isinstance(key, numbers.Integral) and not isinstance(key, bool) and 0 <= int(key) <= MASK64
-    if not ok:
-        raise ValueError(f"key must be an integer in [0, 2**64), got {key!r}")
-    return int(key)
-
-
-def mix64(z):
-    """SplitMix64's finaliser on a Python int (taken mod 2**64): a bijection of uint64 whose
-    every output bit depends on every input bit."""
-    z &= MASK64
-    z = ((z ^ (z >> 30)) * MIX1) & MASK64
-    z = ((z ^ (z >> 27)) * MIX2) & MASK64
-    return z ^ (z >> 31)
-
-
-def stream_key(seed, step, unit, rank=0):
-    """The key of one unit's stochastic rounding in one training step: a uint64 (Python int)
-    mixing the run's seed, the step number, the unit's index and the data-parallel rank (each
-    a non-negative integer), so every unit, step and rank draws its own stream and a rerun
-    with the same seed draws the same ones."""
-    z = 0
-    for part in (seed, step, unit, rank):
-        z = mix64(z ^ check_key(part)) + GOLDEN      # a new, well-mixed value per part
-    return mix64(z)
-
-
-def stream_base(rounding, key):
-    """The stream's start mix64(key) (an int) for stochastic rounding; None for nearest
-    (which ignores key). Stochastic rounding without a key is a ValueError."""
+def stream_base(rounding, key, M):
+    """resolve()'s (base, start, row) of the stream for rows of M local elements (units/stream.py);
+    None for nearest (which ignores key). Stochastic rounding without a key is a ValueError."""
     if check_rounding(rounding) == "nearest":
         return None
-    if key is None:
-        raise ValueError("rounding='stochastic' needs a key: an integer in [0, 2**64), "
-                         "e.g. quant.stream_key(seed, step, unit)")
-    return mix64(check_key(key))
-
-
-def _mix64_array(z, tmp):
-    """mix64 of uint64 array z in place (tmp: uint64 scratch of z's size). Array ops wrap
-    mod 2**64 silently (NumPy warns only for scalars)."""
-    xp = array_module(z)
-    for shift, mult in ((30, MIX1), (27, MIX2)):
-        xp.right_shift(z, numpy.uint64(shift), out=tmp)
-        xp.bitwise_xor(z, tmp, out=z)
-        xp.multiply(z, numpy.uint64(mult), out=z)
-    xp.right_shift(z, numpy.uint64(31), out=tmp)
-    xp.bitwise_xor(z, tmp, out=z)
-
-
-def random_offsets(key, n, dtype, start=0, xp=numpy):
-    """d (n,) in dtype: stochastic rounding's offsets of elements start .. start+n−1 of a call
-    with `key`; d = ((h >> 40) − 2**23)·2**−24 in [−1/2, 1/2), h = mix64(mix64(key) +
-    (i + 1)·φ). Readable whole-array form (allocates freely); quantize_pack computes the same
-    per chunk."""
-    base = stream_base("stochastic", key)
-    z = xp.arange(start + 1, start + n + 1, dtype=numpy.uint64)
-    z *= numpy.uint64(GOLDEN)
-    z += numpy.uint64(base)
-    _mix64_array(z, xp.empty_like(z))
-    d = (z >> numpy.uint64(64 - OFFSET_BITS)).astype(dtype)    # < 2**24: exact
-    d -= 1 << (OFFSET_BITS - 1)
-    d *= 2.0 ** -OFFSET_BITS
-    return d
+    return resolve(key, M, what=rounding)
 
 
 def _chunk(n=None):
@@ -304,9 +220,15 @@ def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
 
     Whole arrays, plain float maths, no chunking, no packing: the readable
     statement of the rule. Allocates several x̂-sized temporaries.
-    rounding="stochastic" adds random_offsets(key, ...) to the bin position
-    before the floor (key: an integer in [0, 2**64)); "nearest" ignores key.
+    rounding="stochastic-window" adds the stream's offsets d to the bin position
+    before the floor (key: an integer in [0, 2**64) or a Stream); "nearest" ignores key;
+    "stochastic" is the unbiased code (units/unbiased.py: the same (x̃, mask) contract).
     """
+    if check_rounding(rounding) == "stochastic":
+        if check_bits(bits) > 1:                                 # the unbiased code
+            from . import unbiased
+            return unbiased.quantize_simulated(xhat, gamma, beta, bits, key)
+        rounding = "nearest"            # 1 bit: no unbiased code exists (units/reference.py)
     xp = array_module(xhat)
     qp = quant_params(gamma, beta, bits)
     L, w = qp.levels, qp.w
@@ -314,8 +236,10 @@ def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
     k = qp.k.astype(xhat.dtype)[:, None]
     mask = (xhat * gamma[:, None]) + beta[:, None] > 0      # exactly as the engine
     position = (xhat * s - lo) / w                           # u in bins from lo
-    if stream_base(rounding, key) is not None:               # + d: floor picks the upper
-        position = position + random_offsets(key, xhat.size, xhat.dtype, xp=xp).reshape(xhat.shape)
+    stream = stream_base(rounding, key, xhat.shape[1])
+    if stream is not None:                                   # + d: floor picks the upper
+        d = draw_bits(stream, 0, xhat.shape[0], 0, xhat.shape[1], xp).astype(xhat.dtype)
+        position = position + (d - (1 << (OFFSET_BITS - 1))) * 2.0 ** -OFFSET_BITS
     code = xp.clip(xp.floor(position), 0, L - 1)
     code = xp.where(mask, xp.maximum(code, k), xp.minimum(code, k - 1))
     xtilde = s * (lo + (code + 0.5) * w)
@@ -323,28 +247,6 @@ def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
 
 
 # ---- chunk walking --------------------------------------------------------
-
-def _pieces(a, b, M):
-    """Split flat range [a, b) of a (C, M) array into at most three rectangles
-    (r0, r1, c0, c1, off): a head partial row, whole rows, a tail partial row.
-    Each is a contiguous 2-D view, so per-channel params broadcast as [r0:r1, None];
-    `off` is its offset inside the chunk."""
-    out, off = [], 0
-    r, c = divmod(a, M)
-    if c:                                       # head: finish row r
-        e = min(M, c + (b - a))
-        out.append((r, r + 1, c, e, off))
-        off += e - c
-        r += 1
-    full = (b - a - off) // M
-    if full:
-        out.append((r, r + full, 0, M, off))
-        off += full * M
-        r += full
-    if off < b - a:                             # tail: start of row r
-        out.append((r, r + 1, 0, b - a - off, off))
-    return out
-
 
 def _chunks(n, M):
     """Yield (a, b, pieces) over the flat index in CHUNK steps."""
@@ -372,46 +274,7 @@ def _check_packed(packed, n, bits, name="packed"):
                          f"{bits} bits, got {packed.dtype} {packed.shape}")
 
 
-# ---- raw packers ----------------------------------------------------------
-
-def _pack_block(out, codes, bits, tmp):
-    """codes (n,) uint8 -> out (ceil(n*bits/8),) uint8; tmp: >= n*bits/8 uint8 scratch."""
-    xp = array_module(codes)
-    if bits == 8:
-        xp.copyto(out, codes)
-        return
-    per = 8 // bits
-    nfull = codes.size // per
-    g = codes[:nfull * per].reshape(nfull, per)     # row i = the codes of byte i
-    o, t = out[:nfull], tmp[:nfull]
-    xp.copyto(o, g[:, 0])
-    for j in range(1, per):
-        xp.left_shift(g[:, j], j * bits, out=t)
-        xp.bitwise_or(o, t, out=o)
-    rest = codes[nfull * per:]                      # n % per codes share a last byte
-    if rest.size:
-        last = out[nfull:nfull + 1]
-        xp.copyto(last, rest[:1])
-        for j in range(1, rest.size):
-            last |= rest[j:j + 1] << (j * bits)
-
-
-def _unpack_block(codes, packed, bits):
-    """packed (ceil(n*bits/8),) uint8 -> codes (n,) uint8, written in place."""
-    xp = array_module(packed)
-    if bits == 8:
-        xp.copyto(codes, packed)
-        return
-    per, top = 8 // bits, (1 << bits) - 1
-    nfull = codes.size // per
-    g = codes[:nfull * per].reshape(nfull, per)
-    p = packed[:nfull]
-    for j in range(per):                            # strided writes, no temporaries
-        xp.right_shift(p, j * bits, out=g[:, j])
-        xp.bitwise_and(g[:, j], top, out=g[:, j])
-    for j in range(codes.size - nfull * per):
-        codes[nfull * per + j:nfull * per + j + 1] = (packed[nfull:nfull + 1] >> (j * bits)) & top
-
+# ---- packing (the raw bit ops: units/packing.py) ---------------------------
 
 def pack_codes(packed_out, codes, bits):
     """Pack uint8 codes (any contiguous shape, values < 2**bits, n in all)
@@ -448,17 +311,20 @@ def quantize_pack(packed_out, xhat, qp, rounding="nearest", key=None):
 
     packed_out (packed_nbytes(C*M, bits),) uint8   written
     xhat       (C, M) C-contiguous, dtype qp.dtype read
-    rounding   "nearest" or "stochastic"; key: the stream's key, an integer in
-               [0, 2**64), required by "stochastic" (ignored by "nearest")
+    rounding   "nearest" or "stochastic-window"; key: the stream's key, an integer in
+               [0, 2**64) or a Stream, required by "stochastic-window" (ignored by "nearest")
     Computes the exact ReLU mask `(x̂·γ) + β > 0` itself. Scratch: about
-    (2·itemsize + 2.5)·CHUNK bytes (+ 24·CHUNK stochastic), independent of the array size.
+    (2·itemsize + 2.5)·CHUNK bytes (+ 16·CHUNK stochastic: the piece's counters), independent of the array size.
     """
     xp = array_module(xhat)
     C, L, w, bits = qp.channels, qp.levels, qp.w, qp.bits
     x2 = _rows(xhat, C, "xhat", qp.dtype)
     n, M = x2.size, x2.shape[1]
     _check_packed(packed_out, n, bits, "packed_out")
-    base = stream_base(rounding, key)
+    if check_rounding(rounding) not in WINDOW_ROUNDINGS:
+        raise ValueError(f"quant.quantize_pack packs the window codes ('nearest', 'stochastic-window'), "
+                         f"got {rounding!r}: the unbiased code is units/unbiased.py's")
+    stream = stream_base(rounding, key, M)
     # the mask clamp as one clip per element: [lower, upper] =
     # mask ? [k, L-1] : [0, k-1], i.e. lower = mask*k, upper = mask*(L-k) + k-1
     kf = qp.k.astype(qp.dtype)
@@ -470,20 +336,7 @@ def quantize_pack(packed_out, xhat, qp, rounding="nearest", key=None):
     mask = xp.empty(step, bool)
     codes = xp.empty(step, numpy.uint8)
     tmp = xp.empty(step * bits // 8, numpy.uint8)
-    if base is not None:                # the stream: element i's counter is (i + 1)·φ + base
-        iphi = xp.arange(step, dtype=numpy.uint64)
-        iphi *= numpy.uint64(GOLDEN)
-        z, ztmp = xp.empty(step, numpy.uint64), xp.empty(step, numpy.uint64)
     for a, b, pieces in _chunks(n, M):
-        if base is not None:            # this chunk's offsets d, into `bound` (used after them)
-            zz = z[:b - a]
-            xp.add(iphi[:b - a], numpy.uint64((base + (a + 1) * GOLDEN) & MASK64), out=zz)
-            _mix64_array(zz, ztmp[:b - a])
-            xp.right_shift(zz, numpy.uint64(64 - OFFSET_BITS), out=zz)
-            d = bound[:b - a]
-            xp.copyto(d, zz, casting="unsafe")                  # < 2**24: exact
-            xp.subtract(d, 1 << (OFFSET_BITS - 1), out=d)
-            xp.multiply(d, 2.0 ** -OFFSET_BITS, out=d)
         for r0, r1, c0, c1, off in pieces:
             shape, cnt = (r1 - r0, c1 - c0), (r1 - r0) * (c1 - c0)
             x = x2[r0:r1, c0:c1]
@@ -491,6 +344,10 @@ def quantize_pack(packed_out, xhat, qp, rounding="nearest", key=None):
             bb = bound[off:off + cnt].reshape(shape)    # the piece's own part: its offsets
             mm = mask[:cnt].reshape(shape)
             rows = slice(r0, r1)
+            if stream is not None:      # this piece's offsets d (the element's global counter)
+                xp.copyto(bb, draw_bits(stream, r0, r1, c0, c1, xp), casting="unsafe")   # < 2**24: exact
+                xp.subtract(bb, 1 << (OFFSET_BITS - 1), out=bb)
+                xp.multiply(bb, 2.0 ** -OFFSET_BITS, out=bb)
             # exact mask, the engine's expression: multiply, then add
             xp.multiply(x, qp.gamma[rows, None], out=vv)
             xp.add(vv, qp.beta[rows, None], out=vv)
@@ -499,7 +356,7 @@ def quantize_pack(packed_out, xhat, qp, rounding="nearest", key=None):
             xp.multiply(x, qp.s[rows, None], out=vv)
             xp.subtract(vv, qp.lo[rows, None], out=vv)
             xp.divide(vv, w, out=vv)
-            if base is not None:
+            if stream is not None:
                 xp.add(vv, bb, out=vv)                          # + d (stochastic)
             xp.floor(vv, out=vv)
             # clip into [0, L-1] and into what the exact mask allows, in one go

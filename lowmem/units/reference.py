@@ -5,16 +5,18 @@ arguments); the fused sets of lowmem/units/fused.py are tested against
 these. Two sets, both with the interface of lowmem/units/__init__.py:
 
   ExactUnits          the saved slot is x-hat itself, float (C, M_planned)
-  CodeUnits(bits)     the saved slot is x-hat's packed K-bit code (approx);
+  CodeUnits(bits)     the saved slot is x-hat's packed K-bit window code (approx);
                       naive=True: the forward continues from the decoded value;
-                      rounding="stochastic": forward(..., key=) rounds with key's stream
+                      rounding="stochastic-window": forward(..., key=) rounds with key's stream
+  UnbiasedCodeUnits   the saved slot is the unbiased group-range code (rounding="stochastic",
+                      units/unbiased.py): codes, then the group ends and the split
 
 Scratch: only the row-block and quantizer-chunk temporaries their ops
 document (bounded, never activation-sized). The code backward decodes x-tilde
 into the free buffer the schedule names (`scratch`) and applies the exact
 mask to the output gradient chunk by chunk, so no mask array is needed.
 """
-from . import quant
+from . import quant, unbiased
 from ..system.backend import array_module
 from ..ops import bn_normalize, bn_relu_apply_forward, bn_relu_backward, bn_stats
 from ..ops.batchnorm import BN_EPS
@@ -64,7 +66,14 @@ class CodeUnits(ExactUnits):
     def __init__(self, bits, naive=False, rounding="nearest"):
         self.bits, self.naive = quant.check_bits(bits), bool(naive)
         self.rounding = quant.check_rounding(rounding)
+        if self.rounding not in quant.WINDOW_ROUNDINGS:
+            raise ValueError(f"CodeUnits holds the window codes {quant.WINDOW_ROUNDINGS}, got "
+                             f"{rounding!r} (UnbiasedCodeUnits is the unbiased code's set)")
         self.saved_suffix = "code"
+
+    def metadata_nbytes(self, C, M):
+        """Bytes of the saved slot beyond the packed codes: none for the window codes."""
+        return 0
 
     def saved_entry(self, C, M, dtype):
         return (quant.packed_nbytes(C * M, self.bits),), "uint8"
@@ -105,3 +114,52 @@ def decode_masking(xtilde, dr, packed, qp):
         xp.multiply(block, cb >= qp.k[r0:r1, None], out=block)
 
     quant.decode_each_chunk(xtilde, packed, qp, mask_gradient)
+
+
+class UnbiasedCodeUnits(CodeUnits):
+    """x-hat saved as the unbiased group-range code (units/unbiased.py; bits >= 2): the slot
+    holds the packed codes, the bf16 group ends and the per-channel split."""
+
+    def __init__(self, bits, naive=False):
+        super().__init__(bits, naive, "nearest")
+        self.bits = unbiased.check_bits(bits)
+        self.rounding = "stochastic"
+
+    def saved_entry(self, C, M, dtype):
+        return (unbiased.slot_nbytes(C, M, self.bits),), "uint8"
+
+    def saved_view(self, slot, C, M):
+        return slot[:unbiased.slot_nbytes(C, M, self.bits)]
+
+    def metadata_nbytes(self, C, M):
+        return unbiased.metadata_nbytes(C, M, self.bits)
+
+    def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
+        """saved <- the unbiased code of x-hat drawn from `key` (required: an integer or a
+        quant.Stream); out as CodeUnits.forward."""
+        bn_normalize(out, x, mean, rstd)
+        unbiased.quantize_pack(saved, out, gamma, beta, self.bits, key)
+        if self.naive:
+            unbiased.decode_each_chunk(out, saved, gamma, beta, self.bits, relu=True)
+        else:
+            bn_relu_apply_forward(out, out, gamma, beta)
+
+    def conv_input(self, u, saved, gamma, beta):
+        unbiased.decode_each_chunk(u, saved, gamma, beta, self.bits, relu=True)
+
+    def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
+        # saved: the unbiased code (x-tilde with E = x-hat, exact mask) and rstd (C,) exact
+        decode_masking_unbiased(scratch, dr, saved, gamma, beta, self.bits)
+        bn_relu_backward(dx, dgamma, dbeta, dr, scratch, gamma, beta, rstd, dr_already_masked=True,
+                         accumulate=accumulate)
+
+
+def decode_masking_unbiased(xtilde, dr, slot, gamma, beta, bits):
+    """decode_masking for the unbiased code: xtilde <- x-tilde, dr *= the exact mask."""
+    xp = array_module(dr)
+
+    def mask_gradient(ob, open_, r0, r1, c0, c1):
+        block = dr[r0:r1, c0:c1]
+        xp.multiply(block, open_, out=block)
+
+    unbiased.decode_each_chunk(xtilde, slot, gamma, beta, bits, extra=mask_gradient)

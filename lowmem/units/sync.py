@@ -21,7 +21,7 @@ Communication buffer: the plan's `sync.bn` workspace, 2 * C float64.
 from . import quant
 from ..system.backend import array_module
 from ..ops import bn_relu_backward_apply, bn_relu_backward_sums
-from .reference import BN_EPS, decode_masking
+from .reference import BN_EPS, UnbiasedCodeUnits, decode_masking, decode_masking_unbiased
 
 
 class SyncUnits:
@@ -63,6 +63,9 @@ class SyncUnits:
         C, M = dr.shape
         if getattr(self.inner, "bits", None) is None:            # exact: the slot is x-hat
             xhat, dr_masked = saved, False
+        elif isinstance(self.inner, UnbiasedCodeUnits):
+            decode_masking_unbiased(scratch, dr, saved, gamma, beta, self.inner.bits)
+            xhat, dr_masked = scratch, True
         else:
             decode_masking(scratch, dr, saved, quant.quant_params(gamma, beta, self.inner.bits))
             xhat, dr_masked = scratch, True

@@ -32,7 +32,9 @@ def add_arguments(p):
     p.add_argument("--avg-bits", type=argtypes.average_bits, default=None, metavar="A",
                    help="with --bits auto: the saved x-hat within what every unit at A bits would take")
     p.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
-                   help="how x-hat becomes a code in approx and naive mode (default: %(default)s)")
+                   help="how x-hat becomes a code in approx and naive mode; a stochastic one is drawn twice "
+                        "per batch, so the persistent bias is told apart from the draws' noise "
+                        "(default: %(default)s)")
     p.add_argument("--batches", type=int, default=4,
                    help="mini-batches to average over; >= 2, the SGD noise needs several (default: %(default)s)")
     p.add_argument("--warmup", type=argtypes.count, default=0,
@@ -61,7 +63,7 @@ def run(args):
     sysmem.require(plan + data + 2 * args.batches * net.num_params() * 8,
                    f"diagnosing {net.name} at batch {args.batch} over {args.batches} batches", backend.xp)
     print(describe(net, args.batch, shape, args.dtype, f"modes approx and naive ({widths}"
-                   + (", stochastic rounding" if args.rounding == "stochastic" else "") + ") vs exact"))
+                   + ("" if args.rounding == "nearest" else f", rounding {args.rounding}") + ") vs exact"))
     print(f"data: lowmem.data.datasets.synthetic (learnable), {args.batches} batches, seed {args.seed}; "
           f"warm-up: {args.warmup} exact SGD steps (lr {args.lr})")
     batches = D.synthetic_batches(args.batches, args.batch, shape, net.num_classes, args.seed, args.dtype)

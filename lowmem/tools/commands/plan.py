@@ -14,7 +14,7 @@ from ...units.widths import MODES
 from ...core.plan import KINDS
 from ...system.memory import fmt_bytes
 from ..options import (auto_arguments, auto_widths, build_network, check_auto, describe, mode_label, unit_widths,
-                       model_arguments)
+                       model_arguments, rounding_argument)
 
 HELP = "print the schedule and memory plan of a network (no allocation unless --measure)"
 
@@ -29,6 +29,7 @@ def add_arguments(p):
     p.add_argument("--budget", type=argtypes.budget, default=None,
                    help="with --bits auto: the whole plan within this many bytes, e.g. 300MiB")
     auto_arguments(p)
+    rounding_argument(p)
     p.add_argument("--workspace-mib", type=argtypes.positive, default=DEFAULT_WORKSPACE_BYTES >> 20,
                    help="bound on the conv workspace, MiB (default: %(default)s)")
     p.add_argument("--compare", action="store_true",
@@ -78,8 +79,12 @@ def run(args):
     elif args.budget is not None or args.avg_bits is not None:
         raise ValueError("--budget and --avg-bits choose the widths of --bits auto; "
                          "with a fixed --bits drop them")
-    eng = Engine(net, args.batch, shape, args.mode, args.bits, args.dtype, ws, allocate=False)
+    eng = Engine(net, args.batch, shape, args.mode, args.bits, args.dtype, ws, allocate=False,
+                 rounding=args.rounding)
     print(describe(net, args.batch, shape, args.dtype, "mode " + mode_label(args.mode, unit_widths(eng, args.bits))))
+    if eng.bits_per_element() is not None and args.rounding == "stochastic":
+        print(f"saved codes: {eng.bits_per_element():.4g} bits/elem, metadata included "
+              f"(rounding {args.rounding})")
     if not args.no_schedule:
         print(f"\nschedule ({len(eng.schedule)} steps):")
         print(eng.schedule.format(max_rows=60))

@@ -95,8 +95,10 @@ def add_arguments(parser):
         type=argtypes.bits, choices=argtypes.BITS_CHOICES)
     opt("--avg-bits", "avg_bits", "with --bits auto: the saved x-hat within what every unit at A bits would take",
         type=argtypes.average_bits, metavar="A")
-    opt("--rounding", "rounding", "how x-hat becomes a code: nearest, or stochastic (unbiased within the window, "
-        "the ReLU mask exact; the draws follow --seed and the iteration)", choices=quant.ROUNDINGS)
+    opt("--rounding", "rounding", "how x-hat becomes a code: nearest (the fixed window), stochastic (unbiased "
+        "everywhere: group ends stored, 2.125 bits/elem at --bits 2), or stochastic-window (stochastic inside "
+        "the fixed window only); the ReLU mask is exact and the draws follow --seed and the iteration",
+        choices=quant.ROUNDINGS)
     opt("--dtype", "dtype", "float32 | float64", choices=DTYPES)
     opt("--batch", "batch", "batch size (also the planned batch of the engine)", type=argtypes.positive)
     opt("--epochs", "epochs", "epochs to train in total (including those already done)", type=argtypes.positive)

@@ -1,0 +1,196 @@
+"""CUDA kernels of the unbiased group-range code (units/unbiased.py), program "unbiased".
+
+    unbiased_forward   one thread per (group, channel): normalise the group's 256 elements, find
+                       their range, round it outward to bf16, then draw, pack and write relu(y)
+                       (or naive's decoded conv input)
+    unbiased_decode    one thread per (group, channel): x-tilde or the conv input from the codes
+                       and the stored ends; optionally zero the incoming gradient where the mask
+                       is closed (the backward's masking)
+
+Arithmetic: every float operation of unbiased.metadata, Levels, _encode_piece and the decode
+tables, round-to-nearest (lowmem/system/cuda.py's rn_* helpers, no FMA) in the data's dtype and
+in NumPy's order, and the counter stream of units/stream.py in uint64: the slot equals
+unbiased.quantize_pack's byte for byte and the decodes unbiased.decode_each_chunk's bit for bit
+(tests/test_kernels_gpu.py, on the CPU emulation of this text and on a GPU). The split k comes
+from quant.quant_params (a few (C,) array ops). The BN backward's sums and dx stay the reference
+array ops (CuPy) on the decoded x-tilde.
+"""
+import numpy
+
+from ..system import cuda
+from ..system.cuda import BLOCK, i32 as _i32, i64 as _i64
+from . import unbiased
+from .stream import GOLDEN, resolve
+
+SOURCE = r"""
+// the unbiased code; lowmem/system/cuda.py puts `real`, BLOCK and the rn_* helpers before this text
+#define UB_GROUP 256
+__device__ __forceinline__ float  ub_floor(float a)  { return floorf(a); }
+__device__ __forceinline__ double ub_floor(double a) { return floor(a); }
+__device__ __forceinline__ real ub_max(real a, real b) { return a >= b ? a : b; }
+__device__ __forceinline__ real ub_min(real a, real b) { return a <= b ? a : b; }
+
+// the bf16 value next to v, outward (unbiased._bf16: first outward to float32), and its bits
+__device__ real ub_bf16(real v, int up, unsigned short* out)
+{
+    float f = (float)v;
+    if (up && (real)f < v) f = nextafterf(f, INFINITY);
+    if (!up && (real)f > v) f = nextafterf(f, -INFINITY);
+    unsigned b = __float_as_uint(f) >> 16;
+    const float t = __uint_as_float(b << 16);
+    if ((up && t < f) || (!up && t > f)) b += 1u;
+    *out = (unsigned short)b;
+    return (real)__uint_as_float(b << 16);
+}
+
+struct UbLevels { real bo, so, bc, sc; };
+
+// unbiased.Levels for one group from its (rounded) ends
+__device__ UbLevels ub_levels(real hi, real lo, real t_o, real t_c, int k, int L)
+{
+    UbLevels v;
+    v.bo = ub_min(ub_max(t_o, lo), hi);
+    const real top_c = ub_max(ub_min(t_c, hi), lo);
+    v.bc = lo;
+    v.so = rn_div(rn_sub(hi, v.bo), (real)(L - k - 1 > 1 ? L - k - 1 : 1));
+    if (!(L - k > 1 && v.so > (real)0 && v.so < (real)INFINITY)) v.so = (real)0;
+    v.sc = rn_div(rn_sub(top_c, lo), (real)(k - 1 > 1 ? k - 1 : 1));
+    if (!(k > 1 && v.sc > (real)0 && v.sc < (real)INFINITY)) v.sc = (real)0;
+    return v;
+}
+
+extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, unsigned short* ends,
+                                            const real* x, const real* mean, const real* rstd,
+                                            const real* gamma, const real* beta, const int* k,
+                                            long long M, int bits, int naive, unsigned long long base,
+                                            long long row, long long start)
+{
+    const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
+    const long long G = (M + UB_GROUP - 1) / UB_GROUP;
+    const long long gi = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gi >= G) return;
+    const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
+    const real m = mean[c], r = rstd[c], g = gamma[c], b = beta[c];
+    const real s = g < (real)0 ? (real)-1 : (real)1;
+    const bool zero = g == (real)0;
+    const real ag = zero ? (real)0 : (g < (real)0 ? -g : g);
+    const real t = rn_div(-b, zero ? (real)1 : ag);
+    const real t_o = zero ? (real)-INFINITY : t, t_c = zero ? (real)INFINITY : t;
+    const int kc = k[c];
+    const real kf = (real)kc;
+    const real* xr = x + (long long)c * M;
+    real hi = (real)-INFINITY, lo = (real)INFINITY;
+    for (long long i = g0; i < g1; ++i) {
+        const real u = rn_mul(rn_mul(rn_sub(xr[i], m), r), s);
+        hi = ub_max(hi, u);
+        lo = ub_min(lo, u);
+    }
+    unsigned short* e = ends + ((long long)c * G + gi) * 2;
+    hi = ub_bf16(hi, 1, e);
+    lo = ub_bf16(lo, 0, e + 1);
+    const UbLevels v = ub_levels(hi, lo, t_o, t_c, kc, L);
+    for (long long j = g0 / per; j < g1 / per; ++j) {
+        unsigned int byte = 0;
+        for (int q = 0; q < per; ++q) {
+            const long long i = j * per + q;
+            const real xh = rn_mul(rn_sub(xr[i], m), r);
+            const real y = rn_add(rn_mul(xh, g), b);
+            const bool on = y > (real)0;
+            const real u = rn_mul(xh, s);
+            const real bb = on ? v.bo : v.bc, st = on ? v.so : v.sc;
+            const real n = on ? rn_sub((real)L, kf) : kf;
+            real p = st > (real)0 ? rn_div(rn_sub(u, bb), st) : (real)0;
+            unsigned long long z = base + (unsigned long long)((long long)c * row + start + i + 1) * 0x9E3779B97F4A7C15ull;
+            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+            z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+            z = z ^ (z >> 31);
+            p = rn_add(p, rn_mul((real)(z >> 40), (real)5.9604644775390625e-08));
+            const real jj = ub_min(ub_max(ub_floor(p), (real)0), rn_sub(n, (real)1));
+            const real code = on ? rn_add(kf, jj) : jj;
+            byte |= (unsigned int)code << (q * bits);
+            real o;
+            if (naive)
+                o = !on ? (real)0 : zero ? ub_max(b, (real)0)
+                  : ub_max(rn_mul(ag, rn_add(rn_sub(v.bo, t_o), rn_mul(jj, v.so))), (real)0);
+            else
+                o = on ? y : (real)0;
+            out[(long long)c * M + i] = o;
+        }
+        packed[(long long)c * (M / per) + j] = (unsigned char)byte;
+    }
+}
+
+extern "C" __global__ void unbiased_decode(real* out, real* dr, const unsigned char* packed,
+                                           const unsigned short* ends, const real* gamma,
+                                           const real* beta, const int* k, long long M, int bits,
+                                           int relu, int mask_dr)
+{
+    const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
+    const long long G = (M + UB_GROUP - 1) / UB_GROUP;
+    const long long gi = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gi >= G) return;
+    const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
+    const real g = gamma[c], b = beta[c];
+    const real s = g < (real)0 ? (real)-1 : (real)1;
+    const bool zero = g == (real)0;
+    const real ag = zero ? (real)0 : (g < (real)0 ? -g : g);
+    const real t = rn_div(-b, zero ? (real)1 : ag);
+    const real t_o = zero ? (real)-INFINITY : t, t_c = zero ? (real)INFINITY : t;
+    const int kc = k[c];
+    const real kf = (real)kc;
+    const unsigned short* e = ends + ((long long)c * G + gi) * 2;
+    const UbLevels v = ub_levels((real)__uint_as_float((unsigned)e[0] << 16),
+                                 (real)__uint_as_float((unsigned)e[1] << 16), t_o, t_c, kc, L);
+    const unsigned top = (1u << bits) - 1u;
+    for (long long i = g0; i < g1; ++i) {
+        const unsigned byte = packed[(long long)c * (M / per) + i / per];
+        const real code = (real)((byte >> ((i % per) * bits)) & top);
+        const bool on = code >= kf;
+        const real jj = on ? rn_sub(code, kf) : code;
+        real o;
+        if (relu)
+            o = !on ? (real)0 : zero ? ub_max(b, (real)0)
+              : ub_max(rn_mul(ag, rn_add(rn_sub(v.bo, t_o), rn_mul(jj, v.so))), (real)0);
+        else
+            o = rn_mul(s, on ? rn_add(v.bo, rn_mul(jj, v.so)) : rn_add(v.bc, rn_mul(jj, v.sc)));
+        out[(long long)c * M + i] = o;
+        if (mask_dr && !on)
+            dr[(long long)c * M + i] = (real)0;
+    }
+}
+"""
+
+PROGRAM = cuda.Program("unbiased", SOURCE)
+
+
+def _prepare(slot, C, M, bits, gamma, beta):
+    bits = unbiased.check_bits(bits)
+    if (M * bits) % 8:
+        raise ValueError(f"rows of {M} elements at {bits} bits are not whole bytes (use unbiased.quantize_pack)")
+    codes, ends = unbiased.split_slot(slot, C, M, bits)
+    k = unbiased.split(gamma, beta, bits).astype(numpy.int32)
+    grid = (max(1, -(-unbiased.groups(M) // BLOCK)), C)
+    return bits, codes, ends, k, grid
+
+
+def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key):
+    """As units/cpu_unbiased.py's unit_forward, on the GPU: slot <- the unbiased code of
+    x-hat = (x - mean)*rstd drawn from key; out = relu(y) or naive's decoded conv input."""
+    C, M = x.shape
+    bits, codes, ends, k, grid = _prepare(slot, C, M, bits, gamma, beta)
+    base, start, row = resolve(key, M, what="stochastic")
+    PROGRAM.launch("unbiased_forward", x.dtype, grid,
+                   (out, codes, ends, x, mean, rstd, gamma, beta, k, _i64(M), _i32(bits), _i32(bool(naive)),
+                    numpy.uint64(base), _i64(row), _i64(start)))
+
+
+def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
+    """As units/cpu_unbiased.py's decode, on the GPU (dr: the gradient to mask, or None)."""
+    C, M = out.shape
+    bits, codes, ends, k, grid = _prepare(slot, C, M, bits, gamma, beta)
+    PROGRAM.launch("unbiased_decode", out.dtype, grid,
+                   (out, dr if dr is not None else out, codes, ends, gamma, beta, k, _i64(M), _i32(bits),
+                    _i32(bool(relu)), _i32(dr is not None)))
+
+
+assert GOLDEN == 0x9E3779B97F4A7C15           # the constant written into the kernel text

@@ -1,0 +1,405 @@
+"""The unbiased group-range code of x̂ (rounding="stochastic"): E[x̃ | x̂] = x̂ for every element.
+
+Per channel c work on u = s·x̂ (s = sign(γ), +1 for γ = 0), so the exact ReLU mask
+(x̂·γ) + β > 0 means "u above t = −β/|γ|". The K-bit codes (L = 2**K, K ≥ 2) split at k, the
+window code's split (quant.quant_params, from γ and β alone) clipped to [2, L−2]: codes k..L−1
+are open (the mask is `code >= k`, as in units/quant.py), 0..k−1 closed. A group is 256
+consecutive elements of a channel's row of N·H·W (`GROUP`); it stores its range [lo, hi] of u,
+rounded outward to bfloat16 (4 bytes). Its levels, evenly spaced on each side:
+
+    open   (L−k levels): from max(t, lo) up to hi
+    closed (k levels):   from lo up to min(t, hi)
+
+so in a group with elements on both sides t is a level of both (the lowest open level
+rebuilds a conv input of exactly 0), and a group on one side only (t outside its data, γ = 0,
+an all-zero or constant channel) spends its side's levels on its own range. Every element lies
+within its side's levels: nothing is clipped. Encoding (stochastic rounding between the two
+levels of the element's own side that enclose it):
+
+    p = (u − base)/step,  j = min(max(floor(p + r), 0), n − 1),  code = code0 + j
+
+with r uniform in [0, 1) from the counter stream (units/stream.py, keyed by the element's
+global index), so E[j] = p and E[x̃] = x̂ up to float rounding and the stream's 2**−24 grid;
+a side whose levels coincide (step 0) decodes to its base. Decode: x̃ = s·(base + j·step);
+the conv input of an open element |γ|·((base − t) + j·step) (β where γ = 0): ≥ 0, and 0 at t.
+Every decision is the group's own or comes from γ and β, so a data-parallel shard whose rows
+are whole groups (n_local·H·W a multiple of 256) codes exactly what the whole batch codes there.
+
+The saved slot (one uint8 array, `slot_nbytes`): the packed codes (units/quant.py's packing,
+padded to 8 bytes), then (C, G, 2) uint16 group ends (hi, lo): at 2 bits 2 + 32/256 = 2.125
+bits per element when M is a multiple of 256. Scratch: (C, G) arrays of the group ends and
+levels, and per quant.CHUNK-sized piece a few piece-sized temporaries.
+
+1 bit cannot be unbiased with an exact mask (one level per side): units/reference.py then
+uses the window code with nearest rounding. The measured cheaper variant (`variant="open"`:
+one end per group, the lower end the channel's) is reachable through `quantize_simulated`
+only, for docs/quantizer.md's comparison.
+"""
+import numpy
+
+from . import quant
+from .stream import resolve, uniforms
+from ..system.backend import array_module
+
+GROUP = 256
+ENDS = ("group", "open")
+
+
+def groups(M):
+    """Groups per channel row of M elements: ceil(M / GROUP)."""
+    return -(-int(M) // GROUP)
+
+
+def _code_bytes(C, M, bits):
+    return (quant.packed_nbytes(C * M, bits) + 7) // 8 * 8
+
+
+def slot_nbytes(C, M, bits):
+    """Bytes of a unit's saved slot: the codes padded to 8 bytes, then 4 bytes per group."""
+    return _code_bytes(C, M, bits) + 4 * C * groups(M)
+
+
+def metadata_nbytes(C, M, bits):
+    """The slot's bytes beyond the packed codes (the group ends and the padding)."""
+    return slot_nbytes(C, M, bits) - quant.packed_nbytes(C * M, bits)
+
+
+def split_slot(slot, C, M, bits):
+    """(codes (packed_nbytes,) uint8, ends (C, G, 2) uint16 bf16 (hi, lo)): views into slot."""
+    n0 = _code_bytes(C, M, bits)
+    G = groups(M)
+    if slot.dtype != numpy.uint8 or slot.ndim != 1 or slot.size < slot_nbytes(C, M, bits):
+        raise ValueError(f"the unbiased code's slot must be uint8 of at least {slot_nbytes(C, M, bits)} "
+                         f"bytes for C={C}, M={M} at {bits} bits, got {slot.dtype} {slot.shape}")
+    codes = slot[:quant.packed_nbytes(C * M, bits)]
+    ends = slot[n0:n0 + 4 * C * G].view(numpy.uint16).reshape(C, G, 2)
+    return codes, ends
+
+
+def split(gamma, beta, bits):
+    """k (C,) int32, the first open code: the window code's split (quant.quant_params, from γ and
+    β alone), clipped to [2, L−2] where γ != 0 so each side keeps two levels; 0 or L where γ = 0."""
+    L = 1 << bits
+    k = quant.quant_params(gamma, beta, bits).k
+    xp = array_module(k)
+    return xp.where(gamma == 0, k, xp.clip(k, 2, L - 2)).astype(numpy.int32)
+
+
+# ---- bfloat16, rounded outward ------------------------------------------------
+
+def _bf16(v, up):
+    """uint16 bfloat16 bits of the smallest bf16 >= v (up) or the largest <= v (down)."""
+    xp = array_module(v)
+    f = v.astype(numpy.float32)
+    if v.dtype != numpy.float32:                      # outward to float32 first
+        off = (f < v) if up else (f > v)
+        f = xp.where(off, xp.nextafter(f, numpy.float32(numpy.inf if up else -numpy.inf)), f)
+    b = (f.view(numpy.uint32) >> 16).astype(numpy.uint32)        # toward zero
+    t = (b << 16).view(numpy.float32)
+    # toward zero is outward for the side v's sign points away from: fix the other one
+    bump = (t < f) if up else (t > f)
+    return (b + bump).astype(numpy.uint16)
+
+
+def bf16_up(v):
+    return _bf16(v, True)
+
+
+def bf16_down(v):
+    return _bf16(v, False)
+
+
+def bf16_value(b, dtype):
+    """bf16 bits (uint16) -> values in dtype (exact)."""
+    return (b.astype(numpy.uint32) << 16).view(numpy.float32).astype(dtype)
+
+
+# ---- the levels --------------------------------------------------------------
+
+class Levels:
+    """Per channel and group, the affine level maps of both sides (all (C, G) or (C,) arrays):
+    level j of the open side is base_o + j·step_o (codes k + j), of the closed side
+    base_c + j·step_c (codes j). Built from the stored group ends, γ and β alone:
+
+        open:   from max(t, lo) up to hi          (t where the group has closed elements)
+        closed: from lo up to min(t, hi)          (t where the group has open elements)"""
+
+    def __init__(self, ends, gamma, beta, bits):
+        xp = array_module(gamma)
+        dt = gamma.dtype
+        L = 1 << bits
+        self.bits, self.levels = bits, L
+        self.s = xp.where(gamma < 0, -1, 1).astype(dt)
+        zero = gamma == 0
+        with numpy.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            t = (-beta / xp.where(zero, 1, xp.abs(gamma)).astype(dt)).astype(dt)
+        # γ = 0: no threshold; each side's levels span the group's range
+        self.t = xp.where(zero, -numpy.inf, t).astype(dt)[:, None]
+        t_top = xp.where(zero, numpy.inf, t).astype(dt)[:, None]
+        self.ag, self.zero = xp.abs(gamma)[:, None], zero[:, None]
+        self.gamma, self.beta = gamma, beta
+        hi, lo = bf16_value(ends[..., 0], dt), bf16_value(ends[..., 1], dt)
+        self.k = split(gamma, beta, bits)
+        kk = self.k[:, None]
+        self.base_o = xp.minimum(xp.maximum(self.t, lo), hi).astype(dt)
+        self.base_c = lo
+        top_c = xp.maximum(xp.minimum(t_top, hi), lo)
+        with numpy.errstate(invalid="ignore", over="ignore"):
+            step_o = (hi - self.base_o) / xp.maximum(L - kk - 1, 1).astype(dt)
+            step_c = (top_c - lo) / xp.maximum(kk - 1, 1).astype(dt)
+        ok_o = (L - kk > 1) & xp.isfinite(step_o) & (step_o > 0)
+        ok_c = (kk > 1) & xp.isfinite(step_c) & (step_c > 0)
+        self.step_o = xp.where(ok_o, step_o, 0).astype(dt)
+        self.step_c = xp.where(ok_c, step_c, 0).astype(dt)
+
+    def tables(self, relu):
+        """(C, G, L) decode tables, built once per call (K <= 4: L <= 16 entries per group of 256):
+        x̃ (relu=False) or the conv input (relu=True) of every code, with the operations of
+        _decode_piece, so a lookup equals the formula bit for bit."""
+        xp = array_module(self.base_o)
+        C, G = self.base_o.shape
+        code = xp.broadcast_to(xp.arange(self.levels, dtype=self.base_o.dtype), (C, G, self.levels))
+        return _decode_levels(code, self, slice(0, C), tuple(a[:, :, None] for a in
+                              (self.base_o, self.step_o, self.base_c, self.step_c)), relu)[0]
+
+    def piece(self, r0, r1, c0, c1):
+        """Per element of rows r0:r1, columns c0:c1: (base_o, step_o, base_c, step_c) gathered
+        from their groups, each (r1−r0, c1−c0)."""
+        xp = array_module(self.base_o)
+        g = xp.arange(c0, c1) // GROUP
+        return tuple(a[r0:r1][:, g] for a in (self.base_o, self.step_o, self.base_c, self.step_c))
+
+
+# ---- the metadata pass -------------------------------------------------------
+
+def _blocks(C, M):
+    """(r0, r1, c0, c1) blocks of whole groups covering (C, M), about quant.CHUNK elements each."""
+    step = quant._chunk()
+    if M <= step:
+        rows = max(1, step // M)
+        for r0 in range(0, C, rows):
+            yield r0, min(C, r0 + rows), 0, M
+    else:
+        cols = max(GROUP, step // GROUP * GROUP)
+        for r in range(C):
+            for c0 in range(0, M, cols):
+                yield r, r + 1, c0, min(M, c0 + cols)
+
+
+def metadata(ends_out, xhat, gamma, variant="group"):
+    """The group ends (C, G, 2) uint16 of x̂ (C, M): bf16 (max of u rounded up, min rounded
+    down), u = sign(γ)·x̂; one pass over x̂ in blocks (block-sized temporaries).
+    variant="open" (measured, not packed): the lower end is the channel's minimum."""
+    xp = array_module(xhat)
+    C, M = xhat.shape
+    G, dt = groups(M), xhat.dtype
+    s = xp.where(gamma < 0, -1, 1).astype(dt)
+    hi, lo = xp.empty((C, G), dt), xp.empty((C, G), dt)
+    for r0, r1, c0, c1 in _blocks(C, M):
+        for s0, s1, size in _segments(r0, r1, c0, c1, M):       # (R, g, size) views: whole groups
+            u = xhat[r0:r1, s0:s1].reshape(r1 - r0, (s1 - s0) // size, size) * s[r0:r1, None, None]
+            gs = slice(s0 // GROUP, s0 // GROUP + u.shape[1])
+            hi[r0:r1, gs] = u.max(axis=2)
+            lo[r0:r1, gs] = u.min(axis=2)
+    if variant == "open":                     # the cheaper variant: the lower end per channel
+        lo = xp.broadcast_to(lo.min(axis=1, keepdims=True), lo.shape)
+    elif variant != "group":
+        raise ValueError(f"variant must be one of {ENDS}, got {variant!r}")
+    ends_out[..., 0] = bf16_up(hi)
+    ends_out[..., 1] = bf16_down(lo)
+
+
+# ---- encode, decode ----------------------------------------------------------
+
+def _encode_piece(x, lv, r0, r1, c0, c1, stream):
+    """Codes (r1−r0, c1−c0) as floats of x̂ block x (rows r0:r1, columns c0:c1)."""
+    xp = array_module(x)
+    L = lv.levels
+    mask = (x * lv.gamma[r0:r1, None]) + lv.beta[r0:r1, None] > 0
+    u = x * lv.s[r0:r1, None]
+    bo, so, bc, sc = lv.piece(r0, r1, c0, c1)
+    k = lv.k[r0:r1, None].astype(x.dtype)
+    base, step = xp.where(mask, bo, bc), xp.where(mask, so, sc)
+    n = xp.where(mask, L - k, k)
+    with numpy.errstate(divide="ignore", invalid="ignore"):
+        p = xp.where(step > 0, (u - base) / xp.where(step > 0, step, 1), 0)
+    p = p + uniforms(stream, r0, r1, c0, c1, x.dtype, xp)
+    j = xp.minimum(xp.maximum(xp.floor(p), 0), n - 1)
+    return xp.where(mask, k + j, j)
+
+
+def _decode_piece(code, lv, r0, r1, c0, c1, relu):
+    """x̃ (relu=False) or the conv input (relu=True) of float codes (rows r0:r1, cols c0:c1)."""
+    xp = array_module(code)
+    bo, so, bc, sc = lv.piece(r0, r1, c0, c1)
+    k = lv.k[r0:r1, None].astype(code.dtype)
+    open_ = code >= k
+    j = code - xp.where(open_, k, 0)
+    if relu:
+        ag, t, zero = lv.ag[r0:r1], lv.t[r0:r1], lv.zero[r0:r1]
+        val = xp.where(zero, lv.beta[r0:r1, None], ag * ((bo - xp.where(zero, bo, t)) + j * so))
+        return xp.where(open_, xp.maximum(val, 0), 0)
+    return lv.s[r0:r1, None] * xp.where(open_, bo + j * so, bc + j * sc)
+
+
+def check_bits(bits):
+    bits = quant.check_bits(bits)
+    if bits < 2:
+        raise ValueError("the unbiased code needs bits >= 2 (one level per side cannot be unbiased)")
+    return bits
+
+
+def quantize_simulated(xhat, gamma, beta, bits, key, variant="group"):
+    """Reference (x̃, mask), both (C, M): the unbiased code's decode of x̂ for stream `key` (an
+    integer or a Stream), whole arrays; the packed path (quantize_pack + decode) matches it bit
+    for bit. variant="open": the measured cheaper variant (not packed)."""
+    bits = check_bits(bits)
+    xp = array_module(xhat)
+    C, M = xhat.shape
+    ends = xp.empty((C, groups(M), 2), numpy.uint16)
+    metadata(ends, xhat, gamma, variant)
+    lv = Levels(ends, gamma, beta, bits)
+    stream = resolve(key, M, what="stochastic")
+    code = _encode_piece(xhat, lv, 0, C, 0, M, stream)
+    mask = (xhat * gamma[:, None]) + beta[:, None] > 0
+    return _decode_piece(code, lv, 0, C, 0, M, relu=False), mask
+
+
+def _segments(r0, r1, c0, c1, M):
+    """A block of whole groups (c0 a multiple of GROUP) as (c0, c1, size) runs of equal groups:
+    the full groups, then the row's shorter last group if the block ends there."""
+    full = (c1 - c0) // GROUP * GROUP
+    out = [(c0, c0 + full, GROUP)] if full else []
+    if c0 + full < c1:
+        out.append((c0 + full, c1, c1 - c0 - full))
+    return out
+
+
+def _grouped(lv, r0, r1, c0, c1, size):
+    """(base_o, step_o, base_c, step_c) of rows r0:r1 for the groups of columns c0:c1, shaped
+    (R, g, 1) to broadcast over (R, g, size) views: no per-element gather."""
+    gs = slice(c0 // GROUP, c0 // GROUP + (c1 - c0) // size)
+    return tuple(a[r0:r1, gs, None] for a in (lv.base_o, lv.step_o, lv.base_c, lv.step_c))
+
+
+def _encode_block(x3, lv, rows, params, r):
+    """Codes (floats) of the (R, g, size) view x3; the same operations as _encode_piece."""
+    xp = array_module(x3)
+    bo, so, bc, sc = params
+    mask = (x3 * lv.gamma[rows, None, None]) + lv.beta[rows, None, None] > 0
+    u = x3 * lv.s[rows, None, None]
+    k = lv.k[rows, None, None].astype(x3.dtype)
+    base, step = xp.where(mask, bo, bc), xp.where(mask, so, sc)
+    n = xp.where(mask, lv.levels - k, k)
+    with numpy.errstate(divide="ignore", invalid="ignore"):
+        p = xp.where(step > 0, (u - base) / xp.where(step > 0, step, 1), 0)
+    p = p + r
+    j = xp.minimum(xp.maximum(xp.floor(p), 0), n - 1)
+    return xp.where(mask, k + j, j)
+
+
+def _decode_levels(code, lv, rows, params, relu):
+    """x̃ or the conv input of (R, g, size) float codes, and their open mask; the same
+    operations as _decode_piece."""
+    xp = array_module(code)
+    bo, so, bc, sc = params
+    k = lv.k[rows, None, None].astype(code.dtype)
+    open_ = code >= k
+    j = code - xp.where(open_, k, 0)
+    if relu:
+        ag, t, zero = (a[rows, :, None] for a in (lv.ag, lv.t, lv.zero))
+        val = xp.where(zero, lv.beta[rows, None, None], ag * ((bo - xp.where(zero, bo, t)) + j * so))
+        return xp.where(open_, xp.maximum(val, 0), 0), open_
+    return lv.s[rows, None, None] * xp.where(open_, bo + j * so, bc + j * sc), open_
+
+
+def _aligned(M, bits):
+    """Whether every block of whole groups starts on a code byte (the grouped fast path)."""
+    return (M * bits) % 8 == 0
+
+
+def quantize_pack(slot, xhat, gamma, beta, bits, key):
+    """Encode x̂ (C, M) into the unit's slot (uint8, >= slot_nbytes): metadata, then the codes,
+    block by block of whole groups (quant.CHUNK elements; the codes packed with quant's packing).
+    key: integer or Stream (required)."""
+    bits = check_bits(bits)
+    xp = array_module(xhat)
+    C, M = xhat.shape
+    codes, ends = split_slot(slot, C, M, bits)
+    metadata(ends, xhat, gamma)
+    lv = Levels(ends, gamma, beta, bits)
+    stream = resolve(key, M, what="stochastic")
+    if not _aligned(M, bits):
+        return _quantize_pack_pieces(codes, xhat, lv, bits, stream)
+    for r0, r1, c0, c1 in _blocks(C, M):
+        buf = xp.empty((r1 - r0, c1 - c0), numpy.uint8)
+        r = uniforms(stream, r0, r1, c0, c1, xhat.dtype, xp)
+        for s0, s1, size in _segments(r0, r1, c0, c1, M):
+            shape = (r1 - r0, (s1 - s0) // size, size)
+            code = _encode_block(xhat[r0:r1, s0:s1].reshape(shape), lv, slice(r0, r1),
+                                 _grouped(lv, r0, r1, s0, s1, size), r[:, s0 - c0:s1 - c0].reshape(shape))
+            xp.copyto(buf[:, s0 - c0:s1 - c0].reshape(shape), code, casting="unsafe")
+        a = r0 * M + c0                           # whole rows, or a part of one: contiguous
+        quant._pack_block(codes[a * bits // 8:(a + buf.size) * bits // 8], buf.reshape(-1), bits,
+                          xp.empty(buf.size * bits // 8, numpy.uint8))
+
+
+def _quantize_pack_pieces(codes, xhat, lv, bits, stream):
+    """quantize_pack for rows whose blocks do not start on a code byte: quant's flat chunks,
+    each element's group parameters gathered (slower)."""
+    xp = array_module(xhat)
+    C, M = xhat.shape
+    n = C * M
+    step = quant._chunk(n)
+    buf = xp.empty(step, numpy.uint8)
+    tmp = xp.empty(step * bits // 8, numpy.uint8)
+    for a, b, pieces in quant._chunks(n, M):
+        for r0, r1, c0, c1, off in pieces:
+            code = _encode_piece(xhat[r0:r1, c0:c1], lv, r0, r1, c0, c1, stream)
+            xp.copyto(buf[off:off + code.size].reshape(code.shape), code, casting="unsafe")
+        quant._pack_block(codes[a * bits // 8:(b * bits + 7) // 8], buf[:b - a], bits, tmp)
+
+
+def decode_each_chunk(out, slot, gamma, beta, bits, relu=False, extra=None):
+    """Decode the slot block by block into out (C, M) float: x̃, or the conv input (relu=True);
+    then extra(out_block, open_block, r0, r1, c0, c1) (open: the exact mask of the block)."""
+    xp = array_module(out)
+    C, M = out.shape
+    codes, ends = split_slot(slot, C, M, bits)
+    lv = Levels(ends, gamma, beta, bits)
+    if not _aligned(M, bits):
+        return _decode_pieces(out, codes, lv, bits, relu, extra)
+    table = lv.tables(relu).astype(out.dtype) if bits <= 4 else None
+    for r0, r1, c0, c1 in _blocks(C, M):
+        buf = xp.empty((r1 - r0, c1 - c0), numpy.uint8)
+        a = r0 * M + c0
+        quant._unpack_block(buf.reshape(-1), codes[a * bits // 8:(a + buf.size) * bits // 8], bits)
+        for s0, s1, size in _segments(r0, r1, c0, c1, M):
+            shape = (r1 - r0, (s1 - s0) // size, size)
+            gs = slice(s0 // GROUP, s0 // GROUP + shape[1])
+            codes3 = buf[:, s0 - c0:s1 - c0].reshape(shape)
+            if table is not None:           # one lookup per element
+                val = xp.take_along_axis(table[r0:r1, gs], codes3.astype(numpy.intp), axis=2)
+            else:
+                val = _decode_levels(codes3.astype(out.dtype), lv, slice(r0, r1),
+                                     _grouped(lv, r0, r1, s0, s1, size), relu)[0]
+            out[r0:r1, s0:s1] = val.reshape(r1 - r0, s1 - s0)
+        if extra is not None:
+            extra(out[r0:r1, c0:c1], buf >= lv.k[r0:r1, None].astype(numpy.uint8) if bits < 8
+                  else buf.astype(numpy.int32) >= lv.k[r0:r1, None], r0, r1, c0, c1)
+
+
+def _decode_pieces(out, codes, lv, bits, relu, extra):
+    """decode_each_chunk through quant's flat chunks (rows not starting on a code byte)."""
+    xp = array_module(out)
+    C, M = out.shape
+    n = C * M
+    buf = xp.empty(quant._chunk(n), numpy.uint8)
+    for a, b, pieces in quant._chunks(n, M):
+        quant._unpack_block(buf[:b - a], codes[a * bits // 8:(b * bits + 7) // 8], bits)
+        for r0, r1, c0, c1, off in pieces:
+            cb = buf[off:off + (r1 - r0) * (c1 - c0)].reshape(r1 - r0, c1 - c0).astype(out.dtype)
+            ob = out[r0:r1, c0:c1]
+            ob[...] = _decode_piece(cb, lv, r0, r1, c0, c1, relu)
+            if extra is not None:
+                extra(ob, cb >= lv.k[r0:r1, None], r0, r1, c0, c1)

@@ -1,0 +1,454 @@
+"""The unbiased group-range code (rounding="stochastic", lowmem/units/unbiased.py).
+
+* E[x̃ | x̂] = x̂ in the threshold's half-bins, beyond the fixed window and in between, on both
+  sides of the threshold; the fixed-window stochastic code fails the same test;
+* the ReLU mask is exact on every draw (γ > 0, γ < 0, γ = 0, t inside and outside the data,
+  an all-zero and a constant channel); the lowest open level rebuilds a conv input of exactly 0;
+* the packed slot decodes bit for bit what quantize_simulated computes, for any chunking, and a
+  shard keyed by its global place draws the codes the whole batch draws there;
+* the group ends are bf16, rounded outward; the slot's bytes are what the plan counts.
+"""
+import numpy as np
+import pytest
+
+from lowmem.units import quant, unbiased
+from lowmem.units.stream import Stream
+
+W2 = quant.WINDOWS[2]          # the fixed window's half-width at 2 bits
+HALF = quant.bin_width(2) / 2   # half a bin of the fixed window at 2 bits
+
+
+def draws(x, gamma, beta, bits, rounding, K, seed=0):
+    """K decodes of x under independent keys: (sum of x̃ − x, sum of its square), and every mask."""
+    s1 = np.zeros_like(x)
+    s2 = np.zeros_like(x)
+    for d in range(K):
+        xt, mask = quant.quantize_simulated(x, gamma, beta, bits, rounding, quant.stream_key(seed, d, 0))
+        assert np.array_equal(mask, (x * gamma[:, None]) + beta[:, None] > 0)
+        s1 += xt - x
+        s2 += (xt - x) ** 2
+    return s1, s2
+
+
+def region_bias(x, gamma, beta, bits, rounding, K=200):
+    """{region: (mean error, its standard error)} over the elements of each region and K draws.
+    Regions (at t = 0): the threshold's half-bins of the fixed window (open, closed), beyond the
+    fixed window's reach (|x| > W − w/2; open, closed) and in between."""
+    s1, s2 = draws(x, gamma, beta, bits, rounding, K)
+    a = np.abs(x)
+    regions = {"half-bin open": (x > 0) & (a < HALF), "half-bin closed": (x <= 0) & (a < HALF),
+               "beyond open": x > W2 - HALF, "beyond closed": x < -(W2 - HALF),
+               "between": (a >= HALF) & (a <= W2 - HALF)}
+    out = {}
+    for name, sel in regions.items():
+        n = sel.sum()
+        mean = s1[sel].sum() / (n * K)
+        # per-element draws are independent across elements and draws: the variance of the mean
+        var = (s2[sel].sum() / K - (s1[sel] / K) ** 2 @ np.ones(n)) / n
+        out[name] = (mean, np.sqrt(max(var, 1e-300) / (n * K)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 4096)) * 1.3          # tails well beyond ±2.5
+    return x, np.array([1.0, 1.0]), np.array([0.0, 0.0])   # t = 0
+
+
+def test_unbiased_in_every_region(data):
+    """Seed 0 (keys stream_key(0, d, 0), d < 200). Tolerance: |mean error| < 4 standard errors
+    in each of the 5 regions (a false alarm about 6e-5 per region)."""
+    for name, (mean, se) in region_bias(*data, 2, "stochastic").items():
+        assert abs(mean) < 4 * se, (name, mean, se)
+
+
+def test_the_window_code_fails_the_same_test(data):
+    """The same statistics for the fixed-window stochastic code: biased by many standard errors in
+    the threshold half-bins (open up, closed down) and beyond the window (clipped inward)."""
+    r = region_bias(*data, 2, "stochastic-window")
+    assert r["half-bin open"][0] > 10 * r["half-bin open"][1]
+    assert r["half-bin closed"][0] < -10 * r["half-bin closed"][1]
+    assert r["beyond open"][0] < -10 * r["beyond open"][1]
+    assert r["beyond closed"][0] > 10 * r["beyond closed"][1]
+
+
+CASES = {   # name: (gamma, beta) of one channel; x drawn standard normal (some channels replaced)
+    "gamma>0 t inside": (1.3, 0.4), "gamma<0 t inside": (-0.8, 0.3), "gamma=0 beta>0": (0.0, 0.5),
+    "gamma=0 beta<=0": (0.0, -0.2), "t below the data": (1.0, 9.0), "t above the data": (1.0, -9.0),
+    "gamma<0 t beyond": (-2.0, -30.0), "tiny gamma": (1e-30, 0.5),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_mask_exact_on_every_draw_and_conv_input(dtype, bits):
+    rng = np.random.default_rng(3)
+    C = len(CASES) + 2
+    M = 700                                          # groups of 256, 256 and 188
+    x = rng.standard_normal((C, M)).astype(dtype)
+    x[-2] = 0                                        # an all-zero channel
+    x[-1] = dtype(0.75)                              # a constant one
+    gamma = np.array([g for g, _ in CASES.values()] + [1.0, -1.0], dtype)
+    beta = np.array([b for _, b in CASES.values()] + [0.0, 1.0], dtype)
+    mask = (x * gamma[:, None]) + beta[:, None] > 0
+    slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
+    xt, u = np.empty_like(x), np.empty_like(x)
+    for d in range(8):
+        key = quant.stream_key(4, d, 1)
+        unbiased.quantize_pack(slot, x, gamma, beta, bits, key)
+        got = {}
+        unbiased.decode_each_chunk(xt, slot, gamma, beta, bits,
+                                   extra=lambda ob, op, r0, r1, c0, c1: got.setdefault((r0, c0), op.copy()))
+        decoded = np.zeros_like(mask)
+        for (r0, c0), op in got.items():
+            decoded[r0:r0 + op.shape[0], c0:c0 + op.shape[1]] = op
+        assert np.array_equal(decoded, mask)
+        sim, smask = unbiased.quantize_simulated(x, gamma, beta, bits, key)
+        assert np.array_equal(xt, sim) and np.array_equal(smask, mask)
+        unbiased.decode_each_chunk(u, slot, gamma, beta, bits, relu=True)
+        assert (u[~mask] == 0).all() and (u >= 0).all() and np.isfinite(u).all()
+        assert (xt * gamma[:, None] + beta[:, None] >= -1e-5 * np.abs(beta[:, None]) - 1e-6)[mask].all()
+    # constant and zero channels decode exactly
+    np.testing.assert_array_equal(xt[-2], 0)
+    np.testing.assert_array_equal(xt[-1], x[-1])
+
+
+def test_lowest_open_level_rebuilds_exactly_zero():
+    """An open element just above t, drawn to its lowest level (code k): conv input exactly 0."""
+    x = np.array([[1e-4, 0.3, 1.0, -0.5, -1.5, 2.0] * 50], np.float32)
+    gamma, beta = np.array([1.0], np.float32), np.array([0.0], np.float32)
+    seen = set()
+    slot = np.zeros(unbiased.slot_nbytes(1, x.shape[1], 2), np.uint8)
+    u = np.empty_like(x)
+    for d in range(20):
+        unbiased.quantize_pack(slot, x, gamma, beta, 2, d)
+        unbiased.decode_each_chunk(u, slot, gamma, beta, 2, relu=True)
+        seen.update(u[0, ::6].tolist())              # the element at 1e-4: 0 or the top level
+    assert 0.0 in seen and len(seen) == 2
+
+
+@pytest.mark.parametrize("M", [1000, 701])          # rows on code bytes (grouped blocks), or not (pieces)
+@pytest.mark.parametrize("chunk", [8, 64, 264, 1 << 16])
+def test_packed_equals_simulated_for_any_chunking(chunk, M, monkeypatch):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, M)).astype(np.float32)
+    gamma, beta = np.array([0.7, -1.1, 0.0], np.float32), np.array([0.1, 0.4, 0.3], np.float32)
+    want, mask = unbiased.quantize_simulated(x, gamma, beta, 2, 99)
+    relu_want = np.empty_like(x)
+    monkeypatch.setattr(quant, "CHUNK", 1 << 16)
+    slot = np.zeros(unbiased.slot_nbytes(3, M, 2), np.uint8)
+    unbiased.quantize_pack(slot, x, gamma, beta, 2, 99)
+    unbiased.decode_each_chunk(relu_want, slot, gamma, beta, 2, relu=True)
+    monkeypatch.setattr(quant, "CHUNK", chunk)
+    again = np.zeros_like(slot)
+    unbiased.quantize_pack(again, x, gamma, beta, 2, 99)
+    np.testing.assert_array_equal(again, slot)
+    got, relu, seen = np.empty_like(x), np.empty_like(x), np.zeros(x.shape, bool)
+
+    def check_mask(ob, open_, r0, r1, c0, c1):
+        np.testing.assert_array_equal(open_, mask[r0:r1, c0:c1])
+        seen[r0:r1, c0:c1] = True
+    unbiased.decode_each_chunk(got, slot, gamma, beta, 2, extra=check_mask)
+    unbiased.decode_each_chunk(relu, slot, gamma, beta, 2, relu=True)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(relu, relu_want)
+    assert seen.all()
+
+
+def test_a_shard_draws_what_the_whole_batch_draws_there():
+    """Rows of 2 shards of 512 elements (whole groups): each shard, keyed by its global place,
+    gets bit for bit the codes the whole batch gets for those elements."""
+    rng = np.random.default_rng(6)
+    C, M = 3, 1024
+    x = rng.standard_normal((C, M))
+    gamma, beta = rng.standard_normal(C), rng.standard_normal(C) * 0.3
+    key = quant.stream_key(1, 7, 2)
+    whole, _ = unbiased.quantize_simulated(x, gamma, beta, 4, key)
+    for r in range(2):
+        part = np.ascontiguousarray(x[:, r * 512:(r + 1) * 512])
+        got, _ = unbiased.quantize_simulated(part, gamma, beta, 4, Stream(key, start=r * 512, row=M))
+        if r == 0:
+            assert not np.array_equal(got, whole[:, 512:])
+        np.testing.assert_array_equal(got, whole[:, r * 512:(r + 1) * 512])
+    # the window code too, for any split
+    whole, _ = quant.quantize_simulated(x, gamma, beta, 2, "stochastic-window", key)
+    part = np.ascontiguousarray(x[:, 300:])
+    got, _ = quant.quantize_simulated(part, gamma, beta, 2, "stochastic-window", Stream(key, 300, M))
+    np.testing.assert_array_equal(got, whole[:, 300:])
+    with pytest.raises(ValueError, match="does not fit in a global row"):
+        quant.quantize_simulated(part, gamma, beta, 2, "stochastic-window", Stream(key, 400, M))
+
+
+def test_group_ends_are_bf16_rounded_outward():
+    rng = np.random.default_rng(8)
+    for dtype in (np.float32, np.float64):
+        v = (rng.standard_normal(2000) * 3).astype(dtype)
+        up, down = unbiased.bf16_value(unbiased.bf16_up(v), dtype), unbiased.bf16_value(unbiased.bf16_down(v), dtype)
+        assert (up >= v).all() and (down <= v).all()
+        assert (up - down <= np.abs(v) * 2 ** -7 + 1e-38).all()          # one bf16 step at most
+        exact = unbiased.bf16_value(unbiased.bf16_up(up), dtype)          # bf16 values stay put
+        np.testing.assert_array_equal(exact, up)
+    C, M = 2, 600
+    x = rng.standard_normal((C, M)).astype(np.float32)
+    gamma, beta = np.array([1.0, -1.0], np.float32), np.array([0.2, 0.1], np.float32)
+    ends = np.empty((C, 3, 2), np.uint16)
+    unbiased.metadata(ends, x, gamma)
+    u = x * np.where(gamma < 0, -1, 1)[:, None]
+    for g in range(3):
+        sl = slice(256 * g, min(M, 256 * (g + 1)))
+        hi, lo = (unbiased.bf16_value(ends[:, g, i], np.float32) for i in (0, 1))
+        assert (hi >= u[:, sl].max(axis=1)).all() and (lo <= u[:, sl].min(axis=1)).all()
+        assert (hi - u[:, sl].max(axis=1) <= np.abs(hi) * 2 ** -7).all()     # within one bf16 step
+    np.testing.assert_array_equal(unbiased.split(gamma, beta, 2), [2, 2])
+
+
+def test_slot_bytes_and_bad_input():
+    # 2 bits: 2 + 4*8/256 = 2.125 bits per element
+    C, M = 16, 4096
+    assert unbiased.slot_nbytes(C, M, 2) == C * M // 4 + 4 * C * M // 256
+    assert 8 * unbiased.slot_nbytes(C, M, 2) / (C * M) == 2.125
+    assert unbiased.metadata_nbytes(C, M, 2) == unbiased.slot_nbytes(C, M, 2) - C * M // 4
+    x = np.zeros((C, M), np.float32)
+    g = np.ones(C, np.float32)
+    with pytest.raises(ValueError, match="needs bits >= 2"):
+        unbiased.quantize_simulated(x, g, g, 1, 5)
+    with pytest.raises(ValueError, match="rounding='stochastic' needs a key"):
+        unbiased.quantize_simulated(x, g, g, 2, None)
+    with pytest.raises(ValueError, match="slot must be uint8 of at least"):
+        unbiased.quantize_pack(np.zeros(10, np.uint8), x, g, g, 2, 5)
+
+
+# ---- through the engine -------------------------------------------------------
+
+@pytest.mark.parametrize("use_fast", [False, None])
+def test_engine_unbiased_codes_are_the_slot_of_quantize_pack(use_fast):
+    """Engine(rounding="stochastic"): the forward is exact mode's bit for bit; every unit's slot is
+    unbiased.quantize_pack's with the key stream_key(seed, step, unit index), on the reference and
+    the fused (numba forward) sets alike; the plan counts the group ends and the summary shows
+    the bits per element with them; a training step runs."""
+    import copy
+    from lowmem.core.engine import Engine
+    from lowmem.models import preact_resnet_cifar
+    from lowmem.train.optim import SGD
+    net = preact_resnet_cifar(8)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 3, 16, 16)).astype(np.float32), rng.integers(0, 10, 4)
+    exact = Engine(copy.deepcopy(net), 4, (3, 16, 16), "exact", use_fast=use_fast)
+    eng = Engine(copy.deepcopy(net), 4, (3, 16, 16), "approx", 2, rounding="stochastic", seed=3,
+                 use_fast=use_fast)
+    assert eng.fused == exact.fused
+    eng.step = 2
+    assert exact.forward(x, y)[0] == eng.forward(x, y)[0]
+    for i, u in enumerate(eng.unit_bits):
+        xhat = exact.arrays[exact.saved_slots[u][0]]
+        g, b = (exact.net.params[n].data for n in (u + ".weight", u + ".bias"))
+        slot = eng.arrays[eng.saved_slots[u][0]]
+        want = np.zeros_like(slot)
+        unbiased.quantize_pack(want, np.ascontiguousarray(xhat), g, b, 2, quant.stream_key(3, 2, i))
+        assert np.array_equal(slot, want), u
+        c, h, w = eng.in_shape[u]
+        assert slot.nbytes == unbiased.slot_nbytes(c, 4 * h * w, 2)
+    assert "unbiased stochastic rounding" in eng.summary() and "bits/elem" in eng.summary()
+    assert 2.125 <= eng.bits_per_element() < 2.2
+    assert "bits/elem" in str(eng.schedule)
+    eng.backward()
+    grads = [p.grad.copy() for p in eng.net.parameters()]
+    assert all(np.isfinite(g).all() for g in grads) and any(np.abs(g).max() > 0 for g in grads)
+    SGD(eng.net.parameters(), lr=0.1).step()
+
+
+def mean_gradient_distance(rounding, draws, seed=0):
+    """Pre-act ResNet-8 in float64 on one batch: the gradient averaged over `draws` training steps'
+    codes (no update in between: the same weights and batch, new draws each step), its distance from
+    the exact gradient in units of its own standard error sqrt(sum_i var_i / draws)."""
+    import copy
+    from lowmem.core.engine import Engine
+    from lowmem.models import preact_resnet_cifar
+    net = preact_resnet_cifar(8, seed=1)
+    rng = np.random.default_rng(seed)
+    N, shape = 16, (3, 8, 8)
+    x, y = rng.standard_normal((N,) + shape), rng.integers(0, 10, N)
+    exact = Engine(copy.deepcopy(net), N, shape, "exact", dtype="float64")
+    exact.forward(x, y)
+    exact.backward()
+    g0 = np.concatenate([p.grad.ravel() for p in exact.net.parameters()])
+    eng = Engine(copy.deepcopy(net), N, shape, "approx", 2, dtype="float64", rounding=rounding, seed=seed)
+    gs = []
+    for _ in range(draws):
+        eng.forward(x, y)
+        eng.backward()
+        gs.append(np.concatenate([p.grad.ravel() for p in eng.net.parameters()]))
+    gs = np.array(gs)
+    se = np.sqrt(gs.var(axis=0, ddof=1).sum() / draws)
+    return np.linalg.norm(gs.mean(axis=0) - g0) / se
+
+
+def test_gradients_averaged_over_draws_converge_to_the_exact_gradient():
+    """Seed 0, 40 draws. For an unbiased code the squared distance of the mean from the exact
+    gradient is about the sum of the draws' variances over the draws, i.e. the ratio is ~1
+    (measured 1.02; seed 1: 1.01); tolerance: below 2. The fixed-window stochastic code is about
+    5x outside (measured 5.4 and 5.3) and must be above 3.5."""
+    unbiased_ratio = mean_gradient_distance("stochastic", 40)
+    window_ratio = mean_gradient_distance("stochastic-window", 40)
+    assert unbiased_ratio < 2, unbiased_ratio
+    assert window_ratio > 3.5, window_ratio
+
+
+def test_the_engine_keys_each_rank_by_its_global_place_and_refuses_a_split_dependent_resume():
+    """Rank r of R draws from Stream(stream_key(seed, step, unit), r*n*H*W, R*n*H*W); a resume on
+    another world size is refused when a unit's per-rank rows are not whole groups of 256."""
+    import copy
+    from lowmem.core.engine import Engine
+    from lowmem.models import preact_resnet_cifar
+    from lowmem.system import distributed
+    from lowmem.train import trainstate
+
+    class Rank1(distributed.Communicator):
+        rank, size = 1, 2
+
+        def allreduce(self, a):            # stands in for rank 0 sending the same values
+            a *= 2
+
+    net = preact_resnet_cifar(8)
+    eng = Engine(copy.deepcopy(net), 4, (3, 8, 8), "approx", 2, rounding="stochastic", seed=9, comm=Rank1())
+    rng = np.random.default_rng(0)
+    eng.forward(rng.standard_normal((4, 3, 8, 8)).astype(np.float32), rng.integers(0, 10, 4))
+    for i, u in enumerate(eng.unit_bits):
+        c, h, w = eng.in_shape[u]
+        assert eng.run.keys[u] == Stream(quant.stream_key(9, 0, i), 4 * h * w, 8 * h * w)
+    assert eng.split_dependent_units(64) == [] and "bn_final" in eng.split_dependent_units(4)
+
+    class Config:
+        rounding, mode, batch = "stochastic", "approx", 8
+    meta = {"world_size": 2}
+    trainstate.check_world_size(meta, Config, 2, eng.split_dependent_units, "run/c.ckpt")   # same world: fine
+    with pytest.raises(trainstate.ResumeError, match=r"cannot resume from run/c.ckpt on 1 rank\(s\): it was "
+                                                     r"saved on 2 with rounding='stochastic'.*not whole groups"):
+        trainstate.check_world_size(meta, Config, 1, eng.split_dependent_units, "run/c.ckpt")
+    Config.batch = 256                                  # whole groups on 1 and on 2 ranks: fine
+    trainstate.check_world_size(meta, Config, 1, eng.split_dependent_units, "run/c.ckpt")
+    Config.rounding, Config.batch = "stochastic-window", 8     # the window code never depends on the split
+    trainstate.check_world_size(meta, Config, 1, eng.split_dependent_units, "run/c.ckpt")
+
+
+def test_the_allocator_prices_bias_and_variance_apart():
+    """measure_sensitivity(rounding="stochastic") takes two draws per batch: the unbiased widths'
+    error is mostly variance, 1 bit (no unbiased code exists) is all bias; nearest has no
+    variance. The objective weighs bias² by ||E g||² and variance by the SGD noise², and the
+    allocation's budget counts the group ends (uniform 2-bit unbiased fits exactly)."""
+    from lowmem.bits.allocate import allocate
+    from lowmem.bits.sensitivity import measure_sensitivity
+    from lowmem.models import preact_resnet_cifar
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal((8, 3, 16, 16)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(2)]
+    net = preact_resnet_cifar(8)
+    sens = measure_sensitivity(net, batches, rounding="stochastic")
+    near = measure_sensitivity(net, batches)
+    for u in sens.units:
+        assert sens.variance2(u, 1) == 0 and sens.bias2(u, 1) == sens.error2(u, 1) > 0
+        assert near.variance2(u, 2) == 0
+        assert sens.variance2(u, 2) > 0.5 * sens.error2(u, 2)           # the unbiased code: mostly noise
+        want = sens.bias2(u, 4) / sens.mean_grad_norm ** 2 + sens.variance2(u, 4) / sens.noise_norm ** 2
+        assert sens.objective(u, 4) == pytest.approx(want)
+    a = allocate(sens, 8, avg_bits=2)
+    assert a.uniform_bytes[2] == sum(unbiased.slot_nbytes(s[0], 8 * s[1] * s[2], 2) for s in sens.shapes.values())
+    assert a.total_bytes <= a.uniform_bytes[2] == a.budget
+
+
+@pytest.mark.parametrize("naive", [False, True])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_numba_forward_writes_the_reference_slot(bits, naive):
+    """units/cpu_unbiased.py: the same slot bytes as unbiased.quantize_pack (float32, shards keyed
+    by their global place, γ of both signs and 0, t outside the data, a constant channel, a
+    short last group), and out = relu(y) as the exact forward, or naive's decoded conv input."""
+    from lowmem.units import cpu_unbiased
+    from lowmem.ops import bn_normalize
+    if not cpu_unbiased.AVAILABLE:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(12)
+    C, M = 6, 776                                   # groups of 256, 256, 256, 8
+    x = (rng.standard_normal((C, M)) * 2 + 0.3).astype(np.float32)
+    x[5] = 1.5
+    gamma = np.array([1.2, -0.7, 0.0, 0.9, -1.1, 1.0], np.float32)
+    beta = np.array([0.1, 0.3, 0.4, 9.0, -8.0, 0.2], np.float32)
+    mean, rstd = x.mean(axis=1).astype(np.float32), (1 / (x.std(axis=1) + 1e-3)).astype(np.float32)
+    xhat = np.empty_like(x)
+    bn_normalize(xhat, x, mean, rstd)
+    key = Stream(quant.stream_key(3, 1, 4), start=1024, row=4096)
+    want = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
+    unbiased.quantize_pack(want, xhat, gamma, beta, bits, key)
+    got, out = np.zeros_like(want), np.empty_like(x)
+    cpu_unbiased.unit_forward(out, got, x, mean, rstd, gamma, beta, bits, naive, key)
+    np.testing.assert_array_equal(got, want)
+    ref = np.empty_like(x)
+    if naive:
+        unbiased.decode_each_chunk(ref, want, gamma, beta, bits, relu=True)
+    else:
+        ref = np.maximum(xhat * gamma[:, None] + beta[:, None], 0)
+    np.testing.assert_array_equal(out, ref)
+    inplace = x.copy()                              # out may alias x
+    cpu_unbiased.unit_forward(inplace, got, inplace, mean, rstd, gamma, beta, bits, naive, key)
+    np.testing.assert_array_equal(inplace, out)
+
+
+def test_plan_prints_bits_per_element_with_the_group_ends(capsys):
+    from lowmem.tools import cli
+    assert cli.main(["plan", "--depth", "8", "--batch", "64", "--bits", "2", "--rounding", "stochastic",
+                     "--rows", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "saved codes: 2.125 bits/elem, metadata included (rounding stochastic)" in out
+    assert "(278,592 B, 2-bit, 2.125 bits/elem)" in out           # the schedule's saved slots
+    assert cli.main(["plan", "--depth", "8", "--batch", "64", "--bits", "2", "--rows", "3"]) == 0
+    assert "bits/elem" not in capsys.readouterr().out              # the window code: K bits exactly
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_numba_decode_is_the_reference_decode(bits):
+    from lowmem.units import cpu_unbiased
+    if not cpu_unbiased.AVAILABLE:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(13)
+    C, M = 6, 776
+    x = (rng.standard_normal((C, M)) * 2).astype(np.float32)
+    x[5] = 0
+    gamma = np.array([1.2, -0.7, 0.0, 0.9, -1.1, 1.0], np.float32)
+    beta = np.array([0.1, 0.3, -0.4, 9.0, -8.0, 0.2], np.float32)
+    slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
+    unbiased.quantize_pack(slot, x, gamma, beta, bits, 77)
+    mask = (x * gamma[:, None]) + beta[:, None] > 0
+    for relu in (False, True):
+        want, got = np.empty_like(x), np.empty_like(x)
+        unbiased.decode_each_chunk(want, slot, gamma, beta, bits, relu=relu)
+        cpu_unbiased.decode(got, slot, gamma, beta, bits, relu=relu)
+        np.testing.assert_array_equal(got, want)
+    dr = rng.standard_normal((C, M)).astype(np.float32)
+    masked = dr.copy()
+    cpu_unbiased.decode(np.empty_like(x), slot, gamma, beta, bits, dr=masked)
+    np.testing.assert_array_equal(masked, dr * mask)
+
+
+def test_fused_and_reference_engines_train_alike():
+    """The numba set (forward and decodes) and the reference set draw the same codes: the
+    gradients agree to float rounding (the batch statistics and convolutions of the two engines
+    round differently, so x-hat differs in its last bits; other draws would differ by O(1))."""
+    import copy
+    from lowmem.core.engine import Engine
+    from lowmem.models import preact_resnet_cifar
+    from lowmem.units import cpu_unbiased
+    if not cpu_unbiased.AVAILABLE:
+        pytest.skip("numba not installed")
+    net = preact_resnet_cifar(8)
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((8, 3, 8, 8)).astype(np.float32), rng.integers(0, 10, 8)
+    grads = []
+    for fast in (True, False):
+        eng = Engine(copy.deepcopy(net), 8, (3, 8, 8), "approx", {"*": 2, "layer2.0.bn1": 4},
+                     rounding="stochastic", seed=4, use_fast=fast)
+        assert eng.fused is fast
+        for _ in range(2):
+            eng.forward(x, y)
+            eng.backward()
+        grads.append([p.grad.copy() for p in eng.net.parameters()])
+    for a, b in zip(*grads):
+        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-7
