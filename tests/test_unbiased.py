@@ -11,6 +11,7 @@
 import numpy as np
 import pytest
 
+from lowmem import units
 from lowmem.units import quant, unbiased
 from lowmem.units.stream import Stream
 
@@ -23,7 +24,7 @@ def draws(x, gamma, beta, bits, rounding, K, seed=0):
     s1 = np.zeros_like(x)
     s2 = np.zeros_like(x)
     for d in range(K):
-        xt, mask = quant.quantize_simulated(x, gamma, beta, bits, rounding, quant.stream_key(seed, d, 0))
+        xt, mask = units.quantize_simulated(x, gamma, beta, bits, rounding, quant.stream_key(seed, d, 0))
         assert np.array_equal(mask, (x * gamma[:, None]) + beta[:, None] > 0)
         s1 += xt - x
         s2 += (xt - x) ** 2

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy
 
 from ..system import backend
-from ..units import quant
+from ..units import quant, quantize_simulated
 from ..core.engine import Engine
 from ..units.reference import ExactUnits
 from ..units.widths import BITS, FLOAT
@@ -78,7 +78,7 @@ class SimulatedCodeUnits(ExactUnits):
         # one set per unit (simulate): its convs' backward steps run just before its own, on
         # the same x-hat, so the quantization is done once per sweep
         if self._kept is None:
-            self._kept = quant.quantize_simulated(saved, gamma, beta, self.bits, self.rounding, self.key)
+            self._kept = quantize_simulated(saved, gamma, beta, self.bits, self.rounding, self.key)
         out = self._kept
         if not keep:
             self._kept = None
@@ -185,8 +185,12 @@ class Sensitivity:
         squared norm (a bias rotates every expected step) plus variance against the SGD noise's
         (zero-mean noise adds to SGD's own variance); with unbiased codes only the second term
         remains (ActNN's variance model), a 1-bit unit (no unbiased code) is priced as bias."""
-        g2 = self.mean_grad_norm ** 2 if self.mean_grad_norm > 0 else self.noise_norm ** 2
-        return self.bias2(unit, bits) / g2 + self.variance2(unit, bits) / self.noise_norm ** 2
+        n2 = self.noise_norm ** 2
+        g2 = self.mean_grad_norm ** 2 if self.mean_grad_norm > 0 else n2
+        n2 = n2 if n2 > 0 else g2           # batches all alike: no SGD noise to compare with
+        if g2 == 0:                         # nothing to compare with at all: the raw errors
+            return self.bias2(unit, bits) + self.variance2(unit, bits)
+        return self.bias2(unit, bits) / g2 + self.variance2(unit, bits) / n2
 
     def predict2(self, allocation):
         """Predicted squared error norm of an allocation {unit: K or FLOAT} (missing: FLOAT)."""
@@ -341,7 +345,7 @@ def _deltas(cache, u, xhat, gamma, beta, rounding, key):
     if u not in cache:
         mask = (xhat * gamma[:, None]) + beta[:, None] > 0      # the forward's exact expression
         keys = [key] if rounding == "nearest" else [key, quant.mix64(key + 1)]
-        cache[u] = mask, {k: [quant.quantize_simulated(xhat, gamma, beta, k, rounding, kk)[0] - xhat
+        cache[u] = mask, {k: [quantize_simulated(xhat, gamma, beta, k, rounding, kk)[0] - xhat
                               for kk in keys] for k in BITS}
     return cache[u]
 

@@ -26,7 +26,7 @@ a multiple of 8), in every mode alike.
 """
 import numpy
 
-from . import fused
+from . import fused, quant, unbiased
 from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
 from .sync import SyncUnits
 
@@ -106,3 +106,13 @@ def partials_size(xp, max_channels, use_fused):
 
 
 __all__ = ["BN_EPS", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies", "partials_size"]
+
+
+def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
+    """(x̃, mask), both (C, M), of any code on the reference path: the window codes
+    (quant.quantize_simulated: "nearest", "stochastic-window") or the unbiased group-range code
+    (unbiased.quantize_simulated: "stochastic"; at 1 bit, where no unbiased code exists, the
+    window code with nearest rounding, as the engine keeps it)."""
+    if quant.check_rounding(rounding) == "stochastic" and quant.check_bits(bits) > 1:
+        return unbiased.quantize_simulated(xhat, gamma, beta, bits, key)
+    return quant.quantize_simulated(xhat, gamma, beta, bits, rounding, key)

@@ -221,13 +221,14 @@ def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
     Whole arrays, plain float maths, no chunking, no packing: the readable
     statement of the rule. Allocates several x̂-sized temporaries.
     rounding="stochastic-window" adds the stream's offsets d to the bin position
-    before the floor (key: an integer in [0, 2**64) or a Stream); "nearest" ignores key;
-    "stochastic" is the unbiased code (units/unbiased.py: the same (x̃, mask) contract).
+    before the floor (key: an integer in [0, 2**64) or a Stream); "nearest" ignores key.
+    The unbiased code ("stochastic") is units/unbiased.py's; `lowmem.units.quantize_simulated`
+    takes any rounding.
     """
     if check_rounding(rounding) == "stochastic":
-        if check_bits(bits) > 1:                                 # the unbiased code
-            from . import unbiased
-            return unbiased.quantize_simulated(xhat, gamma, beta, bits, key)
+        if check_bits(bits) > 1:
+            raise ValueError("quant.quantize_simulated holds the window codes; the unbiased code "
+                             "(rounding='stochastic') is lowmem.units.quantize_simulated's")
         rounding = "nearest"            # 1 bit: no unbiased code exists (units/reference.py)
     xp = array_module(xhat)
     qp = quant_params(gamma, beta, bits)

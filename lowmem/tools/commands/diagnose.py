@@ -63,7 +63,7 @@ def run(args):
     sysmem.require(plan + data + 2 * args.batches * net.num_params() * 8,
                    f"diagnosing {net.name} at batch {args.batch} over {args.batches} batches", backend.xp)
     print(describe(net, args.batch, shape, args.dtype, f"modes approx and naive ({widths}"
-                   + ("" if args.rounding == "nearest" else f", rounding {args.rounding}") + ") vs exact"))
+                   + ("" if args.rounding == "nearest" else f", {args.rounding} rounding") + ") vs exact"))
     print(f"data: lowmem.data.datasets.synthetic (learnable), {args.batches} batches, seed {args.seed}; "
           f"warm-up: {args.warmup} exact SGD steps (lr {args.lr})")
     batches = D.synthetic_batches(args.batches, args.batch, shape, net.num_classes, args.seed, args.dtype)
