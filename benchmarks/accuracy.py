@@ -522,7 +522,10 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
             f"(max over checkpoints {max(r['modes'][m]['median_ratio'] for r in noise):.3g})"
             for m in noise[0]["modes"]) + "."]
     if len(figs) > 1:
-        L += ["", f"![error against noise]({figs[1]})"]
+        L += ["", f"![error against noise]({figs[1]})", "",
+              "*Gradient error over SGD noise at each checkpoint of the first seed's exact run, per mode "
+              "(solid: median over parameter tensors; dashed: the worst tensor); 1 is the noise itself, "
+              "the dotted line a tenth of it. Drawn by this study's script from its results.*"]
     L += ["", "## Rerun", "", "```", command, "```", "",
           f"Raw numbers: `{os.path.join(args.out, 'results.json')}` (per run: the per-epoch history; per "
           "checkpoint: every tensor's error and noise norms)."]
