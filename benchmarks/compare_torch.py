@@ -67,6 +67,8 @@ CONFIGS = {
     "lowmem-approx8": dict(impl="lowmem", mode="approx", bits=8),
     "lowmem-approx4": dict(impl="lowmem", mode="approx", bits=4),
     "lowmem-approx2": dict(impl="lowmem", mode="approx", bits=2),
+    "lowmem-approx4u": dict(impl="lowmem", mode="approx", bits=4, rounding="stochastic"),   # the unbiased code
+    "lowmem-approx2u": dict(impl="lowmem", mode="approx", bits=2, rounding="stochastic"),
     "lowmem-naive4": dict(impl="lowmem", mode="naive", bits=4),
     "floor": dict(impl="floor", mode="approx", bits=4),
 }
@@ -166,7 +168,8 @@ def lowmem_step_fn(args, cfg):
     import numpy
     import lowmem
     net = lowmem.models.preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)
-    eng = lowmem.Engine(net, args.batch, (3, 32, 32), cfg["mode"], cfg["bits"], "float32")
+    eng = lowmem.Engine(net, args.batch, (3, 32, 32), cfg["mode"], cfg["bits"], "float32",
+                        rounding=cfg.get("rounding", "nearest"))
     opt = lowmem.SGD(net.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
     rng = numpy.random.default_rng(0)
     x = rng.standard_normal((args.batch, 3, 32, 32)).astype(numpy.float32)
