@@ -317,3 +317,24 @@ def test_new_ops_export_to_onnx_and_run_in_onnxruntime(tmp_path, which):
     path = export.export_onnx(net, tmp_path / "m.onnx")
     (out,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["logits"], {"input": x})
     assert float(np.abs(out - logits).max()) <= 1e-5 * float(np.abs(logits).max())
+
+
+def test_a_resume_on_another_number_of_ranks_is_refused_for_dropout():
+    """Dropout's masks are drawn per rank's shard: a run with dropout saved on 2 ranks cannot continue
+    identically on 1 (or the reverse); the resume is refused naming the layer, in any rounding."""
+    from lowmem.train import trainstate
+    eng = Engine(inverted_residuals(), 4, (3, 8, 8), "exact", allocate=False)
+    assert eng.rank_keyed_layers == ("drop",)
+
+    class Config:
+        rounding, mode, batch = "nearest", "exact", 8
+    trainstate.check_world_size({"world_size": 2}, Config, 2, eng.split_dependent_units, "run/c.ckpt",
+                                eng.rank_keyed_layers)                                  # same world: fine
+    with pytest.raises(trainstate.ResumeError, match=r"cannot resume from run/c.ckpt on 1 rank\(s\): it was "
+                                                     r"saved on 2, and dropout layer drop's masks"):
+        trainstate.check_world_size({"world_size": 2}, Config, 1, eng.split_dependent_units, "run/c.ckpt",
+                                    eng.rank_keyed_layers)
+    plain = Engine(models.preact_resnet_cifar(8), 4, (3, 8, 8), "exact", allocate=False)
+    assert plain.rank_keyed_layers == ()
+    trainstate.check_world_size({"world_size": 2}, Config, 1, plain.split_dependent_units, "run/c.ckpt",
+                                plain.rank_keyed_layers)                                # no dropout: fine

@@ -107,6 +107,7 @@ class Engine:
         # every batch norm (units and standalone): the batch-statistics scratch and the batch check
         self._norm_sizes = {L.name: self.in_shape[L.name] for L in net.layers if OPS[L.op].norm}
         self._keyed = [L.name for L in net.layers if OPS[L.op].keyed]      # dropout: its mask's stream
+        self.rank_keyed_layers = tuple(self._keyed)     # their draws follow the rank's shard (a resume checks)
         if self.sync_bn and len(self._norm_sizes) > len(self._unit_sizes):
             alone = sorted(set(self._norm_sizes) - set(self._unit_sizes))
             raise ValueError(f"sync_bn synchronizes the BN->ReLU units only; {', '.join(alone[:3])} "

@@ -238,7 +238,7 @@ class Trainer:
             raise ConfigError(str(e)) from None
         if saved is not None:
             trainstate.check_world_size(saved[1], c, self.comm.size, self.engine.split_dependent_units,
-                                        self.ckpt_path)
+                                        self.ckpt_path, self.engine.rank_keyed_layers)
         self.opt = SGD(self.net.parameters(), lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
                        nesterov=c.nesterov)
         batches, self.test_batches = iterators(self.data, c)

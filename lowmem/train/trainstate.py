@@ -90,12 +90,17 @@ def save(path, state, config, data_info, epoch_sums=None, world_size=1):
     save_checkpoint(path, arrays, meta)
 
 
-def check_world_size(meta, config, world_size, split_dependent, path):
+def check_world_size(meta, config, world_size, split_dependent, path, rank_keyed=()):
     """ResumeError when a run saved on one number of ranks cannot continue identically on
     another: the draws of stochastic rounding follow each element's global index and never
     depend on the split, but the unbiased code's groups (256 elements of a unit's per-rank row)
-    do when a rank's row is not whole groups. split_dependent(per_rank_batch) -> [unit names]."""
+    do when a rank's row is not whole groups. split_dependent(per_rank_batch) -> [unit names].
+    rank_keyed: the layers whose draws follow the rank's shard (dropout's masks)."""
     saved = int(meta.get("world_size", 1))
+    if saved != world_size and rank_keyed:
+        raise ResumeError(f"cannot resume from {path} on {world_size} rank(s): it was saved on {saved}, and "
+                          f"dropout layer {rank_keyed[0]}'s masks are drawn per rank's shard, so they would "
+                          f"differ; resume on {saved} rank(s)")
     if saved == world_size or config.rounding != "stochastic" or config.mode == "exact":
         return
     for ranks in (saved, world_size):
