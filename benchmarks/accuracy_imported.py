@@ -74,10 +74,13 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--schedule", default="step", help="lowmem train --schedule: step, cosine, constant")
     p.add_argument("--pad-to", type=int, default=32, help="zero-pad 28x28 to this (the ONNX input size)")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     settings = {k: getattr(a, k) for k in ("limit_train", "limit_test", "epochs", "batch", "lr", "pad_to")}
+    if a.schedule != "step":                                    # results recorded before the option match
+        settings["schedule"] = a.schedule
     rpath = os.path.join(a.out, "results.json")
     results = {"settings": settings, "runs": {}}
     if os.path.exists(rpath):
@@ -99,7 +102,7 @@ def main(argv=None):
             m, bits = ("exact", "4") if mode == "exact" else ("approx", mode[len("approx"):])
             cmd = [sys.executable, "-m", "lowmem", "train", "--model", onnx_path, "--dataset", "fashion-mnist",
                    "--pad-to", str(a.pad_to), "--limit-train", str(a.limit_train), "--limit-test", str(a.limit_test),
-                   "--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", str(a.lr), "--no-augment",
+                   "--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", str(a.lr), "--schedule", a.schedule, "--no-augment",
                    "--mode", m, "--bits", bits, "--seed", str(seed), "--out", run_dir, "--no-progress"]
             if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
                 cmd.append("--resume")
