@@ -137,3 +137,31 @@ def test_bad_input_is_named():
         cpu_unbiased.unit_backward(np.empty_like(dr), g, b, dr, slot[:100], gamma, beta, rstd, 2, False)
     with pytest.raises(ValueError, match="bits >= 2"):
         cpu_unbiased.unit_backward(np.empty_like(dr), g, b, dr, slot, gamma, beta, rstd, 1, False)
+
+
+def test_group_range_is_max_and_min_element_by_element():
+    """The forward's group ends are max/min taken element by element (as the CUDA kernel's):
+    of -0 and +0 the first one seen is kept, where either is a group's max or min."""
+    C, M, bits = 2, 512, 2
+    rng = np.random.default_rng(3)
+    x = -np.abs(rng.standard_normal((C, M))).astype(np.float32)
+    x[0, 5], x[0, 9] = -0.0, 0.0                    # group 0 of row 0: max -0 (the first 0)
+    x[0, 300], x[0, 301] = 0.0, -0.0                # group 1: max +0
+    x[1] = -x[1]                                    # γ < 0: u = -x-hat, so x-hat's zeros flip
+    x[1, 7], x[1, 8] = 0.0, -0.0                    # u: -0 first, then +0: max -0
+    x[1, 400], x[1, 401] = -0.0, 0.0                # u: +0 first: max +0
+    gamma, beta = np.array([1.0, -1.0], np.float32), np.array([0.5, 0.5], np.float32)
+    mean, rstd = np.zeros(C, np.float32), np.ones(C, np.float32)
+    slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
+    cpu_unbiased.unit_forward(np.empty_like(x), slot, x, mean, rstd, gamma, beta, bits, False, 1)
+    ends = unbiased.split_slot(slot, C, M, bits)[1]
+    for c in range(C):
+        s = np.float32(-1 if gamma[c] < 0 else 1)
+        for gi in range(M // unbiased.GROUP):
+            hi, lo = np.float32(-np.inf), np.float32(np.inf)
+            for v in x[c, gi * 256:(gi + 1) * 256]:
+                u = ((v - mean[c]) * rstd[c]) * s
+                hi, lo = (u if u > hi else hi), (u if u < lo else lo)
+            assert ends[c, gi, 0] == unbiased.bf16_up(np.array([hi]))[0]
+            assert ends[c, gi, 1] == unbiased.bf16_down(np.array([lo]))[0]
+    assert list(ends[:, :, 0].ravel()) == [0x8000, 0x0000, 0x8000, 0x0000]

@@ -91,15 +91,39 @@ if AVAILABLE:
         for t in range(xr.size):
             xb[t] = (xr[t] - m) * r
 
+    # float32 bits as int32 keys that order as the floats do (-0 below +0)
+    I31 = numpy.int32(0x7FFFFFFF)
+    K_NINF, K_INF = (numpy.int32(b ^ ((b >> 31) & 0x7FFFFFFF)) for b in
+                     numpy.array([-numpy.inf, numpy.inf], numpy.float32).view(numpy.int32))
+
     @njit(**_opts)
-    def _range(xb, s):
-        """(max, min) of u = x-hat*s over the group."""
-        hi, lo = -INF, INF
-        for t in range(xb.size):
-            u = xb[t] * s
-            hi = max(hi, u)
-            lo = min(lo, u)
-        return hi, lo
+    def _key_value(key, box, bits_view):
+        bits_view[0] = numpy.uint32(key ^ ((key >> 31) & I31))
+        return box[0]
+
+    @njit(**_opts)
+    def _range(xb, s, box, bits_view):
+        """(max, min) of u = x-hat*s over the group, as max/min element by element give them
+        (NaNs skipped; of equal values the first kept, so a 0's sign is the first 0's). Through
+        int32 keys (a float max with a carried select does not vectorise); u = ±x-hat exactly."""
+        xi = xb.view(numpy.int32)
+        hi, lo = K_NINF, K_INF
+        for t in range(xi.size):
+            v = xi[t]
+            key = v ^ ((v >> 31) & I31)
+            ok = xb[t] == xb[t]
+            hi = max(hi, key if ok else K_NINF)
+            lo = min(lo, key if ok else K_INF)
+        a, b = _key_value(hi, box, bits_view), _key_value(lo, box, bits_view)
+        hi_u, lo_u = (a, b) if s > 0 else (-b, -a)
+        if hi_u == 0 or lo_u == 0:                    # -0 and +0 tie: the first 0 decides
+            for t in range(xb.size):
+                if xb[t] == 0:
+                    z = xb[t] * s
+                    hi_u = z if hi_u == 0 else hi_u
+                    lo_u = z if lo_u == 0 else lo_u
+                    break
+        return hi_u, lo_u
 
     @njit(**_opts)
     def _draw(codes, orow, xb, g, b, s, bo, so, bc, sc, kf, n_open, z0):
@@ -206,7 +230,7 @@ if AVAILABLE:
                 g1 = min(M, g0 + GROUP)
                 xg, cg, orow = xb[:g1 - g0], codes[:g1 - g0], out[c, g0:g1]
                 _normalise(xg, x[c, g0:g1], m, r)
-                hi, lo = _range(xg, s)
+                hi, lo = _range(xg, s, box, bits_view)
                 hi, bh = _bf16(hi, True, box, bits_view)
                 lo, bl = _bf16(lo, False, box, bits_view)
                 ends[c, g0 // GROUP, 0] = bh
