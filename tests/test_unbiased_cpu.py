@@ -22,11 +22,12 @@ pytestmark = pytest.mark.skipif(not cpu_unbiased.AVAILABLE, reason="numba not in
 TOL = 1e-5
 
 
-def case(bits, seed=21):
-    """A unit (C=6, M=776: groups 256, 256, 256, 8) with γ of both signs and 0, t outside the
-    data on both sides, a constant channel; its slot drawn by the reference set's forward."""
+def case(bits, seed=21, M=776):
+    """A unit (C=6; M=776: groups 256, 256, 256, 8; M=4872: a block of 4096, then those) with γ
+    of both signs and 0, t outside the data on both sides, a constant channel; its slot drawn
+    by the reference set's forward."""
     rng = np.random.default_rng(seed)
-    C, M = 6, 776
+    C = 6
     x = (rng.standard_normal((C, M)) * 2 + 0.3).astype(np.float32)
     x[5] = 1.5
     gamma = np.array([1.2, -0.7, 0.0, 0.9, -1.1, 1.0], np.float32)
@@ -51,11 +52,11 @@ def reference_backward(bits, x, rstd, gamma, beta, slot, dr, dx0, accumulate):
     return dx, dg, db
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits,M", [(2, 776), (4, 776), (8, 776), (2, 4872)])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_fused_backward_is_the_reference_backward(bits, accumulate, inplace):
-    x, mean, rstd, gamma, beta, slot, dr = case(bits)
+def test_fused_backward_is_the_reference_backward(bits, M, accumulate, inplace):
+    x, mean, rstd, gamma, beta, slot, dr = case(bits, M=M)
     dx0 = np.random.default_rng(2).standard_normal(dr.shape).astype(np.float32)
     want = reference_backward(bits, x, rstd, gamma, beta, slot, dr, dr if inplace else dx0, accumulate)
     units = fused.FusedUnbiasedCodeUnits(cpu, bits)
@@ -72,11 +73,11 @@ def test_fused_backward_is_the_reference_backward(bits, accumulate, inplace):
     close(dx, want[0], np.abs(want[0]).max())
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_fused_backward_is_the_formula_in_float64(bits):
+@pytest.mark.parametrize("bits,M", [(2, 776), (4, 4872)])
+def test_fused_backward_is_the_formula_in_float64(bits, M):
     """dy = dr·mask (mask: the forward's exact (x̂·γ) + β > 0), sums and dx written out in float64
     on the reference decode's x̃; a channel of zero gradient gives dγ = dβ = 0 and dx = 0."""
-    x, mean, rstd, gamma, beta, slot, dr = case(bits, seed=5)
+    x, mean, rstd, gamma, beta, slot, dr = case(bits, seed=5, M=M)
     dr[1] = 0
     C, M = dr.shape
     xhat = np.empty_like(x)

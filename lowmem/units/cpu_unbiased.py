@@ -1,15 +1,18 @@
 """numba kernels of the unbiased group-range code (units/unbiased.py): the forward (normalise,
 find each group's range, draw and pack the codes, write relu(y)), the decodes (x-tilde or the
-conv input; optionally the gradient's masking) and the fused BN-ReLU backward, each walking a
-channel's row group by group (256 elements, which stay in L1).
+conv input; optionally the gradient's masking) and the fused BN-ReLU backward.
 
-How they vectorise (as units/cpu.py's kernels): per group the codes sit in a uint8 buffer, one
-per byte (cpu._pack/_unpack move them to and from the slot), and the float work is a 1-D loop
-over the group's slices written branch-free: selects and unconditional stores; what is fixed for
-a channel or a call (γ = 0, relu, naive, accumulate) picks one loop outside the loop. The
-forward normalises a group into a 256-float buffer first, so no loop both reads x and writes
-out (out may alias x). error_model="numpy": no zero check on a float division (it would stop
-LLVM vectorising; the divisions are the reference's own, kept as divisions).
+How they vectorise (as units/cpu.py's kernels): a channel's row is walked in blocks of
+cpu.BLOCK elements (16 groups of 256); per block the codes sit in an L1 uint8 buffer, one per
+byte (cpu._pack/_unpack move them to and from the slot), and the float work is 1-D loops,
+branch-free (selects, unconditional stores), one per group where the group's levels enter,
+each reading its group's constants before it starts. What is fixed for a channel or a call
+(γ = 0, relu, naive, accumulate) picks a loop outside the loop. The forward normalises a block
+into a float buffer first, so no loop both reads x and writes out (out may alias x); the
+group ranges are int32 max/min over order-preserving keys of the float bits. error_model=
+"numpy": no zero check on a float division (it stops LLVM vectorising; the divisions are the
+reference's own, kept as divisions). A call per group instead ran the decode and the backward
+about 1.6 times as long (cProfile, both in one process).
 
 Arithmetic: every float operation of unbiased.metadata, Levels and _encode_piece, one rounding
 each, in the same order (float32 only, no fastmath outside the backward's sums), and the
@@ -17,7 +20,8 @@ counter stream of units/stream.py in uint64: the slot equals unbiased.quantize_p
 byte for the same x-hat and key (tests/test_unbiased.py); `decode` gives
 unbiased.decode_each_chunk's x-tilde or conv input bit for bit. `unit_backward`: the reference's
 formulas (ops.bn_relu_backward on that x-tilde under the exact mask), its sums in float32 within
-a group and float64 across groups, so dgamma, dbeta and dx agree to float32 rounding.
+a block and float64 across blocks, so dgamma, dbeta and dx agree to float32 rounding
+(tests/test_unbiased_cpu.py).
 """
 import numpy
 
@@ -35,6 +39,7 @@ if AVAILABLE:
     S30, S27, S31, S_OFF = cpu.S30, cpu.S27, cpu.S31, cpu.S_OFF
     R_SCALE = F32(2.0 ** -quant.OFFSET_BITS)
     GROUP = unbiased.GROUP
+    BLOCK = cpu.BLOCK             # a multiple of GROUP: blocks are whole groups
     _opts = dict(cache=True, nogil=True, error_model="numpy")
     _reduce = dict(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"})
 
@@ -83,7 +88,19 @@ if AVAILABLE:
         bits_view[0] = numpy.uint32(b) << numpy.uint32(16)
         return box[0]
 
-    # ---- one group: 1-D loops over its slices ----
+    @njit(**_opts)
+    def _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view):
+        """lv[gi] <- (base_o, step_o, base_c, step_c) of every group gi of row c (stored ends)."""
+        for gi in range(lv.shape[0]):
+            bo, so, bc, sc = _levels(_bf16_value(ends[c, gi, 0], box, bits_view),
+                                     _bf16_value(ends[c, gi, 1], box, bits_view), t_o, t_c, kc, L)
+            lv[gi, 0], lv[gi, 1], lv[gi, 2], lv[gi, 3] = bo, so, bc, sc
+
+    # ---- one block of a row (BLOCK elements, whole groups) ----
+    # Per group q of the block its constants are read before a loop over its elements: indexed
+    # unsigned (a signed index that does not start at 0 keeps numba's negative-index wraparound,
+    # which stops LLVM vectorising), or over the group's slices where the loop writes a float
+    # array it also reads from (LLVM's runtime overlap check needs them).
 
     @njit(**_opts)
     def _normalise(xb, xr, m, r):
@@ -92,7 +109,7 @@ if AVAILABLE:
             xb[t] = (xr[t] - m) * r
 
     # float32 bits as int32 keys that order as the floats do (-0 below +0)
-    I31 = numpy.int32(0x7FFFFFFF)
+    I31, S31_32, F_INF_BITS = numpy.int32(0x7FFFFFFF), numpy.int32(31), numpy.int32(0x7F800000)
     K_NINF, K_INF = (numpy.int32(b ^ ((b >> 31) & 0x7FFFFFFF)) for b in
                      numpy.array([-numpy.inf, numpy.inf], numpy.float32).view(numpy.int32))
 
@@ -102,22 +119,25 @@ if AVAILABLE:
         return box[0]
 
     @njit(**_opts)
-    def _range(xb, s, box, bits_view):
-        """(max, min) of u = x-hat*s over the group, as max/min element by element give them
-        (NaNs skipped; of equal values the first kept, so a 0's sign is the first 0's). Through
-        int32 keys (a float max with a carried select does not vectorise); u = ±x-hat exactly."""
+    def _range(xb, t0, t1, s, box, bits_view):
+        """(max, min) of u = x-hat*s over xb[t0:t1] (t0, t1 uint64), as max/min element by
+        element give them (NaNs skipped; of equal values the first kept, so a 0's sign is the
+        first 0's). Through int32 keys (a float max with a carried select does not vectorise);
+        u = ±x-hat exactly."""
         xi = xb.view(numpy.int32)
         hi, lo = K_NINF, K_INF
-        for t in range(xi.size):
+        for t in range(t0, t1):
             v = xi[t]
-            key = v ^ ((v >> 31) & I31)
-            ok = xb[t] == xb[t]
-            hi = max(hi, key if ok else K_NINF)
-            lo = min(lo, key if ok else K_INF)
+            key = numpy.int32(v ^ ((v >> S31_32) & I31))           # int32 throughout: 16 lanes
+            ok = (v & I31) <= F_INF_BITS                            # not a NaN
+            kh = key if ok else K_NINF
+            kl = key if ok else K_INF
+            hi = kh if kh > hi else hi
+            lo = kl if kl < lo else lo
         a, b = _key_value(hi, box, bits_view), _key_value(lo, box, bits_view)
         hi_u, lo_u = (a, b) if s > 0 else (-b, -a)
         if hi_u == 0 or lo_u == 0:                    # -0 and +0 tie: the first 0 decides
-            for t in range(xb.size):
+            for t in range(t0, t1):
                 if xb[t] == 0:
                     z = xb[t] * s
                     hi_u = z if hi_u == 0 else hi_u
@@ -126,49 +146,66 @@ if AVAILABLE:
         return hi_u, lo_u
 
     @njit(**_opts)
-    def _draw(codes, orow, xb, g, b, s, bo, so, bc, sc, kf, n_open, z0):
-        """codes <- the group's codes (unbiased._encode_piece; element t's draw from counter
-        z0 + t*GOLDEN); orow <- relu(y), y = x-hat*g + b."""
-        for t in range(xb.size):
-            xh = xb[t]
-            y = xh * g + b
-            on = y > 0
-            u = xh * s
-            bb = bo if on else bc
-            st = so if on else sc
-            n = n_open if on else kf
-            p = (u - bb) / st
-            p = p if st > 0 else F0
-            z = z0 + U64(t) * GOLDEN
-            z = (z ^ (z >> S30)) * MIX1
-            z = (z ^ (z >> S27)) * MIX2
-            z = z ^ (z >> S31)
-            p = p + F32(numpy.int32(z >> S_OFF)) * R_SCALE       # < 2**24: exact through int32
-            j = min(max(numpy.floor(p), F0), n - F32(1))
-            code = kf + j if on else j
-            codes[t] = numpy.uint8(numpy.int32(code))
-            orow[t] = y if on else F0
+    def _draw(codes, orow, xb, ends, lv, c, gi0, g, b, s, t_o, t_c, kc, kf, L, z0, box, bits_view):
+        """Per group of the block (the first one gi0 of row c): its range of u = x-hat*s,
+        stored as bf16 ends (outward), its levels (into lv), its codes (unbiased._encode_piece;
+        element t's draw from counter z0 + t*GOLDEN); and orow <- relu(y), y = x-hat*g + b."""
+        n = xb.size
+        n_open = F32(L) - kf
+        for q in range((n + GROUP - 1) // GROUP):
+            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            hi, lo = _range(xb, U64(q0), U64(q1), s, box, bits_view)
+            hi, bh = _bf16(hi, True, box, bits_view)
+            lo, bl = _bf16(lo, False, box, bits_view)
+            ends[c, gi0 + q, 0] = bh
+            ends[c, gi0 + q, 1] = bl
+            bo, so, bc, sc = _levels(hi, lo, t_o, t_c, kc, L)
+            lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3] = bo, so, bc, sc
+            xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
+            zq = z0 + U64(q0) * GOLDEN
+            for t in range(xq.size):
+                xh = xq[t]
+                y = xh * g + b
+                on = y > 0
+                u = xh * s
+                bb = bo if on else bc
+                st = so if on else sc
+                nn = n_open if on else kf
+                p = (u - bb) / st
+                p = p if st > 0 else F0
+                z = zq + U64(t) * GOLDEN
+                z = (z ^ (z >> S30)) * MIX1
+                z = (z ^ (z >> S27)) * MIX2
+                z = z ^ (z >> S31)
+                p = p + F32(numpy.int32(z >> S_OFF)) * R_SCALE       # < 2**24: exact through int32
+                j = min(max(numpy.floor(p), F0), nn - F32(1))
+                code = kf + j if on else j
+                cq[t] = numpy.uint8(numpy.int32(code))
+                oq[t] = y if on else F0
 
     @njit(**_opts)
-    def _xtilde(orow, codes, kf, s, bo, so, bc, sc):
-        """orow <- x-tilde = s*(base + j*step) of the code's side."""
-        for t in range(orow.size):
-            v = F32(codes[t])
-            xo = bo + (v - kf) * so
-            xc = bc + v * sc
-            orow[t] = s * (xo if v >= kf else xc)
+    def _xtilde(orow, codes, lv, gi0, kf, s):
+        """orow <- x-tilde = s*(base + j*step) of each code's side."""
+        n = orow.size
+        for q in range((n + GROUP - 1) // GROUP):
+            bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+            for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
+                v = F32(codes[t])
+                orow[t] = s * ((bo + (v - kf) * so) if v >= kf else (bc + v * sc))
 
     @njit(**_opts)
-    def _conv_input(orow, codes, kf, zero, b, ag, bo, so, t_o):
+    def _conv_input(orow, codes, lv, gi0, kf, zero, b, ag, t_o):
         """orow <- the conv input: |γ|*((base_o − t) + j*step_o) (β where γ = 0), at least 0,
         on open codes; 0 on closed ones."""
+        n = orow.size
         if zero:
             val = max(b, F0)
-            for t in range(orow.size):
+            for t in range(n):
                 orow[t] = val if F32(codes[t]) >= kf else F0
-        else:
-            d = bo - t_o
-            for t in range(orow.size):
+            return
+        for q in range((n + GROUP - 1) // GROUP):
+            d, so = lv[gi0 + q, 0] - t_o, lv[gi0 + q, 1]
+            for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
                 v = F32(codes[t])
                 y = max(ag * (d + (v - kf) * so), F0)
                 orow[t] = y if v >= kf else F0
@@ -180,123 +217,128 @@ if AVAILABLE:
             drow[t] = drow[t] if F32(codes[t]) >= kf else F0
 
     @njit(**_reduce)
-    def _sums(xt, drow, codes, kf):
-        """(sum dy, sum dy*x-tilde) over one group, dy = dr masked by code >= k; float32 within
-        the group (vectorised), the caller adds the groups in float64."""
+    def _sums(drow, codes, lv, gi0, kf, s):
+        """(sum dy, sum dy*x-tilde) over one block, dy = dr masked by code >= k, x-tilde decoded
+        inline; float32 within the block (vectorised), the caller adds the blocks in float64."""
+        n = drow.size
         sdy = F0
         sdyx = F0
-        for t in range(drow.size):
-            dy = drow[t] if F32(codes[t]) >= kf else F0
-            sdy += dy
-            sdyx += dy * xt[t]
+        for q in range((n + GROUP - 1) // GROUP):
+            bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+            for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
+                v = F32(codes[t])
+                on = v >= kf
+                dy = drow[t] if on else F0
+                sdy += dy
+                sdyx += dy * (s * ((bo + (v - kf) * so) if on else (bc + v * sc)))
         return sdy, sdyx
 
     @njit(**_opts)
-    def _dx(dxr, xt, drow, codes, kf, a, mdy, mdyx, accumulate):
-        """dx (=, or += with accumulate) a*(dy - mean(dy) - x-tilde*mean(dy*x-tilde)) for a group.
-        dxr must not alias drow (see cpu._quantize_block)."""
-        if accumulate:
-            for t in range(drow.size):
-                dy = drow[t] if F32(codes[t]) >= kf else F0
-                dxr[t] += a * (dy - mdy - xt[t] * mdyx)
-        else:
-            for t in range(drow.size):
-                dy = drow[t] if F32(codes[t]) >= kf else F0
-                dxr[t] = a * (dy - mdy - xt[t] * mdyx)
+    def _dx(dxr, drow, codes, lv, gi0, kf, s, a, mdy, mdyx, accumulate):
+        """dx (=, or += with accumulate) a*(dy - mean(dy) - x-tilde*mean(dy*x-tilde)) for a
+        block, x-tilde decoded inline. dxr must not alias drow (see cpu._quantize_block)."""
+        n = drow.size
+        for q in range((n + GROUP - 1) // GROUP):
+            bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            dq, rq, cq = dxr[q0:q1], drow[q0:q1], codes[q0:q1]
+            if accumulate:
+                for t in range(rq.size):
+                    v = F32(cq[t])
+                    on = v >= kf
+                    xt = s * ((bo + (v - kf) * so) if on else (bc + v * sc))
+                    dq[t] += a * ((rq[t] if on else F0) - mdy - xt * mdyx)
+            else:
+                for t in range(rq.size):
+                    v = F32(cq[t])
+                    on = v >= kf
+                    xt = s * ((bo + (v - kf) * so) if on else (bc + v * sc))
+                    dq[t] = a * ((rq[t] if on else F0) - mdy - xt * mdyx)
 
-    @njit(**_opts)
-    def _group_xtilde(xb, codes, slot_codes, ends, c, g0, M, t_o, t_c, kc, kf, s, L, bits, box, bits_view):
-        """Unpack group g0 // GROUP of row c into codes and decode its x-tilde into xb."""
-        per = 8 // bits
-        n = xb.size
-        cpu._unpack(codes, slot_codes[(c * M + g0) // per:(c * M + g0 + n) // per], bits)
-        gi = g0 // GROUP
-        bo, so, bc, sc = _levels(_bf16_value(ends[c, gi, 0], box, bits_view),
-                                 _bf16_value(ends[c, gi, 1], box, bits_view), t_o, t_c, kc, L)
-        _xtilde(xb, codes, kf, s, bo, so, bc, sc)
-
-    # ---- whole (C, M) rows ----
+    # ---- whole (C, M) rows, block by block ----
 
     @njit(**_opts)
     def _forward_rows(out, slot_codes, ends, x, mean, rstd, gamma, beta, k, L, naive, c_first,
-                      base, start, row, codes, xb, box, bits_view, bits):
+                      base, start, row, bits, box, bits_view):
         C, M = x.shape
         per = 8 // bits
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        xb = numpy.empty(BLOCK, numpy.float32)
+        lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         for c in range(C):
-            m, r, g, b, kc = mean[c], rstd[c], gamma[c], beta[c], k[c]
+            g, b, kc = gamma[c], beta[c], k[c]
             s, zero, ag, t_o, t_c, kf = _channel(g, b, kc)
-            n_open = F32(L) - kf
-            for g0 in range(0, M, GROUP):
-                g1 = min(M, g0 + GROUP)
-                xg, cg, orow = xb[:g1 - g0], codes[:g1 - g0], out[c, g0:g1]
-                _normalise(xg, x[c, g0:g1], m, r)
-                hi, lo = _range(xg, s, box, bits_view)
-                hi, bh = _bf16(hi, True, box, bits_view)
-                lo, bl = _bf16(lo, False, box, bits_view)
-                ends[c, g0 // GROUP, 0] = bh
-                ends[c, g0 // GROUP, 1] = bl
-                bo, so, bc, sc = _levels(hi, lo, t_o, t_c, kc, L)
-                z0 = base + U64((c_first + c) * row + start + g0 + 1) * GOLDEN
-                _draw(cg, orow, xg, g, b, s, bo, so, bc, sc, kf, n_open, z0)
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                xg, cg, orow = xb[:i1 - i0], codes[:i1 - i0], out[c, i0:i1]
+                _normalise(xg, x[c, i0:i1], mean[c], rstd[c])
+                z0 = base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN
+                _draw(cg, orow, xg, ends, lv, c, i0 // GROUP, g, b, s, t_o, t_c, kc, kf, L, z0, box, bits_view)
                 if naive:                       # continue from the decoded value
-                    _conv_input(orow, cg, kf, zero, b, ag, bo, so, t_o)
-                cpu._pack(slot_codes[(c * M + g0) // per:(c * M + g1) // per], cg, bits)
+                    _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, b, ag, t_o)
+                cpu._pack(slot_codes[(c * M + i0) // per:(c * M + i1) // per], cg, bits)
 
     @njit(**_opts)
-    def _decode_rows(out, dr, slot_codes, ends, gamma, beta, k, L, relu, mask_dr, codes, box, bits_view, bits):
+    def _decode_rows(out, dr, slot_codes, ends, gamma, beta, k, L, relu, mask_dr, bits, box, bits_view):
         """out <- x-tilde (relu False) or the conv input (relu True); mask_dr: dr *= the mask."""
         C, M = out.shape
         per = 8 // bits
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         for c in range(C):
             kc = k[c]
             s, zero, ag, t_o, t_c, kf = _channel(gamma[c], beta[c], kc)
-            for g0 in range(0, M, GROUP):
-                g1 = min(M, g0 + GROUP)
-                cg, orow = codes[:g1 - g0], out[c, g0:g1]
-                cpu._unpack(cg, slot_codes[(c * M + g0) // per:(c * M + g1) // per], bits)
-                gi = g0 // GROUP
-                bo, so, bc, sc = _levels(_bf16_value(ends[c, gi, 0], box, bits_view),
-                                         _bf16_value(ends[c, gi, 1], box, bits_view), t_o, t_c, kc, L)
+            _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cg, orow = codes[:i1 - i0], out[c, i0:i1]
+                cpu._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
                 if relu:
-                    _conv_input(orow, cg, kf, zero, beta[c], ag, bo, so, t_o)
+                    _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, beta[c], ag, t_o)
                 else:
-                    _xtilde(orow, cg, kf, s, bo, so, bc, sc)
+                    _xtilde(orow, cg, lv, i0 // GROUP, kf, s)
                 if mask_dr:
-                    _mask(dr[c, g0:g1], cg, kf)
+                    _mask(dr[c, i0:i1], cg, kf)
 
     @njit(**_opts)
     def _backward_rows(dx, dgamma, dbeta, dr, slot_codes, ends, gamma, beta, rstd, k, L, bits,
-                       accumulate, inplace, codes, xb, tmp, box, bits_view):
-        """BN-ReLU backward from the slot: two passes per row (sums, then dx), each decoding
-        x-tilde group by group into the L1 buffer xb; no decode buffer. inplace: dx overlaps dr,
-        so dx goes through tmp (see cpu._quantize_block)."""
+                       accumulate, inplace, box, bits_view):
+        """BN-ReLU backward from the slot: two passes per row (sums, then dx), each unpacking
+        block by block into L1 scratch and decoding x-tilde inline (the row's group levels
+        computed once); no decode buffer. inplace: dx overlaps dr, so dx goes through tmp (see
+        cpu._quantize_block)."""
         C, M = dr.shape
+        per = 8 // bits
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        tmp = numpy.empty(BLOCK, numpy.float32)
+        lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         for c in range(C):
             kc = k[c]
             s, zero, ag, t_o, t_c, kf = _channel(gamma[c], beta[c], kc)
+            _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
             sdy = 0.0
             sdyx = 0.0
-            for g0 in range(0, M, GROUP):
-                g1 = min(M, g0 + GROUP)
-                xg, cg = xb[:g1 - g0], codes[:g1 - g0]
-                _group_xtilde(xg, cg, slot_codes, ends, c, g0, M, t_o, t_c, kc, kf, s, L, bits, box, bits_view)
-                a1, a2 = _sums(xg, dr[c, g0:g1], cg, kf)
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cg = codes[:i1 - i0]
+                cpu._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
+                a1, a2 = _sums(dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s)
                 sdy += a1
                 sdyx += a2
             dgamma[c] += sdyx
             dbeta[c] += sdy
             a = F32(gamma[c] * rstd[c])
             mdy, mdyx = F32(sdy / M), F32(sdyx / M)
-            for g0 in range(0, M, GROUP):
-                g1 = min(M, g0 + GROUP)
-                xg, cg = xb[:g1 - g0], codes[:g1 - g0]
-                _group_xtilde(xg, cg, slot_codes, ends, c, g0, M, t_o, t_c, kc, kf, s, L, bits, box, bits_view)
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cg = codes[:i1 - i0]
+                cpu._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
                 if accumulate or not inplace:
-                    _dx(dx[c, g0:g1], xg, dr[c, g0:g1], cg, kf, a, mdy, mdyx, accumulate)
+                    _dx(dx[c, i0:i1], dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, accumulate)
                 else:
-                    tb = tmp[:g1 - g0]
-                    _dx(tb, xg, dr[c, g0:g1], cg, kf, a, mdy, mdyx, False)
-                    cpu._copy(dx[c, g0:g1], tb)
+                    tb = tmp[:i1 - i0]
+                    _dx(tb, dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, False)
+                    cpu._copy(dx[c, i0:i1], tb)
 
 
 def _box():
@@ -324,8 +366,7 @@ def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
 
     def rows(c0, c1):
         _decode_rows(out[c0:c1], drr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1],
-                     gamma[c0:c1], beta[c0:c1], k[c0:c1], 1 << bits, bool(relu), mask_dr,
-                     numpy.empty(GROUP, numpy.uint8), *_box(), bits)
+                     gamma[c0:c1], beta[c0:c1], k[c0:c1], 1 << bits, bool(relu), mask_dr, bits, *_box())
     cpu._over_channels(rows, C, M)
 
 
@@ -343,8 +384,7 @@ def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key):
     def rows(c0, c1):
         _forward_rows(out[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1], x[c0:c1],
                       mean[c0:c1], rstd[c0:c1], gamma[c0:c1], beta[c0:c1], k[c0:c1], 1 << bits, bool(naive),
-                      c0, U64(base), start, row, numpy.empty(GROUP, numpy.uint8),
-                      numpy.empty(GROUP, numpy.float32), *_box(), bits)
+                      c0, U64(base), start, row, bits, *_box())
     cpu._over_channels(rows, C, M)
 
 
@@ -369,6 +409,5 @@ def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumula
     def rows(c0, c1):
         _backward_rows(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8],
                        ends[c0:c1], gamma[c0:c1], beta[c0:c1], rstd[c0:c1], k[c0:c1], 1 << bits, bits,
-                       bool(accumulate), inplace, numpy.empty(GROUP, numpy.uint8),
-                       numpy.empty(GROUP, numpy.float32), numpy.empty(GROUP, numpy.float32), *_box())
+                       bool(accumulate), inplace, *_box())
     cpu._over_channels(rows, C, M)
