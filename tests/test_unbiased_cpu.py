@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from lowmem.ops import bn_normalize
-from lowmem.units import cpu, cpu_unbiased, fused, unbiased
+from lowmem.units import cpu, cpu_unbiased, fused, quant, unbiased
 from lowmem.units.reference import UnbiasedCodeUnits
 from lowmem.units.stream import Stream
 from lowmem.units.sync import SyncUnits
@@ -166,3 +166,21 @@ def test_group_range_is_max_and_min_element_by_element():
             assert ends[c, gi, 0] == unbiased.bf16_up(np.array([hi]))[0]
             assert ends[c, gi, 1] == unbiased.bf16_down(np.array([lo]))[0]
     assert list(ends[:, :, 0].ravel()) == [0x8000, 0x0000, 0x8000, 0x0000]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_kernels_split_is_unbiased_split(bits):
+    """The kernels derive the split k per channel from γ and β (no (C,) array ops per call):
+    k equals unbiased.split's on random values, at rint's ties (t + W)/w = n + 1/2, beyond the
+    window, for tiny and zero γ and both signs of β."""
+    rng = np.random.default_rng(bits)
+    W, w = np.float32(quant.window(bits)), np.float32(quant.bin_width(bits))
+    n = np.arange(-3, (1 << bits) + 3, dtype=np.float32)
+    t_ties = (n + np.float32(0.5)) * w - W                      # exact in float32
+    gamma = np.concatenate([rng.standard_normal(300), np.ones(n.size), -np.ones(n.size),
+                            [1e-30, -1e-30, 0, 0, -0.0, 3e38]]).astype(np.float32)
+    beta = np.concatenate([rng.standard_normal(300) * 4, -t_ties, -t_ties,
+                           [1.0, -1.0, 0.5, -0.5, 0.0, 1.0]]).astype(np.float32)
+    L = 1 << bits
+    got = [cpu_unbiased._channel(g, b, L, W, w)[5] for g, b in zip(gamma, beta)]
+    np.testing.assert_array_equal(got, unbiased.split(gamma, beta, bits))

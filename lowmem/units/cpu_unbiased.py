@@ -46,17 +46,21 @@ if AVAILABLE:
     # ---- per channel and per group: the constants of unbiased.Levels ----
 
     @njit(**_opts)
-    def _channel(g, b, kc):
-        """(s, zero, ag, t_o, t_c, kf) of a channel from γ, β and its split k alone: sign(γ)
-        (+1 for γ = 0), γ == 0, |γ|, the threshold t = −β/|γ| as the open side's floor (−inf
-        where γ = 0) and as the closed side's ceiling (+inf there), and k as a float."""
+    def _channel(g, b, L, W, w):
+        """(s, zero, ag, t_o, t_c, k, kf) of a channel from γ and β alone: sign(γ) (+1 for γ = 0),
+        γ == 0, |γ|, the threshold t = −β/|γ| as the open side's floor (−inf where γ = 0) and as
+        the closed side's ceiling (+inf there), and the split k (unbiased.split: the window
+        code's k of quant.quant_params, window W and bin w, clipped to [2, L−2]; 0 or L where
+        γ = 0), as an int and a float: the same float32 operations, so the same k."""
         s = F32(-1) if g < 0 else F32(1)
         zero = g == 0
         ag = abs(g)
         t = -b / (F32(1) if zero else ag)
         t_o = -INF if zero else t
         t_c = INF if zero else t
-        return s, zero, ag, t_o, t_c, F32(kc)
+        kr = min(max(numpy.rint((t + W) / w), F32(1)), F32(L - 1))    # quant_params' clip
+        kc = (0 if b > 0 else L) if zero else (min(max(int(kr), 2), L - 2) if kr == kr else 2)
+        return s, zero, ag, t_o, t_c, kc, F32(kc)
 
     @njit(**_opts)
     def _levels(hi, lo, t_o, t_c, kc, L):
@@ -146,21 +150,28 @@ if AVAILABLE:
         return hi_u, lo_u
 
     @njit(**_opts)
-    def _draw(codes, orow, xb, ends, lv, c, gi0, g, b, s, t_o, t_c, kc, kf, L, z0, box, bits_view):
+    def _block_ranges(ends, lv, xb, c, gi0, s, t_o, t_c, kc, L, box, bits_view):
         """Per group of the block (the first one gi0 of row c): its range of u = x-hat*s,
-        stored as bf16 ends (outward), its levels (into lv), its codes (unbiased._encode_piece;
-        element t's draw from counter z0 + t*GOLDEN); and orow <- relu(y), y = x-hat*g + b."""
+        stored as bf16 ends (outward), and its levels (into lv)."""
         n = xb.size
-        n_open = F32(L) - kf
         for q in range((n + GROUP - 1) // GROUP):
-            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
-            hi, lo = _range(xb, U64(q0), U64(q1), s, box, bits_view)
+            hi, lo = _range(xb, U64(q * GROUP), U64(min(n, q * GROUP + GROUP)), s, box, bits_view)
             hi, bh = _bf16(hi, True, box, bits_view)
             lo, bl = _bf16(lo, False, box, bits_view)
             ends[c, gi0 + q, 0] = bh
             ends[c, gi0 + q, 1] = bl
             bo, so, bc, sc = _levels(hi, lo, t_o, t_c, kc, L)
             lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3] = bo, so, bc, sc
+
+    @njit(**_opts)
+    def _draw(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
+        """codes <- the block's codes (unbiased._encode_piece, from its groups' levels lv;
+        element t's draw from counter z0 + t*GOLDEN); orow <- relu(y), y = x-hat*g + b."""
+        n = xb.size
+        n_open = F32(L) - kf
+        for q in range((n + GROUP - 1) // GROUP):
+            bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
             xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
             zq = z0 + U64(q0) * GOLDEN
             for t in range(xq.size):
@@ -258,7 +269,7 @@ if AVAILABLE:
     # ---- whole (C, M) rows, block by block ----
 
     @njit(**_opts)
-    def _forward_rows(out, slot_codes, ends, x, mean, rstd, gamma, beta, k, L, naive, c_first,
+    def _forward_rows(out, slot_codes, ends, x, mean, rstd, gamma, beta, W, w, L, naive, c_first,
                       base, start, row, bits, box, bits_view):
         C, M = x.shape
         per = 8 // bits
@@ -266,28 +277,28 @@ if AVAILABLE:
         xb = numpy.empty(BLOCK, numpy.float32)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         for c in range(C):
-            g, b, kc = gamma[c], beta[c], k[c]
-            s, zero, ag, t_o, t_c, kf = _channel(g, b, kc)
+            g, b = gamma[c], beta[c]
+            s, zero, ag, t_o, t_c, kc, kf = _channel(g, b, L, W, w)
             for i0 in range(0, M, BLOCK):
                 i1 = min(M, i0 + BLOCK)
                 xg, cg, orow = xb[:i1 - i0], codes[:i1 - i0], out[c, i0:i1]
                 _normalise(xg, x[c, i0:i1], mean[c], rstd[c])
                 z0 = base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN
-                _draw(cg, orow, xg, ends, lv, c, i0 // GROUP, g, b, s, t_o, t_c, kc, kf, L, z0, box, bits_view)
+                _block_ranges(ends, lv, xg, c, i0 // GROUP, s, t_o, t_c, kc, L, box, bits_view)
+                _draw(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
                 if naive:                       # continue from the decoded value
                     _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, b, ag, t_o)
                 cpu._pack(slot_codes[(c * M + i0) // per:(c * M + i1) // per], cg, bits)
 
     @njit(**_opts)
-    def _decode_rows(out, dr, slot_codes, ends, gamma, beta, k, L, relu, mask_dr, bits, box, bits_view):
+    def _decode_rows(out, dr, slot_codes, ends, gamma, beta, W, w, L, relu, mask_dr, bits, box, bits_view):
         """out <- x-tilde (relu False) or the conv input (relu True); mask_dr: dr *= the mask."""
         C, M = out.shape
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         for c in range(C):
-            kc = k[c]
-            s, zero, ag, t_o, t_c, kf = _channel(gamma[c], beta[c], kc)
+            s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
             _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
             for i0 in range(0, M, BLOCK):
                 i1 = min(M, i0 + BLOCK)
@@ -301,7 +312,7 @@ if AVAILABLE:
                     _mask(dr[c, i0:i1], cg, kf)
 
     @njit(**_opts)
-    def _backward_rows(dx, dgamma, dbeta, dr, slot_codes, ends, gamma, beta, rstd, k, L, bits,
+    def _backward_rows(dx, dgamma, dbeta, dr, slot_codes, ends, gamma, beta, rstd, W, w, L, bits,
                        accumulate, inplace, box, bits_view):
         """BN-ReLU backward from the slot: two passes per row (sums, then dx), each unpacking
         block by block into L1 scratch and decoding x-tilde inline (the row's group levels
@@ -313,8 +324,7 @@ if AVAILABLE:
         tmp = numpy.empty(BLOCK, numpy.float32)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         for c in range(C):
-            kc = k[c]
-            s, zero, ag, t_o, t_c, kf = _channel(gamma[c], beta[c], kc)
+            s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
             _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
             sdy = 0.0
             sdyx = 0.0
@@ -347,6 +357,13 @@ def _box():
     return b, b.view(numpy.uint32)
 
 
+def _window(bits, gamma):
+    """quant_params' window W and bin w as float32 (what the kernels derive the split k from)."""
+    if gamma.dtype != numpy.float32:
+        raise ValueError(f"the numba unbiased kernels need float32 gamma and beta, got {gamma.dtype}")
+    return numpy.float32(quant.window(bits)), numpy.float32(quant.bin_width(bits))
+
+
 def _check(x, M, bits, what):
     if not cpu.supports(numpy, x.dtype, M, bits):
         raise ValueError(f"the numba unbiased {what} needs float32 rows of M*bits a multiple of 8, "
@@ -360,13 +377,13 @@ def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
     C, M = out.shape
     _check(out, M, bits, "decode")
     codes, ends = unbiased.split_slot(slot, C, M, bits)
-    k = unbiased.split(gamma, beta, bits)
+    W, w = _window(bits, gamma)
     mask_dr = dr is not None
     drr = dr if mask_dr else out
 
     def rows(c0, c1):
         _decode_rows(out[c0:c1], drr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1],
-                     gamma[c0:c1], beta[c0:c1], k[c0:c1], 1 << bits, bool(relu), mask_dr, bits, *_box())
+                     gamma[c0:c1], beta[c0:c1], W, w, 1 << bits, bool(relu), mask_dr, bits, *_box())
     cpu._over_channels(rows, C, M)
 
 
@@ -378,12 +395,12 @@ def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key):
     C, M = x.shape
     _check(x, M, bits, "forward")
     codes, ends = unbiased.split_slot(slot, C, M, bits)
-    k = unbiased.split(gamma, beta, bits)
+    W, w = _window(bits, gamma)
     base, start, row = resolve(key, M, what="stochastic")
 
     def rows(c0, c1):
         _forward_rows(out[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1], x[c0:c1],
-                      mean[c0:c1], rstd[c0:c1], gamma[c0:c1], beta[c0:c1], k[c0:c1], 1 << bits, bool(naive),
+                      mean[c0:c1], rstd[c0:c1], gamma[c0:c1], beta[c0:c1], W, w, 1 << bits, bool(naive),
                       c0, U64(base), start, row, bits, *_box())
     cpu._over_channels(rows, C, M)
 
@@ -403,11 +420,11 @@ def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumula
     if dx.shape != (C, M):
         raise ValueError(f"dx must have dr's shape {(C, M)}, got {dx.shape}")
     codes, ends = unbiased.split_slot(slot, C, M, bits)
-    k = unbiased.split(gamma, beta, bits)
+    W, w = _window(bits, gamma)
     inplace = cpu._overlap(dx, dr)
 
     def rows(c0, c1):
         _backward_rows(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8],
-                       ends[c0:c1], gamma[c0:c1], beta[c0:c1], rstd[c0:c1], k[c0:c1], 1 << bits, bits,
+                       ends[c0:c1], gamma[c0:c1], beta[c0:c1], rstd[c0:c1], W, w, 1 << bits, bits,
                        bool(accumulate), inplace, *_box())
     cpu._over_channels(rows, C, M)
