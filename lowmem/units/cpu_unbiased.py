@@ -76,18 +76,6 @@ if AVAILABLE:
         return bo, so, lo, sc
 
     @njit(**_opts)
-    def _bf16(v, up, box, bits_view):
-        """The bf16 value next to float32 v, outward (unbiased._bf16), via a 1-element box."""
-        box[0] = v
-        b = bits_view[0] >> numpy.uint32(16)            # toward zero
-        bits_view[0] = b << numpy.uint32(16)
-        t = box[0]
-        if (up and t < v) or ((not up) and t > v):
-            b += numpy.uint32(1)
-        bits_view[0] = b << numpy.uint32(16)
-        return box[0], numpy.uint16(b)
-
-    @njit(**_opts)
     def _bf16_value(b, box, bits_view):
         bits_view[0] = numpy.uint32(b) << numpy.uint32(16)
         return box[0]
@@ -117,18 +105,19 @@ if AVAILABLE:
     K_NINF, K_INF = (numpy.int32(b ^ ((b >> 31) & 0x7FFFFFFF)) for b in
                      numpy.array([-numpy.inf, numpy.inf], numpy.float32).view(numpy.int32))
 
-    @njit(**_opts)
-    def _key_value(key, box, bits_view):
-        bits_view[0] = numpy.uint32(key ^ ((key >> 31) & I31))
-        return box[0]
+    SIGN = numpy.int32(-0x80000000)
 
     @njit(**_opts)
-    def _range(xb, t0, t1, s, box, bits_view):
-        """(max, min) of u = x-hat*s over xb[t0:t1] (t0, t1 uint64), as max/min element by
-        element give them (NaNs skipped; of equal values the first kept, so a 0's sign is the
-        first 0's). Through int32 keys (a float max with a carried select does not vectorise);
-        u = ±x-hat exactly."""
-        xi = xb.view(numpy.int32)
+    def _key_bits(key):
+        return numpy.int32(key ^ ((key >> S31_32) & I31))
+
+    @njit(**_opts)
+    def _range(xi, t0, t1, neg):
+        """The float bits (int32) of (max, min) of u = x-hat*s over xi[t0:t1] (x-hat's bits;
+        t0, t1 uint64; neg: s = -1), as max/min element by element give them (NaNs skipped; of
+        equal values the first kept, so a 0's sign is the first 0's). Through int32 keys (a
+        float max with a carried select does not vectorise); u = ±x-hat exactly, so its bits
+        are x-hat's with the sign flipped where s = -1."""
         hi, lo = K_NINF, K_INF
         for t in range(t0, t1):
             v = xi[t]
@@ -138,29 +127,41 @@ if AVAILABLE:
             kl = key if ok else K_INF
             hi = kh if kh > hi else hi
             lo = kl if kl < lo else lo
-        a, b = _key_value(hi, box, bits_view), _key_value(lo, box, bits_view)
-        hi_u, lo_u = (a, b) if s > 0 else (-b, -a)
-        if hi_u == 0 or lo_u == 0:                    # -0 and +0 tie: the first 0 decides
+        hb, lb = _key_bits(hi), _key_bits(lo)
+        if neg:
+            hb, lb = numpy.int32(lb ^ SIGN), numpy.int32(hb ^ SIGN)
+        if (hb & I31) == 0 or (lb & I31) == 0:        # -0 and +0 tie: the first 0 decides
             for t in range(t0, t1):
-                if xb[t] == 0:
-                    z = xb[t] * s
-                    hi_u = z if hi_u == 0 else hi_u
-                    lo_u = z if lo_u == 0 else lo_u
+                if (xi[t] & I31) == 0:
+                    z = numpy.int32(xi[t] ^ SIGN) if neg else xi[t]
+                    hb = z if (hb & I31) == 0 else hb
+                    lb = z if (lb & I31) == 0 else lb
                     break
-        return hi_u, lo_u
+        return hb, lb
 
     @njit(**_opts)
-    def _block_ranges(ends, lv, xb, c, gi0, s, t_o, t_c, kc, L, box, bits_view):
-        """Per group of the block (the first one gi0 of row c): its range of u = x-hat*s,
-        stored as bf16 ends (outward), and its levels (into lv)."""
-        n = xb.size
+    def _bf16_bits(fb, up):
+        """The bf16 bits (uint16) next to the float with bits fb, outward (unbiased._bf16):
+        toward zero, then one step out where that moved a positive value down (up) or a
+        negative one up (down)."""
+        u = numpy.uint32(fb)
+        b = u >> numpy.uint32(16)
+        if (u & numpy.uint32(0xFFFF)) != 0 and ((u >> numpy.uint32(31)) != 0) != up:
+            b += numpy.uint32(1)
+        return numpy.uint16(b)
+
+    @njit(**_opts)
+    def _block_ranges(ends, lv, xi, c, gi0, neg, t_o, t_c, kc, L, box, bits_view):
+        """Per group of the block (the first one gi0 of row c; xi: x-hat's bits): its range of
+        u = x-hat*s, stored as bf16 ends (outward), and its levels (into lv)."""
+        n = xi.size
         for q in range((n + GROUP - 1) // GROUP):
-            hi, lo = _range(xb, U64(q * GROUP), U64(min(n, q * GROUP + GROUP)), s, box, bits_view)
-            hi, bh = _bf16(hi, True, box, bits_view)
-            lo, bl = _bf16(lo, False, box, bits_view)
+            hb, lb = _range(xi, U64(q * GROUP), U64(min(n, q * GROUP + GROUP)), neg)
+            bh, bl = _bf16_bits(hb, True), _bf16_bits(lb, False)
             ends[c, gi0 + q, 0] = bh
             ends[c, gi0 + q, 1] = bl
-            bo, so, bc, sc = _levels(hi, lo, t_o, t_c, kc, L)
+            bo, so, bc, sc = _levels(_bf16_value(bh, box, bits_view), _bf16_value(bl, box, bits_view),
+                                     t_o, t_c, kc, L)
             lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3] = bo, so, bc, sc
 
     @njit(**_opts)
@@ -275,6 +276,7 @@ if AVAILABLE:
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)
         xb = numpy.empty(BLOCK, numpy.float32)
+        xi = xb.view(numpy.int32)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         for c in range(C):
             g, b = gamma[c], beta[c]
@@ -284,7 +286,7 @@ if AVAILABLE:
                 xg, cg, orow = xb[:i1 - i0], codes[:i1 - i0], out[c, i0:i1]
                 _normalise(xg, x[c, i0:i1], mean[c], rstd[c])
                 z0 = base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN
-                _block_ranges(ends, lv, xg, c, i0 // GROUP, s, t_o, t_c, kc, L, box, bits_view)
+                _block_ranges(ends, lv, xi[:i1 - i0], c, i0 // GROUP, s < 0, t_o, t_c, kc, L, box, bits_view)
                 _draw(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
                 if naive:                       # continue from the decoded value
                     _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, b, ag, t_o)
