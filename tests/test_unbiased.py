@@ -357,18 +357,20 @@ def test_the_allocator_prices_bias_and_variance_apart():
     assert a.total_bytes <= a.uniform_bytes[2] == a.budget
 
 
+@pytest.mark.parametrize("M", [776, 4872])
 @pytest.mark.parametrize("naive", [False, True])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_numba_forward_writes_the_reference_slot(bits, naive):
+def test_numba_forward_writes_the_reference_slot(bits, naive, M):
     """units/cpu_unbiased.py: the same slot bytes as unbiased.quantize_pack (float32, shards keyed
     by their global place, γ of both signs and 0, t outside the data, a constant channel, a
-    short last group), and out = relu(y) as the exact forward, or naive's decoded conv input."""
+    short last group; rows of one block and of two, cpu.BLOCK = 4096), and out = relu(y) as the
+    exact forward, or naive's decoded conv input."""
     from lowmem.units import cpu_unbiased
     from lowmem.ops import bn_normalize
     if not cpu_unbiased.AVAILABLE:
         pytest.skip("numba not installed")
     rng = np.random.default_rng(12)
-    C, M = 6, 776                                   # groups of 256, 256, 256, 8
+    C = 6                                           # groups of 256 ..., 256, 8
     x = (rng.standard_normal((C, M)) * 2 + 0.3).astype(np.float32)
     x[5] = 1.5
     gamma = np.array([1.2, -0.7, 0.0, 0.9, -1.1, 1.0], np.float32)
@@ -376,7 +378,7 @@ def test_numba_forward_writes_the_reference_slot(bits, naive):
     mean, rstd = x.mean(axis=1).astype(np.float32), (1 / (x.std(axis=1) + 1e-3)).astype(np.float32)
     xhat = np.empty_like(x)
     bn_normalize(xhat, x, mean, rstd)
-    key = Stream(quant.stream_key(3, 1, 4), start=1024, row=4096)
+    key = Stream(quant.stream_key(3, 1, 4), start=1024, row=max(4096, M + 2048))
     want = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
     unbiased.quantize_pack(want, xhat, gamma, beta, bits, key)
     got, out = np.zeros_like(want), np.empty_like(x)
@@ -404,13 +406,14 @@ def test_plan_prints_bits_per_element_with_the_group_ends(capsys):
     assert "bits/elem" not in capsys.readouterr().out              # the window code: K bits exactly
 
 
+@pytest.mark.parametrize("M", [776, 4872])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_numba_decode_is_the_reference_decode(bits):
+def test_numba_decode_is_the_reference_decode(bits, M):
     from lowmem.units import cpu_unbiased
     if not cpu_unbiased.AVAILABLE:
         pytest.skip("numba not installed")
     rng = np.random.default_rng(13)
-    C, M = 6, 776
+    C = 6
     x = (rng.standard_normal((C, M)) * 2).astype(np.float32)
     x[5] = 0
     gamma = np.array([1.2, -0.7, 0.0, 0.9, -1.1, 1.0], np.float32)

@@ -1,13 +1,27 @@
-"""numba forward of the unbiased group-range code (units/unbiased.py): normalise, find each group's
-range, draw and pack the codes, write relu(y), in one pass over x per group (two over its 256
-elements, which stay in cache).
+"""numba kernels of the unbiased group-range code (units/unbiased.py): the forward (normalise,
+find each group's range, draw and pack the codes, write relu(y)), the decodes (x-tilde or the
+conv input; optionally the gradient's masking) and the fused BN-ReLU backward.
+
+How they vectorise (as units/cpu.py's kernels): a channel's row is walked in blocks of
+cpu.BLOCK elements (16 groups of 256); per block the codes sit in an L1 uint8 buffer, one per
+byte (cpu._pack/_unpack move them to and from the slot), and the float work is 1-D loops,
+branch-free (selects, unconditional stores), one per group where the group's levels enter,
+each reading its group's constants before it starts. What is fixed for a channel or a call
+(γ = 0, relu, naive, accumulate) picks a loop outside the loop. The forward normalises a block
+into a float buffer first, so no loop both reads x and writes out (out may alias x); the
+group ranges are int32 max/min over order-preserving keys of the float bits. error_model=
+"numpy": no zero check on a float division (it stops LLVM vectorising; the divisions are the
+reference's own, kept as divisions). A call per group instead ran the decode and the backward
+about 1.6 times as long (cProfile, both in one process).
 
 Arithmetic: every float operation of unbiased.metadata, Levels and _encode_piece, one rounding
-each, in the same order (float32 only, no fastmath), and the counter stream of units/stream.py
-in uint64: the slot equals unbiased.quantize_pack's byte for byte for the same x-hat and key
-(tests/test_unbiased.py); `decode` gives unbiased.decode_each_chunk's x-tilde or conv input bit
-for bit (and masks the backward's incoming gradient). The set using them is units/fused.py's
-FusedUnbiasedCodeUnits; its BN backward sums stay the reference's (NumPy).
+each, in the same order (float32 only, no fastmath outside the backward's sums), and the
+counter stream of units/stream.py in uint64: the slot equals unbiased.quantize_pack's byte for
+byte for the same x-hat and key (tests/test_unbiased.py); `decode` gives
+unbiased.decode_each_chunk's x-tilde or conv input bit for bit. `unit_backward`: the reference's
+formulas (ops.bn_relu_backward on that x-tilde under the exact mask), its sums in float32 within
+a block and float64 across blocks, so dgamma, dbeta and dx agree to float32 rounding
+(tests/test_unbiased_cpu.py).
 """
 import numpy
 
@@ -25,91 +39,32 @@ if AVAILABLE:
     S30, S27, S31, S_OFF = cpu.S30, cpu.S27, cpu.S31, cpu.S_OFF
     R_SCALE = F32(2.0 ** -quant.OFFSET_BITS)
     GROUP = unbiased.GROUP
+    BLOCK = cpu.BLOCK             # a multiple of GROUP: blocks are whole groups
+    _opts = dict(cache=True, nogil=True, error_model="numpy")
+    _reduce = dict(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"})
 
-    @njit(cache=True, nogil=True)
-    def _bf16(v, up, box, bits_view):
-        """The bf16 value next to float32 v, outward (unbiased._bf16), via a 1-element box."""
-        box[0] = v
-        b = bits_view[0] >> numpy.uint32(16)            # toward zero
-        bits_view[0] = b << numpy.uint32(16)
-        t = box[0]
-        if (up and t < v) or ((not up) and t > v):
-            b += numpy.uint32(1)
-        bits_view[0] = b << numpy.uint32(16)
-        return box[0], numpy.uint16(b)
+    # ---- per channel and per group: the constants of unbiased.Levels ----
 
-    @njit(cache=True, nogil=True)
-    def _forward_rows(out, slot_codes, ends, x, mean, rstd, gamma, beta, k, L, naive, c_first,
-                      base, start, row, codes, box, bits_view, bits):
-        C, M = x.shape
-        per = 8 // bits
-        for c in range(C):
-            m, r, g, b = mean[c], rstd[c], gamma[c], beta[c]
-            s = F32(-1) if g < 0 else F32(1)
-            zero = g == 0
-            ag = abs(g)
-            t = -b / (F32(1) if zero else ag)
-            t_o = -INF if zero else t
-            t_c = INF if zero else t
-            kc = k[c]
-            kf = F32(kc)
-            n_open = F32(max(L - kc - 1, 1))
-            n_closed = F32(max(kc - 1, 1))
-            for g0 in range(0, M, GROUP):
-                g1 = min(M, g0 + GROUP)
-                hi, lo = -INF, INF
-                for i in range(g0, g1):
-                    u = ((x[c, i] - m) * r) * s
-                    hi = max(hi, u)
-                    lo = min(lo, u)
-                hi, bh = _bf16(hi, True, box, bits_view)
-                lo, bl = _bf16(lo, False, box, bits_view)
-                ends[c, g0 // GROUP, 0] = bh
-                ends[c, g0 // GROUP, 1] = bl
-                bo = min(max(t_o, lo), hi)
-                top_c = max(min(t_c, hi), lo)
-                so = (hi - bo) / n_open
-                if not (L - kc > 1 and so > 0 and so < INF):
-                    so = F0
-                sc = (top_c - lo) / n_closed
-                if not (kc > 1 and sc > 0 and sc < INF):
-                    sc = F0
-                for i in range(g0, g1):
-                    xh = (x[c, i] - m) * r
-                    y = xh * g + b
-                    on = y > 0
-                    u = xh * s
-                    if on:
-                        bb, st, n = bo, so, F32(L) - kf
-                    else:
-                        bb, st, n = lo, sc, kf
-                    p = (u - bb) / st if st > 0 else F0
-                    z = base + U64((c_first + c) * row + start + i + 1) * GOLDEN
-                    z = (z ^ (z >> S30)) * MIX1
-                    z = (z ^ (z >> S27)) * MIX2
-                    z = z ^ (z >> S31)
-                    p = p + F32(z >> S_OFF) * R_SCALE
-                    j = min(max(numpy.floor(p), F0), n - F32(1))
-                    code = kf + j if on else j
-                    codes[i - g0] = numpy.uint8(code)
-                    if naive:
-                        if not on:
-                            out[c, i] = F0
-                        elif zero:
-                            out[c, i] = max(b, F0)
-                        else:
-                            out[c, i] = max(ag * ((bo - t) + j * so), F0)
-                    else:
-                        out[c, i] = y if y > 0 else F0
-                cpu._pack(slot_codes[(c * M + g0) // per:(c * M + g1) // per], codes[:g1 - g0], bits)
+    @njit(**_opts)
+    def _channel(g, b, L, W, w):
+        """(s, zero, ag, t_o, t_c, k, kf) of a channel from γ and β alone: sign(γ) (+1 for γ = 0),
+        γ == 0, |γ|, the threshold t = −β/|γ| as the open side's floor (−inf where γ = 0) and as
+        the closed side's ceiling (+inf there), and the split k (unbiased.split: the window
+        code's k of quant.quant_params, window W and bin w, clipped to [2, L−2]; 0 or L where
+        γ = 0), as an int and a float: the same float32 operations, so the same k."""
+        s = F32(-1) if g < 0 else F32(1)
+        zero = g == 0
+        ag = abs(g)
+        t = -b / (F32(1) if zero else ag)
+        t_o = -INF if zero else t
+        t_c = INF if zero else t
+        kr = min(max(numpy.rint((t + W) / w), F32(1)), F32(L - 1))    # quant_params' clip
+        kc = (0 if b > 0 else L) if zero else (min(max(int(kr), 2), L - 2) if kr == kr else 2)
+        return s, zero, ag, t_o, t_c, kc, F32(kc)
 
-    @njit(cache=True, nogil=True)
-    def _levels(ends, c, gi, t_o, t_c, kc, L, box, bits_view):
-        """(base_o, step_o, base_c, step_c) of group gi of row c from its stored bf16 ends."""
-        bits_view[0] = numpy.uint32(ends[c, gi, 0]) << numpy.uint32(16)
-        hi = box[0]
-        bits_view[0] = numpy.uint32(ends[c, gi, 1]) << numpy.uint32(16)
-        lo = box[0]
+    @njit(**_opts)
+    def _levels(hi, lo, t_o, t_c, kc, L):
+        """(base_o, step_o, base_c, step_c) of a group of range [lo, hi] (its bf16 ends)."""
         bo = min(max(t_o, lo), hi)
         top_c = max(min(t_c, hi), lo)
         so = (hi - bo) / F32(max(L - kc - 1, 1))
@@ -120,56 +75,317 @@ if AVAILABLE:
             sc = F0
         return bo, so, lo, sc
 
-    @njit(cache=True, nogil=True)
-    def _decode_rows(out, dr, slot_codes, ends, gamma, beta, k, L, relu, mask_dr, codes, box, bits_view, bits):
+    @njit(**_opts)
+    def _bf16_value(b, box, bits_view):
+        bits_view[0] = numpy.uint32(b) << numpy.uint32(16)
+        return box[0]
+
+    @njit(**_opts)
+    def _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view):
+        """lv[gi] <- (base_o, step_o, base_c, step_c) of every group gi of row c (stored ends)."""
+        for gi in range(lv.shape[0]):
+            bo, so, bc, sc = _levels(_bf16_value(ends[c, gi, 0], box, bits_view),
+                                     _bf16_value(ends[c, gi, 1], box, bits_view), t_o, t_c, kc, L)
+            lv[gi, 0], lv[gi, 1], lv[gi, 2], lv[gi, 3] = bo, so, bc, sc
+
+    # ---- one block of a row (BLOCK elements, whole groups) ----
+    # Per group q of the block its constants are read before a loop over its elements: indexed
+    # unsigned (a signed index that does not start at 0 keeps numba's negative-index wraparound,
+    # which stops LLVM vectorising), or over the group's slices where the loop writes a float
+    # array it also reads from (LLVM's runtime overlap check needs them).
+
+    @njit(**_opts)
+    def _normalise(xb, xr, m, r):
+        """xb <- x-hat = (x - m)*r (a buffer: out may alias x)."""
+        for t in range(xr.size):
+            xb[t] = (xr[t] - m) * r
+
+    # float32 bits as int32 keys that order as the floats do (-0 below +0)
+    I31, S31_32, F_INF_BITS = numpy.int32(0x7FFFFFFF), numpy.int32(31), numpy.int32(0x7F800000)
+    K_NINF, K_INF = (numpy.int32(b ^ ((b >> 31) & 0x7FFFFFFF)) for b in
+                     numpy.array([-numpy.inf, numpy.inf], numpy.float32).view(numpy.int32))
+
+    SIGN = numpy.int32(-0x80000000)
+
+    @njit(**_opts)
+    def _key_bits(key):
+        return numpy.int32(key ^ ((key >> S31_32) & I31))
+
+    @njit(**_opts)
+    def _range(xi, t0, t1, neg):
+        """The float bits (int32) of (max, min) of u = x-hat*s over xi[t0:t1] (x-hat's bits;
+        t0, t1 uint64; neg: s = -1), as max/min element by element give them (NaNs skipped; of
+        equal values the first kept, so a 0's sign is the first 0's). Through int32 keys (a
+        float max with a carried select does not vectorise); u = ±x-hat exactly, so its bits
+        are x-hat's with the sign flipped where s = -1."""
+        hi, lo = K_NINF, K_INF
+        for t in range(t0, t1):
+            v = xi[t]
+            key = numpy.int32(v ^ ((v >> S31_32) & I31))           # int32 throughout: 16 lanes
+            ok = (v & I31) <= F_INF_BITS                            # not a NaN
+            kh = key if ok else K_NINF
+            kl = key if ok else K_INF
+            hi = kh if kh > hi else hi
+            lo = kl if kl < lo else lo
+        hb, lb = _key_bits(hi), _key_bits(lo)
+        if neg:
+            hb, lb = numpy.int32(lb ^ SIGN), numpy.int32(hb ^ SIGN)
+        if (hb & I31) == 0 or (lb & I31) == 0:        # -0 and +0 tie: the first 0 decides
+            for t in range(t0, t1):
+                if (xi[t] & I31) == 0:
+                    z = numpy.int32(xi[t] ^ SIGN) if neg else xi[t]
+                    hb = z if (hb & I31) == 0 else hb
+                    lb = z if (lb & I31) == 0 else lb
+                    break
+        return hb, lb
+
+    @njit(**_opts)
+    def _bf16_bits(fb, up):
+        """The bf16 bits (uint16) next to the float with bits fb, outward (unbiased._bf16):
+        toward zero, then one step out where that moved a positive value down (up) or a
+        negative one up (down)."""
+        u = numpy.uint32(fb)
+        b = u >> numpy.uint32(16)
+        if (u & numpy.uint32(0xFFFF)) != 0 and ((u >> numpy.uint32(31)) != 0) != up:
+            b += numpy.uint32(1)
+        return numpy.uint16(b)
+
+    @njit(**_opts)
+    def _block_ranges(ends, lv, xi, c, gi0, neg, t_o, t_c, kc, L, box, bits_view):
+        """Per group of the block (the first one gi0 of row c; xi: x-hat's bits): its range of
+        u = x-hat*s, stored as bf16 ends (outward), and its levels (into lv)."""
+        n = xi.size
+        for q in range((n + GROUP - 1) // GROUP):
+            hb, lb = _range(xi, U64(q * GROUP), U64(min(n, q * GROUP + GROUP)), neg)
+            bh, bl = _bf16_bits(hb, True), _bf16_bits(lb, False)
+            ends[c, gi0 + q, 0] = bh
+            ends[c, gi0 + q, 1] = bl
+            bo, so, bc, sc = _levels(_bf16_value(bh, box, bits_view), _bf16_value(bl, box, bits_view),
+                                     t_o, t_c, kc, L)
+            lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3] = bo, so, bc, sc
+
+    @njit(**_opts)
+    def _draw(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
+        """codes <- the block's codes (unbiased._encode_piece, from its groups' levels lv;
+        element t's draw from counter z0 + t*GOLDEN); orow <- relu(y), y = x-hat*g + b."""
+        n = xb.size
+        n_open = F32(L) - kf
+        for q in range((n + GROUP - 1) // GROUP):
+            bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
+            zq = z0 + U64(q0) * GOLDEN
+            for t in range(xq.size):
+                xh = xq[t]
+                y = xh * g + b
+                on = y > 0
+                u = xh * s
+                bb = bo if on else bc
+                st = so if on else sc
+                nn = n_open if on else kf
+                p = (u - bb) / st
+                p = p if st > 0 else F0
+                z = zq + U64(t) * GOLDEN
+                z = (z ^ (z >> S30)) * MIX1
+                z = (z ^ (z >> S27)) * MIX2
+                z = z ^ (z >> S31)
+                p = p + F32(numpy.int32(z >> S_OFF)) * R_SCALE       # < 2**24: exact through int32
+                j = min(max(numpy.floor(p), F0), nn - F32(1))
+                code = kf + j if on else j
+                cq[t] = numpy.uint8(numpy.int32(code))
+                oq[t] = y if on else F0
+
+    @njit(**_opts)
+    def _xtilde(orow, codes, lv, gi0, kf, s):
+        """orow <- x-tilde = s*(base + j*step) of each code's side."""
+        n = orow.size
+        for q in range((n + GROUP - 1) // GROUP):
+            bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+            for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
+                v = F32(codes[t])
+                orow[t] = s * ((bo + (v - kf) * so) if v >= kf else (bc + v * sc))
+
+    @njit(**_opts)
+    def _conv_input(orow, codes, lv, gi0, kf, zero, b, ag, t_o):
+        """orow <- the conv input: |γ|*((base_o − t) + j*step_o) (β where γ = 0), at least 0,
+        on open codes; 0 on closed ones."""
+        n = orow.size
+        if zero:
+            val = max(b, F0)
+            for t in range(n):
+                orow[t] = val if F32(codes[t]) >= kf else F0
+            return
+        for q in range((n + GROUP - 1) // GROUP):
+            d, so = lv[gi0 + q, 0] - t_o, lv[gi0 + q, 1]
+            for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
+                v = F32(codes[t])
+                y = max(ag * (d + (v - kf) * so), F0)
+                orow[t] = y if v >= kf else F0
+
+    @njit(**_opts)
+    def _mask(drow, codes, kf):
+        """drow *= the exact mask (code >= k), as a select (0 where closed)."""
+        for t in range(drow.size):
+            drow[t] = drow[t] if F32(codes[t]) >= kf else F0
+
+    @njit(**_reduce)
+    def _sums(drow, codes, lv, gi0, kf, s):
+        """(sum dy, sum dy*x-tilde) over one block, dy = dr masked by code >= k, x-tilde decoded
+        inline; float32 within the block (vectorised), the caller adds the blocks in float64."""
+        n = drow.size
+        sdy = F0
+        sdyx = F0
+        for q in range((n + GROUP - 1) // GROUP):
+            bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+            for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
+                v = F32(codes[t])
+                on = v >= kf
+                dy = drow[t] if on else F0
+                sdy += dy
+                sdyx += dy * (s * ((bo + (v - kf) * so) if on else (bc + v * sc)))
+        return sdy, sdyx
+
+    @njit(**_opts)
+    def _dx(dxr, drow, codes, lv, gi0, kf, s, a, mdy, mdyx, accumulate):
+        """dx (=, or += with accumulate) a*(dy - mean(dy) - x-tilde*mean(dy*x-tilde)) for a
+        block, x-tilde decoded inline. dxr must not alias drow (see cpu._quantize_block)."""
+        n = drow.size
+        for q in range((n + GROUP - 1) // GROUP):
+            bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            dq, rq, cq = dxr[q0:q1], drow[q0:q1], codes[q0:q1]
+            if accumulate:
+                for t in range(rq.size):
+                    v = F32(cq[t])
+                    on = v >= kf
+                    xt = s * ((bo + (v - kf) * so) if on else (bc + v * sc))
+                    dq[t] += a * ((rq[t] if on else F0) - mdy - xt * mdyx)
+            else:
+                for t in range(rq.size):
+                    v = F32(cq[t])
+                    on = v >= kf
+                    xt = s * ((bo + (v - kf) * so) if on else (bc + v * sc))
+                    dq[t] = a * ((rq[t] if on else F0) - mdy - xt * mdyx)
+
+    # ---- whole (C, M) rows, block by block ----
+
+    @njit(**_opts)
+    def _forward_rows(out, slot_codes, ends, x, mean, rstd, gamma, beta, W, w, L, naive, c_first,
+                      base, start, row, bits, box, bits_view):
+        C, M = x.shape
+        per = 8 // bits
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        xb = numpy.empty(BLOCK, numpy.float32)
+        xi = xb.view(numpy.int32)
+        lv = numpy.empty((ends.shape[1], 4), numpy.float32)
+        for c in range(C):
+            g, b = gamma[c], beta[c]
+            s, zero, ag, t_o, t_c, kc, kf = _channel(g, b, L, W, w)
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                xg, cg, orow = xb[:i1 - i0], codes[:i1 - i0], out[c, i0:i1]
+                _normalise(xg, x[c, i0:i1], mean[c], rstd[c])
+                z0 = base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN
+                _block_ranges(ends, lv, xi[:i1 - i0], c, i0 // GROUP, s < 0, t_o, t_c, kc, L, box, bits_view)
+                _draw(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
+                if naive:                       # continue from the decoded value
+                    _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, b, ag, t_o)
+                cpu._pack(slot_codes[(c * M + i0) // per:(c * M + i1) // per], cg, bits)
+
+    @njit(**_opts)
+    def _decode_rows(out, dr, slot_codes, ends, gamma, beta, W, w, L, relu, mask_dr, bits, box, bits_view):
         """out <- x-tilde (relu False) or the conv input (relu True); mask_dr: dr *= the mask."""
         C, M = out.shape
         per = 8 // bits
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         for c in range(C):
-            g, b = gamma[c], beta[c]
-            s = F32(-1) if g < 0 else F32(1)
-            zero = g == 0
-            ag = abs(g)
-            t = -b / (F32(1) if zero else ag)
-            t_o = -INF if zero else t
-            t_c = INF if zero else t
-            kc = k[c]
-            kf = F32(kc)
-            for g0 in range(0, M, GROUP):
-                g1 = min(M, g0 + GROUP)
-                bo, so, bc, sc = _levels(ends, c, g0 // GROUP, t_o, t_c, kc, L, box, bits_view)
-                cpu._unpack(codes[:g1 - g0], slot_codes[(c * M + g0) // per:(c * M + g1) // per], bits)
-                for i in range(g0, g1):
-                    code = F32(codes[i - g0])
-                    on = code >= kf
-                    j = code - kf if on else code
-                    if relu:
-                        if not on:
-                            out[c, i] = F0
-                        elif zero:
-                            out[c, i] = max(b, F0)
-                        else:
-                            out[c, i] = max(ag * ((bo - t_o) + j * so), F0)
-                    else:
-                        out[c, i] = s * (bo + j * so if on else bc + j * sc)
-                    if mask_dr and not on:
-                        dr[c, i] = F0
+            s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
+            _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cg, orow = codes[:i1 - i0], out[c, i0:i1]
+                cpu._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
+                if relu:
+                    _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, beta[c], ag, t_o)
+                else:
+                    _xtilde(orow, cg, lv, i0 // GROUP, kf, s)
+                if mask_dr:
+                    _mask(dr[c, i0:i1], cg, kf)
+
+    @njit(**_opts)
+    def _backward_rows(dx, dgamma, dbeta, dr, slot_codes, ends, gamma, beta, rstd, W, w, L, bits,
+                       accumulate, inplace, box, bits_view):
+        """BN-ReLU backward from the slot: two passes per row (sums, then dx), each unpacking
+        block by block into L1 scratch and decoding x-tilde inline (the row's group levels
+        computed once); no decode buffer. inplace: dx overlaps dr, so dx goes through tmp (see
+        cpu._quantize_block)."""
+        C, M = dr.shape
+        per = 8 // bits
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        tmp = numpy.empty(BLOCK, numpy.float32)
+        lv = numpy.empty((ends.shape[1], 4), numpy.float32)
+        for c in range(C):
+            s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
+            _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
+            sdy = 0.0
+            sdyx = 0.0
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cg = codes[:i1 - i0]
+                cpu._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
+                a1, a2 = _sums(dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s)
+                sdy += a1
+                sdyx += a2
+            dgamma[c] += sdyx
+            dbeta[c] += sdy
+            a = F32(gamma[c] * rstd[c])
+            mdy, mdyx = F32(sdy / M), F32(sdyx / M)
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cg = codes[:i1 - i0]
+                cpu._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
+                if accumulate or not inplace:
+                    _dx(dx[c, i0:i1], dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, accumulate)
+                else:
+                    tb = tmp[:i1 - i0]
+                    _dx(tb, dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, False)
+                    cpu._copy(dx[c, i0:i1], tb)
+
+
+def _box():
+    """A 1-element float32 box and its uint32 view (per thread: the bf16 conversions)."""
+    b = numpy.empty(1, numpy.float32)
+    return b, b.view(numpy.uint32)
+
+
+def _window(bits, gamma):
+    """quant_params' window W and bin w as float32 (what the kernels derive the split k from)."""
+    if gamma.dtype != numpy.float32:
+        raise ValueError(f"the numba unbiased kernels need float32 gamma and beta, got {gamma.dtype}")
+    return numpy.float32(quant.window(bits)), numpy.float32(quant.bin_width(bits))
+
+
+def _check(x, M, bits, what):
+    if not cpu.supports(numpy, x.dtype, M, bits):
+        raise ValueError(f"the numba unbiased {what} needs float32 rows of M*bits a multiple of 8, "
+                         f"got {x.dtype} M={M} at {bits} bits")
 
 
 def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
     """unbiased.decode_each_chunk's output (x-tilde, or the conv input with relu=True), bit for
     bit, in one numba pass; with dr (C, M): dr *= the exact mask (the backward's masking)."""
+    bits = unbiased.check_bits(bits)
     C, M = out.shape
+    _check(out, M, bits, "decode")
     codes, ends = unbiased.split_slot(slot, C, M, bits)
-    k = unbiased.split(gamma, beta, bits)
+    W, w = _window(bits, gamma)
     mask_dr = dr is not None
     drr = dr if mask_dr else out
 
     def rows(c0, c1):
-        b = numpy.empty(1, numpy.float32)
         _decode_rows(out[c0:c1], drr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1],
-                     gamma[c0:c1], beta[c0:c1], k[c0:c1], 1 << bits, bool(relu), mask_dr,
-                     numpy.empty(GROUP, numpy.uint8), b, b.view(numpy.uint32), bits)
+                     gamma[c0:c1], beta[c0:c1], W, w, 1 << bits, bool(relu), mask_dr, bits, *_box())
     cpu._over_channels(rows, C, M)
 
 
@@ -179,17 +395,38 @@ def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key):
     (naive). x, out (C, M) float32 C-contiguous (out may alias x), M*bits a multiple of 8."""
     bits = unbiased.check_bits(bits)
     C, M = x.shape
-    if not cpu.supports(numpy, x.dtype, M, bits):
-        raise ValueError(f"the numba unbiased forward needs float32 rows of M*bits a multiple of 8, "
-                         f"got {x.dtype} M={M}")
+    _check(x, M, bits, "forward")
     codes, ends = unbiased.split_slot(slot, C, M, bits)
-    k = unbiased.split(gamma, beta, bits)
-    stream = resolve(key, M, what="stochastic")
-    base, start, row = stream
+    W, w = _window(bits, gamma)
+    base, start, row = resolve(key, M, what="stochastic")
 
     def rows(c0, c1):
-        b = numpy.empty(1, numpy.float32)                # per thread: the bf16 box
         _forward_rows(out[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1], x[c0:c1],
-                      mean[c0:c1], rstd[c0:c1], gamma[c0:c1], beta[c0:c1], k[c0:c1], 1 << bits, bool(naive),
-                      c0, U64(base), start, row, numpy.empty(GROUP, numpy.uint8), b, b.view(numpy.uint32), bits)
+                      mean[c0:c1], rstd[c0:c1], gamma[c0:c1], beta[c0:c1], W, w, 1 << bits, bool(naive),
+                      c0, U64(base), start, row, bits, *_box())
+    cpu._over_channels(rows, C, M)
+
+
+def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumulate):
+    """The fused BN-ReLU backward of UnbiasedCodeUnits (ops.bn_relu_backward on the slot's x-tilde
+    under the exact mask, without a decode buffer):
+
+        dy = dr * (code >= k),  dgamma += sum(dy * x-tilde),  dbeta += sum(dy)
+        dx = (or += with accumulate) gamma*rstd * (dy - mean(dy) - x-tilde * mean(dy * x-tilde))
+
+    # saved: the unbiased code (x-tilde with E = x-hat, exact mask) and rstd (C,) exact.
+    dr (C, M) float32 is read only; dx may alias it. Channels split over lowmem's threads."""
+    bits = unbiased.check_bits(bits)
+    C, M = dr.shape
+    _check(dr, M, bits, "backward")
+    if dx.shape != (C, M):
+        raise ValueError(f"dx must have dr's shape {(C, M)}, got {dx.shape}")
+    codes, ends = unbiased.split_slot(slot, C, M, bits)
+    W, w = _window(bits, gamma)
+    inplace = cpu._overlap(dx, dr)
+
+    def rows(c0, c1):
+        _backward_rows(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8],
+                       ends[c0:c1], gamma[c0:c1], beta[c0:c1], rstd[c0:c1], W, w, 1 << bits, bits,
+                       bool(accumulate), inplace, *_box())
     cpu._over_channels(rows, C, M)

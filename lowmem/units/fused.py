@@ -77,8 +77,10 @@ class FusedCodeUnits(CodeUnits):
 class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
     """The unbiased code on the fused kernels: numba (units/cpu_unbiased.py) or CUDA
     (units/gpu_unbiased.py). The forward (normalise, group ranges, draws, pack, relu) in one
-    pass, the decodes (conv input; x-tilde with the gradient's masking) in one pass each; the BN
-    backward's sums and dx are the reference's array ops on the decoded x-tilde."""
+    pass, the conv input's decode in one. The backward: on numba one fused kernel
+    (cpu_unbiased.unit_backward: two passes over the codes, x-tilde decoded group by group in
+    L1, no decode buffer); on CUDA the decode of x-tilde (with the gradient's masking) into
+    `scratch`, then the reference's array ops (CuPy) for the sums and dx."""
     fused = True
 
     def __init__(self, module, bits, naive=False, partials=None):
@@ -97,10 +99,17 @@ class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
         self.kernels.decode(u, saved, gamma, beta, self.bits, relu=True)
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
-        # saved: the unbiased code (x-tilde with E = x-hat, exact mask), decoded into scratch; rstd exact
-        self.kernels.decode(scratch, saved, gamma, beta, self.bits, dr=dr)
+        # saved: the unbiased code (x-tilde with E = x-hat, exact mask); rstd exact
+        if self.module is not gpu:             # numba: decoded inline, `scratch` unused
+            self.kernels.unit_backward(dx, dgamma, dbeta, dr, saved, gamma, beta, rstd, self.bits, accumulate)
+            return
+        self.decode_masking(scratch, dr, saved, gamma, beta)
         bn_relu_backward(dx, dgamma, dbeta, dr, scratch, gamma, beta, rstd, dr_already_masked=True,
                          accumulate=accumulate)
+
+    def decode_masking(self, xtilde, dr, saved, gamma, beta):
+        """xtilde <- x-tilde, dr *= the exact mask, in one kernel pass (units/sync.py's backward)."""
+        self.kernels.decode(xtilde, saved, gamma, beta, self.bits, dr=dr)
 
 
 def module_for(xp):

@@ -43,6 +43,25 @@ __device__ real ub_bf16(real v, int up, unsigned short* out)
     return (real)__uint_as_float(b << 16);
 }
 
+// per channel, from gamma, beta and the split k alone (unbiased.Levels): sign(gamma) (+1 for 0),
+// gamma == 0, |gamma|, the threshold t as the open side's floor (-inf where gamma = 0) and the
+// closed side's ceiling (+inf there)
+struct UbChannel { real s, ag, t_o, t_c, kf; bool zero; int k; };
+
+__device__ UbChannel ub_channel(real g, real b, int k)
+{
+    UbChannel h;
+    h.s = g < (real)0 ? (real)-1 : (real)1;
+    h.zero = g == (real)0;
+    h.ag = h.zero ? (real)0 : (g < (real)0 ? -g : g);
+    const real t = rn_div(-b, h.zero ? (real)1 : h.ag);
+    h.t_o = h.zero ? (real)-INFINITY : t;
+    h.t_c = h.zero ? (real)INFINITY : t;
+    h.k = k;
+    h.kf = (real)k;
+    return h;
+}
+
 struct UbLevels { real bo, so, bc, sc; };
 
 // unbiased.Levels for one group from its (rounded) ends
@@ -59,6 +78,15 @@ __device__ UbLevels ub_levels(real hi, real lo, real t_o, real t_c, int k, int L
     return v;
 }
 
+// the conv input of level jj on its side: |gamma|*((base_o - t) + jj*step_o) (beta where gamma = 0),
+// at least 0, on the open side; 0 on the closed one
+__device__ real ub_conv_input(bool on, real jj, const UbChannel& h, real b, const UbLevels& v)
+{
+    if (!on) return (real)0;
+    if (h.zero) return ub_max(b, (real)0);
+    return ub_max(rn_mul(h.ag, rn_add(rn_sub(v.bo, h.t_o), rn_mul(jj, v.so))), (real)0);
+}
+
 extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, unsigned short* ends,
                                             const real* x, const real* mean, const real* rstd,
                                             const real* gamma, const real* beta, const int* k,
@@ -71,13 +99,8 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
     if (gi >= G) return;
     const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
     const real m = mean[c], r = rstd[c], g = gamma[c], b = beta[c];
-    const real s = g < (real)0 ? (real)-1 : (real)1;
-    const bool zero = g == (real)0;
-    const real ag = zero ? (real)0 : (g < (real)0 ? -g : g);
-    const real t = rn_div(-b, zero ? (real)1 : ag);
-    const real t_o = zero ? (real)-INFINITY : t, t_c = zero ? (real)INFINITY : t;
-    const int kc = k[c];
-    const real kf = (real)kc;
+    const UbChannel h = ub_channel(g, b, k[c]);
+    const real s = h.s, kf = h.kf;
     const real* xr = x + (long long)c * M;
     real hi = (real)-INFINITY, lo = (real)INFINITY;
     for (long long i = g0; i < g1; ++i) {
@@ -88,7 +111,7 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
     unsigned short* e = ends + ((long long)c * G + gi) * 2;
     hi = ub_bf16(hi, 1, e);
     lo = ub_bf16(lo, 0, e + 1);
-    const UbLevels v = ub_levels(hi, lo, t_o, t_c, kc, L);
+    const UbLevels v = ub_levels(hi, lo, h.t_o, h.t_c, h.k, L);
     for (long long j = g0 / per; j < g1 / per; ++j) {
         unsigned int byte = 0;
         for (int q = 0; q < per; ++q) {
@@ -108,13 +131,7 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
             const real jj = ub_min(ub_max(ub_floor(p), (real)0), rn_sub(n, (real)1));
             const real code = on ? rn_add(kf, jj) : jj;
             byte |= (unsigned int)code << (q * bits);
-            real o;
-            if (naive)
-                o = !on ? (real)0 : zero ? ub_max(b, (real)0)
-                  : ub_max(rn_mul(ag, rn_add(rn_sub(v.bo, t_o), rn_mul(jj, v.so))), (real)0);
-            else
-                o = on ? y : (real)0;
-            out[(long long)c * M + i] = o;
+            out[(long long)c * M + i] = naive ? ub_conv_input(on, jj, h, b, v) : (on ? y : (real)0);
         }
         packed[(long long)c * (M / per) + j] = (unsigned char)byte;
     }
@@ -130,30 +147,20 @@ extern "C" __global__ void unbiased_decode(real* out, real* dr, const unsigned c
     const long long gi = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (gi >= G) return;
     const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
-    const real g = gamma[c], b = beta[c];
-    const real s = g < (real)0 ? (real)-1 : (real)1;
-    const bool zero = g == (real)0;
-    const real ag = zero ? (real)0 : (g < (real)0 ? -g : g);
-    const real t = rn_div(-b, zero ? (real)1 : ag);
-    const real t_o = zero ? (real)-INFINITY : t, t_c = zero ? (real)INFINITY : t;
-    const int kc = k[c];
-    const real kf = (real)kc;
+    const real b = beta[c];
+    const UbChannel h = ub_channel(gamma[c], b, k[c]);
+    const real kf = h.kf;
     const unsigned short* e = ends + ((long long)c * G + gi) * 2;
     const UbLevels v = ub_levels((real)__uint_as_float((unsigned)e[0] << 16),
-                                 (real)__uint_as_float((unsigned)e[1] << 16), t_o, t_c, kc, L);
+                                 (real)__uint_as_float((unsigned)e[1] << 16), h.t_o, h.t_c, h.k, L);
     const unsigned top = (1u << bits) - 1u;
     for (long long i = g0; i < g1; ++i) {
         const unsigned byte = packed[(long long)c * (M / per) + i / per];
         const real code = (real)((byte >> ((i % per) * bits)) & top);
         const bool on = code >= kf;
         const real jj = on ? rn_sub(code, kf) : code;
-        real o;
-        if (relu)
-            o = !on ? (real)0 : zero ? ub_max(b, (real)0)
-              : ub_max(rn_mul(ag, rn_add(rn_sub(v.bo, t_o), rn_mul(jj, v.so))), (real)0);
-        else
-            o = rn_mul(s, on ? rn_add(v.bo, rn_mul(jj, v.so)) : rn_add(v.bc, rn_mul(jj, v.sc)));
-        out[(long long)c * M + i] = o;
+        out[(long long)c * M + i] = relu ? ub_conv_input(on, jj, h, b, v)
+            : rn_mul(h.s, on ? rn_add(v.bo, rn_mul(jj, v.so)) : rn_add(v.bc, rn_mul(jj, v.sc)));
         if (mask_dr && !on)
             dr[(long long)c * M + i] = (real)0;
     }

@@ -149,9 +149,13 @@ class UnbiasedCodeUnits(CodeUnits):
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         # saved: the unbiased code (x-tilde with E = x-hat, exact mask) and rstd (C,) exact
-        decode_masking_unbiased(scratch, dr, saved, gamma, beta, self.bits)
+        self.decode_masking(scratch, dr, saved, gamma, beta)
         bn_relu_backward(dx, dgamma, dbeta, dr, scratch, gamma, beta, rstd, dr_already_masked=True,
                          accumulate=accumulate)
+
+    def decode_masking(self, xtilde, dr, saved, gamma, beta):
+        """xtilde <- x-tilde decoded from the slot; dr *= the exact mask (units/sync.py's backward)."""
+        decode_masking_unbiased(xtilde, dr, saved, gamma, beta, self.bits)
 
 
 def decode_masking_unbiased(xtilde, dr, slot, gamma, beta, bits):

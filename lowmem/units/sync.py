@@ -14,14 +14,15 @@ ops.bn_relu_backward_sums / _apply (in approx mode x-hat is the decoded
 x-tilde, under the exact mask). dgamma and dbeta receive the *local* sums:
 the engine's gradient allreduce adds the ranks' parts afterwards. These two
 passes are array ops on every backend (the fused kernels join them in one
-call), so synchronized batch norm runs its backward on the reference path.
+call), so synchronized batch norm runs its backward on the reference path (the unbiased
+code's decode excepted: the set's own, numba or CUDA, bit for bit the reference's).
 
 Communication buffer: the plan's `sync.bn` workspace, 2 * C float64.
 """
 from . import quant
 from ..system.backend import array_module
 from ..ops import bn_relu_backward_apply, bn_relu_backward_sums
-from .reference import BN_EPS, UnbiasedCodeUnits, decode_masking, decode_masking_unbiased
+from .reference import BN_EPS, UnbiasedCodeUnits, decode_masking
 
 
 class SyncUnits:
@@ -64,7 +65,7 @@ class SyncUnits:
         if getattr(self.inner, "bits", None) is None:            # exact: the slot is x-hat
             xhat, dr_masked = saved, False
         elif isinstance(self.inner, UnbiasedCodeUnits):
-            decode_masking_unbiased(scratch, dr, saved, gamma, beta, self.inner.bits)
+            self.inner.decode_masking(scratch, dr, saved, gamma, beta)     # the set's own decode
             xhat, dr_masked = scratch, True
         else:
             decode_masking(scratch, dr, saved, quant.quant_params(gamma, beta, self.inner.bits))
