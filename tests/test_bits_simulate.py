@@ -38,7 +38,6 @@ def test_nearest_rounding_has_no_variance_and_all_its_error_is_bias(small):
     same = S.simulate_draws(net, [batches[0]] * 3, a, dtype="float64", draws=1)
     assert same.variance2 == 0.0 and same.persistent2 == pytest.approx(same.error2, rel=1e-9)
     assert same.noise_norm < 1e-12 * same.mean_grad_norm
-    assert same.objective == pytest.approx(same.bias2 / same.mean_grad_norm ** 2, rel=1e-12)
 
 
 def test_the_draws_are_the_engines_and_split_as_diagnostics_does(small):
@@ -53,8 +52,8 @@ def test_the_draws_are_the_engines_and_split_as_diagnostics_does(small):
     assert math.sqrt(m.variance2) == pytest.approx(d["draw_noise"], rel=1e-9)
     assert math.sqrt(m.persistent2) == pytest.approx(d["persistent_bias"], rel=1e-9)
     assert m.bias2 == pytest.approx(m.error2 - m.variance2, rel=1e-12)
-    g2 = m.mean_grad_norm ** 2 or m.noise_norm ** 2      # ||E g|| estimated 0 here: sigma stands in
-    assert m.objective == pytest.approx(m.bias2 / g2 + m.variance2 / m.noise_norm ** 2)
+    assert m.objective() == pytest.approx((19 * m.bias2 + m.variance2) / m.noise_norm ** 2, rel=1e-12)
+    assert m.objective(bias_steps=1) == pytest.approx(m.error2 / m.noise_norm ** 2, rel=1e-12)
     # one draw: the error, and no way to tell its variance apart
     one = S.simulate_draws(net, batches, a, dtype="float64", rounding="stochastic", draws=1, seed=5)
     assert one.error2 == pytest.approx(bias_and_noise(exact, draws[:1])["error"] ** 2, rel=1e-9)

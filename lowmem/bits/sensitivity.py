@@ -56,7 +56,7 @@ from ..units import quant, quantize_simulated
 from ..units.widths import BITS, FLOAT
 from ..ops import conv2d_backward_weight
 from ..core.optable import OPS
-from .simulate import SimulatedCodeUnits, _exact_engine, _gradients, _sq, _units, objective_of
+from .simulate import BIAS_STEPS, SimulatedCodeUnits, _exact_engine, _gradients, _sq, _units, objective_of
 from .simulate import simulate, simulate_draws  # noqa: F401  (the measurement the estimate is checked against)
 
 CALIBRATION_BITS = 2
@@ -118,13 +118,17 @@ class Sensitivity:
         """The persistent part of error2: what remains after the draws' variance."""
         return max(self.error2(unit, bits) - self.variance2(unit, bits), 0.0)
 
-    def objective(self, unit, bits):
-        """What the allocator minimises (docs/bits.md): bias² against the expected gradient's
-        squared norm (a bias rotates every expected step) plus variance against the SGD noise's
-        (zero-mean noise adds to SGD's own variance); with unbiased codes only the second term
-        remains (ActNN's variance model), a 1-bit unit (no unbiased code) is priced as bias."""
-        return objective_of(self.bias2(unit, bits), self.variance2(unit, bits), self.mean_grad_norm,
-                            self.noise_norm)
+    def objective(self, unit, bits, bias_steps=BIAS_STEPS):
+        """What the allocator minimises (docs/bits.md §3b): (H·bias² + variance) / σ², the unit's
+        squared error in the update SGD with momentum applies, against the SGD noise's there (a
+        bias adds up over the steps momentum sums, zero-mean noise does not: H = bias_steps =
+        (1+β)/(1−β), 19 at β = 0.9). The unbiased code (rounding "stochastic", K >= 2) is priced
+        by its variance alone: its bias is 0 by construction (E x̃ = x̂) and the two-draw estimate
+        of it is noise; a 1-bit unit (no unbiased code exists) is all bias."""
+        if bits in (None, FLOAT):
+            return 0.0
+        bias2 = 0.0 if self.rounding == "stochastic" and bits > 1 else self.bias2(unit, bits)
+        return objective_of(bias2, self.variance2(unit, bits), self.noise_norm, bias_steps)
 
     def predict2(self, allocation):
         """Predicted squared error norm of an allocation {unit: K or FLOAT} (missing: FLOAT)."""

@@ -97,15 +97,19 @@ def _sq(a):
     return float(xp.dot(a, a))
 
 
-def objective_of(bias2, variance2, mean_grad_norm, noise_norm):
-    """bias² / ||E g||² + variance / σ² (docs/bits.md §3b); σ stands in for a zero ||E g|| and
-    ||E g|| for a zero σ (batches all alike); both zero: the raw sum."""
+BIAS_STEPS = 19      # H = (1 + β)/(1 − β) at SGD momentum β = 0.9 (the trainer's default)
+
+
+def objective_of(bias2, variance2, noise_norm, bias_steps=BIAS_STEPS):
+    """(H·bias² + variance) / σ², H = bias_steps (docs/bits.md §3b): the squared error of the
+    update momentum applies over the SGD noise's in it. With momentum β the update is
+    Σ_k β^k g_{t−k}: a bias the same at every step passes with weight Σ β^k = 1/(1−β), zero-mean
+    noise independent from step to step with Σ β^2k = 1/(1−β²), so against the noise a bias
+    weighs H = (1+β)/(1−β) times what it does in one gradient. σ = 0 (batches all alike):
+    H·bias² + variance itself."""
     n2 = noise_norm ** 2
-    g2 = mean_grad_norm ** 2 if mean_grad_norm > 0 else n2
-    n2 = n2 if n2 > 0 else g2
-    if g2 == 0:
-        return bias2 + variance2
-    return bias2 / g2 + variance2 / n2
+    raw = bias_steps * bias2 + variance2
+    return raw / n2 if n2 > 0 else raw
 
 
 def corrected_mean2(v):
@@ -135,18 +139,16 @@ class Measured:
         """rms gradient error norm (simulate's first return)."""
         return math.sqrt(self.error2)
 
-    @property
-    def objective(self):
-        """The allocator's objective measured: bias2 / ||E g||² + variance2 / σ² (what
+    def objective(self, bias_steps=BIAS_STEPS):
+        """The allocator's objective measured: (H·bias2 + variance2) / σ² (objective_of; what
         Sensitivity.objective summed over units predicts)."""
-        return objective_of(self.bias2, self.variance2, self.mean_grad_norm, self.noise_norm)
+        return objective_of(self.bias2, self.variance2, self.noise_norm, bias_steps)
 
-    @property
-    def persistent_objective(self):
-        """The same with the bias that persists over batches as bias and all the rest of the error
-        (draw variance and the batch-to-batch part of the bias) as noise."""
-        return objective_of(self.persistent2, max(self.error2 - self.persistent2, 0.0), self.mean_grad_norm,
-                            self.noise_norm)
+    def persistent_objective(self, bias_steps=BIAS_STEPS):
+        """The same with only the bias that persists over batches as bias and all the rest of the
+        error (draw variance and the batch-to-batch part of the bias) as noise."""
+        return objective_of(self.persistent2, max(self.error2 - self.persistent2, 0.0), self.noise_norm,
+                            bias_steps)
 
 
 def _check_allocation(eng, allocation):
