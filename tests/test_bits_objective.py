@@ -28,3 +28,25 @@ def test_every_path_budgets_the_unbiased_code_with_its_group_ends(measured):
         assert x.total_bytes <= x.budget
     with pytest.raises(ValueError, match="rounding 'nearest' differs from the 'stochastic' the sensitivity"):
         allocate.allocate_bits(net, None, avg_bits=2, sens=sens, rounding="nearest")
+
+
+def test_a_1_bit_unit_only_where_the_budget_forces_it(measured):
+    """The unbiased widths are priced by their variance, a 1-bit unit by its bias weighed 19x:
+    at a 2-bit average (uniform 2-bit unbiased fits) no unit takes 1 bit; at 1.5 bits, below
+    uniform 2-bit's bytes, some must, and the budget holds. With bias weighed once (bias_steps=1)
+    the same measurement prices a unit's 1 bit below the 19x price by exactly 19."""
+    net, batches, sens = measured
+    for batch in (8, 64):
+        a = allocate.allocate(sens, batch, avg_bits=2)
+        assert 1 not in a.bits.values() and a.total_bytes <= a.budget
+        b = allocate.allocate(sens, batch, avg_bits=1.5)
+        assert b.budget < b.uniform_bytes[2]
+        assert 1 in b.bits.values() and b.total_bytes <= b.budget
+    for u in sens.units:
+        assert sens.objective(u, 1) == pytest.approx(19 * sens.objective(u, 1, bias_steps=1))
+        assert sens.objective(u, 2) == sens.objective(u, 2, bias_steps=1) > 0      # no bias term
+        assert sens.objective(u, "float") == 0.0
+    # a callable of one's own: the raw squared error, bias and variance alike, takes 1-bit units
+    # here (window 1-bit errors are smaller than the unbiased code's 2-bit ones on this net)
+    raw = allocate.allocate(sens, 8, avg_bits=2, objective=sens.error2)
+    assert 1 in raw.bits.values() and raw.total_bytes <= raw.budget
