@@ -3,8 +3,9 @@
 Each unit u can keep x-hat at K in {1, 2, 4, 8} bits or in float; choice k costs
 bytes[u][k] (its saved slot: quant.packed_nbytes(C*N*H*W, K), or C*N*H*W*itemsize)
 and adds err[u][k] to the objective (lowmem/bits/sensitivity.py's Sensitivity.objective:
-the unit's persistent bias² over ||E g||² plus its draw variance over the SGD noise's; squared
-errors of different units add, because the forward pass is exact). The allocation minimises
+the unit's bias² weighed H = 19 times, as momentum 0.9 sums it over steps, plus its draw
+variance, over the SGD noise's; squared errors of different units add, because the forward
+pass is exact). The allocation minimises
 
     sum_u err[u][k_u]    subject to    sum_u bytes[u][k_u] <= budget,
 
@@ -32,6 +33,7 @@ from ..units import quant, unbiased
 from ..system.memory import fmt_bytes
 from ..units.widths import BITS, FLOAT
 from .sensitivity import measure_sensitivity, measured_batches
+from .simulate import BIAS_STEPS
 
 CHOICES = BITS + (FLOAT,)                  # every width a unit may get
 MAX_CELLS = 1 << 17
@@ -223,10 +225,12 @@ def check_fits(elements, code_bytes, choices, itemsize, said, channels=None, rou
 
 
 def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, itemsize=4,
-             max_cells=MAX_CELLS):
+             max_cells=MAX_CELLS, bias_steps=BIAS_STEPS, objective=None):
     """The least-error widths for `sens` (a sensitivity.Sensitivity) at `batch_size`, with the
     units' saved x-hat slots within `code_bytes`, or within what every unit at `avg_bits` bits
-    per element would take (exactly uniform K's bytes for K in 1, 2, 4, 8). Returns an Allocation."""
+    per element would take (exactly uniform K's bytes for K in 1, 2, 4, 8). What is minimised:
+    sens.objective(unit, K, bias_steps) summed over units (bias_steps H = (1+β)/(1−β) for SGD
+    momentum β: 19 at 0.9), or objective(unit, K), a callable of your own. Returns an Allocation."""
     if (code_bytes is None) == (avg_bits is None):
         raise ValueError("give exactly one of code_bytes (a byte budget) and avg_bits")
     check_choices(choices)
@@ -239,11 +243,12 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
     uniform = _uniform(elements, channels, rounding)
     code_bytes = code_budget(elements, avg_bits, code_bytes, uniform)
     costs = [[unit_bytes(elements[u], c, itemsize, channels[u], rounding) for c in choices] for u in sens.units]
-    # what is minimised: persistent bias² against ||E g||² plus draw variance against the SGD
-    # noise's (Sensitivity.objective; docs/bits.md). Both were measured at sens.batch; squared
-    # norms of batch means scale like 1/N for independent errors, and so do the squared noise
-    # and (its finite-sample part removed) nothing else: the choice does not depend on N
-    objective = getattr(sens, "objective", sens.error2)
+    # what is minimised: the units' squared error in the update momentum applies, bias weighed
+    # H times, against the SGD noise's (Sensitivity.objective; docs/bits.md §3b). Both were
+    # measured at sens.batch; squared norms of batch means scale like 1/N for independent errors,
+    # and so does the squared noise: the choice does not depend on N
+    if objective is None:
+        objective = (lambda u, c: sens.objective(u, c, bias_steps)) if hasattr(sens, "objective") else sens.error2
     errors = [[objective(u, c) for c in choices] for u in sens.units]
     sol = solve(costs, errors, code_bytes, max_cells)
     bits = {u: choices[k] for u, k in zip(sens.units, sol.choice)}
@@ -327,7 +332,7 @@ def check_budget(net, batch_size, input_shape, avg_bits=None, code_bytes=None, b
 
 def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None, budget=None,
                   input_shape=None, mode="approx", dtype="float32", workspace_bytes=None,
-                  choices=CHOICES, sens=None, rounding="nearest"):
+                  choices=CHOICES, sens=None, rounding=None):
     """Measure `net`'s sensitivity on `batches` (a few (x, labels), B >= 2, any iterable; not
     consumed: the measurement runs on a copy) and choose every unit's width for an engine at
     `batch_size` (default: the batches' size). Exactly one budget:
@@ -339,7 +344,15 @@ def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None,
     The budget is checked (check_budget) before the measurement. Returns an Allocation;
     `Engine(net, ..., mode="approx", bits=allocation.bits)` uses it. sens: a
     sensitivity.Sensitivity already measured (then batches may be None). rounding: the
-    engine's ("stochastic" codes have larger, unbiased errors: measured as such)."""
+    engine's ("stochastic" codes have larger, unbiased errors: measured as such; their group ends
+    count in the budget); default "nearest", or the rounding `sens` was measured with."""
+    if sens is not None:
+        measured = getattr(sens, "rounding", "nearest")
+        if rounding is not None and quant.check_rounding(rounding) != measured:
+            raise ValueError(f"rounding {rounding!r} differs from the {measured!r} the sensitivity was "
+                             f"measured with: measure it with rounding={rounding!r}")
+        rounding = measured
+    rounding = quant.check_rounding("nearest" if rounding is None else rounding)
     if sens is None:
         batches = measured_batches(batches)
         if len(batches) < 2:

@@ -74,5 +74,5 @@ def choose_widths(net, batches, batch_size, avg_bits=None, budget=None, mode="ap
     if measured is not None:
         measured(sens)
     a = allocate_bits(net, None, batch_size=batch_size, avg_bits=avg_bits, budget=budget, mode=mode, dtype=dtype,
-                      workspace_bytes=workspace_bytes, sens=sens)
+                      workspace_bytes=workspace_bytes, sens=sens, rounding=rounding)
     return a, sens

@@ -38,15 +38,13 @@ averaged over the batches; `noise_norm` is the SGD noise of all parameters
 taken as one vector, as lowmem.tools.diagnostics defines it, so
 sqrt(E) / noise_norm is the predicted error-to-noise ratio of `lowmem diagnose`.
 
-`simulate` is also the measurement the estimate is validated against: the
-gradients of approx mode with any per-unit widths (float for a unit missing
-from the allocation), computed from the exact engine's saved x-hat with
-quant.quantize_simulated, which the packed codes match bit for bit.
+`simulate` (lowmem/bits/simulate.py) is also the measurement the estimate is
+validated against: the gradients of approx mode with any per-unit widths,
+and `simulate_draws` the same split into bias and draw variance.
 
     sens = measure_sensitivity(net, batches)        # batches: B >= 2 (x, labels)
     sens.predict({"stage1.block0.bn1": 2, ...})     # predicted error norm
 """
-import copy
 import math
 import time
 from collections.abc import Iterable
@@ -54,80 +52,20 @@ from dataclasses import dataclass
 
 import numpy
 
-from ..system import backend
 from ..units import quant, quantize_simulated
-from ..core.engine import Engine
-from ..units.reference import ExactUnits
 from ..units.widths import BITS, FLOAT
-from ..ops import bn_relu_backward, conv2d_backward_weight
+from ..ops import conv2d_backward_weight
 from ..core.optable import OPS
+from .simulate import BIAS_STEPS, SimulatedCodeUnits, _exact_engine, _gradients, _sq, _units, objective_of
+from .simulate import simulate, simulate_draws  # noqa: F401  (the measurement the estimate is checked against)
 
 CALIBRATION_BITS = 2
-
-
-class SimulatedCodeUnits(ExactUnits):
-    """Reads the exact engine's float x-hat slot but backward sees x-tilde at `bits`: the approx
-    mode's backward (exact mask, x-tilde in the BN terms and in the conv input), for one unit.
-    Allocates a few unit-sized temporaries per call (a measurement tool, not a training path)."""
-
-    def __init__(self, bits, rounding="nearest", key=0):
-        self.bits, self.rounding, self.key = quant.check_bits(bits), quant.check_rounding(rounding), key
-        self._kept = None        # (x-tilde, mask) from conv_input, for this unit's backward next
-
-    def _quantize(self, saved, gamma, beta, keep):
-        # one set per unit (simulate): its convs' backward steps run just before its own, on
-        # the same x-hat, so the quantization is done once per sweep
-        if self._kept is None:
-            self._kept = quantize_simulated(saved, gamma, beta, self.bits, self.rounding, self.key)
-        out = self._kept
-        if not keep:
-            self._kept = None
-        return out
-
-    def conv_input(self, u, saved, gamma, beta):
-        xt, mask = self._quantize(saved, gamma, beta, keep=True)
-        xp = backend.array_module(u)
-        # approx mode's rebuilt input: relu(gamma*x-tilde + beta) where the exact mask is open,
-        # else 0 (docs/quantizer.md: the decoded conv input of an open element is never negative)
-        xp.copyto(u, xp.where(mask, xp.maximum(xt * gamma[:, None] + beta[:, None], 0), 0))
-
-    def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
-        xt, mask = self._quantize(saved, gamma, beta, keep=False)
-        dr *= mask
-        bn_relu_backward(dx, dgamma, dbeta, dr, xt, gamma, beta, rstd, dr_already_masked=True, accumulate=accumulate)
-
-
-def _exact_engine(net, batches, dtype):
-    x0 = batches[0][0]
-    eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], "exact", dtype=dtype)
-    if any(u.saved_suffix != "xhat" for u in eng.selected.values()):
-        raise RuntimeError("the sensitivity measurement needs an exact-mode float x-hat slot")
-    return eng
-
-
-def _units(eng):
-    return list(eng.unit_bits)
 
 
 def _xhat(eng, slot, shape):
     """A unit's saved x-hat (exact engine) for the current batch: (C, n*H*W) rows."""
     c, h, w = shape
     return eng.arrays[slot][:, :eng.run.n * h * w]
-
-
-def _gradients(eng, units=None, before=None):
-    """The engine's backward sweep over the current forward state of the exact engine `eng`
-    (kept for another sweep), with `units` {unit: kernel set} in place of the exact sets and
-    `before(step)` before each step (Engine.backward); returns {param name: float64 grad copy}."""
-    eng.backward(units=units, before=before, keep=True)
-    return {p.name: backend.to_numpy(p.grad).astype(numpy.float64) for p in eng.net.parameters()}
-
-
-def _sq(a):
-    """||a||^2 as a Python float (a dot product: no float64 copy of an activation-sized array)."""
-    xp = backend.array_module(a)
-    a = a.reshape(-1) if a.flags.c_contiguous else xp.ascontiguousarray(a).reshape(-1)
-    return float(xp.dot(a, a))
 
 
 @dataclass
@@ -180,17 +118,17 @@ class Sensitivity:
         """The persistent part of error2: what remains after the draws' variance."""
         return max(self.error2(unit, bits) - self.variance2(unit, bits), 0.0)
 
-    def objective(self, unit, bits):
-        """What the allocator minimises (docs/bits.md): bias² against the expected gradient's
-        squared norm (a bias rotates every expected step) plus variance against the SGD noise's
-        (zero-mean noise adds to SGD's own variance); with unbiased codes only the second term
-        remains (ActNN's variance model), a 1-bit unit (no unbiased code) is priced as bias."""
-        n2 = self.noise_norm ** 2
-        g2 = self.mean_grad_norm ** 2 if self.mean_grad_norm > 0 else n2
-        n2 = n2 if n2 > 0 else g2           # batches all alike: no SGD noise to compare with
-        if g2 == 0:                         # nothing to compare with at all: the raw errors
-            return self.bias2(unit, bits) + self.variance2(unit, bits)
-        return self.bias2(unit, bits) / g2 + self.variance2(unit, bits) / n2
+    def objective(self, unit, bits, bias_steps=BIAS_STEPS):
+        """What the allocator minimises (docs/bits.md §3b): (H·bias² + variance) / σ², the unit's
+        squared error in the update SGD with momentum applies, against the SGD noise's there (a
+        bias adds up over the steps momentum sums, zero-mean noise does not: H = bias_steps =
+        (1+β)/(1−β), 19 at β = 0.9). The unbiased code (rounding "stochastic", K >= 2) is priced
+        by its variance alone: its bias is 0 by construction (E x̃ = x̂) and the two-draw estimate
+        of it is noise; a 1-bit unit (no unbiased code exists) is all bias."""
+        if bits in (None, FLOAT):
+            return 0.0
+        bias2 = 0.0 if self.rounding == "stochastic" and bits > 1 else self.bias2(unit, bits)
+        return objective_of(bias2, self.variance2(unit, bits), self.noise_norm, bias_steps)
 
     def predict2(self, allocation):
         """Predicted squared error norm of an allocation {unit: K or FLOAT} (missing: FLOAT)."""
@@ -408,28 +346,3 @@ def _measure_conv(eng, step, u, acc, tensor_local, k0, cache, rounding, key):
         e = _add(acc, 0, u, k, dws)
         if k == k0:
             tensor_local[step.params[0]] += e
-
-
-def simulate(net, batches, allocation, dtype="float32", rounding="nearest"):
-    """Measured rms gradient error norm (all parameters) of approx mode with per-unit widths
-    `allocation` {unit: K or FLOAT} (missing units: FLOAT) against exact, on the same weights and
-    batches, and the exact gradients' noise norm: returns (error_norm, noise_norm)."""
-    eng = _exact_engine(net, batches, dtype)
-    units = set(_units(eng))
-    for u in allocation:
-        if u not in units:
-            raise ValueError(f"unknown unit {u!r}")
-    err, flat = 0.0, []
-    order = {u: i for i, u in enumerate(_units(eng))}
-    for bi, (x, labels) in enumerate(batches):
-        sets = {u: SimulatedCodeUnits(k, rounding, quant.stream_key(bi, 0, order[u]))
-                for u, k in allocation.items() if k not in (None, FLOAT)}
-        eng.forward(x, labels)
-        exact = _gradients(eng)
-        approx = _gradients(eng, units=sets)
-        err += sum(_sq(approx[p] - exact[p]) for p in exact)
-        flat.append(numpy.concatenate([exact[p].ravel() for p in exact]))
-    B = len(batches)
-    flat = numpy.stack(flat)
-    noise = math.sqrt(((flat - flat.mean(axis=0)) ** 2).sum(axis=1).mean() * B / (B - 1)) if B > 1 else float("nan")
-    return math.sqrt(err / B), noise
