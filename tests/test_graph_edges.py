@@ -212,3 +212,17 @@ def test_an_unsupported_registry_depth_lists_the_valid_ones(family, depth, valid
     err = capsys.readouterr().err
     assert f"unsupported depth {depth} for {family}" in err
     assert re.search(valid, err) and err.count("\n") == 1
+
+
+def test_a_dict_of_unit_widths_without_a_default_still_codes_the_conv_inputs():
+    """A width named for every unit and no "*" (what --bits auto gives): the convs' range-coded
+    inputs take the widest width named, so the plan equals {"*": 4}'s for an all-4 dict, and is
+    not the float-input plan; every unit "float" leaves them float."""
+    net = models.resnet(18, num_classes=10, input_size=32)
+    units = [L.name for L in net.layers if L.op == "bnrelu"]
+    plan = lambda bits: Engine(net, 2, (3, 32, 32), "approx", bits, "float32").plan   # noqa: E731
+    assert plan({u: 4 for u in units}).total_bytes == plan({"*": 4}).total_bytes == plan(4).total_bytes
+    mixed = dict.fromkeys(units, 2) | {units[0]: 8}
+    assert plan(mixed).report() == plan(dict(mixed, **{"*": 8})).report()
+    assert plan(dict.fromkeys(units, "float")).total_bytes == plan({"*": "float"}).total_bytes
+    assert plan({"*": "float"}).total_bytes > plan({"*": 8}).total_bytes

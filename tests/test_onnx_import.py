@@ -126,13 +126,13 @@ def bias_graph():
 
 
 def classifier_graph():
-    """VGG-style: convs, a pool, then flatten + linear layers with ReLUs before the head. (No dropout:
-    lowmem's inference export writes a dropout as the Identity it is in inference, so it reads back
-    as nothing; a training-mode Dropout node reads as dropout, tests/test_onnx_torch.py.)"""
+    """VGG-style: convs, a pool, then flatten + linear layers with ReLUs and dropout before the head
+    (the export writes each dropout as an ONNX Dropout with its ratio: it reads back as dropout)."""
     g = nn.Graph("classifier", (3, 8, 8), 4)
     x = g.max_pool(g.bn_relu(g.conv(g.input, 4, 3, name="features.0"), name="features.1"), 2, name="features.3")
-    x = g.relu(g.linear(x, 12, name="classifier.0"), name="classifier.1")
+    x = g.dropout(g.relu(g.linear(x, 12, name="classifier.0"), name="classifier.1"), 0.25, name="classifier.2")
     x = g.relu(g.linear(x, 10, bias=False, name="classifier.3"), name="classifier.4")
+    x = g.dropout(x, 0.3, name="classifier.5")
     return g.head(x, name="classifier.6")
 
 
@@ -164,6 +164,27 @@ def test_a_graph_of_the_new_ops_round_trips_through_onnx(tmp_path, which):
     assert l1 == l2
     for k in s1:
         np.testing.assert_array_equal(s1[k], s2[k], err_msg=k)
+
+
+@pytest.mark.parametrize("opset", [export.MIN_OPSET, 10, 11, 12, export.OPSET, export.max_opset()])
+def test_relu6_and_dropout_round_trip_at_every_opset(tmp_path, opset):
+    """Clip has attribute bounds before opset 11 and Dropout an attribute ratio before 12: at
+    each opset the file passes onnx's checker, runs in onnxruntime with Engine.predict's logits
+    (dropout is the identity in inference), and reads back as the same layers with the same p."""
+    g = nn.Graph("drop6", (3, 8, 8), 4)
+    x = g.relu6(g.bn(g.conv(g.input, 4, 3, name="c1"), name="b1"), name="r1")
+    x = g.dropout(x, 0.2, name="d1")
+    x = g.relu6(g.bn(g.conv(x, 6, 3, groups=2, name="c2"), name="b2"), name="r2")
+    net = randomize_units(g.head(g.dropout(x, 0.5, name="d2")), np.random.default_rng(5))
+    path = export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8), opset=opset)
+    back = nn.from_onnx(path)
+    assert layers(back) == layers(net)
+    assert [L.p for L in back.layers if L.op == "dropout"] == [0.2, 0.5]
+    ort = pytest.importorskip("onnxruntime")
+    x = np.random.default_rng(6).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    ref = Engine(net, 2, (3, 8, 8), mode="exact").predict(x)
+    out = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    assert float(np.abs(out - ref).max()) <= 1e-5 * float(np.abs(ref).max())
 
 
 def test_bn_then_relu_reads_back_as_one_unit(tmp_path):

@@ -84,11 +84,17 @@ def unit_bits(bits, mode, units):
 
 def code_bits(bits, mode):
     """The width of the range codes convs keep their non-unit inputs in: None (float) in exact
-    mode; else the int bits, or a dict's "*" default (None when that says "float" or is absent)."""
+    mode; else the int bits, or a dict's "*" default (None when that says "float"); a dict
+    without "*" (a width named for every unit, as --bits auto gives) the widest width it names,
+    so no range code is coarser than a unit's code (None when every unit is "float")."""
     if mode == "exact":
         return None
-    K = bits.get("*") if isinstance(bits, dict) else bits
-    return None if K in (None, FLOAT) else K
+    if not isinstance(bits, dict):
+        return bits
+    if "*" in bits:
+        return None if bits["*"] == FLOAT else bits["*"]
+    widths = [K for n, K in bits.items() if K != FLOAT]
+    return max(widths) if widths else None
 
 
 def width_labels(mode, unit_bits, slot_bits=None):

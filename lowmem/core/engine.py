@@ -64,7 +64,8 @@ class Engine:
                  comm=None, sync_bn=False, rounding="nearest", seed=0):
         """bits: K in {1, 2, 4, 8} for every BN-ReLU unit, or a dict {"*": K, "<unit>": K or
         "float"} giving each unit its own width ("*": the default for units not named; "float":
-        that unit saves x-hat exactly, as in exact mode). `engine.unit_bits` is {unit: K, or
+        that unit saves x-hat exactly, as in exact mode; the range codes of conv inputs no unit
+        rebuilds take "*", or without it the widest K named). `engine.unit_bits` is {unit: K, or
         None for float}; each unit's kernel set (`engine.selected[unit]`) is chosen here, once.
         Ignored in exact mode (where a dict may only say "float").
 

@@ -19,13 +19,10 @@ import numbers
 import numpy
 
 from ..system.backend import array_module
+from ..system.splitmix import GOLDEN, MASK64, mix64, mix64_array, mix_parts
 from . import bitpack
 from .bitpack import check_packed, flat, pack_block, unpack_block
 
-MASK64 = (1 << 64) - 1
-GOLDEN = 0x9E3779B97F4A7C15     # φ·2**64, the stream's increment
-MIX1 = 0xBF58476D1CE4E5B9
-MIX2 = 0x94D049BB133111EB
 DRAW_BITS = 24                  # u has 24 random bits
 
 
@@ -39,24 +36,15 @@ def scratch_bytes(n, itemsize, block=None):
     return (m + 7) // 8 * 8 * (19 + int(itemsize))
 
 
-def mix64(z):
-    """SplitMix64's finaliser on a Python int (mod 2**64)."""
-    z &= MASK64
-    z = ((z ^ (z >> 30)) * MIX1) & MASK64
-    z = ((z ^ (z >> 27)) * MIX2) & MASK64
-    return z ^ (z >> 31)
-
-
 def stream_key(seed, step, layer, rank=0):
     """The key of one dropout layer's mask in one training step: a uint64 (Python int) mixing
     the run's seed, the step, the layer's index and the data-parallel rank (non-negative ints),
     built as units/quant.py's stream_key builds a unit's."""
-    z = 0
-    for what, part in (("seed", seed), ("step", step), ("layer", layer), ("rank", rank)):
+    parts = (("seed", seed), ("step", step), ("layer", layer), ("rank", rank))
+    for what, part in parts:
         if not isinstance(part, numbers.Integral) or isinstance(part, bool) or not 0 <= int(part) <= MASK64:
             raise ValueError(f"dropout stream_key: {what} must be an integer in [0, 2**64), got {part!r}")
-        z = mix64(z ^ int(part)) + GOLDEN
-    return mix64(z)
+    return mix_parts([part for _, part in parts])
 
 
 def check_p(p):
@@ -71,13 +59,7 @@ def _keep_block(xp, base, threshold, a, b):
     z = xp.arange(a + 1, b + 1, dtype=numpy.uint64)
     z *= numpy.uint64(GOLDEN)
     z += numpy.uint64(base)
-    t = xp.empty_like(z)
-    for shift, mult in ((30, MIX1), (27, MIX2)):      # mix64 in place; uint64 arrays wrap mod 2**64
-        xp.right_shift(z, numpy.uint64(shift), out=t)
-        xp.bitwise_xor(z, t, out=z)
-        xp.multiply(z, numpy.uint64(mult), out=z)
-    xp.right_shift(z, numpy.uint64(31), out=t)
-    xp.bitwise_xor(z, t, out=z)
+    mix64_array(z, xp.empty_like(z))
     z >>= numpy.uint64(64 - DRAW_BITS)
     return z >= numpy.uint64(threshold)
 

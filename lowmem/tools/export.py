@@ -140,7 +140,7 @@ def onnx_model(net, input_shape=None, opset=OPSET, metadata=None):
     for L in net.layers:                                 # each op's node(s): lowmem/core/optable.py
         if not hasattr(OPS.get(L.op), "onnx"):
             raise ExportError(f"layer {L.name!r}: op {L.op!r} has no ONNX translation")
-        nodes += OPS[L.op].onnx(L, helper, read, write)
+        nodes += OPS[L.op].onnx(L, helper, read, write, opset)
     values = ["input"] + [o for n in nodes for o in n.output] + list(state)       # one namespace
     names = [n.name for n in nodes]                                                # and another
     clash = sorted({v for v in values if values.count(v) > 1} | {v for v in names if names.count(v) > 1})

@@ -25,12 +25,8 @@ from typing import NamedTuple
 
 import numpy
 
-from ..system.backend import array_module
+from ..system.splitmix import GOLDEN, MASK64, MIX1, MIX2, mix64, mix64_array, mix_parts  # noqa: F401
 
-MASK64 = (1 << 64) - 1
-GOLDEN = 0x9E3779B97F4A7C15     # φ·2**64, the stream's increment
-MIX1 = 0xBF58476D1CE4E5B9
-MIX2 = 0x94D049BB133111EB
 OFFSET_BITS = 24                # 24 random bits per element: exact in float32 and float64
 
 
@@ -51,24 +47,13 @@ def check_key(key):
     return int(key)
 
 
-def mix64(z):
-    """SplitMix64's finaliser on a Python int (taken mod 2**64): a bijection of uint64 whose
-    every output bit depends on every input bit."""
-    z &= MASK64
-    z = ((z ^ (z >> 30)) * MIX1) & MASK64
-    z = ((z ^ (z >> 27)) * MIX2) & MASK64
-    return z ^ (z >> 31)
-
-
 def stream_key(seed, step, unit):
     """The key of one unit's stochastic rounding in one training step: a uint64 (Python int)
     mixing the run's seed, the step number and the unit's index (each a non-negative integer),
     so every unit and step draws its own stream and a rerun with the same seed draws the same
     ones. No rank: the element's global index (Stream) tells the shards apart."""
-    z = 0
-    for part in (seed, step, unit, 0):    # the 0: the keys of runs saved before keep their values
-        z = mix64(z ^ check_key(part)) + GOLDEN      # a new, well-mixed value per part
-    return mix64(z)
+    # the last 0: the keys of runs saved before keep their values
+    return mix_parts([check_key(part) for part in (seed, step, unit, 0)])
 
 
 def resolve(key, M, needed=True, what="stochastic"):
@@ -86,18 +71,6 @@ def resolve(key, M, needed=True, what="stochastic"):
                              f"not fit in a global row of {row}")
         return mix64(check_key(key.key)), start, row
     return mix64(check_key(key)), 0, M
-
-
-def mix64_array(z, tmp):
-    """mix64 of uint64 array z in place (tmp: uint64 scratch of z's size). Array ops wrap
-    mod 2**64 silently (NumPy warns only for scalars)."""
-    xp = array_module(z)
-    for shift, mult in ((30, MIX1), (27, MIX2)):
-        xp.right_shift(z, numpy.uint64(shift), out=tmp)
-        xp.bitwise_xor(z, tmp, out=z)
-        xp.multiply(z, numpy.uint64(mult), out=z)
-    xp.right_shift(z, numpy.uint64(31), out=tmp)
-    xp.bitwise_xor(z, tmp, out=z)
 
 
 def draw_bits(resolved, r0, r1, c0, c1, xp=numpy):

@@ -8,7 +8,8 @@
                                                    scratch ("workspace") in the memory plan
     OPS[op].slots(step, saved)                     the saved slots a step fills or reads (printed)
     OPS[op].forward(run, step), .backward(run, step)    the handlers
-    OPS[op].onnx(L, helper, read, write) -> [nodes]     its inference form (lowmem/tools/export.py)
+    OPS[op].onnx(L, helper, read, write, opset) -> [nodes]     its inference form at that ONNX opset
+                                                        (lowmem/tools/export.py)
     flags: unit (a BN-ReLU unit: own kernel set, own bit width), in_place (may write a buffer
            it reads), several (reads Layer.inputs, not one src)
 

@@ -65,7 +65,7 @@ class ReLU(_Elementwise):
                       step.accumulate)
 
     @staticmethod
-    def onnx(L, helper, read, write):
+    def onnx(L, helper, read, write, opset):
         return [helper.make_node("Relu", [read(L.src)], [write(L.dst, L.name)], name=L.name)]
 
 
@@ -88,11 +88,10 @@ class ReLU6(_Elementwise):
                        step.accumulate)
 
     @staticmethod
-    def onnx(L, helper, read, write):
-        from onnx import TensorProto
-        bounds = [helper.make_node("Constant", [], [f"{L.name}.{end}"], name=f"{L.name}.{end}",
-                                   value=helper.make_tensor(f"{L.name}.{end}", TensorProto.FLOAT, [], [v]))
-                  for end, v in (("min", 0.0), ("max", 6.0))]
+    def onnx(L, helper, read, write, opset):
+        if opset < 11:                                   # Clip-6: the bounds are attributes
+            return [helper.make_node("Clip", [read(L.src)], [write(L.dst, L.name)], name=L.name, min=0.0, max=6.0)]
+        bounds = [_scalar(helper, f"{L.name}.{end}", v) for end, v in (("min", 0.0), ("max", 6.0))]
         return bounds + [helper.make_node("Clip", [read(L.src), L.name + ".min", L.name + ".max"],
                                           [write(L.dst, L.name)], name=L.name)]
 
@@ -118,5 +117,19 @@ class Dropout(_Elementwise):
                          step.layer.p, step.accumulate)
 
     @staticmethod
-    def onnx(L, helper, read, write):
-        return [helper.make_node("Identity", [read(L.src)], [write(L.dst, L.name)], name=L.name)]
+    def onnx(L, helper, read, write, opset):
+        # an ONNX Dropout: the identity in inference (training_mode absent), and it carries its
+        # ratio, so nn.from_onnx reads the layer back as this dropout
+        if opset < 12:                                   # Dropout-7..10: the ratio is an attribute
+            return [helper.make_node("Dropout", [read(L.src)], [write(L.dst, L.name)], name=L.name,
+                                     ratio=float(L.p))]
+        ratio = _scalar(helper, f"{L.name}.ratio", L.p)
+        return [ratio, helper.make_node("Dropout", [read(L.src), f"{L.name}.ratio"], [write(L.dst, L.name)],
+                                        name=L.name)]
+
+
+def _scalar(helper, name, value):
+    """A Constant node holding the float32 scalar `value`, output `name`."""
+    from onnx import TensorProto
+    return helper.make_node("Constant", [], [name], name=name,
+                            value=helper.make_tensor(name, TensorProto.FLOAT, [], [float(value)]))

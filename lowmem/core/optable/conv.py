@@ -163,7 +163,7 @@ class Conv(Op):
                                               step.accumulate, run.columns)
 
     @staticmethod
-    def onnx(L, helper, read, write):
+    def onnx(L, helper, read, write, opset):
         inputs = [read(L.src), L.name + ".weight"] + ([L.name + ".bias"] if L.bias else [])
         return [helper.make_node("Conv", inputs, [write(L.dst, L.name)], name=L.name, kernel_shape=[L.k, L.k],
                                  strides=[L.stride] * 2, pads=[L.pad] * 4, group=L.groups)]

@@ -63,7 +63,7 @@ class FlattenLinear(Op):
                                 step.accumulate, run.columns)
 
     @staticmethod
-    def onnx(L, helper, read, write):
+    def onnx(L, helper, read, write, opset):
         from onnx import TensorProto
         flat, gemm, shape = L.name + ".flatten", L.name + ".gemm", L.name + ".shape"
         inputs = [flat, L.name + ".weight"] + ([L.name + ".bias"] if L.bias else [])

@@ -54,7 +54,7 @@ class Add(Op):
                 add_forward(run.act(buf, step.in_shape), dout)
 
     @staticmethod
-    def onnx(L, helper, read, write):
+    def onnx(L, helper, read, write, opset):
         a, b = (read(buf) for buf in L.reads)
         return [helper.make_node("Add", [a, b], [write(L.dst, L.name)], name=L.name)]
 
@@ -121,6 +121,6 @@ class Concat(Op):
                         run.act(step.dout, step.out_shape), [acc for _, acc in step.dxs])
 
     @staticmethod
-    def onnx(L, helper, read, write):
+    def onnx(L, helper, read, write, opset):
         return [helper.make_node("Concat", [read(b) for b in L.reads], [write(L.dst, L.name)], name=L.name,
                                  axis=1)]

@@ -31,7 +31,7 @@ class GlobalAvgPool(Op):
         avgpool_backward(run.act(step.dx, step.in_shape), run.batch(step.dout))
 
     @staticmethod
-    def onnx(L, helper, read, write):
+    def onnx(L, helper, read, write, opset):
         return [helper.make_node("GlobalAveragePool", [read(L.src)], ["pool.out"], name="pool"),
                 helper.make_node("Flatten", ["pool.out"], ["feat"], name="flatten", axis=1)]
 
@@ -68,7 +68,7 @@ class Linear(Op):
         linear_backward(run.batch(step.dx), w.grad, b.grad, run.batch(step.dout), run.batch(step.src), w.data)
 
     @staticmethod
-    def onnx(L, helper, read, write):
+    def onnx(L, helper, read, write, opset):
         return [helper.make_node("Gemm", ["feat", L.name + ".weight", L.name + ".bias"], ["logits"],
                                  name=L.name, transB=1)]
 

@@ -70,7 +70,7 @@ class BNReLU(Op):
                        run.rows(step.scratch, step.in_shape) if step.scratch else None)
 
     @staticmethod
-    def onnx(L, helper, read, write):
+    def onnx(L, helper, read, write, opset):
         bn = L.name + ".bn"
         stats = [L.name + s for s in (".weight", ".bias", ".running_mean", ".running_var")]
         return [helper.make_node("BatchNormalization", [read(L.src)] + stats, [bn], name=bn, epsilon=BN_EPS),
@@ -140,7 +140,7 @@ class BN(Op):
                     xhat, g.data, run.arrays[step.saved[-1]], step.accumulate)
 
     @staticmethod
-    def onnx(L, helper, read, write):
+    def onnx(L, helper, read, write, opset):
         stats = [L.name + s for s in (".weight", ".bias", ".running_mean", ".running_var")]
         return [helper.make_node("BatchNormalization", [read(L.src)] + stats, [write(L.dst, L.name)],
                                  name=L.name, epsilon=BN_EPS)]

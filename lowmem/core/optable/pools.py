@@ -57,7 +57,7 @@ class MaxPool(Op):
                          L.k, L.stride, L.pad)
 
     @staticmethod
-    def onnx(L, helper, read, write):
+    def onnx(L, helper, read, write, opset):
         return [helper.make_node("MaxPool", [read(L.src)], [write(L.dst, L.name)], name=L.name,
                                  kernel_shape=[L.k, L.k], strides=[L.stride] * 2, pads=[L.pad] * 4)]
 
@@ -82,7 +82,7 @@ class AvgPool2d(Op):
                            L.k, L.stride, L.pad)
 
     @staticmethod
-    def onnx(L, helper, read, write):
+    def onnx(L, helper, read, write, opset):
         return [helper.make_node("AveragePool", [read(L.src)], [write(L.dst, L.name)], name=L.name,
                                  kernel_shape=[L.k, L.k], strides=[L.stride] * 2, pads=[L.pad] * 4,
                                  count_include_pad=1)]
