@@ -78,8 +78,8 @@ class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
     """The unbiased code on the fused kernels: numba (units/cpu_unbiased.py) or CUDA
     (units/gpu_unbiased.py). The forward (normalise, group ranges, draws, pack, relu) in one
     pass, the conv input's decode in one. The backward: on numba one fused kernel
-    (cpu_unbiased.unit_backward: two passes over the codes, x-tilde decoded group by group in
-    L1, no decode buffer); on CUDA the decode of x-tilde (with the gradient's masking) into
+    (cpu_unbiased.unit_backward: two passes over the codes, x-tilde decoded inline block by
+    block in L1, no decode buffer); on CUDA the decode of x-tilde (with the gradient's masking) into
     `scratch`, then the reference's array ops (CuPy) for the sums and dx."""
     fused = True
 
