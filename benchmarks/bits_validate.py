@@ -154,7 +154,7 @@ def validate_split(name, args, data):
                           "noise_norm": m.noise_norm, "mean_grad_norm": m.mean_grad_norm}
             row[f"factor_bias2_{where}"] = factor(pb, m.bias2)
             row[f"factor_variance2_{where}"] = factor(pv, m.variance2)
-            row[f"factor_objective_{where}"] = factor(pj, m.objective)
+            row[f"factor_objective_{where}"] = factor(pj, row[where]["objective"])
         rows.append(row)
         s_ = row["same"]
         print(f"  {name} {label}: bias2 {pb:.3g}/{s_['bias2']:.3g} (persistent {s_['persistent2']:.3g}), "

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from lowmem.bits import allocate, auto
-from lowmem.bits.sensitivity import measure_sensitivity
+from lowmem.bits.sensitivity import Sensitivity, measure_sensitivity
+from lowmem.units.widths import BITS
 from lowmem.models import preact_resnet_cifar
 
 
@@ -50,3 +51,38 @@ def test_a_1_bit_unit_only_where_the_budget_forces_it(measured):
     # here (window 1-bit errors are smaller than the unbiased code's 2-bit ones on this net)
     raw = allocate.allocate(sens, 8, avg_bits=2, objective=sens.error2)
     assert 1 in raw.bits.values() and raw.total_bytes <= raw.budget
+
+
+def unbiased_sensitivity(shapes, bias1, var):
+    """A Sensitivity of the unbiased code with given 1-bit biases² and per-width variances (no
+    propagated part), sigma 1."""
+    units = list(shapes)
+    local = {u: {1: bias1[u], **{k: var[u][k] for k in (2, 4, 8)}} for u in units}
+    local_var = {u: {1: 0.0, **{k: var[u][k] for k in (2, 4, 8)}} for u in units}
+    zeros = {u: dict.fromkeys(BITS, 0.0) for u in units}
+    return Sensitivity(units, dict(shapes), {}, local, zeros, dict.fromkeys(units, 0.0), 1.0, 1.0, {}, 0.0, 8, 2,
+                       rounding="stochastic", local_var=local_var, inject_var=zeros, mean_grad_norm=1.0)
+
+
+def test_the_fewest_1_bit_units_the_budget_allows():
+    """Two large units whose 1-bit bias is tiny (19x of it still below their 2-bit variance) and two
+    small ones that gain much from 4 bits: a byte-for-byte trade of one large unit's 1 bit for both
+    small ones' 4 bits lowers the summed objective, and is refused while uniform 2 bits fits; below
+    uniform 2-bit's bytes as few 1-bit units as the budget allows are taken."""
+    shapes = {"big0": (16, 16, 16), "big1": (16, 16, 16), "small0": (16, 8, 8), "small1": (16, 8, 8)}
+    bias1 = {"big0": 1e-4, "big1": 2e-4, "small0": 1.0, "small1": 1.0}
+    var = {u: {2: 0.1, 4: 0.1 / 16 if u.startswith("small") else 0.09, 8: 1e-4} for u in shapes}
+    sens = unbiased_sensitivity(shapes, bias1, var)
+    a = allocate.allocate(sens, 8, avg_bits=2)
+    assert a.bits == dict.fromkeys(shapes, 2)
+    trade = {"big0": 1, "big1": 2, "small0": 4, "small1": 4}
+    c = allocate.allocation_for(sens, trade, 8)
+    assert c.total_bytes <= a.budget                              # the trade fits the budget
+    assert sum(sens.objective(u, k) for u, k in trade.items()) < sum(sens.objective(u, 2) for u in shapes)
+    mine = allocate.allocate(sens, 8, avg_bits=2, objective=sens.objective)    # a callable: as it is
+    J = lambda bits: sum(sens.objective(u, k) for u, k in bits.items())      # noqa: E731
+    assert 1 in mine.bits.values() and J(mine.bits) <= J(trade) and mine.total_bytes <= mine.budget
+    # below uniform 2-bit's bytes: one 1-bit unit fits, and it is the one with the least bias
+    budget = a.uniform_bytes[2] - 1
+    b = allocate.allocate(sens, 8, code_bytes=budget)
+    assert list(b.bits.values()).count(1) == 1 and b.bits["big0"] == 1 and b.total_bytes <= budget

@@ -2,7 +2,6 @@
 variance, the per-batch bias and the bias that persists over batches."""
 import math
 
-import numpy as np
 import pytest
 
 from lowmem.bits import simulate as S

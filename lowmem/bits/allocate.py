@@ -230,7 +230,9 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
     units' saved x-hat slots within `code_bytes`, or within what every unit at `avg_bits` bits
     per element would take (exactly uniform K's bytes for K in 1, 2, 4, 8). What is minimised:
     sens.objective(unit, K, bias_steps) summed over units (bias_steps H = (1+β)/(1−β) for SGD
-    momentum β: 19 at 0.9), or objective(unit, K), a callable of your own. Returns an Allocation."""
+    momentum β: 19 at 0.9), for the unbiased code (sens measured with rounding "stochastic")
+    with as few 1-bit units as the budget allows (docs/bits.md §3b); or objective(unit, K), a
+    callable of your own, as it is. Returns an Allocation."""
     if (code_bytes is None) == (avg_bits is None):
         raise ValueError("give exactly one of code_bytes (a byte budget) and avg_bits")
     check_choices(choices)
@@ -249,6 +251,8 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
     # and so does the squared noise: the choice does not depend on N
     if objective is None:
         objective = (lambda u, c: sens.objective(u, c, bias_steps)) if hasattr(sens, "objective") else sens.error2
+        if rounding == "stochastic":
+            objective = _one_bit_when_forced(objective, sens.units, choices)
     errors = [[objective(u, c) for c in choices] for u in sens.units]
     sol = solve(costs, errors, code_bytes, max_cells)
     bits = {u: choices[k] for u, k in zip(sens.units, sol.choice)}
@@ -256,6 +260,21 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
                       {u: unit_bytes(elements[u], bits[u], itemsize, channels[u], rounding) for u in bits},
                       {u: sens.error2(u, bits[u]) for u in bits}, sens.noise_norm, batch_size, code_bytes,
                       sol.exact, uniform)
+
+
+def _one_bit_when_forced(objective, units, choices):
+    """The unbiased code's rule: a 1-bit unit (the biased window code: no unbiased 1-bit code
+    exists) only where the budget forces it. Each 1-bit choice is surcharged above what any
+    allocation without one can cost, so the solver takes as few 1-bit units as the budget
+    allows and, among those, the least objective."""
+    others = [c for c in choices if c != 1]
+    if 1 not in choices or not others:
+        return objective
+    surcharge = 1.0 + sum(max(objective(u, c) for c in others) for u in units)
+
+    def priced(u, c):
+        return objective(u, c) + (surcharge if c == 1 else 0.0)
+    return priced
 
 
 def allocation_for(sens, bits, batch_size, budget=None, itemsize=4, exact=True):
