@@ -3,8 +3,8 @@ find each group's range, draw and pack the codes, write relu(y)), the decodes (x
 conv input; optionally the gradient's masking) and the fused BN-ReLU backward.
 
 How they vectorise (as units/cpu.py's kernels): a channel's row is walked in blocks of
-cpu.BLOCK elements (16 groups of 256); per block the codes sit in an L1 uint8 buffer, one per
-byte (cpu._pack/_unpack move them to and from the slot), and the float work is 1-D loops,
+cpu_base.BLOCK elements (16 groups of 256); per block the codes sit in an L1 uint8 buffer, one per
+byte (cpu_base._pack/_unpack move them to and from the slot), and the float work is 1-D loops,
 branch-free (selects, unconditional stores), one per group where the group's levels enter,
 each reading its group's constants before it starts. What is fixed for a channel or a call
 (γ = 0, relu, naive, accumulate) picks a loop outside the loop. The forward normalises a block
@@ -25,21 +25,21 @@ a block and float64 across blocks, so dgamma, dbeta and dx agree to float32 roun
 """
 import numpy
 
-from . import cpu, quant, unbiased
+from . import cpu_base, quant, unbiased
 from .stream import resolve
 
-AVAILABLE = cpu.AVAILABLE
+AVAILABLE = cpu_base.AVAILABLE
 
 if AVAILABLE:
     from numba import njit
     F32, U64 = numpy.float32, numpy.uint64
     F0 = F32(0)
     INF = F32(numpy.inf)
-    GOLDEN, MIX1, MIX2 = cpu.GOLDEN, cpu.MIX1, cpu.MIX2
-    S30, S27, S31, S_OFF = cpu.S30, cpu.S27, cpu.S31, cpu.S_OFF
+    GOLDEN, MIX1, MIX2 = cpu_base.GOLDEN, cpu_base.MIX1, cpu_base.MIX2
+    S30, S27, S31, S_OFF = cpu_base.S30, cpu_base.S27, cpu_base.S31, cpu_base.S_OFF
     R_SCALE = F32(2.0 ** -quant.OFFSET_BITS)
     GROUP = unbiased.GROUP
-    BLOCK = cpu.BLOCK             # a multiple of GROUP: blocks are whole groups
+    BLOCK = cpu_base.BLOCK             # a multiple of GROUP: blocks are whole groups
     _opts = dict(cache=True, nogil=True, error_model="numpy")
     _reduce = dict(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"})
 
@@ -290,7 +290,7 @@ if AVAILABLE:
                 _draw(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
                 if naive:                       # continue from the decoded value
                     _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, b, ag, t_o)
-                cpu._pack(slot_codes[(c * M + i0) // per:(c * M + i1) // per], cg, bits)
+                cpu_base._pack(slot_codes[(c * M + i0) // per:(c * M + i1) // per], cg, bits)
 
     @njit(**_opts)
     def _decode_rows(out, dr, slot_codes, ends, gamma, beta, W, w, L, relu, mask_dr, bits, box, bits_view):
@@ -305,7 +305,7 @@ if AVAILABLE:
             for i0 in range(0, M, BLOCK):
                 i1 = min(M, i0 + BLOCK)
                 cg, orow = codes[:i1 - i0], out[c, i0:i1]
-                cpu._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
+                cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
                 if relu:
                     _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, beta[c], ag, t_o)
                 else:
@@ -333,7 +333,7 @@ if AVAILABLE:
             for i0 in range(0, M, BLOCK):
                 i1 = min(M, i0 + BLOCK)
                 cg = codes[:i1 - i0]
-                cpu._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
+                cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
                 a1, a2 = _sums(dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s)
                 sdy += a1
                 sdyx += a2
@@ -344,13 +344,13 @@ if AVAILABLE:
             for i0 in range(0, M, BLOCK):
                 i1 = min(M, i0 + BLOCK)
                 cg = codes[:i1 - i0]
-                cpu._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
+                cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
                 if accumulate or not inplace:
                     _dx(dx[c, i0:i1], dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, accumulate)
                 else:
                     tb = tmp[:i1 - i0]
                     _dx(tb, dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, False)
-                    cpu._copy(dx[c, i0:i1], tb)
+                    cpu_base._copy(dx[c, i0:i1], tb)
 
 
 def _box():
@@ -367,7 +367,7 @@ def _window(bits, gamma):
 
 
 def _check(x, M, bits, what):
-    if not cpu.supports(numpy, x.dtype, M, bits):
+    if not cpu_base.supports(numpy, x.dtype, M, bits):
         raise ValueError(f"the numba unbiased {what} needs float32 rows of M*bits a multiple of 8, "
                          f"got {x.dtype} M={M} at {bits} bits")
 
@@ -386,7 +386,7 @@ def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
     def rows(c0, c1):
         _decode_rows(out[c0:c1], drr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1],
                      gamma[c0:c1], beta[c0:c1], W, w, 1 << bits, bool(relu), mask_dr, bits, *_box())
-    cpu._over_channels(rows, C, M)
+    cpu_base._over_channels(rows, C, M)
 
 
 def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key):
@@ -404,7 +404,7 @@ def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key):
         _forward_rows(out[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1], x[c0:c1],
                       mean[c0:c1], rstd[c0:c1], gamma[c0:c1], beta[c0:c1], W, w, 1 << bits, bool(naive),
                       c0, U64(base), start, row, bits, *_box())
-    cpu._over_channels(rows, C, M)
+    cpu_base._over_channels(rows, C, M)
 
 
 def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumulate):
@@ -423,10 +423,10 @@ def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumula
         raise ValueError(f"dx must have dr's shape {(C, M)}, got {dx.shape}")
     codes, ends = unbiased.split_slot(slot, C, M, bits)
     W, w = _window(bits, gamma)
-    inplace = cpu._overlap(dx, dr)
+    inplace = cpu_base._overlap(dx, dr)
 
     def rows(c0, c1):
         _backward_rows(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8],
                        ends[c0:c1], gamma[c0:c1], beta[c0:c1], rstd[c0:c1], W, w, 1 << bits, bits,
                        bool(accumulate), inplace, *_box())
-    cpu._over_channels(rows, C, M)
+    cpu_base._over_channels(rows, C, M)
