@@ -1,0 +1,88 @@
+"""One network's training step at an older commit against this checkout's, side by side in one
+process (steps alternated, so a change in the machine's load hits both alike).
+
+    python benchmarks/step_vs_commit.py 60bea4c --depth 164 --batch 128 --mode approx --bits 4
+
+The older commit's `lowmem/` is extracted with `git archive` into a temporary folder as the
+package `lowmem_old` (lowmem imports itself relatively, so two copies load side by side; the
+numba cache of the copy compiles on its first use: the warm-up steps are not timed). Both build
+`models.preact_resnet_cifar(depth)` from seed 0 and train on the same random batch. Printed:
+each copy's plan bytes, its median step, and the median of the per-round ratios new / old with
+their range. The figures are wall-clock on whatever machine runs it: say which.
+"""
+import argparse
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+import numpy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def extract(commit, into):
+    """`lowmem/` of `commit` as the package `lowmem_old` under `into`."""
+    tar = subprocess.run(["git", "-C", ROOT, "archive", "--format=tar", commit, "lowmem"],
+                         check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(into, filter="data")
+    os.rename(os.path.join(into, "lowmem"), os.path.join(into, "lowmem_old"))
+
+
+def engine(L, args, x, y):
+    net = L.models.preact_resnet_cifar(args.depth, num_classes=10)
+    kw = {} if args.rounding == "nearest" else {"rounding": args.rounding}
+    eng = L.Engine(net, args.batch, x.shape[1:], args.mode, args.bits, "float32", **kw)
+    opt = L.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    return lambda: eng.train_step(x, y, opt), eng.plan.total_bytes
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("commit", help="the older commit (any git revision)")
+    p.add_argument("--depth", type=int, default=164)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--mode", default="approx", choices=("exact", "approx", "naive"))
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--rounding", default="nearest")
+    p.add_argument("--rounds", type=int, default=12, help="timed steps of each copy (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args(argv)
+    tmp = tempfile.mkdtemp(prefix="lowmem_old_")
+    extract(args.commit, tmp)
+    sys.path.insert(0, tmp)
+    import lowmem
+    import lowmem_old
+    rng = numpy.random.default_rng(0)
+    x = rng.standard_normal((args.batch, 3, 32, 32)).astype(numpy.float32)
+    y = rng.integers(0, 10, args.batch)
+    steps = {"old": engine(lowmem_old, args, x, y), "new": engine(lowmem, args, x, y)}
+    for _ in range(args.warmup):
+        for k in steps:
+            steps[k][0]()
+    times = {"old": [], "new": []}
+    for r in range(args.rounds):
+        for k in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            t = time.perf_counter()
+            steps[k][0]()
+            times[k].append(time.perf_counter() - t)
+    ratios = [n / o for n, o in zip(times["new"], times["old"])]
+    out = {"commit": args.commit, "depth": args.depth, "batch": args.batch, "mode": args.mode, "bits": args.bits,
+           "rounding": args.rounding, "plan_old": steps["old"][1], "plan_new": steps["new"][1],
+           "median_old_s": float(numpy.median(times["old"])), "median_new_s": float(numpy.median(times["new"])),
+           "ratio_median": float(numpy.median(ratios)), "ratio_min": min(ratios), "ratio_max": max(ratios),
+           "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    print(json.dumps(out))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
