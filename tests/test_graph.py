@@ -256,6 +256,15 @@ def test_resnet164_b128_plan_is_pinned():
                                                                                  64 * 32 * 32 * 128 * 4)
 
 
+def test_vgg11_plan_is_pinned_and_no_larger_than_the_three_fixed_buffers():
+    """VGG-11-BN b128: every buffer sized by what it holds, below the three fixed buffers'
+    265,835,640 B exact / 239,916,152 B at 4 bits (each buffer the largest activation)."""
+    net = models.vgg_bn(11, num_classes=10)
+    want = {"exact": 207_115_384, "approx": 181_195_896}
+    for mode, total in want.items():
+        assert Engine(net, 128, (3, 32, 32), mode, 4, allocate=False).plan.total_bytes == total, mode
+
+
 def test_the_colouring_finds_three_buffers_on_preact_networks():
     for net in (models.wide_resnet(16, 4), models.vgg_bn(11), models.wide_resnet(10, 2)):
         bufs = {b for L in net.layers for b in (L.dst, *L.reads)} - {"input", "feat", "logits"}
