@@ -771,3 +771,55 @@ def test_unbiased_forward_and_decode_are_the_reference(dev, dtype, bits, naive):
     drd = dev.put(dr.copy())
     gpu_unbiased.decode(dev.put(np.empty_like(x)), slot, gd, bd, bits, dr=drd)
     assert np.array_equal(dev.get(drd), dr * ((xhat * g[:, None]) + b[:, None] > 0))
+
+
+GRAPH_FAMILIES = ("postact", "dense", "inverted", "bias", "classifier")
+
+
+def graph_case(which, n, seed):
+    """One of the hand-built graphs of the newer ops (tests/test_onnx_import.py: post-activation
+    blocks, dense blocks with concat, inverted residuals with depthwise convs and ReLU6, convs with
+    bias, linear layers with dropout), its units and biases randomised, and a batch of n."""
+    from reference import randomize_units
+    from test_onnx_import import GRAPHS
+    rng = np.random.default_rng(seed)
+    net = randomize_units(GRAPHS[which](), rng)
+    for p in net.parameters():
+        if p.name.endswith(".bias"):
+            p.data[...] = rng.normal(0, 0.3, p.shape)
+    shape = (3, 8, 8)
+    return net, shape, rng.standard_normal((n,) + shape), rng.integers(0, net.num_classes, n)
+
+
+@pytest.mark.parametrize("which", GRAPH_FAMILIES)
+@pytest.mark.parametrize("mode", ["exact", "approx"])
+def test_the_newer_ops_on_the_gpu_wiring_on_emulated_kernels(emulator, monkeypatch, which, mode):
+    """The CuPy path of bn, relu, relu6, concat, dropout, grouped and biased convs, linear layers
+    and the range codes, run on the CPU (the engine's CuPy wiring on NumPy arrays, the CUDA
+    kernels emulated), float64: the NumPy engine's loss, logits, gradients and two SGD steps
+    (dropout draws the same masks: they follow the element's index, not the path)."""
+    emulate(monkeypatch, emulator)
+    net, shape, x, y = graph_case(which, 4, 11)
+    kw = dict(mode=mode, bits=4, N=4, steps=2)
+    ref = run(net, shape, x, y, np, "float64", **kw)
+    monkeypatch.setattr(lowmem.system.backend, "xp", NumpyAsCupy("cupy"))
+    got = run(net, shape, x, y, np, "float64", **kw)
+    eng = got[5]
+    assert eng.use_fast and eng.run.columns is conv_ops.CUDA
+    assert all(u.module is cuda for u in eng.units.values())
+    compare(got, ref, 1e-10)
+    cuda_helper.reset()
+
+
+@pytest.mark.parametrize("which", GRAPH_FAMILIES)
+@pytest.mark.parametrize("use_fast", [True, False])
+def test_the_newer_ops_on_gpu_match_numpy_float64(gpu_backend, which, use_fast):
+    """On a GPU (CuPy), float64, approx 4-bit: the NumPy engine's loss, gradients and SGD steps
+    for each graph of the newer ops, through the fused kernels and through the array ops."""
+    net, shape, x, y = graph_case(which, 4, 12)
+    kw = dict(mode="approx", bits=4, steps=2)
+    lowmem.set_backend("numpy")
+    ref = run(net, shape, x, y, np, "float64", **kw)
+    lowmem.set_backend("cupy")
+    got = run(net, shape, x, y, gpu_backend, "float64", use_fast=use_fast, **kw)
+    compare(got, ref, 1e-10)

@@ -1,0 +1,84 @@
+"""Several engine configurations of one network, their training steps alternated in one process,
+so that a change in the machine's load hits every configuration alike (compare_torch.py runs
+each in its own fresh process, which measures memory cleanly but lets the load drift between
+rows by 10% and more on a shared machine).
+
+    python benchmarks/step_alternated.py --depth 164 --batch 128 --configs exact,approx4,approx4u,approx2u
+
+A config is exact, approxK or naiveK (K in 1, 2, 4, 8), with a "u" suffix for the unbiased code
+(rounding="stochastic"). Every engine is built from models.preact_resnet_cifar(depth) with seed 0
+and trains on the same random batch; round r steps each config once, the order rotated by r.
+Printed: per config its plan bytes and median step, and the median (and range) over rounds of
+its step / the first config's step of the same round. Wall-clock on whatever machine runs it.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+import numpy
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lowmem  # noqa: E402
+
+
+def parse(config):
+    m = re.fullmatch(r"(exact)|(approx|naive)([1248])(u?)", config)
+    if not m:
+        raise SystemExit(f"unknown config {config!r}: expected exact, approxK or naiveK, K in 1, 2, 4, 8, "
+                         f"optionally with a 'u' suffix (the unbiased code)")
+    if m.group(1):
+        return "exact", 4, "nearest"
+    return m.group(2), int(m.group(3)), "stochastic" if m.group(4) else "nearest"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--depth", type=int, default=164)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--configs", default="exact,approx4,approx4u,approx2u")
+    p.add_argument("--rounds", type=int, default=10, help="timed steps of each config (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", help="also write the result here")
+    args = p.parse_args(argv)
+    configs = args.configs.split(",")
+    rng = numpy.random.default_rng(0)
+    x = rng.standard_normal((args.batch, 3, 32, 32)).astype(numpy.float32)
+    y = rng.integers(0, 10, args.batch)
+    steps, plans = {}, {}
+    for c in configs:
+        mode, bits, rounding = parse(c)
+        net = lowmem.models.preact_resnet_cifar(args.depth, num_classes=10)
+        eng = lowmem.Engine(net, args.batch, (3, 32, 32), mode, bits, "float32", rounding=rounding)
+        opt = lowmem.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        steps[c], plans[c] = (lambda e=eng, o=opt: e.train_step(x, y, o)), eng.plan.total_bytes
+    for _ in range(args.warmup):
+        for c in configs:
+            steps[c]()
+    times = {c: [] for c in configs}
+    for r in range(args.rounds):
+        for c in configs[r % len(configs):] + configs[:r % len(configs)]:
+            t = time.perf_counter()
+            steps[c]()
+            times[c].append(time.perf_counter() - t)
+    first = configs[0]
+    out = {"depth": args.depth, "batch": args.batch, "rounds": args.rounds,
+           "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "configs": {}}
+    for c in configs:
+        ratios = [a / b for a, b in zip(times[c], times[first])]
+        out["configs"][c] = {"plan_bytes": plans[c], "median_s": float(numpy.median(times[c])),
+                             f"per_round_vs_{first}": [round(v, 4) for v in ratios],
+                             f"median_vs_{first}": float(numpy.median(ratios)), "min": min(ratios), "max": max(ratios)}
+        print(f"{c:10s} plan {plans[c]:>14,d} B  median {numpy.median(times[c]):6.2f} s  vs {first}: "
+              f"median {numpy.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+    if args.json:
+        from lowmem.system.atomic import atomic_write
+        atomic_write(args.json, json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
