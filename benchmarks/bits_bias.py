@@ -39,6 +39,17 @@ from lowmem.tools.diagnostics import warm_up                              # noqa
 H = S.BIAS_STEPS
 
 
+
+def cpu_name():
+    """The CPU model (/proc/cpuinfo's model name, else platform.processor()) and the core count."""
+    name = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} CPUs"
+
 def old_objective(sens):
     """The objective before: bias²/||E g||² + variance/σ², the estimate's measured bias at every
     width (σ in place of a zero ||E g||, as it was)."""
@@ -101,7 +112,7 @@ def main(argv=None):
     uniform = dict.fromkeys(units, 2)
     print(f"choose_widths (now): {a.bits}\nthe objective before: {old}", flush=True)
     res = {"command": "python benchmarks/bits_bias.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": platform.processor() or "?", "load": os.getloadavg()[0], "H": H, "chosen": a.bits,
+           "machine": cpu_name(), "load": os.getloadavg()[0], "H": H, "chosen": a.bits,
            "chosen_before": old, "checkpoints": []}
     allb = training_batches(data, n, count=3 + args.batches + 200)
     measure, train = allb[3:3 + args.batches], allb[3 + args.batches:]

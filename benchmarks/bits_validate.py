@@ -57,6 +57,17 @@ NETS = {"resnet8": (8, None), "resnet20": (20, None), "resnet29-bottleneck": (29
         "resnet56": (56, None)}
 
 
+
+def cpu_name():
+    """The CPU model (/proc/cpuinfo's model name, else platform.processor()) and the core count."""
+    name = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} CPUs"
+
 def fm_batches(data, batch, count, offset):
     out = []
     for i in range(offset, offset + count):
@@ -223,7 +234,7 @@ def main(argv=None):
         p.error("--cost-depth times the nearest estimate: run it without --rounding")
     data = load_dataset("fashion-mnist", None, download=False, limit_train=args.limit_train, limit_test=100)
     res = {"command": "python benchmarks/bits_validate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": platform.processor() or "?", "load": os.getloadavg()[0], "nets": []}
+           "machine": cpu_name(), "load": os.getloadavg()[0], "nets": []}
     t0 = time.perf_counter()
     for name in filter(None, args.nets.split(",")):
         res["nets"].append((validate if args.rounding == "nearest" else validate_split)(name, args, data))
