@@ -86,3 +86,29 @@ def test_the_fewest_1_bit_units_the_budget_allows():
     budget = a.uniform_bytes[2] - 1
     b = allocate.allocate(sens, 8, code_bytes=budget)
     assert list(b.bits.values()).count(1) == 1 and b.bits["big0"] == 1 and b.total_bytes <= budget
+
+
+def test_the_bias_weight_follows_the_training_momentum(measured, monkeypatch):
+    """H = (1 + β)/(1 − β): 19 at the default β = 0.9, 1 without momentum; allocate_bits hands it to
+    the solver, choose_widths passes momentum through, and the trainer passes the run's own."""
+    from lowmem.bits.simulate import BIAS_STEPS, bias_steps_for
+    assert bias_steps_for(None) == BIAS_STEPS == pytest.approx(bias_steps_for(0.9)) == pytest.approx(19)
+    assert bias_steps_for(0) == 1 and bias_steps_for(0.5) == 3
+    for bad in (1, -0.1, True, "0.9"):
+        with pytest.raises(ValueError, match="momentum must be a number in"):
+            bias_steps_for(bad)
+    net, batches, sens = measured
+    seen, real = [], allocate.allocate
+    monkeypatch.setattr(allocate, "allocate", lambda *a, **k: seen.append(k["bias_steps"]) or real(*a, **k))
+    allocate.allocate_bits(net, None, avg_bits=2, sens=sens, momentum=0.0)
+    auto.choose_widths(net, batches, 8, avg_bits=2, rounding="stochastic", momentum=0.5)
+    allocate.allocate_bits(net, None, avg_bits=2, sens=sens)
+    assert seen == [1, 3, pytest.approx(19)]
+    from lowmem.train import trainer
+    from lowmem.train.config import TrainConfig
+    got = {}
+    monkeypatch.setattr(trainer, "choose_widths", lambda *a, **k: got.update(k) or (None, None))
+    monkeypatch.setattr(trainer, "training_batches", lambda *a, **k: batches)
+    c = TrainConfig(batch=8, momentum=0.5, bits="auto", avg_bits=2, rounding="stochastic")
+    trainer.allocate_widths(net, object(), c, type("One", (), {"size": 1})())
+    assert got["momentum"] == 0.5 and got["rounding"] == "stochastic"

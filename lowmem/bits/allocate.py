@@ -33,7 +33,7 @@ from ..units import quant, unbiased
 from ..system.memory import fmt_bytes
 from ..units.widths import BITS, FLOAT
 from .sensitivity import measure_sensitivity, measured_batches
-from .simulate import BIAS_STEPS
+from .simulate import BIAS_STEPS, bias_steps_for
 
 CHOICES = BITS + (FLOAT,)                  # every width a unit may get
 MAX_CELLS = 1 << 17
@@ -351,7 +351,7 @@ def check_budget(net, batch_size, input_shape, avg_bits=None, code_bytes=None, b
 
 def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None, budget=None,
                   input_shape=None, mode="approx", dtype="float32", workspace_bytes=None,
-                  choices=CHOICES, sens=None, rounding=None):
+                  choices=CHOICES, sens=None, rounding=None, momentum=None):
     """Measure `net`'s sensitivity on `batches` (a few (x, labels), B >= 2, any iterable; not
     consumed: the measurement runs on a copy) and choose every unit's width for an engine at
     `batch_size` (default: the batches' size). Exactly one budget:
@@ -364,7 +364,10 @@ def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None,
     `Engine(net, ..., mode="approx", bits=allocation.bits)` uses it. sens: a
     sensitivity.Sensitivity already measured (then batches may be None). rounding: the
     engine's ("stochastic" codes have larger, unbiased errors: measured as such; their group ends
-    count in the budget); default "nearest", or the rounding `sens` was measured with."""
+    count in the budget); default "nearest", or the rounding `sens` was measured with.
+    momentum: the training's SGD momentum β, which sets how much a bias weighs against noise
+    (H = (1+β)/(1−β), docs/bits.md §3b); None: β = 0.9, H = 19."""
+    bias_steps = bias_steps_for(momentum)
     if sens is not None:
         measured = getattr(sens, "rounding", "nearest")
         if rounding is not None and quant.check_rounding(rounding) != measured:
@@ -392,6 +395,6 @@ def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None,
     if sens is None:
         sens = measure_sensitivity(net, batches, dtype=dtype, rounding=rounding)
     itemsize = numpy.dtype(dtype).itemsize
-    a = allocate(sens, batch_size, code_bytes=allowed, choices=choices, itemsize=itemsize)
+    a = allocate(sens, batch_size, code_bytes=allowed, choices=choices, itemsize=itemsize, bias_steps=bias_steps)
     a.fixed_bytes = fixed
     return a

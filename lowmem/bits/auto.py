@@ -57,13 +57,14 @@ def folder_batches(data, batch, dtype="float32", seed=0, workers=4, skip_bad=Fal
 
 
 def choose_widths(net, batches, batch_size, avg_bits=None, budget=None, mode="approx", dtype="float32",
-                  rounding="nearest", workspace_bytes=None, measured=None, names=None):
+                  rounding="nearest", workspace_bytes=None, measured=None, names=None, momentum=None):
     """Every unit's width for an engine of `net` at `batch_size`, measured on `batches` (B >= 2
     (x, labels)) and fitted to exactly one of avg_bits (the saved x-hat within what every unit
     at that many bits would take) and budget (the whole plan's bytes). measured(sens): called
     once the sensitivity is measured, before the widths are fitted (a command prints it).
     The budget is checked first (allocate.check_budget; `names` spells avg_bits and budget the
     caller's way, e.g. as flags), so a budget no allocation fits costs no measurement.
+    momentum: the training's SGD momentum (allocate_bits; None: 0.9).
     Returns (Allocation, Sensitivity): the sensitivity serves to show the widths at another batch
     (allocate.allocation_for)."""
     batches = measured_batches(batches)
@@ -74,5 +75,5 @@ def choose_widths(net, batches, batch_size, avg_bits=None, budget=None, mode="ap
     if measured is not None:
         measured(sens)
     a = allocate_bits(net, None, batch_size=batch_size, avg_bits=avg_bits, budget=budget, mode=mode, dtype=dtype,
-                      workspace_bytes=workspace_bytes, sens=sens, rounding=rounding)
+                      workspace_bytes=workspace_bytes, sens=sens, rounding=rounding, momentum=momentum)
     return a, sens

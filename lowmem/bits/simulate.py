@@ -100,6 +100,15 @@ def _sq(a):
 BIAS_STEPS = 19      # H = (1 + β)/(1 − β) at SGD momentum β = 0.9 (the trainer's default)
 
 
+def bias_steps_for(momentum):
+    """H = (1 + β)/(1 − β) for SGD momentum β in [0, 1) (objective_of says why); None: BIAS_STEPS."""
+    if momentum is None:
+        return BIAS_STEPS
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+    return (1 + momentum) / (1 - momentum)
+
+
 def objective_of(bias2, variance2, noise_norm, bias_steps=BIAS_STEPS):
     """(H·bias² + variance) / σ², H = bias_steps (docs/bits.md §3b): the squared error of the
     update momentum applies over the SGD noise's in it. With momentum β the update is

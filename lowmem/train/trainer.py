@@ -110,7 +110,7 @@ def allocate_widths(net, data, c, comm):
     else:
         batches = training_batches(data, local, c.dtype)
     a, _ = choose_widths(net, batches, local, avg_bits=c.avg_bits, mode=c.mode, dtype=c.dtype,
-                         rounding=c.rounding)
+                         rounding=c.rounding, momentum=c.momentum)
     return a
 
 
