@@ -61,6 +61,7 @@ from .core.network import Network, NetworkError
 from .ops import conv_out_size
 from .core.optable import MAX_POOL_WINDOW, OPS
 from .core.schedule import walk
+from .formats.onnx_import import read_onnx
 
 RESERVED = ("input", "pool", "fc")    # "pool" and "fc" are the head's layer names
 # names the engine and the exports give values of their own: the head's outputs (ONNX "pool.out",
@@ -384,10 +385,8 @@ def from_onnx(path, input_shape=None, seed=0):
     are the initializers' names. input_shape (C, H, W): needed where the file leaves H and W
     symbolic, checked against the file otherwise. Raises ValueError (export.ExportError) with
     one line naming the problem: an unreadable file, an unsupported node (its name, op type
-    and the supported ops), a shape the file does not allow. lowmem/tools/onnx_import.py."""
-    # why here: the reader sits in tools/ beside the exporter; imported at the top it would put
-    # tools/ under nn, models and train/ (the reader does not import nn: it is handed this module)
-    from .tools.onnx_import import read_onnx
+    and the supported ops), a shape the file does not allow. lowmem/formats/onnx_import.py
+    (handed this module as its builder, so the reader imports nothing above core/)."""
     return read_onnx(sys.modules[__name__], path, input_shape, seed)
 
 

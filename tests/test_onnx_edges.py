@@ -9,7 +9,7 @@ from onnx import helper, numpy_helper  # noqa: E402
 
 from lowmem import models, nn  # noqa: E402
 from lowmem.tools import cli, export  # noqa: E402
-from lowmem.tools.formats import ExportError  # noqa: E402
+from lowmem.formats.common import ExportError  # noqa: E402
 
 TRAIN = ["train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8",
          "--batch", "16", "--epochs", "1", "--no-progress"]

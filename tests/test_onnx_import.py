@@ -1,4 +1,4 @@
-"""ONNX in (lowmem.nn.from_onnx, lowmem/tools/onnx_import.py).
+"""ONNX in (lowmem.nn.from_onnx, lowmem/formats/onnx_import.py).
 
 * Round trip: every registry model family, exported by lowmem (tools/export.py) and read back,
   is the same network: the same layers (ops, names, buffers, sizes), the same parameters and

@@ -48,7 +48,7 @@ from ..models import MODELS, build_model, is_onnx_path, model_spec
 from ..system.atomic import atomic_write
 from ..train.checkpoint import load_checkpoint
 from ..train.trainstate import load_model_state
-from .formats import ExportError, check_file, require
+from ..formats.common import ExportError, check_file, require
 
 OPSET = 17
 MIN_OPSET = 7          # onnxruntime runs the graph from opset 7 (BatchNormalization-7); onnx's checker

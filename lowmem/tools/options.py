@@ -19,7 +19,7 @@ lowmem.models.MODELS. The value types of the options are lowmem/tools/argtypes.p
 import signal
 
 from . import argtypes, diagnostics as D
-from .onnx_import import file_input_shape
+from ..formats.onnx_import import file_input_shape
 from .. import models
 from ..bits.auto import choose_widths
 from ..core.engine import DTYPES

@@ -5,14 +5,14 @@ reader's tensors, constants and initializers), calls the builder (reader.graph, 
 records the parameters it loads (reader.param) and maps the node's outputs to the new tensor
 (reader.set). NEEDS names the nn.Graph methods a handler calls: an op whose methods this lowmem's
 builder lacks is refused by name (supported_ops). The reader, the file checks and the walk are
-lowmem/tools/onnx_import.py.
+lowmem/formats/onnx_import.py.
 """
 import inspect
 import math
 
 import numpy
 
-from .formats import ExportError
+from .common import ExportError
 
 BN_EPS = 1e-5
 BN_MOMENTUM_ONNX = 0.9          # ONNX's momentum is 1 - PyTorch's (0.1, lowmem's)

@@ -12,7 +12,7 @@ Reads files exported by PyTorch in training mode with batch norm kept,
 `lowmem export` files (eval-mode batch norm). The `onnx` package parses and checks the file;
 nothing here reads protobuf by hand.
 
-Each ONNX node becomes one nn.Graph call (lowmem/tools/onnx_nodes.py: op type -> handler); a node
+Each ONNX node becomes one nn.Graph call (lowmem/formats/onnx_nodes.py: op type -> handler); a node
 whose op the builder does not offer is refused with its name, its op type and the list of
 supported ops. The builder comes in as an argument (nn.from_onnx hands in nn.Graph), so this
 module imports nothing above it. BatchNormalization whose only reader is a Relu becomes one
@@ -32,7 +32,7 @@ import os
 import numpy
 
 from ..core.network import NetworkError
-from .formats import ExportError, check_file, require
+from .common import ExportError, check_file, require
 from .onnx_nodes import IMPORTS, _attr, builder_has, supported_ops
 
 GENERIC_NAMES = ("", "main_graph", "torch_jit", "torch-jit-export")    # exporters' defaults: the file's name instead
