@@ -65,6 +65,7 @@ from lowmem.bits.allocate import allocate_bits                         # noqa: E
 from lowmem.train.config import TrainConfig                           # noqa: E402
 from lowmem.bits.auto import training_batches                         # noqa: E402
 from lowmem.train.trainer import Trainer                              # noqa: E402
+from machine import cpu                                              # noqa: E402 (benchmarks/machine.py)
 
 # The full study: sized from measured step rates on the 2-core machine (docs/accuracy.md):
 # 18 runs of 150 steps of 128 images, 7 noise checkpoints.
@@ -349,13 +350,7 @@ def estimate_full(results, args):
 
 
 def machine():
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {numpy.__version__}"
+    return f"{cpu()}, Python {platform.python_version()}, numpy {numpy.__version__}"
 
 
 def plots(results, modes, seeds, doc_dir, stem):

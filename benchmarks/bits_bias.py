@@ -22,7 +22,6 @@ Times are wall-clock on a shared machine: say so.
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -35,20 +34,10 @@ from lowmem.data.datasets import load_dataset                             # noqa
 from lowmem.models import build_model                                     # noqa: E402
 from lowmem.system.atomic import atomic_write                             # noqa: E402
 from lowmem.tools.diagnostics import warm_up                              # noqa: E402
+import machine  # noqa: E402 (benchmarks/machine.py)
 
 H = S.BIAS_STEPS
 
-
-
-def cpu_name():
-    """The CPU model (/proc/cpuinfo's model name, else platform.processor()) and the core count."""
-    name = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {os.cpu_count()} CPUs"
 
 def old_objective(sens):
     """The objective before: bias²/||E g||² + variance/σ², the estimate's measured bias at every
@@ -112,7 +101,7 @@ def main(argv=None):
     uniform = dict.fromkeys(units, 2)
     print(f"choose_widths (now): {a.bits}\nthe objective before: {old}", flush=True)
     res = {"command": "python benchmarks/bits_bias.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": cpu_name(), "load": os.getloadavg()[0], "H": H, "chosen": a.bits,
+           "machine": machine.cpu(), "load": os.getloadavg()[0], "H": H, "chosen": a.bits,
            "chosen_before": old, "checkpoints": []}
     allb = training_batches(data, n, count=3 + args.batches + 200)
     measure, train = allb[3:3 + args.batches], allb[3 + args.batches:]

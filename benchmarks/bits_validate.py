@@ -34,7 +34,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import sys
 import time
 
@@ -52,21 +51,11 @@ from lowmem.models import preact_resnet_cifar                        # noqa: E40
 from lowmem.bits.sensitivity import measure_sensitivity, simulate        # noqa: E402
 from lowmem.bits.simulate import objective_of, simulate_draws            # noqa: E402
 from lowmem.units.widths import BITS                                     # noqa: E402
+import machine                                                      # noqa: E402 (benchmarks/machine.py)
 
 NETS = {"resnet8": (8, None), "resnet20": (20, None), "resnet29-bottleneck": (29, "bottleneck"),
         "resnet56": (56, None)}
 
-
-
-def cpu_name():
-    """The CPU model (/proc/cpuinfo's model name, else platform.processor()) and the core count."""
-    name = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {os.cpu_count()} CPUs"
 
 def fm_batches(data, batch, count, offset):
     out = []
@@ -234,7 +223,7 @@ def main(argv=None):
         p.error("--cost-depth times the nearest estimate: run it without --rounding")
     data = load_dataset("fashion-mnist", None, download=False, limit_train=args.limit_train, limit_test=100)
     res = {"command": "python benchmarks/bits_validate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": cpu_name(), "load": os.getloadavg()[0], "nets": []}
+           "machine": machine.cpu(), "load": os.getloadavg()[0], "nets": []}
     t0 = time.perf_counter()
     for name in filter(None, args.nets.split(",")):
         res["nets"].append((validate if args.rounding == "nearest" else validate_split)(name, args, data))

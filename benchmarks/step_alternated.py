@@ -35,6 +35,44 @@ def parse(config):
     return m.group(2), int(m.group(3)), "stochastic" if m.group(4) else "nearest"
 
 
+def random_batch(n):
+    """The batch every engine trains on: n standard-normal 3x32x32 images and labels, seed 0."""
+    rng = numpy.random.default_rng(0)
+    return rng.standard_normal((n, 3, 32, 32)).astype(numpy.float32), rng.integers(0, 10, n)
+
+
+def make_step(L, depth, mode, bits, rounding, x, y):
+    """(one training step of a fresh engine, its plan bytes): models.preact_resnet_cifar(depth) of
+    the lowmem package L (this checkout's, or an older copy: rounding is passed only when not
+    "nearest", so a copy from before the keyword builds too)."""
+    net = L.models.preact_resnet_cifar(depth, num_classes=10)
+    kw = {} if rounding == "nearest" else {"rounding": rounding}
+    eng = L.Engine(net, len(x), x.shape[1:], mode, bits, "float32", **kw)
+    opt = L.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    return (lambda: eng.train_step(x, y, opt)), eng.plan.total_bytes
+
+
+def alternate(steps, rounds, warmup):
+    """{name: [seconds per timed step]}: `warmup` untimed rounds, then `rounds` in which every step
+    of `steps` {name: callable} runs once, the order rotated by one each round."""
+    names = list(steps)
+    for _ in range(warmup):
+        for n in names:
+            steps[n]()
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            t = time.perf_counter()
+            steps[n]()
+            times[n].append(time.perf_counter() - t)
+    return times
+
+
+def ratios(times, name, first):
+    """Each round's step of `name` over the step of `first` in the same round."""
+    return [a / b for a, b in zip(times[name], times[first])]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--depth", type=int, default=164)
@@ -45,35 +83,21 @@ def main(argv=None):
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args(argv)
     configs = args.configs.split(",")
-    rng = numpy.random.default_rng(0)
-    x = rng.standard_normal((args.batch, 3, 32, 32)).astype(numpy.float32)
-    y = rng.integers(0, 10, args.batch)
+    x, y = random_batch(args.batch)
     steps, plans = {}, {}
     for c in configs:
-        mode, bits, rounding = parse(c)
-        net = lowmem.models.preact_resnet_cifar(args.depth, num_classes=10)
-        eng = lowmem.Engine(net, args.batch, (3, 32, 32), mode, bits, "float32", rounding=rounding)
-        opt = lowmem.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-        steps[c], plans[c] = (lambda e=eng, o=opt: e.train_step(x, y, o)), eng.plan.total_bytes
-    for _ in range(args.warmup):
-        for c in configs:
-            steps[c]()
-    times = {c: [] for c in configs}
-    for r in range(args.rounds):
-        for c in configs[r % len(configs):] + configs[:r % len(configs)]:
-            t = time.perf_counter()
-            steps[c]()
-            times[c].append(time.perf_counter() - t)
+        steps[c], plans[c] = make_step(lowmem, args.depth, *parse(c), x, y)
+    times = alternate(steps, args.rounds, args.warmup)
     first = configs[0]
     out = {"depth": args.depth, "batch": args.batch, "rounds": args.rounds,
            "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "configs": {}}
     for c in configs:
-        ratios = [a / b for a, b in zip(times[c], times[first])]
+        r = ratios(times, c, first)
         out["configs"][c] = {"plan_bytes": plans[c], "median_s": float(numpy.median(times[c])),
-                             f"per_round_vs_{first}": [round(v, 4) for v in ratios],
-                             f"median_vs_{first}": float(numpy.median(ratios)), "min": min(ratios), "max": max(ratios)}
+                             f"per_round_vs_{first}": [round(v, 4) for v in r],
+                             f"median_vs_{first}": float(numpy.median(r)), "min": min(r), "max": max(r)}
         print(f"{c:10s} plan {plans[c]:>14,d} B  median {numpy.median(times[c]):6.2f} s  vs {first}: "
-              f"median {numpy.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+              f"median {numpy.median(r):.3f} (range {min(r):.3f}-{max(r):.3f})", flush=True)
     if args.json:
         from lowmem.system.atomic import atomic_write
         atomic_write(args.json, json.dumps(out, indent=1))

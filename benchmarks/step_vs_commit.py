@@ -19,12 +19,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 
 import numpy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from step_alternated import alternate, make_step, random_batch, ratios  # noqa: E402 (beside this script)
 
 
 def extract(commit, into):
@@ -34,14 +35,6 @@ def extract(commit, into):
     with tarfile.open(fileobj=io.BytesIO(tar)) as t:
         t.extractall(into, filter="data")
     os.rename(os.path.join(into, "lowmem"), os.path.join(into, "lowmem_old"))
-
-
-def engine(L, args, x, y):
-    net = L.models.preact_resnet_cifar(args.depth, num_classes=10)
-    kw = {} if args.rounding == "nearest" else {"rounding": args.rounding}
-    eng = L.Engine(net, args.batch, x.shape[1:], args.mode, args.bits, "float32", **kw)
-    opt = L.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    return lambda: eng.train_step(x, y, opt), eng.plan.total_bytes
 
 
 def main(argv=None):
@@ -60,24 +53,15 @@ def main(argv=None):
     sys.path.insert(0, tmp)
     import lowmem
     import lowmem_old
-    rng = numpy.random.default_rng(0)
-    x = rng.standard_normal((args.batch, 3, 32, 32)).astype(numpy.float32)
-    y = rng.integers(0, 10, args.batch)
-    steps = {"old": engine(lowmem_old, args, x, y), "new": engine(lowmem, args, x, y)}
-    for _ in range(args.warmup):
-        for k in steps:
-            steps[k][0]()
-    times = {"old": [], "new": []}
-    for r in range(args.rounds):
-        for k in (("old", "new") if r % 2 == 0 else ("new", "old")):
-            t = time.perf_counter()
-            steps[k][0]()
-            times[k].append(time.perf_counter() - t)
-    ratios = [n / o for n, o in zip(times["new"], times["old"])]
+    x, y = random_batch(args.batch)
+    built = {k: make_step(L, args.depth, args.mode, args.bits, args.rounding, x, y)
+             for k, L in (("old", lowmem_old), ("new", lowmem))}
+    times = alternate({k: step for k, (step, _) in built.items()}, args.rounds, args.warmup)
+    r = ratios(times, "new", "old")
     out = {"commit": args.commit, "depth": args.depth, "batch": args.batch, "mode": args.mode, "bits": args.bits,
-           "rounding": args.rounding, "plan_old": steps["old"][1], "plan_new": steps["new"][1],
+           "rounding": args.rounding, "plan_old": built["old"][1], "plan_new": built["new"][1],
            "median_old_s": float(numpy.median(times["old"])), "median_new_s": float(numpy.median(times["new"])),
-           "ratio_median": float(numpy.median(ratios)), "ratio_min": min(ratios), "ratio_max": max(ratios),
+           "ratio_median": float(numpy.median(r)), "ratio_min": min(r), "ratio_max": max(r),
            "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     print(json.dumps(out))
     shutil.rmtree(tmp, ignore_errors=True)
