@@ -6,9 +6,9 @@ masks of ops/dropout.py. Integer-only, so NumPy, numba and CUDA compute the same
     mix_parts(parts)  a key mixing non-negative integers: z <- mix64(z ^ part) + phi per part, then mix64
     mix64_array(z, t) mix64 of a uint64 array in place
 """
-from .backend import array_module
-
 import numpy
+
+from .backend import array_module
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15     # φ·2**64, the stream's increment
