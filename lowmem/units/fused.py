@@ -20,7 +20,6 @@ import numpy
 from . import quant
 from . import cpu, gpu
 from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
-from ..ops import bn_relu_backward
 
 
 class FusedExactUnits(ExactUnits):
@@ -100,12 +99,10 @@ class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         # saved: the unbiased code (x-tilde with E = x-hat, exact mask); rstd exact
-        if self.module is not gpu:             # numba: decoded inline, `scratch` unused
-            self.kernels.unit_backward(dx, dgamma, dbeta, dr, saved, gamma, beta, rstd, self.bits, accumulate)
-            return
-        self.decode_masking(scratch, dr, saved, gamma, beta)
-        bn_relu_backward(dx, dgamma, dbeta, dr, scratch, gamma, beta, rstd, dr_already_masked=True,
-                         accumulate=accumulate)
+        if self.module is gpu:                 # CUDA: the reference's backward over this set's decode
+            return super().backward(dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch)
+        # numba: decoded inline, `scratch` unused
+        self.kernels.unit_backward(dx, dgamma, dbeta, dr, saved, gamma, beta, rstd, self.bits, accumulate)
 
     def decode_masking(self, xtilde, dr, saved, gamma, beta):
         """xtilde <- x-tilde, dr *= the exact mask, in one kernel pass (units/sync.py's backward)."""
