@@ -780,13 +780,9 @@ def graph_case(which, n, seed):
     """One of the hand-built graphs of the newer ops (tests/test_onnx_import.py: post-activation
     blocks, dense blocks with concat, inverted residuals with depthwise convs and ReLU6, convs with
     bias, linear layers with dropout), its units and biases randomised, and a batch of n."""
-    from reference import randomize_units
-    from test_onnx_import import GRAPHS
+    from test_onnx_import import random_graph
     rng = np.random.default_rng(seed)
-    net = randomize_units(GRAPHS[which](), rng)
-    for p in net.parameters():
-        if p.name.endswith(".bias"):
-            p.data[...] = rng.normal(0, 0.3, p.shape)
+    net = random_graph(which, rng)
     shape = (3, 8, 8)
     return net, shape, rng.standard_normal((n,) + shape), rng.integers(0, net.num_classes, n)
 

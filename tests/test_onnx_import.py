@@ -140,15 +140,22 @@ GRAPHS = {"postact": postact_graph, "dense": dense_graph, "inverted": inverted_g
           "classifier": classifier_graph}
 
 
+def random_graph(which, rng):
+    """GRAPHS[which] with its units randomised (reference.randomize_units) and the biases of every
+    kind (conv, linear, bn) non-zero."""
+    net = randomize_units(GRAPHS[which](), rng)
+    for p in net.parameters():
+        if p.name.endswith(".bias"):
+            p.data[...] = rng.normal(0, 0.3, p.shape)
+    return net
+
+
 @pytest.mark.parametrize("which", list(GRAPHS))
 def test_a_graph_of_the_new_ops_round_trips_through_onnx(tmp_path, which):
     """Post-activation blocks, dense blocks, inverted residuals, convs with bias: exported by lowmem
     and read back, the same layers and buffers, parameters, plan, schedule, and training step."""
     rng = np.random.default_rng(4)
-    net = randomize_units(GRAPHS[which](), rng)
-    for p in net.parameters():                                  # biases of every kind non-zero
-        if p.name.endswith(".bias"):
-            p.data[...] = rng.normal(0, 0.3, p.shape)
+    net = random_graph(which, rng)
     back = nn.from_onnx(export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8)))
     assert layers(back) == layers(net)
     a, b = net.state_dict(), back.state_dict()
