@@ -8,7 +8,7 @@ from ...ops import relu_forward, relu_backward, relu6_forward, relu6_backward, d
 from ...ops import dropout as _dropout, relu as _relu
 from ...ops.bitpack import packed_nbytes
 from ...system.backend import array_module
-from .base import Op, same_shape
+from .base import Op, onnx_constant, same_shape
 
 
 def _elems(run, step):
@@ -91,7 +91,7 @@ class ReLU6(_Elementwise):
     def onnx(L, helper, read, write, opset):
         if opset < 11:                                   # Clip-6: the bounds are attributes
             return [helper.make_node("Clip", [read(L.src)], [write(L.dst, L.name)], name=L.name, min=0.0, max=6.0)]
-        bounds = [_scalar(helper, f"{L.name}.{end}", v) for end, v in (("min", 0.0), ("max", 6.0))]
+        bounds = [onnx_constant(helper, f"{L.name}.{end}", [], [v]) for end, v in (("min", 0.0), ("max", 6.0))]
         return bounds + [helper.make_node("Clip", [read(L.src), L.name + ".min", L.name + ".max"],
                                           [write(L.dst, L.name)], name=L.name)]
 
@@ -120,16 +120,9 @@ class Dropout(_Elementwise):
     def onnx(L, helper, read, write, opset):
         # an ONNX Dropout: the identity in inference (training_mode absent), and it carries its
         # ratio, so nn.from_onnx reads the layer back as this dropout
-        if opset < 12:                                   # Dropout-7..10: the ratio is an attribute
+        if opset < 12:                                   # Dropout-7..11: the ratio is an attribute
             return [helper.make_node("Dropout", [read(L.src)], [write(L.dst, L.name)], name=L.name,
                                      ratio=float(L.p))]
-        ratio = _scalar(helper, f"{L.name}.ratio", L.p)
+        ratio = onnx_constant(helper, f"{L.name}.ratio", [], [float(L.p)])
         return [ratio, helper.make_node("Dropout", [read(L.src), f"{L.name}.ratio"], [write(L.dst, L.name)],
                                         name=L.name)]
-
-
-def _scalar(helper, name, value):
-    """A Constant node holding the float32 scalar `value`, output `name`."""
-    from onnx import TensorProto
-    return helper.make_node("Constant", [], [name], name=name,
-                            value=helper.make_tensor(name, TensorProto.FLOAT, [], [float(value)]))

@@ -1,5 +1,6 @@
 """The op table's base entry (`Op`: the defaults every op inherits) and the helpers the
-entries share: window shapes, channel checks and the constants of the saved forms."""
+entries share: window shapes, channel checks, the constants of the saved forms and the ONNX
+Constant node their inference forms write."""
 from ..network import NetworkError
 from ...ops import conv_out_size
 
@@ -73,3 +74,12 @@ def channels(L, shape):
 
 def same_shape(L, shape, *others):
     return shape
+
+
+def onnx_constant(helper, name, dims, values, int64=False):
+    """An ONNX Constant node whose output `name` is the float32 (or int64) tensor of shape
+    `dims` holding `values` (an op's inference form: Clip's bounds, Dropout's ratio, a shape)."""
+    from onnx import TensorProto
+    dtype = TensorProto.INT64 if int64 else TensorProto.FLOAT
+    return helper.make_node("Constant", [], [name], name=name,
+                            value=helper.make_tensor(name, dtype, list(dims), list(values)))

@@ -8,7 +8,7 @@ unit's output rebuilt from its code, any other tensor kept once, float or a rang
 Its input gradient needs only the weights."""
 from ...ops.linear import flatten_linear_backward, flatten_linear_forward
 from ..network import NetworkError
-from .base import Op
+from .base import Op, onnx_constant
 from .conv import Conv, keep_input, layer_input
 
 
@@ -64,11 +64,9 @@ class FlattenLinear(Op):
 
     @staticmethod
     def onnx(L, helper, read, write, opset):
-        from onnx import TensorProto
         flat, gemm, shape = L.name + ".flatten", L.name + ".gemm", L.name + ".shape"
         inputs = [flat, L.name + ".weight"] + ([L.name + ".bias"] if L.bias else [])
         return [helper.make_node("Flatten", [read(L.src)], [flat], name=flat, axis=1),
                 helper.make_node("Gemm", inputs, [gemm], name=gemm, transB=1),
-                helper.make_node("Constant", [], [shape], name=shape,
-                                 value=helper.make_tensor(shape, TensorProto.INT64, [4], [0, -1, 1, 1])),
+                onnx_constant(helper, shape, [4], [0, -1, 1, 1], int64=True),
                 helper.make_node("Reshape", [gemm, shape], [write(L.dst, L.name)], name=L.name)]
