@@ -24,7 +24,8 @@ import numpy
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lowmem.bits import sensitivity as S                      # noqa: E402
-from lowmem.data.datasets import load_dataset, normalize       # noqa: E402
+from lowmem.data.datasets import load_dataset                  # noqa: E402
+from lowmem.data.transforms import normalize                   # noqa: E402
 from lowmem.models import MODELS                               # noqa: E402
 from lowmem.tools import diagnostics as D                      # noqa: E402
 from lowmem.units import quant, unbiased                       # noqa: E402
@@ -64,12 +65,12 @@ def measure(depth, data, args):
     draws = {c: [[] for _ in range(args.draws)] for c in CODES}
     for bi, (x, y) in enumerate(batches):
         eng.forward(x, y)
-        exact.append(S._backward_sweep(eng))
+        exact.append(S._gradients(eng))
         for c, (rounding, variant) in CODES.items():
             for d in range(args.draws if rounding != "nearest" else 1):
                 sets = {u: VariantUnits(args.bits, rounding, quant.stream_key(100 + d, bi, i), variant)
                         for i, u in enumerate(units)}
-                draws[c][d].append(S._backward_sweep(eng, units_for=sets.get))
+                draws[c][d].append(S._gradients(eng, units=sets))
     stack = lambda gs: {n: numpy.stack([g[n] for g in gs]) for n in gs[0]}     # noqa: E731
     ex = stack(exact)
     out = {}

@@ -1,7 +1,8 @@
 """CUDA kernels of the unbiased group-range code (units/unbiased.py), program "unbiased".
 
     unbiased_forward   one thread per (group, channel): normalise the group's 256 elements, find
-                       their range, round it outward to bf16, then draw, pack and write relu(y)
+                       their range, round it outward to bf16, then draw (one counter per group,
+                       systematic sampling along each lane of each side), pack and write relu(y)
                        (or naive's decoded conv input)
     unbiased_decode    one thread per (group, channel): x-tilde or the conv input from the codes
                        and the stored ends; optionally zero the incoming gradient where the mask
@@ -25,6 +26,8 @@ from .stream import GOLDEN, resolve
 SOURCE = r"""
 // the unbiased code; lowmem/system/cuda.py puts `real`, BLOCK and the rn_* helpers before this text
 #define UB_GROUP 256
+#define UB_LANES 4
+#define UB_WEYL 10368890u
 __device__ __forceinline__ float  ub_floor(float a)  { return floorf(a); }
 __device__ __forceinline__ double ub_floor(double a) { return floor(a); }
 __device__ __forceinline__ real ub_max(real a, real b) { return a >= b ? a : b; }
@@ -112,6 +115,18 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
     hi = ub_bf16(hi, 1, e);
     lo = ub_bf16(lo, 0, e + 1);
     const UbLevels v = ub_levels(hi, lo, h.t_o, h.t_c, h.k, L);
+    // the group's draw (its first element's counter), then systematic sampling along each lane
+    // of each side (unbiased.systematic_uniforms)
+    unsigned long long z = base + (unsigned long long)((long long)c * row + start + g0 + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z = z ^ (z >> 31);
+    // each lane's sums so far on each side, from its start (unbiased.lane_starts)
+    unsigned int acc_o[UB_LANES], acc_c[UB_LANES];
+    for (int l = 0; l < UB_LANES; ++l) {
+        acc_o[l] = ((unsigned int)(z >> 40) + (unsigned int)l * UB_WEYL) & 0xFFFFFFu;
+        acc_c[l] = acc_o[l] + 0x800000u;
+    }
     for (long long j = g0 / per; j < g1 / per; ++j) {
         unsigned int byte = 0;
         for (int q = 0; q < per; ++q) {
@@ -123,11 +138,13 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
             const real bb = on ? v.bo : v.bc, st = on ? v.so : v.sc;
             const real n = on ? rn_sub((real)L, kf) : kf;
             real p = st > (real)0 ? rn_div(rn_sub(u, bb), st) : (real)0;
-            unsigned long long z = base + (unsigned long long)((long long)c * row + start + i + 1) * 0x9E3779B97F4A7C15ull;
-            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-            z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-            z = z ^ (z >> 31);
-            p = rn_add(p, rn_mul((real)(z >> 40), (real)5.9604644775390625e-08));
+            real f = rn_sub(p, ub_floor(p));
+            if (!(f >= (real)0 && f < (real)1)) f = (real)0;
+            const unsigned int qv = (unsigned int)rn_mul(f, (real)16777216.0);
+            const int lane = (int)((i - g0) % UB_LANES);
+            const unsigned int R = (on ? acc_o[lane] : acc_c[lane]) & 0xFFFFFFu;
+            if (on) acc_o[lane] += qv; else acc_c[lane] += qv;
+            p = rn_add(p, rn_mul((real)R, (real)5.9604644775390625e-08));
             const real jj = ub_min(ub_max(ub_floor(p), (real)0), rn_sub(n, (real)1));
             const real code = on ? rn_add(kf, jj) : jj;
             byte |= (unsigned int)code << (q * bits);
@@ -200,4 +217,5 @@ def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
                     _i32(bool(relu)), _i32(dr is not None)))
 
 
-assert GOLDEN == 0x9E3779B97F4A7C15           # the constant written into the kernel text
+assert GOLDEN == 0x9E3779B97F4A7C15           # the constants written into the kernel text
+assert (unbiased.GROUP, unbiased.LANES, unbiased.WEYL) == (256, 4, 10368890)

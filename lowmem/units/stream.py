@@ -85,6 +85,18 @@ def draw_bits(resolved, r0, r1, c0, c1, xp=numpy):
     return z
 
 
+def group_bits(resolved, r0, r1, c0, c1, group, xp=numpy):
+    """(r1−r0, g) uint64: b of the first element of each run of `group` columns in [c0, c1)
+    (columns c0, c0 + group, ...; g = ceil((c1 − c0)/group)): one draw per group."""
+    base, start, row = resolved
+    heads = [(base + (r * row + start + c0 + 1) * GOLDEN) & MASK64 for r in range(r0, r1)]
+    z = xp.arange(-(-(c1 - c0) // group), dtype=numpy.uint64)[None, :] * numpy.uint64(group * GOLDEN & MASK64)
+    z = z + xp.asarray(numpy.array(heads, dtype=numpy.uint64))[:, None]
+    mix64_array(z, xp.empty_like(z))
+    xp.right_shift(z, numpy.uint64(64 - OFFSET_BITS), out=z)
+    return z
+
+
 def uniforms(resolved, r0, r1, c0, c1, dtype, xp=numpy):
     """r = b·2**−24 in [0, 1) (dtype) of elements [r0:r1, c0:c1] (the unbiased code's draw)."""
     r = draw_bits(resolved, r0, r1, c0, c1, xp).astype(dtype)

@@ -38,7 +38,7 @@ only, for docs/quantizer.md's comparison.
 import numpy
 
 from . import quant
-from .stream import resolve, uniforms
+from .stream import OFFSET_BITS, group_bits, resolve, uniforms
 from ..system.backend import array_module
 
 GROUP = 256
@@ -211,21 +211,27 @@ def metadata(ends_out, xhat, gamma, variant="group"):
 
 # ---- encode, decode ----------------------------------------------------------
 
-def _encode_piece(x, lv, r0, r1, c0, c1, stream):
-    """Codes (r1−r0, c1−c0) as floats of x̂ block x (rows r0:r1, columns c0:c1)."""
-    xp = array_module(x)
-    L = lv.levels
-    mask = (x * lv.gamma[r0:r1, None]) + lv.beta[r0:r1, None] > 0
-    u = x * lv.s[r0:r1, None]
-    bo, so, bc, sc = lv.piece(r0, r1, c0, c1)
-    k = lv.k[r0:r1, None].astype(x.dtype)
-    base, step = xp.where(mask, bo, bc), xp.where(mask, so, sc)
-    n = xp.where(mask, L - k, k)
-    with numpy.errstate(divide="ignore", invalid="ignore"):
-        p = xp.where(step > 0, (u - base) / xp.where(step > 0, step, 1), 0)
-    p = p + uniforms(stream, r0, r1, c0, c1, x.dtype, xp)
-    j = xp.minimum(xp.maximum(xp.floor(p), 0), n - 1)
-    return xp.where(mask, k + j, j)
+def _encode_piece(xhat, lv, r0, r1, c0, c1, stream, draws="systematic", lanes=None):
+    """Codes (r1−r0, c1−c0) as floats of x̂ rows r0:r1, columns c0:c1 of the whole (C, M) x̂:
+    the piece's groups are coded whole (a group's draws run from its first element) and cut.
+    draws="independent" (measured, never packed): each element's own r from the stream."""
+    M = xhat.shape[1]
+    a0, a1 = c0 // GROUP * GROUP, min(M, -(-c1 // GROUP) * GROUP)
+    xp = array_module(xhat)
+    out = xp.empty((r1 - r0, a1 - a0), xhat.dtype)
+    u0 = group_bits(stream, r0, r1, a0, a1, GROUP, xp)
+    for s0, s1, size in _segments(r0, r1, a0, a1, M):
+        shape = (r1 - r0, (s1 - s0) // size, size)
+        gs = slice((s0 - a0) // GROUP, (s0 - a0) // GROUP + shape[1])
+        if draws == "independent":
+            r = uniforms(stream, r0, r1, s0, s1, xhat.dtype, xp).reshape(shape)
+            draw = lambda p, mask, r=r: r                                   # noqa: E731
+        else:
+            draw = lambda p, mask, u=u0[:, gs, None]: systematic_uniforms(p, mask, u, lanes)  # noqa: E731
+        out[:, s0 - a0:s1 - a0] = _encode_block(xhat[r0:r1, s0:s1].reshape(shape), lv, slice(r0, r1),
+                                                _grouped(lv, r0, r1, s0, s1, size),
+                                                draw).reshape(r1 - r0, s1 - s0)
+    return out[:, c0 - a0:c1 - a0]
 
 
 def _decode_piece(code, lv, r0, r1, c0, c1, relu):
@@ -249,18 +255,25 @@ def check_bits(bits):
     return bits
 
 
-def quantize_simulated(xhat, gamma, beta, bits, key, variant="group"):
+DRAWS = ("systematic", "independent")
+
+
+def quantize_simulated(xhat, gamma, beta, bits, key, variant="group", draws="systematic", lanes=None):
     """Reference (x̃, mask), both (C, M): the unbiased code's decode of x̂ for stream `key` (an
     integer or a Stream), whole arrays; the packed path (quantize_pack + decode) matches it bit
-    for bit. variant="open": the measured cheaper variant (not packed)."""
+    for bit. The measured variants (never packed): variant="open" (the lower end per channel),
+    draws="independent" (every element its own draw, no systematic sampling), lanes (another
+    lane count for the systematic draws)."""
     bits = check_bits(bits)
+    if draws not in DRAWS:
+        raise ValueError(f"draws must be one of {DRAWS}, got {draws!r}")
     xp = array_module(xhat)
     C, M = xhat.shape
     ends = xp.empty((C, groups(M), 2), numpy.uint16)
     metadata(ends, xhat, gamma, variant)
     lv = Levels(ends, gamma, beta, bits)
     stream = resolve(key, M, what="stochastic")
-    code = _encode_piece(xhat, lv, 0, C, 0, M, stream)
+    code = _encode_piece(xhat, lv, 0, C, 0, M, stream, draws, lanes)
     mask = (xhat * gamma[:, None]) + beta[:, None] > 0
     return _decode_piece(code, lv, 0, C, 0, M, relu=False), mask
 
@@ -282,8 +295,9 @@ def _grouped(lv, r0, r1, c0, c1, size):
     return tuple(a[r0:r1, gs, None] for a in (lv.base_o, lv.step_o, lv.base_c, lv.step_c))
 
 
-def _encode_block(x3, lv, rows, params, r):
-    """Codes (floats) of the (R, g, size) view x3; the same operations as _encode_piece."""
+def _encode_block(x3, lv, rows, params, u0):
+    """Codes (floats) of the (R, g, size) view x3 of whole groups; u0 (R, g, 1): each group's
+    24-bit draw (stream.group_bits), or a function (p, mask) -> r (the measured variants)."""
     xp = array_module(x3)
     bo, so, bc, sc = params
     mask = (x3 * lv.gamma[rows, None, None]) + lv.beta[rows, None, None] > 0
@@ -293,9 +307,61 @@ def _encode_block(x3, lv, rows, params, r):
     n = xp.where(mask, lv.levels - k, k)
     with numpy.errstate(divide="ignore", invalid="ignore"):
         p = xp.where(step > 0, (u - base) / xp.where(step > 0, step, 1), 0)
-    p = p + r
+    p = p + (u0(p, mask) if callable(u0) else systematic_uniforms(p, mask, u0))
     j = xp.minimum(xp.maximum(xp.floor(p), 0), n - 1)
     return xp.where(mask, k + j, j)
+
+
+LANES = 4          # systematic sampling: a group's elements l, l + 4, l + 8, ... form lane l
+WEYL = 10368890    # round(2**24·(φ − 1)): lane l starts l·WEYL after lane 0 on the 2**24 grid
+
+
+def lane_starts(u0, lanes=LANES):
+    """(.., lanes) int64: each lane's start R on the grid from a group's 24-bit draw u0 (..)."""
+    xp = array_module(u0)
+    offsets = xp.arange(lanes, dtype=numpy.int64) * WEYL
+    return (u0.astype(numpy.int64)[..., None] + offsets) & ((1 << OFFSET_BITS) - 1)
+
+
+def _exclusive_lanes(q, start):
+    """Per group, each element's lane start plus the sum of q (R, g, size) int64 over the
+    elements before it in its lane; start (R, g, lanes)."""
+    size, lanes = q.shape[-1], start.shape[-1]
+    full = -(-size // lanes) * lanes
+    xp = array_module(q)
+    if full != size:                           # a short last group: zeros after its end
+        q = xp.concatenate([q, xp.zeros(q.shape[:-1] + (full - size,), q.dtype)], axis=-1)
+    q4 = q.reshape(q.shape[:-1] + (full // lanes, lanes))           # [.., m, l]: element lanes·m + l
+    before = xp.cumsum(q4, axis=-2) - q4 + start[..., None, :]
+    return before.reshape(q.shape)[..., :size]
+
+
+def systematic_uniforms(p, mask, u0, lanes=None):
+    """r (R, g, size) in [0, 1) (p's dtype) of each element of whole groups: systematic sampling
+    along each lane of each side of a group. With f the fraction of p (f = p − floor(p); 0
+    where that is not in [0, 1)) and q = floor(f·2**24), element i of lane l, side σ draws
+
+        R_i = (s_l + o_σ + Σ_{j before i in lane l, on side σ} q_j) mod 2**24,   r_i = R_i·2**−24
+
+    (lane l: the group's elements l, l + LANES, l + 2·LANES, ...; s_l = (u0 + l·WEYL) mod 2**24
+    from the group's 24-bit draw u0 (u0 (R, g, 1)); o = 0 open, 2**23 closed). R_i is uniform
+    on the grid whatever the others' q, so each element rounds up with exactly the probability
+    of an independent draw, while along each lane and side the count of round-ups stays within
+    one of Σ f: the rounding errors of neighbours in a lane cancel instead of adding up.
+    lanes: another lane count (measured only; the packed code is LANES')."""
+    xp = array_module(p)
+    with numpy.errstate(invalid="ignore"):
+        f = p - xp.floor(p)
+        f = xp.where((f >= 0) & (f < 1), f, 0)
+    q = (f * float(1 << OFFSET_BITS)).astype(numpy.int64)
+    q_open = xp.where(mask, q, 0)
+    start = lane_starts(u0[..., 0], LANES if lanes is None else lanes)
+    before = xp.where(mask, _exclusive_lanes(q_open, start),
+                      _exclusive_lanes(q - q_open, start + (1 << (OFFSET_BITS - 1))))
+    R = before & ((1 << OFFSET_BITS) - 1)
+    r = R.astype(p.dtype)
+    r *= 2.0 ** -OFFSET_BITS
+    return r
 
 
 def _decode_levels(code, lv, rows, params, relu):
@@ -333,11 +399,12 @@ def quantize_pack(slot, xhat, gamma, beta, bits, key):
         return _quantize_pack_pieces(codes, xhat, lv, bits, stream)
     for r0, r1, c0, c1 in _blocks(C, M):
         buf = xp.empty((r1 - r0, c1 - c0), numpy.uint8)
-        r = uniforms(stream, r0, r1, c0, c1, xhat.dtype, xp)
+        u0 = group_bits(stream, r0, r1, c0, c1, GROUP, xp)
         for s0, s1, size in _segments(r0, r1, c0, c1, M):
             shape = (r1 - r0, (s1 - s0) // size, size)
+            gs = slice((s0 - c0) // GROUP, (s0 - c0) // GROUP + shape[1])
             code = _encode_block(xhat[r0:r1, s0:s1].reshape(shape), lv, slice(r0, r1),
-                                 _grouped(lv, r0, r1, s0, s1, size), r[:, s0 - c0:s1 - c0].reshape(shape))
+                                 _grouped(lv, r0, r1, s0, s1, size), u0[:, gs, None])
             xp.copyto(buf[:, s0 - c0:s1 - c0].reshape(shape), code, casting="unsafe")
         a = r0 * M + c0                           # whole rows, or a part of one: contiguous
         quant._pack_block(codes[a * bits // 8:(a + buf.size) * bits // 8], buf.reshape(-1), bits,
@@ -355,7 +422,7 @@ def _quantize_pack_pieces(codes, xhat, lv, bits, stream):
     tmp = xp.empty(step * bits // 8, numpy.uint8)
     for a, b, pieces in quant._chunks(n, M):
         for r0, r1, c0, c1, off in pieces:
-            code = _encode_piece(xhat[r0:r1, c0:c1], lv, r0, r1, c0, c1, stream)
+            code = _encode_piece(xhat, lv, r0, r1, c0, c1, stream)
             xp.copyto(buf[off:off + code.size].reshape(code.shape), code, casting="unsafe")
         quant._pack_block(codes[a * bits // 8:(b * bits + 7) // 8], buf[:b - a], bits, tmp)
 
