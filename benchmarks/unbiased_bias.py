@@ -8,12 +8,13 @@ x̂ replaced by that code's decode (lowmem.bits.sensitivity's SimulatedCodeUnits
 mode's backward, exact mask). lowmem.tools.diagnostics.bias_and_noise then separates, for all
 parameters as one vector, the persistent bias ‖E_b E_draw(ĝ_b − g_b)‖ (‖mean‖² − tr(cov)/B)
 against ‖E g‖ from the per-step draw noise against SGD noise. Codes: nearest, the fixed window
-with stochastic rounding, the unbiased group-range code (both group ends) and its cheaper
-variant (the group's upper end only, the lower end the channel's). Writes
+with stochastic rounding, the unbiased group-range code (both group ends, systematic draws
+along lanes of stride 4: the code the engine packs), the same with every element's own draw
+(independent: the code before systematic sampling), with lanes of stride 1, 2 and 8, and the
+cheaper variant (the group's upper end only, the lower end the channel's). Writes
 benchmarks/results/unbiased_bias.json and prints a table.
 """
 import argparse
-import copy
 import json
 import os
 import sys
@@ -31,11 +32,17 @@ from lowmem.tools import diagnostics as D                      # noqa: E402
 from lowmem.units import quant, unbiased                       # noqa: E402
 
 CODES = {"nearest": ("nearest", None), "stochastic-window": ("stochastic-window", None),
-         "unbiased (group ends)": ("stochastic", "group"), "unbiased (open end only)": ("stochastic", "open")}
+         "unbiased (the code)": ("stochastic", {}),
+         "unbiased, independent draws": ("stochastic", {"draws": "independent"}),
+         "unbiased, lanes of stride 1": ("stochastic", {"lanes": 1}),
+         "unbiased, lanes of stride 2": ("stochastic", {"lanes": 2}),
+         "unbiased, lanes of stride 8": ("stochastic", {"lanes": 8}),
+         "unbiased (open end only)": ("stochastic", {"variant": "open"})}
 
 
 class VariantUnits(S.SimulatedCodeUnits):
-    """SimulatedCodeUnits with the unbiased code's variant chosen."""
+    """SimulatedCodeUnits with the unbiased code's measured variant chosen (unbiased.quantize_simulated's
+    keywords: variant, draws, lanes)."""
 
     def __init__(self, bits, rounding, key, variant):
         super().__init__(bits, rounding, key)
@@ -43,7 +50,7 @@ class VariantUnits(S.SimulatedCodeUnits):
 
     def _quantize(self, saved, gamma, beta, keep):
         if self._kept is None and self.variant is not None:
-            self._kept = unbiased.quantize_simulated(saved, gamma, beta, self.bits, self.key, self.variant)
+            self._kept = unbiased.quantize_simulated(saved, gamma, beta, self.bits, self.key, **self.variant)
         return super()._quantize(saved, gamma, beta, keep)
 
 
@@ -85,12 +92,20 @@ def main(argv=None):
     p.add_argument("--depths", default="8,14")
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--codes", default=None, help="comma-separated names of CODES (default: all)")
     p.add_argument("--batches", type=int, default=16)
     p.add_argument("--draws", type=int, default=2)
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "unbiased_bias.json"))
     args = p.parse_args(argv)
+    if args.codes:
+        wanted = args.codes.split(",")
+        unknown = [c for c in wanted if c not in CODES]
+        if unknown:
+            p.error(f"unknown codes {unknown}; the codes are {list(CODES)}")
+        for c in [c for c in CODES if c not in wanted]:
+            del CODES[c]
     data = load_dataset("fashion-mnist", pad_to=None, limit_train=4000, limit_test=16)
     results = {"settings": vars(args), "depths": {}}
     for depth in [int(d) for d in args.depths.split(",")]:

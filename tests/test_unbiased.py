@@ -6,7 +6,9 @@
   an all-zero and a constant channel); the lowest open level rebuilds a conv input of exactly 0;
 * the packed slot decodes bit for bit what quantize_simulated computes, for any chunking, and a
   shard keyed by its global place draws the codes the whole batch draws there;
-* the group ends are bf16, rounded outward; the slot's bytes are what the plan counts.
+* the group ends are bf16, rounded outward; the slot's bytes are what the plan counts;
+* the systematic draws keep each lane's count of round-ups within one of its expectation and
+  cut the variance of group sums against independent draws.
 """
 import numpy as np
 import pytest
@@ -180,6 +182,71 @@ def test_a_shard_draws_what_the_whole_batch_draws_there():
     np.testing.assert_array_equal(got, whole[:, 300:])
     with pytest.raises(ValueError, match="does not fit in a global row"):
         quant.quantize_simulated(part, gamma, beta, 2, "stochastic-window", Stream(key, 400, M))
+
+
+def _levels_and_p(x, gamma, beta, bits):
+    """(Levels, p, mask) of x (C, M): p = (u − base)/step on each element's side."""
+    C, M = x.shape
+    ends = np.empty((C, unbiased.groups(M), 2), np.uint16)
+    unbiased.metadata(ends, x, gamma)
+    lv = unbiased.Levels(ends, gamma, beta, bits)
+    mask = (x * gamma[:, None]) + beta[:, None] > 0
+    bo, so, bc, sc = lv.piece(0, C, 0, M)
+    base, step = np.where(mask, bo, bc), np.where(mask, so, sc)
+    p = np.where(step > 0, (x * lv.s[:, None] - base) / np.where(step > 0, step, 1), 0)
+    return lv, p, mask
+
+
+@pytest.mark.parametrize("M", [1000, 768])            # a short last group, or none
+def test_systematic_draws_keep_each_lane_and_sides_count(M):
+    """Along each lane (a group's elements l, l + 4, l + 8, ...) of each side the number of
+    elements rounded up stays within one of Σ f, f the fractions of p: on every draw, for any
+    data (independent draws miss it by up to 8 here)."""
+    rng = np.random.default_rng(3)
+    C = 3
+    x = rng.standard_normal((C, M)) * np.array([[1.0], [2.0], [0.5]])
+    gamma, beta = np.array([1.0, -0.7, 1.3]), np.array([0.2, 0.1, -0.5])
+    lv, p, mask = _levels_and_p(x, gamma, beta, 2)
+    worst = {"systematic": 0.0, "independent": 0.0}
+    for draws in worst:
+        for d in range(5):
+            code = unbiased._encode_piece(x, lv, 0, C, 0, M, unbiased.resolve(quant.stream_key(2, d, 0), M),
+                                          draws=draws)
+            up = code - np.where(mask, lv.k[:, None], 0) - np.floor(p)
+            assert set(np.unique(up)) <= {0.0, 1.0}
+            f = p - np.floor(p)
+            for g0 in range(0, M, unbiased.GROUP):
+                for lane in range(unbiased.LANES):
+                    cols = np.arange(g0 + lane, min(M, g0 + unbiased.GROUP), unbiased.LANES)
+                    for side in (True, False):
+                        sel = mask[:, cols] == side
+                        gap = np.abs((up[:, cols] * sel).sum(axis=1) - (f[:, cols] * sel).sum(axis=1))
+                        worst[draws] = max(worst[draws], gap.max())
+    assert worst["systematic"] <= 1 + 1e-6
+    assert worst["independent"] > 2
+
+
+def test_systematic_draws_cancel_the_group_sums_error():
+    """Fixed seed: over 200 draws, the error of each group's sum of x̃ (open and closed apart)
+    has under a quarter of the variance independent draws give (measured: 0.026 of it),
+    while each element's mean stays x̂ (test_unbiased_in_every_region)."""
+    rng = np.random.default_rng(11)
+    C, M = 2, 1024
+    x = rng.standard_normal((C, M))
+    gamma, beta = np.array([1.0, 0.8]), np.array([0.0, 0.3])
+    mask = (x * gamma[:, None]) + beta[:, None] > 0
+    var = {}
+    for draws in ("systematic", "independent"):
+        sums = []
+        for d in range(200):
+            xt, _ = unbiased.quantize_simulated(x, gamma, beta, 2, quant.stream_key(5, d, 1), draws=draws)
+            e = (xt - x).reshape(C, -1, unbiased.GROUP)
+            m = mask.reshape(C, -1, unbiased.GROUP)
+            sums.append(np.stack([(e * m).sum(axis=2), (e * ~m).sum(axis=2)]))
+        var[draws] = np.var(np.stack(sums), axis=0).mean()
+    assert var["systematic"] < 0.25 * var["independent"], var
+    with pytest.raises(ValueError, match="draws must be one of"):
+        unbiased.quantize_simulated(x, gamma, beta, 2, 0, draws="antithetic")
 
 
 def test_group_ends_are_bf16_rounded_outward():

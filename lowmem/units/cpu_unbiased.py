@@ -206,8 +206,8 @@ if AVAILABLE:
             z = z ^ (z >> S31)
             start = numpy.int64(z >> S_OFF)                   # < 2**24
             for l in range(min(LANES, m)):      # each lane's start (unbiased.lane_starts)
-                so_ = (start + l * WEYL) & R_MASK
-                e[l] = so_ | (((so_ + HALF) & R_MASK) << 32)
+                r0 = (start + l * WEYL) & R_MASK
+                e[l] = r0 | (((r0 + HALF) & R_MASK) << 32)     # a lane's sums stay < 2**31: no carry
             for t in range(LANES, m):
                 e[t] = e[t - LANES] + a[t - LANES]
             for t in range(m):

@@ -18,9 +18,13 @@ levels of the element's own side that enclose it):
 
     p = (u − base)/step,  j = min(max(floor(p + r), 0), n − 1),  code = code0 + j
 
-with r uniform in [0, 1) from the counter stream (units/stream.py, keyed by the element's
-global index), so E[j] = p and E[x̃] = x̂ up to float rounding and the stream's 2**−24 grid;
-a side whose levels coincide (step 0) decodes to its base. Decode: x̃ = s·(base + j·step);
+with r uniform in [0, 1) on the 2**−24 grid, so E[j] = p and E[x̃] = x̂ up to float rounding
+and that grid; a side whose levels coincide (step 0) decodes to its base. The draws are
+systematic (systematic_uniforms): one counter draw per group (units/stream.py, keyed by the
+group's first element's global index), and along each lane of the group (elements l, l + 4,
+l + 8, ...) and side each element's r continues from the fractions of p before it, so every
+r is still uniform but neighbours' rounding errors cancel: the count of round-ups in a lane
+and side stays within one of its expectation. Decode: x̃ = s·(base + j·step);
 the conv input of an open element |γ|·((base − t) + j·step) (β where γ = 0): ≥ 0, and 0 at t.
 Every decision is the group's own or comes from γ and β, so a data-parallel shard whose rows
 are whole groups (n_local·H·W a multiple of 256) codes exactly what the whole batch codes there.
