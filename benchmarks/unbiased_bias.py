@@ -33,10 +33,10 @@ from lowmem.units import quant, unbiased                       # noqa: E402
 
 CODES = {"nearest": ("nearest", None), "stochastic-window": ("stochastic-window", None),
          "unbiased (the code)": ("stochastic", {}),
-         "unbiased, independent draws": ("stochastic", {"draws": "independent"}),
-         "unbiased, lanes of stride 1": ("stochastic", {"lanes": 1}),
-         "unbiased, lanes of stride 2": ("stochastic", {"lanes": 2}),
-         "unbiased, lanes of stride 8": ("stochastic", {"lanes": 8}),
+         "unbiased (independent draws)": ("stochastic", {"draws": "independent"}),
+         "unbiased (lanes of stride 1)": ("stochastic", {"lanes": 1}),
+         "unbiased (lanes of stride 2)": ("stochastic", {"lanes": 2}),
+         "unbiased (lanes of stride 8)": ("stochastic", {"lanes": 8}),
          "unbiased (open end only)": ("stochastic", {"variant": "open"})}
 
 

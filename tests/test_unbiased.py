@@ -168,13 +168,14 @@ def test_a_shard_draws_what_the_whole_batch_draws_there():
     x = rng.standard_normal((C, M))
     gamma, beta = rng.standard_normal(C), rng.standard_normal(C) * 0.3
     key = quant.stream_key(1, 7, 2)
-    whole, _ = unbiased.quantize_simulated(x, gamma, beta, 4, key)
-    for r in range(2):
-        part = np.ascontiguousarray(x[:, r * 512:(r + 1) * 512])
-        got, _ = unbiased.quantize_simulated(part, gamma, beta, 4, Stream(key, start=r * 512, row=M))
-        if r == 0:
-            assert not np.array_equal(got, whole[:, 512:])
-        np.testing.assert_array_equal(got, whole[:, r * 512:(r + 1) * 512])
+    for bits in (2, 4):                      # systematic draws, and each element's own
+        whole, _ = unbiased.quantize_simulated(x, gamma, beta, bits, key)
+        for r in range(2):
+            part = np.ascontiguousarray(x[:, r * 512:(r + 1) * 512])
+            got, _ = unbiased.quantize_simulated(part, gamma, beta, bits, Stream(key, start=r * 512, row=M))
+            if r == 0:
+                assert not np.array_equal(got, whole[:, 512:])
+            np.testing.assert_array_equal(got, whole[:, r * 512:(r + 1) * 512])
     # the window code too, for any split
     whole, _ = quant.quantize_simulated(x, gamma, beta, 2, "stochastic-window", key)
     part = np.ascontiguousarray(x[:, 300:])

@@ -42,7 +42,7 @@ if AVAILABLE:
     R_MASK = numpy.int32((1 << quant.OFFSET_BITS) - 1)
     HALF = numpy.int32(1 << (quant.OFFSET_BITS - 1))
     WEYL = numpy.int64(unbiased.WEYL)
-    GROUP, LANES = unbiased.GROUP, unbiased.LANES
+    GROUP, LANES, SYSTEMATIC_BITS = unbiased.GROUP, unbiased.LANES, unbiased.SYSTEMATIC_BITS
     BLOCK = cpu_base.BLOCK             # a multiple of GROUP: blocks are whole groups
     _opts = dict(cache=True, nogil=True, error_model="numpy")
     _reduce = dict(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"})
@@ -169,14 +169,48 @@ if AVAILABLE:
             lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3] = bo, so, bc, sc
 
     @njit(**_opts)
-    def _draw(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0, pb, fl, a, e):
-        """codes <- the block's codes (unbiased._encode_block, from its groups' levels lv; each
-        group's draw from counter z0 + (its first element)*GOLDEN, then unbiased's systematic
-        sampling along each lane of each side); orow <- relu(y), y = x-hat*g + b. Scratch of
-        GROUP elements: pb float32 (p), fl uint8 (the mask), a int64 (q, shifted 32 bits up on
-        the closed side), e int64 (R so far in each lane: the open side's in the low 32 bits,
-        the closed side's in the high). Per group three loops: p and q; the sums (a recurrence
-        at distance LANES, adds only); the codes."""
+    def _draw_independent(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
+        """codes <- the block's codes at K >= 3 bits (unbiased._encode_block, from its groups'
+        levels lv; element t's own draw from counter z0 + t*GOLDEN); orow <- relu(y),
+        y = x-hat*g + b."""
+        n = xb.size
+        n_open = F32(L) - kf
+        for q in range((n + GROUP - 1) // GROUP):
+            bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
+            zq = z0 + U64(q0) * GOLDEN
+            for t in range(xq.size):
+                xh = xq[t]
+                y = xh * g + b
+                on = y > 0
+                u = xh * s
+                bb = bo if on else bc
+                st = so if on else sc
+                nn = n_open if on else kf
+                p = (u - bb) / st
+                p = p if st > 0 else F0
+                z = zq + U64(t) * GOLDEN
+                z = (z ^ (z >> S30)) * MIX1
+                z = (z ^ (z >> S27)) * MIX2
+                z = z ^ (z >> S31)
+                p = p + F32(numpy.int32(z >> S_OFF)) * R_SCALE       # < 2**24: exact through int32
+                j = min(max(numpy.floor(p), F0), nn - F32(1))
+                code = kf + j if on else j
+                cq[t] = numpy.uint8(numpy.int32(code))
+                oq[t] = y if on else F0
+
+    @njit(**_opts)
+    def _draw_systematic(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0, pb, fl, a, e):
+        """codes <- the block's codes at 2 bits (unbiased._encode_block, from its groups' levels
+        lv; each group's draw from counter z0 + (its first element)*GOLDEN, then unbiased's
+        systematic sampling along each lane of each side); orow <- relu(y), y = x-hat*g + b.
+        Scratch of GROUP elements: pb float32 (p), fl uint8 (the mask), a int64 (q, shifted 32
+        bits up on the closed side), e int64 (R so far in each lane: the open side's in the low
+        32 bits, the closed side's in the high). Per group three loops: p and q; the sums (a
+        recurrence at distance LANES, adds only); the codes. About twice _draw_independent's
+        time: the intermediate stores (variants that split the sums into int32 arrays, or fused
+        the three loops, ran slower)."""
         n = xb.size
         n_open = F32(L) - kf
         for q in range((n + GROUP - 1) // GROUP):
@@ -313,7 +347,10 @@ if AVAILABLE:
                 _normalise(xg, x[c, i0:i1], mean[c], rstd[c])
                 z0 = base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN
                 _block_ranges(ends, lv, xi[:i1 - i0], c, i0 // GROUP, s < 0, t_o, t_c, kc, L, box, bits_view)
-                _draw(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0, pb, fl, a, e)
+                if bits <= SYSTEMATIC_BITS:
+                    _draw_systematic(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0, pb, fl, a, e)
+                else:
+                    _draw_independent(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
                 if naive:                       # continue from the decoded value
                     _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, b, ag, t_o)
                 cpu_base._pack(slot_codes[(c * M + i0) // per:(c * M + i1) // per], cg, bits)

@@ -1,8 +1,9 @@
 """CUDA kernels of the unbiased group-range code (units/unbiased.py), program "unbiased".
 
     unbiased_forward   one thread per (group, channel): normalise the group's 256 elements, find
-                       their range, round it outward to bf16, then draw (one counter per group,
-                       systematic sampling along each lane of each side), pack and write relu(y)
+                       their range, round it outward to bf16, then draw (at 2 bits one counter per
+                       group, systematic sampling along each lane of each side; wider, one
+                       per element), pack and write relu(y)
                        (or naive's decoded conv input)
     unbiased_decode    one thread per (group, channel): x-tilde or the conv input from the codes
                        and the stored ends; optionally zero the incoming gradient where the mask
@@ -27,6 +28,7 @@ SOURCE = r"""
 // the unbiased code; lowmem/system/cuda.py puts `real`, BLOCK and the rn_* helpers before this text
 #define UB_GROUP 256
 #define UB_LANES 4
+#define UB_SYSTEMATIC_BITS 2
 #define UB_WEYL 10368890u
 __device__ __forceinline__ float  ub_floor(float a)  { return floorf(a); }
 __device__ __forceinline__ double ub_floor(double a) { return floor(a); }
@@ -115,8 +117,8 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
     hi = ub_bf16(hi, 1, e);
     lo = ub_bf16(lo, 0, e + 1);
     const UbLevels v = ub_levels(hi, lo, h.t_o, h.t_c, h.k, L);
-    // the group's draw (its first element's counter), then systematic sampling along each lane
-    // of each side (unbiased.systematic_uniforms)
+    // at 2 bits the group's draw (its first element's counter), then systematic sampling along
+    // each lane of each side (unbiased.systematic_uniforms); wider codes draw per element
     unsigned long long z = base + (unsigned long long)((long long)c * row + start + g0 + 1) * 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -141,9 +143,18 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
             real f = rn_sub(p, ub_floor(p));
             if (!(f >= (real)0 && f < (real)1)) f = (real)0;
             const unsigned int qv = (unsigned int)rn_mul(f, (real)16777216.0);
-            const int lane = (int)((i - g0) % UB_LANES);
-            const unsigned int R = (on ? acc_o[lane] : acc_c[lane]) & 0xFFFFFFu;
-            if (on) acc_o[lane] += qv; else acc_c[lane] += qv;
+            unsigned int R;
+            if (bits <= UB_SYSTEMATIC_BITS) {               // the lane's walk
+                const int lane = (int)((i - g0) % UB_LANES);
+                R = (on ? acc_o[lane] : acc_c[lane]) & 0xFFFFFFu;
+                if (on) acc_o[lane] += qv; else acc_c[lane] += qv;
+            } else {                                        // the element's own draw
+                unsigned long long w = base + (unsigned long long)((long long)c * row + start + i + 1) * 0x9E3779B97F4A7C15ull;
+                w = (w ^ (w >> 30)) * 0xBF58476D1CE4E5B9ull;
+                w = (w ^ (w >> 27)) * 0x94D049BB133111EBull;
+                w = w ^ (w >> 31);
+                R = (unsigned int)(w >> 40);
+            }
             p = rn_add(p, rn_mul((real)R, (real)5.9604644775390625e-08));
             const real jj = ub_min(ub_max(ub_floor(p), (real)0), rn_sub(n, (real)1));
             const real code = on ? rn_add(kf, jj) : jj;
@@ -218,4 +229,4 @@ def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
 
 
 assert GOLDEN == 0x9E3779B97F4A7C15           # the constants written into the kernel text
-assert (unbiased.GROUP, unbiased.LANES, unbiased.WEYL) == (256, 4, 10368890)
+assert (unbiased.GROUP, unbiased.LANES, unbiased.WEYL, unbiased.SYSTEMATIC_BITS) == (256, 4, 10368890, 2)

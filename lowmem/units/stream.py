@@ -13,9 +13,10 @@ stream. One process: row = M, start = 0, and i is the element's flat C-order ind
 The hash: h = mix64(mix64(K) + (i + 1)·φ mod 2**64) (SplitMix64 seeded with mix64(K):
 φ = 0x9E3779B97F4A7C15, mix64 its finaliser; Steele, Lea, Flood 2014, the finaliser Stafford's
 "Mix13"); its top 24 bits b = h >> 40 give the window code's offset d = (b − 2**23)·2**−24 in
-[−1/2, 1/2) (one per element) and the unbiased code's group draw (one per group of 256, the
-counter of the group's first element: `group_bits`; units/unbiased.py walks each group's
-lanes from it), both exact in float32 and float64. Integer-only, so NumPy, numba and CUDA
+[−1/2, 1/2) and the unbiased code's r = b·2**−24 in [0, 1) (one per element), or at 2 bits
+the unbiased code's group draw (one per group of 256, the counter of the group's first
+element: `group_bits`; units/unbiased.py walks each group's lanes from it), all exact in
+float32 and float64. Integer-only, so NumPy, numba and CUDA
 compute the same numbers and, with the same float operations, the same codes.
 
 `stream_key(seed, step, unit)` derives a key per unit and step; `Stream(key, start, row)`

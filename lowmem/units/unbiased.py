@@ -19,12 +19,14 @@ levels of the element's own side that enclose it):
     p = (u − base)/step,  j = min(max(floor(p + r), 0), n − 1),  code = code0 + j
 
 with r uniform in [0, 1) on the 2**−24 grid, so E[j] = p and E[x̃] = x̂ up to float rounding
-and that grid; a side whose levels coincide (step 0) decodes to its base. The draws are
-systematic (systematic_uniforms): one counter draw per group (units/stream.py, keyed by the
-group's first element's global index), and along each lane of the group (elements l, l + 4,
-l + 8, ...) and side each element's r continues from the fractions of p before it, so every
-r is still uniform but neighbours' rounding errors cancel: the count of round-ups in a lane
-and side stays within one of its expectation. Decode: x̃ = s·(base + j·step);
+and that grid; a side whose levels coincide (step 0) decodes to its base. From 3 bits up each
+element draws its own r from the counter stream (units/stream.py, keyed by its global index).
+At 2 bits (SYSTEMATIC_BITS), where each side has two levels and a draw's error is as wide as
+the group's range, the draws are systematic (systematic_uniforms): one counter draw per
+group (its first element's), and along each lane of the group (elements l, l + 4, l + 8, ...)
+and side each element's r continues from the fractions of p before it, so every r is still
+uniform but neighbours' rounding errors cancel: the count of round-ups in a lane and side
+stays within one of its expectation. Decode: x̃ = s·(base + j·step);
 the conv input of an open element |γ|·((base − t) + j·step) (β where γ = 0): ≥ 0, and 0 at t.
 Every decision is the group's own or comes from γ and β, so a data-parallel shard whose rows
 are whole groups (n_local·H·W a multiple of 256) codes exactly what the whole batch codes there.
@@ -215,11 +217,26 @@ def metadata(ends_out, xhat, gamma, variant="group"):
 
 # ---- encode, decode ----------------------------------------------------------
 
-def _encode_piece(xhat, lv, r0, r1, c0, c1, stream, draws="systematic", lanes=None):
+def _draw_of(stream, r0, r1, s0, s1, size, u0, xp, dtype, draws, lanes):
+    """The draw of the (R, g, size) block of columns s0:s1 (whole groups): a function
+    (p, mask) -> r. u0 (R, g): the groups' 24-bit draws (stream.group_bits)."""
+    if draws == "independent":               # every element its own draw
+        r = uniforms(stream, r0, r1, s0, s1, dtype, xp).reshape(r1 - r0, (s1 - s0) // size, size)
+        return lambda p, mask: r
+    return lambda p, mask: systematic_uniforms(p, mask, u0[:, :, None], lanes)
+
+
+def default_draws(bits):
+    """The packed code's draws at `bits`: "systematic" at K <= SYSTEMATIC_BITS, else "independent"."""
+    return "systematic" if bits <= SYSTEMATIC_BITS else "independent"
+
+
+def _encode_piece(xhat, lv, r0, r1, c0, c1, stream, draws=None, lanes=None):
     """Codes (r1−r0, c1−c0) as floats of x̂ rows r0:r1, columns c0:c1 of the whole (C, M) x̂:
     the piece's groups are coded whole (a group's draws run from its first element) and cut.
-    draws="independent" (measured, never packed): each element's own r from the stream."""
+    draws: None (the packed code's, default_draws), "systematic" or "independent"."""
     M = xhat.shape[1]
+    draws = default_draws(lv.bits) if draws is None else draws
     a0, a1 = c0 // GROUP * GROUP, min(M, -(-c1 // GROUP) * GROUP)
     xp = array_module(xhat)
     out = xp.empty((r1 - r0, a1 - a0), xhat.dtype)
@@ -227,14 +244,9 @@ def _encode_piece(xhat, lv, r0, r1, c0, c1, stream, draws="systematic", lanes=No
     for s0, s1, size in _segments(r0, r1, a0, a1, M):
         shape = (r1 - r0, (s1 - s0) // size, size)
         gs = slice((s0 - a0) // GROUP, (s0 - a0) // GROUP + shape[1])
-        if draws == "independent":
-            r = uniforms(stream, r0, r1, s0, s1, xhat.dtype, xp).reshape(shape)
-            draw = lambda p, mask, r=r: r                                   # noqa: E731
-        else:
-            draw = lambda p, mask, u=u0[:, gs, None]: systematic_uniforms(p, mask, u, lanes)  # noqa: E731
+        draw = _draw_of(stream, r0, r1, s0, s1, size, u0[:, gs], xp, xhat.dtype, draws, lanes)
         out[:, s0 - a0:s1 - a0] = _encode_block(xhat[r0:r1, s0:s1].reshape(shape), lv, slice(r0, r1),
-                                                _grouped(lv, r0, r1, s0, s1, size),
-                                                draw).reshape(r1 - r0, s1 - s0)
+                                                _grouped(lv, r0, r1, s0, s1, size), draw).reshape(r1 - r0, s1 - s0)
     return out[:, c0 - a0:c1 - a0]
 
 
@@ -262,14 +274,14 @@ def check_bits(bits):
 DRAWS = ("systematic", "independent")
 
 
-def quantize_simulated(xhat, gamma, beta, bits, key, variant="group", draws="systematic", lanes=None):
+def quantize_simulated(xhat, gamma, beta, bits, key, variant="group", draws=None, lanes=None):
     """Reference (x̃, mask), both (C, M): the unbiased code's decode of x̂ for stream `key` (an
     integer or a Stream), whole arrays; the packed path (quantize_pack + decode) matches it bit
     for bit. The measured variants (never packed): variant="open" (the lower end per channel),
-    draws="independent" (every element its own draw, no systematic sampling), lanes (another
-    lane count for the systematic draws)."""
+    draws="independent" or "systematic" at a width whose packed code draws the other way
+    (default None: default_draws(bits)), lanes (another lane count for the systematic draws)."""
     bits = check_bits(bits)
-    if draws not in DRAWS:
+    if draws is not None and draws not in DRAWS:
         raise ValueError(f"draws must be one of {DRAWS}, got {draws!r}")
     xp = array_module(xhat)
     C, M = xhat.shape
@@ -299,9 +311,9 @@ def _grouped(lv, r0, r1, c0, c1, size):
     return tuple(a[r0:r1, gs, None] for a in (lv.base_o, lv.step_o, lv.base_c, lv.step_c))
 
 
-def _encode_block(x3, lv, rows, params, u0):
-    """Codes (floats) of the (R, g, size) view x3 of whole groups; u0 (R, g, 1): each group's
-    24-bit draw (stream.group_bits), or a function (p, mask) -> r (the measured variants)."""
+def _encode_block(x3, lv, rows, params, draw):
+    """Codes (floats) of the (R, g, size) view x3 of whole groups; draw: (p, mask) -> r
+    (_draw_of)."""
     xp = array_module(x3)
     bo, so, bc, sc = params
     mask = (x3 * lv.gamma[rows, None, None]) + lv.beta[rows, None, None] > 0
@@ -311,11 +323,12 @@ def _encode_block(x3, lv, rows, params, u0):
     n = xp.where(mask, lv.levels - k, k)
     with numpy.errstate(divide="ignore", invalid="ignore"):
         p = xp.where(step > 0, (u - base) / xp.where(step > 0, step, 1), 0)
-    p = p + (u0(p, mask) if callable(u0) else systematic_uniforms(p, mask, u0))
+    p = p + draw(p, mask)
     j = xp.minimum(xp.maximum(xp.floor(p), 0), n - 1)
     return xp.where(mask, k + j, j)
 
 
+SYSTEMATIC_BITS = 2   # widths whose draws are systematic (default_draws); wider ones draw per element
 LANES = 4          # systematic sampling: a group's elements l, l + 4, l + 8, ... form lane l
 WEYL = 10368890    # round(2**24·(φ − 1)): lane l starts l·WEYL after lane 0 on the 2**24 grid
 
@@ -407,8 +420,9 @@ def quantize_pack(slot, xhat, gamma, beta, bits, key):
         for s0, s1, size in _segments(r0, r1, c0, c1, M):
             shape = (r1 - r0, (s1 - s0) // size, size)
             gs = slice((s0 - c0) // GROUP, (s0 - c0) // GROUP + shape[1])
+            draw = _draw_of(stream, r0, r1, s0, s1, size, u0[:, gs], xp, xhat.dtype, default_draws(bits), None)
             code = _encode_block(xhat[r0:r1, s0:s1].reshape(shape), lv, slice(r0, r1),
-                                 _grouped(lv, r0, r1, s0, s1, size), u0[:, gs, None])
+                                 _grouped(lv, r0, r1, s0, s1, size), draw)
             xp.copyto(buf[:, s0 - c0:s1 - c0].reshape(shape), code, casting="unsafe")
         a = r0 * M + c0                           # whole rows, or a part of one: contiguous
         quant._pack_block(codes[a * bits // 8:(a + buf.size) * bits // 8], buf.reshape(-1), bits,
