@@ -227,6 +227,22 @@ def test_systematic_draws_keep_each_lane_and_sides_count(M):
     assert worst["independent"] > 2
 
 
+def test_only_the_2_bit_code_draws_systematically():
+    """The packed code's draws: systematic at 2 bits (unbiased.SYSTEMATIC_BITS), each element's
+    own from 3 bits up (the codes those widths had before the walk)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 700))
+    gamma, beta = np.array([1.0, -1.5]), np.array([0.1, 0.4])
+    key = quant.stream_key(8, 1, 0)
+    for bits in (2, 4, 8):
+        packed, _ = unbiased.quantize_simulated(x, gamma, beta, bits, key)
+        want = unbiased.default_draws(bits)
+        assert want == ("systematic" if bits == 2 else "independent")
+        other = {"systematic": "independent", "independent": "systematic"}[want]
+        np.testing.assert_array_equal(packed, unbiased.quantize_simulated(x, gamma, beta, bits, key, draws=want)[0])
+        assert not np.array_equal(packed, unbiased.quantize_simulated(x, gamma, beta, bits, key, draws=other)[0])
+
+
 def test_systematic_draws_cancel_the_group_sums_error():
     """Fixed seed: over 200 draws, the error of each group's sum of x̃ (open and closed apart)
     has under a quarter of the variance independent draws give (measured: 0.026 of it),
