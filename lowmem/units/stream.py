@@ -16,8 +16,8 @@ The hash: h = mix64(mix64(K) + (i + 1)·φ mod 2**64) (SplitMix64 seeded with mi
 [−1/2, 1/2) and the unbiased code's r = b·2**−24 in [0, 1) (one per element), or at 2 bits
 the unbiased code's group draw (one per group of 256, the counter of the group's first
 element: `group_bits`; units/unbiased.py walks each group's lanes from it), all exact in
-float32 and float64. Integer-only, so NumPy, numba and CUDA
-compute the same numbers and, with the same float operations, the same codes.
+float32 and float64. Integer-only, so NumPy, numba and CUDA compute the same numbers and,
+with the same float operations, the same codes.
 
 `stream_key(seed, step, unit)` derives a key per unit and step; `Stream(key, start, row)`
 carries a key with the shard's place (a plain integer key means start 0, row M).
@@ -75,12 +75,13 @@ def resolve(key, M, needed=True, what="stochastic"):
     return mix64(check_key(key)), 0, M
 
 
-def draw_bits(resolved, r0, r1, c0, c1, xp=numpy):
-    """(r1−r0, c1−c0) uint64: b = h >> 40 (< 2**24) of elements [r0:r1, c0:c1] of a unit's
-    (C, M) rows, from resolve()'s (base, start, row). Allocates two arrays of that shape."""
+def draw_bits(resolved, r0, r1, c0, c1, xp=numpy, stride=1):
+    """(r1−r0, g) uint64: b = h >> 40 (< 2**24) of elements [r0:r1, c0:c1:stride] of a unit's
+    (C, M) rows (g = ceil((c1 − c0)/stride)), from resolve()'s (base, start, row). Allocates two
+    arrays of that shape."""
     base, start, row = resolved
     heads = [(base + (r * row + start + c0 + 1) * GOLDEN) & MASK64 for r in range(r0, r1)]
-    z = xp.arange(c1 - c0, dtype=numpy.uint64)[None, :] * numpy.uint64(GOLDEN)
+    z = xp.arange(-(-(c1 - c0) // stride), dtype=numpy.uint64)[None, :] * numpy.uint64(stride * GOLDEN & MASK64)
     z = z + xp.asarray(numpy.array(heads, dtype=numpy.uint64))[:, None]
     mix64_array(z, xp.empty_like(z))
     xp.right_shift(z, numpy.uint64(64 - OFFSET_BITS), out=z)
@@ -88,15 +89,9 @@ def draw_bits(resolved, r0, r1, c0, c1, xp=numpy):
 
 
 def group_bits(resolved, r0, r1, c0, c1, group, xp=numpy):
-    """(r1−r0, g) uint64: b of the first element of each run of `group` columns in [c0, c1)
-    (columns c0, c0 + group, ...; g = ceil((c1 − c0)/group)): one draw per group."""
-    base, start, row = resolved
-    heads = [(base + (r * row + start + c0 + 1) * GOLDEN) & MASK64 for r in range(r0, r1)]
-    z = xp.arange(-(-(c1 - c0) // group), dtype=numpy.uint64)[None, :] * numpy.uint64(group * GOLDEN & MASK64)
-    z = z + xp.asarray(numpy.array(heads, dtype=numpy.uint64))[:, None]
-    mix64_array(z, xp.empty_like(z))
-    xp.right_shift(z, numpy.uint64(64 - OFFSET_BITS), out=z)
-    return z
+    """(r1−r0, g) uint64: b of the first element of each run of `group` columns in [c0, c1):
+    one draw per group."""
+    return draw_bits(resolved, r0, r1, c0, c1, xp, stride=group)
 
 
 def uniforms(resolved, r0, r1, c0, c1, dtype, xp=numpy):

@@ -217,18 +217,29 @@ def metadata(ends_out, xhat, gamma, variant="group"):
 
 # ---- encode, decode ----------------------------------------------------------
 
-def _draw_of(stream, r0, r1, s0, s1, size, u0, xp, dtype, draws, lanes):
-    """The draw of the (R, g, size) block of columns s0:s1 (whole groups): a function
-    (p, mask) -> r. u0 (R, g): the groups' 24-bit draws (stream.group_bits)."""
-    if draws == "independent":               # every element its own draw
-        r = uniforms(stream, r0, r1, s0, s1, dtype, xp).reshape(r1 - r0, (s1 - s0) // size, size)
-        return lambda p, mask: r
-    return lambda p, mask: systematic_uniforms(p, mask, u0[:, :, None], lanes)
-
-
 def default_draws(bits):
     """The packed code's draws at `bits`: "systematic" at K <= SYSTEMATIC_BITS, else "independent"."""
     return "systematic" if bits <= SYSTEMATIC_BITS else "independent"
+
+
+def _encode_segments(xhat, lv, r0, r1, c0, c1, stream, draws, lanes):
+    """(s0, s1, codes (r1−r0, s1−s0) floats) of rows r0:r1 over columns c0:c1, whole groups
+    (c0 a multiple of GROUP; c1 one too, or M), run by run of equal groups (_segments).
+    draws: "systematic" (each group's walk from its draw, stream.group_bits) or
+    "independent" (each element's own draw)."""
+    xp = array_module(xhat)
+    u0 = group_bits(stream, r0, r1, c0, c1, GROUP, xp) if draws == "systematic" else None
+    for s0, s1, size in _segments(r0, r1, c0, c1, xhat.shape[1]):
+        shape = (r1 - r0, (s1 - s0) // size, size)
+        if u0 is None:
+            r = uniforms(stream, r0, r1, s0, s1, xhat.dtype, xp).reshape(shape)
+            draw = lambda p, mask, r=r: r                                    # noqa: E731
+        else:
+            g0 = (s0 - c0) // GROUP
+            draw = lambda p, mask, u=u0[:, g0:g0 + shape[1], None]: systematic_uniforms(p, mask, u, lanes)  # noqa: E731
+        code = _encode_block(xhat[r0:r1, s0:s1].reshape(shape), lv, slice(r0, r1),
+                             _grouped(lv, r0, r1, s0, s1, size), draw)
+        yield s0, s1, code.reshape(r1 - r0, s1 - s0)
 
 
 def _encode_piece(xhat, lv, r0, r1, c0, c1, stream, draws=None, lanes=None):
@@ -238,15 +249,9 @@ def _encode_piece(xhat, lv, r0, r1, c0, c1, stream, draws=None, lanes=None):
     M = xhat.shape[1]
     draws = default_draws(lv.bits) if draws is None else draws
     a0, a1 = c0 // GROUP * GROUP, min(M, -(-c1 // GROUP) * GROUP)
-    xp = array_module(xhat)
-    out = xp.empty((r1 - r0, a1 - a0), xhat.dtype)
-    u0 = group_bits(stream, r0, r1, a0, a1, GROUP, xp)
-    for s0, s1, size in _segments(r0, r1, a0, a1, M):
-        shape = (r1 - r0, (s1 - s0) // size, size)
-        gs = slice((s0 - a0) // GROUP, (s0 - a0) // GROUP + shape[1])
-        draw = _draw_of(stream, r0, r1, s0, s1, size, u0[:, gs], xp, xhat.dtype, draws, lanes)
-        out[:, s0 - a0:s1 - a0] = _encode_block(xhat[r0:r1, s0:s1].reshape(shape), lv, slice(r0, r1),
-                                                _grouped(lv, r0, r1, s0, s1, size), draw).reshape(r1 - r0, s1 - s0)
+    out = array_module(xhat).empty((r1 - r0, a1 - a0), xhat.dtype)
+    for s0, s1, code in _encode_segments(xhat, lv, r0, r1, a0, a1, stream, draws, lanes):
+        out[:, s0 - a0:s1 - a0] = code
     return out[:, c0 - a0:c1 - a0]
 
 
@@ -313,7 +318,7 @@ def _grouped(lv, r0, r1, c0, c1, size):
 
 def _encode_block(x3, lv, rows, params, draw):
     """Codes (floats) of the (R, g, size) view x3 of whole groups; draw: (p, mask) -> r
-    (_draw_of)."""
+    (_encode_segments)."""
     xp = array_module(x3)
     bo, so, bc, sc = params
     mask = (x3 * lv.gamma[rows, None, None]) + lv.beta[rows, None, None] > 0
@@ -416,14 +421,8 @@ def quantize_pack(slot, xhat, gamma, beta, bits, key):
         return _quantize_pack_pieces(codes, xhat, lv, bits, stream)
     for r0, r1, c0, c1 in _blocks(C, M):
         buf = xp.empty((r1 - r0, c1 - c0), numpy.uint8)
-        u0 = group_bits(stream, r0, r1, c0, c1, GROUP, xp)
-        for s0, s1, size in _segments(r0, r1, c0, c1, M):
-            shape = (r1 - r0, (s1 - s0) // size, size)
-            gs = slice((s0 - c0) // GROUP, (s0 - c0) // GROUP + shape[1])
-            draw = _draw_of(stream, r0, r1, s0, s1, size, u0[:, gs], xp, xhat.dtype, default_draws(bits), None)
-            code = _encode_block(xhat[r0:r1, s0:s1].reshape(shape), lv, slice(r0, r1),
-                                 _grouped(lv, r0, r1, s0, s1, size), draw)
-            xp.copyto(buf[:, s0 - c0:s1 - c0].reshape(shape), code, casting="unsafe")
+        for s0, s1, code in _encode_segments(xhat, lv, r0, r1, c0, c1, stream, default_draws(bits), None):
+            xp.copyto(buf[:, s0 - c0:s1 - c0], code, casting="unsafe")
         a = r0 * M + c0                           # whole rows, or a part of one: contiguous
         quant._pack_block(codes[a * bits // 8:(a + buf.size) * bits // 8], buf.reshape(-1), bits,
                           xp.empty(buf.size * bits // 8, numpy.uint8))
