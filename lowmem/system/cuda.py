@@ -7,8 +7,8 @@ Three modules keep CUDA C++ beside the Python they speed up, each as one `Progra
     lowmem/train/optim_gpu.py         "sgd"      optim.SGD's update
 
 This module gives them what they share and imports none of them: the text put
-before every program (the `real` type, BLOCK, and the round-to-nearest
-arithmetic), the compile options, and a launcher that compiles a program once
+before every program (the `real` type, BLOCK, the round-to-nearest
+arithmetic and the counter stream's bits), the compile options, and a launcher that compiles a program once
 per dtype at its first launch (NVRTC, through CuPy). Importing it needs no GPU
 and no CuPy; `Program.sources()` returns the exact text compiled, for the nvcc
 compile test, and tests/test_kernels_gpu.py swaps `build` for a CPU emulator.
@@ -36,6 +36,17 @@ __device__ __forceinline__ float  rn_div(float a, float b)   { return __fdiv_rn(
 __device__ __forceinline__ double rn_div(double a, double b) { return __ddiv_rn(a, b); }
 __device__ __forceinline__ float  rn_rsqrt(float v)  { return __frcp_rn(__fsqrt_rn(v)); }
 __device__ __forceinline__ double rn_rsqrt(double v) { return __drcp_rn(__dsqrt_rn(v)); }
+
+// The counter stream (lowmem/units/stream.py): the top 24 bits of SplitMix64's finaliser of
+// counter base + (i + 1)*phi, base = mix64(key), i an element's index in the global rows
+__device__ __forceinline__ unsigned int counter_bits(unsigned long long base, long long i)
+{
+    unsigned long long z = base + (unsigned long long)(i + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (unsigned int)(z >> 40);
+}
 """
 
 PROGRAMS = {}                     # name -> Program, filled as the modules that define them are imported

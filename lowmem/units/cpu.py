@@ -50,8 +50,8 @@ from .cpu_base import AVAILABLE, BLOCK, GRAIN, _over_channels, _overlap, support
 
 if AVAILABLE:
     from numba import njit
-    from .cpu_base import (F0, F32, GOLDEN, HALF, MIX1, MIX2, OFF_MID, OFF_SCALE, S27, S30, S31, S_OFF,
-                           U64, _copy, _opts, _pack, _reduce, _unpack)
+    from .cpu_base import (F0, F32, GOLDEN, HALF, OFF_MID, OFF_SCALE, U64, _copy, _counter_bits, _opts, _pack,
+                           _reduce, _unpack)
 
     @njit(**_reduce)
     def _stats(x, mean, var):
@@ -113,11 +113,7 @@ if AVAILABLE:
             xh = (xr[t] - m) * r
             y = xh * g + b
             pos = y > F0
-            z = z0 + U64(t) * GOLDEN
-            z = (z ^ (z >> S30)) * MIX1
-            z = (z ^ (z >> S27)) * MIX2
-            z = z ^ (z >> S31)
-            d = (F32(numpy.int32(z >> S_OFF)) - OFF_MID) * OFF_SCALE    # exact
+            d = (F32(_counter_bits(z0 + U64(t) * GOLDEN)) - OFF_MID) * OFF_SCALE    # exact
             v = numpy.floor((xh * sc - l0) / w + d)
             v = max(v, kf if pos else F0)
             v = min(v, ftop if pos else km1)

@@ -41,6 +41,17 @@ if AVAILABLE:
     _reduce = dict(cache=True, nogil=True, fastmath={"reassoc", "nsz"})
 
 
+    # ---- the counter stream ----
+
+    @njit(inline="always")
+    def _counter_bits(z):
+        """b = h >> 40 (< 2**24, as int32) of counter z = mix64(key) + (i + 1)*GOLDEN: SplitMix64's
+        finaliser (units/stream.py), in uint64."""
+        z = (z ^ (z >> S30)) * MIX1
+        z = (z ^ (z >> S27)) * MIX2
+        z = z ^ (z >> S31)
+        return numpy.int32(z >> S_OFF)
+
     # ---- packing: one code per byte <-> 8/K codes per byte, little end first ----
 
     @njit(**_opts)

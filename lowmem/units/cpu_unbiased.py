@@ -35,8 +35,7 @@ if AVAILABLE:
     F32, U64 = numpy.float32, numpy.uint64
     F0 = F32(0)
     INF = F32(numpy.inf)
-    GOLDEN, MIX1, MIX2 = cpu_base.GOLDEN, cpu_base.MIX1, cpu_base.MIX2
-    S30, S27, S31, S_OFF = cpu_base.S30, cpu_base.S27, cpu_base.S31, cpu_base.S_OFF
+    GOLDEN = cpu_base.GOLDEN
     R_SCALE = F32(2.0 ** -quant.OFFSET_BITS)
     R_UNIT = F32(2.0 ** quant.OFFSET_BITS)
     R_MASK = numpy.int32((1 << quant.OFFSET_BITS) - 1)
@@ -190,11 +189,7 @@ if AVAILABLE:
                 nn = n_open if on else kf
                 p = (u - bb) / st
                 p = p if st > 0 else F0
-                z = zq + U64(t) * GOLDEN
-                z = (z ^ (z >> S30)) * MIX1
-                z = (z ^ (z >> S27)) * MIX2
-                z = z ^ (z >> S31)
-                p = p + F32(numpy.int32(z >> S_OFF)) * R_SCALE       # < 2**24: exact through int32
+                p = p + F32(cpu_base._counter_bits(zq + U64(t) * GOLDEN)) * R_SCALE     # < 2**24: exact
                 j = min(max(numpy.floor(p), F0), nn - F32(1))
                 code = kf + j if on else j
                 cq[t] = numpy.uint8(numpy.int32(code))
@@ -234,11 +229,7 @@ if AVAILABLE:
                 fl[t] = numpy.uint8(on)
                 a[t] = numpy.int64(v) << (0 if on else 32)
                 oq[t] = y if on else F0
-            z = z0 + U64(q0) * GOLDEN
-            z = (z ^ (z >> S30)) * MIX1
-            z = (z ^ (z >> S27)) * MIX2
-            z = z ^ (z >> S31)
-            start = numpy.int64(z >> S_OFF)                   # < 2**24
+            start = numpy.int64(cpu_base._counter_bits(z0 + U64(q0) * GOLDEN))       # < 2**24
             for l in range(min(LANES, m)):      # each lane's start (unbiased.lane_starts)
                 r0 = (start + l * WEYL) & R_MASK
                 e[l] = r0 | (((r0 + HALF) & R_MASK) << 32)     # a lane's sums stay < 2**31: no carry

@@ -92,11 +92,7 @@ __device__ Grid unit_grid(real g, real b, int bits, real w, real window)
 // seeded with base = mix64(key), element i's counter base + (i + 1)*phi; 24 bits, exact in float
 __device__ __forceinline__ real offset(unsigned long long base, long long i)
 {
-    unsigned long long z = base + (unsigned long long)(i + 1) * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return rn_mul(rn_sub((real)(int)(z >> 40), (real)8388608), (real)5.9604644775390625e-08);
+    return rn_mul(rn_sub((real)(int)counter_bits(base, i), (real)8388608), (real)5.9604644775390625e-08);
 }
 
 // code of one x-hat, clamped into the range its exact mask allows (quant.quantize_pack);

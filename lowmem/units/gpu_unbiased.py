@@ -119,14 +119,11 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
     const UbLevels v = ub_levels(hi, lo, h.t_o, h.t_c, h.k, L);
     // at 2 bits the group's draw (its first element's counter), then systematic sampling along
     // each lane of each side (unbiased.systematic_uniforms); wider codes draw per element
-    unsigned long long z = base + (unsigned long long)((long long)c * row + start + g0 + 1) * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z = z ^ (z >> 31);
+    const unsigned int u0 = counter_bits(base, (long long)c * row + start + g0);
     // each lane's sums so far on each side, from its start (unbiased.lane_starts)
     unsigned int acc_o[UB_LANES], acc_c[UB_LANES];
     for (int l = 0; l < UB_LANES; ++l) {
-        acc_o[l] = ((unsigned int)(z >> 40) + (unsigned int)l * UB_WEYL) & 0xFFFFFFu;
+        acc_o[l] = (u0 + (unsigned int)l * UB_WEYL) & 0xFFFFFFu;
         acc_c[l] = acc_o[l] + 0x800000u;
     }
     for (long long j = g0 / per; j < g1 / per; ++j) {
@@ -149,11 +146,7 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
                 R = (on ? acc_o[lane] : acc_c[lane]) & 0xFFFFFFu;
                 if (on) acc_o[lane] += qv; else acc_c[lane] += qv;
             } else {                                        // the element's own draw
-                unsigned long long w = base + (unsigned long long)((long long)c * row + start + i + 1) * 0x9E3779B97F4A7C15ull;
-                w = (w ^ (w >> 30)) * 0xBF58476D1CE4E5B9ull;
-                w = (w ^ (w >> 27)) * 0x94D049BB133111EBull;
-                w = w ^ (w >> 31);
-                R = (unsigned int)(w >> 40);
+                R = counter_bits(base, (long long)c * row + start + i);
             }
             p = rn_add(p, rn_mul((real)R, (real)5.9604644775390625e-08));
             const real jj = ub_min(ub_max(ub_floor(p), (real)0), rn_sub(n, (real)1));
@@ -228,5 +221,5 @@ def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
                     _i32(bool(relu)), _i32(dr is not None)))
 
 
-assert GOLDEN == 0x9E3779B97F4A7C15           # the constants written into the kernel text
+assert GOLDEN == 0x9E3779B97F4A7C15           # in the kernel texts (system/cuda.py's counter_bits)
 assert (unbiased.GROUP, unbiased.LANES, unbiased.WEYL, unbiased.SYSTEMATIC_BITS) == (256, 4, 10368890, 2)
