@@ -10,10 +10,18 @@ A config is exact, approxK or naiveK (K in 1, 2, 4, 8), with a "u" suffix for th
 and trains on the same random batch; round r steps each config once, the order rotated by r.
 Printed: per config its plan bytes and median step, and the median (and range) over rounds of
 its step / the first config's step of the same round. Wall-clock on whatever machine runs it.
+
+--kernels N: then `--rounds` more rounds under cProfile (alternated as the timed ones, and not
+timed), and per config the seconds per step of the N functions with the most own time (the
+--json file keeps every function of 1 ms or more). cProfile sees the calling thread only: run
+with LOWMEM_THREADS=1 for a step's whole work.
 """
 import argparse
+import collections
+import cProfile
 import json
 import os
+import pstats
 import re
 import sys
 import time
@@ -68,6 +76,22 @@ def alternate(steps, rounds, warmup):
     return times
 
 
+def own_times(steps, rounds):
+    """{name: Counter(function -> own seconds per step)}: `rounds` rounds as `alternate`'s, each
+    step under its own cProfile (the calling thread only)."""
+    names = list(steps)
+    own = {n: collections.Counter() for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            prof = cProfile.Profile()
+            prof.enable()
+            steps[n]()
+            prof.disable()
+            for (path, _, fn), row in pstats.Stats(prof).stats.items():
+                own[n][f"{os.path.basename(path)}:{fn}"] += row[2] / rounds
+    return own
+
+
 def ratios(times, name, first):
     """Each round's step of `name` over the step of `first` in the same round."""
     return [a / b for a, b in zip(times[name], times[first])]
@@ -81,6 +105,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=10, help="timed steps of each config (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", help="also write the result here")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="then profile as many rounds and print the N functions with the most own time")
     args = p.parse_args(argv)
     configs = args.configs.split(",")
     x, y = random_batch(args.batch)
@@ -98,6 +124,16 @@ def main(argv=None):
                              f"median_vs_{first}": float(numpy.median(r)), "min": min(r), "max": max(r)}
         print(f"{c:10s} plan {plans[c]:>14,d} B  median {numpy.median(times[c]):6.2f} s  vs {first}: "
               f"median {numpy.median(r):.3f} (range {min(r):.3f}-{max(r):.3f})", flush=True)
+    if args.kernels:
+        own = own_times(steps, args.rounds)
+        top = sorted(set().union(*own.values()), key=lambda f: -max(own[c][f] for c in configs))[:args.kernels]
+        print("own seconds per step (cProfile, the calling thread; LOWMEM_THREADS="
+              f"{os.environ.get('LOWMEM_THREADS', 'unset')}):")
+        print(" ".join(f"{c:>9s}" for c in configs), " function")
+        for f in top:
+            print(" ".join(f"{own[c][f]:9.3f}" for c in configs), "", f)
+        kept = [f for f in set().union(*own.values()) if max(own[c][f] for c in configs) >= 1e-3]
+        out["own_seconds_per_step"] = {c: {f: round(own[c][f], 4) for f in sorted(kept)} for c in configs}
     if args.json:
         from lowmem.system.atomic import atomic_write
         atomic_write(args.json, json.dumps(out, indent=1))
