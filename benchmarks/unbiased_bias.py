@@ -11,8 +11,12 @@ against ‖E g‖ from the per-step draw noise against SGD noise. Codes: nearest
 with stochastic rounding, the unbiased group-range code (both group ends, systematic draws
 along lanes of stride 4: the code the engine packs), the same with every element's own draw
 (independent: the code before systematic sampling), with lanes of stride 1, 2 and 8, and the
-cheaper variant (the group's upper end only, the lower end the channel's). Writes
-benchmarks/results/unbiased_bias.json and prints a table.
+cheaper variant (the group's upper end only, the lower end the channel's), and two base-3
+candidates (three values per element, 5 per byte: 1.6 bits plus the group metadata), simulated
+from the 2-bit code: its open side as it is (levels t and the group's maximum, systematic
+draws), its closed side collapsed onto one level, either the mean of the group's closed x-hat
+(rounded to bfloat16: 1.725 bits per element with the group's upper end) or the threshold t
+itself (no metadata). Writes benchmarks/results/unbiased_bias.json and prints a table.
 """
 import argparse
 import json
@@ -37,7 +41,30 @@ CODES = {"nearest": ("nearest", None), "stochastic-window": ("stochastic-window"
          "unbiased (lanes of stride 1)": ("stochastic", {"lanes": 1}),
          "unbiased (lanes of stride 2)": ("stochastic", {"lanes": 2}),
          "unbiased (lanes of stride 8)": ("stochastic", {"lanes": 8}),
-         "unbiased (open end only)": ("stochastic", {"variant": "open"})}
+         "unbiased (open end only)": ("stochastic", {"variant": "open"}),
+         "base-3 (closed: group mean)": ("stochastic", {"closed": "mean"}),
+         "base-3 (closed: threshold)": ("stochastic", {"closed": "threshold"})}
+
+
+def one_closed_level(xt, mask, xhat, gamma, beta, level):
+    """x-tilde with every closed element (mask False) on one level per group of unbiased.GROUP
+    consecutive elements of its row: the mean of the group's closed x-hat, rounded to the
+    nearest bfloat16 ("mean"), or the threshold x-hat = -beta/gamma ("threshold"; the mean where
+    gamma = 0, which has no threshold)."""
+    C, M = xhat.shape
+    G, S = unbiased.groups(M), unbiased.GROUP
+    pad = lambda a, v: numpy.concatenate([a, numpy.full((C, G * S - M), v, a.dtype)], 1).reshape(C, G, S)  # noqa: E731
+    closed = ~pad(mask, True)
+    n = closed.sum(2)
+    mean = numpy.where(closed, pad(xhat, 0), 0).sum(2) / numpy.maximum(n, 1)
+    bits = mean.astype(numpy.float32).view(numpy.uint32)
+    mean = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).view(numpy.float32)   # to nearest bf16
+    level_of = numpy.repeat(mean, S, axis=1)[:, :M].astype(xt.dtype)
+    if level == "threshold":
+        with numpy.errstate(divide="ignore", invalid="ignore"):
+            t = numpy.where(gamma != 0, -beta / numpy.where(gamma != 0, gamma, 1), 0)
+        level_of = numpy.where((gamma != 0)[:, None], t[:, None], level_of).astype(xt.dtype)
+    return numpy.where(mask, xt, level_of)
 
 
 class VariantUnits(S.SimulatedCodeUnits):
@@ -50,7 +77,11 @@ class VariantUnits(S.SimulatedCodeUnits):
 
     def _quantize(self, saved, gamma, beta, keep):
         if self._kept is None and self.variant is not None:
-            self._kept = unbiased.quantize_simulated(saved, gamma, beta, self.bits, self.key, **self.variant)
+            kw = {k: v for k, v in self.variant.items() if k != "closed"}
+            xt, mask = unbiased.quantize_simulated(saved, gamma, beta, self.bits, self.key, **kw)
+            if "closed" in self.variant:
+                xt = one_closed_level(xt, mask, saved, gamma, beta, self.variant["closed"])
+            self._kept = xt, mask
         return super()._quantize(saved, gamma, beta, keep)
 
 
