@@ -773,6 +773,49 @@ def test_unbiased_forward_and_decode_are_the_reference(dev, dtype, bits, naive):
     assert np.array_equal(dev.get(drd), dr * ((xhat * g[:, None]) + b[:, None] > 0))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_unbiased_backward_matches_the_reference(dev, dtype, bits, accumulate, M=776):
+    """The CUDA unbiased BN-ReLU backward (the sums per segment of groups, the finalize, dx with
+    x-tilde decoded inline) equals the reference's, the decode and then ops.bn_relu_backward
+    under the exact mask (γ of both signs and 0, t outside the data, a short last group), dx
+    written in place over dr or added to a gradient already there."""
+    x, g, b = unit(dtype, C=7, M=M, seed=30 + bits)
+    g[2], g[5], b[3], b[4] = 0, -abs(g[5]), 9.0, -9.0
+    xhat, mean, _, rstd = host_stats(x)
+    C, M = x.shape
+    slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
+    unbiased.quantize_pack(slot, xhat, g, b, bits, Stream(quant.stream_key(5, 6, 7)))
+    xt, mask = np.empty_like(x), np.empty(x.shape, bool)
+
+    def keep_mask(out_block, open_block, r0, r1, c0, c1):
+        mask[r0:r1, c0:c1] = open_block
+    unbiased.decode_each_chunk(xt, slot, g, b, bits, extra=keep_mask)
+    rng = np.random.default_rng(2)
+    dr = rng.standard_normal(x.shape).astype(dtype)
+    base = rng.standard_normal(x.shape).astype(dtype)
+    rdx, rdg, rdb = base.copy(), np.full(C, 0.5, dtype), np.full(C, -0.25, dtype)
+    bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, relu_mask=mask, accumulate=accumulate)
+    dgd, dbd = dev.put(np.full(C, 0.5, dtype)), dev.put(np.full(C, -0.25, dtype))
+    drd = dev.put(dr.copy())
+    dxd = dev.put(base) if accumulate else drd                       # in place, as the engine does
+    gpu_unbiased.unit_backward(dxd, dgd, dbd, drd, dev.put(slot), *map(dev.put, (g, b, rstd)), bits, accumulate)
+    tol = 1e-4 if dtype == "float32" else 1e-10
+    np.testing.assert_allclose(dev.get(dgd), rdg, rtol=tol, atol=tol * 10)
+    np.testing.assert_allclose(dev.get(dbd), rdb, rtol=tol, atol=tol * 10)
+    np.testing.assert_allclose(dev.get(dxd), rdx, rtol=tol, atol=tol * np.abs(rdx).max())
+    if accumulate:
+        assert np.array_equal(dev.get(drd), dr)                      # dr is read only
+
+
+def test_unbiased_backward_sums_over_several_segments(dev):
+    """A row of more than BLOCK groups: the sums run over several segments of groups."""
+    M = (cuda_helper.BLOCK + 3) * unbiased.GROUP + 40
+    assert cuda._segments(7, unbiased.groups(M)) > 1
+    test_unbiased_backward_matches_the_reference(dev, "float64", 2, False, M=M)
+
+
 GRAPH_FAMILIES = ("postact", "dense", "inverted", "bias", "classifier")
 
 

@@ -47,6 +47,30 @@ __device__ __forceinline__ unsigned int counter_bits(unsigned long long base, lo
     z ^= z >> 31;
     return (unsigned int)(z >> 40);
 }
+
+// The BN reductions (units/gpu.py, units/gpu_unbiased.py).
+// Block-wide sums of a and b (BLOCK threads, fixed tree order); totals land in sa[0], sb[0].
+__device__ void block_sum2(double a, double b, double* sa, double* sb)
+{
+    sa[threadIdx.x] = a;
+    sb[threadIdx.x] = b;
+    __syncthreads();
+    for (int h = BLOCK / 2; h > 0; h >>= 1) {
+        if (threadIdx.x < h) {
+            sa[threadIdx.x] += sa[threadIdx.x + h];
+            sb[threadIdx.x] += sb[threadIdx.x + h];
+        }
+        __syncthreads();
+    }
+}
+
+// Segment s = blockIdx.x of the S = gridDim.x segments of row c = blockIdx.y: [*lo, *hi).
+__device__ __forceinline__ void segment(long long n, long long* lo, long long* hi)
+{
+    const long long seg = (n + gridDim.x - 1) / gridDim.x;
+    *lo = seg * blockIdx.x;
+    *hi = *lo + seg < n ? *lo + seg : n;
+}
 """
 
 PROGRAMS = {}                     # name -> Program, filled as the modules that define them are imported

@@ -76,10 +76,10 @@ class FusedCodeUnits(CodeUnits):
 class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
     """The unbiased code on the fused kernels: numba (units/cpu_unbiased.py) or CUDA
     (units/gpu_unbiased.py). The forward (normalise, group ranges, draws, pack, relu) in one
-    pass, the conv input's decode in one. The backward: on numba one fused kernel
-    (cpu_unbiased.unit_backward: two passes over the codes, x-tilde decoded inline block by
-    block in L1, no decode buffer); on CUDA the decode of x-tilde (with the gradient's masking) into
-    `scratch`, then the reference's array ops (CuPy) for the sums and dx."""
+    pass, the conv input's decode in one. The backward: two passes over the codes with x-tilde
+    decoded inline and no decode buffer (`scratch` unused): on numba one kernel
+    (cpu_unbiased.unit_backward, block by block in L1), on CUDA the per-segment sums, the
+    finalize and dx (gpu_unbiased.unit_backward, in the `bn.partials` workspace)."""
     fused = True
 
     def __init__(self, module, bits, naive=False, partials=None):
@@ -99,10 +99,8 @@ class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         # saved: the unbiased code (x-tilde with E = x-hat, exact mask); rstd exact
-        if self.module is gpu:                 # CUDA: the reference's backward over this set's decode
-            return super().backward(dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch)
-        # numba: decoded inline, `scratch` unused
-        self.kernels.unit_backward(dx, dgamma, dbeta, dr, saved, gamma, beta, rstd, self.bits, accumulate)
+        self.kernels.unit_backward(dx, dgamma, dbeta, dr, saved, gamma, beta, rstd, self.bits, accumulate,
+                                   **(self._extra if self.module is gpu else {}))
 
     def decode_masking(self, xtilde, dr, saved, gamma, beta):
         """xtilde <- x-tilde, dr *= the exact mask, in one kernel pass (units/sync.py's backward)."""

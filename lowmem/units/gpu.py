@@ -123,28 +123,7 @@ __device__ __forceinline__ real open_relu(int code, Grid q, real w, real g, real
     return y > (real)0 ? y : (real)0;
 }
 
-// Block-wide sums of a and b (BLOCK threads, fixed tree order); totals land in sa[0], sb[0].
-__device__ void block_sum2(double a, double b, double* sa, double* sb)
-{
-    sa[threadIdx.x] = a;
-    sb[threadIdx.x] = b;
-    __syncthreads();
-    for (int h = BLOCK / 2; h > 0; h >>= 1) {
-        if (threadIdx.x < h) {
-            sa[threadIdx.x] += sa[threadIdx.x + h];
-            sb[threadIdx.x] += sb[threadIdx.x + h];
-        }
-        __syncthreads();
-    }
-}
-
-// Segment s = blockIdx.x of the S = gridDim.x segments of row c = blockIdx.y: [*lo, *hi).
-__device__ __forceinline__ void segment(long long n, long long* lo, long long* hi)
-{
-    const long long seg = (n + gridDim.x - 1) / gridDim.x;
-    *lo = seg * blockIdx.x;
-    *hi = *lo + seg < n ? *lo + seg : n;
-}
+// block_sum2 and segment: lowmem/system/cuda.py's prelude (the unbiased code's backward uses them too)
 
 // ---- BN statistics ------------------------------------------------------------------
 // grid (S, C): part[(c*S + s)*2 + {0, 1}] = sum(x - K), sum((x - K)^2) over segment s of

@@ -7,21 +7,24 @@
                        (or naive's decoded conv input)
     unbiased_decode    one thread per (group, channel): x-tilde or the conv input from the codes
                        and the stored ends; optionally zero the incoming gradient where the mask
-                       is closed (the backward's masking)
+                       is closed (synchronized batch norm's masking)
+    unbiased_backward_partial + units/gpu.py's unit_backward_finalize + unbiased_backward_apply
+                       BN-ReLU backward: sum(dy), sum(dy*x-tilde) per channel over segments of
+                       groups (float64, a fixed tree order), then dx, x-tilde decoded inline
 
 Arithmetic: every float operation of unbiased.metadata, Levels, _encode_piece and the decode
 tables, round-to-nearest (lowmem/system/cuda.py's rn_* helpers, no FMA) in the data's dtype and
 in NumPy's order, and the counter stream of units/stream.py in uint64: the slot equals
 unbiased.quantize_pack's byte for byte and the decodes unbiased.decode_each_chunk's bit for bit
 (tests/test_kernels_gpu.py, on the CPU emulation of this text and on a GPU). The split k comes
-from quant.quant_params (a few (C,) array ops). The BN backward's sums and dx stay the reference
-array ops (CuPy) on the decoded x-tilde.
+from quant.quant_params (a few (C,) array ops). The backward equals the reference's (the decode,
+then ops.bn_relu_backward) to float rounding: its sums in float64, its dx in the reference's order.
 """
 import numpy
 
 from ..system import cuda
 from ..system.cuda import BLOCK, i32 as _i32, i64 as _i64
-from . import unbiased
+from . import gpu, unbiased
 from .stream import GOLDEN, resolve
 
 SOURCE = r"""
@@ -90,6 +93,29 @@ __device__ real ub_conv_input(bool on, real jj, const UbChannel& h, real b, cons
     if (!on) return (real)0;
     if (h.zero) return ub_max(b, (real)0);
     return ub_max(rn_mul(h.ag, rn_add(rn_sub(v.bo, h.t_o), rn_mul(jj, v.so))), (real)0);
+}
+
+// x-tilde of level jj on its side: s*(base + jj*step) (unbiased.Levels' decode)
+__device__ __forceinline__ real ub_xtilde(bool on, real jj, const UbChannel& h, const UbLevels& v)
+{
+    return rn_mul(h.s, on ? rn_add(v.bo, rn_mul(jj, v.so)) : rn_add(v.bc, rn_mul(jj, v.sc)));
+}
+
+// group gi's levels from its stored bf16 ends
+__device__ __forceinline__ UbLevels ub_stored_levels(const unsigned short* ends, int c, long long G,
+                                                     long long gi, const UbChannel& h, int L)
+{
+    const unsigned short* e = ends + ((long long)c * G + gi) * 2;
+    return ub_levels((real)__uint_as_float((unsigned)e[0] << 16),
+                     (real)__uint_as_float((unsigned)e[1] << 16), h.t_o, h.t_c, h.k, L);
+}
+
+// element i's code of row c (bits per code, `per` codes per byte)
+__device__ __forceinline__ real ub_code(const unsigned char* packed, int c, long long M, int bits,
+                                        int per, long long i)
+{
+    const unsigned byte = packed[(long long)c * (M / per) + i / per];
+    return (real)((byte >> ((i % per) * bits)) & ((1u << bits) - 1u));
 }
 
 extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, unsigned short* ends,
@@ -170,25 +196,80 @@ extern "C" __global__ void unbiased_decode(real* out, real* dr, const unsigned c
     const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
     const real b = beta[c];
     const UbChannel h = ub_channel(gamma[c], b, k[c]);
-    const real kf = h.kf;
-    const unsigned short* e = ends + ((long long)c * G + gi) * 2;
-    const UbLevels v = ub_levels((real)__uint_as_float((unsigned)e[0] << 16),
-                                 (real)__uint_as_float((unsigned)e[1] << 16), h.t_o, h.t_c, h.k, L);
-    const unsigned top = (1u << bits) - 1u;
+    const UbLevels v = ub_stored_levels(ends, c, G, gi, h, L);
     for (long long i = g0; i < g1; ++i) {
-        const unsigned byte = packed[(long long)c * (M / per) + i / per];
-        const real code = (real)((byte >> ((i % per) * bits)) & top);
-        const bool on = code >= kf;
-        const real jj = on ? rn_sub(code, kf) : code;
-        out[(long long)c * M + i] = relu ? ub_conv_input(on, jj, h, b, v)
-            : rn_mul(h.s, on ? rn_add(v.bo, rn_mul(jj, v.so)) : rn_add(v.bc, rn_mul(jj, v.sc)));
+        const real code = ub_code(packed, c, M, bits, per, i);
+        const bool on = code >= h.kf;
+        const real jj = on ? rn_sub(code, h.kf) : code;
+        out[(long long)c * M + i] = relu ? ub_conv_input(on, jj, h, b, v) : ub_xtilde(on, jj, h, v);
         if (mask_dr && !on)
             dr[(long long)c * M + i] = (real)0;
     }
 }
+
+// ---- BN-ReLU backward from the slot (ops.bn_relu_backward on x-tilde under the exact mask) ----
+// Pass 1, grid (S, C): part[(c*S + s)*2 + {0, 1}] = sum(dy), sum(dy * x-tilde) over the groups of
+// segment s (a thread per group, its levels once), dy = dr where the code is open, else 0. dr is
+// read only. Pass 2 is units/gpu.py's unit_backward_finalize.
+extern "C" __global__ void unbiased_backward_partial(double* part, const real* dr, const unsigned char* packed,
+                                                     const unsigned short* ends, const real* gamma,
+                                                     const real* beta, const int* k, long long M, int bits)
+{
+    __shared__ double sa[BLOCK], sb[BLOCK];
+    const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
+    const long long G = (M + UB_GROUP - 1) / UB_GROUP;
+    const UbChannel h = ub_channel(gamma[c], beta[c], k[c]);
+    long long lo, hi;
+    segment(G, &lo, &hi);
+    double a = 0, s2 = 0;
+    for (long long gi = lo + threadIdx.x; gi < hi; gi += blockDim.x) {
+        const UbLevels v = ub_stored_levels(ends, c, G, gi, h, L);
+        const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
+        for (long long i = g0; i < g1; ++i) {
+            const real code = ub_code(packed, c, M, bits, per, i);
+            if (code >= h.kf) {
+                const double dy = (double)dr[(long long)c * M + i];
+                a += dy;
+                s2 += dy * (double)ub_xtilde(true, rn_sub(code, h.kf), h, v);
+            }
+        }
+    }
+    block_sum2(a, s2, sa, sb);
+    if (threadIdx.x == 0) {
+        const long long p = ((long long)c * gridDim.x + blockIdx.x) * 2;
+        part[p] = sa[0];
+        part[p + 1] = sb[0];
+    }
+}
+
+// Pass 3, one thread per (group, channel): dx = (dy - (x-tilde*mean(dy*x-tilde) + mean(dy))) *
+// gamma*rstd (coef: unit_backward_finalize's), written or added. dx may alias dr.
+extern "C" __global__ void unbiased_backward_apply(real* dx, const real* dr, const unsigned char* packed,
+                                                   const unsigned short* ends, const double* coef,
+                                                   const real* gamma, const real* beta, const int* k,
+                                                   long long M, int bits, int accumulate)
+{
+    const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
+    const long long G = (M + UB_GROUP - 1) / UB_GROUP;
+    const long long gi = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gi >= G) return;
+    const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
+    const UbChannel h = ub_channel(gamma[c], beta[c], k[c]);
+    const UbLevels v = ub_stored_levels(ends, c, G, gi, h, L);
+    const real a = (real)coef[c * 3], mdy = (real)coef[c * 3 + 1], mdyx = (real)coef[c * 3 + 2];
+    for (long long i = g0; i < g1; ++i) {
+        const real code = ub_code(packed, c, M, bits, per, i);
+        const bool on = code >= h.kf;
+        const real xt = ub_xtilde(on, on ? rn_sub(code, h.kf) : code, h, v);
+        const long long e = (long long)c * M + i;
+        const real dy = on ? dr[e] : (real)0;
+        const real val = rn_mul(rn_sub(dy, rn_add(rn_mul(xt, mdyx), mdy)), a);
+        dx[e] = accumulate ? rn_add(dx[e], val) : val;
+    }
+}
 """
 
-PROGRAM = cuda.Program("unbiased", SOURCE)
+PROGRAM = cuda.Program("unbiased", SOURCE, block_sync=("unbiased_backward_partial",))
 
 
 def _prepare(slot, C, M, bits, gamma, beta):
@@ -219,6 +300,25 @@ def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
     PROGRAM.launch("unbiased_decode", out.dtype, grid,
                    (out, dr if dr is not None else out, codes, ends, gamma, beta, k, _i64(M), _i32(bits),
                     _i32(bool(relu)), _i32(dr is not None)))
+
+
+def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumulate, partials=None):
+    """As units/cpu_unbiased.py's unit_backward, on the GPU (ops.bn_relu_backward on the slot's
+    x-tilde under the exact mask, no decode buffer): the sums per segment of groups, then
+    units/gpu.py's finalize (dgamma, dbeta and the coefficients, in the `bn.partials`
+    workspace), then dx. dr is read only; dx may alias it."""
+    gpu._rows(dr, "dr")
+    gpu._rows(dx, "dx", dr.dtype)
+    C, M = dr.shape
+    bits, codes, ends, k, grid = _prepare(slot, C, M, bits, gamma, beta)
+    S = gpu._segments(C, unbiased.groups(M))               # segments of groups
+    part, coef = gpu._workspace(partials, C, dr)
+    dt = dr.dtype
+    PROGRAM.launch("unbiased_backward_partial", dt, (S, C), (part, dr, codes, ends, gamma, beta, k, _i64(M), _i32(bits)))
+    gpu.PROGRAM.launch("unit_backward_finalize", dt, (cuda.blocks(C),),
+                       (coef, dgamma, dbeta, part, gamma, rstd, _i64(M), _i32(S), _i32(C)))
+    PROGRAM.launch("unbiased_backward_apply", dt, grid,
+                   (dx, dr, codes, ends, coef, gamma, beta, k, _i64(M), _i32(bits), _i32(bool(accumulate))))
 
 
 assert GOLDEN == 0x9E3779B97F4A7C15           # in the kernel texts (system/cuda.py's counter_bits)
