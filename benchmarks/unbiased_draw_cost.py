@@ -1,0 +1,163 @@
+"""What the unbiased code's 4-bit draw costs in the numba forward, and three cheaper draws.
+
+    python benchmarks/unbiased_draw_cost.py [--channels 64] [--elements 32768] [--repeats 7]
+
+Times cpu_unbiased.unit_forward (normalise, group ranges, draws, pack, relu) on one thread, best
+of --repeats calls, with its per-element draw (_draw_independent: SplitMix64's finaliser of the
+element's counter, two 64-bit multiplies) as it is and swapped for variants compiled here:
+
+  * no hash: the counter's low 24 bits, not a valid draw: it prices the hash;
+  * a hash per pair: one finaliser for two elements, its high and middle 24 bits;
+  * 32-bit hash: lowbias32 of the group's seed (the 64-bit hash of the group's counter) plus the
+    element's index times 0x9E3779B9, one per element;
+  * systematic: the 2-bit code's draws (one hash per group, the lanes' walk) at 4 bits;
+
+and the engine's own 2-bit and 4-bit forwards. The variants only price a design; none is the
+code the engine packs. Machine-dependent (AVX2 emulates the 64-bit multiplies): name the
+machine with the figures.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from lowmem.system import threads  # noqa: E402
+from lowmem.units import cpu_base, cpu_unbiased as cu, unbiased  # noqa: E402
+
+if not cu.AVAILABLE:
+    sys.exit("numba is not installed: pip install -e '.[fast]'")
+
+from numba import njit  # noqa: E402
+
+F32, U64 = np.float32, np.uint64
+F0, GOLDEN, R_SCALE, GROUP = F32(0), cu.GOLDEN, cu.R_SCALE, cu.GROUP
+MIX1, MIX2 = U64(0xBF58476D1CE4E5B9), U64(0x94D049BB133111EB)
+S30, S27, S31, S40, S16 = U64(30), U64(27), U64(31), U64(40), U64(16)
+M24 = U64((1 << 24) - 1)
+OPTS = dict(cache=False, nogil=True, error_model="numpy")
+
+
+@njit(**OPTS)
+def _code(cq, oq, t, xh, g, b, s, bo, so, bc, sc, n_open, kf, r):
+    """Element t's code and relu(y) from its 24-bit draw r (as _draw_independent's loop body)."""
+    y = xh * g + b
+    on = y > 0
+    u = xh * s
+    bb = bo if on else bc
+    st = so if on else sc
+    nn = n_open if on else kf
+    p = (u - bb) / st
+    p = p if st > 0 else F0
+    p = p + F32(r) * R_SCALE
+    j = min(max(np.floor(p), F0), nn - F32(1))
+    code = kf + j if on else j
+    cq[t] = np.uint8(np.int32(code))
+    oq[t] = y if on else F0
+
+
+@njit(**OPTS)
+def draw_no_hash(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
+    n, n_open = xb.size, F32(L) - kf
+    for q in range((n + GROUP - 1) // GROUP):
+        bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+        q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+        xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
+        zq = z0 + U64(q0) * GOLDEN
+        for t in range(xq.size):
+            _code(cq, oq, t, xq[t], g, b, s, bo, so, bc, sc, n_open, kf, np.int32(zq + U64(t)) & 0xFFFFFF)
+
+
+@njit(**OPTS)
+def draw_pair(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
+    n, n_open = xb.size, F32(L) - kf
+    for q in range((n + GROUP - 1) // GROUP):
+        bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+        q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+        xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
+        zq = z0 + U64(q0 // 2) * GOLDEN
+        for t in range(xq.size):
+            z = zq + U64(t >> 1) * GOLDEN
+            z = (z ^ (z >> S30)) * MIX1
+            z = (z ^ (z >> S27)) * MIX2
+            z = z ^ (z >> S31)
+            r = (z >> S40) if (t & 1) == 0 else ((z >> S16) & M24)
+            _code(cq, oq, t, xq[t], g, b, s, bo, so, bc, sc, n_open, kf, np.int32(r))
+
+
+@njit(**OPTS)
+def _lowbias32(x):
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+@njit(**OPTS)
+def draw_hash32(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
+    n, n_open = xb.size, F32(L) - kf
+    for q in range((n + GROUP - 1) // GROUP):
+        bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+        q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+        xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
+        seed = np.uint32(cpu_base._counter_bits(z0 + U64(q0) * GOLDEN))
+        for t in range(xq.size):
+            r = _lowbias32(seed + np.uint32(t) * np.uint32(0x9E3779B9)) >> np.uint32(8)
+            _code(cq, oq, t, xq[t], g, b, s, bo, so, bc, sc, n_open, kf, np.int32(r))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--channels", type=int, default=64)
+    ap.add_argument("--elements", type=int, default=32768, help="elements per channel (N*H*W)")
+    ap.add_argument("--repeats", type=int, default=7)
+    a = ap.parse_args()
+    C, M = a.channels, a.elements
+    if M % 8:
+        sys.exit("--elements must be a multiple of 8")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((C, M)).astype(np.float32)
+    mean, rstd = x.mean(1).astype(np.float32), (1 / x.std(1)).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, C).astype(np.float32)
+    g[::4] *= -1
+    b = rng.uniform(-0.3, 0.3, C).astype(np.float32)
+    out = np.empty_like(x)
+    threads.configure(1)
+    glob = cu._forward_rows.py_func.__globals__
+    draw, systematic = glob["_draw_independent"], glob["SYSTEMATIC_BITS"]
+
+    def timed(bits, draw_fn=None, systematic_bits=None):
+        slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
+        saved = cu._forward_rows
+        if draw_fn is not None or systematic_bits is not None:
+            glob["_draw_independent"] = draw_fn or draw
+            glob["SYSTEMATIC_BITS"] = systematic if systematic_bits is None else systematic_bits
+            cu._forward_rows = njit(**OPTS)(saved.py_func)      # compiled with the swapped draw
+        try:
+            best = float("inf")
+            for _ in range(a.repeats + 1):                      # the first call compiles
+                t0 = time.perf_counter()
+                cu.unit_forward(out, slot, x, mean, rstd, g, b, bits, False, 7)
+                best = min(best, time.perf_counter() - t0)
+        finally:
+            cu._forward_rows = saved
+            glob["_draw_independent"], glob["SYSTEMATIC_BITS"] = draw, systematic
+        return best
+
+    print(f"unit_forward, {C} channels x {M} elements, one thread, best of {a.repeats}:")
+    rows = [("4-bit, the code", lambda: timed(4)),
+            ("4-bit, no hash (prices it)", lambda: timed(4, draw_no_hash)),
+            ("4-bit, a hash per pair", lambda: timed(4, draw_pair)),
+            ("4-bit, 32-bit hash", lambda: timed(4, draw_hash32)),
+            ("4-bit, systematic draws", lambda: timed(4, systematic_bits=4)),
+            ("2-bit, the code", lambda: timed(2))]
+    for name, run in rows:
+        print(f"  {name:28s} {run() * 1e3:8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
