@@ -503,6 +503,12 @@ def test_bad_arguments_are_rejected(dev):
     with pytest.raises(ValueError, match="partials"):
         cuda.bn_stats(*(dev.put(np.zeros(7, np.float32)) for _ in range(3)), xd, EPS,
                       dev.put(np.zeros(10)))
+    gd, bd, one = dev.put(g), dev.put(b), dev.put(np.ones(7, np.float32))
+    with pytest.raises(ValueError, match="dx must have shape"):
+        cuda.unit_backward(dev.put(x[:, :8].copy()), one, one, xd, xd, None, None, gd, bd, one, False)
+    slot = dev.put(np.zeros(unbiased.slot_nbytes(*x.shape, 2), np.uint8))
+    with pytest.raises(ValueError, match="dx must have shape"):
+        gpu_unbiased.unit_backward(dev.put(x[:, :8].copy()), one, one, xd, slot, gd, bd, one, 2, False)
 
 
 def test_supports():

@@ -392,12 +392,14 @@ def _launch(name, dtype, grid, args):
     PROGRAM.launch(name, dtype, grid, args)
 
 
-def _rows(a, name, dtype=None):
-    """A C-contiguous (C, M) float array, checked."""
+def _rows(a, name, like=None):
+    """A C-contiguous (C, M) float array, checked (with `like`: of its shape and dtype)."""
     if a.ndim != 2 or not a.flags.c_contiguous:
         raise ValueError(f"{name} must be a C-contiguous (C, M) array, got shape {a.shape}")
-    if dtype is not None and a.dtype != dtype:
-        raise ValueError(f"{name} must have dtype {numpy.dtype(dtype).name}, got {a.dtype}")
+    if like is not None and a.shape != like.shape:
+        raise ValueError(f"{name} must have shape {like.shape}, got {a.shape}")
+    if like is not None and a.dtype != like.dtype:
+        raise ValueError(f"{name} must have dtype {like.dtype.name}, got {a.dtype}")
     if a.dtype.name not in REAL:
         raise ValueError(f"{name}: dtype {a.dtype} is not float32 or float64")
     return a
@@ -474,7 +476,7 @@ def bn_stats(mean, var, rstd, x, eps, partials=None):
 def unit_forward_exact(out, xhat, x, mean, rstd, gamma, beta):
     """xhat = (x - mean)*rstd (saved); out = relu(xhat*gamma + beta). out may alias x."""
     _rows(x, "x")
-    _rows(out, "out", x.dtype)
+    _rows(out, "out", x)
     C, M = x.shape
     ldx = _saved_rows(xhat, x.shape, x.dtype)
     _launch("unit_forward_exact", x.dtype, (_blocks(M), C),
@@ -486,7 +488,7 @@ def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive, roundi
     relu(x-tilde*gamma + beta) (naive). qp: quant.QuantParams or the bit width. rounding:
     "nearest", or "stochastic" with the stream of `key` (quant.quantize_pack's codes)."""
     _rows(x, "x")
-    _rows(out, "out", x.dtype)
+    _rows(out, "out", x)
     C, M = x.shape
     bits = _bits(qp)
     _check_code(packed, C, M, bits)
@@ -520,7 +522,7 @@ def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, ac
     dgamma += sum(dy*x-hat), dbeta += sum(dy), dx = (or += with accumulate) the input gradient.
     dx may alias dr."""
     _rows(dr, "dr")
-    _rows(dx, "dx", dr.dtype)
+    _rows(dx, "dx", dr)
     C, M = dr.shape
     dt, acc = dr.dtype, _i32(bool(accumulate))
     if packed is None:

@@ -308,7 +308,7 @@ def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumula
     units/gpu.py's finalize (dgamma, dbeta and the coefficients, in the `bn.partials`
     workspace), then dx. dr is read only; dx may alias it."""
     gpu._rows(dr, "dr")
-    gpu._rows(dx, "dx", dr.dtype)
+    gpu._rows(dx, "dx", dr)
     C, M = dr.shape
     bits, codes, ends, k, grid = _prepare(slot, C, M, bits, gamma, beta)
     S = gpu._segments(C, unbiased.groups(M))               # segments of groups
