@@ -4,7 +4,9 @@
 
 Times cpu_unbiased.unit_forward (normalise, group ranges, draws, pack, relu) on one thread, best
 of --repeats calls, with its per-element draw (_draw_independent: SplitMix64's finaliser of the
-element's counter, two 64-bit multiplies) as it is and swapped for variants compiled here:
+element's counter, two 64-bit multiplies) as it is and swapped for variants compiled here from
+_draw_independent's own source with the draw's expression replaced (and, for the 32-bit hash,
+the group's seed computed where the group's counter is):
 
   * no hash: the counter's low 24 bits, not a valid draw: it prices the hash;
   * a hash per pair: one finaliser for two elements, its high and middle 24 bits;
@@ -17,8 +19,10 @@ code the engine packs. Machine-dependent (AVX2 emulates the 64-bit multiplies): 
 machine with the figures.
 """
 import argparse
+import inspect
 import os
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -26,66 +30,30 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lowmem.system import threads  # noqa: E402
-from lowmem.units import cpu_base, cpu_unbiased as cu, unbiased  # noqa: E402
+from lowmem.units import cpu_unbiased as cu, unbiased  # noqa: E402
 
 if not cu.AVAILABLE:
     sys.exit("numba is not installed: pip install -e '.[fast]'")
 
 from numba import njit  # noqa: E402
 
-F32, U64 = np.float32, np.uint64
-F0, GOLDEN, R_SCALE, GROUP = F32(0), cu.GOLDEN, cu.R_SCALE, cu.GROUP
+U64 = np.uint64
 MIX1, MIX2 = U64(0xBF58476D1CE4E5B9), U64(0x94D049BB133111EB)
 S30, S27, S31, S40, S16 = U64(30), U64(27), U64(31), U64(40), U64(16)
 M24 = U64((1 << 24) - 1)
 OPTS = dict(cache=False, nogil=True, error_model="numpy")
 
-
-@njit(**OPTS)
-def _code(cq, oq, t, xh, g, b, s, bo, so, bc, sc, n_open, kf, r):
-    """Element t's code and relu(y) from its 24-bit draw r (as _draw_independent's loop body)."""
-    y = xh * g + b
-    on = y > 0
-    u = xh * s
-    bb = bo if on else bc
-    st = so if on else sc
-    nn = n_open if on else kf
-    p = (u - bb) / st
-    p = p if st > 0 else F0
-    p = p + F32(r) * R_SCALE
-    j = min(max(np.floor(p), F0), nn - F32(1))
-    code = kf + j if on else j
-    cq[t] = np.uint8(np.int32(code))
-    oq[t] = y if on else F0
+DRAW = "cpu_base._counter_bits(zq + U64(t) * GOLDEN)"       # _draw_independent's draw
+GROUP_COUNTER = "zq = z0 + U64(q0) * GOLDEN"
 
 
 @njit(**OPTS)
-def draw_no_hash(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
-    n, n_open = xb.size, F32(L) - kf
-    for q in range((n + GROUP - 1) // GROUP):
-        bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
-        q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
-        xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
-        zq = z0 + U64(q0) * GOLDEN
-        for t in range(xq.size):
-            _code(cq, oq, t, xq[t], g, b, s, bo, so, bc, sc, n_open, kf, np.int32(zq + U64(t)) & 0xFFFFFF)
-
-
-@njit(**OPTS)
-def draw_pair(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
-    n, n_open = xb.size, F32(L) - kf
-    for q in range((n + GROUP - 1) // GROUP):
-        bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
-        q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
-        xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
-        zq = z0 + U64(q0 // 2) * GOLDEN
-        for t in range(xq.size):
-            z = zq + U64(t >> 1) * GOLDEN
-            z = (z ^ (z >> S30)) * MIX1
-            z = (z ^ (z >> S27)) * MIX2
-            z = z ^ (z >> S31)
-            r = (z >> S40) if (t & 1) == 0 else ((z >> S16) & M24)
-            _code(cq, oq, t, xq[t], g, b, s, bo, so, bc, sc, n_open, kf, np.int32(r))
+def _pair_bits(z, t):
+    """24 bits of the finaliser of counter z: its high ones for even t, its middle ones for odd t."""
+    z = (z ^ (z >> S30)) * MIX1
+    z = (z ^ (z >> S27)) * MIX2
+    z = z ^ (z >> S31)
+    return np.int32(z >> S40) if (t & 1) == 0 else np.int32((z >> S16) & M24)
 
 
 @njit(**OPTS)
@@ -97,17 +65,27 @@ def _lowbias32(x):
     return x ^ (x >> np.uint32(16))
 
 
-@njit(**OPTS)
-def draw_hash32(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
-    n, n_open = xb.size, F32(L) - kf
-    for q in range((n + GROUP - 1) // GROUP):
-        bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
-        q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
-        xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
-        seed = np.uint32(cpu_base._counter_bits(z0 + U64(q0) * GOLDEN))
-        for t in range(xq.size):
-            r = _lowbias32(seed + np.uint32(t) * np.uint32(0x9E3779B9)) >> np.uint32(8)
-            _code(cq, oq, t, xq[t], g, b, s, bo, so, bc, sc, n_open, kf, np.int32(r))
+def _variant(draw, seed=None):
+    """_draw_independent compiled with `draw` for its draw's expression (and `seed` set after
+    the group's counter)."""
+    src = textwrap.dedent(inspect.getsource(cu._draw_independent.py_func))
+    src = src.split("\n", 1)[1]                               # without its decorator
+    assert DRAW in src and GROUP_COUNTER in src, "cpu_unbiased._draw_independent changed: update DRAW"
+    src = src.replace(DRAW, draw)
+    if seed is not None:
+        indent = src.split(GROUP_COUNTER)[0].rsplit("\n", 1)[1]
+        src = src.replace(GROUP_COUNTER, f"{GROUP_COUNTER}\n{indent}seed = {seed}")
+    ns = dict(cu._draw_independent.py_func.__globals__, _pair_bits=_pair_bits, _lowbias32=_lowbias32)
+    exec(src, ns)
+    return njit(**OPTS)(ns["_draw_independent"])
+
+
+VARIANTS = {
+    "no hash": "(numpy.int32(zq + U64(t)) & R_MASK)",
+    "a hash per pair": "_pair_bits(z0 + U64((q0 + t) >> 1) * GOLDEN, t)",
+    "32-bit hash": "numpy.int32(_lowbias32(seed + numpy.uint32(t) * numpy.uint32(0x9E3779B9)) >> numpy.uint32(8))",
+}
+SEED_32 = "numpy.uint32(cpu_base._counter_bits(zq))"
 
 
 def main():
@@ -150,9 +128,9 @@ def main():
 
     print(f"unit_forward, {C} channels x {M} elements, one thread, best of {a.repeats}:")
     rows = [("4-bit, the code", lambda: timed(4)),
-            ("4-bit, no hash (prices it)", lambda: timed(4, draw_no_hash)),
-            ("4-bit, a hash per pair", lambda: timed(4, draw_pair)),
-            ("4-bit, 32-bit hash", lambda: timed(4, draw_hash32)),
+            ("4-bit, no hash (prices it)", lambda: timed(4, _variant(VARIANTS["no hash"]))),
+            ("4-bit, a hash per pair", lambda: timed(4, _variant(VARIANTS["a hash per pair"]))),
+            ("4-bit, 32-bit hash", lambda: timed(4, _variant(VARIANTS["32-bit hash"], SEED_32))),
             ("4-bit, systematic draws", lambda: timed(4, systematic_bits=4)),
             ("2-bit, the code", lambda: timed(2))]
     for name, run in rows:
