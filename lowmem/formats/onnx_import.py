@@ -198,14 +198,57 @@ def _load(path):
             raise ExportError(f"{path}: written for ONNX opset {o.version}, newer than the installed onnx "
                               f"{onnx.__version__} knows (opset {known}); export with opset <= {known} "
                               f"or upgrade onnx")
+    for where, t in _tensors(model):                     # before the checker, which looks for such files
+        if t.data_location == onnx.TensorProto.EXTERNAL or len(t.external_data):
+            raise ExportError(f"{path}: {where} is stored in an external data file; lowmem reads no file "
+                              f"but the .onnx itself: export with every tensor inside the .onnx file")
     try:
         onnx.checker.check_model(model)
     except Exception as e:                               # ValidationError, ...
         raise ExportError(f"{path}: not a readable ONNX model ({_first_line(e)})") from None
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
-        raise ExportError(f"{path}: weights stored in external data files are not supported; "
-                          f"export with the weights inside the .onnx file")
     return model
+
+
+def _tensors(model):
+    """(where, TensorProto) for every tensor the model holds: the graph's initializers (dense and
+    sparse), every node attribute's tensors, the subgraphs of If/Loop/Scan nodes, the model's local
+    functions and its training-info graphs, walked to any depth. Any of these could name an
+    external data file, which numpy_helper.to_array would open relative to the current folder."""
+    def sparse(where, s):
+        yield f"{where} (values)", s.values
+        yield f"{where} (indices)", s.indices
+
+    def graph(g, scope):
+        for t in g.initializer:
+            yield f"{scope}initializer {t.name!r}", t
+        for s in g.sparse_initializer:
+            yield from sparse(f"{scope}sparse initializer {s.values.name!r}", s)
+        for n in g.node:
+            yield from node(n, scope)
+
+    def node(n, scope):
+        for a in n.attribute:
+            where = f"{scope}node {n.name!r} ({n.op_type}) attribute {a.name!r}"
+            if a.HasField("t"):
+                yield where, a.t
+            for t in a.tensors:
+                yield where, t
+            if a.HasField("sparse_tensor"):
+                yield from sparse(where, a.sparse_tensor)
+            for s in a.sparse_tensors:
+                yield from sparse(where, s)
+            if a.HasField("g"):
+                yield from graph(a.g, f"{where}: ")
+            for g in a.graphs:
+                yield from graph(g, f"{where}: ")
+
+    yield from graph(model.graph, "")
+    for f in model.functions:
+        for n in f.node:
+            yield from node(n, f"function {f.name!r}: ")
+    for i, info in enumerate(model.training_info):
+        yield from graph(info.initialization, f"training info {i} initialization: ")
+        yield from graph(info.algorithm, f"training info {i} algorithm: ")
 
 
 def _first_line(e):

@@ -29,6 +29,25 @@ def _attr(node, name, default=None):
     return default
 
 
+def _shown(values, limit=4):
+    """At most `limit` values of a constant for an error message: a file's constants are its own,
+    and a message never echoes a whole array."""
+    flat = numpy.ravel(values)
+    head = ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in flat[:limit].tolist())
+    return f"[{head}]" if flat.size <= limit else f"[{head}, ... ({flat.size} values)]"
+
+
+def _scalar(r, node, i, what):
+    """Input i of the node as one float (a constant of a single value), or None where absent."""
+    a = r.const(node, i)
+    if a is None:
+        return None
+    if numpy.size(a) != 1 or numpy.asarray(a).dtype.kind not in "fiub":
+        raise ExportError(f"{r.path}: node {node.name!r} ({node.op_type}): its {what} must be a single "
+                          f"number; it is a {numpy.asarray(a).dtype} constant of shape {numpy.shape(a)}")
+    return float(numpy.ravel(a)[0])
+
+
 def _window(r, node, kernel):
     """(k, stride, pad) of a square window with equal strides and symmetric, equal pads."""
     k = list(kernel)
@@ -120,11 +139,14 @@ def _unary(method):
 
 
 def _clip(r, node):
-    lo, hi = r.const(node, 1), r.const(node, 2)
-    lo = _attr(node, "min") if lo is None else float(lo)
-    hi = _attr(node, "max") if hi is None else float(hi)
+    lo, hi = _scalar(r, node, 1, "lower bound"), _scalar(r, node, 2, "upper bound")
+    lo = _attr(node, "min") if lo is None else lo
+    hi = _attr(node, "max") if hi is None else hi
     if lo != 0 or hi != 6:
-        raise ExportError(f"{r.path}: node {node.name!r}: Clip({lo}, {hi}); lowmem supports ReLU6, Clip(0, 6)")
+        raise ExportError(f"{r.path}: node {node.name!r}: Clip({lo:g}, {hi:g}); lowmem supports ReLU6, "
+                          f"Clip(0, 6)" if lo is not None and hi is not None else
+                          f"{r.path}: node {node.name!r}: Clip without both bounds; lowmem supports ReLU6, "
+                          f"Clip(0, 6)")
     r.set(node, r.graph.relu6(r.tensor(node), name=r.layer_name(node)))
 
 
@@ -159,7 +181,7 @@ def _identity(r, node):
 
 
 def _dropout_ratio(r, node):
-    ratio = r.const(node, 1)
+    ratio = _scalar(r, node, 1, "ratio")
     ratio = _attr(node, "ratio", 0.5) if ratio is None else ratio
     return float(str(numpy.float32(ratio)))              # the float32 ratio's shortest decimal: 0.3, not 0.30000001
 
@@ -190,7 +212,8 @@ def _global_pool(r, node):
     if node.op_type == "ReduceMean":
         axes = r.const(node, 1) if len(node.input) > 1 else _attr(node, "axes")
         if axes is None or sorted(int(a) % 4 for a in numpy.ravel(axes)) != [2, 3]:
-            raise ExportError(f"{r.path}: node {node.name!r}: ReduceMean over axes {axes}; lowmem reads "
+            raise ExportError(f"{r.path}: node {node.name!r}: ReduceMean over axes "
+                              f"{None if axes is None else _shown(axes)}; lowmem reads "
                               f"only the global average over H, W (axes 2, 3) before the classifier")
     chain, v = [], node.output[0]
 
@@ -278,7 +301,8 @@ def _reshape(r, node):
     fits = target is not None and x.shape[1:] == (1, 1) and len(target) in (2, 4) and \
         target[1] in (k, -1) and all(v == 1 for v in target[2:]) and target[0] in (0, -1)
     if not fits:
-        raise ExportError(f"{r.path}: node {node.name!r}: Reshape of {x.shape} to {target} is not supported "
+        raise ExportError(f"{r.path}: node {node.name!r}: Reshape of {x.shape} to "
+                          f"{None if shape is None else _shown(shape)} is not supported "
                           f"(lowmem reads a linear layer's output as (N, K) or (N, K, 1, 1) only)")
     r.set(node, x)
 
