@@ -496,7 +496,7 @@ def worker(args):
     else:
         import lowmem  # noqa: F401   (imports numba when installed)
         from lowmem.system import threads
-        from lowmem.units import cpu as fast
+        from lowmem.units import window_cpu as fast
         threads.configure(args.threads)     # lowmem's own policy: BLAS at 1 thread, its pool for the rest
     base = proc_status()
     try:
@@ -577,7 +577,7 @@ def kernel_cases(C, M, bits):
     import numpy as np
     from lowmem.units import quant
     from lowmem.system import threads
-    from lowmem.units import cpu as fast
+    from lowmem.units import window_cpu as fast
     F = np.float32
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(F)
@@ -615,7 +615,7 @@ def kernel_worker(args):
     threads); count the vector registers in their compiled code. Prints RESULT json."""
     import re
     from lowmem.system import threads  # the parent gave this process an empty NUMBA_CACHE_DIR:
-    from lowmem.units import cpu as fast          # first calls time the JIT, and inspect_asm works
+    from lowmem.units import window_cpu as fast          # first calls time the JIT, and inspect_asm works
     threads.configure(args.threads)
     if not fast.AVAILABLE:
         print("RESULT " + json.dumps({"status": "numba not installed"}), flush=True)

@@ -3,8 +3,8 @@
     LOWMEM_BACKEND=cupy python benchmarks/gpu_check.py --json gpu.json
     ... --skip-tests --no-torch --budget 8GiB --steps 5 --tf32
 
-1. Tests: pytest on tests/test_kernels_gpu.py (every CUDA kernel against NumPy on the GPU, the engine
-   on CuPy against the NumPy engine, the pool's peak against the plan) and tests/test_engine.py
+1. Tests: pytest on tests/units/test_units_gpu.py (every CUDA kernel against NumPy on the GPU, the engine
+   on CuPy against the NumPy engine, the pool's peak against the plan) and tests/core/test_engine.py
    (it builds NumPy inputs, so conftest keeps it on NumPy: it checks the install on that machine).
 2. Benchmarks, pre-activation ResNet-164 (CIFAR, bottleneck), batch 128, float32, random data,
    SGD (momentum 0.9, weight decay 5e-4 on conv/linear weights), one process, same GPU:
@@ -77,7 +77,7 @@ def parse_args(argv=None):
 def run_tests():
     env = dict(os.environ, LOWMEM_BACKEND="cupy",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_kernels_gpu.py", "tests/test_engine.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "tests/units/test_units_gpu.py", "tests/core/test_engine.py"]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     out = r.stdout + r.stderr

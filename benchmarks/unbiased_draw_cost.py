@@ -2,7 +2,7 @@
 
     python benchmarks/unbiased_draw_cost.py [--channels 64] [--elements 32768] [--repeats 7]
 
-Times cpu_unbiased.unit_forward (normalise, group ranges, draws, pack, relu) on one thread, best
+Times unbiased_cpu.unit_forward (normalise, group ranges, draws, pack, relu) on one thread, best
 of --repeats calls, with its per-element draw (_draw_independent: SplitMix64's finaliser of the
 element's counter, two 64-bit multiplies) as it is and swapped for variants compiled here from
 _draw_independent's own source with the draw's expression replaced (and, for the 32-bit hash,
@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lowmem.system import threads  # noqa: E402
-from lowmem.units import cpu_unbiased as cu, unbiased  # noqa: E402
+from lowmem.units import unbiased_cpu as cu, unbiased  # noqa: E402
 
 if not cu.AVAILABLE:
     sys.exit("numba is not installed: pip install -e '.[fast]'")
@@ -70,7 +70,7 @@ def _variant(draw, seed=None):
     the group's counter)."""
     src = textwrap.dedent(inspect.getsource(cu._draw_independent.py_func))
     src = src.split("\n", 1)[1]                               # without its decorator
-    assert DRAW in src and GROUP_COUNTER in src, "cpu_unbiased._draw_independent changed: update DRAW"
+    assert DRAW in src and GROUP_COUNTER in src, "unbiased_cpu._draw_independent changed: update DRAW"
     src = src.replace(DRAW, draw)
     if seed is not None:
         indent = src.split(GROUP_COUNTER)[0].rsplit("\n", 1)[1]

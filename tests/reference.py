@@ -233,3 +233,48 @@ def flatten_linear_ref(x, w, b):
 def packbits_little(bits_bool):
     """numpy.packbits of a flat bool array, bit j of byte i = element 8*i + j."""
     return np.packbits(np.asarray(bits_bool, bool).reshape(-1), bitorder="little")
+
+
+# ---------------------------------------------- whole-network checks (shared by test modules)
+
+def batch(rng, net, n, shape, dtype=np.float64):
+    x = rng.standard_normal((n,) + tuple(shape)).astype(dtype)
+    return x, rng.integers(0, net.num_classes, n)
+
+
+def close(numeric, analytic, rtol=1e-5, atol=1e-9):
+    return abs(numeric - analytic) <= rtol * abs(analytic) + atol
+
+
+def central_multi(f, arrays, dirs, eps):
+    """Central difference of f() along the joint direction `dirs` over several arrays (restored after)."""
+    saved = [a.copy() for a in arrays]
+    try:
+        vals = []
+        for sign in (1, -1):
+            for a, a0, d in zip(arrays, saved, dirs):
+                a[...] = a0 + sign * eps * d
+            vals.append(f())
+    finally:
+        for a, a0 in zip(arrays, saved):
+            a[...] = a0
+    return (vals[0] - vals[1]) / (2 * eps)
+
+
+def check_directional(f, arrays, grads, rng, what):
+    """Backward's directional derivative along a random direction vs central differences at
+    eps = 1e-7 (float64). A BN-ReLU kink crossed inside +-eps spoils one quotient; a second,
+    smaller eps then decides."""
+    dirs = [rng.standard_normal(a.shape) for a in arrays]
+    analytic = sum(float(np.sum(g * d)) for g, d in zip(grads, dirs))
+    numeric = central_multi(f, arrays, dirs, 1e-7)
+    if not close(numeric, analytic):
+        numeric = central_multi(f, arrays, dirs, 3e-8)
+    assert close(numeric, analytic), f"{what}: fd {numeric!r} vs backward {analytic!r}"
+
+
+def rel(a, b):
+    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    nb = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a))

@@ -144,7 +144,7 @@ def test_the_matcher():
     assert not matches(["a", "d"], ["a", "b", "d"]) and not matches(["a"], ["b"])
 
 
-# ---- the code the docs name exists (lowmem/... paths and dotted names: tests/test_doc_numbers.py)
+# ---- the code the docs name exists (lowmem/... paths and dotted names: tests/test_docs_numbers.py)
 
 FOLDERS = "system|ops|data|units|core|bits|train|tools"
 IN_FOLDER = re.compile(rf"(?<![\w./-])(?:{FOLDERS})/[\w/]*\w\.py\b")        # units/fused.py, ops/winograd.py

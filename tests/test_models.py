@@ -294,7 +294,7 @@ def test_vgg_matches_a_pytorch_implementation():
     torch = pytest.importorskip("torch")
     from torch import nn as tnn
     import torch_reference as ref
-    from test_torch_compare import rel
+    from reference import rel
 
     class Unit(tnn.Module):
         def __init__(self, cin, c):
@@ -345,7 +345,7 @@ def test_vgg_bad_depth():
                                           (lambda: vgg_bn(11, num_classes=5, input_size=32), (3, 32, 32))])
 def test_new_models_pass_finite_differences(build, shape):
     """Float64 gradients of a few tensors against central differences (exact mode)."""
-    from test_engine import batch, check_directional, randomize_units
+    from reference import batch, check_directional, randomize_units
     rng = np.random.default_rng(7)
     net = build()
     eng = Engine(net, 2 if shape[1] == 32 else 3, shape, mode="exact", dtype="float64")
@@ -364,7 +364,7 @@ def test_wide_resnet_matches_the_pytorch_reference():
     """WRN-10-2 is torch_reference's PreActResNet with widths 32/64/128: loss, logits, gradients."""
     torch = pytest.importorskip("torch")
     import torch_reference as ref
-    from test_torch_compare import rel
+    from reference import rel
     net = wide_resnet(10, 2, num_classes=10)
     model = ref.load_lowmem_state(ref.PreActResNet("basic", (1, 1, 1), (32, 64, 128), 10, 3),
                                   net.state_dict()).double().train()

@@ -10,7 +10,7 @@
   conventions: loss, logits, every gradient, eval logits).
 * The rules left (arguments, shapes, names, every output used) are enforced
   at build time with an explaining NetworkError; `check` rejects broken
-  hand-built records the same way the engine does (tests/test_graph.py runs
+  hand-built records the same way the engine does (tests/core/test_engine_graph.py runs
   the graphs the old three-buffer rules refused).
 """
 import numpy as np
@@ -22,7 +22,7 @@ from lowmem import models, nn
 from lowmem.core.engine import Engine
 from lowmem.core.network import Network
 from lowmem.train.optim import SGD
-from test_engine import batch, check_directional, randomize_units
+from reference import batch, check_directional, randomize_units
 
 
 # ------------------------------------------------------------------ networks
@@ -234,7 +234,7 @@ def torch_models():
 def test_custom_network_matches_pytorch(which, dtype, tol):
     torch, refs = torch_models()
     from torch_reference import dodge_relu_kinks, load_lowmem_state
-    from test_torch_compare import rel
+    from reference import rel
     net = CUSTOM[which]()
     model = load_lowmem_state(refs[which](), net.state_dict()).to(getattr(torch, dtype)).train()
     eng = Engine(net, 8, (3, 16, 16), mode="exact", dtype=dtype)

@@ -2,7 +2,7 @@
 
 He et al. 2016, "Identity Mappings in Deep Residual Networks", written the
 ordinary PyTorch way (nn.Conv2d, nn.BatchNorm2d, nn.Linear, autograd) so
-tests/test_torch_compare.py can check lowmem's hand-written forward and
+tests/test_models_torch.py can check lowmem's hand-written forward and
 backward against it. It shares no code with lowmem.
 
 `state_dict()` keys equal lowmem's names exactly (`conv1.weight`,

@@ -6,7 +6,7 @@ names (so the same `named_parameters()`), the same forward, sizes as parameters.
     densenet(121 | 161 | 169 | 201, num_classes)       torchvision.models.densenet*
     mobilenet_v2(num_classes, dropout=0.2)              torchvision.models.mobilenet_v2
 
-Used by tests/test_onnx_torch.py (small instances) and benchmarks/onnx_vs_torch.py (full size).
+Used by tests/formats/test_onnx_import_torch.py (small instances) and benchmarks/onnx_vs_torch.py (full size).
 It shares no code with lowmem.
 """
 import torch

@@ -3,7 +3,7 @@
     python docs/figures/results_memory.py [--batch 128] [--out docs/results_memory.png]
 
 Plans only (Engine(..., allocate=False)): deterministic, the same on every
-machine, and equal to what lowmem allocates (tests/test_plan.py measures it).
+machine, and equal to what lowmem allocates (tests/core/test_plan.py measures it).
 Pre-activation CIFAR ResNets, float32, 3x32x32, 10 classes, with the models'
 default blocks: basic up to ResNet-110, bottleneck from ResNet-164 on (the plot
 marks the switch, which is where the totals jump). Prints the table it plots.

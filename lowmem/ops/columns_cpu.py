@@ -2,7 +2,7 @@
 
 ops/conv.py's `col2im_add` (kernel-offset slice additions) is the reference;
 this loop gives the same sums bit for bit (every dx element receives its terms
-in the same (i, j) order: tests/test_kernels_cpu.py) and runs about 1.8x
+in the same (i, j) order: tests/units/test_window_cpu.py) and runs about 1.8x
 faster: one (channel, sample) plane of dx stays in L1 while its column rows
 stream by. ops/conv.py's `columns_for` picks it for NumPy arrays when numba is
 installed (and LOWMEM_FAST is not 0); `supports` says which arrays it takes.

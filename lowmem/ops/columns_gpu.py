@@ -2,7 +2,7 @@
 
 ops/conv.py's `im2col` / `col2im_add` are Python loops of kernel-offset slice
 copies: about 45 launches per 3x3 conv on CuPy. These two kernels do the same
-in one launch each, with the same results bit for bit (tests/test_kernels_gpu.py,
+in one launch each, with the same results bit for bit (tests/units/test_units_gpu.py,
 on a real GPU and on the CPU emulator). ops/conv.py's `columns_for` picks them
 for CuPy arrays; they are compiled through lowmem/system/cuda.py (program "columns").
 

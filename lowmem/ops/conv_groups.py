@@ -48,7 +48,7 @@ def scratch_bytes(cin, cout, groups, h, w, ho, wo, itemsize, threads_=1, block=N
     """A bound on what one depthwise call allocates beyond its arguments, whatever the batch:
     per thread, one product of a block (at most max(DEPTHWISE_BLOCK, one sample's plane) elements,
     the plane the larger of H*W and Ho*Wo) and NumPy's buffers for the strided window operands,
-    three such blocks (measured in tests/test_ops_graph.py). 0 for other grouped convs: they are
+    three such blocks (measured in tests/ops/test_ops_graph.py). 0 for other grouped convs: they are
     ops/conv.py's calls on channel slices, whose own bounds (weight-sized GEMM results) apply."""
     if not (groups > 1 and cin == cout == groups):
         return 0

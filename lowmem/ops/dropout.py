@@ -30,7 +30,7 @@ def scratch_bytes(n, itemsize, block=None):
     """A bound on what one dropout_* call on n elements allocates beyond its arguments: per block
     of m = min(n, BLOCK) elements, two uint64 counters arrays (16 bytes an element), the keep mask,
     its packing and, backward with accumulate, one product of the block (measured in
-    tests/test_ops_graph.py): m * (19 + itemsize), whatever n is."""
+    tests/ops/test_ops_graph.py): m * (19 + itemsize), whatever n is."""
     m = bitpack.BLOCK if block is None else block
     m = m if n is None else min(int(n), m)          # n None: any n (the bound of a full block)
     return (m + 7) // 8 * 8 * (19 + int(itemsize))

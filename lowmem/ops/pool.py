@@ -15,7 +15,7 @@ def scratch_bytes(itemsize, plane=1, block=None):
     """A bound on what one max-pool call allocates, for output planes of `plane` = Ho*Wo
     elements: a bool mask and (backward) a masked copy of one block of b = max(block, plane)
     output elements, plus NumPy's own buffers for ufuncs on these strided views (up to three
-    operands of b elements; measured in tests/test_ops.py)."""
+    operands of b elements; measured in tests/ops/test_ops.py)."""
     b = max(POOL_BLOCK if block is None else block, plane)
     return b * (2 + 4 * itemsize)
 

@@ -28,7 +28,7 @@ def scratch_bytes(n, itemsize, block=None):
     """A bound on what one relu_* or clip_* call on n elements allocates beyond its arguments:
     per block of m = min(n, BLOCK) elements, masks and codes (a few bytes per element), NumPy's
     cast buffers for the uint8-by-float products and, with accumulate, one product of the block
-    (measured in tests/test_ops_graph.py): m * (4 + 2 * itemsize), whatever n is."""
+    (measured in tests/ops/test_ops_graph.py): m * (4 + 2 * itemsize), whatever n is."""
     m = bitpack.BLOCK if block is None else block
     m = m if n is None else min(int(n), m)          # n None: any n (the bound of a full block)
     return (m + 7) // 8 * 8 * (4 + 2 * int(itemsize))

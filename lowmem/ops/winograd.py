@@ -31,7 +31,7 @@ V and M stay in the core's cache between the transform and the GEMM. Threads as 
 ops/conv.py (ops/chunks.py): batch ranges, each with its own part of the workspace.
 
 Accuracy: the transforms' constants are 0, +-1 and +-1/2, so float32 Winograd stays close to
-im2col; tests/test_winograd.py checks every 3x3 conv shape of ResNet-164 against float64.
+im2col; tests/ops/test_winograd.py checks every 3x3 conv shape of ResNet-164 against float64.
 When it applies: `applies()` (numba present, NumPy float32 C-contiguous arrays, 3x3,
 stride 1, pad 1, at least MIN_CHANNELS channels in and out, one sample fits the workspace);
 else ops/conv.py's im2col path runs. ENABLED = False (or LOWMEM_WINOGRAD=0 in the environment)
@@ -175,7 +175,7 @@ def conv3x3_backward_weight(dw, x, dout, ws):
 
 
 # ---- the tile transforms in NumPy: the references the numba kernels below match bit for bit
-# (the same float32 operations in the same order; tests/test_winograd.py). Each takes ns
+# (the same float32 operations in the same order; tests/ops/test_winograd.py). Each takes ns
 # samples from n0 on; T = ns*th*tw tiles, tile (s, a, b) at column (s*th + a)*tw + b.
 
 def input_tiles_reference(x, n0, ns):

@@ -2,7 +2,7 @@
 
 Three modules keep CUDA C++ beside the Python they speed up, each as one `Program`:
 
-    lowmem/units/gpu.py       "units"    the fused BN-ReLU unit kernels
+    lowmem/units/window_gpu.py       "units"    the fused BN-ReLU unit kernels
     lowmem/ops/columns_gpu.py   "columns"  the convolution's im2col / col2im
     lowmem/train/optim_gpu.py         "sgd"      optim.SGD's update
 
@@ -11,7 +11,7 @@ before every program (the `real` type, BLOCK, the round-to-nearest
 arithmetic and the counter stream's bits), the compile options, and a launcher that compiles a program once
 per dtype at its first launch (NVRTC, through CuPy). Importing it needs no GPU
 and no CuPy; `Program.sources()` returns the exact text compiled, for the nvcc
-compile test, and tests/test_kernels_gpu.py swaps `build` for a CPU emulator.
+compile test, and tests/units/test_units_gpu.py swaps `build` for a CPU emulator.
 
 Arithmetic: every float operation whose result must equal NumPy's is an
 explicit round-to-nearest intrinsic (__fmul_rn, __fadd_rn, ...: never
@@ -48,7 +48,7 @@ __device__ __forceinline__ unsigned int counter_bits(unsigned long long base, lo
     return (unsigned int)(z >> 40);
 }
 
-// The BN reductions (units/gpu.py, units/gpu_unbiased.py).
+// The BN reductions (units/window_gpu.py, units/unbiased_gpu.py).
 // Block-wide sums of a and b (BLOCK threads, fixed tree order); totals land in sa[0], sb[0].
 __device__ void block_sum2(double a, double b, double* sa, double* sb)
 {

@@ -4,7 +4,7 @@
 arrays: the same operations in the same order (decay, momentum with PyTorch's
 first step v = g, Nesterov, the step), each rounded as NumPy rounds it, so the
 updated weights, momenta and gradients equal the NumPy path's bit for bit
-(tests/test_kernels_gpu.py). Compiled through lowmem/system/cuda.py (program "sgd").
+(tests/units/test_units_gpu.py). Compiled through lowmem/system/cuda.py (program "sgd").
 """
 from ..system import cuda
 from ..system.cuda import i32, i64

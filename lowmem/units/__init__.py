@@ -17,7 +17,7 @@ BN->ReLU unit; the engine calls it and never asks which one it has:
 
 The sets:
     units/reference.py  ExactUnits, CodeUnits(bits, naive)   array ops (NumPy or CuPy)
-    units/fused.py      the same over units/cpu.py (numba) or units/gpu.py (CUDA)
+    units/fused.py      the same over units/window_cpu.py (numba) or units/window_gpu.py (CUDA)
     units/sync.py       SyncUnits(set, comm): any set with batch statistics over all ranks
 
 `select` picks one; `reference` is the array-op twin of any set, used by the
@@ -46,8 +46,8 @@ def reference(mode, bits, rounding="nearest"):
 
 def fused_applies(xp, dtype, sizes):
     """Whether the fused kernels can run units of these M = N*H*W sizes on xp in dtype (every
-    rounding has fused kernels: the window codes' in units/cpu.py, gpu.py, the unbiased code's
-    in units/cpu_unbiased.py, gpu_unbiased.py)."""
+    rounding has fused kernels: the window codes' in units/window_cpu.py, window_gpu.py, the unbiased code's
+    in units/unbiased_cpu.py, unbiased_gpu.py)."""
     return fused.applies(xp, dtype, sizes)
 
 
@@ -101,7 +101,7 @@ def reference_units(mode, unit_bits, rounding="nearest"):
 def partials_size(xp, max_channels, use_fused):
     """float64 elements of `bn.partials` the CUDA set needs (0 elsewhere)."""
     if use_fused and xp is not numpy:
-        return fused.gpu.partials_size(max_channels)
+        return fused.window_gpu.partials_size(max_channels)
     return 0
 
 

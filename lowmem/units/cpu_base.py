@@ -1,4 +1,4 @@
-"""What the numba kernels of units/cpu.py and units/cpu_unbiased.py share: numba's presence,
+"""What the numba kernels of units/window_cpu.py and units/unbiased_cpu.py share: numba's presence,
 the float and stream constants, the block sizes, the packer (one code per byte <-> 8/K codes
 per byte, the layout of units/quant.py) and the split of a call's channels over lowmem's threads.
 """

@@ -1,4 +1,4 @@
-"""The fused unit kernels: numba on the CPU (units/cpu.py), CUDA on the GPU (units/gpu.py).
+"""The fused unit kernels: numba on the CPU (units/window_cpu.py), CUDA on the GPU (units/window_gpu.py).
 
 Both modules export the same functions (bn_stats, unit_forward_exact,
 unit_forward_code, conv_input, unit_backward), each one pass (or two) over a
@@ -18,7 +18,7 @@ apply only when M * bits is a multiple of 8 (`applies`).
 import numpy
 
 from . import quant
-from . import cpu, gpu
+from . import window_cpu, window_gpu
 from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
 
 
@@ -56,7 +56,7 @@ class FusedCodeUnits(CodeUnits):
 
     def grid(self, gamma, beta):
         """What the module takes for the grid: QuantParams (numba) or the bit width (CUDA)."""
-        return self.bits if self.module is gpu else quant.quant_params(gamma, beta, self.bits)
+        return self.bits if self.module is window_gpu else quant.quant_params(gamma, beta, self.bits)
 
     stats = FusedExactUnits.stats
 
@@ -74,20 +74,20 @@ class FusedCodeUnits(CodeUnits):
 
 
 class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
-    """The unbiased code on the fused kernels: numba (units/cpu_unbiased.py) or CUDA
-    (units/gpu_unbiased.py). The forward (normalise, group ranges, draws, pack, relu) in one
+    """The unbiased code on the fused kernels: numba (units/unbiased_cpu.py) or CUDA
+    (units/unbiased_gpu.py). The forward (normalise, group ranges, draws, pack, relu) in one
     pass, the conv input's decode in one. The backward: two passes over the codes with x-tilde
     decoded inline and no decode buffer (`scratch` unused): on numba one kernel
-    (cpu_unbiased.unit_backward, block by block in L1), on CUDA the per-segment sums, the
-    finalize and dx (gpu_unbiased.unit_backward, in the `bn.partials` workspace)."""
+    (unbiased_cpu.unit_backward, block by block in L1), on CUDA the per-segment sums, the
+    finalize and dx (unbiased_gpu.unit_backward, in the `bn.partials` workspace)."""
     fused = True
 
     def __init__(self, module, bits, naive=False, partials=None):
         super().__init__(bits, naive)
-        from . import cpu_unbiased, gpu_unbiased
+        from . import unbiased_cpu, unbiased_gpu
         self.module, self.partials = module, partials
         self._extra = {} if partials is None else {"partials": partials}
-        self.kernels = gpu_unbiased if module is gpu else cpu_unbiased
+        self.kernels = unbiased_gpu if module is window_gpu else unbiased_cpu
 
     stats = FusedExactUnits.stats
 
@@ -100,7 +100,7 @@ class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         # saved: the unbiased code (x-tilde with E = x-hat, exact mask); rstd exact
         self.kernels.unit_backward(dx, dgamma, dbeta, dr, saved, gamma, beta, rstd, self.bits, accumulate,
-                                   **(self._extra if self.module is gpu else {}))
+                                   **(self._extra if self.module is window_gpu else {}))
 
     def decode_masking(self, xtilde, dr, saved, gamma, beta):
         """xtilde <- x-tilde, dr *= the exact mask, in one kernel pass (units/sync.py's backward)."""
@@ -108,8 +108,8 @@ class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
 
 
 def module_for(xp):
-    """The fused module for array module xp (units/gpu.py for CuPy, units/cpu.py for NumPy)."""
-    return gpu if xp is not numpy else cpu
+    """The fused module for array module xp (units/window_gpu.py for CuPy, units/window_cpu.py for NumPy)."""
+    return window_gpu if xp is not numpy else window_cpu
 
 
 def applies(xp, dtype, sizes):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lowmem.system import threads
-from lowmem.units import cpu as fast
+from lowmem.units import window_cpu as fast
 from lowmem.ops import chunks, conv, winograd
 from reference import conv_offsets_backward_ref as ref_backward, conv_offsets_ref as ref_forward, conv_ref
 

@@ -160,7 +160,7 @@ def test_the_engine_refuses_what_check_refuses_with_the_same_message(build):
 def test_records_the_three_buffer_rules_refused_now_train_correctly(build):
     """float64, exact mode: every parameter's and the input's gradient against central
     differences of the engine's own loss."""
-    from test_engine import check_directional, randomize_units
+    from reference import check_directional, randomize_units
     rng = np.random.default_rng(5)
     net = build()
     eng = Engine(net, 3, SHAPE, mode="exact", dtype="float64")

@@ -309,7 +309,7 @@ def test_dropout_trains_as_dropout_and_predicts_as_torch_eval(tmp_path):
 def test_imported_model_steps_within_its_plan(tmp_path, family):
     """A steady approx 4-bit float32 step of each imported model allocates at most the plan's
     stated bound on temporaries beyond the plan (plus 16 KiB of interpreter bookkeeping, as
-    tests/test_engine.py allows), and keeps nothing between steps (tracemalloc)."""
+    tests/core/test_engine.py allows), and keeps nothing between steps (tracemalloc)."""
     import tracemalloc
     from lowmem.train.optim import SGD
     make, shape, needs = FAMILIES[family]

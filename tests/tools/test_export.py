@@ -20,7 +20,7 @@ from lowmem.tools import export
 from lowmem.tools.commands import export as export_command
 from lowmem import models
 from lowmem.core.engine import Engine
-from test_engine import randomize_units
+from reference import randomize_units
 
 NETS = {
     "resnet20": (lambda: models.preact_resnet_cifar(20, num_classes=10), (3, 32, 32)),

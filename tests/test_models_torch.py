@@ -15,7 +15,7 @@ betas of both are shifted identically (|shift| <= 0.02) so that no pre-ReLU
 value lies within ~1e-4 of ReLU's kink: otherwise one element rounding to
 the other side in one implementation moves whole gradients by ~1e-3 (see
 torch_reference.dodge_relu_kinks). Float32 runs use the engine's default
-kernels (numba's lowmem/units/cpu.py when installed) and, once, the NumPy ops.
+kernels (numba's lowmem/units/window_cpu.py when installed) and, once, the NumPy ops.
 
 Skipped when torch is not installed (pip install -e .[compare]).
 """
@@ -28,6 +28,7 @@ F = torch.nn.functional
 from lowmem import models  # noqa: E402
 from lowmem.core.engine import Engine                             # noqa: E402
 from lowmem.train.optim import SGD                                 # noqa: E402
+from reference import rel                                    # noqa: E402
 from torch_reference import dodge_relu_kinks, load_lowmem_state, sgd_param_groups   # noqa: E402
 import torch_reference as ref                                # noqa: E402
 
@@ -48,18 +49,11 @@ CASES = {
     "imagenet18": (lambda: models.preact_resnet_imagenet(18, num_classes=K),
                    lambda: ref.preact_resnet_imagenet(18, num_classes=K), (3, 64, 64)),
 }
-# (case, dtype, use_fast): None = the engine's default (lowmem/units/cpu.py's numba kernels for
+# (case, dtype, use_fast): None = the engine's default (lowmem/units/window_cpu.py's numba kernels for
 # float32 when numba is installed); False = the pure-NumPy ops (always used for float64)
 RUNS = [("resnet20", "float32", None), ("bottleneck29", "float32", None), ("imagenet18", "float32", None),
         ("resnet20", "float32", False), ("resnet20", "float64", None)]
 RUN_IDS = [f"{c}-{d}" + ("-numpy" if f is False else "") for c, d, f in RUNS]
-
-
-def rel(a, b):
-    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    nb = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a))
 
 
 def worst(errors):

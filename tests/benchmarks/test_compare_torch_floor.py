@@ -16,7 +16,7 @@ import pytest
 import lowmem
 from lowmem.system import threads
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 import compare_torch                                             # noqa: E402
 
 CONV_MODULES = ("lowmem.ops.conv", "lowmem.ops.winograd")

@@ -1,5 +1,5 @@
 """The CUDA kernels against the NumPy reference ops and quantizer: the unit kernels
-(lowmem/units/gpu.py), the conv columns (lowmem/ops/columns_gpu.py) and the SGD update
+(lowmem/units/window_gpu.py), the conv columns (lowmem/ops/columns_gpu.py) and the SGD update
 (lowmem/train/optim_gpu.py), all built through lowmem/system/cuda.py.
 
 Three levels, each skipped where its tool is missing:
@@ -40,8 +40,8 @@ import lowmem
 from lowmem.system import cuda as cuda_helper
 from lowmem.train import optim, optim_gpu
 from lowmem.units import quant
-from lowmem.units import gpu as cuda
-from lowmem.units import gpu_unbiased, unbiased
+from lowmem.units import window_gpu as cuda
+from lowmem.units import unbiased_gpu, unbiased
 from lowmem.units.stream import Stream
 from lowmem.core.network import Parameter
 from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
@@ -65,7 +65,7 @@ PROGRAMS = cuda_helper.PROGRAMS       # every program, now that the four modules
 def test_every_program_is_registered():
     assert set(PROGRAMS) == {"units", "columns", "sgd", "unbiased"}
     assert (PROGRAMS["units"] is cuda.PROGRAM and PROGRAMS["columns"] is columns_gpu.PROGRAM
-            and PROGRAMS["sgd"] is optim_gpu.PROGRAM and PROGRAMS["unbiased"] is gpu_unbiased.PROGRAM)
+            and PROGRAMS["sgd"] is optim_gpu.PROGRAM and PROGRAMS["unbiased"] is unbiased_gpu.PROGRAM)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -508,7 +508,7 @@ def test_bad_arguments_are_rejected(dev):
         cuda.unit_backward(dev.put(x[:, :8].copy()), one, one, xd, xd, None, None, gd, bd, one, False)
     slot = dev.put(np.zeros(unbiased.slot_nbytes(*x.shape, 2), np.uint8))
     with pytest.raises(ValueError, match="dx must have shape"):
-        gpu_unbiased.unit_backward(dev.put(x[:, :8].copy()), one, one, xd, slot, gd, bd, one, 2, False)
+        unbiased_gpu.unit_backward(dev.put(x[:, :8].copy()), one, one, xd, slot, gd, bd, one, 2, False)
 
 
 def test_supports():
@@ -625,7 +625,7 @@ def test_engine_gpu_path_on_emulated_kernels(emulator, monkeypatch, mode, n):
 
 @pytest.mark.parametrize("mode,n", [("approx", 8), ("naive", 4)])
 def test_engine_gpu_path_runs_the_unbiased_code_on_emulated_kernels(emulator, monkeypatch, mode, n):
-    """rounding="stochastic" on the CuPy wiring (units/gpu_unbiased.py, emulated), float64: the
+    """rounding="stochastic" on the CuPy wiring (units/unbiased_gpu.py, emulated), float64: the
     NumPy engine's loss, gradients and two SGD steps (the same draws: they follow the element's
     index, not the kernels)."""
     emulate(monkeypatch, emulator)
@@ -637,7 +637,7 @@ def test_engine_gpu_path_runs_the_unbiased_code_on_emulated_kernels(emulator, mo
     monkeypatch.setattr(lowmem.system.backend, "xp", NumpyAsCupy("cupy"))
     got = run(net, shape, x, y, np, "float64", **kw)
     eng = got[5]
-    assert eng.use_fast and all(u.kernels is gpu_unbiased for u in eng.units.values())
+    assert eng.use_fast and all(u.kernels is unbiased_gpu for u in eng.units.values())
     compare(got, ref, 1e-10)
     cuda_helper.reset()
 
@@ -740,7 +740,7 @@ def test_the_conv_ops_take_the_one_launch_columns_on_gpu_arrays(dev, k, stride, 
         np.testing.assert_array_equal(a, b)
 
 
-# ---- the unbiased code (lowmem/units/gpu_unbiased.py) ---------------------------------------
+# ---- the unbiased code (lowmem/units/unbiased_gpu.py) ---------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -764,18 +764,18 @@ def test_unbiased_forward_and_decode_are_the_reference(dev, dtype, bits, naive):
         bn_relu_apply_forward(ref_out, xhat, g, b)
     slot, xd = dev.put(np.zeros_like(want)), dev.put(x)
     gd, bd = dev.put(g), dev.put(b)
-    gpu_unbiased.unit_forward(xd, slot, xd, dev.put(mean), dev.put(rstd), gd, bd, bits, naive, key)   # in place
+    unbiased_gpu.unit_forward(xd, slot, xd, dev.put(mean), dev.put(rstd), gd, bd, bits, naive, key)   # in place
     assert np.array_equal(dev.get(slot), want)
     assert np.array_equal(dev.get(xd), ref_out)
     for relu in (False, True):
         ref = np.empty_like(x)
         unbiased.decode_each_chunk(ref, want, g, b, bits, relu=relu)
         got = dev.put(np.empty_like(x))
-        gpu_unbiased.decode(got, slot, gd, bd, bits, relu=relu)
+        unbiased_gpu.decode(got, slot, gd, bd, bits, relu=relu)
         assert np.array_equal(dev.get(got), ref)
     dr = np.random.default_rng(1).standard_normal(x.shape).astype(dtype)
     drd = dev.put(dr.copy())
-    gpu_unbiased.decode(dev.put(np.empty_like(x)), slot, gd, bd, bits, dr=drd)
+    unbiased_gpu.decode(dev.put(np.empty_like(x)), slot, gd, bd, bits, dr=drd)
     assert np.array_equal(dev.get(drd), dr * ((xhat * g[:, None]) + b[:, None] > 0))
 
 
@@ -806,7 +806,7 @@ def test_unbiased_backward_matches_the_reference(dev, dtype, bits, accumulate, M
     dgd, dbd = dev.put(np.full(C, 0.5, dtype)), dev.put(np.full(C, -0.25, dtype))
     drd = dev.put(dr.copy())
     dxd = dev.put(base) if accumulate else drd                       # in place, as the engine does
-    gpu_unbiased.unit_backward(dxd, dgd, dbd, drd, dev.put(slot), *map(dev.put, (g, b, rstd)), bits, accumulate)
+    unbiased_gpu.unit_backward(dxd, dgd, dbd, drd, dev.put(slot), *map(dev.put, (g, b, rstd)), bits, accumulate)
     tol = 1e-4 if dtype == "float32" else 1e-10
     np.testing.assert_allclose(dev.get(dgd), rdg, rtol=tol, atol=tol * 10)
     np.testing.assert_allclose(dev.get(dbd), rdb, rtol=tol, atol=tol * 10)
@@ -826,7 +826,7 @@ GRAPH_FAMILIES = ("postact", "dense", "inverted", "bias", "classifier")
 
 
 def graph_case(which, n, seed):
-    """One of the hand-built graphs of the newer ops (tests/test_onnx_import.py: post-activation
+    """One of the hand-built graphs of the newer ops (tests/formats/test_onnx_import.py: post-activation
     blocks, dense blocks with concat, inverted residuals with depthwise convs and ReLU6, convs with
     bias, linear layers with dropout), its units and biases randomised, and a batch of n."""
     from test_onnx_import import random_graph

@@ -1,8 +1,8 @@
-"""Fused GPU kernels for the BN-ReLU units (CuPy RawModule), the GPU twin of lowmem/units/cpu.py.
+"""Fused GPU kernels for the BN-ReLU units (CuPy RawModule), the GPU twin of lowmem/units/window_cpu.py.
 
 Used by the engine when the backend is CuPy (`LOWMEM_BACKEND=cupy`,
 `pip install lowmem[gpu]`); the pure-array ops of lowmem/ops and
-lowmem/units/quant run on CuPy too and stay the reference (tests/test_kernels_gpu.py).
+lowmem/units/quant run on CuPy too and stay the reference (tests/units/test_units_gpu.py).
 
 What each kernel fuses (layout (C, M) rows, M = N*H*W, as everywhere):
 
@@ -370,7 +370,7 @@ extern "C" __global__ void unit_backward_apply_code(real* dx, const real* dr, co
 
 """
 
-# kernels with __syncthreads (the CPU emulator in tests/test_kernels_gpu.py runs their threads as coroutines)
+# kernels with __syncthreads (the CPU emulator in tests/units/test_units_gpu.py runs their threads as coroutines)
 PROGRAM = cuda.Program("units", SOURCE, block_sync=("bn_stats_partial", "unit_backward_partial_exact",
                                                     "unit_backward_partial_code"))
 
@@ -459,7 +459,7 @@ def _check_code(packed, C, M, bits):
     quant._check_packed(packed, C * M, bits)
 
 
-# ---- the unit functions (units/cpu.py's signatures; units/fused.py wraps both) ------
+# ---- the unit functions (units/window_cpu.py's signatures; units/fused.py wraps both) ------
 
 def bn_stats(mean, var, rstd, x, eps, partials=None):
     """mean, var (biased), rstd (C,) of x (C, M)."""

@@ -2,7 +2,7 @@
 find each group's range, draw and pack the codes, write relu(y)), the decodes (x-tilde or the
 conv input; optionally the gradient's masking) and the fused BN-ReLU backward.
 
-How they vectorise (as units/cpu.py's kernels): a channel's row is walked in blocks of
+How they vectorise (as units/window_cpu.py's kernels): a channel's row is walked in blocks of
 cpu_base.BLOCK elements (16 groups of 256); per block the codes sit in an L1 uint8 buffer, one per
 byte (cpu_base._pack/_unpack move them to and from the slot), and the float work is 1-D loops,
 branch-free (selects, unconditional stores), one per group where the group's levels enter,
@@ -17,11 +17,11 @@ about 1.6 times as long (cProfile, both in one process).
 Arithmetic: every float operation of unbiased.metadata, Levels and _encode_piece, one rounding
 each, in the same order (float32 only, no fastmath outside the backward's sums), and the
 counter stream of units/stream.py in uint64: the slot equals unbiased.quantize_pack's byte for
-byte for the same x-hat and key (tests/test_unbiased.py); `decode` gives
+byte for the same x-hat and key (tests/units/test_unbiased.py); `decode` gives
 unbiased.decode_each_chunk's x-tilde or conv input bit for bit. `unit_backward`: the reference's
 formulas (ops.bn_relu_backward on that x-tilde under the exact mask), its sums in float32 within
 a block and float64 across blocks, so dgamma, dbeta and dx agree to float32 rounding
-(tests/test_unbiased_cpu.py).
+(tests/units/test_unbiased_cpu.py).
 """
 import numpy
 
@@ -314,7 +314,7 @@ if AVAILABLE:
     @njit(**_opts)
     def _dx(dxr, drow, codes, lv, gi0, kf, s, a, mdy, mdyx, accumulate):
         """dx (=, or += with accumulate) a*(dy - mean(dy) - x-tilde*mean(dy*x-tilde)) for a
-        block, x-tilde decoded inline. dxr must not alias drow (see cpu._quantize_block)."""
+        block, x-tilde decoded inline. dxr must not alias drow (see window_cpu._quantize_block)."""
         n = drow.size
         for q in range((n + GROUP - 1) // GROUP):
             bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
@@ -390,7 +390,7 @@ if AVAILABLE:
         """BN-ReLU backward from the slot: two passes per row (sums, then dx), each unpacking
         block by block into L1 scratch and decoding x-tilde inline (the row's group levels
         computed once); no decode buffer. inplace: dx overlaps dr, so dx goes through tmp (see
-        cpu._quantize_block)."""
+        window_cpu._quantize_block)."""
         C, M = dr.shape
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)

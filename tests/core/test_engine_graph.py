@@ -18,7 +18,7 @@ import pytest
 from lowmem import models, nn
 from lowmem.core.engine import Engine
 from lowmem.core.network import Network
-from test_engine import batch, check_directional, randomize_units
+from reference import batch, check_directional, randomize_units
 
 
 def stem(g, c=4):

@@ -23,6 +23,7 @@ MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shut
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install lowmem[mpi])")
 WORKER = Path(__file__).with_name("mpi_worker.py")
 sys.path.insert(0, str(WORKER.parent))
+ROOT = WORKER.parents[2]                                  # the repository
 import mpi_worker  # noqa: E402
 
 
@@ -33,7 +34,7 @@ def launch(tmp_path, mode, sync_bn, dtype, action="train", n=2, timeout=120, ext
            "1" if sync_bn else "0", dtype, str(out), action, *map(str, extra)]
     t = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                       cwd=str(WORKER.parent.parent))
+                       cwd=str(ROOT))
     states = [dict(np.load(f"{out}.rank{k}.npz")) for k in range(n) if os.path.exists(f"{out}.rank{k}.npz")]
     return r, states, time.monotonic() - t
 
@@ -116,7 +117,7 @@ def lowmem_cli(args, n=1, timeout=240):
     if n > 1:
         cmd = [MPIEXEC, "-n", str(n)] + cmd
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd=str(WORKER.parent.parent))
+                          cwd=str(ROOT))
 
 
 def weights(run_dir):
@@ -169,7 +170,7 @@ def mpmd(first, second, timeout=120):
     cmd = [MPIEXEC, "-n", "1", sys.executable, "-m", "lowmem"] + first + [":", "-n", "1", sys.executable,
                                                                           "-m", "lowmem"] + second
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd=str(WORKER.parent.parent))
+                          cwd=str(ROOT))
 
 
 @pytest.mark.parametrize("option,ours,theirs,words", [
@@ -235,7 +236,7 @@ def test_ctrl_c_on_one_rank_is_reported_as_sigint_by_every_rank(tmp_path):
         env.pop(var, None)
     cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "lowmem"] + TRAIN + ["--epochs", "10000", "--out", str(out)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         cwd=str(WORKER.parent.parent))
+                         cwd=str(ROOT))
     try:
         for line in p.stdout:               # rank 0 prints the plan, then trains
             if line.startswith("training:"):

@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under `mpiexec -n N python -m mpi4py tests/mpi_worker.py ...`.
+"""Run by tests/system/test_distributed.py under `mpiexec -n N python -m mpi4py tests/system/mpi_worker.py ...`.
 
 Trains pre-act ResNet-8 for a few steps on a fixed global batch sequence, each rank on its
 shard, and writes every rank's final parameters and running statistics to OUT.rank<r>.npz.

@@ -1,4 +1,4 @@
-"""Fused CPU kernels (numba) for the BN-ReLU units, the CPU twin of lowmem/units/gpu.py.
+"""Fused CPU kernels (numba) for the BN-ReLU units, the CPU twin of lowmem/units/window_gpu.py.
 
 bn_stats, unit_forward_exact, unit_forward_code, conv_input and unit_backward:
 units/fused.py wraps them into the engine's kernel sets. (The conv's numba
@@ -6,7 +6,7 @@ col2im sits beside the conv, in lowmem/ops/columns_cpu.py.)
 
 Optional: `pip install lowmem[fast]`. Without numba, or with LOWMEM_FAST=0,
 the engine runs the pure-NumPy ops of lowmem/ops and lowmem/units/quant, which stay
-the reference these kernels are tested against (tests/test_kernels_cpu.py).
+the reference these kernels are tested against (tests/units/test_window_cpu.py).
 
 Why: in NumPy every elementwise step is a full pass over memory. One unit's
 BN -> ReLU -> quantize -> pack is about a dozen passes; its backward
@@ -33,7 +33,7 @@ Cores: the engine-facing functions split their channels over lowmem's
 threads (lowmem/system/threads.py; the kernels release the GIL).
 
 Kernels are compiled for float32 only (cached on disk by numba). What they share with
-units/cpu_unbiased.py (constants, block sizes, the packer, the channel split) is units/cpu_base.py.
+units/unbiased_cpu.py (constants, block sizes, the packer, the channel split) is units/cpu_base.py.
 
 Arithmetic: element-wise float maths is written in the dtype of the data,
 one rounding per operation, in the same order as the NumPy path, so:

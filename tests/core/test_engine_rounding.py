@@ -5,7 +5,7 @@
   index) at each element's global index (quant.Stream) for every unit, on the reference and the
   fused kernels alike; a new training
   forward (engine.step + 1) draws new codes, the same step and seed draw the same ones.
-* Nearest rounding (the default) is untouched (tests/test_unit_bits.py: bit for bit).
+* Nearest rounding (the default) is untouched (tests/core/test_engine_unit_bits.py: bit for bit).
 * The trainer keeps `rounding` with the run and sets engine.step to the iteration, so a
   resumed run draws what an uninterrupted one would.
 """

@@ -18,21 +18,16 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from lowmem.units import cpu as fast
+from lowmem.units import window_cpu as fast
 from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar, preact_resnet_imagenet
 from lowmem.core.network import Network
 from lowmem.train.optim import SGD
-from reference import randomize_units
+from reference import batch, check_directional, randomize_units
 
 BN_EPS = 1e-5
 # float32 BN-ReLU units run the fused numba kernels when numba is installed; test both paths
 PATHS = [False, True] if fast.AVAILABLE else [False]
-
-
-def batch(rng, net, n, shape, dtype=np.float64):
-    x = rng.standard_normal((n,) + tuple(shape)).astype(dtype)
-    return x, rng.integers(0, net.num_classes, n)
 
 
 def tiny_imagenet_style():
@@ -106,37 +101,6 @@ def reference_loss(logits, labels):
 
 
 # -------------------------------------------------- whole-network gradients
-
-def close(numeric, analytic, rtol=1e-5, atol=1e-9):
-    return abs(numeric - analytic) <= rtol * abs(analytic) + atol
-
-
-def central_multi(f, arrays, dirs, eps):
-    """Central difference of f() along the joint direction `dirs` over several arrays (restored after)."""
-    saved = [a.copy() for a in arrays]
-    try:
-        vals = []
-        for sign in (1, -1):
-            for a, a0, d in zip(arrays, saved, dirs):
-                a[...] = a0 + sign * eps * d
-            vals.append(f())
-    finally:
-        for a, a0 in zip(arrays, saved):
-            a[...] = a0
-    return (vals[0] - vals[1]) / (2 * eps)
-
-
-def check_directional(f, arrays, grads, rng, what):
-    """Backward's directional derivative along a random direction vs central differences at
-    eps = 1e-7 (float64). A BN-ReLU kink crossed inside +-eps spoils one quotient; a second,
-    smaller eps then decides."""
-    dirs = [rng.standard_normal(a.shape) for a in arrays]
-    analytic = sum(float(np.sum(g * d)) for g, d in zip(grads, dirs))
-    numeric = central_multi(f, arrays, dirs, 1e-7)
-    if not close(numeric, analytic):
-        numeric = central_multi(f, arrays, dirs, 3e-8)
-    assert close(numeric, analytic), f"{what}: fd {numeric!r} vs backward {analytic!r}"
-
 
 # name: (builder, input shape, batch, tensors to check (None: all))
 NETS = {
@@ -596,7 +560,7 @@ def test_train_step_is_forward_backward_step_with_planned_momentum(rng):
 
 def test_training_reduces_the_loss_on_a_fixed_batch(rng):
     """Sanity: a few steps on one batch lower its loss, in every mode (NumPy path: the fused
-    kernels are checked against it in test_kernels_cpu.py, test_kernels.py and above)."""
+    kernels are checked against it in test_window_cpu.py, test_units.py and above)."""
     net = preact_resnet_cifar(8, num_classes=4)
     x, y = batch(rng, net, 8, (3, 8, 8), np.float32)
     for mode in ("exact", "approx", "naive"):

@@ -14,7 +14,7 @@ from lowmem.core.engine import Engine
 from lowmem.core.network import NetworkError
 from lowmem.units import quant
 from lowmem.units import rangecode as rc
-from test_engine import batch, check_directional, randomize_units
+from reference import batch, check_directional, randomize_units
 
 
 def graph():

@@ -1,4 +1,4 @@
-"""The unbiased code's fused numba BN-ReLU backward (lowmem/units/cpu_unbiased.py unit_backward,
+"""The unbiased code's fused numba BN-ReLU backward (lowmem/units/unbiased_cpu.py unit_backward,
 used by units/fused.py's FusedUnbiasedCodeUnits on the CPU):
 
 * against the reference set's backward (UnbiasedCodeUnits: decode, then ops.bn_relu_backward) on
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from lowmem.ops import bn_normalize
-from lowmem.units import cpu, cpu_unbiased, fused, quant, unbiased
+from lowmem.units import window_cpu, unbiased_cpu, fused, quant, unbiased
 from lowmem.units.reference import UnbiasedCodeUnits
 from lowmem.units.stream import Stream
 from lowmem.units.sync import SyncUnits
 
-pytestmark = pytest.mark.skipif(not cpu_unbiased.AVAILABLE, reason="numba not installed")
+pytestmark = pytest.mark.skipif(not unbiased_cpu.AVAILABLE, reason="numba not installed")
 TOL = 1e-5
 
 
@@ -59,7 +59,7 @@ def test_fused_backward_is_the_reference_backward(bits, M, accumulate, inplace):
     x, mean, rstd, gamma, beta, slot, dr = case(bits, M=M)
     dx0 = np.random.default_rng(2).standard_normal(dr.shape).astype(np.float32)
     want = reference_backward(bits, x, rstd, gamma, beta, slot, dr, dr if inplace else dx0, accumulate)
-    units = fused.FusedUnbiasedCodeUnits(cpu, bits)
+    units = fused.FusedUnbiasedCodeUnits(window_cpu, bits)
     C = dr.shape[0]
     g, b = np.full(C, 0.5, np.float32), np.full(C, -0.25, np.float32)
     d = dr.copy()
@@ -91,7 +91,7 @@ def test_fused_backward_is_the_formula_in_float64(bits, M):
     a = gamma.astype(np.float64) * rstd
     want_dx = a[:, None] * (dy - sdy[:, None] / M - xt * (sdyx / M)[:, None])
     dx, g, b = np.empty_like(dr), np.zeros(C, np.float32), np.zeros(C, np.float32)
-    cpu_unbiased.unit_backward(dx, g, b, dr, slot, gamma, beta, rstd, bits, False)
+    unbiased_cpu.unit_backward(dx, g, b, dr, slot, gamma, beta, rstd, bits, False)
     terms = np.abs(dy).sum(axis=1) * np.abs(xt).max(axis=1)
     close(g, sdyx, terms)
     close(b, sdy, np.abs(dy).sum(axis=1))
@@ -113,7 +113,7 @@ def test_synchronized_batch_norm_over_the_fused_set():
     bits = 2
     x, mean, rstd, gamma, beta, slot, dr = case(bits, seed=9)
     C, M = dr.shape
-    inner = fused.FusedUnbiasedCodeUnits(cpu, bits)
+    inner = fused.FusedUnbiasedCodeUnits(window_cpu, bits)
     want = np.empty_like(dr), np.zeros(C, np.float32), np.zeros(C, np.float32)
     inner.backward(want[0], want[1], want[2], dr.copy(), slot, rstd, gamma, beta, False, None)
     sync = SyncUnits(inner, Twins(), np.empty(2 * C, np.float64))
@@ -130,14 +130,14 @@ def test_bad_input_is_named():
     C = dr.shape[0]
     g, b = np.zeros(C, np.float32), np.zeros(C, np.float32)
     with pytest.raises(ValueError, match="float32 rows"):
-        cpu_unbiased.unit_backward(dr.astype(np.float64), g, b, dr.astype(np.float64), slot, gamma, beta,
+        unbiased_cpu.unit_backward(dr.astype(np.float64), g, b, dr.astype(np.float64), slot, gamma, beta,
                                    rstd, 2, False)
     with pytest.raises(ValueError, match="dx must have dr's shape"):
-        cpu_unbiased.unit_backward(dr[:, :8], g, b, dr, slot, gamma, beta, rstd, 2, False)
+        unbiased_cpu.unit_backward(dr[:, :8], g, b, dr, slot, gamma, beta, rstd, 2, False)
     with pytest.raises(ValueError, match="slot must be uint8 of at least"):
-        cpu_unbiased.unit_backward(np.empty_like(dr), g, b, dr, slot[:100], gamma, beta, rstd, 2, False)
+        unbiased_cpu.unit_backward(np.empty_like(dr), g, b, dr, slot[:100], gamma, beta, rstd, 2, False)
     with pytest.raises(ValueError, match="bits >= 2"):
-        cpu_unbiased.unit_backward(np.empty_like(dr), g, b, dr, slot, gamma, beta, rstd, 1, False)
+        unbiased_cpu.unit_backward(np.empty_like(dr), g, b, dr, slot, gamma, beta, rstd, 1, False)
 
 
 def test_group_range_is_max_and_min_element_by_element():
@@ -154,7 +154,7 @@ def test_group_range_is_max_and_min_element_by_element():
     gamma, beta = np.array([1.0, -1.0], np.float32), np.array([0.5, 0.5], np.float32)
     mean, rstd = np.zeros(C, np.float32), np.ones(C, np.float32)
     slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
-    cpu_unbiased.unit_forward(np.empty_like(x), slot, x, mean, rstd, gamma, beta, bits, False, 1)
+    unbiased_cpu.unit_forward(np.empty_like(x), slot, x, mean, rstd, gamma, beta, bits, False, 1)
     ends = unbiased.split_slot(slot, C, M, bits)[1]
     for c in range(C):
         s = np.float32(-1 if gamma[c] < 0 else 1)
@@ -182,5 +182,5 @@ def test_the_kernels_split_is_unbiased_split(bits):
     beta = np.concatenate([rng.standard_normal(300) * 4, -t_ties, -t_ties,
                            [1.0, -1.0, 0.5, -0.5, 0.0, 1.0]]).astype(np.float32)
     L = 1 << bits
-    got = [cpu_unbiased._channel(g, b, L, W, w)[5] for g, b in zip(gamma, beta)]
+    got = [unbiased_cpu._channel(g, b, L, W, w)[5] for g, b in zip(gamma, beta)]
     np.testing.assert_array_equal(got, unbiased.split(gamma, beta, bits))

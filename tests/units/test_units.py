@@ -1,13 +1,13 @@
 """lowmem/units: every kernel set against the reference set, through the one interface.
 
-The raw numba and CUDA kernels have their own tests (test_kernels_cpu.py, test_kernels_gpu.py);
+The raw numba and CUDA kernels have their own tests (test_window_cpu.py, test_units_gpu.py);
 this checks the sets the engine selects: same slot layout, bit-identical forward outputs and
 codes, backward to float tolerance (the fused reductions accumulate in float64)."""
 import numpy as np
 import pytest
 
 from lowmem import units as kernels
-from lowmem.units import cpu, fused
+from lowmem.units import window_cpu, fused
 from lowmem.units.reference import CodeUnits, ExactUnits
 from reference import unit_case
 
@@ -47,14 +47,14 @@ def test_select_gives_the_reference_set_without_fused_kernels(mode, bits):
         assert units.bits == bits and units.naive == (mode == "naive")
 
 
-@pytest.mark.skipif(not cpu.AVAILABLE, reason="numba not installed")
+@pytest.mark.skipif(not window_cpu.AVAILABLE, reason="numba not installed")
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("mode,bits", [("exact", 4), ("approx", 4), ("approx", 1), ("naive", 2)])
 def test_the_numba_set_matches_the_reference_set(rng, mode, bits, accumulate):
     x, g, b, dr = unit_data(rng)
     ref = run_set(kernels.reference(mode, bits), x, g, b, dr, accumulate)
     got_units = kernels.select(np, mode, bits, np.dtype("float32"), [M])
-    assert got_units.fused and got_units.module is cpu
+    assert got_units.fused and got_units.module is window_cpu
     got = run_set(got_units, x, g, b, dr, accumulate)
     np.testing.assert_allclose(got["mean"], ref["mean"], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(got["var"], ref["var"], rtol=1e-5)
@@ -71,7 +71,7 @@ def test_the_numba_set_matches_the_reference_set(rng, mode, bits, accumulate):
 def test_fused_kernels_need_whole_code_bytes_in_every_mode():
     """M % 8 decides for exact and approx alike: an exact and an approx engine of one shape
     always pick the same kernels (so their forward passes are bit-identical)."""
-    if cpu.AVAILABLE:
+    if window_cpu.AVAILABLE:
         assert fused.applies(np, np.dtype("float32"), [64, 8])
     assert not fused.applies(np, np.dtype("float32"), [64, 12])
     assert not fused.applies(np, np.dtype("float64"), [64])

@@ -5,7 +5,7 @@
   statistics bit for bit, the same memory plan and schedule, and a bit-identical training step.
 * Bad files: a missing, truncated or non-ONNX file, an unsupported node (named, with its op
   type and the supported ops), an input shape the file does not allow: one clear line each.
-PyTorch models exported to ONNX and compared with autograd: tests/test_onnx_torch.py.
+PyTorch models exported to ONNX and compared with autograd: tests/formats/test_onnx_import_torch.py.
 """
 import numpy as np
 import pytest

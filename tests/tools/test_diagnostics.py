@@ -1,5 +1,5 @@
 """lowmem.tools.diagnostics: the gradient-error summary's edge cases, and measure_peak's memory check.
-(The gradient error itself is tested in test_approx.py, the measured peak in test_cli.py.)"""
+(The gradient error itself is tested in test_engine_approx.py, the measured peak in test_cli.py.)"""
 import tracemalloc
 import warnings
 

@@ -455,7 +455,7 @@ def test_depthwise_split_over_two_threads_is_bit_identical(rng, monkeypatch):
 
 # ---------------------------------------------------------- bounded temporaries (tracemalloc)
 
-BOOKKEEPING = 16 << 10      # views, slices and lists a call makes (as tests/test_engine.py allows a step)
+BOOKKEEPING = 16 << 10      # views, slices and lists a call makes (as tests/core/test_engine.py allows a step)
 
 
 def allocated(f):

@@ -448,13 +448,13 @@ def test_the_allocator_prices_bias_and_variance_apart():
 @pytest.mark.parametrize("naive", [False, True])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_numba_forward_writes_the_reference_slot(bits, naive, M):
-    """units/cpu_unbiased.py: the same slot bytes as unbiased.quantize_pack (float32, shards keyed
+    """units/unbiased_cpu.py: the same slot bytes as unbiased.quantize_pack (float32, shards keyed
     by their global place, γ of both signs and 0, t outside the data, a constant channel, a
-    short last group; rows of one block and of two, cpu.BLOCK = 4096), and out = relu(y) as the
+    short last group; rows of one block and of two, window_cpu.BLOCK = 4096), and out = relu(y) as the
     exact forward, or naive's decoded conv input."""
-    from lowmem.units import cpu_unbiased
+    from lowmem.units import unbiased_cpu
     from lowmem.ops import bn_normalize
-    if not cpu_unbiased.AVAILABLE:
+    if not unbiased_cpu.AVAILABLE:
         pytest.skip("numba not installed")
     rng = np.random.default_rng(12)
     C = 6                                           # groups of 256 ..., 256, 8
@@ -469,7 +469,7 @@ def test_numba_forward_writes_the_reference_slot(bits, naive, M):
     want = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
     unbiased.quantize_pack(want, xhat, gamma, beta, bits, key)
     got, out = np.zeros_like(want), np.empty_like(x)
-    cpu_unbiased.unit_forward(out, got, x, mean, rstd, gamma, beta, bits, naive, key)
+    unbiased_cpu.unit_forward(out, got, x, mean, rstd, gamma, beta, bits, naive, key)
     np.testing.assert_array_equal(got, want)
     ref = np.empty_like(x)
     if naive:
@@ -478,7 +478,7 @@ def test_numba_forward_writes_the_reference_slot(bits, naive, M):
         ref = np.maximum(xhat * gamma[:, None] + beta[:, None], 0)
     np.testing.assert_array_equal(out, ref)
     inplace = x.copy()                              # out may alias x
-    cpu_unbiased.unit_forward(inplace, got, inplace, mean, rstd, gamma, beta, bits, naive, key)
+    unbiased_cpu.unit_forward(inplace, got, inplace, mean, rstd, gamma, beta, bits, naive, key)
     np.testing.assert_array_equal(inplace, out)
 
 
@@ -496,8 +496,8 @@ def test_plan_prints_bits_per_element_with_the_group_ends(capsys):
 @pytest.mark.parametrize("M", [776, 4872])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_numba_decode_is_the_reference_decode(bits, M):
-    from lowmem.units import cpu_unbiased
-    if not cpu_unbiased.AVAILABLE:
+    from lowmem.units import unbiased_cpu
+    if not unbiased_cpu.AVAILABLE:
         pytest.skip("numba not installed")
     rng = np.random.default_rng(13)
     C = 6
@@ -511,11 +511,11 @@ def test_numba_decode_is_the_reference_decode(bits, M):
     for relu in (False, True):
         want, got = np.empty_like(x), np.empty_like(x)
         unbiased.decode_each_chunk(want, slot, gamma, beta, bits, relu=relu)
-        cpu_unbiased.decode(got, slot, gamma, beta, bits, relu=relu)
+        unbiased_cpu.decode(got, slot, gamma, beta, bits, relu=relu)
         np.testing.assert_array_equal(got, want)
     dr = rng.standard_normal((C, M)).astype(np.float32)
     masked = dr.copy()
-    cpu_unbiased.decode(np.empty_like(x), slot, gamma, beta, bits, dr=masked)
+    unbiased_cpu.decode(np.empty_like(x), slot, gamma, beta, bits, dr=masked)
     np.testing.assert_array_equal(masked, dr * mask)
 
 
@@ -530,8 +530,8 @@ def test_fused_and_reference_engines_train_alike():
     import copy
     from lowmem.core.engine import Engine
     from lowmem.models import preact_resnet_cifar
-    from lowmem.units import cpu_unbiased
-    if not cpu_unbiased.AVAILABLE:
+    from lowmem.units import unbiased_cpu
+    if not unbiased_cpu.AVAILABLE:
         pytest.skip("numba not installed")
     net = preact_resnet_cifar(8)
     rng = np.random.default_rng(1)

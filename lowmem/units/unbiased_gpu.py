@@ -8,7 +8,7 @@
     unbiased_decode    one thread per (group, channel): x-tilde or the conv input from the codes
                        and the stored ends; optionally zero the incoming gradient where the mask
                        is closed (synchronized batch norm's masking)
-    unbiased_backward_partial + units/gpu.py's unit_backward_finalize + unbiased_backward_apply
+    unbiased_backward_partial + units/window_gpu.py's unit_backward_finalize + unbiased_backward_apply
                        BN-ReLU backward: sum(dy), sum(dy*x-tilde) per channel over segments of
                        groups (float64, a fixed tree order), then dx, x-tilde decoded inline
 
@@ -16,7 +16,7 @@ Arithmetic: every float operation of unbiased.metadata, Levels, _encode_piece an
 tables, round-to-nearest (lowmem/system/cuda.py's rn_* helpers, no FMA) in the data's dtype and
 in NumPy's order, and the counter stream of units/stream.py in uint64: the slot equals
 unbiased.quantize_pack's byte for byte and the decodes unbiased.decode_each_chunk's bit for bit
-(tests/test_kernels_gpu.py, on the CPU emulation of this text and on a GPU). The split k comes
+(tests/units/test_units_gpu.py, on the CPU emulation of this text and on a GPU). The split k comes
 from quant.quant_params (a few (C,) array ops). The backward equals the reference's (the decode,
 then ops.bn_relu_backward) to float rounding: its sums in float64, its dx in the reference's order.
 """
@@ -24,7 +24,7 @@ import numpy
 
 from ..system import cuda
 from ..system.cuda import BLOCK, i32 as _i32, i64 as _i64
-from . import gpu, unbiased
+from . import unbiased, window_gpu
 from .stream import GOLDEN, resolve
 
 SOURCE = r"""
@@ -210,7 +210,7 @@ extern "C" __global__ void unbiased_decode(real* out, real* dr, const unsigned c
 // ---- BN-ReLU backward from the slot (ops.bn_relu_backward on x-tilde under the exact mask) ----
 // Pass 1, grid (S, C): part[(c*S + s)*2 + {0, 1}] = sum(dy), sum(dy * x-tilde) over the groups of
 // segment s (a thread per group, its levels once), dy = dr where the code is open, else 0. dr is
-// read only. Pass 2 is units/gpu.py's unit_backward_finalize.
+// read only. Pass 2 is units/window_gpu.py's unit_backward_finalize.
 extern "C" __global__ void unbiased_backward_partial(double* part, const real* dr, const unsigned char* packed,
                                                      const unsigned short* ends, const real* gamma,
                                                      const real* beta, const int* k, long long M, int bits)
@@ -283,7 +283,7 @@ def _prepare(slot, C, M, bits, gamma, beta):
 
 
 def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key):
-    """As units/cpu_unbiased.py's unit_forward, on the GPU: slot <- the unbiased code of
+    """As units/unbiased_cpu.py's unit_forward, on the GPU: slot <- the unbiased code of
     x-hat = (x - mean)*rstd drawn from key; out = relu(y) or naive's decoded conv input."""
     C, M = x.shape
     bits, codes, ends, k, grid = _prepare(slot, C, M, bits, gamma, beta)
@@ -294,7 +294,7 @@ def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key):
 
 
 def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
-    """As units/cpu_unbiased.py's decode, on the GPU (dr: the gradient to mask, or None)."""
+    """As units/unbiased_cpu.py's decode, on the GPU (dr: the gradient to mask, or None)."""
     C, M = out.shape
     bits, codes, ends, k, grid = _prepare(slot, C, M, bits, gamma, beta)
     PROGRAM.launch("unbiased_decode", out.dtype, grid,
@@ -303,19 +303,19 @@ def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
 
 
 def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumulate, partials=None):
-    """As units/cpu_unbiased.py's unit_backward, on the GPU (ops.bn_relu_backward on the slot's
+    """As units/unbiased_cpu.py's unit_backward, on the GPU (ops.bn_relu_backward on the slot's
     x-tilde under the exact mask, no decode buffer): the sums per segment of groups, then
-    units/gpu.py's finalize (dgamma, dbeta and the coefficients, in the `bn.partials`
+    units/window_gpu.py's finalize (dgamma, dbeta and the coefficients, in the `bn.partials`
     workspace), then dx. dr is read only; dx may alias it."""
-    gpu._rows(dr, "dr")
-    gpu._rows(dx, "dx", dr)
+    window_gpu._rows(dr, "dr")
+    window_gpu._rows(dx, "dx", dr)
     C, M = dr.shape
     bits, codes, ends, k, grid = _prepare(slot, C, M, bits, gamma, beta)
-    S = gpu._segments(C, unbiased.groups(M))               # segments of groups
-    part, coef = gpu._workspace(partials, C, dr)
+    S = window_gpu._segments(C, unbiased.groups(M))               # segments of groups
+    part, coef = window_gpu._workspace(partials, C, dr)
     dt = dr.dtype
     PROGRAM.launch("unbiased_backward_partial", dt, (S, C), (part, dr, codes, ends, gamma, beta, k, _i64(M), _i32(bits)))
-    gpu.PROGRAM.launch("unit_backward_finalize", dt, (cuda.blocks(C),),
+    window_gpu.PROGRAM.launch("unit_backward_finalize", dt, (cuda.blocks(C),),
                        (coef, dgamma, dbeta, part, gamma, rstd, _i64(M), _i32(S), _i32(C)))
     PROGRAM.launch("unbiased_backward_apply", dt, grid,
                    (dx, dr, codes, ends, coef, gamma, beta, k, _i64(M), _i32(bits), _i32(bool(accumulate))))

@@ -1,10 +1,10 @@
-"""The numba kernels (lowmem/units/cpu.py) against the NumPy reference ops and quantizer."""
+"""The numba kernels (lowmem/units/window_cpu.py) against the NumPy reference ops and quantizer."""
 import numpy as np
 import pytest
 
 from lowmem.units import quant
 from lowmem.system import threads
-from lowmem.units import cpu as fast
+from lowmem.units import window_cpu as fast
 from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
 from reference import beyond_window_channels, bn_normalize_forward, unit_case
 
