@@ -1,18 +1,25 @@
 """The paper's claim, measured: test accuracy of exact, approx and naive training, and the
 gradient error against SGD noise through training.
 
-    python benchmarks/accuracy.py          # the full study: about 1 h on an idle 2-core machine (estimated)
+    python benchmarks/accuracy.py          # the full-data study (below): hours on a 2-core machine
+    python benchmarks/accuracy.py --report-only   # write the doc from the runs finished so far
     python benchmarks/accuracy.py --smoke  # 7 min on a shared 2-core machine: proves the script works
     python benchmarks/accuracy.py --dataset cifar10 --depth 20 --epochs 30   # where CIFAR is present
 
+The default study is what a user runs: `lowmem train --dataset fashion-mnist --pad-to 0 --depth 20
+--batch 128 --epochs 5 --schedule cosine --seed S` on the whole Fashion-MNIST (60,000 training and
+10,000 test images), with only --mode / --bits / --rounding changed: exact, approx 2-bit and 4-bit
+unbiased (rounding="stochastic"), seeds 0, 1, 2; its page is the "full" section of docs/accuracy.md.
+
 Part 1, accuracy. The same network (pre-activation ResNet, lowmem.models) is trained with
-lowmem.train.trainer in every mode of --modes (default exact, approx 8/4/2/1-bit, naive 4-bit) for
-every seed of --seeds. A seed fixes the initial weights, the batch order and the augmentation
-(random crop + flip), so for one seed every mode sees exactly the same data in the same order
-and starts from the same weights: the modes differ only in what the backward pass uses. Per
-mode the report gives the final test accuracy (mean, sample standard deviation, range over
-seeds) and the difference to exact, computed per seed (paired) and summarised as mean ±
-standard error with a 95% t interval.
+lowmem.train.trainer in every mode of --modes for every seed of --seeds. A seed fixes the initial
+weights, the batch order and the augmentation (random crop + flip), so for one seed every mode
+sees exactly the same data in the same order and starts from the same weights: the modes differ
+only in what the backward pass uses. Runs go seed by seed, each seed's modes in the order given,
+so every finished seed is a complete paired group. Per mode the report gives the final test
+accuracy (mean, sample standard deviation, range over seeds) and the difference to exact,
+computed per seed (paired) and summarised as mean ± standard error with a 95% t interval, over
+the seeds whose every mode has finished.
 
 Part 2, gradient error against SGD noise through training. Along the exact run of the first
 seed, at --checkpoints evenly spaced iterations (the first before any step), the network's
@@ -28,13 +35,21 @@ batch size (drawn once, normalised, not augmented), every parameter tensor p get
 
 ||·|| is the Euclidean norm over the tensor's elements; p runs over every conv and FC weight and
 bias and every BN γ and β. The report plots the median and the worst ratio over tensors against
-the iteration for each of --noise-modes (default approx 4-bit, approx 2-bit, naive 4-bit).
+the iteration for each of --noise-modes.
 
 Output (--out, default runs/accuracy): results.json, rewritten atomically after every finished
-run, so an interrupted study resumes where it stopped (rerun the same command; runs whose
-settings match are not repeated). Then --doc (default docs/accuracy.md) and its two plots
-(docs/accuracy_curves.png, docs/accuracy_noise.png; need matplotlib, `pip install lowmem[plot]`:
-without it the doc is written without them). --smoke labels everything as a smoke run.
+run and every noise checkpoint, and one run folder per run (--out/runs/<mode>-seed<S>: the
+trainer's checkpoint at every epoch's end and on SIGINT/SIGTERM, metrics.jsonl). Stopped
+however (Ctrl-C, kill, a crash, a reboot), the study continues where it stopped when the same
+command is run again: finished runs are not repeated, an unfinished one resumes from its last
+checkpoint (lowmem's resume is exact: the same weights, data order, augmentation and draws as
+an uninterrupted run). The first seed's exact run also keeps a copy of its checkpoint at every
+epoch's end (epoch<E>.ckpt), the weights along training for later measurements. Pausing the
+process (SIGSTOP / SIGCONT) changes nothing but the times it records. Then --doc (default
+docs/accuracy.md; with --section NAME only the part of the page between that section's markers,
+added before the page's first "## " heading if absent, the rest of the page kept) and its two plots
+(<doc>[_<section>]_curves.png, _noise.png; need matplotlib, `pip install lowmem[plot]`: without
+it the doc is written without them). --smoke labels everything as a smoke run.
 
 Data: Fashion-MNIST from the Debian package (/usr/share/datasets/fashion-mnist, see lowmem.data.datasets)
 or --data-dir; CIFAR-10/100 only where the archive is already present (never downloaded here).
@@ -51,6 +66,7 @@ import sys
 import time
 
 import numpy
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -64,16 +80,18 @@ from lowmem.models import MODELS                                  # noqa: E402
 from lowmem.bits.allocate import allocate_bits                         # noqa: E402
 from lowmem.train.config import TrainConfig                           # noqa: E402
 from lowmem.bits.auto import training_batches                         # noqa: E402
+from lowmem.train.rundir import CHECKPOINT, read_metrics                # noqa: E402
 from lowmem.train.trainer import Trainer                              # noqa: E402
 from machine import cpu                                              # noqa: E402 (benchmarks/machine.py)
 
-# The full study: sized from measured step rates on the 2-core machine (docs/accuracy.md):
-# 18 runs of 150 steps of 128 images, 7 noise checkpoints.
-FULL = dict(dataset="fashion-mnist", depth=8, batch=128, epochs=3, lr=0.1, limit_train=6400,
-            limit_test=2000, seeds="0,1,2", modes="exact,approx8,approx4,approx2,approx1,naive4",
-            checkpoints=7, noise_batches=6, noise_modes="approx4,approx2,naive4")
-SMOKE = dict(FULL, epochs=2, limit_train=768, limit_test=256, seeds="0,1",
-             modes="exact,approx4,naive4", checkpoints=3, noise_batches=2)
+# The full study: the user's recipe (module docstring) on all of Fashion-MNIST, 9 runs of 2,340
+# steps, the draw noise measured at every epoch's end of the first seed's exact run.
+FULL = dict(dataset="fashion-mnist", depth=20, batch=128, epochs=5, lr=0.1, limit_train=None,
+            limit_test=None, seeds="0,1,2", modes="exact,approx2u,approx4u",
+            checkpoints=6, noise_batches=8, noise_modes="approx2u,approx4u", section="full")
+SMOKE = dict(dataset="fashion-mnist", depth=8, batch=128, epochs=2, lr=0.1, limit_train=768,
+             limit_test=256, seeds="0,1", modes="exact,approx4,naive4", checkpoints=3, noise_batches=2,
+             noise_modes="approx4,approx2,naive4", section=None)
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -139,19 +157,43 @@ def load_results(path, settings):
 
 # ---- part 1: one training run -----------------------------------------------------------
 
-def config_for(args, spec, seed):
+def config_for(args, spec, seed, out=None):
+    """The run's TrainConfig: `lowmem train`'s defaults but for the study's settings (the module
+    docstring's user command; tests/benchmarks/test_accuracy.py checks the two agree)."""
     return TrainConfig(dataset=args.dataset, data_dir=args.data_dir, download=False, pad_to=args.pad_to,
                        limit_train=args.limit_train, limit_test=args.limit_test, depth=args.depth,
                        mode=spec.mode, bits=spec.bits, avg_bits=spec.avg, rounding=spec.rounding,
                        batch=args.batch, epochs=args.epochs, lr=args.lr, schedule="cosine", seed=seed,
-                       augment=not args.no_augment, out=None, progress=False)
+                       augment=not args.no_augment, out=out, progress=False)
 
 
-def train_run(args, data, spec, seed, on_step=None, log=print):
-    """Train one (spec, seed); returns {"final_test_acc", "history", "seconds"} (auto: also the
-    widths chosen, their saved bytes and uniform 2-bit's, the predicted error/noise)."""
-    t0 = time.time()
-    trainer = Trainer(config_for(args, spec, seed), dataset=data, on_step=on_step,
+class Stopped(Exception):
+    """A run stopped before its last step (SIGINT / SIGTERM); its checkpoint is on disk."""
+
+
+def run_folder(args, spec, seed):
+    """--out/runs/<mode>-seed<S>: the run's checkpoint and metrics.jsonl (lowmem/train/rundir.py)."""
+    return os.path.join(args.out, "runs", f"{re.sub(r'[^a-z0-9.]+', '-', label(spec))}-seed{seed}")
+
+
+def keep_epoch_checkpoints(trainer, record):
+    """on_epoch: a copy of the checkpoint just written, as <run folder>/epoch<E>.ckpt (atomic)."""
+    with open(trainer.ckpt_path, "rb") as f:
+        atomic_write(os.path.join(trainer.out, f"epoch{record['epoch']}.ckpt"), f.read())
+
+
+def train_run(args, data, spec, seed, on_step=None, on_epoch=None, log=print):
+    """Train one (spec, seed) in its run folder, resuming from the folder's checkpoint if one is
+    there; returns {"final_test_acc", "history", "seconds"} (auto: also the widths chosen, their
+    saved bytes and uniform 2-bit's, the predicted error/noise). seconds: the steps' and the
+    evaluations' time over the whole run (every resumed part), pauses included. Raises Stopped
+    if a signal stopped the run."""
+    out = run_folder(args, spec, seed)
+    resume = os.path.exists(os.path.join(out, CHECKPOINT))
+    if resume:
+        log(f"    resuming from {os.path.join(out, CHECKPOINT)}")
+    trainer = Trainer(config_for(args, spec, seed, out), dataset=data, resume=resume,
+                      overwrite=not resume and os.path.isdir(out), on_step=on_step, on_epoch=on_epoch,
                       log=lambda s: log(f"    {s}"))
     extra = {}
     if trainer.allocation is not None:
@@ -160,12 +202,17 @@ def train_run(args, data, spec, seed, on_step=None, log=print):
                  "predicted_ratio": a.predicted_ratio, "measure_seconds": None}
         log("    allocation: " + ", ".join(f"{u} {k}" for u, k in a.bits.items())
             + f"; saved x-hat {a.total_bytes:,} B (uniform 2-bit {a.uniform_bytes[2]:,} B)")
+    elif spec.bits == "auto":                   # resumed: the checkpoint's widths
+        extra = {"bits": trainer.config.bits}
     if on_step is not None:
-        on_step(trainer, None)                  # the checkpoint before the first step
+        on_step(trainer, None)                  # the checkpoint before the first (or resumed) step
     result = trainer.fit()
+    if result.status != "finished":
+        raise Stopped(f"{label(spec)}, seed {seed}: {result.status} at iteration {result.iteration}")
     hist = [{k: r[k] for k in ("epoch", "iteration", "train_loss", "train_acc", "test_loss", "test_acc",
-                               "train_time_s", "eval_time_s")} for r in result.history]
-    return {"final_test_acc": result.test_acc, "history": hist, "seconds": time.time() - t0, **extra}
+                               "train_time_s", "eval_time_s")} for r in read_metrics(out) if r.get("event") == "epoch"]
+    seconds = sum(h["train_time_s"] + h["eval_time_s"] for h in hist)
+    return {"final_test_acc": result.test_acc, "history": hist, "seconds": seconds, **extra}
 
 
 # ---- part 2: gradient error against SGD noise at checkpoints -----------------------------
@@ -211,8 +258,9 @@ def measure_checkpoint(net, batches, modes, auto_bits):
     return rec
 
 
-def noise_hook(args, data, template, checkpoints, total_iters, modes, store, log, auto_bits):
-    """on_step callback measuring at `checkpoints` (iteration numbers); records go to `store`."""
+def noise_hook(args, data, template, checkpoints, total_iters, modes, store, log, auto_bits, saved=None):
+    """on_step callback measuring at `checkpoints` (iteration numbers); records go to `store`,
+    then saved(store) is called (the study writes them to its results file)."""
     batches = noise_batches(data, args.batch, args.noise_batches, args.noise_seed)
 
     def hook(trainer, loss):
@@ -227,6 +275,8 @@ def noise_hook(args, data, template, checkpoints, total_iters, modes, store, log
         rec["epoch"] = it / trainer.steps_per_epoch
         rec["seconds"] = time.time() - t
         store.append(rec)
+        if saved is not None:
+            saved(store)
         log("    noise @ iteration %d: " % it + "; ".join(
             f"{m} median {v['median_ratio']:.3g} worst {v['worst_ratio']:.3g}" for m, v in rec["modes"].items())
             + f" ({rec['seconds']:.0f} s)")
@@ -336,10 +386,11 @@ def estimate_full(results, args):
     rate = {k: statistics.mean(v) for k, v in rate.items()}
     base = rate.get("approx 4-bit", max(rate.values()))
     F = FULL
-    per_run_imgs = (F["limit_train"] // F["batch"]) * F["batch"] * F["epochs"]
+    n_train, n_test = F["limit_train"] or 60000, F["limit_test"] or 10000    # Fashion-MNIST's whole splits
+    per_run_imgs = (n_train // F["batch"]) * F["batch"] * F["epochs"]
     train = len(seeds_of(F["seeds"])) * sum(per_run_imgs * rate.get(label(parse_mode(m)), base)
                                              for m in F["modes"].split(","))
-    evals = len(seeds_of(F["seeds"])) * len(F["modes"].split(",")) * F["epochs"] * F["limit_test"] * statistics.mean(ev)
+    evals = len(seeds_of(F["seeds"])) * len(F["modes"].split(",")) * F["epochs"] * n_test * statistics.mean(ev)
     noise = results.get("noise") or []
     per_ckpt = statistics.mean(r["seconds"] for r in noise) if noise else 0.0
     noise_s = per_ckpt * F["checkpoints"] * F["noise_batches"] / max(args.noise_batches, 1)
@@ -419,14 +470,27 @@ def total_ratio(rec, mode_rec):
     return err / noise if noise > 0 else float("nan")
 
 
-def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_note):
+def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_note, pending=(), section=None):
+    """The report on the runs of `seeds` (each a complete paired group) into `path`: the whole page,
+    or with `section` only that section of it (place_section). pending: the run keys not finished."""
     s = summarise(results, modes, seeds)
     doc_dir = os.path.dirname(os.path.abspath(path))
-    stem = os.path.splitext(os.path.basename(path))[0]
+    stem = os.path.splitext(os.path.basename(path))[0] + (f"_{section}" if section else "")
     figs = plots(results, modes, seeds, doc_dir, stem)
     steps = results["runs"][f"exact|{seeds[0]}"]["history"][-1]["iteration"] if "exact" in s else "?"
+    runs = results["runs"].values()
     L = []
-    if smoke:
+    if section:
+        n_train = "all" if args.limit_train is None else f"{args.limit_train:,}"
+        L += [f"# Study: pre-act ResNet-{args.depth}, {n_train} {args.dataset} training images, "
+              f"{args.epochs} epochs, batch {args.batch}", ""]
+        if pending:
+            L += [f"> **Not finished: {len(pending)} run(s) to go** ({', '.join(k.replace('|', ', seed ') for k in pending)}). "
+                  f"The tables hold the {len(seeds)} seed(s) whose every mode has finished; rerun the command "
+                  f"below to continue (an unfinished run resumes from its checkpoint).", ""]
+        L += [f"Produced by `{command}` on {machine()}. Run times are not reported: the machine was shared "
+              f"with other work and the study was paused at times (results.json keeps each run's).", ""]
+    elif smoke:
         est = estimate_full(results, args)
         L += ["# Accuracy study — SMOKE RUN (not the study's result)", "",
               "> **This page is the output of `--smoke`: a few minutes of training on a small subset, "
@@ -435,12 +499,12 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
               "runs/accuracy); it rewrites this page. " + est, ""]
     else:
         L += ["# Accuracy: exact, approx and naive training on real data", ""]
-    runs = results["runs"].values()
-    L += [f"Produced by `{command}`: {total_s / 60:.1f} min of runs in all "
+    if not section:
+        L += [f"Produced by `{command}`: {total_s / 60:.1f} min of runs in all "
           f"({statistics.mean(r['seconds'] for r in runs):.0f} s per run on average, noise checkpoints "
           f"included) on {machine()}; load average {results.get('load', '?')} (1-minute, at the start of "
-          f"each invocation: the machine is shared, so times vary with the other work on it).", "",
-          f"Data: {args.dataset}, {args.limit_train or 'all'} training and {args.limit_test or 'all'} test "
+          f"each invocation: the machine is shared, so times vary with the other work on it).", ""]
+    L += [f"Data: {args.dataset}, {args.limit_train or 'all'} training and {args.limit_test or 'all'} test "
           f"images{' (28x28, unpadded)' if args.dataset == 'fashion-mnist' and args.pad_to == 0 else ''}. "
           f"{cifar_note}", "",
           f"Network: {MODELS['preact-cifar'].build.__name__}(depth={args.depth}); SGD momentum 0.9, weight "
@@ -511,6 +575,11 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
             f"{v['median_ratio']:.3g} / {v['worst_ratio']:.3g} / {total_ratio(r, v):.3g} / "
             f"{v.get('bias_ratio', float('nan')):.3g} / {v.get('draw_noise_ratio', float('nan')):.3g}"
             for v in r["modes"].values()) + " |")
+    if noise and any("draw_noise_ratio" in v for v in noise[0]["modes"].values()):
+        L += ["", "Draw noise / SGD noise (all parameters as one vector), range over checkpoints: " + "; ".join(
+            f"{m} {min(r['modes'][m]['draw_noise_ratio'] for r in noise):.3g}–"
+            f"{max(r['modes'][m]['draw_noise_ratio'] for r in noise):.3g}"
+            for m in noise[0]["modes"] if noise[0]["modes"][m].get("draw_noise_ratio")) + "."]
     if noise:
         L += ["", "Median over tensors of the ratio, over all checkpoints: " + "; ".join(
             f"{m} {statistics.median(r['modes'][m]['median_ratio'] for r in noise):.3g} "
@@ -524,14 +593,49 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
     L += ["", "## Rerun", "", "```", command, "```", "",
           f"Raw numbers: `{os.path.join(args.out, 'results.json')}` (per run: the per-epoch history; per "
           "checkpoint: every tensor's error and noise norms)."]
-    atomic_write(path, "\n".join(L) + "\n")
+    if section:
+        L = ["#" + line if line.startswith("#") else line for line in L]     # one level under the page's title
+        place_section(path, section, "\n".join(L) + "\n")
+    else:
+        atomic_write(path, "\n".join(L) + "\n")
     return figs
+
+
+MARK = "<!-- benchmarks/accuracy.py section"
+
+
+def section_markers(name):
+    return (f"{MARK} {name}: begin (written by the script; edit the script, not this) -->", f"{MARK} {name}: end -->")
+
+
+def place_section(path, name, text):
+    """Replace section `name` of the page at `path` (the lines between its markers) by `text`; a page
+    without them gets the section before its first "## " heading or other section (after the title
+    and its introduction; at the end if there is none), the rest of the page kept as it is. A page with one
+    marker but not the other is refused."""
+    begin, end = section_markers(name)
+    page = open(path).read() if os.path.exists(path) else ""
+    block = f"{begin}\n{text}{end}\n"
+    if begin in page and end in page and page.index(begin) < page.index(end):
+        head, rest = page.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        page = head + block + ("\n" + tail if tail else "")
+    elif begin in page or end in page:
+        raise SystemExit(f"{path}: section {name!r} has one marker without the other; fix the page first")
+    else:
+        lines = page.split("\n")
+        cut = next((i for i, line in enumerate(lines) if line.startswith(("## ", MARK))),
+                   len(lines))                  # the first "## " heading or another section's start
+        head = "\n".join(lines[:cut]).rstrip("\n")
+        body = "\n".join(lines[cut:])
+        page = (head + "\n\n" if head else "") + block + ("\n" + body if body else "")
+    atomic_write(path, page)
 
 
 # ---- main --------------------------------------------------------------------------------
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+def parse_args(argv):
+    """The study's settings: the options given, the rest from FULL (or SMOKE with --smoke)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="a few minutes on a small subset; labelled as a smoke run")
     p.add_argument("--dataset", default=None, help="fashion-mnist (default), cifar10, cifar100")
@@ -551,13 +655,26 @@ def main(argv=None):
     p.add_argument("--noise-seed", type=int, default=0)
     p.add_argument("--no-augment", action="store_true", help="no random crop / flip (shorter runs converge faster)")
     p.add_argument("--out", default=None, help="results directory (default runs/accuracy[-smoke])")
-    p.add_argument("--doc", default="docs/accuracy.md")
+    p.add_argument("--doc", default=None, help="the report page (default docs/accuracy.md, section full; "
+                   "--smoke: OUT/accuracy.md); a page named here is written whole unless --section is given")
+    p.add_argument("--section", default=None, help="write only this section of --doc (between its markers), "
+                   "keeping the rest of the page")
+    p.add_argument("--report-only", action="store_true", help="write the doc from the runs finished so far; train nothing")
     args = p.parse_args(argv)
     base = SMOKE if args.smoke else FULL
+    if args.doc is not None:                    # a page named: whole, unless a section is named too
+        base = {k: v for k, v in base.items() if k != "section"}
     for k, v in base.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.out = args.out or ("runs/accuracy-smoke" if args.smoke else "runs/accuracy")
+    args.doc = args.doc or (os.path.join(args.out, "accuracy.md") if args.smoke else "docs/accuracy.md")
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     modes = [parse_mode(m) for m in args.modes.split(",")]
     noise_modes = [parse_mode(m) for m in args.noise_modes.split(",")] if args.checkpoints else []
     if any(m.mode == "exact" for m in noise_modes):
@@ -567,8 +684,11 @@ def main(argv=None):
     if Spec("exact", 4) not in modes:
         modes.insert(0, Spec("exact", 4))       # the reference of every difference
     seeds = seeds_of(args.seeds)
-    command = "python benchmarks/accuracy.py " + " ".join(argv)
-    log = lambda s: print(s, flush=True)        # noqa: E731
+    command = " ".join(["python benchmarks/accuracy.py"] + [a for a in argv if a != "--report-only"])
+
+    def log(text):
+        tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
 
     cifar_note = ""
     if args.dataset == "fashion-mnist":
@@ -590,40 +710,82 @@ def main(argv=None):
     path = os.path.join(args.out, "results.json")
     results = load_results(path, settings)
     load = f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"
-    results["load"] = f"{results['load']}, {load}" if results.get("load") else load
+    if not args.report_only:
+        results["load"] = f"{results['load']}, {load}" if results.get("load") else load
     t0 = time.time()
-    for seed in seeds:
-        for spec in modes:
-            key = f"{label(spec)}|{seed}"
-            if key in results["runs"]:
-                log(f"{key}: done before ({100 * results['runs'][key]['final_test_acc']:.2f}%)")
-                continue
-            hook, store = None, []
-            if spec.mode == "exact" and seed == seeds[0] and args.checkpoints and results.get("noise") is None:
-                spe = len(data.x_train) // args.batch
-                total = spe * args.epochs
-                cps = sorted({round(i * total / max(1, args.checkpoints - 1)) for i in range(args.checkpoints)})
-                template = MODELS["preact-cifar"].build(args.depth, num_classes=data.num_classes,
-                                                  in_channels=data.input_shape[0], seed=seed)
-                # auto modes: the widths their run of this seed will choose (the trainer's own
-                # measurement: the same first batches and initial weights), for the whole curve
-                auto_bits = {label(m): allocate_bits(template, training_batches(data, args.batch), batch_size=args.batch,
-                                                     avg_bits=m.avg, rounding=m.rounding).bits
-                             for m in noise_modes if m.bits == "auto"}
-                results["noise_bits"] = auto_bits
-                hook = noise_hook(args, data, template, set(cps), total, noise_modes, store, log, auto_bits)
-            log(f"{key}: training")
-            run = train_run(args, data, spec, seed, on_step=hook, log=log)
-            results["runs"][key] = run
-            if hook is not None:
-                results["noise"] = sorted(store, key=lambda r: r["iteration"])
-            atomic_write(path, json.dumps(results))
-            log(f"{key}: test accuracy {100 * run['final_test_acc']:.2f}% ({run['seconds']:.0f} s)")
+    order = [(seed, spec) for seed in seeds for spec in modes]     # seed by seed: finished seeds are paired
+    todo = [(seed, spec) for seed, spec in order if f"{label(spec)}|{seed}" not in results["runs"]]
+    stopped = None
+    if not args.report_only:
+        stopped = run_all(args, data, results, path, todo, seeds, noise_modes, log)
+    pending = [f"{label(spec)}|{seed}" for seed, spec in order if f"{label(spec)}|{seed}" not in results["runs"]]
+    done = [s for s in seeds if all(f"{label(m)}|{s}" in results["runs"] for m in modes)]
     total_s = sum(r["seconds"] for r in results["runs"].values())
-    figs = write_doc(args.doc, results, args, modes, seeds, command, args.smoke, total_s, cifar_note)
-    log(f"wrote {args.doc}" + (f" and {', '.join(figs)}" if figs else " (no matplotlib: no plots)")
-        + f"; training time {total_s / 60:.1f} min in all, this process {(time.time() - t0) / 60:.1f} min")
+    if not done:
+        log(f"no seed has finished every mode yet: {args.doc} not written")
+    else:
+        figs = write_doc(args.doc, results, args, modes, done, command, args.smoke, total_s, cifar_note,
+                         pending, args.section)
+        log(f"wrote {args.doc}" + (f" (section {args.section})" if args.section else "")
+            + (f" and {', '.join(figs)}" if figs else " (no matplotlib: no plots)")
+            + f" from {len(done)} seed(s); training time {total_s / 60:.1f} min in all, this process "
+            f"{(time.time() - t0) / 60:.1f} min")
+    if stopped:
+        log(f"stopped: {stopped}. Run the same command again to continue.")
+        return 130
     return 0
+
+
+def run_all(args, data, results, path, todo, seeds, noise_modes, log):
+    """Train the (seed, spec) runs of `todo` in order, writing results.json after each (and after
+    each noise checkpoint); a progress bar over all their steps. Returns None, or why it stopped."""
+    steps_per_run = (len(data.x_train) // args.batch) * args.epochs
+    bar = tqdm(total=len(todo) * steps_per_run, unit="step", desc="study", dynamic_ncols=True, file=sys.stdout,
+               mininterval=0.5 if sys.stdout.isatty() else 60, smoothing=0.02)
+    for n, (seed, spec) in enumerate(todo):
+        key = f"{label(spec)}|{seed}"
+        bar.set_postfix_str(f"run {n + 1}/{len(todo)}: {key.replace('|', ', seed ')}", refresh=False)
+
+        def advance(trainer, loss, n=n):
+            bar.update(n * steps_per_run + trainer.iteration - bar.n)
+        hook, store, on_epoch = None, [], None
+        if spec.mode == "exact" and seed == seeds[0]:
+            on_epoch = keep_epoch_checkpoints
+        if spec.mode == "exact" and seed == seeds[0] and args.checkpoints and results.get("noise") is None:
+            spe = len(data.x_train) // args.batch
+            total = spe * args.epochs
+            cps = sorted({round(i * total / max(1, args.checkpoints - 1)) for i in range(args.checkpoints)})
+            template = MODELS["preact-cifar"].build(args.depth, num_classes=data.num_classes,
+                                                    in_channels=data.input_shape[0], seed=seed)
+            # auto modes: the widths their run of this seed will choose (the trainer's own
+            # measurement: the same first batches and initial weights), for the whole curve
+            auto_bits = {label(m): allocate_bits(template, training_batches(data, args.batch), batch_size=args.batch,
+                                                 avg_bits=m.avg, rounding=m.rounding).bits
+                         for m in noise_modes if m.bits == "auto"}
+            results["noise_bits"] = auto_bits
+            store = results.setdefault("noise_partial", [])       # measured before an interruption
+
+            def saved(store):
+                atomic_write(path, json.dumps(results))
+            hook = noise_hook(args, data, template, set(cps), total, noise_modes, store, log, auto_bits, saved)
+        log(f"{key}: training")
+
+        def on_step(trainer, loss, hook=hook, advance=advance):
+            if hook is not None:
+                hook(trainer, loss)
+            advance(trainer, loss)
+        try:
+            run = train_run(args, data, spec, seed, on_step=on_step, on_epoch=on_epoch, log=log)
+        except Stopped as e:
+            bar.close()
+            return str(e)
+        results["runs"][key] = run
+        if hook is not None:
+            results["noise"] = sorted(results.pop("noise_partial"), key=lambda r: r["iteration"])
+        atomic_write(path, json.dumps(results))
+        log(f"{key}: test accuracy {100 * run['final_test_acc']:.2f}%")
+    bar.close()
+    return None
 
 
 if __name__ == "__main__":

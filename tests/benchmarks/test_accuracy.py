@@ -1,0 +1,93 @@
+"""benchmarks/accuracy.py: the study trains what a user trains, survives being stopped, and
+writes only its own section of a shared page. Nothing is timed."""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import pytest
+
+from lowmem.tools.commands import train as train_command
+from lowmem.train.trainer import Trainer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+import accuracy                                                  # noqa: E402
+
+USER = ("--dataset fashion-mnist --pad-to 0 --depth 20 --batch 128 --epochs 5 --schedule cosine "
+        "--seed {seed} --out {out}")
+FLAGS = {"exact": "--mode exact", "approx2u": "--mode approx --bits 2 --rounding stochastic",
+         "approx4u": "--mode approx --bits 4 --rounding stochastic"}
+
+
+@pytest.mark.parametrize("mode", sorted(FLAGS))
+def test_the_default_study_is_the_users_command(mode):
+    args = accuracy.parse_args([])
+    assert (args.limit_train, args.limit_test, args.seeds) == (None, None, "0,1,2")     # the whole data, 3 seeds
+    assert args.modes.split(",") == ["exact", "approx2u", "approx4u"]                   # each seed's group in order
+    p = argparse.ArgumentParser()
+    train_command.add_arguments(p)
+    for seed in (0, 2):
+        user = train_command.config_from_args(p.parse_args((USER.format(seed=seed, out="r") + " "
+                                                            + FLAGS[mode]).split()))
+        ours = accuracy.config_for(args, accuracy.parse_mode(mode), seed, out="r")
+        differ = {f.name for f in dataclasses.fields(user) if getattr(user, f.name) != getattr(ours, f.name)}
+        # only where the data are read from and what is shown while training
+        assert differ <= {"download", "progress"}, {k: (getattr(user, k), getattr(ours, k)) for k in differ}
+
+
+def test_a_section_replaces_only_its_part(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\nintro\n\n## Older study\n\nits text\n")
+    accuracy.place_section(str(page), "full", "## New\n\nfirst\n")
+    accuracy.place_section(str(page), "other", "## Other\n\nx\n")
+    accuracy.place_section(str(page), "full", "## New\n\nsecond\n")
+    text = page.read_text()
+    assert text.startswith("# Title\n\nintro\n\n<!-- benchmarks/accuracy.py section other: begin")
+    assert "second" in text and "first" not in text and text.count("## New") == 1
+    assert text.index("## Other") < text.index("## New") < text.index("## Older study")
+    assert text.endswith("second\n<!-- benchmarks/accuracy.py section full: end -->\n\n## Older study\n\nits text\n")
+    begin, end = accuracy.section_markers("full")
+    page.write_text(f"# Title\n\n{begin}\nhalf\n")
+    with pytest.raises(SystemExit, match="one marker"):
+        accuracy.place_section(str(page), "full", "x\n")
+
+
+TINY = ("--depth 8 --limit-train 256 --limit-test 128 --batch 64 --epochs 2 --seeds 0 --modes exact,approx2u "
+        "--checkpoints 3 --noise-batches 2 --noise-modes approx2u").split()
+
+
+@pytest.mark.slow
+def test_a_stopped_study_continues_to_the_same_numbers(tmp_path, monkeypatch):
+    def study(out, *extra):
+        return accuracy.main(TINY + ["--out", str(out), "--doc", str(tmp_path / "page.md"), *extra])
+    assert study(tmp_path / "a") == 0
+    # stop the first run in its first epoch, between two noise checkpoints (as SIGTERM does: a checkpoint)
+    plain = accuracy.train_run
+
+    def stopping(args, data, spec, seed, on_step=None, **kw):
+        def step(trainer, loss):
+            on_step(trainer, loss)
+            if trainer.iteration == 3:
+                trainer.request_stop()
+        return plain(args, data, spec, seed, on_step=step, **kw)
+    monkeypatch.setattr(accuracy, "train_run", stopping)
+    assert study(tmp_path / "b") == 130
+    partial = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert partial["runs"] == {} and [r["iteration"] for r in partial["noise_partial"]] == [0]
+    monkeypatch.setattr(accuracy, "train_run", plain)
+    assert study(tmp_path / "b") == 0
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in "ab")
+    assert set(a["runs"]) == set(b["runs"]) == {"exact|0", "approx 2-bit unbiased|0"}
+    for key in a["runs"]:
+        for ha, hb in zip(a["runs"][key]["history"], b["runs"][key]["history"], strict=True):
+            assert (ha["test_acc"], ha["test_loss"], ha["train_loss"]) == (hb["test_acc"], hb["test_loss"], hb["train_loss"])
+    assert a["noise"] == [dict(r, seconds=a["noise"][i]["seconds"]) for i, r in enumerate(b["noise"])]
+    assert "noise_partial" not in b
+    kept = sorted(os.listdir(tmp_path / "b" / "runs" / "exact-seed0"))
+    assert {"epoch1.ckpt", "epoch2.ckpt", "checkpoint.ckpt"} <= set(kept)
+    # a third call trains nothing and writes the same page
+    page = (tmp_path / "page.md").read_text()
+    monkeypatch.setattr(Trainer, "fit", lambda self: pytest.fail("a finished run was trained again"))
+    assert study(tmp_path / "b", "--report-only") == 0
+    assert (tmp_path / "page.md").read_text() == page.replace("--out " + str(tmp_path / "a"), "--out " + str(tmp_path / "b"))
