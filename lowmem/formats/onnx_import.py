@@ -183,8 +183,10 @@ def _input_shape(value, given, path):
     return tuple(fixed)
 
 
-def _load(path):
-    """The checked onnx.ModelProto of `path`; ExportError naming the file otherwise."""
+def load_checked(path):
+    """The checked onnx.ModelProto of `path`, every tensor inside the file (none names an external
+    data file); ExportError naming the file otherwise. Whatever runs an .onnx file (this reader,
+    `lowmem predict` through onnxruntime) loads it here first, so it reads no other file."""
     onnx = require("onnx", "onnx")
     path = os.fspath(path)
     check_file(path)
@@ -212,7 +214,8 @@ def _load(path):
 def _tensors(model):
     """(where, TensorProto) for every tensor the model holds: the graph's initializers (dense and
     sparse), every node attribute's tensors, the subgraphs of If/Loop/Scan nodes, the model's local
-    functions and its training-info graphs, walked to any depth. Any of these could name an
+    functions (their nodes and default attribute values) and its training-info graphs, walked to
+    any depth. Any of these could name an
     external data file, which numpy_helper.to_array would open relative to the current folder."""
     def sparse(where, s):
         yield f"{where} (values)", s.values
@@ -227,8 +230,11 @@ def _tensors(model):
             yield from node(n, scope)
 
     def node(n, scope):
-        for a in n.attribute:
-            where = f"{scope}node {n.name!r} ({n.op_type}) attribute {a.name!r}"
+        yield from attributes(n.attribute, f"{scope}node {n.name!r} ({n.op_type}) ")
+
+    def attributes(attrs, scope):
+        for a in attrs:
+            where = f"{scope}attribute {a.name!r}"
             if a.HasField("t"):
                 yield where, a.t
             for t in a.tensors:
@@ -244,6 +250,7 @@ def _tensors(model):
 
     yield from graph(model.graph, "")
     for f in model.functions:
+        yield from attributes(f.attribute_proto, f"function {f.name!r}: ")     # default attribute values
         for n in f.node:
             yield from node(n, f"function {f.name!r}: ")
     for i, info in enumerate(model.training_info):
@@ -258,7 +265,7 @@ def _first_line(e):
 def file_input_shape(path):
     """(C, H, W) of one sample as the file fixes it; ExportError where H and W are symbolic
     (then the caller must say: --input CxHxW)."""
-    model = _load(path)
+    model = load_checked(path)
     inits = {t.name for t in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in inits]
     if len(inputs) != 1:
@@ -271,7 +278,7 @@ def read_onnx(nn, path, input_shape=None, seed=0):
     (a ValueError) naming the file and the problem for anything it cannot read. nn: the builder
     module (lowmem.nn, whose from_onnx calls this: handed in, so the reader does not import it back)."""
     path = os.fspath(path)
-    model = _load(path)
+    model = load_checked(path)
     r = _Reader(model, path, input_shape, seed, nn)
     try:
         net = r.run(model.graph.node)

@@ -56,13 +56,13 @@ def _window(r, node, kernel):
     dil = list(_attr(node, "dilations", [1] * len(k)))
     problems = []
     if len(k) != 2 or k[0] != k[1]:
-        problems.append(f"kernel {k} (lowmem's windows are square, 2-D)")
+        problems.append(f"kernel {_shown(k)} (lowmem's windows are square, 2-D)")
     if len(set(strides)) != 1:
-        problems.append(f"strides {strides} (must be equal)")
+        problems.append(f"strides {_shown(strides)} (must be equal)")
     if len(set(pads)) > 1:
-        problems.append(f"pads {pads} (must be equal on every side)")
+        problems.append(f"pads {_shown(pads)} (must be equal on every side)")
     if any(d != 1 for d in dil):
-        problems.append(f"dilations {dil} (must be 1)")
+        problems.append(f"dilations {_shown(dil)} (must be 1)")
     if _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
         problems.append(f"auto_pad {_attr(node, 'auto_pad')} (write explicit pads)")
     if _attr(node, "ceil_mode", 0):

@@ -13,7 +13,8 @@ label order, the input size and the eval transform (resize the shorter side
 to `resize`, centre crop `image_size`, as lowmem.data.images' evaluation), and the
 normalisation mean/std. A safetensors file also names its model and depth,
 so the network is rebuilt and run by lowmem.core.inference.InferenceEngine (eval
-mode, no training state); an ONNX file is run by onnxruntime. Images are read and
+mode, no training state); an ONNX file is run by onnxruntime, handed the file's bytes after the
+reader's checks (lowmem.formats.onnx_import.load_checked: no tensor in another file). Images are read and
 run CHUNK (--batch) at a time, so memory does not grow with their number; every
 stored value and every backend's logits are checked (check_info, predict_files).
 Output: one line per image, `PATH: CLASS (probability)`.
@@ -33,6 +34,7 @@ from ..core.inference import InferenceEngine
 from ..data.files import DataError
 from ..data.decode import decode
 from ..data.transforms import normalize
+from ..formats.onnx_import import load_checked
 from ..models import MODELS, build_model, is_onnx_path
 from ..system.backend import to_numpy
 from ..train.rundir import CHECKPOINT
@@ -146,8 +148,9 @@ def _onnx_logits(path, info):
         import onnxruntime
     except ImportError:
         raise ImportError("onnxruntime is not installed: pip install 'lowmem[onnx]'") from None
+    model = load_checked(path)               # every tensor inside the file: onnxruntime opens nothing else
     try:
-        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     except Exception as e:                           # onnxruntime's own errors: one line
         raise ExportError(f"{path}: onnxruntime cannot load it ({str(e).splitlines()[0]})") from None
 

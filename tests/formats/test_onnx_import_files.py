@@ -145,11 +145,18 @@ def test_external_tensors_are_refused_wherever_they_sit(tmp_path, free, watch, m
         m.functions.append(helper.make_function("local", "F", [], ["z"], [body],
                                                 [helper.make_opsetid("", 17)]))
 
+    def function_default(m):                 # a local function's default attribute value
+        body = helper.make_node("Constant", [], ["z"], name="c", value_float=1.0)
+        m.functions.append(helper.make_function(
+            "local", "G", [], ["z"], [body], [helper.make_opsetid("", 17)],
+            attribute_protos=[helper.make_attribute("w", external("d", "w.bin", (2,)))]))
+
     cases = {"initializer": (initializer, "initializer 'conv1.weight'"),
              "sparse": (sparse_initializer, "sparse initializer 's' (values)"),
              "subgraph": (subgraph, "node 'if' (If) attribute 'then_branch': initializer 'k'"),
              "list": (attribute_list, "attribute 'extra'"),
-             "function": (function, "function 'F': node 'c' (Constant)")}
+             "function": (function, "function 'F': node 'c' (Constant)"),
+             "function default": (function_default, "function 'G': attribute 'w'")}
     for name, (edit, where) in cases.items():
         model = onnx.load(free)
         edit(model)
@@ -174,3 +181,15 @@ def test_a_clip_bound_that_is_not_one_number_is_named(tmp_path, free):
     with pytest.raises(ExportError) as e:
         nn.from_onnx(path, input_shape=(3, 32, 32))
     assert "upper bound must be a single number" in str(e.value) and "(5,)" in str(e.value)
+
+
+def test_a_refusal_shows_a_few_values_of_an_attribute_list_not_all(tmp_path, free):
+    model = onnx.load(free)
+    conv = next(n for n in model.graph.node if n.op_type == "Conv")
+    strides = next(a for a in conv.attribute if a.name == "strides")
+    strides.ints[:] = list(range(1000, 1100))
+    path = save(model, tmp_path / "strides.onnx")
+    with pytest.raises(ExportError) as e:
+        nn.from_onnx(path, input_shape=(3, 32, 32))
+    msg = str(e.value)
+    assert "strides [1000, 1001, 1002, 1003, ... (100 values)]" in msg and "1050" not in msg, msg

@@ -192,3 +192,26 @@ def test_one_path_is_one_image_and_the_chunk_size_is_checked(tmp_path, photos):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match=f"batch_size must be a positive integer, got {bad!r}"):
             predict.predict_files(model, photos, batch_size=bad)
+
+
+def test_an_onnx_model_reads_no_file_beside_it(tmp_path, photos, monkeypatch, capsys):
+    """onnxruntime would resolve an external-data tensor against the model's folder: predict
+    refuses the file before onnxruntime sees it (the classes would follow the other file's bytes)."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto
+    path = saved(tmp_path, ".onnx")
+    model = onnx.load(path)
+    bias = next(t for t in model.graph.initializer if t.name == "fc.bias")
+    bias.ClearField("raw_data")
+    del bias.float_data[:]
+    bias.data_location = TensorProto.EXTERNAL
+    e = bias.external_data.add()
+    e.key, e.value = "location", "secret.bin"
+    np.array([0, 0, 50], np.float32).tofile(tmp_path / "secret.bin")
+    onnx.save(model, path)
+    monkeypatch.chdir(tmp_path.parent)
+    with pytest.raises(export.ExportError, match="external data file"):
+        predict.predict_files(path, photos)
+    assert cli.main(["predict", path, photos[0]]) == 1
+    err = capsys.readouterr().err
+    assert "external data file" in err and len(err.splitlines()) == 1, err
