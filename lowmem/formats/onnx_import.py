@@ -51,6 +51,7 @@ class _Reader:
             if bad:
                 raise ExportError(f"{path}: initializer {name!r} {a.shape} holds {bad} NaN or inf "
                                   f"value(s); refusing to import non-finite weights")
+        _check_domains(model, path)
         self.consts = {}
         for n in g.node:                                  # every Constant first: a pattern may look ahead
             if n.op_type == "Constant":
@@ -158,6 +159,23 @@ class _Reader:
                               f"(global average pool, Flatten, Gemm)")
         w = self.inits[gemms[0].input[1]]
         return int(w.shape[0] if _attr(gemms[0], "transB", 0) else w.shape[1])
+
+
+DEFAULT_DOMAINS = ("", "ai.onnx")          # the standard ops; any other domain's op means what it says
+
+
+def _check_domains(model, path):
+    """ExportError naming the first node that is not a standard ONNX op: a node of another domain
+    (com.microsoft:Conv, com.evil:Relu) or a call of a model-local function, whose meaning is its
+    own whatever its name. Checked before the walk: handlers and patterns go by op type alone."""
+    local = {(f.domain, f.name) for f in model.functions}
+    for n in model.graph.node:
+        if n.domain not in DEFAULT_DOMAINS:
+            raise ExportError(f"{path}: node {n.name!r}: op {n.op_type} of domain {n.domain!r} is not "
+                              f"supported; lowmem reads the standard ONNX ops (domain '' or 'ai.onnx') only")
+        if (n.domain, n.op_type) in local:
+            raise ExportError(f"{path}: node {n.name!r}: op {n.op_type} calls the model-local function "
+                              f"{n.op_type!r}, not the standard op; lowmem reads the standard ONNX ops only")
 
 
 def _input_shape(value, given, path):
