@@ -1,11 +1,17 @@
 """What the weight files share, out (lowmem/tools/export.py) and in (lowmem/formats/onnx_import.py):
-the one error for a network or file that cannot be written or read, the check that a path is
+the one error for a network or file that cannot be written or read (and the one warning for a
+file that reads, but likely not as meant), the check that a path is
 a non-empty file, and the check that names the extra to install when an optional library
 (safetensors, onnx) is missing."""
 
 
 class ExportError(ValueError):
     """A network or file that cannot be exported or read back; the message names it."""
+
+
+class FormatWarning(UserWarning):
+    """A file that reads, but likely not as its writer meant (the message names the cause and the
+    fix); the command line prints it as one line, `lowmem <command>: warning: ...`."""
 
 
 def require(module, extra):

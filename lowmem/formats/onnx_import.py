@@ -28,12 +28,13 @@ when that is a valid layer name, else the builder's default. The classifier (the
 layer) takes its initializers' name too (torchvision's `classifier`), else fc.
 """
 import os
+import warnings
 
 import numpy
 
 from ..core.network import NetworkError
-from .common import ExportError, check_file, require
-from .onnx_nodes import IMPORTS, _attr, builder_has, supported_ops
+from .common import ExportError, FormatWarning, check_file, require
+from .onnx_nodes import IMPORTS, _attr, builder_has, constant_value, supported_ops
 
 GENERIC_NAMES = ("", "main_graph", "torch_jit", "torch-jit-export")    # exporters' defaults: the file's name instead
 
@@ -52,35 +53,48 @@ class _Reader:
                 raise ExportError(f"{path}: initializer {name!r} {a.shape} holds {bad} NaN or inf "
                                   f"value(s); refusing to import non-finite weights")
         _check_domains(model, path)
+        inputs = [i for i in g.input if i.name not in self.inits]
+        # every node's wrapper held for the reader's life, so that id(node) names one node throughout
+        # (protobuf makes a new wrapper, maybe at a freed one's address, when none is alive)
+        self.nodes = list(g.node)
+        self.done = set()                                 # nodes consumed by a pattern or folded (id)
         self.consts = {}
-        for n in g.node:                                  # every Constant first: a pattern may look ahead
-            if n.op_type == "Constant":
-                IMPORTS["Constant"](self, n)
+        for n in self.nodes:                                  # every constant first: a pattern may look ahead
+            value = constant_value(self, n)               # a Constant; an Identity or Cast of a constant
+            if value is not None:
+                # an Identity of an initializer (an exporter's deduplicated weights) is that initializer
+                # under the name its reader expects (layer4.1.bn2.weight)
+                alias = n.op_type == "Identity" and n.input[0] in self.inits
+                (self.inits if alias else self.consts)[n.output[0]] = value
+                self.done.add(id(n))
         self.readers = {}                                 # value -> [nodes reading it]
-        for n in g.node:
+        for n in self.nodes:
             for v in n.input:
                 if v:
                     self.readers.setdefault(v, []).append(n)
-        inputs = [i for i in g.input if i.name not in self.inits]
         if len(inputs) != 1:
             raise ExportError(f"{path}: expected one graph input (the image batch), found "
                               f"{len(inputs)}: {[i.name for i in inputs]}")
         self.outputs = [o.name for o in g.output]
         if len(self.outputs) != 1:
             raise ExportError(f"{path}: expected one graph output (the logits), found {self.outputs}")
+        producer = {v: n for n in self.nodes for v in n.output}
+        while self.outputs[0] in producer and producer[self.outputs[0]].op_type == "Identity":
+            n = producer[self.outputs[0]]                 # Gemm -> Identity -> output: the Gemm's is the logits
+            self.done.add(id(n))
+            self.outputs = [n.input[0]]
         shape = _input_shape(inputs[0], input_shape, path)
         num_classes = self._num_classes(g)
         name = g.name if g.name not in GENERIC_NAMES else os.path.splitext(os.path.basename(path))[0]
         self.graph = nn.Graph(name, shape, num_classes, seed)
         self.values = {inputs[0].name: self.graph.input}  # ONNX value -> nn Tensor
         self.weights = {}                                 # lowmem parameter name -> array
-        self.done = set()                                 # nodes consumed by a pattern (id)
         self.network = None
 
     # ------------------------------------------------------------------ walking
-    def run(self, nodes):
-        for node in nodes:
-            if id(node) in self.done or node.op_type == "Constant":     # constants: read in __init__
+    def run(self):
+        for node in self.nodes:
+            if id(node) in self.done:                     # constants (read in __init__), patterns
                 continue
             if self.network is not None:
                 raise ExportError(f"{self.path}: node {node.name!r} ({node.op_type}) comes after the "
@@ -276,6 +290,26 @@ def _tensors(model):
         yield from graph(info.algorithm, f"training info {i} algorithm: ")
 
 
+FOLD_PREFIX = "onnx::"      # PyTorch's name for a tensor its constant folding made (onnx::Conv_193)
+
+
+def _warn_if_folded(model, path):
+    """FormatWarning when the file has no BatchNormalization while its convs read tensors named
+    by the exporter: torch.onnx.export's defaults (eval mode, constant folding) folded each batch
+    norm into its conv's weights and bias, leaving no BN-ReLU unit to compress and other names."""
+    g = model.graph
+    if any(n.op_type == "BatchNormalization" for n in g.node):
+        return
+    folded = [v for n in g.node if n.op_type == "Conv" for v in n.input[1:] if v.startswith(FOLD_PREFIX)]
+    if folded:
+        warnings.warn(FormatWarning(
+            f"{path}: no BatchNormalization node, and its convs read tensors the exporter made "
+            f"({folded[0]!r}, ...): PyTorch's default export (eval mode, constant folding) folds every batch "
+            f"norm into its conv, so lowmem has no BN-ReLU unit to compress and the parameter names are not "
+            f"the model's; export with training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, "
+            f"dynamo=False"), stacklevel=3)
+
+
 def _first_line(e):
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
@@ -299,9 +333,10 @@ def read_onnx(nn, path, input_shape=None, seed=0):
     model = load_checked(path)
     r = _Reader(model, path, input_shape, seed, nn)
     try:
-        net = r.run(model.graph.node)
+        net = r.run()
     except NetworkError as e:
         raise ExportError(f"{path}: {e}") from None
+    _warn_if_folded(model, path)
     names = [n for n, _, _ in net.param_shapes()] + [n for n, _ in net.stat_shapes()]
     try:
         net.load_state_dict({n: r.weights[n] for n in names})

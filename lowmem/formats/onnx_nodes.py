@@ -155,9 +155,9 @@ def _add(r, node):
 
 
 def _concat(r, node):
-    if _attr(node, "axis") != 1:
+    if _attr(node, "axis") not in (1, -3):               # of an (N, C, H, W) batch: the channels
         raise ExportError(f"{r.path}: node {node.name!r}: Concat on axis {_attr(node, 'axis')}; lowmem "
-                          f"concatenates channels (axis 1) only")
+                          f"concatenates channels (axis 1, or -3) only")
     r.set(node, r.graph.concat(*[r.tensor(node, i) for i in range(len(node.input))], name=r.layer_name(node)))
 
 
@@ -180,34 +180,100 @@ def _identity(r, node):
     r.set(node, r.tensor(node))
 
 
+def _cast(r, node):
+    """A Cast of an activation to a float type: the identity (lowmem computes in the engine's
+    dtype). A Cast of a constant never gets here: constant_value folds it."""
+    from onnx import TensorProto
+    if _attr(node, "to") not in (TensorProto.FLOAT, TensorProto.DOUBLE):
+        raise ExportError(f"{r.path}: node {node.name!r}: a Cast of an activation to "
+                          f"{_numeric_dtype(r, node, _attr(node, 'to'))} is not supported (lowmem computes "
+                          f"in float32 or float64; a Cast of a constant is read as that constant)")
+    _identity(r, node)
+
+
+def _pad(r, node):
+    """An all-zero Pad (what exporters write before an AveragePool at opsets 7-9): the identity."""
+    pads = r.const(node, 1) if len(node.input) > 1 and node.input[1] else _attr(node, "pads")
+    if pads is None or numpy.any(numpy.asarray(pads) != 0):
+        raise ExportError(f"{r.path}: node {node.name!r}: Pad with pads "
+                          f"{None if pads is None else _shown(pads)} is not supported (lowmem reads an "
+                          f"all-zero Pad as the identity; a conv or pool pads by itself)")
+    _identity(r, node)
+
+
 def _dropout_ratio(r, node):
     ratio = _scalar(r, node, 1, "ratio")
     ratio = _attr(node, "ratio", 0.5) if ratio is None else ratio
     return float(str(numpy.float32(ratio)))              # the float32 ratio's shortest decimal: 0.3, not 0.30000001
 
 
-def _dropout(r, node):
-    """Dropout with a ratio > 0 trains as dropout (an inference graph writes it as a no-op there,
-    a training-mode one with training_mode = 1: either way the model was trained with it)."""
-    ratio = _dropout_ratio(r, node)
+def _dropout_mask_unread(r, node):
     if len(node.output) > 1 and node.output[1] and r.readers.get(node.output[1]):
         raise ExportError(f"{r.path}: node {node.name!r}: Dropout's mask output is read by other nodes; "
                           f"lowmem keeps its mask to itself")
+
+
+def _dropout(r, node):
+    """Dropout with a ratio > 0 trains as dropout (an inference graph writes it as a no-op there,
+    a training-mode one with training_mode = 1: either way the model was trained with it). After a
+    Flatten (AlexNet's classifier: Flatten, Dropout, Gemm) it drops the same elements of the
+    unflattened tensor, which the linear layer then flattens."""
+    ratio = _dropout_ratio(r, node)
+    _dropout_mask_unread(r, node)
     if ratio == 0:
         return _identity(r, node)
     r.set(node, r.graph.dropout(r.tensor(node), ratio, name=r.layer_name(node)))
 
 
 def _constant(r, node):
+    """A Constant's value, whichever attribute carries it: value (a tensor), value_float(s),
+    value_int(s); a sparse or string value is refused."""
     from onnx import numpy_helper
-    value = next((a for a in node.attribute if a.name == "value"), None)
-    if value is None:
-        raise ExportError(f"{r.path}: node {node.name!r}: a Constant without a tensor value is not supported")
-    r.consts[node.output[0]] = numpy_helper.to_array(value.t)
+    a = {a.name: a for a in node.attribute}
+    if "value" in a:
+        return numpy_helper.to_array(a["value"].t)
+    for name, field, dtype in (("value_float", "f", numpy.float32), ("value_floats", "floats", numpy.float32),
+                               ("value_int", "i", numpy.int64), ("value_ints", "ints", numpy.int64)):
+        if name in a:
+            v = getattr(a[name], field)
+            return numpy.array(v if numpy.isscalar(v) else list(v), dtype)
+    raise ExportError(f"{r.path}: node {node.name!r}: a Constant of {', '.join(a) or 'no value'} is not supported "
+                      f"(lowmem reads numbers: value, value_float(s), value_int(s))")
+
+
+def _numeric_dtype(r, node, to):
+    from onnx import helper
+    try:
+        dtype = numpy.dtype(helper.tensor_dtype_to_np_dtype(to))
+    except Exception:                                    # an unknown or non-numpy element type
+        dtype = None
+    if dtype is None or dtype.kind not in "biuf":
+        raise ExportError(f"{r.path}: node {node.name!r}: Cast to element type {to} is not supported "
+                          f"(lowmem reads numbers)")
+    return dtype
+
+
+def constant_value(r, node):
+    """The value of a node that computes a constant, else None: a Constant, or an Identity or Cast
+    of a constant (an initializer, or an earlier such node's value: the reader calls this on every
+    node in order). Exporters write bounds as Constant -> Cast -> Clip (F.relu6, torch.clamp) and
+    deduplicated weights as Identity(initializer)."""
+    if node.op_type == "Constant":
+        return _constant(r, node)
+    if node.op_type not in ("Identity", "Cast") or not node.input or not (
+            node.input[0] in r.inits or node.input[0] in r.consts):
+        return None
+    a = r.const(node, 0)
+    if node.op_type == "Cast":
+        a = numpy.asarray(a).astype(_numeric_dtype(r, node, _attr(node, "to")))
+    return a
 
 
 def _global_pool(r, node):
-    """GlobalAveragePool -> Flatten -> Gemm, or ReduceMean(H, W) [-> Flatten] -> Gemm, at the end: the head."""
+    """GlobalAveragePool -> Flatten -> Gemm, or ReduceMean(H, W) [-> Flatten] -> Gemm, at the end: the head.
+    A Dropout on the pooled features (torchvision's MobileNetV2: pool, Flatten, Dropout, Gemm) becomes
+    the global pool as one k x k avg_pool window, the dropout on its (C, 1, 1) output, then the head
+    (whose global pool over 1 x 1 is the identity)."""
     x = r.tensor(node)
     if node.op_type == "ReduceMean":
         axes = r.const(node, 1) if len(node.input) > 1 else _attr(node, "axes")
@@ -215,19 +281,20 @@ def _global_pool(r, node):
             raise ExportError(f"{r.path}: node {node.name!r}: ReduceMean over axes "
                               f"{None if axes is None else _shown(axes)}; lowmem reads "
                               f"only the global average over H, W (axes 2, 3) before the classifier")
-    chain, v = [], node.output[0]
+    chain, drops, v = [], [], node.output[0]
 
     def skip_identities(v):
-        """Past Identity and ratio-0 Dropout nodes (torchvision's classifier Dropout exported at p=0)."""
+        """Past Identity and Dropout nodes (a ratio-0 Dropout is the identity; one with a ratio is
+        kept in `drops`)."""
         while True:
             nxt = r.only_reader(v, "Identity") or r.only_reader(v, "Dropout")
             if nxt is None:
                 return v
-            if nxt.op_type == "Dropout" and _dropout_ratio(r, nxt) != 0:
-                raise ExportError(f"{r.path}: node {nxt.name!r}: a Dropout between the global pool and the "
-                                  f"classifier is not supported (lowmem's head is the pool, then the linear "
-                                  f"layer); export it with p = 0, or move it before the pool")
             chain.append(nxt)
+            if nxt.op_type == "Dropout":
+                _dropout_mask_unread(r, nxt)
+                if _dropout_ratio(r, nxt) != 0:
+                    drops.append(nxt)
             v = nxt.output[0]
 
     v = skip_identities(v)
@@ -235,12 +302,30 @@ def _global_pool(r, node):
     if flat is not None:
         chain.append(flat)
         v = skip_identities(flat.output[0])
-    elif node.op_type == "GlobalAveragePool" or _attr(node, "keepdims", 1):
-        raise ExportError(f"{r.path}: node {node.name!r} ({node.op_type}): expected Flatten after it, then Gemm")
     gemm = r.only_reader(v, "Gemm")
     if gemm is None or gemm.output[0] not in r.outputs:
+        readers = sorted({n.op_type for n in r.readers.get(v, [])})
+        if readers and not set(readers) <= {"Flatten", "Gemm"}:       # squeeze-excitation and the like
+            raise ExportError(f"{r.path}: node {node.name!r} ({node.op_type}): a global average pool inside the "
+                              f"network (read by {', '.join(readers)}) is not supported: lowmem pools globally "
+                              f"only in its classifier head (pool, Flatten, Gemm writing the graph's output), "
+                              f"and has no op for a squeeze-and-excitation gate (Sigmoid, channel-wise Mul)")
+        if flat is None and (node.op_type == "GlobalAveragePool" or _attr(node, "keepdims", 1)):
+            raise ExportError(f"{r.path}: node {node.name!r} ({node.op_type}): expected Flatten after it, then Gemm")
         raise ExportError(f"{r.path}: node {node.name!r} ({node.op_type}): a global average pool must feed "
                           f"the classifier (Flatten, Gemm) that writes the graph's output")
+    if len(drops) > 1:
+        raise ExportError(f"{r.path}: nodes {drops[0].name!r} and {drops[1].name!r}: two Dropouts between the "
+                          f"global pool and the classifier are not supported (one is)")
+    if drops:
+        c, h, w = x.shape
+        if h != w:
+            raise ExportError(f"{r.path}: node {drops[0].name!r}: a Dropout between the global pool and the "
+                              f"classifier needs a square feature map there (lowmem writes the pool as one "
+                              f"k x k window before the dropout); it is {h} x {w}")
+        if h > 1:
+            x = r.graph.avg_pool(x, h, h, 0, name=r.layer_name(node))
+        x = r.graph.dropout(x, _dropout_ratio(r, drops[0]), name=r.layer_name(drops[0]))
     if _attr(gemm, "alpha", 1.0) != 1 or _attr(gemm, "beta", 1.0) != 1 or _attr(gemm, "transA", 0):
         raise ExportError(f"{r.path}: node {gemm.name!r}: Gemm with alpha, beta != 1 or transA is not supported")
     w, b = r.const(gemm, 1), r.const(gemm, 2)
@@ -261,8 +346,12 @@ def _flatten(r, node):
     if _attr(node, "axis", 1) != 1:
         raise ExportError(f"{r.path}: node {node.name!r}: Flatten on axis {_attr(node, 'axis')}; lowmem "
                           f"flattens (C, H, W) per sample (axis 1) only")
-    if not all(n.op_type == "Gemm" for n in r.readers.get(node.output[0], [])):
-        raise ExportError(f"{r.path}: node {node.name!r}: a Flatten must feed linear layers (Gemm) only")
+    def feeds_gemms(v):                  # through Dropout and Identity, elementwise: the same values
+        return all(feeds_gemms(n.output[0]) if n.op_type in ("Dropout", "Identity") else n.op_type == "Gemm"
+                   for n in r.readers.get(v, []))
+    if not feeds_gemms(node.output[0]):
+        raise ExportError(f"{r.path}: node {node.name!r}: a Flatten must feed linear layers (Gemm) only "
+                          f"(through Dropout or Identity)")
     r.set(node, r.tensor(node))
 
 
@@ -311,7 +400,8 @@ def _reshape(r, node):
 IMPORTS = {"Conv": _conv, "BatchNormalization": _batchnorm, "Relu": _unary("relu"), "Clip": _clip,
            "Add": _add, "Concat": _concat, "MaxPool": _maxpool, "AveragePool": _avgpool,
            "GlobalAveragePool": _global_pool, "ReduceMean": _global_pool, "Identity": _identity,
-           "Dropout": _dropout, "Constant": _constant, "Flatten": _flatten, "Gemm": _gemm, "Reshape": _reshape}
+           "Dropout": _dropout, "Constant": _constant, "Flatten": _flatten, "Gemm": _gemm, "Reshape": _reshape,
+           "Cast": _cast, "Pad": _pad}
 NEEDS = {"Conv": ("conv",), "BatchNormalization": ("bn_relu",), "Relu": ("relu",), "Clip": ("relu6",),
          "Add": ("add",), "Concat": ("concat",), "MaxPool": ("max_pool",), "AveragePool": ("avg_pool",),
          "GlobalAveragePool": ("head",), "ReduceMean": ("head",), "Dropout": ("dropout",),

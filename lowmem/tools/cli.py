@@ -15,7 +15,8 @@ errors a subcommand lets through to exit statuses. What the subcommands share (t
 statuses, the model and --bits auto options) is lowmem/tools/options.py; the library code
 they call stays in its modules (trainer.Trainer, maxbatch.max_batch, diagnostics, the Engine).
 
-Every error is one line on stderr, `lowmem <command>: error: <what>`.
+Every error is one line on stderr, `lowmem <command>: error: <what>`; a warning about a file
+that reads but likely not as meant (formats.common.FormatWarning), `lowmem <command>: warning: <what>`.
 `main(argv)` returns the exit status instead of exiting, so tests call it
 in-process; the console script and `python -m lowmem` wrap it in sys.exit.
 """
@@ -23,7 +24,9 @@ import argparse
 import os
 import signal
 import sys
+import warnings
 
+from ..formats.common import FormatWarning
 from ..system import backend
 from .commands import diagnose, export, maxbatch, plan, plot, predict, train
 from .options import EXIT_DIVERGED, EXIT_ERROR, EXIT_SIGNAL, EXIT_USAGE
@@ -68,10 +71,19 @@ def main(argv=None):
         print(f"lowmem {args.command}: error: {what}", file=sys.stderr)
         return code
 
+    def warn(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, FormatWarning):          # lowmem's own: one line, like its errors
+            print(f"lowmem {args.command}: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    shown = warnings.showwarning
     try:
-        if getattr(args, "backend", None):
-            backend.set_backend(args.backend)
-        return run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = warn
+            if getattr(args, "backend", None):
+                backend.set_backend(args.backend)
+            return run(args)
     except ValueError as e:                  # a bad value the builders, the Engine or a memory check rejected
         return error(e, EXIT_USAGE)
     except FloatingPointError as e:          # diagnose's warm-up diverged
