@@ -129,6 +129,8 @@ def bits(text):
         return int(t)
     except ValueError:
         pass
+    if t.lower().endswith(".json") or os.path.isfile(t):     # before pairs: a path may hold "=" (lr=0.1/)
+        return _widths_file(t)
     if "=" in t:
         widths = {}
         for pair in t.split(","):
@@ -140,21 +142,25 @@ def bits(text):
                 raise argparse.ArgumentTypeError(f"unit {name!r} is given twice")
             widths[name] = _unit_width(name, k)
         return widths
-    if t.lower().endswith(".json") or os.path.isfile(t):
-        return _widths_file(t)
     raise argparse.ArgumentTypeError(f"expected 1, 2, 4, 8, auto, unit=K pairs (layer1.0.bn1=4,*=2) "
                                      f"or a JSON file of them, got {text!r}")
 
 
 def _unit_width(name, k):
+    """K of `unit=K` or of a JSON file: an int, its digits, or "float"; a number with a fraction
+    (8.9, and 2.0 as on the command line) is refused, never truncated."""
     k = k.strip().lower() if isinstance(k, str) else k
-    try:
-        k = int(k) if not isinstance(k, bool) and k != FLOAT else k
-    except (TypeError, ValueError):
-        pass
-    if isinstance(k, bool) or k not in UNIT_WIDTHS:
+    if isinstance(k, str) and k != FLOAT:
+        try:
+            k = int(k)
+        except ValueError:
+            pass
+    if not (k == FLOAT or isinstance(k, int) and not isinstance(k, bool)) or k not in UNIT_WIDTHS:
         raise argparse.ArgumentTypeError(f"unit {name!r}: width must be 1, 2, 4, 8 or float, got {k!r}")
     return k
+
+
+RUN_KEYS = {"mode", "model", "dataset", "avg_bits", "rounding"}      # what tells a run's config.json
 
 
 def _widths_file(path):
@@ -166,8 +172,14 @@ def _widths_file(path):
         raise argparse.ArgumentTypeError(f"cannot read {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{path} is not JSON ({e})") from None
-    if isinstance(data, dict) and isinstance(data.get("bits"), dict):
-        data = data["bits"]                      # a run's config.json: its widths
+    if isinstance(data, dict) and "bits" in data and (isinstance(data["bits"], dict) or RUN_KEYS & set(data)):
+        bits = data["bits"]                      # a run's config.json: its widths, or its uniform width
+        if isinstance(bits, int) and not isinstance(bits, bool):
+            bits = {"*": bits}
+        if not isinstance(bits, dict):
+            raise argparse.ArgumentTypeError(f"{path}: a run's configuration, but its bits are {bits!r}, not "
+                                             f"a width or per-unit widths")
+        data = bits
     if not (isinstance(data, dict) and data and all(isinstance(k, str) and k for k in data)):
         raise argparse.ArgumentTypeError(f"{path}: expected a JSON object {{\"unit\": K, ...}} of per-unit "
                                          f"widths (K in 1, 2, 4, 8 or \"float\")")

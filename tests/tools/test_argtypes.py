@@ -1,7 +1,9 @@
 """lowmem.tools.argtypes: each argparse value type accepts what it documents and refuses the rest with
 argparse.ArgumentTypeError naming the bad value (argparse prints it as `argument --x: <message>`)."""
 import argparse
+import json
 import math
+import re
 
 import pytest
 
@@ -94,3 +96,38 @@ def test_bad_width_files_name_the_problem(tmp_path, content, words):
     f.write_text(content)
     with pytest.raises(argparse.ArgumentTypeError, match=words):
         argtypes.bits(str(f))
+
+
+@pytest.mark.parametrize("content,words", [
+    ('{"*": 8.9, "layer1.0.bn1": 1.5}', "unit '*': width must be 1, 2, 4, 8 or float, got 8.9"),
+    ('{"*": 2.0}', "unit '*': width must be 1, 2, 4, 8 or float, got 2.0"),      # as *=2.0 is refused
+    ('{"*": true}', "unit '*': width must be 1, 2, 4, 8 or float, got True"),
+])
+def test_a_width_file_holds_whole_widths_not_truncated_ones(tmp_path, content, words):
+    f = tmp_path / "w.json"
+    f.write_text(content)
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(words)):
+        argtypes.bits(str(f))
+    with pytest.raises(argparse.ArgumentTypeError, match="got '2.0'"):
+        argtypes.bits("*=2.0")
+
+
+def test_a_run_config_with_uniform_bits_is_those_bits(tmp_path):
+    """A run's config.json stores uniform bits as an int: --bits config.json is {"*": K}."""
+    run = tmp_path / "config.json"
+    run.write_text(json.dumps({"dataset": "synthetic", "model": "preact-cifar", "mode": "approx", "bits": 2,
+                               "avg_bits": None, "rounding": "nearest"}))
+    assert argtypes.bits(str(run)) == {"*": 2}
+    run.write_text(json.dumps({"mode": "approx", "bits": "auto"}))
+    with pytest.raises(argparse.ArgumentTypeError, match="its bits are 'auto'"):
+        argtypes.bits(str(run))
+
+
+def test_a_width_file_whose_path_holds_an_equals_sign_is_read_as_a_file(tmp_path):
+    folder = tmp_path / "lr=0.1"
+    folder.mkdir()
+    f = folder / "widths.json"
+    f.write_text('{"*": 4, "layer1.0.bn1": 2}')
+    assert argtypes.bits(str(f)) == {"*": 4, "layer1.0.bn1": 2}
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot read"):
+        argtypes.bits(str(folder / "missing.json"))
