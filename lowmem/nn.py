@@ -53,8 +53,11 @@ with the low-level methods of lowmem/core/network.py (named buffers), where it
 also catches a buffer read before it is written and a layer overwriting its
 own input.
 """
+import numbers
 import sys
 from dataclasses import dataclass
+
+import numpy
 
 from .core import liveness
 from .core.network import Network, NetworkError
@@ -103,7 +106,8 @@ class Graph:
     def __init__(self, name, input_shape, num_classes, seed=0):
         if not isinstance(name, str) or not name.strip():
             raise NetworkError(f"the network's name must be a non-empty string, got {name!r}")
-        input_shape = tuple(input_shape)
+        input_shape = tuple(_number(v) for v in input_shape)
+        num_classes = _number(num_classes)
         if len(input_shape) != 3 or not all(_posint(v) for v in input_shape):
             raise NetworkError(f"input_shape must be (C, H, W) of positive ints, got {input_shape!r}")
         if not _posint(num_classes):
@@ -122,6 +126,7 @@ class Graph:
         per-channel bias (<name>.bias)."""
         name = self._name(name, "conv")
         self._own(x, name)
+        cout, k, stride, pad, groups = (_number(v) for v in (cout, k, stride, pad, groups))
         for what, v, lo in (("cout", cout, 1), ("k", k, 1), ("stride", stride, 1), ("groups", groups, 1)):
             if not _int(v) or v < lo:
                 raise NetworkError(f"conv {name!r}: {what} must be an int >= {lo}, got {v!r}")
@@ -166,6 +171,7 @@ class Graph:
         """Inverted dropout in training (each element dropped with probability p, the rest scaled
         by 1/(1-p)); the identity in eval. Keeps its 1-bit mask, drawn from the engine's counter
         stream (the same masks after a resume and on every kernel path)."""
+        p = _number(p)
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
             raise NetworkError(f"dropout: p must be a number in [0, 1), got {p!r}")
         return self._elementwise("dropout", "dropout", x, name, dict(p=float(p)))
@@ -181,6 +187,7 @@ class Graph:
         nn.Linear on torch.flatten(x, 1): weight (cout, C*H*W), PyTorch's default init)."""
         name = self._name(name, "linear")
         self._own(x, name)
+        cout = _number(cout)
         if not _int(cout) or cout < 1:
             raise NetworkError(f"linear {name!r}: cout must be an int >= 1, got {cout!r}")
         if not isinstance(bias, bool):
@@ -217,6 +224,7 @@ class Graph:
         max_window: the largest k*k the op can save (max-pool's 4-bit argmax)."""
         name = self._name(name, prefix)
         self._own(x, name)
+        k, stride, pad = (_number(v) for v in (k, stride, pad))
         stride = k if stride is None else stride
         for what, v, lo in (("k", k, 1), ("stride", stride, 1), ("pad", pad, 0)):
             if not _int(v) or v < lo:
@@ -388,6 +396,16 @@ def from_onnx(path, input_shape=None, seed=0):
     and the supported ops), a shape the file does not allow. lowmem/formats/onnx_import.py
     (handed this module as its builder, so the reader imports nothing above core/)."""
     return read_onnx(sys.modules[__name__], path, input_shape, seed)
+
+
+def _number(v):
+    """A NumPy integer or float scalar as the Python number of the same value (np.int64(8) -> 8);
+    anything else as it is, for the checks to name."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return int(v)
+    if isinstance(v, numbers.Real) and not isinstance(v, (bool, numpy.bool_)):
+        return float(v)
+    return v
 
 
 def _int(v):

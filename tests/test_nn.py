@@ -302,6 +302,21 @@ def test_bad_arguments_are_named():
     raises(["num_classes"], nn.Graph, "t", (3, 8, 8), 0)
 
 
+def test_numpy_scalars_are_numbers_like_any_other():
+    """Sizes and ratios computed with NumPy (np.int64 channels, np.float32 dropout) build the same
+    network as Python numbers, with Python numbers in its records."""
+    def build(i, f):
+        g = nn.Graph("t", (i(3), i(8), i(8)), i(4))
+        x = g.bn_relu(g.conv(g.input, i(8), i(3), stride=i(1), pad=i(1), groups=i(1), name="c1"))
+        x = g.dropout(g.max_pool(x, i(2), stride=i(2), pad=i(0)), f(0.5))
+        x = g.avg_pool(g.conv(x, i(8), i(3), groups=i(8), name="c2"), i(2))
+        return g.head(g.dropout(g.linear(x, i(6), name="l"), p=f(0.25)))
+    plain, numpy_built = build(int, float), build(np.int64, np.float32)
+    assert [vars(L) for L in numpy_built.layers] == [vars(L) for L in plain.layers]
+    assert all(type(v) in (int, float, str, bool, tuple) for L in numpy_built.layers for v in vars(L).values())
+    raises(["p must be a number in [0, 1)", "True"], graph().dropout, graph().input, np.bool_(True))
+
+
 def test_layer_names_are_unique_and_not_reserved():
     g = graph()
     x = g.conv(g.input, 4, 3, name="conv1")
