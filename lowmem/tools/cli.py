@@ -26,6 +26,7 @@ import signal
 import sys
 import warnings
 
+from .._version import __version__
 from ..formats.common import FormatWarning
 from ..system import backend
 from .commands import diagnose, export, maxbatch, plan, plot, predict, train
@@ -49,6 +50,7 @@ del _command
 def make_parser():
     parser = argparse.ArgumentParser(
         prog="lowmem", description="Memory-efficient CNN training with backprop through approximate activations.")
+    parser.add_argument("--version", action="version", version=f"lowmem {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="command")
     for name, (help, add_arguments, _) in COMMANDS.items():
         add_arguments(sub.add_parser(name, help=help, description=help))

@@ -131,6 +131,12 @@ def test_help_exits_zero(capsys):
     assert rc == 0 and "--compare" in out and "--measure" in out
 
 
+def test_version_is_printed(capsys):
+    from lowmem import __version__
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0 and out.strip() == f"lowmem {__version__}"
+
+
 def test_registry():
     assert {"plan", "diagnose"} <= set(cli.COMMANDS)
     with pytest.raises(ValueError, match="registered twice"):
