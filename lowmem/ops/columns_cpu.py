@@ -16,18 +16,12 @@ flat); cols (Cin, kh, kw, n, Ho, Wo) for samples n0 .. n0+n.
 """
 import numpy
 
-from ..system.backend import numba_allowed
+from ..system.backend import numba_available
 
-try:
-    if not numba_allowed():
-        raise ImportError("disabled by LOWMEM_FAST=0")
-    from numba import njit
-    AVAILABLE = True
-except ImportError:                                        # pragma: no cover - optional
-    AVAILABLE = False
-
+AVAILABLE = numba_available()
 
 if AVAILABLE:
+    from numba import njit
     _opts = dict(cache=True, nogil=True)      # no fastmath: each addition rounds as NumPy's does
 
     @njit(**_opts)

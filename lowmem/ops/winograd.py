@@ -41,10 +41,11 @@ import os
 
 import numpy
 
-from . import columns_cpu as _fast  # its AVAILABLE: numba installed and LOWMEM_FAST not 0
 from .chunks import over_batch
+from ..system.backend import numba_available
 
 ENABLED = os.environ.get("LOWMEM_WINOGRAD", "1").strip() not in ("0", "false", "no")   # the switch
+AVAILABLE = numba_available()          # its tile transforms are numba loops
 MIN_CHANNELS = 16           # below this the 16 GEMMs are too thin to beat one im2col GEMM (the stem's Cin = 3)
 CACHE_BYTES = 1 << 20       # bytes of transformed tiles (V and M) per chunk
 
@@ -64,7 +65,7 @@ def per_sample(Cin, Cout, H, W):
 def applies(x, w, out, stride, pad, ws, weight=False):
     """Whether the Winograd path runs this conv (see the module docstring); weight: for the
     weight gradient, which also keeps two (16, Cout, Cin) sums in the workspace."""
-    if not (ENABLED and _fast.AVAILABLE):
+    if not (ENABLED and AVAILABLE):
         return False
     Cout, Cin, kh, kw = w.shape
     if (kh, kw, stride, pad) != (3, 3, 1, 1) or min(Cin, Cout) < MIN_CHANNELS:
@@ -87,7 +88,7 @@ def temporary_bytes(convs, dtype):
     transformed filters U (16*Cout*Cin float32); the weight gradient works in the workspace."""
     sizes = [ci * co for k, s, p, ci, co in convs
              if (k, s, p) == (3, 1, 1) and min(ci, co) >= MIN_CHANNELS]
-    if not (sizes and ENABLED and _fast.AVAILABLE and numpy.dtype(dtype) == numpy.float32):
+    if not (sizes and ENABLED and AVAILABLE and numpy.dtype(dtype) == numpy.float32):
         return 0
     return 16 * max(sizes) * 4
 
@@ -225,7 +226,7 @@ def output_tiles_reference(out, M, n0, accumulate):
         out[:, n0:n0 + ns] = y
 
 
-if _fast.AVAILABLE:
+if AVAILABLE:
     from numba import njit
     _opts = dict(cache=True, nogil=True)
 

@@ -6,7 +6,8 @@ Every op and the engine take their array module from here (`xp`), never
     LOWMEM_BACKEND=numpy|cupy|auto   (environment, read at import)
     lowmem.set_backend("numpy"|"cupy"|"auto")
 
-"auto" picks CuPy only when it imports *and* sees at least one GPU.
+"auto" picks CuPy only when it imports *and* sees at least one GPU. The CPU's fast
+kernels are numba's, used where `numba_available()` (LOWMEM_FAST=0 turns them off).
 """
 import os
 
@@ -58,6 +59,23 @@ def array_module(a):
 def numba_allowed():
     """Whether the numba kernels may be used: LOWMEM_FAST=0 (or false, no) turns them off."""
     return os.environ.get("LOWMEM_FAST", "1").strip() not in ("0", "false", "no")
+
+
+_numba = None       # numba_available()'s answer, once asked
+
+
+def numba_available():
+    """Whether the numba kernels run: numba imports (lowmem[fast]) and LOWMEM_FAST allows it.
+    The one check every numba module asks (units/cpu_base.py, ops/columns_cpu.py,
+    ops/winograd.py), decided at its first call, so they all agree for the process's life."""
+    global _numba
+    if _numba is None:
+        try:
+            import numba  # noqa: F401
+            _numba = numba_allowed()
+        except ImportError:                                    # pragma: no cover - optional
+            _numba = False
+    return _numba
 
 
 def to_numpy(a):

@@ -1,8 +1,10 @@
 """Compiling and launching lowmem's CUDA kernels (CuPy RawModule): one helper for every module that has some.
 
-Three modules keep CUDA C++ beside the Python they speed up, each as one `Program`:
+Five modules keep CUDA C++ beside the Python they speed up, each as one `Program`:
 
-    lowmem/units/window_gpu.py       "units"    the fused BN-ReLU unit kernels
+    lowmem/units/gpu_base.py         "bn"       the BN reductions both unit codes share
+    lowmem/units/window_gpu.py       "units"    the fused BN-ReLU unit kernels of the window code
+    lowmem/units/unbiased_gpu.py     "unbiased" the unbiased code's
     lowmem/ops/columns_gpu.py   "columns"  the convolution's im2col / col2im
     lowmem/train/optim_gpu.py         "sgd"      optim.SGD's update
 
@@ -48,7 +50,7 @@ __device__ __forceinline__ unsigned int counter_bits(unsigned long long base, lo
     return (unsigned int)(z >> 40);
 }
 
-// The BN reductions (units/window_gpu.py, units/unbiased_gpu.py).
+// The BN reductions (units/gpu_base.py, units/window_gpu.py, units/unbiased_gpu.py).
 // Block-wide sums of a and b (BLOCK threads, fixed tree order); totals land in sa[0], sb[0].
 __device__ void block_sum2(double a, double b, double* sa, double* sb)
 {

@@ -26,7 +26,7 @@ a multiple of 8), in every mode alike.
 """
 import numpy
 
-from . import fused, quant, unbiased
+from . import fused, gpu_base, quant, unbiased
 from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
 from .sync import SyncUnits
 
@@ -101,7 +101,7 @@ def reference_units(mode, unit_bits, rounding="nearest"):
 def partials_size(xp, max_channels, use_fused):
     """float64 elements of `bn.partials` the CUDA set needs (0 elsewhere)."""
     if use_fused and xp is not numpy:
-        return fused.window_gpu.partials_size(max_channels)
+        return gpu_base.partials_size(max_channels)
     return 0
 
 

@@ -6,13 +6,11 @@ import numpy
 
 from . import quant
 from ..system import threads
-from ..system.backend import numba_allowed
+from ..system.backend import numba_available
 
-try:
-    if not numba_allowed():
-        raise ImportError("disabled by LOWMEM_FAST=0")
+AVAILABLE = numba_available()
+if AVAILABLE:
     from numba import njit
-    AVAILABLE = True
     F32 = numpy.float32
     F0, HALF = F32(0), F32(0.5)
     # stochastic rounding's stream (quant.random_offsets), as uint64 / float32 constants
@@ -20,8 +18,6 @@ try:
     GOLDEN, MIX1, MIX2 = U64(quant.GOLDEN), U64(quant.MIX1), U64(quant.MIX2)
     S30, S27, S31, S_OFF = U64(30), U64(27), U64(31), U64(64 - quant.OFFSET_BITS)
     OFF_MID, OFF_SCALE = F32(1 << (quant.OFFSET_BITS - 1)), F32(2.0 ** -quant.OFFSET_BITS)
-except ImportError:                                        # pragma: no cover - optional
-    AVAILABLE = False
 
 BLOCK = 4096          # elements per block: codes scratch 4 KiB, a multiple of 8 (byte-aligned for any K)
 GRAIN = 1 << 15       # elements per thread below which a kernel call is not split

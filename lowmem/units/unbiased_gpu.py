@@ -8,7 +8,7 @@
     unbiased_decode    one thread per (group, channel): x-tilde or the conv input from the codes
                        and the stored ends; optionally zero the incoming gradient where the mask
                        is closed (synchronized batch norm's masking)
-    unbiased_backward_partial + units/window_gpu.py's unit_backward_finalize + unbiased_backward_apply
+    unbiased_backward_partial + units/gpu_base.py's unit_backward_finalize + unbiased_backward_apply
                        BN-ReLU backward: sum(dy), sum(dy*x-tilde) per channel over segments of
                        groups (float64, a fixed tree order), then dx, x-tilde decoded inline
 
@@ -24,7 +24,7 @@ import numpy
 
 from ..system import cuda
 from ..system.cuda import BLOCK, i32 as _i32, i64 as _i64
-from . import unbiased, window_gpu
+from . import gpu_base, unbiased
 from .stream import GOLDEN, resolve
 
 SOURCE = r"""
@@ -210,7 +210,7 @@ extern "C" __global__ void unbiased_decode(real* out, real* dr, const unsigned c
 // ---- BN-ReLU backward from the slot (ops.bn_relu_backward on x-tilde under the exact mask) ----
 // Pass 1, grid (S, C): part[(c*S + s)*2 + {0, 1}] = sum(dy), sum(dy * x-tilde) over the groups of
 // segment s (a thread per group, its levels once), dy = dr where the code is open, else 0. dr is
-// read only. Pass 2 is units/window_gpu.py's unit_backward_finalize.
+// read only. Pass 2 is units/gpu_base.py's unit_backward_finalize.
 extern "C" __global__ void unbiased_backward_partial(double* part, const real* dr, const unsigned char* packed,
                                                      const unsigned short* ends, const real* gamma,
                                                      const real* beta, const int* k, long long M, int bits)
@@ -305,18 +305,17 @@ def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
 def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumulate, partials=None):
     """As units/unbiased_cpu.py's unit_backward, on the GPU (ops.bn_relu_backward on the slot's
     x-tilde under the exact mask, no decode buffer): the sums per segment of groups, then
-    units/window_gpu.py's finalize (dgamma, dbeta and the coefficients, in the `bn.partials`
+    units/gpu_base.py's finalize (dgamma, dbeta and the coefficients, in the `bn.partials`
     workspace), then dx. dr is read only; dx may alias it."""
-    window_gpu._rows(dr, "dr")
-    window_gpu._rows(dx, "dx", dr)
+    gpu_base.rows(dr, "dr")
+    gpu_base.rows(dx, "dx", dr)
     C, M = dr.shape
     bits, codes, ends, k, grid = _prepare(slot, C, M, bits, gamma, beta)
-    S = window_gpu._segments(C, unbiased.groups(M))               # segments of groups
-    part, coef = window_gpu._workspace(partials, C, dr)
+    S = gpu_base.segments(C, unbiased.groups(M))               # segments of groups
+    part, coef = gpu_base.workspace(partials, C, dr)
     dt = dr.dtype
     PROGRAM.launch("unbiased_backward_partial", dt, (S, C), (part, dr, codes, ends, gamma, beta, k, _i64(M), _i32(bits)))
-    window_gpu.PROGRAM.launch("unit_backward_finalize", dt, (cuda.blocks(C),),
-                       (coef, dgamma, dbeta, part, gamma, rstd, _i64(M), _i32(S), _i32(C)))
+    gpu_base.backward_finalize(coef, dgamma, dbeta, part, gamma, rstd, M, S)
     PROGRAM.launch("unbiased_backward_apply", dt, grid,
                    (dx, dr, codes, ends, coef, gamma, beta, k, _i64(M), _i32(bits), _i32(bool(accumulate))))
 

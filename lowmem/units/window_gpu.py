@@ -6,9 +6,6 @@ lowmem/units/quant run on CuPy too and stay the reference (tests/units/test_unit
 
 What each kernel fuses (layout (C, M) rows, M = N*H*W, as everywhere):
 
-  bn_stats_partial + _finalize   BN batch statistics: one read of x, per-channel
-                                 sums in float64 over S row segments, then mean,
-                                 var, rstd (two launches, deterministic order)
   unit_forward_exact             x-hat = (x - mean)*rstd saved, out = relu(γ·x-hat + β)
   unit_forward_code              BN apply + ReLU + quantize + pack in one pass; one
                                  thread per code byte; naive mode writes the decoded
@@ -16,9 +13,12 @@ What each kernel fuses (layout (C, M) rows, M = N*H*W, as everywhere):
                                  rounding (quant.random_offsets's stream, in uint64)
   conv_input_exact / _code       the conv's input relu(γ·x-tilde + β) under the exact
                                  decoded mask (backward's weight gradient)
-  unit_backward_partial_* + _finalize + _apply_*
+  unit_backward_partial_* + _apply_*
                                  BN-ReLU backward: unpack + decode + mask inline,
                                  Σdy and Σdy·x-hat per channel, then dx; no decode buffer
+
+The batch statistics (bn_stats) and the backward's middle pass (the per-channel finalize)
+are units/gpu_base.py's, shared with the unbiased code's set (units/unbiased_gpu.py).
 
 (The other CUDA kernels sit beside what they speed up: the conv's im2col /
 col2im in lowmem/ops/columns_gpu.py, the SGD update in lowmem/train/optim_gpu.py.)
@@ -38,7 +38,7 @@ float64 (compare to tolerance). float32 and float64 both compile.
 
 Memory: kernels allocate nothing. The reductions need (C, S) partial sums
 and three per-channel coefficients: the `bn.partials` workspace of the
-memory plan, partials_size(C) float64s.
+memory plan (units/gpu_base.py's partials_size(C) float64s).
 
 Built lazily through lowmem/system/cuda.py (program "units"): compiled once per
 dtype at first use (NVRTC, through CuPy), so importing this module needs no
@@ -48,10 +48,9 @@ import numpy
 
 from ..system import cuda
 from . import quant
-from ..system.cuda import BLOCK, REAL, blocks as _blocks, i32 as _i32, i64 as _i64
-
-MAX_SEGMENTS = 32       # row segments (blocks) per channel in a reduction
-TARGET_BLOCKS = 1024    # aim for about this many blocks per reduction (~8 per SM on an H200)
+from .gpu_base import bn_stats, partials_size, rows as _rows, segments as _segments, supports  # noqa: F401 (the API)
+from .gpu_base import backward_finalize, workspace as _workspace
+from ..system.cuda import blocks as _blocks, i32 as _i32, i64 as _i64
 
 SOURCE = r"""
 // lowmem's unit kernels; lowmem/system/cuda.py puts `real` (float or double), BLOCK and the rn_* helpers
@@ -121,53 +120,6 @@ __device__ __forceinline__ real open_relu(int code, Grid q, real w, real g, real
     if (code < q.k) return (real)0;
     const real y = rn_add(rn_mul(decode(code, q, w), g), b);
     return y > (real)0 ? y : (real)0;
-}
-
-// block_sum2 and segment: lowmem/system/cuda.py's prelude (the unbiased code's backward uses them too)
-
-// ---- BN statistics ------------------------------------------------------------------
-// grid (S, C): part[(c*S + s)*2 + {0, 1}] = sum(x - K), sum((x - K)^2) over segment s of
-// row c, shifted by K = x[c, 0] so the variance does not cancel catastrophically.
-extern "C" __global__ void bn_stats_partial(double* part, const real* x, long long M)
-{
-    __shared__ double sa[BLOCK], sb[BLOCK];
-    const int c = blockIdx.y;
-    const real* row = x + (long long)c * M;
-    const double K = (double)row[0];
-    long long lo, hi;
-    segment(M, &lo, &hi);
-    double a = 0, b = 0;
-    for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        const double d = (double)row[i] - K;
-        a += d;
-        b += d * d;
-    }
-    block_sum2(a, b, sa, sb);
-    if (threadIdx.x == 0) {
-        const long long p = ((long long)c * gridDim.x + blockIdx.x) * 2;
-        part[p] = sa[0];
-        part[p + 1] = sb[0];
-    }
-}
-
-// one thread per channel: mean, biased var, rstd = 1/sqrt(var + eps) (NumPy's rounding)
-extern "C" __global__ void bn_stats_finalize(real* mean, real* var, real* rstd, const double* part,
-                                             const real* x, long long M, int S, int C, real eps)
-{
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    double a = 0, b = 0;
-    for (int s = 0; s < S; ++s) {
-        a += part[((long long)c * S + s) * 2];
-        b += part[((long long)c * S + s) * 2 + 1];
-    }
-    const double m1 = a / (double)M;
-    double v = (b - a * m1) / (double)M;
-    if (v < 0) v = 0;
-    const real vr = (real)v;
-    mean[c] = (real)((double)x[(long long)c * M] + m1);
-    var[c] = vr;
-    rstd[c] = rn_rsqrt(rn_add(vr, eps));
 }
 
 // ---- forward ------------------------------------------------------------------------
@@ -307,26 +259,7 @@ extern "C" __global__ void unit_backward_partial_code(double* part, const real* 
     }
 }
 
-// Pass 2, one thread per channel: dgamma += sum(dy*x-hat), dbeta += sum(dy); coef[c*3 + ...] =
-// gamma*rstd, sum(dy)/M, sum(dy*x-hat)/M in the data's dtype (ops.bn_relu_backward's rounding).
-extern "C" __global__ void unit_backward_finalize(double* coef, real* dgamma, real* dbeta,
-                                                  const double* part, const real* gamma,
-                                                  const real* rstd, long long M, int S, int C)
-{
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    double a = 0, s2 = 0;
-    for (int s = 0; s < S; ++s) {
-        a += part[((long long)c * S + s) * 2];
-        s2 += part[((long long)c * S + s) * 2 + 1];
-    }
-    const real sum_dy = (real)a, sum_dyx = (real)s2;
-    dgamma[c] = rn_add(dgamma[c], sum_dyx);
-    dbeta[c] = rn_add(dbeta[c], sum_dy);
-    coef[c * 3] = (double)rn_mul(gamma[c], rstd[c]);
-    coef[c * 3 + 1] = (double)rn_div(sum_dy, (real)M);
-    coef[c * 3 + 2] = (double)rn_div(sum_dyx, (real)M);
-}
+// Pass 2: units/gpu_base.py's unit_backward_finalize.
 
 // Pass 3: dx = (dy - (x-hat*mean(dy*x-hat) + mean(dy))) * gamma*rstd, written or added.
 // dx may alias dr.
@@ -371,38 +304,13 @@ extern "C" __global__ void unit_backward_apply_code(real* dx, const real* dr, co
 """
 
 # kernels with __syncthreads (the CPU emulator in tests/units/test_units_gpu.py runs their threads as coroutines)
-PROGRAM = cuda.Program("units", SOURCE, block_sync=("bn_stats_partial", "unit_backward_partial_exact",
-                                                    "unit_backward_partial_code"))
-
-
-def supports(xp, dtype, M, bits):
-    """Whether the fused kernels apply: CuPy arrays, float32/float64, byte-aligned code rows."""
-    return (getattr(xp, "__name__", "") == "cupy" and numpy.dtype(dtype).name in REAL
-            and (M * bits) % 8 == 0)
-
-
-def partials_size(C):
-    """float64 elements of the `bn.partials` workspace for units of up to C channels."""
-    return C * (2 * MAX_SEGMENTS + 3)
+PROGRAM = cuda.Program("units", SOURCE, block_sync=("unit_backward_partial_exact", "unit_backward_partial_code"))
 
 
 # ---- launching ----------------------------------------------------------------------------
 
 def _launch(name, dtype, grid, args):
     PROGRAM.launch(name, dtype, grid, args)
-
-
-def _rows(a, name, like=None):
-    """A C-contiguous (C, M) float array, checked (with `like`: of its shape and dtype)."""
-    if a.ndim != 2 or not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be a C-contiguous (C, M) array, got shape {a.shape}")
-    if like is not None and a.shape != like.shape:
-        raise ValueError(f"{name} must have shape {like.shape}, got {a.shape}")
-    if like is not None and a.dtype != like.dtype:
-        raise ValueError(f"{name} must have dtype {like.dtype.name}, got {a.dtype}")
-    if a.dtype.name not in REAL:
-        raise ValueError(f"{name}: dtype {a.dtype} is not float32 or float64")
-    return a
 
 
 def _saved_rows(xhat, shape, dtype):
@@ -412,30 +320,6 @@ def _saved_rows(xhat, shape, dtype):
         raise ValueError(f"xhat must be (C, M) = {shape} {numpy.dtype(dtype).name} with "
                          f"contiguous rows, got {xhat.shape} {xhat.dtype} strides {xhat.strides}")
     return _i64(xhat.strides[0] // xhat.itemsize)
-
-
-def _segments(C, M):
-    """Blocks per channel in a reduction: enough for the whole GPU, at most MAX_SEGMENTS,
-    never more than one per BLOCK elements. Fixed by (C, M): results are deterministic."""
-    return max(1, min(MAX_SEGMENTS, -(-TARGET_BLOCKS // C), -(-M // BLOCK)))
-
-
-def _workspace(partials, C, like):
-    """(part, coef) views of the bn.partials workspace (allocated here only when None)."""
-    need = partials_size(C)
-    if partials is None:
-        partials = _array_module(like).empty(need, numpy.float64)
-    if partials.dtype != numpy.float64 or partials.ndim != 1 or partials.size < need:
-        raise ValueError(f"partials must be float64 of at least {need} elements, "
-                         f"got {partials.dtype} {partials.shape}")
-    return partials[:2 * C * MAX_SEGMENTS], partials[2 * C * MAX_SEGMENTS:need]
-
-
-def _array_module(a):
-    if isinstance(a, numpy.ndarray):
-        return numpy
-    import cupy
-    return cupy
 
 
 def _bits(qp):
@@ -460,18 +344,6 @@ def _check_code(packed, C, M, bits):
 
 
 # ---- the unit functions (units/window_cpu.py's signatures; units/fused.py wraps both) ------
-
-def bn_stats(mean, var, rstd, x, eps, partials=None):
-    """mean, var (biased), rstd (C,) of x (C, M)."""
-    _rows(x, "x")
-    C, M = x.shape
-    S = _segments(C, M)
-    part, _ = _workspace(partials, C, x)
-    real = x.dtype.type
-    _launch("bn_stats_partial", x.dtype, (S, C), (part, x, _i64(M)))
-    _launch("bn_stats_finalize", x.dtype, (_blocks(C),),
-            (mean, var, rstd, part, x, _i64(M), _i32(S), _i32(C), real(eps)))
-
 
 def unit_forward_exact(out, xhat, x, mean, rstd, gamma, beta):
     """xhat = (x - mean)*rstd (saved); out = relu(xhat*gamma + beta). out may alias x."""
@@ -538,8 +410,7 @@ def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, ac
     else:
         _launch("unit_backward_partial_code", dt, (S, C),
                 (part, dr, packed, gamma, beta, _i64(M), *_grid_args(bits, dt)))
-    _launch("unit_backward_finalize", dt, (_blocks(C),),
-            (coef, dgamma, dbeta, part, gamma, rstd, _i64(M), _i32(S), _i32(C)))
+    backward_finalize(coef, dgamma, dbeta, part, gamma, rstd, M, S)
     if packed is None:
         _launch("unit_backward_apply_exact", dt, (_blocks(M), C),
                 (dx, dr, xhat, coef, gamma, beta, _i64(M), ldx, acc))

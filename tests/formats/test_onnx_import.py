@@ -17,7 +17,7 @@ from lowmem.core.engine import Engine  # noqa: E402
 from lowmem.tools import export  # noqa: E402
 from lowmem.tools.export import ExportError  # noqa: E402
 from lowmem.train.optim import SGD  # noqa: E402
-from reference import randomize_units  # noqa: E402
+from reference import GRAPHS, random_graph, randomize_units  # noqa: E402
 
 # (registry name, depth, input shape): the smallest of each family, every block kind
 ROUND_TRIPS = [("preact-cifar", 8, (3, 16, 16)), ("preact-cifar", 11, (3, 16, 16)),
@@ -84,70 +84,6 @@ def round_trip(tmp_path, model, depth, shape, batch):
     assert l1 == l2
     for k in s1:
         np.testing.assert_array_equal(s1[k], s2[k], err_msg=k)
-
-
-def postact_graph():
-    """conv-bn-relu stem, one post-activation block (bn -> add -> relu), a max-pool."""
-    g = nn.Graph("postact", (3, 8, 8), 4)
-    x = g.bn_relu(g.conv(g.input, 6, 3, name="conv1"), name="bn1")
-    h = g.bn_relu(g.conv(x, 6, 3, name="layer1.0.conv1"), name="layer1.0.bn1")
-    h = g.bn(g.conv(h, 6, 3, name="layer1.0.conv2"), name="layer1.0.bn2")
-    x = g.relu(g.add(h, x, name="layer1.0.add"), name="layer1.0.relu2")
-    return g.head(g.max_pool(x, 2, name="pool1"))
-
-
-def dense_graph():
-    """Two DenseNet-BC layers (bn_relu -> 1x1 -> bn_relu -> 3x3, concatenated) and a transition."""
-    g = nn.Graph("dense", (3, 8, 8), 4)
-    x = g.conv(g.input, 6, 3, name="conv0")
-    for i in range(2):
-        new = g.conv(g.bn_relu(g.conv(g.bn_relu(x, name=f"b.{i}.norm1"), 8, 1, name=f"b.{i}.conv1"),
-                               name=f"b.{i}.norm2"), 4, 3, name=f"b.{i}.conv2")
-        x = g.concat(x, new, name=f"b.{i}.cat")
-    x = g.avg_pool(g.conv(g.bn_relu(x, name="t.norm"), 7, 1, name="t.conv"), 2, name="t.pool")
-    return g.head(g.bn_relu(x, name="norm5"))
-
-
-def inverted_graph():
-    """MobileNetV2-style: 1x1 expand-bn-relu6, depthwise 3x3-bn-relu6, 1x1 project-bn, + x."""
-    g = nn.Graph("inverted", (3, 8, 8), 4)
-    x = g.relu6(g.bn(g.conv(g.input, 4, 3, name="stem.0"), name="stem.1"), name="stem.2")
-    h = g.relu6(g.bn(g.conv(x, 12, 1, name="b.0"), name="b.1"), name="b.2")
-    h = g.relu6(g.bn(g.conv(h, 12, 3, groups=12, name="b.3"), name="b.4"), name="b.5")
-    x = g.add(x, g.bn(g.conv(h, 4, 1, name="b.6"), name="b.7"), name="b.add")
-    return g.head(x)
-
-
-def bias_graph():
-    g = nn.Graph("biased", (3, 8, 8), 4)
-    x = g.relu(g.conv(g.input, 5, 3, bias=True, name="conv1"), name="relu1")
-    x = g.relu(g.conv(x, 6, 3, stride=2, bias=True, groups=1, name="conv2"), name="relu2")
-    return g.head(x)
-
-
-def classifier_graph():
-    """VGG-style: convs, a pool, then flatten + linear layers with ReLUs and dropout before the head
-    (the export writes each dropout as an ONNX Dropout with its ratio: it reads back as dropout)."""
-    g = nn.Graph("classifier", (3, 8, 8), 4)
-    x = g.max_pool(g.bn_relu(g.conv(g.input, 4, 3, name="features.0"), name="features.1"), 2, name="features.3")
-    x = g.dropout(g.relu(g.linear(x, 12, name="classifier.0"), name="classifier.1"), 0.25, name="classifier.2")
-    x = g.relu(g.linear(x, 10, bias=False, name="classifier.3"), name="classifier.4")
-    x = g.dropout(x, 0.3, name="classifier.5")
-    return g.head(x, name="classifier.6")
-
-
-GRAPHS = {"postact": postact_graph, "dense": dense_graph, "inverted": inverted_graph, "bias": bias_graph,
-          "classifier": classifier_graph}
-
-
-def random_graph(which, rng):
-    """GRAPHS[which] with its units randomised (reference.randomize_units) and the biases of every
-    kind (conv, linear, bn) non-zero."""
-    net = randomize_units(GRAPHS[which](), rng)
-    for p in net.parameters():
-        if p.name.endswith(".bias"):
-            p.data[...] = rng.normal(0, 0.3, p.shape)
-    return net
 
 
 @pytest.mark.parametrize("which", list(GRAPHS))

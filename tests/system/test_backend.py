@@ -1,5 +1,8 @@
 """lowmem.system.backend: choosing NumPy or CuPy, and the helpers every op uses (array_module, to_numpy,
-numba_allowed). CuPy itself is not needed: where it is absent, asking for it must fail clearly."""
+numba_allowed, numba_available). CuPy itself is not needed: where it is absent, asking for it must fail clearly."""
+import os
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -61,3 +64,20 @@ def test_lowmem_fast_turns_numba_off(monkeypatch, value, allowed):
     else:
         monkeypatch.setenv("LOWMEM_FAST", value)
     assert backend.numba_allowed() is allowed
+
+
+@pytest.mark.parametrize("fast", ["0", "1"])
+def test_every_numba_module_asks_one_check(fast):
+    """units/cpu_base.py (and the sets over it), ops/columns_cpu.py and ops/winograd.py take
+    numba's presence from backend.numba_available(): LOWMEM_FAST=0 turns all of them off."""
+    code = ("from lowmem.system import backend; from lowmem.units import cpu_base, window_cpu, unbiased_cpu; "
+            "from lowmem.ops import columns_cpu, winograd; "
+            "print(backend.numba_available(), {m.AVAILABLE for m in (cpu_base, window_cpu, unbiased_cpu, "
+            "columns_cpu, winograd)})")
+    env = dict(os.environ, LOWMEM_FAST=fast)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    available, modules = r.stdout.split(maxsplit=1)
+    assert modules.strip() == "{" + available + "}"
+    if fast == "0":
+        assert available == "False"

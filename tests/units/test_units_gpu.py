@@ -1,5 +1,5 @@
 """The CUDA kernels against the NumPy reference ops and quantizer: the unit kernels
-(lowmem/units/window_gpu.py), the conv columns (lowmem/ops/columns_gpu.py) and the SGD update
+(lowmem/units/window_gpu.py, unbiased_gpu.py, gpu_base.py), the conv columns (lowmem/ops/columns_gpu.py) and the SGD update
 (lowmem/train/optim_gpu.py), all built through lowmem/system/cuda.py.
 
 Three levels, each skipped where its tool is missing:
@@ -41,14 +41,14 @@ from lowmem.system import cuda as cuda_helper
 from lowmem.train import optim, optim_gpu
 from lowmem.units import quant
 from lowmem.units import window_gpu as cuda
-from lowmem.units import unbiased_gpu, unbiased
+from lowmem.units import gpu_base, unbiased_gpu, unbiased
 from lowmem.units.stream import Stream
 from lowmem.core.network import Parameter
 from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
 from lowmem.ops import columns_gpu
 from lowmem.ops import conv as conv_ops
 from lowmem.train.optim import SGD
-from reference import beyond_window_channels, bn_normalize_forward, unit_case
+from reference import beyond_window_channels, bn_normalize_forward, random_graph, unit_case
 
 DTYPES = ["float32", "float64"]
 EPS = 1e-5
@@ -59,12 +59,13 @@ EPS = 1e-5
 NVCC = shutil.which("nvcc")
 
 
-PROGRAMS = cuda_helper.PROGRAMS       # every program, now that the four modules are imported
+PROGRAMS = cuda_helper.PROGRAMS       # every program, now that the five modules are imported
 
 
 def test_every_program_is_registered():
-    assert set(PROGRAMS) == {"units", "columns", "sgd", "unbiased"}
-    assert (PROGRAMS["units"] is cuda.PROGRAM and PROGRAMS["columns"] is columns_gpu.PROGRAM
+    assert set(PROGRAMS) == {"bn", "units", "columns", "sgd", "unbiased"}
+    assert (PROGRAMS["bn"] is gpu_base.PROGRAM and PROGRAMS["units"] is cuda.PROGRAM
+            and PROGRAMS["columns"] is columns_gpu.PROGRAM
             and PROGRAMS["sgd"] is optim_gpu.PROGRAM and PROGRAMS["unbiased"] is unbiased_gpu.PROGRAM)
 
 
@@ -515,7 +516,7 @@ def test_supports():
     FakeCupy = types.SimpleNamespace(__name__="cupy")
     assert cuda.supports(FakeCupy, "float32", 1024, 4) and cuda.supports(FakeCupy, "float64", 3, 8)
     assert not cuda.supports(FakeCupy, "float32", 3, 4)        # 12 bits: rows not byte-aligned
-    assert not cuda.supports(np, "float32", 1024, 4)           # NumPy arrays take kernels/cpu.py / the ops
+    assert not cuda.supports(np, "float32", 1024, 4)           # NumPy arrays take units/window_cpu.py / the ops
 
 
 # ------------------------------------------------------- the engine on the GPU
@@ -818,7 +819,7 @@ def test_unbiased_backward_matches_the_reference(dev, dtype, bits, accumulate, M
 def test_unbiased_backward_sums_over_several_segments(dev):
     """A row of more than BLOCK groups: the sums run over several segments of groups."""
     M = (cuda_helper.BLOCK + 3) * unbiased.GROUP + 40
-    assert cuda._segments(7, unbiased.groups(M)) > 1
+    assert gpu_base.segments(7, unbiased.groups(M)) > 1
     test_unbiased_backward_matches_the_reference(dev, "float64", 2, False, M=M)
 
 
@@ -826,10 +827,9 @@ GRAPH_FAMILIES = ("postact", "dense", "inverted", "bias", "classifier")
 
 
 def graph_case(which, n, seed):
-    """One of the hand-built graphs of the newer ops (tests/formats/test_onnx_import.py: post-activation
+    """One of the hand-built graphs of the newer ops (tests/reference.py: post-activation
     blocks, dense blocks with concat, inverted residuals with depthwise convs and ReLU6, convs with
     bias, linear layers with dropout), its units and biases randomised, and a batch of n."""
-    from test_onnx_import import random_graph
     rng = np.random.default_rng(seed)
     net = random_graph(which, rng)
     shape = (3, 8, 8)
