@@ -71,7 +71,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lowmem.tools import diagnostics as D  # noqa: E402
-from lowmem.units import quant  # noqa: E402
+from lowmem.units import widths, window  # noqa: E402
 from lowmem.system.atomic import atomic_write as write_atomically    # noqa: E402
 from lowmem.data.datasets import load_dataset                            # noqa: E402
 from lowmem.data.files import DataError                                  # noqa: E402
@@ -512,7 +512,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
           f"({steps} iterations), {'no augmentation' if args.no_augment else 'random crop + flip'}. Seeds {', '.join(map(str, seeds))}: a seed fixes "
           f"the initial weights, batch order and augmentation, the same for every mode. Quantizer "
           f"windows (half-widths W per bit width, docs/quantizer.md): "
-          + ", ".join(f"{k}-bit ±{quant.WINDOWS[k]:g}" for k in quant.BITS[::-1]) + ".", "",
+          + ", ".join(f"{k}-bit ±{window.WINDOWS[k]:g}" for k in widths.BITS[::-1]) + ".", "",
           "## 1. Final test accuracy", "",
           "Test accuracy after the last epoch (BN running statistics, whole test split). Difference: "
           "per seed, mode − exact (same seed: same data and initial weights), then mean ± standard "
@@ -706,7 +706,7 @@ def main(argv=None):
                                               "checkpoints", "noise_modes")}
     if args.no_augment:                         # (absent when off: older studies' settings still match)
         settings["no_augment"] = True
-    settings["windows"] = {str(k): quant.WINDOWS[k] for k in quant.BITS[::-1]}
+    settings["windows"] = {str(k): window.WINDOWS[k] for k in widths.BITS[::-1]}
     path = os.path.join(args.out, "results.json")
     results = load_results(path, settings)
     load = f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"

@@ -575,7 +575,7 @@ def kernel_cases(C, M, bits):
     """(name, exact twin, bytes moved per element, call, setup) for one unit shape. The calls are
     the engine's: forward in place (out is x), backward in place (dx is dr, restored untimed)."""
     import numpy as np
-    from lowmem.units import quant
+    from lowmem.units import packing, window
     from lowmem.system import threads
     from lowmem.units import window_cpu as fast
     F = np.float32
@@ -584,10 +584,10 @@ def kernel_cases(C, M, bits):
     g, b = rng.standard_normal(C).astype(F), rng.standard_normal(C).astype(F)
     mean, var, rstd = (np.empty(C, F) for _ in range(3))
     fast.bn_stats(mean, var, rstd, x, 1e-5)
-    qp = quant.quant_params(g, b, bits)
-    packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
+    qp = window.quant_params(g, b, bits)
+    packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
     xhat = ((x - mean[:, None]) * rstd[:, None]).astype(F)
-    quant.quantize_pack(packed, xhat, qp)
+    window.quantize_pack(packed, xhat, qp)
     out, buf = np.empty_like(x), x.copy()
     grad = rng.standard_normal(x.shape).astype(F)
     dr, dg, db = grad.copy(), np.zeros(C, F), np.zeros(C, F)

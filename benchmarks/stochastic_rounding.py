@@ -19,7 +19,7 @@ vector):
                 For nearest rounding both are its (deterministic) error on batch 0.
 
 Stochastic rounding is the engine's option (Engine(..., rounding="stochastic")): each unit of
-each training forward draws from quant.stream_key(0, engine step, unit index).
+each training forward draws from stream.stream_key(0, engine step, unit index).
 """
 import argparse
 import os

@@ -33,7 +33,7 @@ from lowmem.data.datasets import load_dataset                  # noqa: E402
 from lowmem.data.transforms import normalize                   # noqa: E402
 from lowmem.models import MODELS                               # noqa: E402
 from lowmem.tools import diagnostics as D                      # noqa: E402
-from lowmem.units import quant, unbiased                       # noqa: E402
+from lowmem.units import stream, unbiased                       # noqa: E402
 
 CODES = {"nearest": ("nearest", None), "stochastic-window": ("stochastic-window", None),
          "unbiased (the code)": ("stochastic", {}),
@@ -106,7 +106,7 @@ def measure(depth, data, args):
         exact.append(S._gradients(eng))
         for c, (rounding, variant) in CODES.items():
             for d in range(args.draws if rounding != "nearest" else 1):
-                sets = {u: VariantUnits(args.bits, rounding, quant.stream_key(100 + d, bi, i), variant)
+                sets = {u: VariantUnits(args.bits, rounding, stream.stream_key(100 + d, bi, i), variant)
                         for i, u in enumerate(units)}
                 draws[c][d].append(S._gradients(eng, units=sets))
     stack = lambda gs: {n: numpy.stack([g[n] for g in gs]) for n in gs[0]}     # noqa: E731

@@ -32,7 +32,7 @@ same weights and batches): local errors of every unit above plus this one's.
 
 The local analysis runs in float64 with an independent PyTorch forward (autograd
 gives each unit's exact dy and each conv's exact output gradient); x̃ comes from
-lowmem's own quantizer (`quant.quantize_simulated`), so the grid is lowmem's.
+lowmem's own quantizer (`window.quantize_simulated`), so the grid is lowmem's.
 Needs PyTorch (the test extra).
 """
 import argparse
@@ -47,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from lowmem.tools import diagnostics as D  # noqa: E402
-from lowmem.units import quant  # noqa: E402
+from lowmem.units import widths, window  # noqa: E402
 from lowmem.data.datasets import channel_mean_std, load_fashion_mnist           # noqa: E402
 from lowmem.data.transforms import normalize                                    # noqa: E402
 from lowmem.models import preact_resnet_cifar       # noqa: E402
@@ -130,7 +130,7 @@ def local_errors(torch, state, depth, batches, bits):
         for name, u in rec.units.items():
             xhat = u["xhat"].detach().transpose(0, 1).reshape(u["xhat"].shape[1], -1).numpy()
             g, b = u["gamma"].detach().numpy(), u["beta"].detach().numpy()
-            xt_, mask = quant.quantize_simulated(numpy.ascontiguousarray(xhat), g, b, bits)
+            xt_, mask = window.quantize_simulated(numpy.ascontiguousarray(xhat), g, b, bits)
             dy = u["y"].grad.transpose(0, 1).reshape(xhat.shape).numpy()
             scale = (g * u["rstd"].detach().numpy())[:, None]
             proj = lambda v: v * (dy * v).mean(axis=1, keepdims=True)          # noqa: E731
@@ -209,7 +209,7 @@ def print_table(rows, full):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--depth", type=int, default=20)
-    p.add_argument("--bits", type=int, default=4, choices=quant.BITS[::-1])
+    p.add_argument("--bits", type=int, default=4, choices=widths.BITS[::-1])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--batches", type=int, default=2)
     p.add_argument("--train-steps", type=int, default=300)
@@ -220,7 +220,7 @@ def main(argv=None):
     t0 = time.time()
     net = preact_resnet_cifar(a.depth, in_channels=1, seed=a.seed)
     measure_batches = fashion_batches(a.batches, a.batch, 0, a.data)
-    print(f"pre-act ResNet-{a.depth}, Fashion-MNIST 32x32, {a.bits}-bit (W = {quant.window(a.bits)}), "
+    print(f"pre-act ResNet-{a.depth}, Fashion-MNIST 32x32, {a.bits}-bit (W = {window.half_width(a.bits)}), "
           f"{a.batches} batches of {a.batch}; local errors in float64, total dW from float32 engines")
     for steps in sorted({0, a.train_steps}):
         if steps:

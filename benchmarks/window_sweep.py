@@ -3,17 +3,17 @@
     python benchmarks/window_sweep.py --json benchmarks/results/window_sweep.json \\
         --md benchmarks/results/window_sweep.md
     python benchmarks/window_sweep.py --bits 8 --windows 8:3,4,5 --nets resnet20   # a quick look
-    python benchmarks/window_sweep.py --xhat-table     # x̂ error: rounding vs clipping, ±3 and quant.WINDOWS
+    python benchmarks/window_sweep.py --xhat-table     # x̂ error: rounding vs clipping, ±3 and window.WINDOWS
 
-The grid of lowmem/units/quant.py covers about ±W in x̂ units with L = 2**K bins of
-width w = 2·W/L; W = quant.WINDOWS[K]. For every candidate W of every K this
+The grid of lowmem/units/window.py covers about ±W in x̂ units with L = 2**K bins of
+width w = 2·W/L; W = window.WINDOWS[K]. For every candidate W of every K this
 measures, on the same weights and the same batches:
 
   gradient error   per parameter tensor p, over B batches b (as lowmem.tools.diagnostics):
                    err(p) = rms_b ||g_approx,b(p) − g_exact,b(p)|| / rms_b ||g_exact,b(p)||
                    reported as the median and the worst over the network's tensors;
                    approx mode, float32, learnable synthetic data (diagnostics.synthetic_batches)
-  x̂ error          relative rms error ||x̃ − x̂|| / ||x̂|| of quant.quantize_simulated on
+  x̂ error          relative rms error ||x̃ − x̂|| / ||x̂|| of window.quantize_simulated on
                    (a) a standard Gaussian, centred grid (exact integrals, no sampling), and
                    (b) the x̂ of every BN-ReLU unit of a float64 ResNet-20 (median over units)
 
@@ -26,10 +26,10 @@ The tables are rewritten after every network (a stopped sweep keeps what it meas
 --from-log rebuilds them from the printed log of an earlier run without measuring again.
 
 The choice rule: for each K, the candidate W with the smallest mean, over the networks,
-of the median per-tensor gradient error. The table marks it, and marks quant.WINDOWS's
+of the median per-tensor gradient error. The table marks it, and marks window.WINDOWS's
 current value; the two should agree (the window in quant.py is set from this table).
 
-Only dyadic-friendly W are allowed (quant.window checks: w = m·2**e with small odd m):
+Only dyadic-friendly W are allowed (window.half_width checks: w = m·2**e with small odd m):
 multiples of 1/4 such as 2.75, 4.5.
 """
 import argparse
@@ -47,7 +47,7 @@ import numpy
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lowmem.tools import diagnostics as D  # noqa: E402
-from lowmem.units import quant  # noqa: E402
+from lowmem.units import widths, window  # noqa: E402
 from lowmem.core.engine import Engine                # noqa: E402
 from lowmem.models import preact_resnet_cifar   # noqa: E402
 
@@ -68,14 +68,14 @@ DEFAULT_NETS = tuple(NETS)
 
 @contextmanager
 def window_override(bits, W):
-    """quant.WINDOWS[bits] = W inside the block (checked by quant.window), restored after."""
-    old = quant.WINDOWS[bits]
-    quant.WINDOWS[bits] = W
+    """window.WINDOWS[bits] = W inside the block (checked by window.half_width), restored after."""
+    old = window.WINDOWS[bits]
+    window.WINDOWS[bits] = W
     try:
-        quant.window(bits)
+        window.half_width(bits)
         yield
     finally:
-        quant.WINDOWS[bits] = old
+        window.WINDOWS[bits] = old
 
 
 # ---- x̂ error on a Gaussian, exact integrals ---------------------------------
@@ -132,23 +132,23 @@ def gaussian_optimum(bits, lo=0.3, hi=10.0, iters=80):
 
 def network_xhats(net, batch, seed=0):
     """[(xhat (C, M) float64, gamma, beta)] for every BN-ReLU unit of `net` on one synthetic
-    batch: captured from quant.quantize_pack in a float64 approx Engine (float64 always takes
-    the NumPy path, so every unit's x̂ passes through quant.quantize_pack)."""
+    batch: captured from window.quantize_pack in a float64 approx Engine (float64 always takes
+    the NumPy path, so every unit's x̂ passes through window.quantize_pack)."""
     x, y = D.synthetic_batches(1, batch, (net.in_channels, 32, 32), net.num_classes, seed, "float64")[0]
     eng = Engine(copy.deepcopy(net), batch, x.shape[1:], "approx", 4, "float64")
-    got, real = [], quant.quantize_pack
+    got, real = [], window.quantize_pack
 
     def capture(packed_out, xhat, qp):
         got.append((numpy.array(xhat, numpy.float64).reshape(qp.channels, -1), qp.gamma.copy(), qp.beta.copy()))
         real(packed_out, xhat, qp)
 
-    quant.quantize_pack = capture
+    window.quantize_pack = capture
     try:
         eng.forward(x, y)
     finally:
-        quant.quantize_pack = real
+        window.quantize_pack = real
     if not got:
-        raise RuntimeError("no x-hat captured: the Engine no longer calls quant.quantize_pack "
+        raise RuntimeError("no x-hat captured: the Engine no longer calls window.quantize_pack "
                            "on its float64 path")
     return got
 
@@ -157,7 +157,7 @@ def xhat_rel_rms(units, bits):
     """Median over units of ||x̃ − x̂|| / ||x̂|| with the current window."""
     errs = []
     for xh, g, b in units:
-        xt, _ = quant.quantize_simulated(xh, g, b, bits)
+        xt, _ = window.quantize_simulated(xh, g, b, bits)
         errs.append(float(numpy.linalg.norm(xt - xh) / numpy.linalg.norm(xh)))
     return float(numpy.median(errs))
 
@@ -177,8 +177,8 @@ def unit_split(units, bits):
     index floor((s·x̂ − lo)/w) lies outside [0, L−1] (it saturated into an end bin)."""
     rows, beyond, n = [], 0, 0
     for xh, g, b in units:
-        xt, _ = quant.quantize_simulated(xh, g, b, bits)
-        qp = quant.quant_params(g, b, bits)
+        xt, _ = window.quantize_simulated(xh, g, b, bits)
+        qp = window.quant_params(g, b, bits)
         raw = numpy.floor((xh * qp.s[:, None] - qp.lo[:, None]) / qp.w)
         out = (raw < 0) | (raw > qp.levels - 1)
         e2, x2 = (xt - xh) ** 2, float((xh ** 2).sum())
@@ -196,7 +196,7 @@ def xhat_table(units, windows):
              "|---|---|---|---|---|---|---|---|---|---|"]
     for bits, W in windows.items():
         with window_override(bits, W):
-            w = quant.bin_width(bits)
+            w = window.bin_width(bits)
             gi, gc = gaussian_split(W, bits)
             r, beyond = unit_split(units, bits)
             lines.append(f"| {bits} | {W:g} | {w:.5g} | {w / math.sqrt(12):.4f} | {gaussian_rel_rms(W, bits):.4f} | "
@@ -252,7 +252,7 @@ def markdown(results, nets, bits_list, candidates, gauss, xhat, command, meta):
              "rms over batches of ||g_exact||; each cell is median / worst over the network's tensors. "
              "x̂ error: relative rms ||x̃ − x̂|| / ||x̂|| (Gaussian: exact integral, centred grid; "
              "ResNet-20 units: median over its BN-ReLU units, one float64 batch). "
-             "**bold**: the choice (smallest mean of the medians); (now): the value in quant.WINDOWS.", ""]
+             "**bold**: the choice (smallest mean of the medians); (now): the value in window.WINDOWS.", ""]
     for bits in bits_list:
         best, score = choose(results, nets, bits, candidates)
         gW, gE = gauss["optimum"][bits]
@@ -263,7 +263,7 @@ def markdown(results, nets, bits_list, candidates, gauss, xhat, command, meta):
         for W in candidates[bits]:
             cells = [f"{results[n][(bits, W)]['median']:.4f} / {results[n][(bits, W)]['worst']:.4f}" for n in nets]
             name = f"**{W:g}**" if W == best else f"{W:g}"
-            name += " (now)" if W == quant.WINDOWS[bits] else ""
+            name += " (now)" if W == window.WINDOWS[bits] else ""
             lines.append(f"| {name} | {2 * W / (1 << bits):.5g} | {gauss[(bits, W)]:.4f} | "
                          f"{xhat[(bits, W)]:.4f} | " + " | ".join(cells) + f" | {score[W]:.4f} |")
         lines.append("")
@@ -278,7 +278,7 @@ def write_report(args, results, nets, bits_list, candidates, gauss, xhat, comman
         with open(args.md, "w") as f:
             f.write(md + "\n")
     if args.json:
-        data = {"command": command, "meta": meta, "windows_now": {str(b): quant.WINDOWS[b] for b in bits_list},
+        data = {"command": command, "meta": meta, "windows_now": {str(b): window.WINDOWS[b] for b in bits_list},
                 "gaussian_optimum": {str(b): gauss["optimum"][b] for b in bits_list},
                 "rows": [{"bits": b, "W": W, "w": 2 * W / (1 << b), "gaussian_xhat_err": gauss[(b, W)],
                           "resnet20_xhat_err": xhat[(b, W)],
@@ -310,7 +310,7 @@ def parse_windows(text):
     out = {}
     for part in text.split(";"):
         k, _, ws = part.partition(":")
-        out[quant.check_bits(int(k))] = tuple(float(w) for w in ws.split(","))
+        out[widths.check_bits(int(k))] = tuple(float(w) for w in ws.split(","))
     return out
 
 
@@ -325,16 +325,16 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="write all numbers here")
     p.add_argument("--md", default=None, help="write the markdown tables here")
     p.add_argument("--xhat-table", action="store_true",
-                   help="only print the x̂ error split (rounding / clipping) of W = 3 and of quant.WINDOWS")
+                   help="only print the x̂ error split (rounding / clipping) of W = 3 and of window.WINDOWS")
     p.add_argument("--from-log", default=None, metavar="LOG",
                    help="take the gradient errors of the nets this log of the script has from it "
                         "(4 decimals) instead of measuring them again; measure the rest")
     args = p.parse_args(argv)
-    bits_list = [quant.check_bits(int(b)) for b in args.bits.split(",")]
+    bits_list = [widths.check_bits(int(b)) for b in args.bits.split(",")]
     if args.xhat_table:
         units = network_xhats(preact_resnet_cifar(20, seed=args.seed), args.batch, args.seed)
         for title, win in (("the paper's window, W = 3 for every K", {b: 3.0 for b in bits_list}),
-                           ("lowmem's windows, quant.WINDOWS", {b: quant.WINDOWS[b] for b in bits_list})):
+                           ("lowmem's windows, window.WINDOWS", {b: window.WINDOWS[b] for b in bits_list})):
             print(f"x̂ error, {title}; ResNet-20 (depth 20, seed {args.seed}) at initialisation, one float64 "
                   f"batch of {args.batch} synthetic images, {len(units)} BN-ReLU units:\n")
             print(xhat_table(units, win) + "\n")
@@ -380,7 +380,7 @@ def main(argv=None):
     print(md)
     for bits in bits_list:
         best, _ = choose(results, nets, bits, candidates)
-        print(f"{bits}-bit: measured choice W = {best:g}; quant.WINDOWS[{bits}] = {quant.WINDOWS[bits]:g}")
+        print(f"{bits}-bit: measured choice W = {best:g}; window.WINDOWS[{bits}] = {window.WINDOWS[bits]:g}")
     return 0
 
 

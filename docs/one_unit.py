@@ -3,7 +3,7 @@
 Read with docs/one_unit.md.  Run:  python docs/one_unit.py   (NumPy and lowmem's quantizer; < 1 s)
 """
 import numpy as np
-from lowmem.units import quant
+from lowmem.units import packing, window
 
 rng = np.random.default_rng(0)
 C, M, C_out = 16, 4096, 32                        # channels; M = N·H·W values per channel; conv outputs
@@ -15,9 +15,9 @@ dout = rng.standard_normal((C_out, M))            # the loss's gradient w.r.t. t
 # forward, exact: batch norm, ReLU (the conv reads the exact r); the unit keeps a code of x̂ and rstd
 rstd = 1 / np.sqrt(x.var(axis=1, keepdims=True) + 1e-5)
 xhat = (x - x.mean(axis=1, keepdims=True)) * rstd
-qp = quant.quant_params(gamma, beta, bits=4)
-code = np.empty(quant.packed_nbytes(xhat.size, 4), np.uint8)
-quant.quantize_pack(code, xhat, qp)               # C·M/2 bytes
+qp = window.quant_params(gamma, beta, bits=4)
+code = np.empty(packing.packed_nbytes(xhat.size, 4), np.uint8)
+window.quantize_pack(code, xhat, qp)               # C·M/2 bytes
 
 
 def backward(xh, mask):
@@ -30,7 +30,7 @@ def backward(xh, mask):
 
 
 xt, mask = np.empty_like(xhat), np.empty(xhat.shape, bool)
-quant.unpack_decode(xt, code, qp, mask)           # x̃ (bin midpoints) and the mask, from the code
+window.unpack_decode(xt, code, qp, mask)           # x̃ (bin midpoints) and the mask, from the code
 exact_mask = xhat * gamma[:, None] + beta[:, None] > 0
 (dx, dtheta), (dx_t, dtheta_t) = backward(xhat, exact_mask), backward(xt, mask)
 rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731

@@ -1,6 +1,6 @@
 """docs/from_scratch.py, the method in plain NumPy, against lowmem and against finite differences.
 
-* its quantizer gives lowmem's codes: the same x̃ and mask as `quant.quantize_simulated`
+* its quantizer gives lowmem's codes: the same x̃ and mask as `window.quantize_simulated`
   bit for bit (same grid, same float expressions), including thresholds outside the window
   and γ = 0;
 * its gradients equal lowmem's Engine (float64, reference kernels) on the same weights and
@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from lowmem.units import quant
+from lowmem.units import window
 from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
 
@@ -36,7 +36,7 @@ def test_no_lowmem_import(fs):
 
 
 def test_constants_are_lowmems(fs):
-    assert fs.W == quant.window(fs.BITS)
+    assert fs.W == window.half_width(fs.BITS)
 
 
 def test_quantizer_matches_lowmem_bit_for_bit(fs):
@@ -50,7 +50,7 @@ def test_quantizer_matches_lowmem_bit_for_bit(fs):
     assert packed.dtype == np.uint8 and packed.size == xhat.size // 2
     xt, mask = fs.decode(packed, xhat.shape, gamma, beta)
     rows = np.ascontiguousarray(xhat.transpose(1, 0, 2, 3).reshape(C, -1))
-    want_xt, want_mask = quant.quantize_simulated(rows, gamma, beta, fs.BITS)
+    want_xt, want_mask = window.quantize_simulated(rows, gamma, beta, fs.BITS)
     got_xt = xt.transpose(1, 0, 2, 3).reshape(C, -1)
     got_mask = mask.transpose(1, 0, 2, 3).reshape(C, -1)
     assert np.array_equal(got_mask, want_mask)

@@ -12,16 +12,16 @@ import numpy
 import pytest
 
 import lowmem as lm
-from lowmem.units import quant
+from lowmem.units import packing, widths, window
 
 GAMMA = numpy.array([1.5, -0.5], numpy.float32)
 BETA = numpy.array([0.4, 0.6], numpy.float32)
 XHAT = numpy.array([[-3.5, -1.0, -0.3, -0.25, 0.0, 0.7, 1.9, 4.0]] * 2, numpy.float32)
 
 
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_one_channel_by_hand(bits):
-    qp = quant.quant_params(GAMMA, BETA, bits)
+    qp = window.quant_params(GAMMA, BETA, bits)
     L, w = qp.levels, qp.w
     W = L * w / 2
     t = -BETA / numpy.abs(GAMMA)
@@ -35,12 +35,12 @@ def test_one_channel_by_hand(bits):
     assert numpy.allclose((qp.lo + qp.k * w)[free], t[free], rtol=0, atol=1e-6)
     assert numpy.all(numpy.abs(qp.lo + W) <= w / 2)
 
-    packed = numpy.empty(quant.packed_nbytes(XHAT.size, bits), numpy.uint8)
-    quant.quantize_pack(packed, XHAT, qp)
+    packed = numpy.empty(packing.packed_nbytes(XHAT.size, bits), numpy.uint8)
+    window.quantize_pack(packed, XHAT, qp)
     xt, mask = numpy.empty_like(XHAT), numpy.empty(XHAT.shape, bool)
-    quant.unpack_decode(xt, packed, qp, mask)
+    window.unpack_decode(xt, packed, qp, mask)
     codes = numpy.empty(XHAT.size, numpy.uint8)
-    quant.unpack_codes(codes, packed, bits)
+    packing.unpack_codes(codes, packed, bits)
     codes = codes.reshape(XHAT.shape)
 
     y = XHAT * GAMMA[:, None] + BETA[:, None]

@@ -3,7 +3,7 @@
     python docs/figures/packing.py [--out docs/packing.png]
 
 Packs the eight x-hat values of docs/worked_examples.md (channel 0: gamma 1.5,
-beta 0.4) with lowmem.units.quant.quantize_pack at 4 and 2 bits and draws the bytes it
+beta 0.4) with lowmem.units.window.quantize_pack at 4 and 2 bits and draws the bytes it
 wrote, bit 7 on the left: element i lives at bits (i mod 8/K)*K of byte
 i div (8/K), the first element in the lowest bits. Needs matplotlib (lowmem[plot]).
 """
@@ -16,7 +16,7 @@ import numpy
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from lowmem.units import quant  # noqa: E402
+from lowmem.units import packing, window  # noqa: E402
 
 XHAT = numpy.array([[-3.5, -1.0, -0.3, -0.25, 0.0, 0.7, 1.9, 4.0]], numpy.float32)
 GAMMA, BETA = numpy.array([1.5], numpy.float32), numpy.array([0.4], numpy.float32)
@@ -24,12 +24,12 @@ COLORS = ["#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3
 
 
 def packed(bits):
-    """(codes (8,), packed bytes) as lowmem.units.quant writes them."""
-    qp = quant.quant_params(GAMMA, BETA, bits)
-    out = numpy.empty(quant.packed_nbytes(XHAT.size, bits), numpy.uint8)
-    quant.quantize_pack(out, XHAT, qp)
+    """(codes (8,), packed bytes) as lowmem.units.window writes them."""
+    qp = window.quant_params(GAMMA, BETA, bits)
+    out = numpy.empty(packing.packed_nbytes(XHAT.size, bits), numpy.uint8)
+    window.quantize_pack(out, XHAT, qp)
     codes = numpy.empty(XHAT.size, numpy.uint8)
-    quant.unpack_codes(codes, out, bits)
+    packing.unpack_codes(codes, out, bits)
     return codes, out
 
 

@@ -21,18 +21,18 @@ import numpy
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from lowmem.units import quant  # noqa: E402
+from lowmem.units import window  # noqa: E402
 
 CASES = ((1.5, 0.4, "t inside the grid"), (1.0, -4.0, "t beyond the grid (k clamped, lo clipped)"))
 
 
 def panel(ax, gamma, beta, bits, title):
     g, b = numpy.array([gamma], numpy.float32), numpy.array([beta], numpy.float32)
-    qp = quant.quant_params(g, b, bits)
+    qp = window.quant_params(g, b, bits)
     L, w, lo, k = qp.levels, qp.w, float(qp.lo[0]), int(qp.k[0])
     t = -beta / abs(gamma)
     x = numpy.linspace(-5, 5, 4001, dtype=numpy.float32)[None, :]
-    xt, mask = quant.quantize_simulated(x, g, b, bits)
+    xt, mask = window.quantize_simulated(x, g, b, bits)
     ax.axvspan(lo, lo + L * w, color="tab:green", alpha=0.08, label=f"grid [lo, lo + L·w] = [{lo:.3f}, {lo + L * w:.3f}]")
     for e in range(L + 1):
         ax.axvline(lo + e * w, color="0.8", lw=0.6, zorder=0)

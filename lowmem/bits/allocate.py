@@ -1,7 +1,7 @@
 """Allocation: a bit width per BN-ReLU unit, chosen to fit a byte budget at the least predicted error.
 
 Each unit u can keep x-hat at K in {1, 2, 4, 8} bits or in float; choice k costs
-bytes[u][k] (its saved slot: quant.packed_nbytes(C*N*H*W, K), or C*N*H*W*itemsize)
+bytes[u][k] (its saved slot as its kernel set plans it: units.slot_nbytes)
 and adds err[u][k] to the objective (lowmem/bits/sensitivity.py's Sensitivity.objective:
 the unit's bias² weighed H = 19 times, as momentum 0.9 sums it over steps, plus its draw
 variance, over the SGD noise's; squared errors of different units add, because the forward
@@ -29,9 +29,9 @@ from functools import reduce
 import numpy
 
 from ..core.engine import DEFAULT_WORKSPACE_BYTES, Engine
-from ..units import quant, unbiased
+from ..units import slot_nbytes
 from ..system.memory import fmt_bytes
-from ..units.widths import BITS, FLOAT
+from ..units.widths import BITS, FLOAT, check_rounding, code_for
 from .sensitivity import measure_sensitivity, measured_batches
 from .simulate import BIAS_STEPS, bias_steps_for
 
@@ -111,14 +111,11 @@ def solve(costs, errors, budget, max_cells=MAX_CELLS):
 
 
 def unit_bytes(elements, choice, itemsize=4, channels=None, rounding="nearest"):
-    """Bytes of a unit's saved x-hat slot for `elements` = C*N*H*W at `choice` (K or FLOAT);
-    the unbiased code (rounding="stochastic", K >= 2) with its group ends and split (needs
-    `channels` = C): units/unbiased.py's slot_nbytes, the engine's plan entry."""
-    if choice == FLOAT:
-        return int(elements) * int(itemsize)
-    if rounding == "stochastic" and choice > 1:
-        return unbiased.slot_nbytes(channels, int(elements) // channels, choice)
-    return quant.packed_nbytes(elements, choice)
+    """Bytes of a unit's saved x-hat slot for `elements` = C*N*H*W at `choice` (K or FLOAT) under
+    `rounding`: the engine's plan entry, as the unit's kernel set sizes it (units.slot_nbytes: the
+    unbiased code's group ends included, for which `channels` = C is needed; default 1)."""
+    C = int(channels or 1)
+    return slot_nbytes(choice, rounding, C, int(elements) // C, numpy.dtype(f"f{int(itemsize)}"))
 
 
 def _uniform(elements, channels, rounding):
@@ -200,17 +197,15 @@ def check_batch_size(batch_size, name="batch_size"):
     return int(batch_size)
 
 
-def code_budget(elements, avg_bits=None, code_bytes=None, uniform=None):
+def code_budget(elements, avg_bits, code_bytes, uniform):
     """The saved x-hat bytes allowed: `code_bytes`, or what every unit at `avg_bits` would take
-    (exactly uniform K's bytes for K in 1, 2, 4, 8, `uniform` {K: bytes} where the code carries
-    metadata, e.g. the unbiased code's group ends); elements {unit: C*N*H*W}."""
+    (for K in 1, 2, 4, 8 exactly uniform K's bytes, `uniform` {K: bytes}: the code's metadata
+    included, e.g. the unbiased code's group ends); elements {unit: C*N*H*W}."""
     if avg_bits is None:
         return int(check_amount("code_bytes", code_bytes, 0, low_open=False, what="a number of bytes"))
     avg_bits = check_amount("avg_bits", avg_bits, 0, 32)
     if avg_bits in BITS:
-        if uniform is not None:
-            return uniform[int(avg_bits)]
-        return sum(quant.packed_nbytes(n, int(avg_bits)) for n in elements.values())
+        return uniform[int(avg_bits)]
     return int(sum(elements.values()) * avg_bits // 8)
 
 
@@ -251,8 +246,7 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
     # and so does the squared noise: the choice does not depend on N
     if objective is None:
         objective = (lambda u, c: sens.objective(u, c, bias_steps)) if hasattr(sens, "objective") else sens.error2
-        if rounding == "stochastic":
-            objective = _one_bit_when_forced(objective, sens.units, choices)
+        objective = _biased_when_forced(objective, sens.units, choices, rounding)
     errors = [[objective(u, c) for c in choices] for u in sens.units]
     sol = solve(costs, errors, code_bytes, max_cells)
     bits = {u: choices[k] for u, k in zip(sens.units, sol.choice)}
@@ -262,18 +256,19 @@ def allocate(sens, batch_size, code_bytes=None, avg_bits=None, choices=CHOICES, 
                       sol.exact, uniform)
 
 
-def _one_bit_when_forced(objective, units, choices):
-    """The unbiased code's rule: a 1-bit unit (the biased window code: no unbiased 1-bit code
-    exists) only where the budget forces it. Each 1-bit choice is surcharged above what any
-    allocation without one can cost, so the solver takes as few 1-bit units as the budget
-    allows and, among those, the least objective."""
-    others = [c for c in choices if c != 1]
-    if 1 not in choices or not others:
+def _biased_when_forced(objective, units, choices, rounding):
+    """Where `rounding` has an unbiased code (widths.code_for), a width whose code is biased (the
+    window code at 1 bit: no unbiased 1-bit code exists) only where the budget forces it. Each such
+    choice is surcharged above what any allocation without one can cost, so the solver takes as
+    few of them as the budget allows and, among those, the least objective."""
+    biased = [c for c in choices if code_for(rounding, c).name == "window"]
+    others = [c for c in choices if c not in biased]
+    if not any(code_for(rounding, K).unbiased for K in BITS) or not biased or not others:
         return objective
     surcharge = 1.0 + sum(max(objective(u, c) for c in others) for u in units)
 
     def priced(u, c):
-        return objective(u, c) + (surcharge if c == 1 else 0.0)
+        return objective(u, c) + (surcharge if c in biased else 0.0)
     return priced
 
 
@@ -370,11 +365,11 @@ def allocate_bits(net, batches, batch_size=None, avg_bits=None, code_bytes=None,
     bias_steps = bias_steps_for(momentum)
     if sens is not None:
         measured = getattr(sens, "rounding", "nearest")
-        if rounding is not None and quant.check_rounding(rounding) != measured:
+        if rounding is not None and check_rounding(rounding) != measured:
             raise ValueError(f"rounding {rounding!r} differs from the {measured!r} the sensitivity was "
                              f"measured with: measure it with rounding={rounding!r}")
         rounding = measured
-    rounding = quant.check_rounding("nearest" if rounding is None else rounding)
+    rounding = check_rounding("nearest" if rounding is None else rounding)
     if sens is None:
         batches = measured_batches(batches)
         if len(batches) < 2:

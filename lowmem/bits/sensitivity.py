@@ -20,7 +20,7 @@ out), so its squared norm is additive:
 
 All three quantities of a unit are measured at every K in one backward sweep
 of an exact-mode engine: at u's steps the exact incoming gradient and the
-exact x-hat are at hand, so x-tilde_K = quant.quantize_simulated(x-hat, K)
+exact x-hat are at hand, so x-tilde_K = window.quantize_simulated(x-hat, K)
 gives each delta exactly, for all four widths (the saturation beyond the
 window included: no scaling law is assumed). The gain h_l of tensor l (the
 squared error that reaches l per unit of squared dx error injected above it)
@@ -52,8 +52,8 @@ from dataclasses import dataclass
 
 import numpy
 
-from ..units import quant, quantize_simulated
-from ..units.widths import BITS, FLOAT
+from ..units import quantize_simulated, stream
+from ..units.widths import BITS, FLOAT, check_bits, check_rounding, code_for
 from ..ops import conv2d_backward_weight
 from ..core.optable import OPS
 from .simulate import BIAS_STEPS, SimulatedCodeUnits, _exact_engine, _gradients, _sq, _units, objective_of
@@ -127,7 +127,7 @@ class Sensitivity:
         of it is noise; a 1-bit unit (no unbiased code exists) is all bias."""
         if bits in (None, FLOAT):
             return 0.0
-        bias2 = 0.0 if self.rounding == "stochastic" and bits > 1 else self.bias2(unit, bits)
+        bias2 = 0.0 if code_for(self.rounding, bits).unbiased else self.bias2(unit, bits)
         return objective_of(bias2, self.variance2(unit, bits), self.noise_norm, bias_steps)
 
     def predict2(self, allocation):
@@ -167,12 +167,12 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
     (a list of B >= 2 (x, labels) of equal batch size; the noise needs several). `net` is not
     consumed (the exact engine gets a deep copy). rounding="stochastic": the errors of
     stochastic codes (one draw per unit, K and batch, from fixed keys). Returns a Sensitivity."""
-    rounding = quant.check_rounding(rounding)
+    rounding = check_rounding(rounding)
     batches = measured_batches(batches)
     B = len(batches)
     if B < 2:
         raise ValueError(f"measure_sensitivity needs at least 2 batches to measure SGD noise, got {B}")
-    calibration_bits = quant.check_bits(calibration_bits)
+    calibration_bits = check_bits(calibration_bits)
     t0 = time.perf_counter()
     eng = _exact_engine(net, batches, dtype)
     xp = eng.xp
@@ -192,7 +192,7 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
     exact_grads, measured_total = [], 0.0
     for bi, (x, labels) in enumerate(batches):
         eng.forward(x, labels)
-        keys = {u: quant.stream_key(bi, 0, i) for i, u in enumerate(units)}
+        keys = {u: stream.stream_key(bi, 0, i) for i, u in enumerate(units)}
         injected_so_far = [0.0]                   # sum of D_u(K0) of the units swept so far
         cache = {}                                # unit -> (mask, {K: x-tilde - x-hat}), until u's own step
 
@@ -282,7 +282,7 @@ def _deltas(cache, u, xhat, gamma, beta, rounding, key):
     stochastic code, so bias and variance can be told apart."""
     if u not in cache:
         mask = (xhat * gamma[:, None]) + beta[:, None] > 0      # the forward's exact expression
-        keys = [key] if rounding == "nearest" else [key, quant.mix64(key + 1)]
+        keys = [key] if rounding == "nearest" else [key, stream.mix64(key + 1)]
         cache[u] = mask, {k: [quantize_simulated(xhat, gamma, beta, k, rounding, kk)[0] - xhat
                               for kk in keys] for k in BITS}
     return cache[u]

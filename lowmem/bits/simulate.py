@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import numpy
 
 from ..system import backend
-from ..units import quant, quantize_simulated
+from ..units import quantize_simulated, stream
 from ..core.engine import Engine
 from ..units.reference import ExactUnits
-from ..units.widths import FLOAT
+from ..units.widths import FLOAT, check_bits, check_rounding
 from ..ops import bn_relu_backward
 
 
@@ -44,7 +44,7 @@ class SimulatedCodeUnits(ExactUnits):
     Allocates a few unit-sized temporaries per call (a measurement tool, not a training path)."""
 
     def __init__(self, bits, rounding="nearest", key=0):
-        self.bits, self.rounding, self.key = quant.check_bits(bits), quant.check_rounding(rounding), key
+        self.bits, self.rounding, self.key = check_bits(bits), check_rounding(rounding), key
         self._kept = None        # (x-tilde, mask) from conv_input, for this unit's backward next
 
     def _quantize(self, saved, gamma, beta, keep):
@@ -172,10 +172,10 @@ def simulate_draws(net, batches, allocation, dtype="float32", rounding="nearest"
     """Measured error of approx mode with per-unit widths `allocation` {unit: K or FLOAT} (missing
     units: FLOAT) against exact, on the same weights and batches ((x, labels) of one shape; B >= 2
     for persistent2, σ and ||E g||, else those are nan), `draws` D >= 1 draws per batch. Draw d of
-    batch b reads unit i's code from key quant.stream_key(seed + d, b, i): what an approx Engine
+    batch b reads unit i's code from key stream.stream_key(seed + d, b, i): what an approx Engine
     with seed + d draws at its b-th training forward (nearest: no key, every draw alike).
     Returns a Measured."""
-    rounding = quant.check_rounding(rounding)
+    rounding = check_rounding(rounding)
     if not (isinstance(draws, int) and not isinstance(draws, bool) and draws >= 1):
         raise ValueError(f"draws must be a positive integer, got {draws!r}")
     eng = _exact_engine(net, batches, dtype)
@@ -188,7 +188,7 @@ def simulate_draws(net, batches, allocation, dtype="float32", rounding="nearest"
         g = numpy.concatenate([exact[p].ravel() for p in exact])
         es = []
         for d in range(draws):
-            sets = {u: SimulatedCodeUnits(k, rounding, quant.stream_key(seed + d, bi, order[u]))
+            sets = {u: SimulatedCodeUnits(k, rounding, stream.stream_key(seed + d, bi, order[u]))
                     for u, k in widths.items()}
             approx = _gradients(eng, units=sets)
             es.append(numpy.concatenate([approx[p].ravel() for p in exact]) - g)

@@ -7,8 +7,7 @@ import numbers
 
 import numpy
 
-from ..units import quant
-from ..units.widths import FLOAT, MODES
+from ..units.widths import FLOAT, MODES, check_bits
 from .network import Network
 
 DTYPES = ("float32", "float64")
@@ -38,7 +37,7 @@ def _bits(bits, mode):
     """bits: an int K (every unit) or {"*": K, "<unit>": K or "float", ...}; the dict's keys
     are checked against the network's units by `unit_bits`. Returns the int, or a new dict."""
     if not isinstance(bits, dict):
-        return quant.check_bits(bits)
+        return check_bits(bits)
     out = {}
     for name, K in bits.items():
         if not isinstance(name, str):
@@ -54,7 +53,7 @@ def _bits(bits, mode):
 
 def _unit_k(name, K):
     try:
-        return quant.check_bits(K)
+        return check_bits(K)
     except ValueError:
         raise ValueError(f"bits[{name!r}] must be one of {{1, 2, 4, 8}} or 'float', got {K!r}") from None
 

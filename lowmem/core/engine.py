@@ -43,7 +43,8 @@ import numpy
 from ..system import backend, distributed, threads
 from . import checks
 from .. import units as kernels
-from ..units import quant, rangecode, unbiased
+from ..units import rangecode, stream
+from ..units.widths import check_rounding
 from ..ops import dropout
 from ..ops.conv import columns_for
 from .optable import OPS, BatchStatisticsError, step_temporaries
@@ -83,8 +84,8 @@ class Engine:
         fixed-window code), "stochastic" (the unbiased group-range code: E[x-tilde] = x-hat
         everywhere, the ReLU mask exact) or "stochastic-window" (the
         fixed window with stochastic rounding, unbiased only inside it). Stochastic codes are
-        drawn from quant.stream_key(seed, step, unit index) at each element's index in the
-        GLOBAL batch (quant.Stream: this rank's shard starts at rank*batch_size), so the draws
+        drawn from stream.stream_key(seed, step, unit index) at each element's index in the
+        GLOBAL batch (stream.Stream: this rank's shard starts at rank*batch_size), so the draws
         do not depend on how the batch is split over ranks: `engine.step` counts the training
         forwards (set it to resume a run's stream; the Trainer sets it every step)."""
         self.mode, self.bits, self.dtype = checks.engine_args(net, batch_size, mode, bits, dtype)
@@ -93,7 +94,7 @@ class Engine:
         self.sync_bn = bool(sync_bn)
         self.input_shape = checks.input_shape(input_shape, net.in_channels)
         self.xp = backend.xp
-        self.rounding, self.seed, self.step = quant.check_rounding(rounding), quant.check_key(seed), 0
+        self.rounding, self.seed, self.step = check_rounding(rounding), stream.check_key(seed), 0
         threads.configure()                       # how lowmem uses the cores (lowmem/system/threads.py), once
         unit_names = [L.name for L in net.layers if getattr(OPS.get(L.op), "unit", False)]
         self.unit_bits = checks.unit_bits(self.bits, self.mode, unit_names)
@@ -232,13 +233,11 @@ class Engine:
 
     def split_dependent_units(self, per_rank_batch=None):
         """Coded units whose codes would depend on how a global batch is split over ranks at this
-        per-rank batch (default: the planned one): with the unbiased code (rounding="stochastic",
-        K >= 2) a unit whose per-rank row n*H*W is not a whole number of 256-element groups."""
-        if self.rounding != "stochastic" or self.mode == "exact":
-            return []
+        per-rank batch (default: the planned one): each unit's kernel set says (the unbiased
+        code's, when a rank's row n*H*W is not whole groups)."""
         n = self.N if per_rank_batch is None else int(per_rank_batch)
-        return [u for u, K in self.unit_bits.items() if K is not None and K > 1
-                and (n * self._unit_sizes[u][1] * self._unit_sizes[u][2]) % unbiased.GROUP]
+        return [u for u, units in self.selected.items()
+                if units.depends_on_split(n * self._unit_sizes[u][1] * self._unit_sizes[u][2])]
 
     def _has_metadata(self):
         """Whether some coded unit's slot holds more than its K bits per element (group ends)."""
@@ -290,7 +289,7 @@ class Engine:
             # keyed by the element's index in the global batch: every rank's shard is run.n samples
             # (distributed.shard splits evenly), rank r's starting at sample r*run.n
             R, r, n = self.comm.size, self.comm.rank, run.n
-            run.keys = {u: quant.Stream(quant.stream_key(self.seed, self.step, i),
+            run.keys = {u: stream.Stream(stream.stream_key(self.seed, self.step, i),
                                         start=r * n * h * w, row=R * n * h * w)
                         for i, (u, K) in enumerate(self.unit_bits.items()) if K is not None
                         for (_, h, w) in [self._unit_sizes[u]]}

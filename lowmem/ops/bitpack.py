@@ -4,7 +4,7 @@
 Dimensions: n elements (any contiguous shape, taken flat).
 Layout: numpy.packbits(..., bitorder="little") for 1 bit: element 8*i + j sits in bit j of
 byte i; at b bits, element (8/b)*i + j sits in bits b*j .. b*j + b-1 of byte i (the layout of
-lowmem's K-bit codes, units/quant.py's pack_codes). A last, partial byte holds the remaining
+lowmem's K-bit codes, units/packing.py's pack_codes). A last, partial byte holds the remaining
 elements in its low bits, its high bits zero. Planned bytes: packed_nbytes(n, bits) = ceil(n*bits/8).
 
 Work runs over blocks of BLOCK elements (a multiple of 8), so every temporary is bounded by

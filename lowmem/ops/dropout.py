@@ -7,7 +7,7 @@ Layout: x, out, dout, dx C-contiguous, all of one shape; the mask packed 1 bit p
     keep_i = [u_i >= p],   out = x * keep / (1 - p),   dx = dout * keep / (1 - p)
 
 u_i is a counter-based draw, not a generator's state: h_i = mix64(mix64(key) + (i+1)*φ)
-(SplitMix64, Steele, Lea & Flood 2014, the stream units/quant.py draws stochastic rounding
+(SplitMix64, Steele, Lea & Flood 2014, the stream units/window.py draws stochastic rounding
 from), u_i = (h_i >> 40) / 2**24. The key mixes (seed, step, layer, rank) (`stream_key`), so
 element i of one layer in one step draws the same bit whatever the block size, the thread count
 or the kernel path, after a resume, and each data-parallel rank its own bits. P(keep) is
@@ -39,7 +39,7 @@ def scratch_bytes(n, itemsize, block=None):
 def stream_key(seed, step, layer, rank=0):
     """The key of one dropout layer's mask in one training step: a uint64 (Python int) mixing
     the run's seed, the step, the layer's index and the data-parallel rank (non-negative ints),
-    built as units/quant.py's stream_key builds a unit's."""
+    built as units/window.py's stream_key builds a unit's."""
     parts = (("seed", seed), ("step", step), ("layer", layer), ("rank", rank))
     for what, part in parts:
         if not isinstance(part, numbers.Integral) or isinstance(part, bool) or not 0 <= int(part) <= MASK64:

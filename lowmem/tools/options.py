@@ -23,7 +23,7 @@ from ..formats.onnx_import import file_input_shape
 from .. import models
 from ..bits.auto import choose_widths
 from ..core.engine import DTYPES
-from ..units.quant import ROUNDINGS
+from ..units.widths import ROUNDINGS
 from ..units.widths import FLOAT
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DIVERGED, EXIT_TIME_LIMIT = 0, 1, 2, 3, 4

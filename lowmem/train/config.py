@@ -15,8 +15,7 @@ import os
 
 from ..core.engine import DTYPES
 from ..models import MODELS, model_spec
-from ..units import quant
-from ..units.widths import BITS, MODES
+from ..units.widths import BITS, MODES, ROUNDINGS
 
 SCHEDULES = ("step", "cosine", "constant")
 WARMUP_DIVISOR = 10                           # warm-up lr = lr / 10 (He et al.: 0.01 for lr 0.1)
@@ -87,7 +86,7 @@ class TrainConfig:
             bad("model", f"one of {', '.join(m for m in MODELS if not m.startswith('wrn-'))} or wrn-K "
                          f"(K a positive integer)")
         for f, choices in (("mode", MODES), ("dtype", DTYPES), ("schedule", SCHEDULES),
-                           ("rounding", quant.ROUNDINGS)):
+                           ("rounding", ROUNDINGS)):
             if str(getattr(self, f)) not in choices:
                 bad(f, f"one of {', '.join(choices)}")
         if self.bits == "auto":

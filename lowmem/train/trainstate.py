@@ -101,7 +101,7 @@ def check_world_size(meta, config, world_size, split_dependent, path, rank_keyed
         raise ResumeError(f"cannot resume from {path} on {world_size} rank(s): it was saved on {saved}, and "
                           f"dropout layer {rank_keyed[0]}'s masks are drawn per rank's shard, so they would "
                           f"differ; resume on {saved} rank(s)")
-    if saved == world_size or config.rounding != "stochastic" or config.mode == "exact":
+    if saved == world_size:
         return
     for ranks in (saved, world_size):
         units = split_dependent(config.batch // ranks)

@@ -1,11 +1,27 @@
 """Kernel sets for the BN->ReLU units, chosen once per engine.
 
+The folder is a grid: each code a unit may keep, in each backend, and what the codes share.
+
+    code                        reference (array ops)   numba (CPU)       CUDA (CuPy)
+    window (the paper's)        window.py               window_cpu.py     window_gpu.py
+    unbiased (group ranges)     unbiased.py             unbiased_cpu.py   unbiased_gpu.py
+    range (conv inputs)         rangecode.py            -                 -
+    what the codes share        packing.py, stream.py   cpu_base.py       gpu_base.py
+    kernel sets                 reference.py            fused.py (numba or CUDA)
+    any set over ranks          sync.py
+
+widths.py holds the vocabulary (bit widths, "float", modes, roundings) and the one rule for
+which code a unit keeps (code_for(rounding, K)); this module chooses the kernel set from it.
+
 A unit kernel set does everything mode-, bit- and backend-specific about a
 BN->ReLU unit; the engine calls it and never asks which one it has:
 
     units.saved_entry(C, M, dtype) -> (shape, dtype)   the unit's saved slot in the plan
     units.saved_view(slot, C, M)                       that slot for the current batch
     units.count(M)                                     elements the statistics are over
+    units.depends_on_split(M)                          whether a rank's rows of M code differently
+                                                       than the whole batch there (unbiased: not
+                                                       whole groups)
     units.stats(mean, var, rstd, x)                    batch statistics of x (C, M)
     units.forward(out, saved, x, mean, rstd, gamma, beta)
         saved <- x-hat (exact) or its K-bit code; out = relu(gamma*x-hat + beta)
@@ -16,32 +32,43 @@ BN->ReLU unit; the engine calls it and never asks which one it has:
         buffer the set may decode x-tilde into
 
 The sets:
-    units/reference.py  ExactUnits, CodeUnits(bits, naive)   array ops (NumPy or CuPy)
-    units/fused.py      the same over units/window_cpu.py (numba) or units/window_gpu.py (CUDA)
+    units/reference.py  ExactUnits, CodeUnits(bits, naive, rounding), UnbiasedCodeUnits(bits, naive)
+                        array ops (NumPy or CuPy)
+    units/fused.py      the same over the numba or the CUDA files of the grid
     units/sync.py       SyncUnits(set, comm): any set with batch statistics over all ranks
 
 `select` picks one; `reference` is the array-op twin of any set, used by the
 engine for a batch the fused kernels cannot take (a unit whose N*H*W is not
-a multiple of 8), in every mode alike.
+a multiple of 8), in every mode alike. `slot_nbytes` is a slot's size as the sets plan it.
 """
+import math
+
 import numpy
 
-from . import fused, gpu_base, quant, unbiased
+from . import fused, gpu_base, unbiased, window
+from .widths import FLOAT, FLOAT_CODE, check_bits, code_for
 from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
 from .sync import SyncUnits
 
 
 def reference(mode, bits, rounding="nearest"):
-    """The array-op set for a mode, bit width and rounding (quant.ROUNDINGS): "stochastic" is the
-    unbiased code (at 1 bit, which no code can make unbiased with an exact mask, the window
-    code rounded to nearest), "nearest" and "stochastic-window" the window codes."""
-    if mode == "exact":
+    """The array-op set for a mode, bit width and rounding: the set of the code a unit keeps
+    (widths.code_for: "stochastic" the unbiased code, "nearest" and "stochastic-window" the
+    window code); x-hat in float in exact mode."""
+    code = FLOAT_CODE if mode == "exact" else code_for(rounding, bits)
+    if code.name == FLOAT:
         return ExactUnits()
-    if rounding == "stochastic" and bits != 1:
-        return UnbiasedCodeUnits(bits, naive=(mode == "naive"))
-    if rounding == "stochastic":
-        rounding = "nearest"
-    return CodeUnits(bits, naive=(mode == "naive"), rounding=rounding)
+    if code.unbiased:
+        return UnbiasedCodeUnits(code.bits, naive=(mode == "naive"))
+    return CodeUnits(code.bits, naive=(mode == "naive"), rounding=code.rounding)
+
+
+def slot_nbytes(bits, rounding, C, M, dtype):
+    """Bytes of one unit's saved slot for C channels of M elements at width `bits` (K, or None /
+    FLOAT: x-hat in float, in dtype) under `rounding`: what its kernel set plans (saved_entry),
+    the code's metadata included. Every set of a code plans the same slot."""
+    shape, dt = reference("approx", bits, rounding).saved_entry(int(C), int(M), numpy.dtype(dtype))
+    return math.prod(shape) * numpy.dtype(dt).itemsize
 
 
 def fused_applies(xp, dtype, sizes):
@@ -70,13 +97,12 @@ def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None, rounding=
     if not use_fast:
         return reference(mode, bits, rounding)
     module = fused.module_for(xp)
-    if mode == "exact":
+    code = FLOAT_CODE if mode == "exact" else code_for(rounding, bits)
+    if code.name == FLOAT:
         return fused.FusedExactUnits(module, partials)
-    if rounding == "stochastic" and bits != 1:
-        return fused.FusedUnbiasedCodeUnits(module, bits, naive=(mode == "naive"), partials=partials)
-    if rounding == "stochastic":
-        rounding = "nearest"                      # 1 bit: as reference() does
-    return fused.FusedCodeUnits(module, bits, naive=(mode == "naive"), partials=partials, rounding=rounding)
+    if code.unbiased:
+        return fused.FusedUnbiasedCodeUnits(module, code.bits, naive=(mode == "naive"), partials=partials)
+    return fused.FusedCodeUnits(module, code.bits, naive=(mode == "naive"), partials=partials, rounding=code.rounding)
 
 
 def select_units(xp, mode, unit_bits, dtype, sizes, use_fast=None, partials=None, rounding="nearest"):
@@ -105,14 +131,17 @@ def partials_size(xp, max_channels, use_fused):
     return 0
 
 
-__all__ = ["BN_EPS", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies", "partials_size"]
-
-
 def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
-    """(x̃, mask), both (C, M), of any code on the reference path: the window codes
-    (quant.quantize_simulated: "nearest", "stochastic-window") or the unbiased group-range code
-    (unbiased.quantize_simulated: "stochastic"; at 1 bit, where no unbiased code exists, the
-    window code with nearest rounding, as the engine keeps it)."""
-    if quant.check_rounding(rounding) == "stochastic" and quant.check_bits(bits) > 1:
-        return unbiased.quantize_simulated(xhat, gamma, beta, bits, key)
-    return quant.quantize_simulated(xhat, gamma, beta, bits, rounding, key)
+    """(x̃, mask), both (C, M), of the code a unit of width `bits` keeps under `rounding`
+    (widths.code_for), on the reference path: window.quantize_simulated or
+    unbiased.quantize_simulated."""
+    code = code_for(rounding, bits)
+    if code.name == FLOAT:
+        check_bits(bits)                          # a code width, not "float": its ValueError
+    if code.unbiased:
+        return unbiased.quantize_simulated(xhat, gamma, beta, code.bits, key)
+    return window.quantize_simulated(xhat, gamma, beta, code.bits, code.rounding, key)
+
+
+__all__ = ["BN_EPS", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies",
+           "partials_size", "slot_nbytes", "quantize_simulated"]

@@ -1,10 +1,10 @@
 """What the numba kernels of units/window_cpu.py and units/unbiased_cpu.py share: numba's presence,
 the float and stream constants, the block sizes, the packer (one code per byte <-> 8/K codes
-per byte, the layout of units/quant.py) and the split of a call's channels over lowmem's threads.
+per byte, the layout of units/window.py) and the split of a call's channels over lowmem's threads.
 """
 import numpy
 
-from . import quant
+from . import stream
 from ..system import threads
 from ..system.backend import numba_available
 
@@ -13,11 +13,11 @@ if AVAILABLE:
     from numba import njit
     F32 = numpy.float32
     F0, HALF = F32(0), F32(0.5)
-    # stochastic rounding's stream (quant.random_offsets), as uint64 / float32 constants
+    # stochastic rounding's stream (stream.random_offsets), as uint64 / float32 constants
     U64 = numpy.uint64
-    GOLDEN, MIX1, MIX2 = U64(quant.GOLDEN), U64(quant.MIX1), U64(quant.MIX2)
-    S30, S27, S31, S_OFF = U64(30), U64(27), U64(31), U64(64 - quant.OFFSET_BITS)
-    OFF_MID, OFF_SCALE = F32(1 << (quant.OFFSET_BITS - 1)), F32(2.0 ** -quant.OFFSET_BITS)
+    GOLDEN, MIX1, MIX2 = U64(stream.GOLDEN), U64(stream.MIX1), U64(stream.MIX2)
+    S30, S27, S31, S_OFF = U64(30), U64(27), U64(31), U64(64 - stream.OFFSET_BITS)
+    OFF_MID, OFF_SCALE = F32(1 << (stream.OFFSET_BITS - 1)), F32(2.0 ** -stream.OFFSET_BITS)
 
 BLOCK = 4096          # elements per block: codes scratch 4 KiB, a multiple of 8 (byte-aligned for any K)
 GRAIN = 1 << 15       # elements per thread below which a kernel call is not split

@@ -7,7 +7,7 @@ interface of lowmem/units/__init__.py, with the mode and bit width fixed
 when the set is made. What differs between the two modules is written here
 once:
 
-  * the quantization grid: numba's kernels take quant.QuantParams (computed
+  * the quantization grid: numba's kernels take window.QuantParams (computed
     per unit, a few (C,) ops); the CUDA kernels derive it from gamma and beta
     in-kernel and take only the bit width (no per-unit launches);
   * CUDA's reductions need the plan's `bn.partials` workspace (float64).
@@ -17,8 +17,7 @@ apply only when M * bits is a multiple of 8 (`applies`).
 """
 import numpy
 
-from . import quant
-from . import window_cpu, window_gpu
+from . import window, window_cpu, window_gpu
 from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
 
 
@@ -56,7 +55,7 @@ class FusedCodeUnits(CodeUnits):
 
     def grid(self, gamma, beta):
         """What the module takes for the grid: QuantParams (numba) or the bit width (CUDA)."""
-        return self.bits if self.module is window_gpu else quant.quant_params(gamma, beta, self.bits)
+        return self.bits if self.module is window_gpu else window.quant_params(gamma, beta, self.bits)
 
     stats = FusedExactUnits.stats
 

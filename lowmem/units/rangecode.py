@@ -26,14 +26,15 @@ batch holding either and a non-finite loss before backward ever decodes one.
 `keeper(bits)` is what the engine hands every conv that keeps its input: `ExactKeep` (float,
 exact mode or bits None) or `RangeKeep(K)`; their slots come from `entries`, `keep` fills
 them in forward, `restore` decodes into a buffer for backward. Temporaries: one CHUNK
-(quant.CHUNK) of elements at a time, about (2 * itemsize + 2) bytes each.
+(packing.CHUNK) of elements at a time, about (2 * itemsize + 2) bytes each.
 """
 import numpy
 
 from ..system.backend import array_module
-from . import quant
+from . import packing
+from .widths import check_bits
 
-GROUP = 256                 # elements per group; quant.CHUNK is a multiple of it
+GROUP = 256                 # elements per group; packing.CHUNK is a multiple of it
 F32_MAX = float(numpy.finfo(numpy.float32).max)      # the largest step s (scale is float32)
 
 
@@ -43,7 +44,7 @@ def groups(n):
 
 
 def _chunk_elems():
-    step = quant._chunk()
+    step = packing.chunk_size()
     return max(GROUP, step // GROUP * GROUP)
 
 
@@ -85,7 +86,7 @@ def _encode(xp, packed, scale, zero, x, bits, n, levels):
             g = g0 + (lo_i - a) // GROUP
             scale[g:g + rows] = s
             zero[g:g + rows] = z.astype(numpy.uint8)
-        quant.pack_codes(packed[a * bits // 8:(b * bits + 7) // 8], codes, bits)
+        packing.pack_codes(packed[a * bits // 8:(b * bits + 7) // 8], codes, bits)
 
 
 def range_decode(out, packed, scale, zero, bits):
@@ -95,7 +96,7 @@ def range_decode(out, packed, scale, zero, bits):
     for a in range(0, n, _chunk_elems()):
         b = min(a + _chunk_elems(), n)
         codes = xp.empty(b - a, numpy.uint8)
-        quant.unpack_codes(codes, packed[a * bits // 8:(b * bits + 7) // 8], bits)
+        packing.unpack_codes(codes, packed[a * bits // 8:(b * bits + 7) // 8], bits)
         g = xp.arange(a, b) // GROUP                                    # one chunk
         o = out[a:b]
         xp.subtract(codes, zero[g], out=o, dtype=o.dtype, casting="unsafe")
@@ -125,21 +126,21 @@ class RangeKeep:
     decodes = True
 
     def __init__(self, bits):
-        self.bits = quant.check_bits(bits)
+        self.bits = check_bits(bits)
 
     def entries(self, name, n, dtype):
-        return [(name, "saved", (quant.packed_nbytes(n, self.bits),), "uint8"),
+        return [(name, "saved", (packing.packed_nbytes(n, self.bits),), "uint8"),
                 (name + "_scale", "saved", (groups(n),), "float32"),
                 (name + "_zero", "saved", (groups(n),), "uint8")]
 
     def keep(self, slots, x):
         n = x.size
-        range_encode(slots[0][:quant.packed_nbytes(n, self.bits)], slots[1][:groups(n)], slots[2][:groups(n)],
+        range_encode(slots[0][:packing.packed_nbytes(n, self.bits)], slots[1][:groups(n)], slots[2][:groups(n)],
                      x, self.bits)
 
     def restore(self, out, slots):
         n = out.size
-        range_decode(out, slots[0][:quant.packed_nbytes(n, self.bits)], slots[1][:groups(n)],
+        range_decode(out, slots[0][:packing.packed_nbytes(n, self.bits)], slots[1][:groups(n)],
                      slots[2][:groups(n)], self.bits)
 
 

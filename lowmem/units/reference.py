@@ -1,4 +1,4 @@
-"""The reference unit kernels: NumPy (or CuPy) array ops from lowmem/ops and lowmem/units/quant.
+"""The reference unit kernels: NumPy (or CuPy) array ops from lowmem/ops and the codes (units/window.py, units/unbiased.py).
 
 Readable and backend-neutral (every call takes its array module from its
 arguments); the fused sets of lowmem/units/fused.py are tested against
@@ -16,7 +16,8 @@ document (bounded, never activation-sized). The code backward decodes x-tilde
 into the free buffer the schedule names (`scratch`) and applies the exact
 mask to the output gradient chunk by chunk, so no mask array is needed.
 """
-from . import quant, unbiased
+from . import packing, unbiased, window
+from .widths import check_bits
 from ..system.backend import array_module
 from ..ops import bn_normalize, bn_relu_apply_forward, bn_relu_backward, bn_stats
 from ..ops.batchnorm import BN_EPS
@@ -39,6 +40,12 @@ class ExactUnits:
     def count(self, M):
         """Elements per channel the batch statistics are over (units/sync.py: all ranks')."""
         return M
+
+    def depends_on_split(self, M):
+        """Whether the codes of a rank's rows of M elements depend on how the global batch is
+        split over ranks: not for x-hat itself, nor for a code whose every element is coded
+        alone (its draws follow the element's global index)."""
+        return False
 
     def stats(self, mean, var, rstd, x):
         bn_stats(mean, var, rstd, x, BN_EPS)
@@ -64,11 +71,8 @@ class CodeUnits(ExactUnits):
     decodes = True
 
     def __init__(self, bits, naive=False, rounding="nearest"):
-        self.bits, self.naive = quant.check_bits(bits), bool(naive)
-        self.rounding = quant.check_rounding(rounding)
-        if self.rounding not in quant.WINDOW_ROUNDINGS:
-            raise ValueError(f"CodeUnits holds the window codes {quant.WINDOW_ROUNDINGS}, got "
-                             f"{rounding!r} (UnbiasedCodeUnits is the unbiased code's set)")
+        self.bits, self.naive = check_bits(bits), bool(naive)
+        self.rounding = window.check_window_rounding(rounding, "CodeUnits (the window code's set)")
         self.saved_suffix = "code"
 
     def metadata_nbytes(self, C, M):
@@ -76,32 +80,36 @@ class CodeUnits(ExactUnits):
         return 0
 
     def saved_entry(self, C, M, dtype):
-        return (quant.packed_nbytes(C * M, self.bits),), "uint8"
+        return (packing.packed_nbytes(C * M, self.bits),), "uint8"
 
     def saved_view(self, slot, C, M):
-        return slot[:quant.packed_nbytes(C * M, self.bits)]
+        return slot[:packing.packed_nbytes(C * M, self.bits)]
 
     def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
         """saved <- code(x-hat); out = relu(gamma*x-hat + beta) (approx: exact, as ExactUnits)
         or relu(gamma*x-tilde + beta) under the exact mask (naive). x-hat passes through out.
-        key: the unit's stream key for this step (quant.stream_key), required when
-        self.rounding == "stochastic", ignored when "nearest"."""
+        key: the unit's stream key for this step (stream.stream_key), required when
+        self.rounding == "stochastic-window", ignored when "nearest"."""
         bn_normalize(out, x, mean, rstd)
-        qp = quant.quant_params(gamma, beta, self.bits)
-        quant.quantize_pack(saved, out, qp, self.rounding, key)
+        qp = window.quant_params(gamma, beta, self.bits)
+        window.quantize_pack(saved, out, qp, self.rounding, key)
         if self.naive:
-            quant.decode_relu(out, saved, qp, gamma, beta)
+            window.decode_relu(out, saved, qp, gamma, beta)
         else:
             bn_relu_apply_forward(out, out, gamma, beta)
 
     def conv_input(self, u, saved, gamma, beta):
-        quant.decode_relu(u, saved, quant.quant_params(gamma, beta, self.bits), gamma, beta)
+        window.decode_relu(u, saved, window.quant_params(gamma, beta, self.bits), gamma, beta)
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         # saved: the K-bit code of x-hat (approximate x-tilde, exact mask) and rstd (C,) exact
-        decode_masking(scratch, dr, saved, quant.quant_params(gamma, beta, self.bits))
+        self.decode_masking(scratch, dr, saved, gamma, beta)
         bn_relu_backward(dx, dgamma, dbeta, dr, scratch, gamma, beta, rstd, dr_already_masked=True,
                          accumulate=accumulate)
+
+    def decode_masking(self, xtilde, dr, saved, gamma, beta):
+        """xtilde <- x-tilde decoded from the slot; dr *= the exact mask (units/sync.py's backward)."""
+        decode_masking(xtilde, dr, saved, window.quant_params(gamma, beta, self.bits))
 
 
 def decode_masking(xtilde, dr, packed, qp):
@@ -113,7 +121,7 @@ def decode_masking(xtilde, dr, packed, qp):
         block = dr[r0:r1, c0:c1]
         xp.multiply(block, cb >= qp.k[r0:r1, None], out=block)
 
-    quant.decode_each_chunk(xtilde, packed, qp, mask_gradient)
+    window.decode_each_chunk(xtilde, packed, qp, mask_gradient)
 
 
 class UnbiasedCodeUnits(CodeUnits):
@@ -134,9 +142,13 @@ class UnbiasedCodeUnits(CodeUnits):
     def metadata_nbytes(self, C, M):
         return unbiased.metadata_nbytes(C, M, self.bits)
 
+    def depends_on_split(self, M):
+        """A rank's rows code what the whole batch codes there only when they are whole groups."""
+        return M % unbiased.GROUP != 0
+
     def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
         """saved <- the unbiased code of x-hat drawn from `key` (required: an integer or a
-        quant.Stream); out as CodeUnits.forward."""
+        stream.Stream); out as CodeUnits.forward."""
         bn_normalize(out, x, mean, rstd)
         unbiased.quantize_pack(saved, out, gamma, beta, self.bits, key)
         if self.naive:

@@ -64,7 +64,7 @@ def resolve(key, M, needed=True, what="stochastic"):
     if key is None:
         if needed:
             raise ValueError(f"rounding={what!r} needs a key: an integer in [0, 2**64), "
-                             f"e.g. quant.stream_key(seed, step, unit), or a quant.Stream")
+                             f"e.g. stream.stream_key(seed, step, unit), or a stream.Stream")
         return None
     if isinstance(key, Stream):
         start, row = check_key(key.start), M if key.row is None else check_key(key.row)

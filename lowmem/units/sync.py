@@ -19,10 +19,9 @@ code's decode excepted: the set's own, numba or CUDA, bit for bit the reference'
 
 Communication buffer: the plan's `sync.bn` workspace, 2 * C float64.
 """
-from . import quant
 from ..system.backend import array_module
 from ..ops import bn_relu_backward_apply, bn_relu_backward_sums
-from .reference import BN_EPS, UnbiasedCodeUnits, decode_masking
+from .reference import BN_EPS
 
 
 class SyncUnits:
@@ -62,13 +61,10 @@ class SyncUnits:
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         # saved: x-hat (exact) or its code, decoded into scratch; the mask is exact either way
         C, M = dr.shape
-        if getattr(self.inner, "bits", None) is None:            # exact: the slot is x-hat
+        if not self.inner.decodes:                                # exact: the slot is x-hat
             xhat, dr_masked = saved, False
-        elif isinstance(self.inner, UnbiasedCodeUnits):
-            self.inner.decode_masking(scratch, dr, saved, gamma, beta)     # the set's own decode
-            xhat, dr_masked = scratch, True
         else:
-            decode_masking(scratch, dr, saved, quant.quant_params(gamma, beta, self.inner.bits))
+            self.inner.decode_masking(scratch, dr, saved, gamma, beta)     # the set's own decode
             xhat, dr_masked = scratch, True
         sum_dy, sum_dyx = bn_relu_backward_sums(dr, xhat, gamma, beta, dr_already_masked=dr_masked)
         dgamma += sum_dyx                                         # local parts: summed later

@@ -2,8 +2,8 @@
 
 Per channel c work on u = s·x̂ (s = sign(γ), +1 for γ = 0), so the exact ReLU mask
 (x̂·γ) + β > 0 means "u above t = −β/|γ|". The K-bit codes (L = 2**K, K ≥ 2) split at k, the
-window code's split (quant.quant_params, from γ and β alone) clipped to [2, L−2]: codes k..L−1
-are open (the mask is `code >= k`, as in units/quant.py), 0..k−1 closed. A group is 256
+window code's split (window.quant_params, from γ and β alone) clipped to [2, L−2]: codes k..L−1
+are open (the mask is `code >= k`, as in units/window.py), 0..k−1 closed. A group is 256
 consecutive elements of a channel's row of N·H·W (`GROUP`); it stores its range [lo, hi] of u,
 rounded outward to bfloat16 (4 bytes). Its levels, evenly spaced on each side:
 
@@ -31,10 +31,10 @@ the conv input of an open element |γ|·((base − t) + j·step) (β where γ = 
 Every decision is the group's own or comes from γ and β, so a data-parallel shard whose rows
 are whole groups (n_local·H·W a multiple of 256) codes exactly what the whole batch codes there.
 
-The saved slot (one uint8 array, `slot_nbytes`): the packed codes (units/quant.py's packing,
+The saved slot (one uint8 array, `slot_nbytes`): the packed codes (units/packing.py's layout,
 padded to 8 bytes), then (C, G, 2) uint16 group ends (hi, lo): at 2 bits 2 + 32/256 = 2.125
 bits per element when M is a multiple of 256. Scratch: (C, G) arrays of the group ends and
-levels, and per quant.CHUNK-sized piece a few piece-sized temporaries.
+levels, and per packing.CHUNK-sized piece a few piece-sized temporaries.
 
 1 bit cannot be unbiased with an exact mask (one level per side): units/reference.py then
 uses the window code with nearest rounding. The measured cheaper variant (`variant="open"`:
@@ -43,7 +43,7 @@ only, for docs/quantizer.md's comparison.
 """
 import numpy
 
-from . import quant
+from . import packing, widths, window
 from .stream import OFFSET_BITS, group_bits, resolve, uniforms
 from ..system.backend import array_module
 
@@ -57,7 +57,7 @@ def groups(M):
 
 
 def _code_bytes(C, M, bits):
-    return (quant.packed_nbytes(C * M, bits) + 7) // 8 * 8
+    return (packing.packed_nbytes(C * M, bits) + 7) // 8 * 8
 
 
 def slot_nbytes(C, M, bits):
@@ -67,7 +67,7 @@ def slot_nbytes(C, M, bits):
 
 def metadata_nbytes(C, M, bits):
     """The slot's bytes beyond the packed codes (the group ends and the padding)."""
-    return slot_nbytes(C, M, bits) - quant.packed_nbytes(C * M, bits)
+    return slot_nbytes(C, M, bits) - packing.packed_nbytes(C * M, bits)
 
 
 def split_slot(slot, C, M, bits):
@@ -77,16 +77,16 @@ def split_slot(slot, C, M, bits):
     if slot.dtype != numpy.uint8 or slot.ndim != 1 or slot.size < slot_nbytes(C, M, bits):
         raise ValueError(f"the unbiased code's slot must be uint8 of at least {slot_nbytes(C, M, bits)} "
                          f"bytes for C={C}, M={M} at {bits} bits, got {slot.dtype} {slot.shape}")
-    codes = slot[:quant.packed_nbytes(C * M, bits)]
+    codes = slot[:packing.packed_nbytes(C * M, bits)]
     ends = slot[n0:n0 + 4 * C * G].view(numpy.uint16).reshape(C, G, 2)
     return codes, ends
 
 
 def split(gamma, beta, bits):
-    """k (C,) int32, the first open code: the window code's split (quant.quant_params, from γ and
+    """k (C,) int32, the first open code: the window code's split (window.quant_params, from γ and
     β alone), clipped to [2, L−2] where γ != 0 so each side keeps two levels; 0 or L where γ = 0."""
     L = 1 << bits
-    k = quant.quant_params(gamma, beta, bits).k
+    k = window.quant_params(gamma, beta, bits).k
     xp = array_module(k)
     return xp.where(gamma == 0, k, xp.clip(k, 2, L - 2)).astype(numpy.int32)
 
@@ -179,8 +179,8 @@ class Levels:
 # ---- the metadata pass -------------------------------------------------------
 
 def _blocks(C, M):
-    """(r0, r1, c0, c1) blocks of whole groups covering (C, M), about quant.CHUNK elements each."""
-    step = quant._chunk()
+    """(r0, r1, c0, c1) blocks of whole groups covering (C, M), about packing.CHUNK elements each."""
+    step = packing.chunk_size()
     if M <= step:
         rows = max(1, step // M)
         for r0 in range(0, C, rows):
@@ -270,7 +270,7 @@ def _decode_piece(code, lv, r0, r1, c0, c1, relu):
 
 
 def check_bits(bits):
-    bits = quant.check_bits(bits)
+    bits = widths.check_bits(bits)
     if bits < 2:
         raise ValueError("the unbiased code needs bits >= 2 (one level per side cannot be unbiased)")
     return bits
@@ -408,7 +408,7 @@ def _aligned(M, bits):
 
 def quantize_pack(slot, xhat, gamma, beta, bits, key):
     """Encode x̂ (C, M) into the unit's slot (uint8, >= slot_nbytes): metadata, then the codes,
-    block by block of whole groups (quant.CHUNK elements; the codes packed with quant's packing).
+    block by block of whole groups (packing.CHUNK elements; the codes packed by units/packing.py).
     key: integer or Stream (required)."""
     bits = check_bits(bits)
     xp = array_module(xhat)
@@ -424,24 +424,24 @@ def quantize_pack(slot, xhat, gamma, beta, bits, key):
         for s0, s1, code in _encode_segments(xhat, lv, r0, r1, c0, c1, stream, default_draws(bits), None):
             xp.copyto(buf[:, s0 - c0:s1 - c0], code, casting="unsafe")
         a = r0 * M + c0                           # whole rows, or a part of one: contiguous
-        quant._pack_block(codes[a * bits // 8:(a + buf.size) * bits // 8], buf.reshape(-1), bits,
+        packing.pack_block(codes[a * bits // 8:(a + buf.size) * bits // 8], buf.reshape(-1), bits,
                           xp.empty(buf.size * bits // 8, numpy.uint8))
 
 
 def _quantize_pack_pieces(codes, xhat, lv, bits, stream):
-    """quantize_pack for rows whose blocks do not start on a code byte: quant's flat chunks,
+    """quantize_pack for rows whose blocks do not start on a code byte: packing's flat chunks,
     each element's group parameters gathered (slower)."""
     xp = array_module(xhat)
     C, M = xhat.shape
     n = C * M
-    step = quant._chunk(n)
+    step = packing.chunk_size(n)
     buf = xp.empty(step, numpy.uint8)
     tmp = xp.empty(step * bits // 8, numpy.uint8)
-    for a, b, pieces in quant._chunks(n, M):
+    for a, b, pieces in packing.chunks(n, M):
         for r0, r1, c0, c1, off in pieces:
             code = _encode_piece(xhat, lv, r0, r1, c0, c1, stream)
             xp.copyto(buf[off:off + code.size].reshape(code.shape), code, casting="unsafe")
-        quant._pack_block(codes[a * bits // 8:(b * bits + 7) // 8], buf[:b - a], bits, tmp)
+        packing.pack_block(codes[a * bits // 8:(b * bits + 7) // 8], buf[:b - a], bits, tmp)
 
 
 def decode_each_chunk(out, slot, gamma, beta, bits, relu=False, extra=None):
@@ -457,7 +457,7 @@ def decode_each_chunk(out, slot, gamma, beta, bits, relu=False, extra=None):
     for r0, r1, c0, c1 in _blocks(C, M):
         buf = xp.empty((r1 - r0, c1 - c0), numpy.uint8)
         a = r0 * M + c0
-        quant._unpack_block(buf.reshape(-1), codes[a * bits // 8:(a + buf.size) * bits // 8], bits)
+        packing.unpack_block(buf.reshape(-1), codes[a * bits // 8:(a + buf.size) * bits // 8], bits)
         for s0, s1, size in _segments(r0, r1, c0, c1, M):
             shape = (r1 - r0, (s1 - s0) // size, size)
             gs = slice(s0 // GROUP, s0 // GROUP + shape[1])
@@ -474,13 +474,13 @@ def decode_each_chunk(out, slot, gamma, beta, bits, relu=False, extra=None):
 
 
 def _decode_pieces(out, codes, lv, bits, relu, extra):
-    """decode_each_chunk through quant's flat chunks (rows not starting on a code byte)."""
+    """decode_each_chunk through packing's flat chunks (rows not starting on a code byte)."""
     xp = array_module(out)
     C, M = out.shape
     n = C * M
-    buf = xp.empty(quant._chunk(n), numpy.uint8)
-    for a, b, pieces in quant._chunks(n, M):
-        quant._unpack_block(buf[:b - a], codes[a * bits // 8:(b * bits + 7) // 8], bits)
+    buf = xp.empty(packing.chunk_size(n), numpy.uint8)
+    for a, b, pieces in packing.chunks(n, M):
+        packing.unpack_block(buf[:b - a], codes[a * bits // 8:(b * bits + 7) // 8], bits)
         for r0, r1, c0, c1, off in pieces:
             cb = buf[off:off + (r1 - r0) * (c1 - c0)].reshape(r1 - r0, c1 - c0).astype(out.dtype)
             ob = out[r0:r1, c0:c1]

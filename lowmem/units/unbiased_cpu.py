@@ -25,7 +25,7 @@ a block and float64 across blocks, so dgamma, dbeta and dx agree to float32 roun
 """
 import numpy
 
-from . import cpu_base, quant, unbiased
+from . import cpu_base, stream, unbiased, window
 from .stream import resolve
 
 AVAILABLE = cpu_base.AVAILABLE
@@ -36,10 +36,10 @@ if AVAILABLE:
     F0 = F32(0)
     INF = F32(numpy.inf)
     GOLDEN = cpu_base.GOLDEN
-    R_SCALE = F32(2.0 ** -quant.OFFSET_BITS)
-    R_UNIT = F32(2.0 ** quant.OFFSET_BITS)
-    R_MASK = numpy.int32((1 << quant.OFFSET_BITS) - 1)
-    HALF = numpy.int32(1 << (quant.OFFSET_BITS - 1))
+    R_SCALE = F32(2.0 ** -stream.OFFSET_BITS)
+    R_UNIT = F32(2.0 ** stream.OFFSET_BITS)
+    R_MASK = numpy.int32((1 << stream.OFFSET_BITS) - 1)
+    HALF = numpy.int32(1 << (stream.OFFSET_BITS - 1))
     WEYL = numpy.int64(unbiased.WEYL)
     GROUP, LANES, SYSTEMATIC_BITS = unbiased.GROUP, unbiased.LANES, unbiased.SYSTEMATIC_BITS
     BLOCK = cpu_base.BLOCK             # a multiple of GROUP: blocks are whole groups
@@ -53,7 +53,7 @@ if AVAILABLE:
         """(s, zero, ag, t_o, t_c, k, kf) of a channel from γ and β alone: sign(γ) (+1 for γ = 0),
         γ == 0, |γ|, the threshold t = −β/|γ| as the open side's floor (−inf where γ = 0) and as
         the closed side's ceiling (+inf there), and the split k (unbiased.split: the window
-        code's k of quant.quant_params, window W and bin w, clipped to [2, L−2]; 0 or L where
+        code's k of window.quant_params, window W and bin w, clipped to [2, L−2]; 0 or L where
         γ = 0), as an int and a float: the same float32 operations, so the same k."""
         s = F32(-1) if g < 0 else F32(1)
         zero = g == 0
@@ -434,7 +434,7 @@ def _window(bits, gamma):
     """quant_params' window W and bin w as float32 (what the kernels derive the split k from)."""
     if gamma.dtype != numpy.float32:
         raise ValueError(f"the numba unbiased kernels need float32 gamma and beta, got {gamma.dtype}")
-    return numpy.float32(quant.window(bits)), numpy.float32(quant.bin_width(bits))
+    return numpy.float32(window.half_width(bits)), numpy.float32(window.bin_width(bits))
 
 
 def _check(x, M, bits, what):
@@ -462,7 +462,7 @@ def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
 
 def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key):
     """The fused forward of UnbiasedCodeUnits: slot <- the unbiased code of x-hat = (x - mean)*rstd
-    drawn from key (an integer or quant.Stream); out = relu(y) (approx) or the decoded conv input
+    drawn from key (an integer or stream.Stream); out = relu(y) (approx) or the decoded conv input
     (naive). x, out (C, M) float32 C-contiguous (out may alias x), M*bits a multiple of 8."""
     bits = unbiased.check_bits(bits)
     C, M = x.shape

@@ -17,7 +17,7 @@ tables, round-to-nearest (lowmem/system/cuda.py's rn_* helpers, no FMA) in the d
 in NumPy's order, and the counter stream of units/stream.py in uint64: the slot equals
 unbiased.quantize_pack's byte for byte and the decodes unbiased.decode_each_chunk's bit for bit
 (tests/units/test_units_gpu.py, on the CPU emulation of this text and on a GPU). The split k comes
-from quant.quant_params (a few (C,) array ops). The backward equals the reference's (the decode,
+from window.quant_params (a few (C,) array ops). The backward equals the reference's (the decode,
 then ops.bn_relu_backward) to float rounding: its sums in float64, its dx in the reference's order.
 """
 import numpy

@@ -5,7 +5,7 @@ units/fused.py wraps them into the engine's kernel sets. (The conv's numba
 col2im sits beside the conv, in lowmem/ops/columns_cpu.py.)
 
 Optional: `pip install lowmem[fast]`. Without numba, or with LOWMEM_FAST=0,
-the engine runs the pure-NumPy ops of lowmem/ops and lowmem/units/quant, which stay
+the engine runs the pure-NumPy ops of lowmem/ops and lowmem/units/window.py, which stay
 the reference these kernels are tested against (tests/units/test_window_cpu.py).
 
 Why: in NumPy every elementwise step is a full pass over memory. One unit's
@@ -15,7 +15,7 @@ each is one loop per channel row that reads the input once for statistics
 and once to produce everything else.
 
 Layout: (C, M) rows, M = N*H*W, as everywhere in lowmem. Codes: the packed
-layout of lowmem/units/quant.py (element i at bits (i % (8/K))*K of byte i // (8/K));
+layout of lowmem/units/window.py (element i at bits (i % (8/K))*K of byte i // (8/K));
 a fused kernel writes or reads one channel's codes as whole bytes, so it
 applies when M*bits is a multiple of 8 (every real network: H*W is);
 `supports()` says when.
@@ -37,15 +37,15 @@ units/unbiased_cpu.py (constants, block sizes, the packer, the channel split) is
 
 Arithmetic: element-wise float maths is written in the dtype of the data,
 one rounding per operation, in the same order as the NumPy path, so:
-  * the quantizer's codes equal quant.quantize_pack's for the same x-hat;
-  * the decoded x-tilde and mask equal quant.unpack_decode's;
+  * the quantizer's codes equal window.quantize_pack's for the same x-hat;
+  * the decoded x-tilde and mask equal window.unpack_decode's;
   * exact and approx modes still give bit-identical forward passes.
 Reductions accumulate in float64 (NumPy's pairwise float32 sums differ in the
 last bits: tests compare to tolerance there).
 """
 import numpy
 
-from . import quant
+from . import window
 from .cpu_base import AVAILABLE, BLOCK, GRAIN, _over_channels, _overlap, supports  # noqa: F401 (the API)
 
 if AVAILABLE:
@@ -91,7 +91,7 @@ if AVAILABLE:
     @njit(**_opts)
     def _quantize_block(codes, ys, xr, m, r, g, b, sc, l0, kf, km1, ftop, w):
         """codes <- the clamped code of x-hat = (x - m)*r; ys <- relu(y), y = x-hat*g + b.
-        The same operations, in the same order, as quant.quantize_pack. Both outputs are
+        The same operations, in the same order, as window.quantize_pack. Both outputs are
         scratch, never the caller's out: out may alias x, and a loop that reads and writes
         the same array fails LLVM's overlap check and runs scalar (measured 9x slower)."""
         for t in range(xr.size):
@@ -99,7 +99,7 @@ if AVAILABLE:
             y = xh * g + b
             pos = y > F0
             v = numpy.floor((xh * sc - l0) / w)
-            v = max(v, kf if pos else F0)          # the mask clamp, as quant.quantize_pack
+            v = max(v, kf if pos else F0)          # the mask clamp, as window.quantize_pack
             v = min(v, ftop if pos else km1)
             codes[t] = numpy.uint8(numpy.int32(v))
             ys[t] = y if pos else F0
@@ -107,8 +107,8 @@ if AVAILABLE:
     @njit(**_opts)
     def _quantize_block_stochastic(codes, ys, xr, m, r, g, b, sc, l0, kf, km1, ftop, w, z0):
         """_quantize_block with stochastic rounding: + d before the floor, d of element t from
-        counter z0 + t*GOLDEN (z0: the block's first element's counter, quant.random_offsets's
-        mix64(key) + (i + 1)*GOLDEN), the same integer and float operations as quant.quantize_pack."""
+        counter z0 + t*GOLDEN (z0: the block's first element's counter, stream.random_offsets's
+        mix64(key) + (i + 1)*GOLDEN), the same integer and float operations as window.quantize_pack."""
         for t in range(xr.size):
             xh = (xr[t] - m) * r
             y = xh * g + b
@@ -123,7 +123,7 @@ if AVAILABLE:
     @njit(**_opts)
     def _decode_relu_block(orow, codes, sc, l0, kf, w, g, b):
         """orow <- x-tilde*g + b where the decoded mask (code >= k) is set and that value is > 0,
-        else 0 (quant.decode_relu: an open code decoded below the threshold gives 0)."""
+        else 0 (window.decode_relu: an open code decoded below the threshold gives 0)."""
         for t in range(orow.size):
             v = F32(codes[t])
             xt = ((v + HALF) * w + l0) * sc
@@ -223,7 +223,7 @@ if AVAILABLE:
 
     @njit(**_opts)
     def _conv_input_code(u, packed, s, lo, k, w, gamma, beta, bits):
-        """u = relu(x-tilde*gamma + beta) where the decoded mask is set, else 0 (quant.decode_relu)."""
+        """u = relu(x-tilde*gamma + beta) where the decoded mask is set, else 0 (window.decode_relu)."""
         C, M = u.shape
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)
@@ -307,7 +307,7 @@ if AVAILABLE:
                     _copy(dx[c, i0:i1], tb)
 
 
-# ---- the engine-facing functions (same maths as lowmem/ops + lowmem/units/quant) ----
+# ---- the engine-facing functions (same maths as lowmem/ops + lowmem/units/window.py) ----
 # Each splits its channels into contiguous ranges, one per lowmem thread
 # (threads.parallel_for); channel c's codes are bytes [c*M*K/8, (c+1)*M*K/8).
 
@@ -335,14 +335,11 @@ def unit_forward_exact(out, xhat, x, mean, rstd, gamma, beta):
 
 
 def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive, rounding="nearest", key=None):
-    """Normalise, quantize (rounding "nearest" or "stochastic" with the stream of `key`, as
-    quant.quantize_pack) and pack x-hat; out = relu(y), or naive's decoded relu."""
+    """Normalise, quantize (rounding "nearest" or "stochastic-window" with the stream of `key`, as
+    window.quantize_pack) and pack x-hat; out = relu(y), or naive's decoded relu."""
     C, M = x.shape
     w, top, bits, inplace = _w(qp), qp.levels - 1, qp.bits, _overlap(out, x)
-    stream = quant.stream_base(rounding, key, M)
-    if rounding == "stochastic":
-        raise ValueError("the numba kernels hold the window codes; rounding='stochastic' (the unbiased "
-                         "code) runs on the reference kernels")
+    stream = window.stream_base(window.check_window_rounding(rounding, "window_cpu.unit_forward_code"), key, M)
     stochastic = stream is not None
     base, start, row = stream if stochastic else (0, 0, M)
     base = numpy.uint64(base)

@@ -2,7 +2,7 @@
 
 Used by the engine when the backend is CuPy (`LOWMEM_BACKEND=cupy`,
 `pip install lowmem[gpu]`); the pure-array ops of lowmem/ops and
-lowmem/units/quant run on CuPy too and stay the reference (tests/units/test_units_gpu.py).
+lowmem/units/window.py run on CuPy too and stay the reference (tests/units/test_units_gpu.py).
 
 What each kernel fuses (layout (C, M) rows, M = N*H*W, as everywhere):
 
@@ -10,7 +10,7 @@ What each kernel fuses (layout (C, M) rows, M = N*H*W, as everywhere):
   unit_forward_code              BN apply + ReLU + quantize + pack in one pass; one
                                  thread per code byte; naive mode writes the decoded
                                  relu(γ·x-tilde + β) instead; nearest or stochastic
-                                 rounding (quant.random_offsets's stream, in uint64)
+                                 rounding (stream.random_offsets's stream, in uint64)
   conv_input_exact / _code       the conv's input relu(γ·x-tilde + β) under the exact
                                  decoded mask (backward's weight gradient)
   unit_backward_partial_* + _apply_*
@@ -23,7 +23,7 @@ are units/gpu_base.py's, shared with the unbiased code's set (units/unbiased_gpu
 (The other CUDA kernels sit beside what they speed up: the conv's im2col /
 col2im in lowmem/ops/columns_gpu.py, the SGD update in lowmem/train/optim_gpu.py.)
 
-The quantization grid (s, lo, k of quant.quant_params) is derived in-kernel
+The quantization grid (s, lo, k of window.quant_params) is derived in-kernel
 from γ and β, operation for operation, so the engine launches no per-unit
 CuPy ops for it.
 
@@ -31,8 +31,8 @@ Arithmetic: every float operation whose result must equal NumPy's is an
 explicit round-to-nearest helper (rn_mul, rn_add, ...: lowmem/system/cuda.py, never
 contracted to an FMA) in the data's dtype, in NumPy's order, and the program
 is also compiled with --fmad=false. Hence, for the same x-hat (the same mean
-and rstd), the packed codes equal quant.quantize_pack's byte for byte, the
-decoded x-tilde and mask equal quant.unpack_decode's, and the forward pass of
+and rstd), the packed codes equal window.quantize_pack's byte for byte, the
+decoded x-tilde and mask equal window.unpack_decode's, and the forward pass of
 approx mode is bit-identical to exact mode's. Reductions accumulate in
 float64 (compare to tolerance). float32 and float64 both compile.
 
@@ -47,7 +47,8 @@ GPU and no CuPy; `PROGRAM.sources()` returns the exact text compiled.
 import numpy
 
 from ..system import cuda
-from . import quant
+from . import packing, window
+from .widths import check_bits
 from .gpu_base import bn_stats, partials_size, rows as _rows, segments as _segments, supports  # noqa: F401 (the API)
 from .gpu_base import backward_finalize, workspace as _workspace
 from ..system.cuda import blocks as _blocks, i32 as _i32, i64 as _i64
@@ -63,7 +64,7 @@ __device__ __forceinline__ double rint_(double a)  { return rint(a); }
 __device__ __forceinline__ float  abs_(float a)    { return fabsf(a); }
 __device__ __forceinline__ double abs_(double a)   { return fabs(a); }
 
-// ---- the quantization grid of one channel: quant.quant_params, operation for operation
+// ---- the quantization grid of one channel: window.quant_params, operation for operation
 struct Grid { real s, lo; int k; };
 
 __device__ Grid unit_grid(real g, real b, int bits, real w, real window)
@@ -87,14 +88,14 @@ __device__ Grid unit_grid(real g, real b, int bits, real w, real window)
     return q;
 }
 
-// stochastic rounding's offset d in [-1/2, 1/2) of element i (quant.random_offsets): SplitMix64
+// stochastic rounding's offset d in [-1/2, 1/2) of element i (stream.random_offsets): SplitMix64
 // seeded with base = mix64(key), element i's counter base + (i + 1)*phi; 24 bits, exact in float
 __device__ __forceinline__ real offset(unsigned long long base, long long i)
 {
     return rn_mul(rn_sub((real)(int)counter_bits(base, i), (real)8388608), (real)5.9604644775390625e-08);
 }
 
-// code of one x-hat, clamped into the range its exact mask allows (quant.quantize_pack);
+// code of one x-hat, clamped into the range its exact mask allows (window.quantize_pack);
 // stochastic: + d before the floor
 __device__ __forceinline__ int encode(real xh, bool on, Grid q, real w, int L, bool stochastic, real d)
 {
@@ -107,13 +108,13 @@ __device__ __forceinline__ int encode(real xh, bool on, Grid q, real w, int L, b
     return (int)v;
 }
 
-// x-tilde of a code: the bin midpoint, flipped back (quant.decode_each_chunk's order)
+// x-tilde of a code: the bin midpoint, flipped back (window.decode_each_chunk's order)
 __device__ __forceinline__ real decode(int code, Grid q, real w)
 {
     return rn_mul(rn_add(rn_mul(rn_add((real)code, (real)0.5), w), q.lo), q.s);
 }
 
-// the conv input of one code: relu(gamma*x-tilde + beta) under the decoded mask (quant.decode_relu):
+// the conv input of one code: relu(gamma*x-tilde + beta) under the decoded mask (window.decode_relu):
 // 0 for a closed code, and 0 for an open one whose bin lies below the threshold (t beyond the window)
 __device__ __forceinline__ real open_relu(int code, Grid q, real w, real g, real b)
 {
@@ -323,24 +324,24 @@ def _saved_rows(xhat, shape, dtype):
 
 
 def _bits(qp):
-    """The bit width from a quant.QuantParams or an int (the kernels derive s, lo and k from
+    """The bit width from a window.QuantParams or an int (the kernels derive s, lo and k from
     gamma and beta themselves: the engine hands them only the width)."""
-    return quant.check_bits(getattr(qp, "bits", qp))
+    return check_bits(getattr(qp, "bits", qp))
 
 
 def _grid_args(bits, dtype):
     """The kernels' (bits, w, window) scalars: int32, then the data's float type.
-    The window's half-width W is chosen per bit width (quant.window); w = 2·W/2**bits
-    is exact in either float type, so the in-kernel grid equals quant.quant_params'."""
+    The window's half-width W is chosen per bit width (window.half_width); w = 2·W/2**bits
+    is exact in either float type, so the in-kernel grid equals window.quant_params'."""
     real = numpy.dtype(dtype).type
-    return _i32(bits), real(quant.bin_width(bits)), real(quant.window(bits))
+    return _i32(bits), real(window.bin_width(bits)), real(window.half_width(bits))
 
 
 def _check_code(packed, C, M, bits):
     if (M * bits) % 8:
         raise ValueError(f"rows of {M} elements at {bits} bits are not whole bytes "
-                         f"(use the NumPy path: quant.quantize_pack)")
-    quant._check_packed(packed, C * M, bits)
+                         f"(use the NumPy path: window.quantize_pack)")
+    packing.check_packed(packed, C * M, bits)
 
 
 # ---- the unit functions (units/window_cpu.py's signatures; units/fused.py wraps both) ------
@@ -357,17 +358,14 @@ def unit_forward_exact(out, xhat, x, mean, rstd, gamma, beta):
 
 def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive, rounding="nearest", key=None):
     """Normalise, quantize and pack x-hat into packed; out = relu(y) (approx) or the decoded
-    relu(x-tilde*gamma + beta) (naive). qp: quant.QuantParams or the bit width. rounding:
-    "nearest", or "stochastic" with the stream of `key` (quant.quantize_pack's codes)."""
+    relu(x-tilde*gamma + beta) (naive). qp: window.QuantParams or the bit width. rounding:
+    "nearest", or "stochastic-window" with the stream of `key` (window.quantize_pack's codes)."""
     _rows(x, "x")
     _rows(out, "out", x)
     C, M = x.shape
     bits = _bits(qp)
     _check_code(packed, C, M, bits)
-    if rounding == "stochastic":
-        raise ValueError("the CUDA kernels hold the window codes; rounding='stochastic' (the unbiased "
-                         "code) runs on the reference kernels")
-    stream = quant.stream_base(rounding, key, M)
+    stream = window.stream_base(window.check_window_rounding(rounding, "window_gpu.unit_forward_code"), key, M)
     base, start, row = stream if stream is not None else (0, 0, M)
     _launch("unit_forward_code", x.dtype, (_blocks(M * bits // 8), C),
             (out, packed, x, mean, rstd, gamma, beta, _i64(M), *_grid_args(bits, x.dtype),

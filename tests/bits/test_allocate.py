@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lowmem.bits import allocate, sensitivity
-from lowmem.units import quant
+from lowmem.units import packing, window
 from lowmem.tools.diagnostics import gradient_errors, synthetic_batches, warm_up
 from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
@@ -29,7 +29,7 @@ def test_solver_matches_brute_force_and_keeps_the_budget(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 6))
     sizes = rng.integers(1, 40, n) * 8                      # elements, as a unit's C*N*H*W
-    costs = [[quant.packed_nbytes(s, k) for k in (1, 2, 4, 8)] + [4 * int(s)] for s in sizes]
+    costs = [[packing.packed_nbytes(s, k) for k in (1, 2, 4, 8)] + [4 * int(s)] for s in sizes]
     errors = [sorted(rng.random(5) * s, reverse=True) for s in sizes]
     for i in range(n):
         errors[i][-1] = 0.0                                  # float: exact
@@ -69,7 +69,7 @@ def fake_sensitivity(shapes, local):
 def test_uniform_errors_and_a_uniform_budget_give_uniform_bits(K):
     # identical units whose error scales with the squared bin width (the rounding-error law)
     shapes = {f"u{i}": (16, 8, 8) for i in range(6)}
-    err = {k: quant.bin_width(k) ** 2 for k in (1, 2, 4, 8)}
+    err = {k: window.bin_width(k) ** 2 for k in (1, 2, 4, 8)}
     a = allocate.allocate(fake_sensitivity(shapes, {u: err for u in shapes}), batch_size=4, avg_bits=K)
     assert set(a.bits.values()) == {K}
     assert a.total_bytes == a.uniform_bytes[K] == a.budget
@@ -77,7 +77,7 @@ def test_uniform_errors_and_a_uniform_budget_give_uniform_bits(K):
 
 def test_allocation_favours_the_sensitive_unit_and_prints_a_table():
     shapes = {"a": (16, 8, 8), "b": (16, 8, 8)}
-    w2 = {k: quant.bin_width(k) ** 2 for k in (1, 2, 4, 8)}
+    w2 = {k: window.bin_width(k) ** 2 for k in (1, 2, 4, 8)}
     a = allocate.allocate(fake_sensitivity(shapes, {"a": {k: 100 * v for k, v in w2.items()}, "b": w2}),
                           batch_size=4, avg_bits=2.5)
     assert a.bits == {"a": 4, "b": 1}                   # 4 + 1 bits = 2 x 2.5: the budget exactly
@@ -264,7 +264,7 @@ def test_bad_batches_are_named(tiny, batches, message):
 def test_a_too_small_budget_says_what_was_given_and_the_least_before_measuring(tiny, monkeypatch):
     net, batches = tiny
     shapes, fixed = allocate.plan_parts(net, 4, (3, 8, 8))
-    least = sum(quant.packed_nbytes(int(np.prod(s)) * 4, 1) for s in shapes.values())
+    least = sum(packing.packed_nbytes(int(np.prod(s)) * 4, 1) for s in shapes.values())
     monkeypatch.setattr(sensitivity, "measure_sensitivity", lambda *a, **k: pytest.fail("measured"))
     for budget in (fixed + least - 1, fixed // 2):
         with pytest.raises(ValueError) as e:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from lowmem.tools import diagnostics
-from lowmem.units import quant
+from lowmem.units import widths
 from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
 from reference import randomize_units
@@ -169,7 +169,7 @@ def test_bits_outside_the_set_are_rejected(bits):
     with pytest.raises(ValueError, match=r"bits must be one of \{1, 2, 4, 8\}"):
         Engine(preact_resnet_cifar(8), 2, (3, 8, 8), "approx", bits=bits, allocate=False)
     with pytest.raises(ValueError, match="bits must be one of"):
-        quant.check_bits(bits)
+        widths.check_bits(bits)
 
 
 @pytest.mark.parametrize("mode", ["fast", "Approx", "", None])

@@ -12,7 +12,7 @@ import lowmem as lm
 from lowmem import models, nn
 from lowmem.core.engine import Engine
 from lowmem.core.network import NetworkError
-from lowmem.units import quant
+from lowmem.units import packing
 from lowmem.units import rangecode as rc
 from reference import batch, check_directional, randomize_units
 
@@ -116,7 +116,7 @@ def test_relu6_read_by_an_add_and_a_depthwise_bias_conv_have_exact_gradients(rng
 
 def code(x, bits):
     n = x.size
-    packed = np.zeros(quant.packed_nbytes(n, bits), np.uint8)
+    packed = np.zeros(packing.packed_nbytes(n, bits), np.uint8)
     scale, zero = np.zeros(rc.groups(n), np.float32), np.zeros(rc.groups(n), np.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                  # no RuntimeWarning at the range ends

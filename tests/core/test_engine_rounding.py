@@ -1,8 +1,8 @@
 """Stochastic rounding wired through the engine: Engine(..., rounding="stochastic-window", seed=s).
 
 * The forward (loss, logits) is exact mode's, bit for bit: only the saved codes change.
-* The codes are those of quant.quantize_pack with the key quant.stream_key(seed, step, unit
-  index) at each element's global index (quant.Stream) for every unit, on the reference and the
+* The codes are those of window.quantize_pack with the key stream.stream_key(seed, step, unit
+  index) at each element's global index (stream.Stream) for every unit, on the reference and the
   fused kernels alike; a new training
   forward (engine.step + 1) draws new codes, the same step and seed draw the same ones.
 * Nearest rounding (the default) is untouched (tests/core/test_engine_unit_bits.py: bit for bit).
@@ -14,7 +14,7 @@ import copy
 import numpy as np
 import pytest
 
-from lowmem.units import quant
+from lowmem.units import stream, window
 from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
 from lowmem.train.config import TrainConfig
@@ -50,9 +50,9 @@ def test_stochastic_codes_are_quantize_pack_with_the_unit_keys(use_fast):
     for i, u in enumerate(eng.unit_bits):
         xhat = exact.arrays[exact.saved_slots[u][0]]
         g, b = (exact.net.params[n].data for n in (u + ".weight", u + ".bias"))
-        qp = quant.quant_params(g, b, eng.unit_bits[u])
+        qp = window.quant_params(g, b, eng.unit_bits[u])
         want = np.empty_like(got[u])
-        quant.quantize_pack(want, np.ascontiguousarray(xhat), qp, "stochastic-window", quant.stream_key(7, 5, i))
+        window.quantize_pack(want, np.ascontiguousarray(xhat), qp, "stochastic-window", stream.stream_key(7, 5, i))
         assert np.array_equal(got[u], want), u
     assert any(not np.array_equal(got[u], near[u]) for u in got)      # stochastic codes differ from nearest
 

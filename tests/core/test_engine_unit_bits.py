@@ -14,7 +14,7 @@ import copy
 import numpy as np
 import pytest
 
-from lowmem.units import quant
+from lowmem.units import packing
 from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
 from lowmem.train.optim import SGD
@@ -132,7 +132,7 @@ def test_mixed_plan_saved_bytes_follow_the_per_unit_formula():
             continue
         c, h, w = eng.in_shape[L.name]
         K = eng.unit_bits[L.name]
-        body = c * N * h * w * 4 if K is None else quant.packed_nbytes(c * N * h * w, K)
+        body = c * N * h * w * 4 if K is None else packing.packed_nbytes(c * N * h * w, K)
         expect += body + c * 4                   # + rstd (C,) float32
         step = next(s for s in eng.schedule if s.phase == "fwd" and s.name == L.name)
         assert step.saved_bytes == body + c * 4

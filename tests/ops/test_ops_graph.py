@@ -269,13 +269,13 @@ def test_clip_backward_finite_differences(rng, eps, lo, hi):
 
 
 def test_packed_codes_match_lowmems_kbit_layout(rng):
-    """The 1- and 2-bit layouts are units/quant.py's pack_codes layouts (one layout for all codes)."""
-    from lowmem.units import quant
+    """The 1- and 2-bit layouts are units/packing.py's pack_codes layouts (one layout for all codes)."""
+    from lowmem.units import packing, stream
     for bits in (1, 2):
         codes = rng.integers(0, 1 << bits, 45).astype(np.uint8)
-        ours, theirs = np.empty(bitpack.packed_nbytes(45, bits), np.uint8), np.empty(quant.packed_nbytes(45, bits), np.uint8)
+        ours, theirs = np.empty(bitpack.packed_nbytes(45, bits), np.uint8), np.empty(packing.packed_nbytes(45, bits), np.uint8)
         bitpack.pack_block(ours, codes, bits)
-        quant.pack_codes(theirs, codes, bits)
+        packing.pack_codes(theirs, codes, bits)
         np.testing.assert_array_equal(ours, theirs)
         np.testing.assert_array_equal(bitpack.unpack_block(ours, 45, bits), codes)
 
@@ -324,9 +324,9 @@ def test_concat_forward_backward(rng, eps):
 
 def test_dropout_stream_key_is_units_stream_key():
     """One key derivation for every counter stream: the units' stochastic rounding and dropout."""
-    from lowmem.units import quant
+    from lowmem.units import packing, stream
     for parts in [(0, 0, 0), (1, 2, 3), (2**63, 17, 5)]:       # rank 0: the units' key has no rank
-        assert dropout.stream_key(*parts) == quant.stream_key(*parts)
+        assert dropout.stream_key(*parts) == stream.stream_key(*parts)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5])

@@ -2,17 +2,17 @@
 
 0 decodes to exactly 0 (a ReLU's zeros stay zeros); every element is within half a step of
 its decode (the group's own range, float32 steps); a constant-zero group decodes to zeros;
-codes are deterministic and the chunked encoder equals one pass (quant.CHUNK lowered)."""
+codes are deterministic and the chunked encoder equals one pass (packing.CHUNK lowered)."""
 import numpy as np
 import pytest
 
-from lowmem.units import quant
+from lowmem.units import packing
 from lowmem.units import rangecode as rc
 
 
 def code(x, bits):
     n = x.size
-    packed = np.zeros(quant.packed_nbytes(n, bits), np.uint8)
+    packed = np.zeros(packing.packed_nbytes(n, bits), np.uint8)
     scale, zero = np.zeros(rc.groups(n), np.float32), np.zeros(rc.groups(n), np.uint8)
     rc.range_encode(packed, scale, zero, x, bits)
     out = np.empty_like(x)
@@ -46,7 +46,7 @@ def test_a_zero_group_decodes_to_zeros_and_codes_are_deterministic(rng):
 def test_chunked_encoding_equals_one_pass(rng, monkeypatch):
     x = rng.standard_normal(5 * 256 + 17).astype(np.float32)
     whole = code(x, 4)
-    monkeypatch.setattr(quant, "CHUNK", 512)
+    monkeypatch.setattr(packing, "CHUNK", 512)
     chunked = code(x, 4)
     for u, v in zip(whole, chunked):
         np.testing.assert_array_equal(u, v)

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from lowmem import units
-from lowmem.units import quant, unbiased
+from lowmem.units import packing, stream, unbiased, window
 from lowmem.units.stream import Stream
 
-W2 = quant.WINDOWS[2]          # the fixed window's half-width at 2 bits
-HALF = quant.bin_width(2) / 2   # half a bin of the fixed window at 2 bits
+W2 = window.WINDOWS[2]          # the fixed window's half-width at 2 bits
+HALF = window.bin_width(2) / 2   # half a bin of the fixed window at 2 bits
 
 
 def draws(x, gamma, beta, bits, rounding, K, seed=0):
@@ -26,7 +26,7 @@ def draws(x, gamma, beta, bits, rounding, K, seed=0):
     s1 = np.zeros_like(x)
     s2 = np.zeros_like(x)
     for d in range(K):
-        xt, mask = units.quantize_simulated(x, gamma, beta, bits, rounding, quant.stream_key(seed, d, 0))
+        xt, mask = units.quantize_simulated(x, gamma, beta, bits, rounding, stream.stream_key(seed, d, 0))
         assert np.array_equal(mask, (x * gamma[:, None]) + beta[:, None] > 0)
         s1 += xt - x
         s2 += (xt - x) ** 2
@@ -98,7 +98,7 @@ def test_mask_exact_on_every_draw_and_conv_input(dtype, bits):
     slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
     xt, u = np.empty_like(x), np.empty_like(x)
     for d in range(8):
-        key = quant.stream_key(4, d, 1)
+        key = stream.stream_key(4, d, 1)
         unbiased.quantize_pack(slot, x, gamma, beta, bits, key)
         got = {}
         unbiased.decode_each_chunk(xt, slot, gamma, beta, bits,
@@ -140,11 +140,11 @@ def test_packed_equals_simulated_for_any_chunking(chunk, M, monkeypatch):
     gamma, beta = np.array([0.7, -1.1, 0.0], np.float32), np.array([0.1, 0.4, 0.3], np.float32)
     want, mask = unbiased.quantize_simulated(x, gamma, beta, 2, 99)
     relu_want = np.empty_like(x)
-    monkeypatch.setattr(quant, "CHUNK", 1 << 16)
+    monkeypatch.setattr(packing, "CHUNK", 1 << 16)
     slot = np.zeros(unbiased.slot_nbytes(3, M, 2), np.uint8)
     unbiased.quantize_pack(slot, x, gamma, beta, 2, 99)
     unbiased.decode_each_chunk(relu_want, slot, gamma, beta, 2, relu=True)
-    monkeypatch.setattr(quant, "CHUNK", chunk)
+    monkeypatch.setattr(packing, "CHUNK", chunk)
     again = np.zeros_like(slot)
     unbiased.quantize_pack(again, x, gamma, beta, 2, 99)
     np.testing.assert_array_equal(again, slot)
@@ -167,7 +167,7 @@ def test_a_shard_draws_what_the_whole_batch_draws_there():
     C, M = 3, 1024
     x = rng.standard_normal((C, M))
     gamma, beta = rng.standard_normal(C), rng.standard_normal(C) * 0.3
-    key = quant.stream_key(1, 7, 2)
+    key = stream.stream_key(1, 7, 2)
     for bits in (2, 4):                      # systematic draws, and each element's own
         whole, _ = unbiased.quantize_simulated(x, gamma, beta, bits, key)
         for r in range(2):
@@ -177,12 +177,12 @@ def test_a_shard_draws_what_the_whole_batch_draws_there():
                 assert not np.array_equal(got, whole[:, 512:])
             np.testing.assert_array_equal(got, whole[:, r * 512:(r + 1) * 512])
     # the window code too, for any split
-    whole, _ = quant.quantize_simulated(x, gamma, beta, 2, "stochastic-window", key)
+    whole, _ = window.quantize_simulated(x, gamma, beta, 2, "stochastic-window", key)
     part = np.ascontiguousarray(x[:, 300:])
-    got, _ = quant.quantize_simulated(part, gamma, beta, 2, "stochastic-window", Stream(key, 300, M))
+    got, _ = window.quantize_simulated(part, gamma, beta, 2, "stochastic-window", Stream(key, 300, M))
     np.testing.assert_array_equal(got, whole[:, 300:])
     with pytest.raises(ValueError, match="does not fit in a global row"):
-        quant.quantize_simulated(part, gamma, beta, 2, "stochastic-window", Stream(key, 400, M))
+        window.quantize_simulated(part, gamma, beta, 2, "stochastic-window", Stream(key, 400, M))
 
 
 def _levels_and_p(x, gamma, beta, bits):
@@ -211,7 +211,7 @@ def test_systematic_draws_keep_each_lane_and_sides_count(M):
     worst = {"systematic": 0.0, "independent": 0.0}
     for draws in worst:
         for d in range(5):
-            code = unbiased._encode_piece(x, lv, 0, C, 0, M, unbiased.resolve(quant.stream_key(2, d, 0), M),
+            code = unbiased._encode_piece(x, lv, 0, C, 0, M, unbiased.resolve(stream.stream_key(2, d, 0), M),
                                           draws=draws)
             up = code - np.where(mask, lv.k[:, None], 0) - np.floor(p)
             assert set(np.unique(up)) <= {0.0, 1.0}
@@ -233,7 +233,7 @@ def test_only_the_2_bit_code_draws_systematically():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((2, 700))
     gamma, beta = np.array([1.0, -1.5]), np.array([0.1, 0.4])
-    key = quant.stream_key(8, 1, 0)
+    key = stream.stream_key(8, 1, 0)
     for bits in (2, 4, 8):
         packed, _ = unbiased.quantize_simulated(x, gamma, beta, bits, key)
         want = unbiased.default_draws(bits)
@@ -256,7 +256,7 @@ def test_systematic_draws_cancel_the_group_sums_error():
     for draws in ("systematic", "independent"):
         sums = []
         for d in range(200):
-            xt, _ = unbiased.quantize_simulated(x, gamma, beta, 2, quant.stream_key(5, d, 1), draws=draws)
+            xt, _ = unbiased.quantize_simulated(x, gamma, beta, 2, stream.stream_key(5, d, 1), draws=draws)
             e = (xt - x).reshape(C, -1, unbiased.GROUP)
             m = mask.reshape(C, -1, unbiased.GROUP)
             sums.append(np.stack([(e * m).sum(axis=2), (e * ~m).sum(axis=2)]))
@@ -331,7 +331,7 @@ def test_engine_unbiased_codes_are_the_slot_of_quantize_pack(use_fast):
         g, b = (exact.net.params[n].data for n in (u + ".weight", u + ".bias"))
         slot = eng.arrays[eng.saved_slots[u][0]]
         want = np.zeros_like(slot)
-        unbiased.quantize_pack(want, np.ascontiguousarray(xhat), g, b, 2, quant.stream_key(3, 2, i))
+        unbiased.quantize_pack(want, np.ascontiguousarray(xhat), g, b, 2, stream.stream_key(3, 2, i))
         assert np.array_equal(slot, want), u
         c, h, w = eng.in_shape[u]
         assert slot.nbytes == unbiased.slot_nbytes(c, 4 * h * w, 2)
@@ -402,7 +402,7 @@ def test_the_engine_keys_each_rank_by_its_global_place_and_refuses_a_split_depen
     eng.forward(rng.standard_normal((4, 3, 8, 8)).astype(np.float32), rng.integers(0, 10, 4))
     for i, u in enumerate(eng.unit_bits):
         c, h, w = eng.in_shape[u]
-        assert eng.run.keys[u] == Stream(quant.stream_key(9, 0, i), 4 * h * w, 8 * h * w)
+        assert eng.run.keys[u] == Stream(stream.stream_key(9, 0, i), 4 * h * w, 8 * h * w)
     assert eng.split_dependent_units(64) == [] and "bn_final" in eng.split_dependent_units(4)
 
     class Config:
@@ -415,7 +415,10 @@ def test_the_engine_keys_each_rank_by_its_global_place_and_refuses_a_split_depen
     Config.batch = 256                                  # whole groups on 1 and on 2 ranks: fine
     trainstate.check_world_size(meta, Config, 1, eng.split_dependent_units, "run/c.ckpt")
     Config.rounding, Config.batch = "stochastic-window", 8     # the window code never depends on the split
-    trainstate.check_world_size(meta, Config, 1, eng.split_dependent_units, "run/c.ckpt")
+    window = Engine(copy.deepcopy(net), 4, (3, 8, 8), "approx", 2, rounding="stochastic-window", comm=Rank1(),
+                    allocate=False)
+    assert window.split_dependent_units(4) == []
+    trainstate.check_world_size(meta, Config, 1, window.split_dependent_units, "run/c.ckpt")
 
 
 def test_the_allocator_prices_bias_and_variance_apart():
@@ -465,7 +468,7 @@ def test_numba_forward_writes_the_reference_slot(bits, naive, M):
     mean, rstd = x.mean(axis=1).astype(np.float32), (1 / (x.std(axis=1) + 1e-3)).astype(np.float32)
     xhat = np.empty_like(x)
     bn_normalize(xhat, x, mean, rstd)
-    key = Stream(quant.stream_key(3, 1, 4), start=1024, row=max(4096, M + 2048))
+    key = Stream(stream.stream_key(3, 1, 4), start=1024, row=max(4096, M + 2048))
     want = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
     unbiased.quantize_pack(want, xhat, gamma, beta, bits, key)
     got, out = np.zeros_like(want), np.empty_like(x)

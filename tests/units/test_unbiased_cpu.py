@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from lowmem.ops import bn_normalize
-from lowmem.units import window_cpu, unbiased_cpu, fused, quant, unbiased
+from lowmem.units import fused, unbiased, unbiased_cpu, window, window_cpu
 from lowmem.units.reference import UnbiasedCodeUnits
 from lowmem.units.stream import Stream
 from lowmem.units.sync import SyncUnits
@@ -174,7 +174,7 @@ def test_the_kernels_split_is_unbiased_split(bits):
     k equals unbiased.split's on random values, at rint's ties (t + W)/w = n + 1/2, beyond the
     window, for tiny and zero γ and both signs of β."""
     rng = np.random.default_rng(bits)
-    W, w = np.float32(quant.window(bits)), np.float32(quant.bin_width(bits))
+    W, w = np.float32(window.half_width(bits)), np.float32(window.bin_width(bits))
     n = np.arange(-3, (1 << bits) + 3, dtype=np.float32)
     t_ties = (n + np.float32(0.5)) * w - W                      # exact in float32
     gamma = np.concatenate([rng.standard_normal(300), np.ones(n.size), -np.ones(n.size),

@@ -19,7 +19,7 @@ Three levels, each skipped where its tool is missing:
   (float64 against the NumPy engine, float32 approx-vs-exact forward, the
   memory pool's peak against the plan).
 
-The kernel tests compare with quant.quantize_pack / unpack_decode /
+The kernel tests compare with window.quantize_pack / unpack_decode /
 decode_relu and ops.bn_relu_backward / conv.im2col / conv.col2im_add /
 optim.SGD run by NumPy on the same inputs (the same mean and rstd): packed
 codes, forward outputs, conv inputs, im2col/col2im and SGD updates must be
@@ -39,7 +39,7 @@ import pytest
 import lowmem
 from lowmem.system import cuda as cuda_helper
 from lowmem.train import optim, optim_gpu
-from lowmem.units import quant
+from lowmem.units import packing, stream, widths, window
 from lowmem.units import window_gpu as cuda
 from lowmem.units import gpu_base, unbiased_gpu, unbiased
 from lowmem.units.stream import Stream
@@ -318,17 +318,17 @@ def test_forward_exact_is_bit_identical(dev, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 @pytest.mark.parametrize("naive", [False, True])
 def test_forward_code_packs_bit_identical_codes(dev, dtype, bits, naive):
     x, g, b = unit(dtype, seed=bits)
     xhat, mean, _, rstd = host_stats(x)
-    qp = quant.quant_params(g, b, bits)
-    ref = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
-    quant.quantize_pack(ref, xhat, qp)
+    qp = window.quant_params(g, b, bits)
+    ref = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
+    window.quantize_pack(ref, xhat, qp)
     ref_out = np.empty_like(x)
     if naive:
-        quant.decode_relu(ref_out, ref, qp, g, b)
+        window.decode_relu(ref_out, ref, qp, g, b)
     else:
         bn_relu_apply_forward(ref_out, xhat, g, b)
     packed, xd = dev.put(np.zeros_like(ref)), dev.put(x)
@@ -338,21 +338,21 @@ def test_forward_code_packs_bit_identical_codes(dev, dtype, bits, naive):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 @pytest.mark.parametrize("naive", [False, True])
 def test_stochastic_forward_code_packs_numpys_codes(dev, dtype, bits, naive):
-    """rounding="stochastic-window": the CUDA codes (uint64 stream in-kernel) equal quant.quantize_pack's
+    """rounding="stochastic-window": the CUDA codes (uint64 stream in-kernel) equal window.quantize_pack's
     for the same key bit for bit, and naive's decoded output; the same key gives the same codes,
     another key other ones; the mask stays exact."""
     x, g, b = unit(dtype, seed=40 + bits)
     xhat, mean, _, rstd = host_stats(x)
-    qp = quant.quant_params(g, b, bits)
-    key = quant.stream_key(1, 2, 3)
-    ref = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
-    quant.quantize_pack(ref, xhat, qp, "stochastic-window", key)
+    qp = window.quant_params(g, b, bits)
+    key = stream.stream_key(1, 2, 3)
+    ref = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
+    window.quantize_pack(ref, xhat, qp, "stochastic-window", key)
     ref_out = np.empty_like(x)
     if naive:
-        quant.decode_relu(ref_out, ref, qp, g, b)
+        window.decode_relu(ref_out, ref, qp, g, b)
     else:
         bn_relu_apply_forward(ref_out, xhat, g, b)
     args = [dev.put(a) for a in (mean, rstd, g, b)]
@@ -361,7 +361,7 @@ def test_stochastic_forward_code_packs_numpys_codes(dev, dtype, bits, naive):
     assert np.array_equal(dev.get(packed), ref)
     assert np.array_equal(dev.get(xd), ref_out)
     xt, mask = np.empty_like(x), np.empty(x.shape, bool)
-    quant.unpack_decode(xt, ref, qp, mask_out=mask)
+    window.unpack_decode(xt, ref, qp, mask_out=mask)
     assert np.array_equal(mask, (xhat * g[:, None]) + b[:, None] > 0)
     again, other = dev.put(np.zeros_like(ref)), dev.put(np.zeros_like(ref))
     cuda.unit_forward_code(dev.put(np.empty_like(x)), again, dev.put(x), *args, bits, naive, "stochastic-window", key)
@@ -373,22 +373,22 @@ def test_stochastic_forward_code_packs_numpys_codes(dev, dtype, bits, naive):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_conv_input_is_bit_identical(dev, dtype, bits):
     x, g, b = unit(dtype, seed=10 + bits)
     xhat, mean, _, rstd = host_stats(x)
-    qp = quant.quant_params(g, b, bits)
-    packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
-    quant.quantize_pack(packed, xhat, qp)
+    qp = window.quant_params(g, b, bits)
+    packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
+    window.quantize_pack(packed, xhat, qp)
     ref = np.empty_like(x)
-    quant.decode_relu(ref, packed, qp, g, b)
+    window.decode_relu(ref, packed, qp, g, b)
     u, gd, bd = dev.put(np.zeros_like(x)), dev.put(g), dev.put(b)
     cuda.conv_input(u, None, dev.put(packed), qp, gd, bd)          # a QuantParams is accepted too
     assert np.array_equal(dev.get(u), ref)
     assert not np.signbit(ref).any()            # >= 0, and +0 rather than -0
     # the data reach the beyond-the-window case: open elements whose bin midpoint gives
     # gamma*x-tilde + beta < 0 (gamma > 0 and < 0), rebuilt as 0
-    xs, ms = quant.quantize_simulated(xhat, g, b, bits)
+    xs, ms = window.quantize_simulated(xhat, g, b, bits)
     for c in beyond_window_channels(x.shape[0]):
         assert (ms[c] & (xs[c] * g[c] + b[c] < 0)).any(), c
     bn_relu_apply_forward(ref, xhat, g, b)
@@ -412,10 +412,10 @@ def test_backward_matches_numpy(dev, dtype, bits, accumulate):
     if bits is None:
         packed, xt, mask = None, xhat, None
     else:
-        packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
-        quant.quantize_pack(packed, xhat, quant.quant_params(g, b, bits))
+        packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
+        window.quantize_pack(packed, xhat, window.quant_params(g, b, bits))
         xt, mask = np.empty_like(x), np.empty(x.shape, bool)
-        quant.unpack_decode(xt, packed, quant.quant_params(g, b, bits), mask_out=mask)
+        window.unpack_decode(xt, packed, window.quant_params(g, b, bits), mask_out=mask)
     rdx, rdg, rdb = base.copy(), np.full(C, 0.5, dtype), np.full(C, -0.25, dtype)
     bn_relu_backward(rdx, rdg, rdb, dr.copy(), xt, g, b, rstd, relu_mask=mask, accumulate=accumulate)
     dgd, dbd = dev.put(np.full(C, 0.5, dtype)), dev.put(np.full(C, -0.25, dtype))
@@ -754,7 +754,7 @@ def test_unbiased_forward_and_decode_are_the_reference(dev, dtype, bits, naive):
     x, g, b = unit(dtype, C=7, M=776, seed=bits)
     g[2], b[3], b[4] = 0, 9.0, -9.0
     xhat, mean, _, rstd = host_stats(x)
-    key = Stream(quant.stream_key(2, 3, 4), start=776, row=3 * 776)
+    key = Stream(stream.stream_key(2, 3, 4), start=776, row=3 * 776)
     C, M = x.shape
     want = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
     unbiased.quantize_pack(want, xhat, g, b, bits, key)
@@ -793,7 +793,7 @@ def test_unbiased_backward_matches_the_reference(dev, dtype, bits, accumulate, M
     xhat, mean, _, rstd = host_stats(x)
     C, M = x.shape
     slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
-    unbiased.quantize_pack(slot, xhat, g, b, bits, Stream(quant.stream_key(5, 6, 7)))
+    unbiased.quantize_pack(slot, xhat, g, b, bits, Stream(stream.stream_key(5, 6, 7)))
     xt, mask = np.empty_like(x), np.empty(x.shape, bool)
 
     def keep_mask(out_block, open_block, r0, r1, c0, c1):

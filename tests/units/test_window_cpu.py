@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from lowmem.units import quant
+from lowmem.units import packing, stream, widths, window
 from lowmem.system import threads
 from lowmem.units import window_cpu as fast
 from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
@@ -46,43 +46,43 @@ def test_forward_exact_matches_numpy_given_same_stats():
     assert np.array_equal(xhat, ref_xhat) and np.array_equal(out, ref_out)
 
 
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 @pytest.mark.parametrize("naive", [False, True])
 def test_forward_code_equals_numpy_quantizer(bits, naive):
     x, g, b = unit(seed=bits)
     mean, var, rstd = stats(x)
     xhat = (x - mean[:, None]) * rstd[:, None]
-    qp = quant.quant_params(g, b, bits)
-    packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
+    qp = window.quant_params(g, b, bits)
+    packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
     out = x.copy()
     fast.unit_forward_code(out, packed, out, mean, rstd, g, b, qp, naive)   # in place, like the engine
     ref = np.empty_like(packed)
-    quant.quantize_pack(ref, xhat, qp)
+    window.quantize_pack(ref, xhat, qp)
     assert np.array_equal(packed, ref)
     ref_out = np.empty_like(x)
     if naive:
-        quant.decode_relu(ref_out, ref, qp, g, b)
+        window.decode_relu(ref_out, ref, qp, g, b)
     else:
         bn_relu_apply_forward(ref_out, xhat, g, b)
     assert np.array_equal(out, ref_out)
 
 
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_conv_input_equals_decode_relu(bits):
     x, g, b = unit(seed=10 + bits)
     mean, var, rstd = stats(x)
     xhat = (x - mean[:, None]) * rstd[:, None]
-    qp = quant.quant_params(g, b, bits)
-    packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
-    quant.quantize_pack(packed, xhat, qp)
+    qp = window.quant_params(g, b, bits)
+    packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
+    window.quantize_pack(packed, xhat, qp)
     u, ref = np.empty_like(x), np.empty_like(x)
     fast.conv_input(u, None, packed, qp, g, b)
-    quant.decode_relu(ref, packed, qp, g, b)
+    window.decode_relu(ref, packed, qp, g, b)
     assert np.array_equal(u, ref)
     assert not np.signbit(u).any()              # >= 0, and +0 rather than -0
     # the data reach the beyond-the-window case: open elements whose bin midpoint gives
     # gamma*x-tilde + beta < 0 (gamma > 0 and < 0), rebuilt as 0
-    xs, ms = quant.quantize_simulated(xhat, g, b, bits)
+    xs, ms = window.quantize_simulated(xhat, g, b, bits)
     for c in beyond_window_channels(x.shape[0]):
         assert (ms[c] & (xs[c] * g[c] + b[c] < 0)).any(), c
     fast.conv_input(u, xhat, None, None, g, b)
@@ -103,11 +103,11 @@ def test_backward_matches_numpy(bits, accumulate):
     if bits is None:
         qp, packed, xt, mask = None, None, xhat, None
     else:
-        qp = quant.quant_params(g, b, bits)
-        packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
-        quant.quantize_pack(packed, xhat, qp)
+        qp = window.quant_params(g, b, bits)
+        packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
+        window.quantize_pack(packed, xhat, qp)
         xt, mask = np.empty_like(x), np.empty(x.shape, bool)
-        quant.unpack_decode(xt, packed, qp, mask_out=mask)
+        window.unpack_decode(xt, packed, qp, mask_out=mask)
     dx, dg, db = base.copy(), np.zeros(C, F), np.zeros(C, F)
     fast.unit_backward(dx, dg, db, dr.copy(), xhat, packed, qp, g, b, rstd, accumulate)
     rdx, rdg, rdb = base.copy(), np.zeros(C, F), np.zeros(C, F)
@@ -136,7 +136,7 @@ def long_rows(request, monkeypatch):
     threads.configure(before)
 
 
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 @pytest.mark.parametrize("inplace", [True, False])
 def test_codes_cross_blocks_and_threads(long_rows, bits, inplace):
     """Codes, outputs and decodes stay bit-exact across block and thread-range boundaries,
@@ -144,18 +144,18 @@ def test_codes_cross_blocks_and_threads(long_rows, bits, inplace):
     x, g, b = unit(C=5, M=long_rows, seed=30 + bits)
     mean, var, rstd = stats(x)
     xhat = (x - mean[:, None]) * rstd[:, None]
-    qp = quant.quant_params(g, b, bits)
-    packed, ref = (np.empty(quant.packed_nbytes(x.size, bits), np.uint8) for _ in range(2))
+    qp = window.quant_params(g, b, bits)
+    packed, ref = (np.empty(packing.packed_nbytes(x.size, bits), np.uint8) for _ in range(2))
     out = x.copy() if inplace else np.full_like(x, np.nan)
     fast.unit_forward_code(out, packed, out if inplace else x, mean, rstd, g, b, qp, False)
-    quant.quantize_pack(ref, xhat, qp)
+    window.quantize_pack(ref, xhat, qp)
     assert np.array_equal(packed, ref)
     ref_out = np.empty_like(x)
     bn_relu_apply_forward(ref_out, xhat, g, b)
     assert np.array_equal(out, ref_out)
     u, ref_u = np.empty_like(x), np.empty_like(x)
     fast.conv_input(u, None, packed, qp, g, b)
-    quant.decode_relu(ref_u, packed, qp, g, b)
+    window.decode_relu(ref_u, packed, qp, g, b)
     assert np.array_equal(u, ref_u)
     xh2, out2 = np.empty_like(x), x.copy()
     fast.unit_forward_exact(out2, xh2, out2, mean, rstd, g, b)
@@ -174,11 +174,11 @@ def test_backward_in_place_across_blocks_and_threads(long_rows, bits, accumulate
     if bits is None:
         qp, packed, xt, mask = None, None, xhat, None
     else:
-        qp = quant.quant_params(g, b, bits)
-        packed = np.empty(quant.packed_nbytes(x.size, bits), np.uint8)
-        quant.quantize_pack(packed, xhat, qp)
+        qp = window.quant_params(g, b, bits)
+        packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
+        window.quantize_pack(packed, xhat, qp)
         xt, mask = np.empty_like(x), np.empty(x.shape, bool)
-        quant.unpack_decode(xt, packed, qp, mask_out=mask)
+        window.unpack_decode(xt, packed, qp, mask_out=mask)
     C = x.shape[0]
     prior = rng.standard_normal(x.shape).astype(F)
     dx = prior.copy() if accumulate else dr.copy()      # not accumulating: dx is the gradient buffer
@@ -222,37 +222,37 @@ def test_col2im_equals_numpy_reference(dtype, k, stride, pad, H, W):
     assert conv.columns_for(np) is conv.NUMBA
 
 
-# ---- stochastic rounding: the same codes as quant.quantize_pack for the same key --------------
+# ---- stochastic rounding: the same codes as window.quantize_pack for the same key --------------
 
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 @pytest.mark.parametrize("naive", [False, True])
 @pytest.mark.parametrize("inplace", [True, False])
 def test_stochastic_codes_equal_numpy_across_blocks_and_threads(long_rows, bits, naive, inplace):
     """rounding="stochastic-window": the numba codes (and naive's decoded output) equal
-    quant.quantize_pack's for the same key bit for bit, with rows of 2.5 blocks split over
+    window.quantize_pack's for the same key bit for bit, with rows of 2.5 blocks split over
     threads (the stream counts the global element index c*M + i); another key gives other codes,
     the same key the same ones, and the mask stays exact."""
     x, g, b = unit(C=5, M=long_rows, seed=50 + bits)
     mean, var, rstd = stats(x)
     xhat = (x - mean[:, None]) * rstd[:, None]
-    qp = quant.quant_params(g, b, bits)
-    key = quant.stream_key(7, 3, 2)
-    packed, ref = (np.empty(quant.packed_nbytes(x.size, bits), np.uint8) for _ in range(2))
+    qp = window.quant_params(g, b, bits)
+    key = stream.stream_key(7, 3, 2)
+    packed, ref = (np.empty(packing.packed_nbytes(x.size, bits), np.uint8) for _ in range(2))
     out = x.copy() if inplace else np.full_like(x, np.nan)
     fast.unit_forward_code(out, packed, out if inplace else x, mean, rstd, g, b, qp, naive, "stochastic-window", key)
-    quant.quantize_pack(ref, xhat, qp, "stochastic-window", key)
+    window.quantize_pack(ref, xhat, qp, "stochastic-window", key)
     assert np.array_equal(packed, ref)
     ref_out = np.empty_like(x)
     if naive:
-        quant.decode_relu(ref_out, ref, qp, g, b)
+        window.decode_relu(ref_out, ref, qp, g, b)
     else:
         bn_relu_apply_forward(ref_out, xhat, g, b)       # approx: the forward is exact still
     assert np.array_equal(out, ref_out)
     xt, mask = np.empty_like(x), np.empty(x.shape, bool)
-    quant.unpack_decode(xt, packed, qp, mask_out=mask)
+    window.unpack_decode(xt, packed, qp, mask_out=mask)
     assert np.array_equal(mask, (xhat * g[:, None]) + b[:, None] > 0)
     near = np.empty_like(packed)
-    quant.quantize_pack(near, xhat, qp)
+    window.quantize_pack(near, xhat, qp)
     again, other = np.empty_like(packed), np.empty_like(packed)
     fast.unit_forward_code(np.empty_like(x), again, x, mean, rstd, g, b, qp, naive, "stochastic-window", key)
     fast.unit_forward_code(np.empty_like(x), other, x, mean, rstd, g, b, qp, naive, "stochastic-window", key + 1)

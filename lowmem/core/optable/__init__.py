@@ -37,7 +37,7 @@ its key in OPS), a builder method in lowmem/core/network.py and lowmem/nn.py
 """
 import math
 
-from ...units import quant
+from ...units import packing
 from ...system import threads
 from ...ops.batchnorm import ROW_BLOCK
 from .base import BN_MOMENTUM, MAX_POOL_WINDOW, BatchStatisticsError, Op
@@ -62,7 +62,7 @@ STEP_ONLY = ("loss", "average", "copy", "addgrad")   # ops of the schedule, neve
 
 def step_temporaries(net, out_shape, unit_sizes, N, itemsize, decodes):
     """[(what, bytes)]: bounds on the NumPy temporaries one step allocates beyond the plan
-    (lowmem/ops, lowmem/units/quant), which the plan states but does not hold. out_shape: {layer:
+    (lowmem/ops, lowmem/units/window.py), which the plan states but does not hold. out_shape: {layer:
     per-sample output shape}; unit_sizes: {batch norm: its input (C, H, W)}; decodes: some unit's
     kernel set decodes codes through quantizer chunks."""
     weights = [int(math.prod(shape)) for _, shape, _ in net.param_shapes()]
@@ -72,7 +72,7 @@ def step_temporaries(net, out_shape, unit_sizes, N, itemsize, decodes):
     units = [c * N * h * w for (c, h, w) in unit_sizes.values()] or [0]
     out.append(("a BN row block (x2)", 2 * min(max(units), max(ROW_BLOCK, max(rows))) * itemsize))
     if decodes:
-        out.append(("quantizer chunks", (2 * itemsize + 4) * min(quant.CHUNK, max(units))))
+        out.append(("quantizer chunks", (2 * itemsize + 4) * min(packing.CHUNK, max(units))))
     per_op = {}                         # the ops' own bounds (each entry's `temporary`)
     for L in net.layers:
         what, nbytes = OPS[L.op].temporary(L, out_shape[L.name], itemsize) or ("", 0)

@@ -1,6 +1,6 @@
 """The k x k pools' entries: max-pool (keeps a 4-bit window index per output, exact) and
 average pool (keeps nothing). Their backward writes the input gradient (Op.route)."""
-from ...units import quant
+from ...units import packing
 from ...ops import maxpool_forward, maxpool_backward, avgpool2d_forward, avgpool2d_backward
 from ...ops import pool
 from ..network import NetworkError
@@ -21,7 +21,7 @@ class MaxPool(Op):
     @staticmethod
     def plan(step, N, units, dtype, budget):
         L, (co, ho, wo) = step.layer, step.out_shape
-        return [(f"{L.name}.argmax", "saved", (quant.packed_nbytes(co * N * ho * wo, 4),), "uint8"),
+        return [(f"{L.name}.argmax", "saved", (packing.packed_nbytes(co * N * ho * wo, 4),), "uint8"),
                 (f"{L.name}.index", "workspace", (co, N, ho, wo), "uint8")]
 
     @staticmethod
@@ -38,7 +38,7 @@ class MaxPool(Op):
     @staticmethod
     def _argmax(run, step):
         co, ho, wo = step.out_shape
-        return run.arrays[step.saved[0]][:quant.packed_nbytes(co * run.n * ho * wo, 4)]
+        return run.arrays[step.saved[0]][:packing.packed_nbytes(co * run.n * ho * wo, 4)]
 
     @staticmethod
     def forward(run, step):
@@ -46,13 +46,13 @@ class MaxPool(Op):
         maxpool_forward(run.act(step.dst, step.out_shape), idx, run.act(step.src, step.in_shape),
                         L.k, L.stride, L.pad)
         if run.training:
-            quant.pack_codes(MaxPool._argmax(run, step), idx.reshape(-1), 4)
+            packing.pack_codes(MaxPool._argmax(run, step), idx.reshape(-1), 4)
 
     @staticmethod
     def backward(run, step):
         # saved: argmax, exact (a 4-bit window index per output)
         L, idx = step.layer, MaxPool._index(run, step)
-        quant.unpack_codes(idx.reshape(-1), MaxPool._argmax(run, step), 4)
+        packing.unpack_codes(idx.reshape(-1), MaxPool._argmax(run, step), 4)
         maxpool_backward(run.act(step.dx, step.in_shape), run.act(step.dout, step.out_shape), idx,
                          L.k, L.stride, L.pad)
 

@@ -15,7 +15,7 @@ import numpy
 from .. import argtypes
 from ...system import backend, memory as sysmem
 from ...bits.auto import choose_widths
-from ...units.quant import ROUNDINGS
+from ...units.widths import ROUNDINGS
 from ...core.engine import Engine
 from .. import diagnostics as D
 from ..options import FLAG_NAMES, build_network, describe, mode_label, model_arguments, unit_widths

@@ -21,9 +21,8 @@ import traceback
 from .. import argtypes
 from ... import models
 from ...system import backend, distributed
-from ...units import quant
 from ...core.engine import DTYPES
-from ...units.widths import MODES
+from ...units.widths import MODES, ROUNDINGS
 from ...system.memory import NotEnoughMemory
 from ...train.config import SCHEDULES, ConfigError, TrainConfig
 from ...train.stop import Interrupted, preparing
@@ -98,7 +97,7 @@ def add_arguments(parser):
     opt("--rounding", "rounding", "how x-hat becomes a code: nearest (the fixed window), stochastic (unbiased "
         "everywhere: group ends stored, 2.125 bits/elem at --bits 2), or stochastic-window (stochastic inside "
         "the fixed window only); the ReLU mask is exact and the draws follow --seed and the iteration",
-        choices=quant.ROUNDINGS)
+        choices=ROUNDINGS)
     opt("--dtype", "dtype", "float32 | float64", choices=DTYPES)
     opt("--batch", "batch", "batch size (also the planned batch of the engine)", type=argtypes.positive)
     opt("--epochs", "epochs", "epochs to train in total (including those already done)", type=argtypes.positive)

@@ -1,4 +1,4 @@
-"""The K-bit quantizer and packer for a unit's normalised activation x̂.
+"""The fixed-window code: the K-bit quantizer of a unit's normalised activation x̂ (the paper's).
 
 Each BN->ReLU unit keeps one packed K-bit code of `x̂` (K in {8, 4, 2, 1}):
 K/8 bytes per element (1, 0.5, 0.25, 0.125) plus a few per-channel numbers,
@@ -34,7 +34,7 @@ The grid, per channel c (all in units of x̂, i.e. of the batch std):
 * Decode: x̃ = s · (lo + (code + 0.5)·w), the bin midpoint. Every W is a
   multiple of 1/4 and w = m·2**e with an odd integer m < 64, so (code + 0.5)·w,
   k·w and w/2 are exact in float32 and float64: the one rounding of the
-  decode is the `+ lo`. `window` rejects a W breaking this.
+  decode is the `+ lo`. `half_width` rejects a W breaking this.
 
 The grid needs only γ and β: no min/max pass over the data, deterministic.
 
@@ -45,14 +45,15 @@ side): the mask stays exact on every draw, the decode is the midpoint. Unbiased 
 between the midpoints of its side's lowest and highest code; within half a bin of the
 threshold and at or beyond the window's ends the clamp biases it (docs/quantizer.md §6).
 "stochastic" is the unbiased group-range code of units/unbiased.py (same packing, same
-mask rule); `quantize_simulated` dispatches to it. Packing: units/packing.py.
+mask rule); which code a unit keeps is units/widths.py's rule, and
+`lowmem.units.quantize_simulated` takes any rounding. Packing: units/packing.py.
 
-Memory: quantize_pack, unpack_decode, decode_relu, pack_codes and unpack_codes walk the
-array in chunks of CHUNK flat elements (a multiple of 8: every chunk starts on a byte
-boundary) with chunk-sized scratch only, about 20 bytes per CHUNK element (36 with the
-stream). `quantize_simulated` is the whole-array reference the packed path matches bit for bit.
+Memory: quantize_pack, unpack_decode and decode_relu walk the array in chunks of
+packing.CHUNK flat elements (a multiple of 8: every chunk starts on a byte boundary) with
+chunk-sized scratch only, about 20 bytes per CHUNK element (36 with the stream).
+`quantize_simulated` is the whole-array reference the packed path matches bit for bit.
 
-Not here: choosing K, storing rstd, the backward maths (batchnorm/relu ops).
+Not here: choosing K, storing rstd, the backward maths (batchnorm/relu ops), the other codes.
 
 Dimension legend: C channels, M = N·H·W elements per channel; activations
 are channels-major, so a unit's x̂ is a C-contiguous (C, M) array.
@@ -64,36 +65,21 @@ import numbers
 import numpy
 
 from ..system.backend import array_module
-from .widths import BITS
-from .packing import _pack_block, _pieces, _unpack_block  # noqa: F401
-from .stream import (GOLDEN, MASK64, MIX1, MIX2, OFFSET_BITS, Stream, check_key, mix64,  # noqa: F401
-                     draw_bits, mix64_array as _mix64_array, random_offsets, resolve, stream_key)
-
-CHUNK = 1 << 16     # flat elements per chunk; a multiple of 8 (tests lower it)
+from .packing import check_packed, chunk_size, chunks, pack_block, packed_nbytes, unpack_block
+from .stream import OFFSET_BITS, draw_bits, resolve
+from .widths import check_bits, check_rounding
 # Half-width W of the window per bit width K, in x̂ units: the grid covers
 # about ±W. Chosen from measured gradient errors (benchmarks/window_sweep.py,
 # docs/quantizer.md §1b); the paper's ±3 for every K saturates too much at 8 bits.
 WINDOWS = {8: 5.5, 4: 3.5, 2: 2.5, 1: 2.0}
 MAX_ODD = 64        # w = m·2**e with odd m < MAX_ODD keeps (code + 0.5)·w exact in float32
-ROUNDINGS = ("nearest", "stochastic", "stochastic-window")
-WINDOW_ROUNDINGS = ("nearest", "stochastic-window")     # the codes of this module
+ROUNDINGS = ("nearest", "stochastic-window")     # how this code's codes may be drawn (widths.ROUNDINGS)
 
 # (bits, W) -> float(W) of each checked window (quant_params runs per unit per step; keyed by value)
 _CHECKED = {}
 
 
-def check_bits(bits):
-    """Return `bits` as an int if it is one of 8, 4, 2, 1; else ValueError."""
-    if bits.__class__ is int and bits in BITS:          # the common case, without the ABC checks
-        return bits
-    ok = (isinstance(bits, numbers.Integral) and not isinstance(bits, bool)
-          and int(bits) in BITS)
-    if not ok:
-        raise ValueError(f"bits must be one of {{1, 2, 4, 8}}, got {bits!r}")
-    return int(bits)
-
-
-def window(bits):
+def half_width(bits):
     """W, the half-width of the quantization window for `bits`, in x̂ units; checked exact: w =
     2·W/2**bits is m·2**e with odd m < MAX_ODD, so (code + 0.5)·w, k·w, w/2 are exact in float32."""
     bits = check_bits(bits)
@@ -103,12 +89,12 @@ def window(bits):
     except (KeyError, TypeError):                       # first call for this W (or W unhashable)
         pass
     if not (isinstance(W, numbers.Real) and math.isfinite(W) and W > 0):
-        raise ValueError(f"quant.WINDOWS[{bits}] must be a positive finite number, got {W!r}")
+        raise ValueError(f"window.WINDOWS[{bits}] must be a positive finite number, got {W!r}")
     num = fractions.Fraction(float(W)).numerator      # w = 2W/L has the same odd part
     while num % 2 == 0:
         num //= 2
     if num >= MAX_ODD:
-        raise ValueError(f"quant.WINDOWS[{bits}] = {W!r} gives a bin width whose odd part "
+        raise ValueError(f"window.WINDOWS[{bits}] = {W!r} gives a bin width whose odd part "
                          f"{num} is not below {MAX_ODD}: (code + 0.5)*w would round "
                          f"(use a multiple of 1/4 such as 2.75 or 4.5)")
     _CHECKED[bits, W] = float(W)
@@ -116,43 +102,31 @@ def window(bits):
 
 
 def bin_width(bits):
-    """w = 2·W/2**bits, the bin width for `bits` in x̂ units (exact: see `window`)."""
-    return 2 * window(bits) / (1 << check_bits(bits))
+    """w = 2·W/2**bits, the bin width for `bits` in x̂ units (exact: see `half_width`)."""
+    return 2 * half_width(bits) / (1 << check_bits(bits))
 
 
-def packed_nbytes(n, bits):
-    """Bytes holding n K-bit codes: ceil(n*bits/8)."""
-    return (int(n) * check_bits(bits) + 7) // 8
-
-
-def check_rounding(rounding):
-    """Return `rounding` if it is one of ROUNDINGS; else ValueError."""
-    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {', '.join(map(repr, ROUNDINGS))}, got {rounding!r}")
+def check_window_rounding(rounding, where="the window code"):
+    """Return `rounding` if this code draws with it (ROUNDINGS); else ValueError naming `where`."""
+    if check_rounding(rounding) not in ROUNDINGS:
+        raise ValueError(f"{where} draws its codes with {' or '.join(map(repr, ROUNDINGS))}, got {rounding!r}: "
+                         f"the unbiased code (units/unbiased.py) is rounding='stochastic' (units/widths.py's code_for)")
     return rounding
 
 
 def stream_base(rounding, key, M):
     """resolve()'s (base, start, row) of the stream for rows of M local elements (units/stream.py);
     None for nearest (which ignores key). Stochastic rounding without a key is a ValueError."""
-    if check_rounding(rounding) == "nearest":
+    if check_window_rounding(rounding) == "nearest":
         return None
     return resolve(key, M, what=rounding)
-
-
-def _chunk(n=None):
-    """The current CHUNK, checked (tests set it small); with n, no more than n rounded up to
-    a multiple of 8, so a small array gets small scratch."""
-    if CHUNK <= 0 or CHUNK % 8:
-        raise ValueError(f"quant.CHUNK must be a positive multiple of 8, got {CHUNK}")
-    return CHUNK if n is None else min(CHUNK, max(8, (int(n) + 7) // 8 * 8))
 
 
 class QuantParams:
     """Per-channel quantization grid of one unit (all tiny, (C,) arrays on xp).
 
-    bits, levels (L = 2**bits), window (W = window(bits)), w (bin width
-    2·W/L, a Python float: exact in any float dtype, see `window`), dtype
+    bits, levels (L = 2**bits), window (W = half_width(bits)), w (bin width
+    2·W/L, a Python float: exact in any float dtype, see `half_width`), dtype
     (of γ, β and x̂).
     s     (C,) dtype   +1 or −1: the axis flip, u = s·x̂ (+1 where γ == 0)
     lo    (C,) dtype   lower edge of code 0, in u; always within w/2 of −W
@@ -165,7 +139,7 @@ class QuantParams:
     def __init__(self, bits, s, lo, k, gamma, beta):
         self.bits = bits
         self.levels = 1 << bits
-        self.window = window(bits)
+        self.window = half_width(bits)
         self.w = bin_width(bits)
         self.s, self.lo, self.k = s, lo, k
         self.gamma, self.beta = gamma, beta
@@ -198,7 +172,7 @@ def quant_params(gamma, beta, bits):
                          f"got {gamma.dtype} and {beta.dtype}")
     dt = gamma.dtype
     L = 1 << bits
-    W, w = window(bits), bin_width(bits)
+    W, w = half_width(bits), bin_width(bits)
     zero = gamma == 0
     with numpy.errstate(over="ignore", divide="ignore", invalid="ignore"):
         # t = -β/|γ| may overflow to ±inf for tiny γ; the clips below absorb it.
@@ -225,11 +199,7 @@ def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
     The unbiased code ("stochastic") is units/unbiased.py's; `lowmem.units.quantize_simulated`
     takes any rounding.
     """
-    if check_rounding(rounding) == "stochastic":
-        if check_bits(bits) > 1:
-            raise ValueError("quant.quantize_simulated holds the window codes; the unbiased code "
-                             "(rounding='stochastic') is lowmem.units.quantize_simulated's")
-        rounding = "nearest"            # 1 bit: no unbiased code exists (units/reference.py)
+    check_window_rounding(rounding, "window.quantize_simulated")
     xp = array_module(xhat)
     qp = quant_params(gamma, beta, bits)
     L, w = qp.levels, qp.w
@@ -247,16 +217,6 @@ def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
     return xtilde, mask
 
 
-# ---- chunk walking --------------------------------------------------------
-
-def _chunks(n, M):
-    """Yield (a, b, pieces) over the flat index in CHUNK steps."""
-    step = _chunk()
-    for a in range(0, n, step):
-        b = min(a + step, n)
-        yield a, b, _pieces(a, b, M)
-
-
 def _rows(a, C, name, dtype=None):
     """`a` viewed as (C, M) without a copy; clear errors otherwise."""
     if a.ndim < 2 or a.shape[0] != C:
@@ -266,43 +226,6 @@ def _rows(a, C, name, dtype=None):
     if dtype is not None and a.dtype != dtype:
         raise ValueError(f"{name} must have dtype {numpy.dtype(dtype).name}, got {a.dtype}")
     return a.reshape(C, -1)
-
-
-def _check_packed(packed, n, bits, name="packed"):
-    want = packed_nbytes(n, bits)
-    if packed.dtype != numpy.uint8 or packed.ndim != 1 or packed.size != want:
-        raise ValueError(f"{name} must be uint8 of shape ({want},) for {n} codes at "
-                         f"{bits} bits, got {packed.dtype} {packed.shape}")
-
-
-# ---- packing (the raw bit ops: units/packing.py) ---------------------------
-
-def pack_codes(packed_out, codes, bits):
-    """Pack uint8 codes (any contiguous shape, values < 2**bits, n in all)
-    into packed_out (packed_nbytes(n, bits),) uint8, chunked."""
-    bits = check_bits(bits)
-    xp = array_module(codes)
-    codes = codes.reshape(-1)
-    _check_packed(packed_out, codes.size, bits, "packed_out")
-    step = _chunk(codes.size)
-    tmp = xp.empty(step * bits // 8, numpy.uint8)
-    for a in range(0, codes.size, step):
-        b = min(a + step, codes.size)
-        _pack_block(packed_out[a * bits // 8:(b * bits + 7) // 8], codes[a:b], bits, tmp)
-
-
-def unpack_codes(codes_out, packed, bits):
-    """Unpack packed (packed_nbytes(n, bits),) uint8 into codes_out (n codes,
-    any contiguous uint8 shape). Allocates nothing."""
-    bits = check_bits(bits)
-    if codes_out.dtype != numpy.uint8 or not codes_out.flags.c_contiguous:
-        raise ValueError(f"codes_out must be C-contiguous uint8, got {codes_out.dtype}")
-    flat = codes_out.reshape(-1)                    # a view, written in place
-    _check_packed(packed, flat.size, bits)
-    step = _chunk()
-    for a in range(0, flat.size, step):
-        b = min(a + step, flat.size)
-        _unpack_block(flat[a:b], packed[a * bits // 8:(b * bits + 7) // 8], bits)
 
 
 # ---- quantize / decode ----------------------------------------------------
@@ -321,23 +244,21 @@ def quantize_pack(packed_out, xhat, qp, rounding="nearest", key=None):
     C, L, w, bits = qp.channels, qp.levels, qp.w, qp.bits
     x2 = _rows(xhat, C, "xhat", qp.dtype)
     n, M = x2.size, x2.shape[1]
-    _check_packed(packed_out, n, bits, "packed_out")
-    if check_rounding(rounding) not in WINDOW_ROUNDINGS:
-        raise ValueError(f"quant.quantize_pack packs the window codes ('nearest', 'stochastic-window'), "
-                         f"got {rounding!r}: the unbiased code is units/unbiased.py's")
+    check_packed(packed_out, n, bits, "packed_out")
+    check_window_rounding(rounding, "window.quantize_pack")
     stream = stream_base(rounding, key, M)
     # the mask clamp as one clip per element: [lower, upper] =
     # mask ? [k, L-1] : [0, k-1], i.e. lower = mask*k, upper = mask*(L-k) + k-1
     kf = qp.k.astype(qp.dtype)
     span = (L - qp.k).astype(qp.dtype)
     km1 = (qp.k - 1).astype(qp.dtype)
-    step = _chunk(n)
+    step = chunk_size(n)
     v = xp.empty(step, qp.dtype)        # the code, as a float, while it is built
     bound = xp.empty(step, qp.dtype)    # lower, then upper clamp
     mask = xp.empty(step, bool)
     codes = xp.empty(step, numpy.uint8)
     tmp = xp.empty(step * bits // 8, numpy.uint8)
-    for a, b, pieces in _chunks(n, M):
+    for a, b, pieces in chunks(n, M):
         for r0, r1, c0, c1, off in pieces:
             shape, cnt = (r1 - r0, c1 - c0), (r1 - r0) * (c1 - c0)
             x = x2[r0:r1, c0:c1]
@@ -367,7 +288,7 @@ def quantize_pack(packed_out, xhat, qp, rounding="nearest", key=None):
             xp.add(bb, km1[rows, None], out=bb)
             xp.minimum(vv, bb, out=vv)
             xp.copyto(codes[off:off + cnt].reshape(shape), vv, casting="unsafe")
-        _pack_block(packed_out[a * bits // 8:(b * bits + 7) // 8], codes[:b - a], bits, tmp)
+        pack_block(packed_out[a * bits // 8:(b * bits + 7) // 8], codes[:b - a], bits, tmp)
 
 
 def decode_each_chunk(out, packed, qp, extra=None):
@@ -382,16 +303,16 @@ def decode_each_chunk(out, packed, qp, extra=None):
     if o2.dtype.kind != "f":
         raise ValueError(f"out must be a float array, got {o2.dtype}")
     n, M = o2.size, o2.shape[1]
-    _check_packed(packed, n, bits)
-    codes = xp.empty(_chunk(n), numpy.uint8)
-    for a, b, pieces in _chunks(n, M):
-        _unpack_block(codes[:b - a], packed[a * bits // 8:(b * bits + 7) // 8], bits)
+    check_packed(packed, n, bits)
+    codes = xp.empty(chunk_size(n), numpy.uint8)
+    for a, b, pieces in chunks(n, M):
+        unpack_block(codes[:b - a], packed[a * bits // 8:(b * bits + 7) // 8], bits)
         for r0, r1, c0, c1, off in pieces:
             ob = o2[r0:r1, c0:c1]
             cb = codes[off:off + ob.size].reshape(ob.shape)
             xp.copyto(ob, cb)                       # exact: small integers
             xp.add(ob, 0.5, out=ob)
-            xp.multiply(ob, w, out=ob)              # exact: w = m·2**e, m odd < 64 (window())
+            xp.multiply(ob, w, out=ob)              # exact: w = m·2**e, m odd < 64 (half_width())
             xp.add(ob, qp.lo[r0:r1, None], out=ob)  # the one rounding
             xp.multiply(ob, qp.s[r0:r1, None], out=ob)
             if extra is not None:
@@ -438,7 +359,7 @@ def decode_relu(out, packed, qp, gamma, beta):
     element already has (x̃·γ) + β > 0 and is unchanged (docs/quantizer.md §3b).
     """
     xp = array_module(packed)
-    off_mask = xp.empty(_chunk(out.size), bool)
+    off_mask = xp.empty(chunk_size(out.size), bool)
 
     def affine_relu(ob, cb, r0, r1, c0, c1):
         xp.multiply(ob, gamma[r0:r1, None], out=ob)

@@ -3,7 +3,7 @@
 Each property of the quantizer (docs/quantizer.md) is checked against its definition written out here
 (the exact mask is the engine's expression), then the packed, chunked path
 is checked to equal the simulated one bit for bit. The window's half-width
-W = q.window(K) differs per bit width, so every property is checked for each
+W = q.half_width(K) differs per bit width, so every property is checked for each
 K on data and thresholds placed relative to *that* K's window.
 """
 import fractions
@@ -13,7 +13,8 @@ import warnings
 import numpy as np
 import pytest
 
-from lowmem.units import quant as q
+from lowmem.units import packing, stream, widths
+from lowmem.units import window as q
 
 DTYPES = (np.float64, np.float32)
 
@@ -37,7 +38,7 @@ CASES = [
 def window_edges(bits):
     """(gamma, beta) whose thresholds lie exactly on, half a bin inside and half a
     bin outside K's window ±W, and on the edge of the lo clip: for every sign of gamma."""
-    W, w = q.window(bits), q.bin_width(bits)
+    W, w = q.half_width(bits), q.bin_width(bits)
     out = []
     for t in (W, W - w / 2, W + w / 2, W - w, 1.5 * W, W + 2 * w):
         for sg in (1.0, -1.0):
@@ -53,7 +54,7 @@ def make_case(dtype, seed=0, m_random=200, bits=None):
     W/3 for K's window W (random and fixed x̂, the thresholds of CASES), plus
     thresholds on and next to ±W (window_edges) and x̂ at ±W, ±(W ∓ w/2)."""
     rng = np.random.default_rng(seed)
-    scale = 1.0 if bits is None else q.window(bits) / 3
+    scale = 1.0 if bits is None else q.half_width(bits) / 3
     edges = [] if bits is None else window_edges(bits)
     g = [c[0] for c in CASES] + list(rng.normal(size=8) * 2) + [e[0] for e in edges]
     b = ([c[1] * scale for c in CASES] + list(rng.normal(size=8) * 3 * scale)
@@ -62,7 +63,7 @@ def make_case(dtype, seed=0, m_random=200, bits=None):
     C = gamma.size
     fixed = [0.0, -0.0] + [v * scale for v in (3.0, -3.0, 2.99, -2.99, 3.5, -3.5, 10.0, -10.0)] + [1e6, -1e6]
     if bits is not None:
-        W, w = q.window(bits), q.bin_width(bits)
+        W, w = q.half_width(bits), q.bin_width(bits)
         fixed += [W, -W, W - w / 2, -(W - w / 2), W + w / 2, -(W + w / 2)]
     fixed = np.array(fixed, dtype)
     near = np.zeros((C, 9), dtype)
@@ -86,7 +87,7 @@ def exact_mask(xhat, gamma, beta):
 
 def packed_roundtrip(xhat, gamma, beta, bits):
     qp = q.quant_params(gamma, beta, bits)
-    packed = np.empty(q.packed_nbytes(xhat.size, bits), np.uint8)
+    packed = np.empty(packing.packed_nbytes(xhat.size, bits), np.uint8)
     q.quantize_pack(packed, xhat, qp)
     xt = np.empty_like(xhat)
     mask = np.empty(xhat.shape, bool)
@@ -97,23 +98,23 @@ def packed_roundtrip(xhat, gamma, beta, bits):
 # ---- property 1: the ReLU mask is exact -----------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_mask_exact_every_element(dtype, bits):
     gamma, beta, x = make_case(dtype, bits=bits)
     want = exact_mask(x, gamma, beta)
     _, _, mask, qp = packed_roundtrip(x, gamma, beta, bits)
     np.testing.assert_array_equal(mask, want)
     # the mask really is carried by the codes: code >= k
-    packed = np.empty(q.packed_nbytes(x.size, bits), np.uint8)
+    packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
     q.quantize_pack(packed, x, qp)
     codes = np.empty(x.shape, np.uint8)
-    q.unpack_codes(codes, packed, bits)
+    packing.unpack_codes(codes, packed, bits)
     np.testing.assert_array_equal(codes >= qp.k[:, None], want)
     assert codes.max() < 2 ** bits
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", (None,) + q.BITS)
+@pytest.mark.parametrize("bits", (None,) + widths.BITS)
 def test_threshold_neighbourhood_is_really_tested(dtype, bits):
     # guard on make_case: the ±ulp columns straddle the threshold, so the
     # mask flips inside them for ordinary channels and the window-edge ones
@@ -124,11 +125,11 @@ def test_threshold_neighbourhood_is_really_tested(dtype, bits):
         assert near[c].any() and not near[c].all(), (gamma[c], beta[c])
 
 
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_one_sided_clamp_would_fail(bits):
     # why both sides are clamped: with beta/gamma far outside the window the
     # raw bin index alone puts elements on the wrong side of k
-    scale = q.window(bits) / 3                  # the same picture for K's window
+    scale = q.half_width(bits) / 3                  # the same picture for K's window
     gamma, beta = np.array([1.0, 1.0]), np.array([10.0, -10.0]) * scale
     x = np.array([[-5.0, 0.0, 2.0], [12.0, 2.0, -1.0]]) * scale
     qp = q.quant_params(gamma, beta, bits)
@@ -141,11 +142,11 @@ def test_one_sided_clamp_would_fail(bits):
 # ---- property 2: bounded error, saturation ---------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_error_bounded_inside_window(dtype, bits):
     gamma, beta, x = make_case(dtype, bits=bits)
     _, xt, _, qp = packed_roundtrip(x, gamma, beta, bits)
-    w, W = qp.w, q.window(bits)
+    w, W = qp.w, q.half_width(bits)
     assert qp.window == W and w == 2 * W / 2 ** bits
     tol = 64 * np.finfo(dtype).eps           # rounding of (u - lo)/w and of the decode
     inside = np.abs(x) <= W - w / 2           # covered for every gamma, beta
@@ -156,11 +157,11 @@ def test_error_bounded_inside_window(dtype, bits):
     assert np.abs(xt).max() <= W + tol
 
 
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_window_arithmetic_is_exact(bits):
     # K's window keeps the decode exact: (code + 0.5)*w, k*w and w/2 carry no
     # rounding in float32 or float64, so the one rounding of x̃ is the + lo
-    W, w = q.window(bits), q.bin_width(bits)
+    W, w = q.half_width(bits), q.bin_width(bits)
     F = fractions.Fraction
     assert F(w) == F(W) * 2 / 2 ** bits and 0 < W < 16
     codes = np.arange(2 ** bits)
@@ -177,24 +178,24 @@ def test_window_arithmetic_is_exact(bits):
 @pytest.mark.parametrize("bad", [0.1, 3.01, 1 / 3, 4.03125, 0.0, -3.0, float("nan"), float("inf"), "3", None])
 def test_window_rejects_inexact_or_bad(bad, monkeypatch):
     monkeypatch.setitem(q.WINDOWS, 4, bad)
-    with pytest.raises(ValueError, match=r"quant\.WINDOWS\[4\]") as e:
-        q.window(4)
+    with pytest.raises(ValueError, match=r"window\.WINDOWS\[4\]") as e:
+        q.half_width(4)
     assert repr(bad) in str(e.value)
-    with pytest.raises(ValueError, match=r"quant\.WINDOWS\[4\]"):
+    with pytest.raises(ValueError, match=r"window\.WINDOWS\[4\]"):
         q.quant_params(np.ones(2), np.zeros(2), 4)
-    q.window(8)                                 # the other widths are unaffected
+    q.half_width(8)                                 # the other widths are unaffected
 
 
 def test_window_accepts_quarter_multiples(monkeypatch):
     for W in (0.25, 2.75, 4.5, 7.75, 3):
         monkeypatch.setitem(q.WINDOWS, 8, W)
-        assert q.window(8) == W and q.bin_width(8) == 2 * W / 256
+        assert q.half_width(8) == W and q.bin_width(8) == 2 * W / 256
 
 
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_saturation_at_end_bins(bits):
     gamma, beta = np.array([1.0, -1.0]), np.array([0.0, 0.0])
-    far = 2 * q.window(bits)                    # well beyond K's window
+    far = 2 * q.half_width(bits)                    # well beyond K's window
     x = np.array([[-1e6, -far, far, 1e6], [-1e6, -far, far, 1e6]])
     _, xt, _, qp = packed_roundtrip(x, gamma, beta, bits)
     L, w = 2 ** bits, qp.w
@@ -204,11 +205,11 @@ def test_saturation_at_end_bins(bits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_grid_edge_on_threshold_and_centred(dtype, bits):
     gamma, beta, _ = make_case(dtype, bits=bits)
     qp = q.quant_params(gamma, beta, bits)
-    L, w, W = 2 ** bits, qp.w, q.window(bits)
+    L, w, W = 2 ** bits, qp.w, q.half_width(bits)
     nz = gamma != 0
     # gamma != 0: both sides keep a code; the window stays within w/2 of centred
     assert np.all((qp.k[nz] >= 1) & (qp.k[nz] <= L - 1))
@@ -225,10 +226,10 @@ def test_grid_edge_on_threshold_and_centred(dtype, bits):
     np.testing.assert_array_equal(qp.k[~nz], np.where(beta[~nz] > 0, 0, L))
 
 
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_gamma_zero_plain_grid(bits):
     rng = np.random.default_rng(1)
-    W = q.window(bits)
+    W = q.half_width(bits)
     x = rng.normal(size=(2, 300)) * 2 * W / 3
     gamma, beta = np.array([0.0, 0.0]), np.array([0.7, -0.7])
     _, xt, mask, qp = packed_roundtrip(x, gamma, beta, bits)
@@ -240,7 +241,7 @@ def test_gamma_zero_plain_grid(bits):
 
 # ---- property 3: deterministic, gamma/beta only ----------------------------
 
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_deterministic_and_data_independent_grid(bits):
     gamma, beta, x = make_case(np.float32, bits=bits)
     p1, x1, m1, _ = packed_roundtrip(x, gamma, beta, bits)
@@ -257,18 +258,18 @@ def test_deterministic_and_data_independent_grid(bits):
 
 # ---- property 4: packing -----------------------------------------------------
 
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 @pytest.mark.parametrize("n", [1, 7, 8, 13, 1001])
 @pytest.mark.parametrize("chunk", [8, 64, 1 << 16])
 def test_pack_unpack_bit_exact(bits, n, chunk, monkeypatch):
-    monkeypatch.setattr(q, "CHUNK", chunk)
+    monkeypatch.setattr(packing, "CHUNK", chunk)
     rng = np.random.default_rng(n)
     codes = rng.integers(0, 2 ** bits, size=n, dtype=np.uint8)
-    packed = np.empty(q.packed_nbytes(n, bits), np.uint8)
+    packed = np.empty(packing.packed_nbytes(n, bits), np.uint8)
     assert packed.size == -(-n * bits // 8)
-    q.pack_codes(packed, codes, bits)
+    packing.pack_codes(packed, codes, bits)
     back = np.empty(n, np.uint8)
-    q.unpack_codes(back, packed, bits)
+    packing.unpack_codes(back, packed, bits)
     np.testing.assert_array_equal(back, codes)
     # the layout itself: element i at bit (i % (8/K))*K of byte i // (8/K)
     per = 8 // bits
@@ -283,21 +284,21 @@ def test_pack_unpack_bit_exact(bits, n, chunk, monkeypatch):
 
 def test_pack_layout_examples():
     out = np.empty(2, np.uint8)
-    q.pack_codes(out, np.array([1, 2, 3, 0, 1], np.uint8), 2)
+    packing.pack_codes(out, np.array([1, 2, 3, 0, 1], np.uint8), 2)
     assert out.tolist() == [1 | 2 << 2 | 3 << 4, 1]
     out = np.empty(1, np.uint8)
-    q.pack_codes(out, np.array([0xA, 0x5], np.uint8), 4)
+    packing.pack_codes(out, np.array([0xA, 0x5], np.uint8), 4)
     assert out.tolist() == [0x5A]
     bits1 = np.array([1, 0, 1, 1, 0, 0, 0, 1, 1, 1], np.uint8)
     out = np.empty(2, np.uint8)
-    q.pack_codes(out, bits1, 1)
+    packing.pack_codes(out, bits1, 1)
     np.testing.assert_array_equal(out, np.packbits(bits1, bitorder="little"))
 
 
 # ---- the ladder: packed == simulated, bit for bit ----------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_packed_equals_simulated(dtype, bits):
     gamma, beta, x = make_case(dtype, seed=2, bits=bits)
     xs, ms = q.quantize_simulated(x, gamma, beta, bits)
@@ -309,7 +310,7 @@ def test_packed_equals_simulated(dtype, bits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1), (7, 13), (5, 1001), (1, 100)])
 def test_chunk_size_does_not_change_results(dtype, bits, shape, monkeypatch):
     # small CHUNKs split rows (M > CHUNK) and span several short rows
@@ -321,7 +322,7 @@ def test_chunk_size_does_not_change_results(dtype, bits, shape, monkeypatch):
     ref = packed_roundtrip(x, gamma, beta, bits)
     xs, ms = q.quantize_simulated(x, gamma, beta, bits)
     for chunk in (8, 64, 24):
-        monkeypatch.setattr(q, "CHUNK", chunk)
+        monkeypatch.setattr(packing, "CHUNK", chunk)
         got = packed_roundtrip(x, gamma, beta, bits)
         for a, b in zip(got[:3], ref[:3]):
             np.testing.assert_array_equal(a, b)
@@ -334,7 +335,7 @@ def test_accepts_channels_major_4d():
     x = rng.normal(size=(3, 2, 5, 5))
     gamma, beta = np.array([1.0, -2.0, 0.0]), np.array([0.1, 0.2, 0.3])
     qp = q.quant_params(gamma, beta, 4)
-    packed = np.empty(q.packed_nbytes(x.size, 4), np.uint8)
+    packed = np.empty(packing.packed_nbytes(x.size, 4), np.uint8)
     q.quantize_pack(packed, x, qp)
     xt = np.empty_like(x)
     q.unpack_decode(xt, packed, qp)
@@ -343,9 +344,9 @@ def test_accepts_channels_major_4d():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_decode_relu(dtype, bits, monkeypatch):
-    monkeypatch.setattr(q, "CHUNK", 64)
+    monkeypatch.setattr(packing, "CHUNK", 64)
     gamma, beta, x = make_case(dtype, bits=bits)
     packed, _, _, qp = packed_roundtrip(x, gamma, beta, bits)
     out = np.full_like(x, np.nan)
@@ -362,13 +363,13 @@ def test_decode_relu(dtype, bits, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_conv_input_past_the_window(dtype, bits, sign):
     """The conv input rebuilt from the code is >= 0 on the open side and 0 on the closed side
     for every threshold, inside the window or far outside it on either side, for both signs of
     gamma; strictly positive where the threshold lies below the top bin's midpoint."""
-    W, w = q.window(bits), q.bin_width(bits)
+    W, w = q.half_width(bits), q.bin_width(bits)
     ts = np.array([-1e6, -10 * W, -2 * W, -W - w, -W, 0.0, W - w, W, W + w / 4, W + w, 2 * W,
                    10 * W, 1e6])
     gamma = np.full(ts.size, sign * 0.5, dtype)
@@ -412,7 +413,7 @@ def test_conv_input_example_of_the_issue():
 
 def stochastic_roundtrip(xhat, gamma, beta, bits, key):
     qp = q.quant_params(gamma, beta, bits)
-    packed = np.empty(q.packed_nbytes(xhat.size, bits), np.uint8)
+    packed = np.empty(packing.packed_nbytes(xhat.size, bits), np.uint8)
     q.quantize_pack(packed, xhat, qp, "stochastic-window", key)
     xt = np.empty_like(xhat)
     mask = np.empty(xhat.shape, bool)
@@ -422,19 +423,19 @@ def stochastic_roundtrip(xhat, gamma, beta, bits, key):
 
 def test_the_stream_is_splitmix64():
     # SplitMix64 seeded with 0: its published first outputs are mix64(i*phi), i = 1, 2, 3
-    assert [q.mix64(i * q.GOLDEN) for i in (1, 2, 3)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4,
+    assert [stream.mix64(i * stream.GOLDEN) for i in (1, 2, 3)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4,
                                                           0x06C45D188009454F]
     # random_offsets is that stream seeded with mix64(key), 24 bits, exact; no overflow warnings
     key = 0xFFFF_FFFF_FFFF_FFFF
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for dtype in DTYPES:
-            d = q.random_offsets(key, 300, dtype, start=2 ** 40)
-            want = [((q.mix64(q.mix64(key) + (i + 1) * q.GOLDEN) >> 40) - 2 ** 23) / 2 ** 24
+            d = stream.random_offsets(key, 300, dtype, start=2 ** 40)
+            want = [((stream.mix64(stream.mix64(key) + (i + 1) * stream.GOLDEN) >> 40) - 2 ** 23) / 2 ** 24
                     for i in range(2 ** 40, 2 ** 40 + 300)]
             assert d.dtype == dtype
             np.testing.assert_array_equal(d, np.array(want, dtype))
-    d = q.random_offsets(3, 1 << 16, np.float64)
+    d = stream.random_offsets(3, 1 << 16, np.float64)
     assert d.min() >= -0.5 and d.max() < 0.5 and (d * 2 ** 24 == np.round(d * 2 ** 24)).all()
     # uniform: 16 equal bins each within 5 standard deviations of 4096 draws
     counts = np.histogram(d, 16, (-0.5, 0.5))[0]
@@ -442,23 +443,23 @@ def test_the_stream_is_splitmix64():
 
 
 def test_stream_key():
-    keys = {q.stream_key(seed, step, unit) for seed in range(3) for step in range(20)
+    keys = {stream.stream_key(seed, step, unit) for seed in range(3) for step in range(20)
             for unit in range(10)}
     assert len(keys) == 3 * 20 * 10 and all(0 <= k < 2 ** 64 for k in keys)
-    assert q.stream_key(1, 2, 3) == q.stream_key(np.int64(1), 2, 3)
+    assert stream.stream_key(1, 2, 3) == stream.stream_key(np.int64(1), 2, 3)
     with pytest.raises(TypeError):
-        q.stream_key(1, 2, 3, 0)                    # no rank: the global index tells shards apart
+        stream.stream_key(1, 2, 3, 0)                    # no rank: the global index tells shards apart
     with pytest.raises(ValueError, match=r"key must be an integer in \[0, 2\*\*64\)"):
-        q.stream_key(-1, 0, 0)
+        stream.stream_key(-1, 0, 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_stochastic_packed_equals_simulated(dtype, bits, monkeypatch):
     gamma, beta, x = make_case(dtype, seed=2, bits=bits)
     xs, ms = q.quantize_simulated(x, gamma, beta, bits, "stochastic-window", 12345)
-    for chunk in (q.CHUNK, 8, 24, 64):                  # pieces and chunks split rows
-        monkeypatch.setattr(q, "CHUNK", chunk)
+    for chunk in (packing.CHUNK, 8, 24, 64):                  # pieces and chunks split rows
+        monkeypatch.setattr(packing, "CHUNK", chunk)
         _, xt, mask, _ = stochastic_roundtrip(x, gamma, beta, bits, 12345)
         np.testing.assert_array_equal(xt, xs)
         np.testing.assert_array_equal(mask, ms)
@@ -466,7 +467,7 @@ def test_stochastic_packed_equals_simulated(dtype, bits, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_stochastic_mask_exact_on_every_draw(dtype, bits):
     # make_case: gamma of both signs, 0, -0, tiny; thresholds in, on the edge of and far outside
     # the window on both sides; x-hat within ulps of every threshold
@@ -474,13 +475,13 @@ def test_stochastic_mask_exact_on_every_draw(dtype, bits):
     want = exact_mask(x, gamma, beta)
     nearest = packed_roundtrip(x, gamma, beta, bits)[0]
     near_codes = np.empty(x.shape, np.uint8)
-    q.unpack_codes(near_codes, nearest, bits)
+    packing.unpack_codes(near_codes, nearest, bits)
     differs = 0
     for draw in range(20):
-        packed, _, mask, qp = stochastic_roundtrip(x, gamma, beta, bits, q.stream_key(0, draw, 3))
+        packed, _, mask, qp = stochastic_roundtrip(x, gamma, beta, bits, stream.stream_key(0, draw, 3))
         np.testing.assert_array_equal(mask, want)
         codes = np.empty(x.shape, np.uint8)
-        q.unpack_codes(codes, packed, bits)
+        packing.unpack_codes(codes, packed, bits)
         np.testing.assert_array_equal(codes >= qp.k[:, None], want)
         assert codes.max() < 2 ** bits
         differs += not np.array_equal(packed, nearest)
@@ -489,7 +490,7 @@ def test_stochastic_mask_exact_on_every_draw(dtype, bits):
     assert differs == 20          # the draws do round differently (at 1 bit: the gamma = 0 channels)
 
 
-@pytest.mark.parametrize("bits", q.BITS)
+@pytest.mark.parametrize("bits", widths.BITS)
 def test_stochastic_is_deterministic_per_key(bits):
     gamma, beta, x = make_case(np.float32, bits=bits)
     a = stochastic_roundtrip(x, gamma, beta, bits, 77)[0]
@@ -499,7 +500,7 @@ def test_stochastic_is_deterministic_per_key(bits):
     assert not np.array_equal(a, c)     # at 1 bit through the gamma = 0 channels (both codes allowed)
     # nearest ignores the key; stochastic needs one
     qp = q.quant_params(gamma, beta, bits)
-    n0, n1 = (np.empty(q.packed_nbytes(x.size, bits), np.uint8) for _ in range(2))
+    n0, n1 = (np.empty(packing.packed_nbytes(x.size, bits), np.uint8) for _ in range(2))
     q.quantize_pack(n0, x, qp)
     q.quantize_pack(n1, x, qp, "nearest", 77)
     np.testing.assert_array_equal(n0, n1)
@@ -530,7 +531,7 @@ def test_stochastic_rounding_is_unbiased_within_the_window(bits):
     w*sqrt(p(1-p)/K); tolerance 6 standard errors plus 3 flips' worth (3w/K: the binomial's skew
     where K*p is small). Over all elements together, the mean deviation within 5 of its
     standard errors. Fixed data and keys: deterministic."""
-    W, w, L = q.window(bits), q.bin_width(bits), 2 ** bits
+    W, w, L = q.half_width(bits), q.bin_width(bits), 2 ** bits
     # gamma of both signs and 0; thresholds inside, beyond the top and below the bottom
     gamma = np.array([1.0, -0.7, 2.0, 1.0, -1.0, 1.0, 0.0, 0.0, -0.5])
     beta = np.array([0.3, -0.2, 1.1, -10 * W, -10 * W, 10 * W, 1.0, -1.0, 0.8]) * np.abs(gamma + (gamma == 0))
@@ -548,7 +549,7 @@ def test_stochastic_rounding_is_unbiased_within_the_window(bits):
     want_mask = exact_mask(x, gamma, beta)
     all_nearest = np.ones(x.shape, bool)
     for draw in range(K):
-        xt, mask = q.quantize_simulated(x, gamma, beta, bits, "stochastic-window", q.stream_key(0, draw, 0))
+        xt, mask = q.quantize_simulated(x, gamma, beta, bits, "stochastic-window", stream.stream_key(0, draw, 0))
         np.testing.assert_array_equal(mask, want_mask)
         total += xt
         all_nearest &= xt == nearest
@@ -589,10 +590,10 @@ def test_stochastic_bias_regions_are_half_a_bin_at_the_threshold():
     x = np.array([[t + w / 8, t + 3 * w / 8, t + 5 * w / 8, t + 7 * w / 8]])
     codes = []
     for draw in range(200):
-        packed = np.empty(q.packed_nbytes(4, bits), np.uint8)
+        packed = np.empty(packing.packed_nbytes(4, bits), np.uint8)
         q.quantize_pack(packed, x, qp, "stochastic-window", draw)
         c = np.empty(4, np.uint8)
-        q.unpack_codes(c, packed, bits)
+        packing.unpack_codes(c, packed, bits)
         codes.append(c)
     codes = np.array(codes) - qp.k[0]
     assert (codes[:, :2] == 0).all()
@@ -609,10 +610,10 @@ def test_scratch_bounded_by_chunk():
     gamma, beta = rng.normal(size=C), rng.normal(size=C)
     bits = 4
     qp = q.quant_params(gamma, beta, bits)
-    packed = np.empty(q.packed_nbytes(x.size, bits), np.uint8)
+    packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
     xt = np.empty_like(x)
     mask = np.empty(x.shape, bool)
-    bound = 24 * q.CHUNK + (1 << 16)               # ~20 B per chunk element + slack
+    bound = 24 * packing.CHUNK + (1 << 16)               # ~20 B per chunk element + slack
     assert bound < x.nbytes / 4
     tracemalloc.start()
     try:
@@ -629,7 +630,7 @@ def test_scratch_bounded_by_chunk():
         tracemalloc.reset_peak()
         q.quantize_pack(packed, x, qp, "stochastic-window", 5)
         peak = tracemalloc.get_traced_memory()[1] - base
-        assert peak < bound + 24 * q.CHUNK, (peak, bound)
+        assert peak < bound + 24 * packing.CHUNK, (peak, bound)
     finally:
         tracemalloc.stop()
 
@@ -639,15 +640,15 @@ def test_scratch_bounded_by_chunk():
 @pytest.mark.parametrize("bad", [0, 3, 16, -1, "4", 4.0, None, True])
 def test_check_bits_rejects(bad):
     with pytest.raises(ValueError, match=r"bits must be one of \{1, 2, 4, 8\}") as e:
-        q.check_bits(bad)
+        widths.check_bits(bad)
     assert repr(bad) in str(e.value)
 
 
 def test_check_bits_accepts_ints():
     for b in (1, 2, 4, 8, np.int64(4), np.uint8(2)):
-        assert q.check_bits(b) == int(b) and type(q.check_bits(b)) is int
-    assert q.packed_nbytes(13, 1) == 2 and q.packed_nbytes(13, 8) == 13
-    assert q.packed_nbytes(0, 4) == 0
+        assert widths.check_bits(b) == int(b) and type(widths.check_bits(b)) is int
+    assert packing.packed_nbytes(13, 1) == 2 and packing.packed_nbytes(13, 8) == 13
+    assert packing.packed_nbytes(0, 4) == 0
 
 
 def test_bad_shapes_and_dtypes():
