@@ -27,7 +27,7 @@ The tables are rewritten after every network (a stopped sweep keeps what it meas
 
 The choice rule: for each K, the candidate W with the smallest mean, over the networks,
 of the median per-tensor gradient error. The table marks it, and marks window.WINDOWS's
-current value; the two should agree (the window in quant.py is set from this table).
+current value; the two should agree (the window in units/window.py is set from this table).
 
 Only dyadic-friendly W are allowed (window.half_width checks: w = m·2**e with small odd m):
 multiples of 1/4 such as 2.75, 4.5.

@@ -66,7 +66,7 @@ class ExactUnits:
 
 
 class CodeUnits(ExactUnits):
-    """x-hat saved as a packed K-bit code (quant.py); x-tilde decoded where it is needed."""
+    """x-hat saved as a packed K-bit window code (window.py); x-tilde decoded where it is needed."""
 
     decodes = True
 
