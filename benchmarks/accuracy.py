@@ -203,7 +203,7 @@ def train_run(args, data, spec, seed, on_step=None, on_epoch=None, log=print):
         log("    allocation: " + ", ".join(f"{u} {k}" for u, k in a.bits.items())
             + f"; saved x-hat {a.total_bytes:,} B (uniform 2-bit {a.uniform_bytes[2]:,} B)")
     elif spec.bits == "auto":                   # resumed: the checkpoint's widths
-        extra = {"bits": trainer.config.bits}
+        extra = {"bits": trainer.widths}
     if on_step is not None:
         on_step(trainer, None)                  # the checkpoint before the first (or resumed) step
     result = trainer.fit()

@@ -125,6 +125,28 @@ def bits_label(mode, unit_bits):
     return ", ".join(w if len(counts) == 1 else f"{w} x{c}" for w, c in counts.items())
 
 
+def owns(arrays, params, name):
+    """RuntimeError unless an engine holds arrays (allocate=True) and its network's parameters
+    `params` {name: Parameter} are still the planned arrays (a second engine rebinds them)."""
+    if arrays is None:
+        raise RuntimeError("this Engine was built with allocate=False: it has a plan and a "
+                           "schedule but no arrays; build it with allocate=True to run it")
+    for p in params.values():
+        if p.data is not arrays[p.name]:
+            raise RuntimeError(f"the parameters of {name} now belong to another Engine "
+                               f"(parameter {p.name} was rebound); build one Engine per network, "
+                               f"e.g. Engine(copy.deepcopy(net), ...) for a second one")
+
+
+def sync_bn(norm_sizes, unit_sizes):
+    """Refuse synchronized batch norm where a batch norm is no BN->ReLU unit's (it syncs units only)."""
+    alone = sorted(set(norm_sizes) - set(unit_sizes))
+    if alone:
+        raise ValueError(f"sync_bn synchronizes the BN->ReLU units only; {', '.join(alone[:3])} "
+                         f"{'is a batch norm' if len(alone) == 1 else 'are batch norms'} without a "
+                         f"ReLU after it (train without sync_bn)")
+
+
 def batch_norm(unit_sizes, n, what):
     """Refuse a batch n whose unit (C, H, W) would normalise one value per channel."""
     for name, (c, h, w) in unit_sizes.items():

@@ -7,10 +7,11 @@
 
 Built once (__init__): `schedule.walk` checks the network (the rules of nn.check,
 raising NetworkError), infers every shape and plans the backward buffers; each
-BN->ReLU unit gets its kernel set for its own bit width (`kernels.select_units`),
-the convs their im2col / col2im functions (`ops.conv.columns_for`); the op table (lowmem/core/optable.py) says what each layer keeps, so the plan lists
-every array before one exists; everything is allocated from the plan at once,
-and the handlers' view of it is one runstate.RunState.
+BN->ReLU unit gets its kernel set for its own bit width (`units.select_units`),
+the convs their im2col / col2im functions (`ops.conv.columns_for`);
+`plan.training_plan` sizes every array from shapes alone (the op table,
+lowmem/core/optable/, says what each layer keeps); everything is allocated from
+the plan at once, and the handlers' view of it is one runstate.RunState.
 
 One training step, in the order the code runs it:
   1. `forward` checks the batch, copies it (and the labels) into the planned
@@ -47,8 +48,8 @@ from ..units import rangecode, stream
 from ..units.widths import check_rounding
 from ..ops import dropout
 from ..ops.conv import columns_for
-from .optable import OPS, BatchStatisticsError, step_temporaries
-from .plan import Plan, bind_parameters
+from .optable import OPS, BatchStatisticsError
+from .plan import bind_parameters, code_bits, training_plan
 from ..system.memory import fmt_bytes
 from .runstate import RunState
 from .schedule import walk
@@ -60,6 +61,8 @@ __all__ = ["Engine", "DTYPES", "DEFAULT_WORKSPACE_BYTES", "BatchStatisticsError"
 
 
 class Engine:
+    """Built once (plan, schedule, kernel sets, arrays), then runs training steps and predictions."""
+
     def __init__(self, net, batch_size, input_shape, mode="exact", bits=4, dtype="float32",
                  workspace_bytes=DEFAULT_WORKSPACE_BYTES, allocate=True, use_fast=None,
                  comm=None, sync_bn=False, rounding="nearest", seed=0):
@@ -110,18 +113,17 @@ class Engine:
         self._norm_sizes = {L.name: self.in_shape[L.name] for L in net.layers if OPS[L.op].norm}
         self._keyed = [L.name for L in net.layers if OPS[L.op].keyed]      # dropout: its mask's stream
         self.rank_keyed_layers = tuple(self._keyed)     # their draws follow the rank's shard (a resume checks)
-        if self.sync_bn and len(self._norm_sizes) > len(self._unit_sizes):
-            alone = sorted(set(self._norm_sizes) - set(self._unit_sizes))
-            raise ValueError(f"sync_bn synchronizes the BN->ReLU units only; {', '.join(alone[:3])} "
-                             f"{'is a batch norm' if len(alone) == 1 else 'are batch norms'} without a "
-                             f"ReLU after it (train without sync_bn)")
+        if self.sync_bn:
+            checks.sync_bn(self._norm_sizes, self._unit_sizes)
         checks.batch_norm(self._norm_sizes, self.N, "batch_size")
         sizes = self._sizes(self.N)
         self.fused = kernels.fused_applies(self.xp, self.dtype, sizes) if use_fast is None else bool(use_fast)
         self.selected = self._select_units(sizes)
-        self.plan, self.saved_slots = self._make_plan(workspace_bytes)
+        self.plan, self.saved_slots = training_plan(
+            net, self.schedule, self.N, self.dtype, self.input_shape, self.selected, self.keeper, self._norm_sizes,
+            workspace_bytes, lambda C: kernels.partials_size(self.xp, C, self.fused), self.sync_bn)
         self.nbytes = {e.name: e.nbytes for e in self.plan.entries}
-        self.unit_code_bits = self._code_bits()
+        self.unit_code_bits = code_bits(self.plan, self.saved_slots, self.unit_bits, self._unit_sizes, self.N)
         self.schedule.fill_slots(self.saved_slots, self.nbytes,
                                  checks.width_labels(self.mode, self.unit_bits, self.unit_code_bits))
         self.arrays = self.run = None
@@ -145,7 +147,7 @@ class Engine:
         """{unit: kernel set} the current (or last) batch runs on."""
         return self.run.units if self.run is not None else self.selected
 
-    # ------------------------------------------------------------ units, plan
+    # ------------------------------------------------------------ units
     def _sizes(self, n):
         return [n * h * w for (_, h, w) in self._unit_sizes.values()]
 
@@ -164,73 +166,6 @@ class Engine:
             units = {name: wrapped[id(u)] for name, u in units.items()}
         return units
 
-    def _make_plan(self, workspace_bytes):
-        """The memory plan, from shapes alone; and {layer: its saved slot names}."""
-        N, dt, plan, net = self.N, self.dtype, Plan(), self.net
-        specs = net.param_shapes()
-        for kind, suffix in (("params", ""), ("optimizer", ".momentum")):
-            for name, shape, _ in specs:
-                plan.add(name + suffix, kind, shape, dt)
-        # one flat buffer each for the gradients and the running statistics: p.grad and the
-        # statistics are views into them, and a data-parallel step sums each in one allreduce
-        plan.add("grads", "grads", (sum(int(math.prod(sh)) for _, sh, _ in specs),), dt)
-        plan.add("bn.running", "stats", (sum(int(math.prod(sh)) for _, sh in net.stat_shapes()),), dt)
-        max_c = max((c for (c, _, _) in self._norm_sizes.values()), default=1)
-        plan.add("bn.batch_mean", "stats", (max_c,), dt)
-        plan.add("bn.batch_var", "stats", (max_c,), dt)
-        partials = kernels.partials_size(self.xp, max_c, self.fused)
-        if partials:
-            plan.add("bn.partials", "workspace", (partials,), "float64")
-        if self.sync_bn:                          # the 2C sums each unit exchanges
-            plan.add("sync.bn", "workspace", (2 * max_c,), "float64")
-
-        # the shared buffers the walk planned by liveness: each holds the largest tensor,
-        # gradient or scratch it ever holds (schedule.buffers: per-sample elements)
-        for b, per_sample in self.schedule.buffers.items():
-            plan.add(b, "buffers", (per_sample * N,), dt)
-        head = net.layers[-1]                     # the classifier (the walk checked the head)
-        plan.add("logits", "buffers", (N, head.cout), dt)
-        plan.add("dlogits", "buffers", (N, head.cout), dt)
-        plan.add("dfeat", "buffers", (N, head.cin), dt)
-
-        # what backward needs: the batch itself, then what each layer keeps (optable: `plan`)
-        plan.add("input", "input", (int(math.prod(self.input_shape)) * N,), dt)
-        plan.add("labels", "input", (N,), "int64")
-        saved, shared = {}, {}
-        budget = max(1, workspace_bytes // dt.itemsize)
-        for step in self.schedule:
-            if step.phase != "fwd" or step.layer is None:
-                continue
-            L = step.layer
-            entries = OPS[L.op].plan(step, N, self.selected.get(L.name, self.keeper), dt, budget)
-            saved[L.name] = [name for name, kind, _, _ in entries if kind == "saved"]
-            if step.keep:                         # a kept conv input: every conv reading it finds it
-                saved[("kept", step.keep)] = saved[L.name]
-            for name, kind, shape, dtype in entries:
-                if name.startswith(L.name + "."):
-                    plan.add(name, kind, shape, dtype)
-                else:                             # shared by several layers: the largest request
-                    old = shared.get(name, (kind, (0,), dtype))
-                    shared[name] = max(old, (kind, shape, dtype), key=lambda e: math.prod(e[1]))
-        plan.add("loss.probs", "saved", (N, head.cout), dt)
-        for name, (kind, shape, dtype) in shared.items():
-            plan.add(name, kind, shape, dtype)
-        decodes = any(u.decodes for u in self.selected.values())
-        for what, nbytes in step_temporaries(net, self.out_shape, self._norm_sizes, N, dt.itemsize, decodes):
-            plan.add_temporary(what, nbytes)            # bounds, not held (lowmem/core/optable.py)
-        return plan, saved
-
-    def _code_bits(self):
-        """{coded unit: bits per element of its saved code slot, metadata included}: 8 * the slot's
-        planned bytes / (C*N*H*W). The window codes hold K (plus the last byte's padding); the
-        unbiased code adds its group ends and split (units/unbiased.py)."""
-        out = {}
-        for u, K in self.unit_bits.items():
-            if K is not None and self.mode != "exact":
-                c, h, w = self._unit_sizes[u]
-                out[u] = 8 * self.nbytes[self.saved_slots[u][0]] / (c * self.N * h * w)
-        return out
-
     def split_dependent_units(self, per_rank_batch=None):
         """Coded units whose codes would depend on how a global batch is split over ranks at this
         per-rank batch (default: the planned one): each unit's kernel set says (the unbiased
@@ -238,10 +173,6 @@ class Engine:
         n = self.N if per_rank_batch is None else int(per_rank_batch)
         return [u for u, units in self.selected.items()
                 if units.depends_on_split(n * self._unit_sizes[u][1] * self._unit_sizes[u][2])]
-
-    def _has_metadata(self):
-        """Whether some coded unit's slot holds more than its K bits per element (group ends)."""
-        return any(b > self.unit_bits[u] * 1.001 for u, b in self.unit_code_bits.items())
 
     def bits_per_element(self):
         """Bits per element of all coded units' saved slots together, metadata included (None
@@ -358,22 +289,17 @@ class Engine:
 
     # ------------------------------------------------------------ checks, summary
     def _check_ownership(self):
-        if self.arrays is None:
-            raise RuntimeError("this Engine was built with allocate=False: it has a plan and a "
-                               "schedule but no arrays; build it with allocate=True to run it")
-        for p in self.run.params.values():
-            if p.data is not self.arrays[p.name]:
-                raise RuntimeError(f"the parameters of {self.net.name} now belong to another Engine "
-                                   f"(parameter {p.name} was rebound); build one Engine per network, "
-                                   f"e.g. Engine(copy.deepcopy(net), ...) for a second one")
+        checks.owns(self.arrays, self.run and self.run.params, self.net.name)
 
     def summary(self):
+        """One line: the network, batch, mode and widths, dtype and the planned bytes."""
         by = self.plan.bytes_by_kind()
+        metadata = any(b > self.unit_bits[u] * 1.001 for u, b in self.unit_code_bits.items())   # group ends
         return (f"{self.net.name}: {self.net.num_params():,} params, batch {self.N}, "
                 f"input {self.input_shape}, mode {self.mode}"
                 + (f" ({checks.bits_label(self.mode, self.unit_bits)}"
                    + checks.rounding_label(self.rounding)
-                   + (f", {self.bits_per_element():.4g} bits/elem" if self._has_metadata() else "") + ")"
+                   + (f", {self.bits_per_element():.4g} bits/elem" if metadata else "") + ")"
                    if self.mode != "exact" and self.unit_bits else "")
                 + f", {self.dtype}; planned {fmt_bytes(self.plan.total_bytes)} "
                   f"(saved {fmt_bytes(by['saved'])}, buffers {fmt_bytes(by['buffers'])})")

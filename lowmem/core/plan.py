@@ -2,9 +2,12 @@
 
 Each entry has a name, a kind, a shape and a dtype; its bytes are
 `prod(shape) * itemsize`, exactly what `.nbytes` of the allocated array will
-report (uint8 codes count 1 byte per element, never 0). The engine allocates
-everything from the plan in one place (`Plan.allocate`), so the plan total is
-the memory a training step holds, and a test checks the two are equal.
+report (uint8 codes count 1 byte per element, never 0). `training_plan` sizes
+everything a training step holds in this one place (as llm.c sizes its buffers in
+one function), from shapes alone: the network's parameters, the walk's buffers, what
+each layer keeps (its op table entry, `plan`, over the unit's kernel set). The engine
+allocates everything from it at once (`Plan.allocate`), so the plan total is the
+memory a training step holds, and a test checks the two are equal.
 `bind_parameters` then moves the network's weights and running statistics
 into their planned arrays.
 
@@ -25,6 +28,7 @@ import numpy
 
 from ..system.backend import to_numpy
 from ..system.memory import fmt_bytes, require
+from .optable import OPS, step_temporaries
 
 KINDS = ("params", "grads", "optimizer", "stats", "input", "buffers", "saved", "workspace")
 
@@ -110,6 +114,80 @@ class Plan:
 
     def __repr__(self):
         return f"Plan({len(self.entries)} entries, {fmt_bytes(self.total_bytes)})"
+
+
+def training_plan(net, schedule, N, dtype, input_shape, unit_sets, keeper, norm_sizes, workspace_bytes,
+                  partials_size=lambda C: 0, sync_bn=False):
+    """The memory plan of a training step at batch N, from shapes alone; and {layer: its saved
+    slot names} ({("kept", buffer): ...} too, for a conv input kept once for every conv reading it).
+
+    schedule: the walk's (its buffers, per-sample elements, and its forward steps); unit_sets:
+    {unit: kernel set} (each plans its own saved slot); keeper: how a conv keeps an input no unit
+    rebuilds (units/rangecode.py); norm_sizes: {batch norm: (C, H, W)}; workspace_bytes: the bound
+    on a conv's column workspace; partials_size(C): float64 elements of the CUDA reductions'
+    workspace for units of up to C channels (0: none); sync_bn: the 2C sums each unit exchanges."""
+    plan, dt = Plan(), numpy.dtype(dtype)
+    specs = net.param_shapes()
+    for kind, suffix in (("params", ""), ("optimizer", ".momentum")):
+        for name, shape, _ in specs:
+            plan.add(name + suffix, kind, shape, dt)
+    # one flat buffer each for the gradients and the running statistics: p.grad and the
+    # statistics are views into them, and a data-parallel step sums each in one allreduce
+    plan.add("grads", "grads", (sum(int(math.prod(sh)) for _, sh, _ in specs),), dt)
+    plan.add("bn.running", "stats", (sum(int(math.prod(sh)) for _, sh in net.stat_shapes()),), dt)
+    max_c = max((c for (c, _, _) in norm_sizes.values()), default=1)
+    plan.add("bn.batch_mean", "stats", (max_c,), dt)
+    plan.add("bn.batch_var", "stats", (max_c,), dt)
+    partials = partials_size(max_c)
+    if partials:
+        plan.add("bn.partials", "workspace", (partials,), "float64")
+    if sync_bn:                                   # the 2C sums each unit exchanges
+        plan.add("sync.bn", "workspace", (2 * max_c,), "float64")
+
+    # the shared buffers the walk planned by liveness: each holds the largest tensor,
+    # gradient or scratch it ever holds (schedule.buffers: per-sample elements)
+    for b, per_sample in schedule.buffers.items():
+        plan.add(b, "buffers", (per_sample * N,), dt)
+    head = net.layers[-1]                         # the classifier (the walk checked the head)
+    plan.add("logits", "buffers", (N, head.cout), dt)
+    plan.add("dlogits", "buffers", (N, head.cout), dt)
+    plan.add("dfeat", "buffers", (N, head.cin), dt)
+
+    # what backward needs: the batch itself, then what each layer keeps (optable: `plan`)
+    plan.add("input", "input", (int(math.prod(input_shape)) * N,), dt)
+    plan.add("labels", "input", (N,), "int64")
+    saved, shared = {}, {}
+    budget = max(1, workspace_bytes // dt.itemsize)
+    for step in schedule:
+        if step.phase != "fwd" or step.layer is None:
+            continue
+        L = step.layer
+        entries = OPS[L.op].plan(step, N, unit_sets.get(L.name, keeper), dt, budget)
+        saved[L.name] = [name for name, kind, _, _ in entries if kind == "saved"]
+        if step.keep:                             # a kept conv input: every conv reading it finds it
+            saved[("kept", step.keep)] = saved[L.name]
+        for name, kind, shape, edtype in entries:
+            if name.startswith(L.name + "."):
+                plan.add(name, kind, shape, edtype)
+            else:                                 # shared by several layers: the largest request
+                old = shared.get(name, (kind, (0,), edtype))
+                shared[name] = max(old, (kind, shape, edtype), key=lambda e: math.prod(e[1]))
+    plan.add("loss.probs", "saved", (N, head.cout), dt)
+    for name, (kind, shape, edtype) in shared.items():
+        plan.add(name, kind, shape, edtype)
+    decodes = any(u.decodes for u in unit_sets.values())
+    for what, nbytes in step_temporaries(net, schedule.out_shape, norm_sizes, N, dt.itemsize, decodes):
+        plan.add_temporary(what, nbytes)            # bounds, not held (lowmem/core/optable/)
+    return plan, saved
+
+
+def code_bits(plan, saved_slots, unit_bits, unit_sizes, N):
+    """{coded unit: bits per element of its saved code slot, metadata included}: 8 * the slot's
+    planned bytes / (C*N*H*W). The window codes hold K (plus the last byte's padding); the
+    unbiased code adds its group ends and split (units/unbiased.py)."""
+    nbytes = {e.name: e.nbytes for e in plan.entries}
+    return {u: 8 * nbytes[saved_slots[u][0]] / (math.prod(unit_sizes[u]) * N)
+            for u, K in unit_bits.items() if K is not None}
 
 
 def bind_parameters(arrays, net, xp):

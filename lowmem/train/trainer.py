@@ -195,17 +195,27 @@ class Trainer:
         self.runlog = together(self.comm, lambda: RunLog.claim(self.out, resume, overwrite)
                                if self.out and self.lead else RunLog.none())
         try:
-            together(self.comm, lambda: self._build(config, dataset, resume),
+            together(self.comm, lambda: self._build(self.config, dataset, resume),
                      usage=(ConfigError, sysmem.NotEnoughMemory))
         except BaseException:
             self.runlog.release(discard=True)       # a folder made just now goes again
             raise
 
     def _build(self, c, dataset, resume):
+        """The run in three phases: load (the checkpoint and the data, checked against the
+        settings), build (network, widths, engine, optimizer, data order), resume (the
+        checkpoint's state into what was built)."""
+        saved = self._load(c, dataset, resume)
+        self._make(c, saved)
+        if saved is not None:
+            self._resume(c, saved)
+
+    def _load(self, c, dataset, resume):
+        """The checkpoint ((arrays, meta), None unless resume) and the data; the widths the run
+        keeps (`self.widths`: the settings' bits, or an auto run's from its checkpoint)."""
         saved = load_checkpoint(self.ckpt_path) if resume else None
         if saved is not None:
             check_training_meta(saved[1], self.ckpt_path)
-        kept = saved is not None and trainstate.continue_auto_widths(saved[1]["config"], c)
         if dataset is None:     # every rank reads the same files (their settings agree): one check is enough
             dataset = load_data(c, saved and saved[1].get("data"), check=self.lead)
         self.data = dataset
@@ -214,11 +224,18 @@ class Trainer:
             raise ConfigError(f"batch={c.batch} is larger than the {n_train} training images: "
                               f"an epoch drops its last partial batch, so no step would run")
         self.data_info = data_info(self.data, c)
+        kept = trainstate.auto_widths(saved[1]["config"], c) if saved is not None else None
+        self.widths = kept or c.bits
         if saved is not None:
-            trainstate.check_resumable(saved[1], c, self.data_info, self.ckpt_path, self.log)
+            trainstate.check_resumable(saved[1], self.run_config, self.data_info, self.ckpt_path, self.log)
         if kept:
-            self.log(f"bits auto: continuing with the checkpoint's {len(c.bits)} per-unit widths, chosen "
+            self.log(f"bits auto: continuing with the checkpoint's {len(kept)} per-unit widths, chosen "
                      f"for avg_bits {c.avg_bits:g}; nothing is measured again")
+        return saved
+
+    def _make(self, c, saved):
+        """Network, widths (bits "auto": measured now, once), engine, optimizer, data order, the
+        batch pipeline and the loop's bookkeeping."""
         local = c.batch // self.comm.size
         try:
             distributed.shard(c.batch, self.comm)                 # refuses a batch the ranks do not divide
@@ -226,11 +243,11 @@ class Trainer:
                                    in_channels=self.data.input_shape[0], seed=c.seed,
                                    input_shape=self.data.input_shape)
             self.allocation = None
-            if c.bits == "auto":        # measured once, at the start; the config keeps the widths (resume)
+            if self.widths == "auto":   # measured once, at the start; the run's records keep the widths
                 self.allocation = allocate_widths(self.net, self.data, c, self.comm)
-                c.bits = self.allocation.bits
+                self.widths = self.allocation.bits
             self.engine = Engine(self.net, batch_size=local, input_shape=self.data.input_shape, mode=c.mode,
-                                 bits=c.bits, dtype=c.dtype, comm=self.comm, sync_bn=c.sync_bn,
+                                 bits=self.widths, dtype=c.dtype, comm=self.comm, sync_bn=c.sync_bn,
                                  rounding=c.rounding, seed=c.seed)
         except sysmem.NotEnoughMemory as e:         # the plan's check before it allocates
             raise sysmem.NotEnoughMemory(f"training {self.net.name} at batch {c.batch}: {e}") from None
@@ -247,20 +264,27 @@ class Trainer:
         self.total_iters = self.steps_per_epoch * c.epochs
         self.state = TrainState(self.net, self.opt, batches, self.rng, self.steps_per_epoch)
         self.pipeline = BatchPipeline(self.data, c, self.comm, self.engine)
-        xp = self.engine.xp
         self.history = []
         self._resumed = saved is not None
         self.stop = Stop(self.comm, c.time_limit)
         self.steplog = StepLog(c.log_every, self.steps_per_epoch, self.comm)   # metrics.jsonl's step records
-        if saved is not None:
-            trainstate.restore(self.state, *saved, self.ckpt_path, xp)
-            if not self.lead:                       # the saved sums are all ranks': count them once
-                self.state.sums = zero_sums()
-            if self.iteration > self.total_iters:
-                done = self.iteration / self.steps_per_epoch
-                raise ResumeError(f"{self.ckpt_path} has already trained {done:g} epochs (iteration "
-                                  f"{self.iteration}), more than epochs={c.epochs}: pass --epochs "
-                                  f"{math.ceil(done)} or more to continue it")
+
+    def _resume(self, c, saved):
+        """The checkpoint's parameters, statistics, momentum, optimizer, data position and RNG."""
+        trainstate.restore(self.state, *saved, self.ckpt_path, self.engine.xp)
+        if not self.lead:                           # the saved sums are all ranks': count them once
+            self.state.sums = zero_sums()
+        if self.iteration > self.total_iters:
+            done = self.iteration / self.steps_per_epoch
+            raise ResumeError(f"{self.ckpt_path} has already trained {done:g} epochs (iteration "
+                              f"{self.iteration}), more than epochs={c.epochs}: pass --epochs "
+                              f"{math.ceil(done)} or more to continue it")
+
+    @property
+    def run_config(self):
+        """The settings as this run records them (config.json, the checkpoint): `config` with the
+        widths the engine keeps (`widths`) in place of bits "auto"."""
+        return dataclasses.replace(self.config, bits=self.widths)
 
     iteration = property(lambda self: self.state.iteration)
     batches = property(lambda self: self.state.batches, lambda self, b: setattr(self.state, "batches", b))
@@ -305,7 +329,7 @@ class Trainer:
     def _fit(self):
         spe, s = self.steps_per_epoch, self.state
         self.stop.started = time.monotonic()
-        self.runlog.start(self.config, self.engine, fresh=not self._resumed, iteration=self.iteration)
+        self.runlog.start(self.run_config, self.engine, fresh=not self._resumed, iteration=self.iteration)
         with self.stop.signals():
             while self.iteration < self.total_iters and not self.stop.reason:
                 epoch, b = divmod(self.iteration, spe)
@@ -406,7 +430,7 @@ class Trainer:
         """Rank 0 writes out/checkpoint.ckpt atomically (after checking the state is finite, on every rank)."""
         self._check_finite()
         if self.lead:
-            trainstate.save(self.ckpt_path, self.state, self.config, self.data_info, epoch_sums, self.comm.size)
+            trainstate.save(self.ckpt_path, self.state, self.run_config, self.data_info, epoch_sums, self.comm.size)
 
     def _diverged(self, what):
         msg = divergence_message(what, self.ckpt_path, self.out)

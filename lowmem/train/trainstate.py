@@ -124,15 +124,15 @@ def class_difference(saved, now, where="train"):
     return "; ".join(parts)
 
 
-def continue_auto_widths(saved_config, config):
-    """bits='auto' on resume: take the per-unit widths the checkpoint's run chose (its config keeps
+def auto_widths(saved_config, config):
+    """bits='auto' on resume: the per-unit widths the checkpoint's run chose (its config keeps
     them beside its avg_bits), so the rerun command of an auto run continues it without measuring
-    again; check_resumable then compares avg_bits (a FIXED field). Returns True if it took them."""
+    again (check_resumable then compares avg_bits, a FIXED field); None when there are none to
+    take (config's bits are not "auto", or the checkpoint's are not a per-unit map)."""
     saved_bits, saved_avg = saved_config.get("bits"), saved_config.get("avg_bits")
     if config.bits == "auto" and isinstance(saved_bits, dict) and saved_avg is not None:
-        config.bits = dict(saved_bits)
-        return True
-    return False
+        return dict(saved_bits)
+    return None
 
 
 def _shown(value):

@@ -427,3 +427,23 @@ def test_fashion_mnist_approx_4bit_learns(tmp_path, capsys):
     assert run_train(args) == EXIT_OK
     final = [r for r in read_metrics(tmp_path) if r["event"] == "epoch"][-1]
     assert final["iteration"] == 400 and final["test_acc"] >= 0.75, final
+
+
+def test_bits_auto_keeps_the_settings_and_records_the_widths(tiny_data, tmp_path):
+    """bits="auto": the widths measured at the start are the trainer's own field; the settings the
+    caller passed still say "auto", while config.json and the checkpoint record the widths (so a
+    resume continues with them); a second Trainer from the same settings object measures again."""
+    cfg = tiny_config(tmp_path / "run", bits="auto", avg_bits=2, epochs=1)
+    trainer = Trainer(cfg, dataset=tiny_data, log=quiet)
+    assert cfg.bits == "auto" and trainer.config.bits == "auto"
+    assert isinstance(trainer.widths, dict) and trainer.widths == trainer.allocation.bits
+    assert trainer.run_config.bits == trainer.widths and trainer.engine.unit_bits == trainer.widths
+    trainer.fit()
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert recorded["bits"] == trainer.widths and recorded["avg_bits"] == 2
+    assert load_checkpoint(str(tmp_path / "run" / CHECKPOINT))[1]["config"]["bits"] == trainer.widths
+    with Trainer(cfg, dataset=tiny_data, overwrite=True, log=quiet) as again:   # measured again, not from cfg
+        assert again.allocation is not None and again.widths == trainer.widths
+    resumed = Trainer(tiny_config(tmp_path / "run", bits="auto", avg_bits=2, epochs=2), dataset=tiny_data,
+                      resume=True, log=quiet)
+    assert resumed.allocation is None and resumed.widths == trainer.widths
