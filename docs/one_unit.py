@@ -1,10 +1,11 @@
-"""One BN -> ReLU -> conv unit on one array: keep a 4-bit code of x̂, rebuild, compare with exact.
+"""One BN -> ReLU -> conv unit on one array: keep a K-bit code of x̂ (K = 4), rebuild, compare with exact.
 
 Read with docs/one_unit.md.  Run:  python docs/one_unit.py   (NumPy and lowmem's quantizer; < 1 s)
 """
 import numpy as np
 from lowmem.units import packing, window
 
+K = 4                                             # bits per kept value: 8, 4, 2 or 1
 rng = np.random.default_rng(0)
 C, M, C_out = 16, 4096, 32                        # channels; M = N·H·W values per channel; conv outputs
 x = rng.standard_normal((C, M)) * 2 + 1           # the unit's input, one row per channel
@@ -15,9 +16,9 @@ dout = rng.standard_normal((C_out, M))            # the loss's gradient w.r.t. t
 # forward, exact: batch norm, ReLU (the conv reads the exact r); the unit keeps a code of x̂ and rstd
 rstd = 1 / np.sqrt(x.var(axis=1, keepdims=True) + 1e-5)
 xhat = (x - x.mean(axis=1, keepdims=True)) * rstd
-qp = window.quant_params(gamma, beta, bits=4)
-code = np.empty(packing.packed_nbytes(xhat.size, 4), np.uint8)
-window.quantize_pack(code, xhat, qp)               # C·M/2 bytes
+qp = window.quant_params(gamma, beta, bits=K)
+code = np.empty(packing.packed_nbytes(xhat.size, K), np.uint8)
+window.quantize_pack(code, xhat, qp)               # C·M·K/8 bytes
 
 
 def backward(xh, mask):

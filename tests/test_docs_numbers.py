@@ -52,6 +52,19 @@ def test_every_quoted_figure_agrees_with_the_table():
     assert not unused, "numbers.tsv rows no page quotes (pattern or page changed?): " + ", ".join(unused)
 
 
+def test_the_overviews_headline_is_in_the_table():
+    """Every decimal figure of overview.md's "Three numbers" lies inside a match of a numbers.tsv
+    row, so when a study is rerun and results.md's headline (and its row) changes, the overview
+    fails the test above until it says the same."""
+    text = flat(ROOT / "docs" / "overview.md")
+    head = text[text.index("# Three numbers"):text.index("# Exercises")]
+    spans = [m.span() for _, _, p in rows() for m in p.finditer(head)]
+    figures = [m for m in re.finditer(r"\d+\.\d+", head)]
+    assert len(figures) >= 15                        # the section holds the headline
+    loose = [m.group() for m in figures if not any(a <= m.start() and m.end() <= b for a, b in spans)]
+    assert not loose, "overview.md's headline figures no numbers.tsv row covers: " + ", ".join(loose)
+
+
 def test_the_matcher():
     p = re.compile(r"(\d+\.\d+)x for A|B is (\d+\.\d+)")
     assert quotes(p, "2.5x for A, and B is 3.0") == ["2.5", "3.0"]

@@ -59,7 +59,7 @@ def test_one_channel_by_hand(bits):
 
 
 def _by_hand(net, N, mode, bits):
-    """Saved bytes per batch of N from the per-element rule of worked_examples.md §2."""
+    """Saved bytes per batch of N from the per-element rule of worked_examples.md §3."""
     eng = lm.Engine(net, N, (3, 32, 32), "exact", allocate=False)
     units = collections.Counter(s.in_shape for s in eng.schedule if s.phase == "fwd" and s.op == "bnrelu")
     elems = sum(n * c * h * w for (c, h, w), n in units.items()) * N
