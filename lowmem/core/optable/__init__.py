@@ -33,7 +33,8 @@ gradients accumulate (the engine zeroes them once per backward).
 
 Adding an op: its functions in lowmem/ops, one class in the family's module here (and
 its key in OPS), a builder method in lowmem/core/network.py and lowmem/nn.py
-(docs/engine.md walks through the k x k average pool, added that way).
+(docs/engine_appendix.md lists the files the k x k average pool touched; docs/new_op.md adds
+an op that keeps a mask, from outside the package).
 """
 import math
 
