@@ -100,6 +100,31 @@ def test_engine_gradients_match_finite_differences(leaky):
         reference.check_grad(loss, p.data, grads[p.name], rng, eps=1e-6, rtol=1e-5, atol=1e-9)
 
 
+def test_a_second_consumer_makes_its_backward_accumulate(leaky):
+    """conv1's output feeds the leaky op and a residual add: the add's gradient reaches it first,
+    so the op's route adds its dx (+=); the gradients still match finite differences."""
+    from lowmem.core.network import Network
+    net = Network("leaky-skip", 1, 4, 0)
+    net.conv("conv1", "input", "act0", 1, 8, 3)
+    leaky.leaky(net, "leaky1", "act0", "act1")
+    net.conv("conv2", "act1", "res", 8, 8, 3)
+    net.add("add", "res", dst="act0")
+    net.head("act0", 8)
+    eng = lm.Engine(net, 4, (1, 8, 8), "exact", dtype="float64")
+    step = next(s for s in eng.schedule if s.phase == "bwd" and s.op == "leaky")
+    assert step.accumulate and step.dx != step.dout
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((4, 1, 8, 8)), rng.integers(0, 4, 4)
+    eng.forward(x, y)
+    eng.backward()
+    grads = {p.name: p.grad.copy() for p in net.parameters()}
+
+    def loss():
+        return eng.forward(x, y)[0]
+    for p in net.parameters():
+        reference.check_grad(loss, p.data, grads[p.name], rng, eps=1e-6, rtol=1e-5, atol=1e-9)
+
+
 def test_approx_forward_equals_exact_and_predict_keeps_nothing(leaky):
     rng = np.random.default_rng(0)
     x, y = leaky.stripes_batch(rng, 8)
