@@ -9,7 +9,8 @@ buffer timeline (each row a planned buffer with its bytes; the steps along x, fo
 backward, grouped by stage, with one block drawn step by step when the schedule is long:
 what each buffer holds and which step writes, reads or adds into it), the saved bytes of
 each step that keeps something for backward (a bar per layer, coloured by what it keeps:
-code width, float x-hat, index, mask, exact), and the plan's totals by kind. The curves
+a unit's code and its width, a range code (a standalone batch norm's x-hat, a conv's input)
+and its width, float x-hat, region code, index, mask, exact), and the plan's totals by kind. The curves
 figure (lowmem/tools/runcurves.py): loss, accuracy, learning rate and img/s against the
 iteration, every run on the same axes, each run's planned memory in its legend entry.
 
@@ -35,7 +36,10 @@ LONG = 28                   # a schedule longer than this gets one block drawn s
 PHASE = {"fwd": ("#c6dbef", "#6baed6", "#2171b5"), "bwd": ("#fdd0a2", "#fd8d3c", "#d94801")}  # held, read, write
 EVENT = {"acc": "#cb181d", "shared": "#6a51a3", "scratch": "#41ab5d"}
 SAVED = {"1-bit code": "#fee391", "2-bit code": "#fec44f", "4-bit code": "#fe9929", "8-bit code": "#cc4c02",
-         "code": "#fe9929", "float x-hat": "#2171b5", "index": "#41ab5d", "mask": "#807dba", "exact": "#737373"}
+         "code": "#fe9929", "1-bit range code": "#fcc5c0", "2-bit range code": "#fa9fb5",
+         "4-bit range code": "#f768a1", "8-bit range code": "#ae017e", "range code": "#f768a1",
+         "float x-hat": "#2171b5", "region code": "#c994c7", "index": "#41ab5d", "mask": "#807dba",
+         "exact": "#737373"}
 KIND_COLOR = dict(zip(KINDS, ("#1f77b4", "#aec7e8", "#ff7f0e", "#c7c7c7", "#98df8a", "#2ca02c", "#d62728",
                               "#9467bd")))
 
@@ -81,6 +85,11 @@ def _save(fig, path):
     return fig
 
 
+def _code_bits(engine):
+    """The width of the engine's range codes (its keeper's; None in exact mode)."""
+    return getattr(getattr(engine, "keeper", None), "bits", None)
+
+
 def engine_label(engine):
     """'exact', 'approx 4-bit', 'approx 2-bit x16, 4-bit x3' (the engine's mode and widths)."""
     if engine.mode == "exact" or not engine.unit_bits:
@@ -123,7 +132,7 @@ def plan_figure(engine, path, compare=None, block=None):
         _timeline(fig.add_subplot(grid[at["block"], :]), t, cells=True, only=block,
                   title=f"one block step by step: {block} (the same buffers, forward then backward)")
     top = max(sum(b for _, b in parts) for e in engines
-              for _, parts in saved_by_step(e.plan, e.schedule, e.unit_bits) or [(None, [("", 1)])]) / MIB
+              for _, parts in saved_by_step(e.plan, e.schedule, e.unit_bits, _code_bits(e)) or [(None, [("", 1)])]) / MIB
     for k, e in enumerate(engines):        # one scale: the same y limits
         _saved(fig.add_subplot(grid[at["saved"], k]), e, left=k == 0, max_saved_mib=top)
     _totals(fig.add_subplot(grid[at["totals"], :]), engines)
@@ -240,7 +249,7 @@ def _saved(ax, engine, left, max_saved_mib):
     y axis to max_saved_mib (the largest bar of the engines drawn side by side)."""
     from matplotlib.patches import Patch
     label = engine_label(engine)
-    rows = saved_by_step(engine.plan, engine.schedule, engine.unit_bits)
+    rows = saved_by_step(engine.plan, engine.schedule, engine.unit_bits, _code_bits(engine))
     seen = {}
     for j, (s, parts) in enumerate(rows):
         bottom = 0.0
@@ -290,7 +299,12 @@ def _totals(ax, engines):
         ax.text(left, y, f"  {fmt_bytes(e.plan.total_bytes)}{less}", va="center", fontsize=8, weight="bold")
     ax.set_yticks(range(len(engines)), [lab.replace(", ", ",\n") if len(lab) > 16 else lab
                                         for lab in labels[::-1]], fontsize=8)
-    ax.set_xlim(0, 1.12 * max(e.plan.total_bytes for e in engines) / MIB)
+    # room on the right for the totals written after the bars: a text starting at data x0 and w
+    # pixels wide ends inside an axes p pixels wide when the x limit is at least x0 / (1 - w / p)
+    renderer, p = ax.figure.canvas.get_renderer(), ax.get_window_extent().width
+    room = [t.get_position()[0] / (1 - t.get_window_extent(renderer).width / p) for t in ax.texts
+            if t.get_text().startswith("  ") and t.get_window_extent(renderer).width < 0.9 * p]
+    ax.set_xlim(0, max([1.12 * max(e.plan.total_bytes for e in engines) / MIB] + [1.01 * x for x in room]))
     ax.set_xlabel("MiB planned", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
     ax.set_title("the whole plan by kind", fontsize=9, loc="left")

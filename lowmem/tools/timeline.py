@@ -7,7 +7,7 @@ figure draws (lowmem/tools/plot.py), computed from the plan and the schedule alo
     t.state["act0"][i]          # what step i does to act0: "write", "acc", "shared", "read",
                                 #   "scratch", "held" (holds a tensor a later step reads) or ""
     t.text["act0"][i]           # the tensor act0 holds after step i ("bn1", "∂bn1", "Σ∂bn1", "bn1~")
-    saved_by_step(engine.plan, engine.schedule, engine.unit_bits)   # [(step, [(what, bytes)])]
+    saved_by_step(engine.plan, engine.schedule, engine.unit_bits, engine.keeper.bits)   # [(step, [(what, bytes)])]
 
 Only Step fields are read: forward `src` (read), `dst` (written; added into when the op's
 table entry says `several` and dst is one of its inputs); backward `dout` (read), `dx` (written, `accumulate`: added
@@ -151,15 +151,23 @@ def buffer_timeline(plan, schedule):
     return t
 
 
-def saved_class(entry, unit_bits):
-    """What a saved plan entry keeps: "<K>-bit code", "float x-hat", "index", "mask" or "exact"."""
-    kind = entry.name.rsplit(".", 1)[-1]
-    layer = entry.name.rsplit(".", 1)[0]
+def saved_class(entry, unit_bits, code_bits=None):
+    """What a saved plan entry keeps, from its name's last part and its dtype: "<K>-bit code" (a
+    BN-ReLU unit's code of x-hat: unit_bits[unit] = K), "<K>-bit range code" (a standalone batch
+    norm's x-hat or a conv's input kept as a range code, with its per-group scale and zero: the
+    engine's keeper in approx and naive modes, code_bits = K), "float x-hat", "region code"
+    (ReLU6's 2 bits), "mask", "index" (max-pool's argmax), or "exact" (a float copy: a conv input
+    in exact mode, the classifier's input, per-channel statistics)."""
+    layer, kind = entry.name.rsplit(".", 1)
     if kind == "code":
         K = (unit_bits or {}).get(layer)
         return f"{K}-bit code" if K else "code"
+    if kind.endswith(("_scale", "_zero")) or (entry.dtype == "uint8" and kind in ("xhat", "out")):
+        return f"{code_bits}-bit range code" if code_bits else "range code"
     if kind == "xhat":
         return "float x-hat"
+    if kind == "region":
+        return "region code"
     if kind in ("argmax", "index"):
         return "index"
     if kind == "mask":
@@ -167,7 +175,7 @@ def saved_class(entry, unit_bits):
     return "exact"
 
 
-def saved_by_step(plan, schedule, unit_bits=None):
+def saved_by_step(plan, schedule, unit_bits=None, code_bits=None):
     """[(step, [(what, bytes)])] for each forward step that fills saved slots, in schedule order:
     `what` is saved_class of the slot; slots of one class are summed."""
     entries = {e.name: e for e in plan.entries}
@@ -178,7 +186,7 @@ def saved_by_step(plan, schedule, unit_bits=None):
         parts = {}
         for name in s.saved:
             if name in entries:
-                what = saved_class(entries[name], unit_bits)
+                what = saved_class(entries[name], unit_bits, code_bits)
                 parts[what] = parts.get(what, 0) + entries[name].nbytes
         out.append((s, list(parts.items())))
     return out

@@ -154,6 +154,51 @@ def test_saved_class_names_what_a_slot_keeps():
     assert saved_class(exact["layer1.0.bn1.xhat"], {}) == "float x-hat"
 
 
+def test_range_codes_are_labelled_codes_of_their_width_not_float_or_exact():
+    """A post-activation ResNet at 4 bits keeps each standalone batch norm's x-hat (uint8) and the
+    max-pool's output read by a conv as 4-bit range codes with their per-group scale and zero;
+    "float x-hat" and "exact" are only what is kept in float."""
+    net = lm.models.build_model("resnet", 18, num_classes=10)
+    for mode, bits in (("approx", 4), ("approx", 2), ("exact", 4)):
+        eng = lm.Engine(net, 2, (3, 32, 32), mode, bits, allocate=False)
+        kept = {}
+        for _, parts in saved_by_step(eng.plan, eng.schedule, eng.unit_bits, eng.keeper.bits):
+            for what, b in parts:
+                kept[what] = kept.get(what, 0) + b
+        entries = {e.name: e for e in eng.plan.entries}
+        floats = sum(e.nbytes for e in eng.plan.entries if e.kind == "saved" and e.dtype.startswith("float")
+                     and not e.name.endswith("_scale"))
+        assert kept.get("float x-hat", 0) + kept.get("exact", 0) == floats, (mode, bits, kept)
+        if mode == "approx":
+            assert saved_class(entries["layer1.0.bn2.xhat"], eng.unit_bits, eng.keeper.bits) == f"{bits}-bit range code"
+            assert saved_class(entries["maxpool.out_scale"], eng.unit_bits, eng.keeper.bits) == f"{bits}-bit range code"
+            assert "float x-hat" not in kept and kept[f"{bits}-bit range code"] > 0
+        else:
+            assert saved_class(entries["layer1.0.bn2.xhat"], eng.unit_bits, eng.keeper.bits) == "float x-hat"
+            assert saved_class(entries["maxpool.out"], eng.unit_bits, eng.keeper.bits) == "exact"
+    mobile = lm.Engine(lm.models.build_model("mobilenet", 2, num_classes=10), 2, (3, 32, 32), "approx", 4,
+                       allocate=False)
+    kept = {w for _, parts in saved_by_step(mobile.plan, mobile.schedule, mobile.unit_bits, mobile.keeper.bits)
+            for w, _ in parts}
+    assert "region code" in kept and "float x-hat" not in kept
+
+
+@needs_mpl
+def test_every_text_of_the_plan_figure_lies_inside_it(tmp_path):
+    """The totals written after the bars ("128.71 MiB (1.00x less than exact)") and the titles
+    stay inside the figure, with and without --compare."""
+    net = lm.models.build_model("resnet", 18, num_classes=10)
+    for compare in (None, lm.Engine(net, 2, (3, 32, 32), "exact", 4, allocate=False)):
+        fig = plot.plan_figure(lm.Engine(net, 2, (3, 32, 32), "approx", 4, allocate=False),
+                               tmp_path / "plan.png", compare=compare)
+        renderer = fig.canvas.get_renderer()
+        texts = [fig._suptitle] + [t for ax in fig.axes for t in ax.texts + [ax.title, ax._left_title]]
+        for t in texts:
+            if t.get_text():
+                box = t.get_window_extent(renderer)
+                assert -0.5 <= box.x0 and box.x1 <= fig.bbox.width + 0.5, (t.get_text(), box.x1, fig.bbox.width)
+
+
 def test_a_figure_name_without_png_or_svg_is_refused(tmp_path):
     with pytest.raises(ValueError, match="expected a name ending .png or .svg"):
         plot.plan_figure(tiny_resnet(), tmp_path / "plan.pdf")
