@@ -18,6 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..models import is_onnx_path
 from ..system.memory import fmt_bytes
 from ..train.rundir import CONFIG, METRICS, PLAN, read_metrics
 
@@ -44,7 +45,7 @@ class RunCurves:
     @property
     def steps_per_epoch(self):
         """Iterations per epoch, from the epoch records (None before the first)."""
-        ep = [r for r in self.records if r.get("event") == "epoch" and r.get("epoch") and r.get("iteration")]
+        ep = [r for r in self.records if r.get("event") == "epoch" and _number(r.get("epoch")) and r.get("iteration")]
         return ep[0]["iteration"] / ep[0]["epoch"] if ep else None
 
     def series(self, key):
@@ -57,15 +58,20 @@ class RunCurves:
         return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _number(v):
+    """v if it is a finite number other than 0 (not a bool), else None."""
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v else None
+
+
 def mode_label(config):
     """'exact', 'approx 4-bit', 'approx per-unit widths (2 bits on average)', from a run's config."""
     mode, bits = config.get("mode"), config.get("bits")
     if mode is None:
         return ""
     if mode == "exact":
-        return mode
+        return str(mode)
     if isinstance(bits, dict):
-        avg = config.get("avg_bits")
+        avg = _number(config.get("avg_bits"))
         text = f"{mode} per-unit widths" + (f" ({avg:g} bits on average)" if avg else "")
     else:
         text = f"{mode} {bits}-bit"
@@ -73,14 +79,18 @@ def mode_label(config):
 
 
 def model_label(config):
+    """'preact-cifar-20' (a registry family and its depth), or an ONNX model's file name (the
+    file fixes the architecture: its depth setting is not used)."""
     model, depth = config.get("model"), config.get("depth")
+    if is_onnx_path(model):
+        return os.path.basename(os.fspath(model))
     return f"{model}-{depth}" if model and depth else ""
 
 
 def planned_from_plan_txt(path):
     """The plan total of a run folder's plan.txt (its "total" row), or None."""
     try:
-        with open(os.path.join(path, PLAN)) as f:
+        with open(os.path.join(path, PLAN), errors="replace") as f:
             text = f.read()
     except OSError:
         return None
@@ -96,13 +106,15 @@ def read_run(path):
     if not os.path.exists(os.path.join(name, METRICS)):
         raise RunError(f"{name} holds no {METRICS}: not a lowmem run folder, or its run wrote nothing yet")
     records = sorted((r for r in read_metrics(name) if r.get("event") in ("epoch", "step")),
-                     key=lambda r: (r.get("iteration", 0), r.get("event") == "epoch"))
+                     key=lambda r: (r["iteration"], r["event"] == "epoch"))
     if not records:
         raise RunError(f"{name}/{METRICS} has no step or epoch records yet: nothing to draw")
     try:
-        with open(os.path.join(name, CONFIG)) as f:
-            config = json.load(f)
+        with open(os.path.join(name, CONFIG), "rb") as f:
+            config = json.loads(f.read().decode("utf-8", "replace"))
     except (OSError, ValueError):
+        config = {}
+    if not isinstance(config, dict):                     # null, a list: no settings to read
         config = {}
     planned = [r["planned_bytes"] for r in records if isinstance(r.get("planned_bytes"), int)]
     return RunCurves(name, config, records, planned[-1] if planned else planned_from_plan_txt(name))

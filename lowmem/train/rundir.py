@@ -39,7 +39,8 @@ and are appended with the next record), an "epoch" record after every epoch, a
 "stop" record whenever the process stops. Every write replaces the whole file
 through lowmem.system.atomic.atomic_write, so a crash or a full disk leaves the
 file as it was before that write, never a torn line (the file is small: a line
-per epoch and per `log_every` steps, written about once an epoch). A resumed run
+per epoch and per `log_every` steps, written about once an epoch); the lines already there are
+kept byte for byte, even those no reader can use (read_metrics skips them). A resumed run
 first drops the epoch and step records past its checkpoint: the run writes them
 again. Only one process
 writes a run folder (rank 0 under MPI): RunLog.claim is called there alone, and
@@ -253,17 +254,17 @@ class RunLog:
                      + "\n\n" + str(engine.schedule) + "\n", what="plan")
         if iteration == 0 and os.path.exists(self._file(METRICS)):
             os.remove(self._file(METRICS))
-        elif iteration:
-            self._rewrite([r for r in self.records()
-                           if not (r.get("event") in ("epoch", "step") and r.get("iteration", 0) > iteration)])
+        elif iteration:                 # every other line stays as it is, byte for byte
+            self._rewrite([line for line in self._lines() if not _past(_record(line), iteration)])
 
     def append(self, *records):
         """Add records, in order, to metrics.jsonl in one rewrite (each with the current time
-        unless it carries its own)."""
+        unless it carries its own). The lines already there are kept byte for byte, those lowmem
+        cannot read included (read_metrics skips them)."""
         if self._run is None or not records:
             return
         now = time.time()
-        self._rewrite(self.records() + [{"time": now, **r} for r in records])
+        self._rewrite(self._lines() + [json_line({"time": now, **r}).encode() for r in records])
 
     def records(self):
         """The records of metrics.jsonl so far ([] before the first)."""
@@ -279,8 +280,16 @@ class RunLog:
     def _file(self, name):
         return os.path.join(self.path, name)
 
-    def _rewrite(self, records):
-        atomic_write(self._file(METRICS), "".join(json_line(r) for r in records), what="metrics")
+    def _lines(self):
+        """metrics.jsonl's lines as bytes, each ending in a newline ([] before the first)."""
+        try:
+            with open(self._file(METRICS), "rb") as f:
+                return [line if line.endswith(b"\n") else line + b"\n" for line in f]
+        except FileNotFoundError:
+            return []
+
+    def _rewrite(self, lines):
+        atomic_write(self._file(METRICS), b"".join(lines), what="metrics")
 
 
 def _json_safe(value):
@@ -299,14 +308,31 @@ def json_line(record):
     return json.dumps(_json_safe(record), allow_nan=False) + "\n"
 
 
+def _record(line):
+    """The record of one line of metrics.jsonl (bytes), or None where the line is not one: not
+    JSON (a torn last line, which a version before atomic metrics could leave; bytes that are not
+    UTF-8), not an object, or an epoch or step record without a numeric iteration."""
+    try:
+        r = json.loads(line.decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    if not isinstance(r, dict):
+        return None
+    it = r.get("iteration")
+    if r.get("event") in ("epoch", "step") and (isinstance(it, bool) or not isinstance(it, (int, float))
+                                                or not math.isfinite(it)):
+        return None
+    return r
+
+
+def _past(record, iteration):
+    """Whether a record is an epoch or step record past `iteration` (a resumed run writes it again)."""
+    return record is not None and record.get("event") in ("epoch", "step") and record["iteration"] > iteration
+
+
 def read_metrics(run_dir):
-    """The records of run_dir/metrics.jsonl as a list of dicts (a torn last line, which a
-    version before atomic metrics could leave, is skipped)."""
-    out = []
-    with open(os.path.join(run_dir, METRICS)) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
+    """The records of run_dir/metrics.jsonl as a list of dicts; a line that holds no record
+    (_record: not JSON, not an object, an epoch or step record without a numeric iteration) is
+    skipped."""
+    with open(os.path.join(run_dir, METRICS), "rb") as f:
+        return [r for r in map(_record, f) if r is not None]

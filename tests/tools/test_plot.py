@@ -341,3 +341,30 @@ def test_train_log_every_option():
     argv = ["train", "--dataset", "synthetic", "--out", "runs/x"]
     assert config_from_args(cli.make_parser().parse_args(argv + ["--log-every", "5"])).log_every == 5
     assert config_from_args(cli.make_parser().parse_args(argv)).log_every == 20
+
+
+@pytest.mark.parametrize("junk", [b"5\n", b"null\n", b'{"event": "step", "iteration": "40"}\n',
+                                  b'{"event": "epoch", "iteration": true, "epoch": "x"}\n', b"\xff\n",
+                                  b'{"event": "epoch", "epoch": 1, "iteration": 4, "train_loss": "0.1"}\n'])
+def test_lines_of_metrics_that_are_no_records_are_skipped(tmp_path, junk):
+    a = write_run(tmp_path / "a")
+    with open(a / "metrics.jsonl", "ab") as f:
+        f.write(junk)
+    run = runcurves.read_run(a)
+    assert run.series("train_loss")[0] == [2, 4, 6, 8] and run.series("test_acc")[0] == [4, 8]
+    assert run.label == f"{a}: approx 4-bit, preact-cifar-8, {fmt_bytes(123456)} planned"
+
+
+@pytest.mark.parametrize("config", [b"null", b"[1, 2]", b"\xff", b'{"mode": "approx", "bits": {"a": 2}, '
+                                                                  b'"avg_bits": "two", "model": 5}'])
+def test_a_config_that_is_no_settings_object_labels_what_it_can(tmp_path, config):
+    a = write_run(tmp_path / "a")
+    (a / "config.json").write_bytes(config)
+    run = runcurves.read_run(a)
+    assert run.label.startswith(f"{a}: ") and run.label.endswith("planned")
+
+
+def test_a_run_from_an_onnx_file_is_labelled_by_the_file_not_a_depth(tmp_path):
+    a = write_run(tmp_path / "a")
+    (a / "config.json").write_text(json.dumps({"mode": "exact", "model": "models/net.onnx", "depth": 20}))
+    assert runcurves.read_run(a).label == f"{a}: exact, net.onnx, {fmt_bytes(123456)} planned"

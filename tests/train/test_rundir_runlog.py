@@ -80,3 +80,25 @@ def test_none_writes_nothing(tmp_path):
     log = RunLog.none()
     log.append({"event": "epoch"})
     assert log.records() == [] and not log.held and os.listdir(tmp_path) == []
+
+
+def test_lines_that_are_no_records_are_skipped_by_readers_and_kept_by_writes(tmp_path):
+    """A line a person or a tool appended (not JSON, not an object, bytes that are not UTF-8, an
+    epoch record whose iteration is no number) is no record: readers skip it, and the run log's
+    rewrites (append; a resumed start, which drops the records past its checkpoint) keep it as
+    it was, byte for byte."""
+    log = RunLog.claim(tmp_path)
+    log.start(Config(), Engine(), fresh=True, iteration=0)
+    log.append({"event": "epoch", "epoch": 1, "iteration": 4}, {"event": "step", "iteration": 6})
+    junk = [b"5\n", b"null\n", b'{"event": "step", "iteration": "40"}\n', b"\xff\xfe\n", b'{"event": "epoch"}\n']
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(b"".join(junk))
+    assert [r["iteration"] for r in read_metrics(tmp_path)] == [4, 6]
+    log.append({"event": "epoch", "epoch": 2, "iteration": 8})
+    log.release()
+    log = RunLog.claim(tmp_path, overwrite=True)
+    log.start(Config(), Engine(), fresh=False, iteration=4)          # resumed from iteration 4
+    raw = (tmp_path / "metrics.jsonl").read_bytes()
+    assert all(j in raw for j in junk), raw
+    assert [r["iteration"] for r in read_metrics(tmp_path)] == [4]
+    log.release()
