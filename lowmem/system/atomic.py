@@ -48,10 +48,10 @@ def atomic_write(path, data, what=None, binary=None):
     except BaseException as e:              # includes KeyboardInterrupt
         try:
             os.unlink(tmp)
-        except FileNotFoundError:
+        except OSError:                     # never made (no folder, a file where one should be)
             pass
-        if isinstance(e, OSError):          # a full disk says which file it was writing
-            why = f"cannot write {what + ' ' if what else ''}{path!r}: {e.strerror or e}"
+        if isinstance(e, OSError):          # a full disk says which file it was writing (the target,
+            why = f"cannot write {what + ' ' if what else ''}{path!r}: {e.strerror or e}"   # not tmp)
             raise (OSError(e.errno, why) if e.errno is not None else OSError(why)) from e
         raise
     fsync_directory(os.path.dirname(os.path.abspath(path)))

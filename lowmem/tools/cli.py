@@ -22,6 +22,7 @@ in-process; the console script and `python -m lowmem` wrap it in sys.exit.
 """
 import argparse
 import os
+import re
 import signal
 import sys
 import warnings
@@ -97,6 +98,8 @@ def main(argv=None):
     except BrokenPipeError:                  # `lowmem plan | head`: the reader has gone
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
+    except OSError as e:                     # a file a command could not write (a full disk, ...)
+        return error(re.sub(r"^\[Errno \d+\] ", "", str(e)), EXIT_ERROR)
 
 
 if __name__ == "__main__":

@@ -71,10 +71,17 @@ def _figure(*size):
 
 
 def check_path(path):
-    """The figure's file name, refused (ValueError) unless it ends .png or .svg."""
+    """The figure's file name, refused (ValueError) unless it ends .png or .svg and could be
+    written: not a folder, in a folder that exists (a command checks before its other work)."""
     path = os.fspath(path)
     if not path.lower().endswith(FORMATS):
         raise ValueError(f"figure file {path!r}: expected a name ending {' or '.join(FORMATS)}")
+    folder = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise ValueError(f"figure file {path!r} is a folder")
+    if not os.path.isdir(folder):
+        raise ValueError(f"figure file {path!r}: " + (f"{folder!r} is not a folder" if os.path.exists(folder)
+                                                      else f"no such folder {folder!r}"))
     return path
 
 

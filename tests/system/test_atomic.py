@@ -56,3 +56,17 @@ def test_the_rename_is_made_durable_by_a_directory_fsync(tmp_path, monkeypatch):
     atomic_write(tmp_path / "x", "1")
     assert synced[-1] is True or os.name == "nt"     # the file first, then its folder
     assert synced[0] is False
+
+
+@pytest.mark.parametrize("where", ["a folder", "no folder", "under a file"])
+def test_a_target_that_cannot_be_a_file_is_named_not_its_temporary(tmp_path, where):
+    """The error names the target the caller gave, never the temporary beside it (whose own
+    cleanup fails the same way under a file)."""
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    path = {"a folder": tmp_path / "dir", "no folder": tmp_path / "missing" / "x",
+            "under a file": tmp_path / "file" / "x"}[where]
+    with pytest.raises(OSError) as info:
+        atomic_write(path, "new", what="figure")
+    assert f"cannot write figure {str(path)!r}" in str(info.value) and ".tmp-" not in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == ["dir", "file"] and os.listdir(tmp_path / "dir") == []

@@ -331,3 +331,12 @@ def test_a_hand_built_network_with_clashing_names_is_refused_by_the_onnx_export(
     net.head("act0", 8)
     with pytest.raises(export.ExportError, match="layer names clash .*'logits'"):
         export.onnx_model(net)
+
+
+def test_an_output_under_a_file_is_named_not_a_temporary(run_dir, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    for out in ("m.onnx", "m.safetensors"):
+        code = export_command.run(parse(str(run_dir), str(tmp_path / "file" / out)))
+        err = capsys.readouterr().err
+        assert code == 1 and f"{tmp_path / 'file' / out}" in err and ".tmp-" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["file"]

@@ -368,3 +368,20 @@ def test_a_run_from_an_onnx_file_is_labelled_by_the_file_not_a_depth(tmp_path):
     a = write_run(tmp_path / "a")
     (a / "config.json").write_text(json.dumps({"mode": "exact", "model": "models/net.onnx", "depth": 20}))
     assert runcurves.read_run(a).label == f"{a}: exact, net.onnx, {fmt_bytes(123456)} planned"
+
+
+@pytest.mark.parametrize("where", ["a folder", "no folder", "under a file"])
+def test_a_figure_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, monkeypatch, where):
+    """plan --figure and plot --out check the file's folder first: one line, nothing computed."""
+    (tmp_path / "dir.png").mkdir()
+    (tmp_path / "file").write_text("x")
+    path = {"a folder": tmp_path / "dir.png", "no folder": tmp_path / "missing" / "x.png",
+            "under a file": tmp_path / "file" / "x.png"}[where]
+    words = {"a folder": "is a folder", "no folder": "no such folder", "under a file": "is not a folder"}[where]
+    import lowmem.tools.commands.plan as plan_command
+    monkeypatch.setattr(plan_command, "build_network", lambda args: pytest.fail("the plan was computed"))
+    code, out, err = run_cli(TINY_PLAN + ["--figure", str(path)], capsys)
+    assert code == 2 and err.count("\n") == 1 and words in err and "Traceback" not in err and out == "", err
+    run = write_run(tmp_path / "run")
+    code, out, err = run_cli(["plot", str(run), "--out", str(path)], capsys)
+    assert code == 2 and err.count("\n") == 1 and words in err and ".tmp-" not in err, err
