@@ -97,7 +97,7 @@ class Engine:
         self.sync_bn = bool(sync_bn)
         self.input_shape = checks.input_shape(input_shape, net.in_channels)
         self.xp = backend.xp
-        self.rounding, self.seed, self.step = check_rounding(rounding), stream.check_key(seed), 0
+        self.rounding, self.seed, self.step = check_rounding(rounding), stream.check_key(seed, "seed"), 0
         threads.configure()                       # how lowmem uses the cores (lowmem/system/threads.py), once
         unit_names = [L.name for L in net.layers if getattr(OPS.get(L.op), "unit", False)]
         self.unit_bits = checks.unit_bits(self.bits, self.mode, unit_names)

@@ -85,7 +85,7 @@ class _Reader:
             self.outputs = [n.input[0]]
         shape = _input_shape(inputs[0], input_shape, path)
         num_classes = self._num_classes(g)
-        name = g.name if g.name not in GENERIC_NAMES else os.path.splitext(os.path.basename(path))[0]
+        name = g.name if g.name.strip() not in GENERIC_NAMES else os.path.splitext(os.path.basename(path))[0]
         self.graph = nn.Graph(name, shape, num_classes, seed)
         self.values = {inputs[0].name: self.graph.input}  # ONNX value -> nn Tensor
         self.weights = {}                                 # lowmem parameter name -> array
@@ -200,6 +200,9 @@ def _input_shape(value, given, path):
         raise ExportError(f"{path}: the graph input {value.name!r} has {len(dims)} dimensions; expected "
                           f"an image batch (N, C, H, W)")
     fixed = [d.dim_value if d.HasField("dim_value") else None for d in dims[1:]]
+    if any(f is not None and f < 1 for f in fixed):
+        raise ExportError(f"{path}: the graph input {value.name!r} has a dimension of "
+                          f"{min(f for f in fixed if f is not None)}; an image batch (N, C, H, W) needs C, H, W >= 1")
     if fixed[0] is None:
         raise ExportError(f"{path}: the graph input's channel count is symbolic; lowmem needs it fixed")
     if given is not None:
@@ -331,10 +334,10 @@ def read_onnx(nn, path, input_shape=None, seed=0):
     module (lowmem.nn, whose from_onnx calls this: handed in, so the reader does not import it back)."""
     path = os.fspath(path)
     model = load_checked(path)
-    r = _Reader(model, path, input_shape, seed, nn)
     try:
+        r = _Reader(model, path, input_shape, seed, nn)
         net = r.run()
-    except NetworkError as e:
+    except NetworkError as e:                            # the builder's rules: named with the file
         raise ExportError(f"{path}: {e}") from None
     _warn_if_folded(model, path)
     names = [n for n, _, _ in net.param_shapes()] + [n for n, _ in net.stat_shapes()]

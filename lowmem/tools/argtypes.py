@@ -39,6 +39,14 @@ def count(text):
     return n
 
 
+def seed(text):
+    """A seed: an integer in [0, 2**64) (the counter stream's keys are 64-bit)."""
+    n = count(text)
+    if n >= 2 ** 64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}")
+    return n
+
+
 def classes(text):
     """A number of classes: an integer >= 2 (with one class the loss is 0 and nothing trains)."""
     n = positive(text)

@@ -31,9 +31,10 @@ from .._version import __version__
 from ..formats.common import FormatWarning
 from ..system import backend
 from .commands import diagnose, export, maxbatch, plan, plot, predict, train
-from .options import EXIT_DIVERGED, EXIT_ERROR, EXIT_SIGNAL, EXIT_USAGE
+from .options import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_SIGNAL, EXIT_USAGE
 
 COMMANDS = {}       # name -> (help, add_arguments(parser), run(args) -> int)
+NEGATIVE = re.compile(r"^-\.?\d")
 
 
 def register(name, help, add_arguments, run):
@@ -54,7 +55,12 @@ def make_parser():
     parser.add_argument("--version", action="version", version=f"lowmem {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="command")
     for name, (help, add_arguments, _) in COMMANDS.items():
-        add_arguments(sub.add_parser(name, help=help, description=help))
+        p = sub.add_parser(name, help=help, description=help)
+        # a value starting "-<digit>" is a value, not an option (lowmem has no such option): argparse
+        # takes only "-1" and "-1.5" as negative numbers, so "--budget -1MiB" said "expected one argument"
+        # and the value's own check never ran
+        p._negative_number_matcher = NEGATIVE
+        add_arguments(p)
     return parser
 
 
@@ -95,9 +101,9 @@ def main(argv=None):
         return error(f"out of memory ({e or 'no detail'})", EXIT_ERROR)
     except KeyboardInterrupt:
         return error("interrupted", EXIT_SIGNAL[signal.SIGINT])
-    except BrokenPipeError:                  # `lowmem plan | head`: the reader has gone
+    except BrokenPipeError:                  # `lowmem plan | head`: the reader took what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_ERROR
+        return EXIT_OK
     except OSError as e:                     # a file a command could not write (a full disk, ...)
         return error(re.sub(r"^\[Errno \d+\] ", "", str(e)), EXIT_ERROR)
 

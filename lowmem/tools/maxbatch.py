@@ -39,6 +39,8 @@ def parse_bytes(text):
     """'2GiB' -> 2147483648. Units: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB
     (powers of 1024), case-insensitive; a bare number is bytes. ValueError otherwise."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m and re.fullmatch(r"\s*-\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(text)):
+        raise ValueError(f"{text!r}: the budget must be at least 1 byte")
     if not m:
         raise ValueError(f"cannot read a byte count from {text!r}: expected a number and a unit, "
                          f"e.g. 2GiB, 512MiB, 1.5GB or 1000000 (bytes)")

@@ -3,7 +3,7 @@
 
 Exit status, the same for every subcommand:
 
-    0    done
+    0    done (also when the reader of its output stops early: `lowmem plan | head`)
     1    the data, a checkpoint, a run folder, the disk, or --verify failed
          (missing or damaged files, a folder lowmem may not use, a full disk)
     2    a bad command line: an option's value, a combination the model, the

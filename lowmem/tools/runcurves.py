@@ -101,6 +101,9 @@ def planned_from_plan_txt(path):
 def read_run(path):
     """The RunCurves of run folder `path`; RunError if it holds no metrics to draw."""
     name = os.fspath(path)
+    if os.path.isfile(name):
+        raise RunError(f"{name} is a file, not a run folder: give the folder that holds {METRICS} "
+                       f"({os.path.dirname(name) or '.'})")
     if not os.path.isdir(name):
         raise RunError(f"{name}: no such run folder")
     if not os.path.exists(os.path.join(name, METRICS)):

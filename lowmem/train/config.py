@@ -112,6 +112,8 @@ class TrainConfig:
         if str(self.dataset).lower() in ("fashion-mnist", "fashion_mnist", "fashionmnist") and 0 < self.pad_to < 28:
             bad("pad_to", "0 (keep 28x28) or at least 28 for Fashion-MNIST's 28x28 images")
         integer("seed", 0)
+        if self.seed >= 2 ** 64:                    # the counter stream's keys are 64-bit
+            bad("seed", "an integer in [0, 2**64)")
         integer("log_every", 0)
         integer("warmup_iters", 0, optional=True)
         integer("limit_train", 1, optional=True)

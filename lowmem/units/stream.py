@@ -41,11 +41,11 @@ class Stream(NamedTuple):
     row: int = None
 
 
-def check_key(key):
-    """Return `key` as an int if it is an integer in [0, 2**64); else ValueError."""
+def check_key(key, what="key"):
+    """Return `key` as an int if it is an integer in [0, 2**64); else ValueError naming it `what`."""
     ok = isinstance(key, numbers.Integral) and not isinstance(key, bool) and 0 <= int(key) <= MASK64
     if not ok:
-        raise ValueError(f"key must be an integer in [0, 2**64), got {key!r}")
+        raise ValueError(f"{what} must be an integer in [0, 2**64), got {key!r}")
     return int(key)
 
 

@@ -182,3 +182,23 @@ def test_a_run_trained_from_onnx_exports_and_predicts(tmp_path, free, capsys):
     logits_run, _ = predict.load(tmp_path / "run")
     x = rng.standard_normal((2, 3, 32, 32)).astype(np.float32)
     np.testing.assert_allclose(logits_file(x), logits_run(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_graph_the_builder_refuses_is_an_export_error_naming_the_file(tmp_path, free, capsys):
+    """A graph name of spaces is an exporter's default (the file's name is used); an input
+    dimension of 0 is refused as the file's, an ExportError naming it, not a NetworkError."""
+    def spaces(model):
+        model.graph.name = "   "
+    net = nn.from_onnx(edited(tmp_path, free, spaces, "spaced.onnx"), input_shape=(3, 32, 32))
+    assert net.name == "spaced"
+
+    def zero_height(model):
+        dims = model.graph.input[0].type.tensor_type.shape.dim
+        dims[2].dim_value = 0
+        dims[3].dim_value = 32
+    path = edited(tmp_path, free, zero_height, "zero.onnx")
+    with pytest.raises(ExportError, match=f"{path}: the graph input 'input' has a dimension of 0"):
+        nn.from_onnx(path)
+    rc, out, err = cli_run(capsys, "plan", "--model", path)
+    assert rc == 2 and err == f"lowmem plan: error: {path}: the graph input 'input' has a dimension of 0; " \
+                              f"an image batch (N, C, H, W) needs C, H, W >= 1\n", err

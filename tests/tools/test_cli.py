@@ -137,6 +137,16 @@ def test_version_is_printed(capsys):
     assert rc == 0 and out.strip() == f"lowmem {__version__}"
 
 
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """`lowmem plan | head -1`: the reader took what it wanted; exit 0, nothing on stderr."""
+    p = subprocess.Popen([sys.executable, "-m", "lowmem", "plan", "--depth", "164", "--rows", "500"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 0 and err == b"", err
+
+
 def test_registry():
     assert {"plan", "diagnose"} <= set(cli.COMMANDS)
     with pytest.raises(ValueError, match="registered twice"):
@@ -219,6 +229,12 @@ TRAIN = ["train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test
     (TRAIN + ["--out", "OUT", "--resume", "--overwrite"], "not allowed with argument"),
     (TRAIN + ["--out", "OUT", "--depth", "21"], "unsupported depth 21"),
     (TRAIN + ["--out", "OUT", "--batch", "64"], "--limit-train 32: expected at least --batch 64 images"),
+    (TRAIN + ["--out", "OUT", "--seed", "99999999999999999999999"],
+     "argument --seed: expected an integer in [0, 2**64), got '99999999999999999999999'"),
+    (["diagnose", "--seed", str(2 ** 64)], "argument --seed: expected an integer in [0, 2**64)"),
+    (["maxbatch", "--budget", "-1MiB"], "argument --budget: '-1MiB': the budget must be at least 1 byte"),
+    (["plan", "--bits", "auto", "--budget", "-2GiB"], "argument --budget: '-2GiB': the budget must be"),
+    (["plan", "--depth", "-3"], "argument --depth: expected a positive integer, got '-3'"),
 ])
 def test_bad_command_lines_end_in_one_line_and_exit_2(capsys, tmp_path, argv, words):
     argv = [str(tmp_path / "run") if a == "OUT" else a for a in argv]

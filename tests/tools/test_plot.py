@@ -311,6 +311,13 @@ def test_lowmem_plot_draws_old_and_new_run_folders(tmp_path, capsys):
     assert code == 0 and err == "" and (tmp_path / "c.png").stat().st_size > 0
 
 
+def test_lowmem_plot_given_the_metrics_file_names_its_folder(tmp_path, capsys):
+    a = write_run(tmp_path / "a")
+    code, out, err = run_cli(["plot", str(a / "metrics.jsonl"), "--out", str(tmp_path / "c.png")], capsys)
+    assert code == 1 and err == (f"lowmem plot: error: {a / 'metrics.jsonl'} is a file, not a run folder: "
+                                 f"give the folder that holds metrics.jsonl ({a})\n")
+
+
 def test_lowmem_plot_names_a_folder_without_a_run_exit_1(tmp_path, capsys):
     a = write_run(tmp_path / "a")
     code, out, err = run_cli(["plot", str(a), str(tmp_path / "nope"), "--out", str(tmp_path / "c.png")], capsys)

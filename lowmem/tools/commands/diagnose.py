@@ -41,7 +41,7 @@ def add_arguments(p):
                    help="exact SGD steps on the synthetic data before measuring (default: %(default)s)")
     p.add_argument("--lr", type=argtypes.positive_number, default=0.05,
                    help="warm-up learning rate (default: %(default)s)")
-    p.add_argument("--seed", type=argtypes.count, default=0, help="network and data seed (default: %(default)s)")
+    p.add_argument("--seed", type=argtypes.seed, default=0, help="network and data seed (default: %(default)s)")
     p.add_argument("--no-table", action="store_true", help="print only the summary")
 
 

@@ -111,7 +111,7 @@ def add_arguments(parser):
                         help="Nesterov momentum")
     parser.add_argument("--no-augment", dest="augment", action="store_false", default=S,
                         help="no random crop / flip")
-    opt("--seed", "seed", "seed of the initial weights, batch order and augmentation", type=argtypes.count,
+    opt("--seed", "seed", "seed of the initial weights, batch order and augmentation", type=argtypes.seed,
         metavar="S")
     opt("--out", "out", "run folder: checkpoint, metrics, config; new or empty unless --resume or "
         "--overwrite (required)", metavar="RUN_DIR", type=argtypes.folder, required=True)
