@@ -54,7 +54,7 @@ import numpy
 
 from ..units import quantize_simulated, stream
 from ..units.widths import BITS, FLOAT, check_bits, check_rounding, code_for
-from ..ops import conv2d_backward_weight
+from ..ops import conv2d_backward_weight, grouped_conv2d_backward_weight
 from ..core.optable import OPS
 from .simulate import BIAS_STEPS, SimulatedCodeUnits, _exact_engine, _gradients, _sq, _units, objective_of
 from .simulate import simulate, simulate_draws  # noqa: F401  (the measurement the estimate is checked against)
@@ -340,8 +340,11 @@ def _measure_conv(eng, step, u, acc, tensor_local, k0, cache, rounding, key):
             xp.copyto(du, xp.where(mask, xp.maximum((xhat + delta) * g[:, None] + b[:, None], 0)
                                    - (xhat * g[:, None] + b[:, None]), 0))
             dw = xp.zeros_like(p.data)
-            conv2d_backward_weight(dw, run.act(step.scratch, step.in_shape), run.act(step.dout, step.out_shape),
-                                   L.stride, L.pad, eng.arrays["conv.cols"])
+            x, dout, ws = run.act(step.scratch, step.in_shape), run.act(step.dout, step.out_shape), eng.arrays["conv.cols"]
+            if L.groups == 1:
+                conv2d_backward_weight(dw, x, dout, L.stride, L.pad, ws)
+            else:                                   # grouped and depthwise: each group's own weights
+                grouped_conv2d_backward_weight(dw, x, dout, L.stride, L.pad, L.groups, ws)
             dws.append(dw)
         e = _add(acc, 0, u, k, dws)
         if k == k0:
