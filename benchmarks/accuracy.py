@@ -82,7 +82,7 @@ from lowmem.train.config import TrainConfig                           # noqa: E4
 from lowmem.bits.auto import training_batches                         # noqa: E402
 from lowmem.train.rundir import CHECKPOINT, read_metrics                # noqa: E402
 from lowmem.train.trainer import Trainer                              # noqa: E402
-from machine import cpu                                              # noqa: E402 (benchmarks/machine.py)
+from harness import cpu                                              # noqa: E402 (benchmarks/harness.py)
 
 # The full study: the user's recipe (module docstring) on all of Fashion-MNIST, 9 runs of 2,340
 # steps, the draw noise measured at every epoch's end of the first seed's exact run.

@@ -34,7 +34,7 @@ from lowmem.data.datasets import load_dataset                             # noqa
 from lowmem.models import build_model                                     # noqa: E402
 from lowmem.system.atomic import atomic_write                             # noqa: E402
 from lowmem.tools.diagnostics import warm_up                              # noqa: E402
-import machine  # noqa: E402 (benchmarks/machine.py)
+import harness  # noqa: E402 (benchmarks/harness.py)
 
 H = S.BIAS_STEPS
 
@@ -101,7 +101,7 @@ def main(argv=None):
     uniform = dict.fromkeys(units, 2)
     print(f"choose_widths (now): {a.bits}\nthe objective before: {old}", flush=True)
     res = {"command": "python benchmarks/bits_bias.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": machine.cpu(), "load": os.getloadavg()[0], "H": H, "chosen": a.bits,
+           "machine": harness.cpu(), "load": os.getloadavg()[0], "H": H, "chosen": a.bits,
            "chosen_before": old, "checkpoints": []}
     allb = training_batches(data, n, count=3 + args.batches + 200)
     measure, train = allb[3:3 + args.batches], allb[3 + args.batches:]

@@ -51,7 +51,7 @@ from lowmem.models import preact_resnet_cifar                        # noqa: E40
 from lowmem.bits.sensitivity import measure_sensitivity, simulate        # noqa: E402
 from lowmem.bits.simulate import objective_of, simulate_draws            # noqa: E402
 from lowmem.units.widths import BITS                                     # noqa: E402
-import machine                                                      # noqa: E402 (benchmarks/machine.py)
+import harness                                                      # noqa: E402 (benchmarks/harness.py)
 
 NETS = {"resnet8": (8, None), "resnet20": (20, None), "resnet29-bottleneck": (29, "bottleneck"),
         "resnet56": (56, None)}
@@ -223,7 +223,7 @@ def main(argv=None):
         p.error("--cost-depth times the nearest estimate: run it without --rounding")
     data = load_dataset("fashion-mnist", None, download=False, limit_train=args.limit_train, limit_test=100)
     res = {"command": "python benchmarks/bits_validate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": machine.cpu(), "load": os.getloadavg()[0], "nets": []}
+           "machine": harness.cpu(), "load": os.getloadavg()[0], "nets": []}
     t0 = time.perf_counter()
     for name in filter(None, args.nets.split(",")):
         res["nets"].append((validate if args.rounding == "nearest" else validate_split)(name, args, data))

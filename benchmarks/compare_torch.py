@@ -1,48 +1,76 @@
 """lowmem against PyTorch on the CPU: step time and peak resident memory, each configuration
-in its own fresh process.
+in its own fresh process, on a quiet machine (benchmarks/harness.py).
+
+The networks users have (torchvision's, through ONNX):
+
+    python benchmarks/compare_torch.py --model resnet18 --size 128 --batch 32 --kernels
+    python benchmarks/compare_torch.py --model mobilenet_v2 --size 128 --batch 32 --rounds 5
+    python benchmarks/compare_torch.py --model my_cnn.onnx --batch 16       # lowmem's configs only
+
+  --model resnet18 | resnet50 | densenet121 | mobilenet_v2: PyTorch trains torchvision's module
+  (tests/torchvision_layout.py: torchvision's model code written again, the same modules and
+  names; PyPI's torchvision does not import beside this CPU torch), built from seed 0; lowmem
+  trains the ONNX export of that same module (the same initial weights), written once per run by
+  a worker as benchmarks/onnx_vs_torch.py does:
+      torch.onnx.export(model, x, path, training=torch.onnx.TrainingMode.TRAINING,
+                        do_constant_folding=False, dynamo=False)
+  MobileNetV2 is built and exported with its classifier dropout at p = 0 on both sides (lowmem's
+  head is the pool and the linear layer: it refuses a dropout between them). --size S: S x S
+  RGB inputs (default 224), --classes (default 1000). Configurations (default): torch-exact,
+  lowmem-exact, lowmem-approx4, lowmem-approx2u (the 2-bit unbiased code, rounding="stochastic").
+  FILE.onnx: lowmem's configurations on that file (no PyTorch module to compare with), its own
+  input size (fixed in the file) and classes.
+
+The pre-activation ResNet (the default, no --model; tests/torch_reference.py for PyTorch):
 
     python benchmarks/compare_torch.py                          # ResNet-164, batch 128, all configs
     python benchmarks/compare_torch.py --depth 1001 --configs lowmem-approx4,torch-exact \\
         --steps 1 --warmup 0 --mem-limit 21GiB
     python benchmarks/compare_torch.py --maxbatch-budget 2GiB --configs none
     python benchmarks/compare_torch.py --configs lowmem-approx4 --profile 10   # + cProfile of one step
-    python benchmarks/compare_torch.py --configs torch-exact,lowmem-exact,lowmem-approx4 \
-        --scaling lowmem-exact,lowmem-approx4 --jit lowmem-approx4 --kernels
-        # + the 1-thread row, first-step JIT overhead (empty vs filled numba cache), per-kernel table
+    python benchmarks/compare_torch.py --configs torch-exact,lowmem-exact,lowmem-approx4 \\
+        --scaling lowmem-exact,lowmem-approx4 --jit lowmem-approx4
+        # + the 1-thread row, first-step JIT overhead (empty vs filled numba cache)
 
-Configurations (the same pre-activation ResNet: tests/torch_reference.py for PyTorch):
+Configurations:
   torch-exact      PyTorch autograd, nn modules
   torch-ckpt       PyTorch with torch.utils.checkpoint.checkpoint_sequential over the blocks,
-                   round(sqrt(#blocks)) segments (use_reentrant=False)
+                   round(sqrt(#blocks)) segments (use_reentrant=False); pre-activation ResNet only
   lowmem-exact     lowmem, x-hat saved in float32
-  lowmem-approx8/4/2   the method, 8/4/2-bit codes
+  lowmem-approx8/4/2   the method, 8/4/2-bit codes (window code, nearest rounding)
+  lowmem-approx4u/2u   the unbiased code (rounding="stochastic"), 4 and 2 bits
   lowmem-naive4    the paper's baseline, 4-bit
-  floor            the machine's floor for the approx-4 step: exactly the step's conv GEMMs (every
-                   conv's forward, weight-gradient and input-gradient product on the path lowmem
-                   takes at its shape: Winograd's 16 batched GEMMs per chunk of tiles for stride-1
-                   3x3 convs, plain GEMMs for 1x1 convs, im2col GEMMs for the stem and strided
-                   convs; chunked and split over lowmem's threads as the step does, BLAS at one
-                   thread: step_gemms) plus one read and one write of the bytes a step must touch
-                   (floor_worker) at the copy bandwidth measured in the same process; also the
-                   GEMM rate against the machine's peak (peak_flops), its FLOPs counted both as
-                   the GEMMs do them and as the direct convolution would
+  floor            the machine's floor for the approx-4 step (benchmarks/gemm_floor.py: exactly the
+                   step's conv GEMMs as lowmem runs them, plus one pass over the bytes a step must
+                   touch at the copy bandwidth measured in the same process); pre-activation ResNet only
 
 A step is forward + backward + SGD (momentum 0.9, weight decay 5e-4 on conv/linear weights,
 lr 0.01) on random data. Each worker (`--worker CONFIG`, this script) imports its libraries,
-reads its baseline VmRSS from /proc/self/status, resets the high-water mark (writing 5 to
-/proc/self/clear_refs, where the kernel allows it), builds the model and data, runs
---warmup + --steps steps and reports VmHWM - baseline: everything the model, the data, the
-step and any JIT (numba loading its cached kernels) added to the process. The parent
-watches every worker's RSS and the machine's MemAvailable and kills a worker that passes
---mem-limit or leaves less than 1 GiB free (a PyTorch ResNet-1001 step needs ~20 GB).
+reads its baseline resident size, resets the high-water mark, builds the model and data, runs
+--warmup + --steps steps and reports the peak above the baseline: everything the model, the
+data, the step and any JIT (numba loading its cached kernels) added to the process.
 
-The machine may be shared: before each worker the parent waits (up to --max-wait s) until
-the CPUs are quiet (busy < --max-busy over 2 s, from /proc/stat); it records the load
-average before and the CPUs other processes used during every run, and reruns a run that
-others disturbed (more than --max-others CPUs; up to --retries times). On 2 cores one busy
-neighbour slows multi-threaded PyTorch and OpenBLAS/numba many times over. Thread-count environment variables and
-OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are reported, never changed silently
-(--unset-openblas-env removes the latter two in the workers).
+Rounds: --rounds R runs every configuration R times, each time in a fresh process, the order
+rotated by one each round (a drift in the machine's speed hits every configuration alike); a
+configuration's step is the median of its rounds' medians (default: 3 with --model, 1 for the
+pre-activation ResNet). The ratios printed: approx-4 / PyTorch, approx-4 / exact, 2-bit
+unbiased / exact, exact / PyTorch (and, for the pre-activation ResNet, its floor and
+checkpointing rows).
+
+--kernels: where a lowmem step's time goes, by op kind (benchmarks/op_profile.py: cProfile's own
+time of each function, charged to the op kind that called it: conv GEMMs, conv columns and
+transforms, depthwise conv, range code, masks and packing, the BN-ReLU unit, standalone BN,
+pools, add/concat, linear/loss, SGD, other): per lowmem configuration a fresh process on
+--kernel-threads lowmem threads (default 1: cProfile sees the calling thread only, so one thread
+shows the whole step's work), one warm-up step, then --kernel-steps profiled steps; seconds per
+step and the share of the profiled step.
+
+The machine is named in the header (CPU model, AVX2 / AVX-512, cores and CPUs). Supervision
+(harness.py): before each worker the parent waits (up to --max-wait s) until the CPUs are quiet,
+records the load and the CPUs other processes used during every run, reruns a disturbed run (up
+to --retries times), and kills a worker that passes --mem-limit or leaves less than 1 GiB free.
+Thread-count environment variables and OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are reported, never
+changed silently (--unset-openblas-env removes the latter two in the workers).
 
 Threads: PyTorch workers use torch.set_num_threads(--threads) and BLAS at --threads; lowmem
 workers call lowmem.system.threads.configure(--threads) (lowmem's own policy: BLAS at one thread,
@@ -52,11 +80,15 @@ import argparse
 import json
 import math
 import os
-import re
+import shutil
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
+import warnings
+
+import harness                                   # beside this script: benchmarks/harness.py
+from harness import MiB, fmt_mib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -72,74 +104,39 @@ CONFIGS = {
     "lowmem-naive4": dict(impl="lowmem", mode="naive", bits=4),
     "floor": dict(impl="floor", mode="approx", bits=4),
 }
-OPENBLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
-              "NUMBA_THREADING_LAYER", "OMP_WAIT_POLICY")
-MiB = 1 << 20
+TORCHVISION = ("resnet18", "resnet50", "densenet121", "mobilenet_v2")
+IMPORTED_CONFIGS = ("torch-exact", "lowmem-exact", "lowmem-approx4", "lowmem-approx2u")
+PREACT_ONLY = ("torch-ckpt", "floor")
 LR, MOMENTUM, WD = 0.01, 0.9, 5e-4
 
 
-# ---- /proc -------------------------------------------------------------------------------
-
-def proc_status(pid="self"):
-    """{'VmRSS': bytes, 'VmHWM': bytes} of a process."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key = line.split(":")[0]
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(line.split()[1]) * 1024
-    return out
-
-
-def mem_available():
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
-def cpu_times():
-    """(all jiffies, busy jiffies) summed over the machine's CPUs, from /proc/stat."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:8]]
-    return sum(v), sum(v) - v[3] - v[4]
-
-
-def proc_cpu(pid):
-    """utime + stime jiffies of a process and its waited-for children."""
-    with open(f"/proc/{pid}/stat") as f:
-        v = f.read().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in v[11:15])
-
-
-def cpu_busy(seconds=2.0):
-    """Fraction of all CPUs busy over `seconds` (the caller sleeps meanwhile)."""
-    t0, b0 = cpu_times()
-    time.sleep(seconds)
-    t1, b1 = cpu_times()
-    return (b1 - b0) / max(1, t1 - t0)
-
-
-def parse_bytes(text):
-    from lowmem.tools.maxbatch import parse_bytes as parse
-    try:
-        return parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 # ---- the worker: one configuration in a fresh process --------------------------------------
+
+def torchvision_module(name, classes):
+    """torchvision's module `name` (tests/torchvision_layout.py), MobileNetV2 without dropout."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import torchvision_layout as tv
+    return {"resnet18": lambda: tv.resnet(18, classes), "resnet50": lambda: tv.resnet(50, classes),
+            "densenet121": lambda: tv.densenet(121, classes),
+            "mobilenet_v2": lambda: tv.mobilenet_v2(classes, dropout=0.0)}[name]()
+
+
+def shape_of(args):
+    return tuple(int(v) for v in args.shape.split(","))
+
 
 def torch_step_fn(args, torch):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import torch_reference as ref
     from torch.nn import functional as F
-    model = ref.preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)
+    torch.manual_seed(0)
+    if args.model:
+        model = torchvision_module(args.model, args.classes)
+    else:
+        model = ref.preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)
     opt = torch.optim.SGD(ref.sgd_param_groups(model, WD), lr=LR, momentum=MOMENTUM)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.batch, 3, 32, 32, generator=g)
+    x = torch.randn((args.batch,) + shape_of(args), generator=g)
     y = torch.randint(0, args.classes, (args.batch,), generator=g)
     extra = {"params": sum(p.numel() for p in model.parameters())}
     if CONFIGS[args.worker]["ckpt"]:
@@ -164,300 +161,73 @@ def torch_step_fn(args, torch):
     return step, extra
 
 
+def lowmem_engine(args, mode, bits, rounding="nearest"):
+    """(network, engine) of the worker's model: the ONNX file, else the pre-activation ResNet."""
+    import lowmem
+    shape = shape_of(args)
+    if args.onnx:
+        net = lowmem.nn.from_onnx(args.onnx, input_shape=shape)
+    else:
+        net = lowmem.models.preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)
+    return net, lowmem.Engine(net, args.batch, shape, mode, bits, "float32", rounding=rounding)
+
+
 def lowmem_step_fn(args, cfg):
     import numpy
     import lowmem
-    net = lowmem.models.preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)
-    eng = lowmem.Engine(net, args.batch, (3, 32, 32), cfg["mode"], cfg["bits"], "float32",
-                        rounding=cfg.get("rounding", "nearest"))
+    net, eng = lowmem_engine(args, cfg["mode"], cfg["bits"], cfg.get("rounding", "nearest"))
     opt = lowmem.SGD(net.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
     rng = numpy.random.default_rng(0)
-    x = rng.standard_normal((args.batch, 3, 32, 32)).astype(numpy.float32)
-    y = rng.integers(0, args.classes, args.batch)
+    x = rng.standard_normal((args.batch,) + shape_of(args)).astype(numpy.float32)
+    y = rng.integers(0, net.num_classes, args.batch)
     extra = {"params": net.num_params(), "planned_bytes": eng.plan.total_bytes,
              "planned_by_kind": eng.plan.bytes_by_kind(), "use_fast": eng.use_fast}
     return (lambda: float(eng.train_step(x, y, opt))), extra
 
 
-def blas_info():
-    """The BLAS libraries loaded in this process (threadpoolctl if installed, else numpy's build)."""
-    try:
-        import threadpoolctl
-        return [{k: d.get(k) for k in ("internal_api", "version", "architecture", "num_threads", "filepath")}
-                for d in threadpoolctl.threadpool_info()]
-    except ImportError:
-        import numpy
-        cfg = numpy.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
-        return [{"internal_api": cfg.get("name"), "version": cfg.get("version"),
-                 "architecture": "(threadpoolctl not installed)", "num_threads": None,
-                 "filepath": cfg.get("openblas configuration")}]
-
-
-def peak_flops(cores):
-    """(float32 FLOP/s, how): cores x SIMD lanes x 2 (an FMA is two flops) x FMA units x clock.
-    Lanes from lscpu's flags (AVX-512: 16, AVX2: 8); clock: lscpu's CPU max MHz, else
-    /proc/cpuinfo's cpu MHz; FMA units per core: 2 (stated, not measured: Intel server cores
-    with AVX-512 and AMD Zen 2-4 have two FMA pipes)."""
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    flags = set((re.search(r"^Flags:\s*(.+)$", out, re.M) or [None, ""])[1].split())
-    lanes, isa = (16, "AVX-512") if "avx512f" in flags else (8, "AVX2 FMA") if "fma" in flags else (4, "SSE")
-    m = re.search(r"^CPU max MHz:\s*([\d.]+)", out, re.M)
-    src = "lscpu CPU max MHz"
-    if not m:
-        with open("/proc/cpuinfo") as f:
-            m = re.search(r"^cpu MHz\s*:\s*([\d.]+)", f.read(), re.M)
-        src = "/proc/cpuinfo cpu MHz"
-    ghz = float(m.group(1)) / 1000 if m else float("nan")
-    fma = 2
-    return (cores * lanes * 2 * fma * ghz * 1e9,
-            f"{cores} cores x {lanes} float32 lanes ({isa}) x 2 flops per FMA x {fma} FMA units (stated) "
-            f"x {ghz:.2f} GHz ({src})")
-
-
-def _column_ranges(M, grain):
-    """The column ranges threads.parallel_for(body, M, grain) cuts (what ops/chunks.py's
-    over_columns runs a 1x1 conv's GEMM over)."""
-    from lowmem.system import threads
-    parts = min(threads.threads(), M // max(1, grain))
-    if parts <= 1:
-        return [(0, M)]
-    cut = threads.bounds(M, parts)
-    return list(zip(cut[:-1], cut[1:]))
-
-
-def _batch_ranges(N, ws, per):
-    """[(n0, n1, workspace part)]: the batch ranges ops/chunks.py's over_batch cuts (one per
-    lowmem thread, each with its own slice of the workspace)."""
-    from lowmem.system import threads
-    from lowmem.ops import chunks
-    parts = max(1, min(threads.threads(), N, ws.size // per, N * per // chunks.COLS_GRAIN))
-    cut, size = threads.bounds(N, parts), ws.size // parts
-    return [(cut[t], cut[t + 1], ws[t * size:(t + 1) * size]) for t in range(parts)]
-
-
-def _winograd_correlate(x, U, ws):
-    """The GEMMs of winograd._correlate: per range and chunk, M (16, Co, T) = U @ V (16, Ci, T)."""
-    from lowmem.ops import winograd
-    Co, Ci = U.shape[1:]
-    N, H, W = x.shape[1:]
-    th, tw = winograd.tiles(H, W)
-    per = winograd.per_sample(Ci, Co, H, W)
-    ranges = []
-    for a, b, wsp in _batch_ranges(N, ws, per):
-        nc, gemms = winograd._chunk(wsp, per, b - a), []
-        for n0 in range(a, b, nc):
-            T = (min(b, n0 + nc) - n0) * th * tw
-            gemms.append((U, wsp[:16 * Ci * T].reshape(16, Ci, T),
-                          wsp[16 * Ci * T:16 * (Ci + Co) * T].reshape(16, Co, T)))
-        ranges.append(gemms)
-    return ranges
-
-
-def _winograd_weight(x, dw, ws):
-    """The GEMMs of winograd.conv3x3_backward_weight: per range and chunk,
-    dU (16, Co, Ci) (+)= Mg (16, Co, T) @ V (16, Ci, T)^T, into the range's acc or term."""
-    from lowmem.ops import winograd
-    Co, Ci = dw.shape[:2]
-    N, H, W = x.shape[1:]
-    th, tw = winograd.tiles(H, W)
-    per, u = winograd.per_sample(Ci, Co, H, W), 16 * Co * Ci
-    ranges = []
-    for a, b, wsp in _batch_ranges(N, ws, per + 2 * u):
-        acc, term = wsp[:u].reshape(16, Co, Ci), wsp[u:2 * u].reshape(16, Co, Ci)
-        tiles_ws = wsp[2 * u:]
-        nc, gemms = winograd._chunk(tiles_ws, per, b - a), []
-        for n0 in range(a, b, nc):
-            T = (min(b, n0 + nc) - n0) * th * tw
-            V = tiles_ws[:16 * Ci * T].reshape(16, Ci, T)
-            Mg = tiles_ws[16 * Ci * T:16 * (Ci + Co) * T].reshape(16, Co, T)
-            gemms.append((Mg, V.transpose(0, 2, 1), acc if n0 == a else term))
-        ranges.append(gemms)
-    return ranges
-
-
-def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=False):
-    """(path, ranges): the GEMMs one conv product runs in lowmem/ops/conv.py, decided as
-    conv2d_forward / conv2d_backward_input / conv2d_backward_weight decide (the same
-    `winograd.applies` with the same arrays, the same 1x1 test), chunked as they chunk.
-
-    product: "forward" (x (Cin, N, H, W) -> out (Cout, N, Ho, Wo)), "input" (x is dout, out is
-    dx) or "weight" (x the conv input, out is dout; w stands for dw). ranges: one list per
-    lowmem thread range of (a, b, out or None) matmul operands (None: the step lets
-    numpy.matmul allocate the result), views of the same arrays the step uses."""
-    from lowmem.ops import chunks, conv, winograd
-    Cout, Cin, kh, kw = w.shape
-    if product == "forward":
-        if columns.winograd and winograd.applies(x, w, out, stride, pad, ws):
-            return "winograd", _winograd_correlate(x, winograd.filter_transform(w), ws)
-        N, (Ho, Wo) = x.shape[1], out.shape[2:]
-        w2 = w.reshape(Cout, -1)
-        if conv._is_pointwise(w, stride, pad) and x.flags.c_contiguous:
-            x2, o2 = conv._flat(x, Cin), conv._flat(out, Cout)
-            cuts = _column_ranges(x2.shape[1], chunks.GEMM_GRAIN)
-            return "1x1", [[(w2, x2[:, a:b], o2[:, a:b])] for a, b in cuts]
-    elif product == "input":
-        dout, dx = x, out
-        if columns.winograd and winograd.applies(dout, w, dx, stride, pad, ws):
-            wb = w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)
-            return "winograd", _winograd_correlate(dout, winograd.filter_transform(wb), ws)
-        N, (Ho, Wo) = dx.shape[1], dout.shape[2:]
-        w2t = w.reshape(Cout, -1).T
-        if conv._is_pointwise(w, stride, pad) and not accumulate:
-            g2, d2 = conv._flat(dout, Cout), conv._flat(dx, Cin)
-            cuts = _column_ranges(g2.shape[1], chunks.GEMM_GRAIN)
-            return "1x1", [[(w2t, g2[:, a:b], d2[:, a:b])] for a, b in cuts]
-    elif product == "weight":
-        dout = out
-        if columns.winograd and winograd.applies(x, w, dout, stride, pad, ws, weight=True):
-            return "winograd", _winograd_weight(x, w, ws)
-        N, (Ho, Wo) = x.shape[1], dout.shape[2:]
-        if conv._is_pointwise(w, stride, pad) and x.flags.c_contiguous:
-            x2, g2 = conv._flat(x, Cin), conv._flat(dout, Cout)
-            cuts = _column_ranges(x2.shape[1], chunks.GEMM_GRAIN)
-            return "1x1", [[(g2[:, a:b], x2[:, a:b].T, None)] for a, b in cuts]
-    else:
-        raise ValueError(f"product must be forward, input or weight, got {product!r}")
-    K = Cin * kh * kw                                      # im2col: one GEMM per chunk of samples
-    ranges = []
-    for a, b, wsp in _batch_ranges(N, ws, K * Ho * Wo):
-        nc, gemms = chunks.chunk_size(wsp, K * Ho * Wo, b - a), []
-        for n0 in range(a, b, nc):
-            n1 = min(b, n0 + nc)
-            cols = wsp[:K * (n1 - n0) * Ho * Wo].reshape(K, -1)
-            if product == "forward":
-                gemms.append((w2, cols, conv._flat(out[:, n0:n1], Cout)))
-            elif product == "input":
-                gemms.append((w2t, conv._flat(dout[:, n0:n1], Cout), cols))
-            else:
-                gemms.append((conv._flat(dout[:, n0:n1], Cout), cols.T, None))
-        ranges.append(gemms)
-    return "im2col", ranges
-
-
-def step_gemms(eng):
-    """Every conv GEMM one training step of an allocated engine runs, in schedule order:
-    [dict(layer, product, path, ranges, flop, direct_flop)] (conv_product_gemms; the
-    backward as optable.Conv.backward runs it: the weight gradient, then the input
-    gradient unless it is the network input's). Operands are views of the engine's own
-    arrays (activation buffers, the conv workspace), so the memory layout is the step's;
-    the classifier's two tiny GEMMs are left out. flop: 2 x the multiply-adds the GEMMs do;
-    direct_flop: those of the direct convolution (2*Cout*Cin*k*k*N*Ho*Wo)."""
-    run, N = eng.run, eng.N
-    if run is None:
-        raise ValueError("step_gemms needs an allocated engine (allocate=True)")
-    run.n = N                                              # what a full-batch forward sets
-    ws = run.arrays["conv.cols"]
-    out = []
-    for step in eng.schedule:
-        if step.op != "conv":
-            continue
-        L, w = step.layer, run.params[step.params[0]].data
-        if step.phase == "fwd":
-            calls = [("forward", run.act(step.src, step.in_shape), run.act(step.dst, step.out_shape), False)]
-        else:
-            dout = run.act(step.dout, step.out_shape)
-            x = run.act(step.scratch if step.unit else step.src, step.in_shape)
-            calls = [("weight", x, dout, False)]
-            if step.dx and (run.input_grad or not step.optional):
-                calls.append(("input", dout, run.act(step.dx, step.in_shape), step.accumulate))
-        direct = 2 * w.size * N * math.prod(step.out_shape[1:])
-        for product, a, b, acc in calls:
-            path, ranges = conv_product_gemms(product, run.columns, a, w, b, L.stride, L.pad, ws, acc)
-            flop = sum(2 * math.prod(p.shape) * q.shape[-1] for r in ranges for p, q, _ in r)
-            out.append(dict(layer=L.name, product=product, path=path, ranges=ranges, flop=flop,
-                            direct_flop=direct))
-    return out
-
-
-def run_gemms(products):
-    """Run the GEMMs of step_gemms: each product's ranges over lowmem's threads, one range
-    per thread, as the step splits them."""
-    import numpy as np
-    from lowmem.system import threads
-    for p in products:
-        ranges = p["ranges"]
-
-        def body(t0, t1, ranges=ranges):
-            for t in range(t0, t1):
-                for a, b, c in ranges[t]:
-                    np.matmul(a, b, out=c)
-        threads.parallel_for(body, len(ranges))
-
-
-def floor_worker(args):
-    """The 'floor' configuration: what the approx-4 step cannot go below on this machine.
-
-    GEMMs: exactly the conv GEMMs the approx-4 step runs (step_gemms: each conv's forward,
-    weight-gradient and, except the stem's, input-gradient product on the path lowmem takes
-    at that shape: Winograd F(2x2, 3x3)'s 16 batched GEMMs per chunk of tiles for the stride-1
-    3x3 convs, the plain GEMM of a 1x1 conv, im2col GEMMs for the stem and strided convs),
-    chunked and split over lowmem's threads as the step does, BLAS at one thread
-    (threads.configure), on the operands' own arrays in an allocated engine (filled with
-    random numbers first). FLOPs both ways: what the GEMMs do, and the direct-convolution
-    equivalent (2*Cout*Cin*k*k*N*Ho*Wo per product). Not timed: the transforms, im2col and
-    col2im around the GEMMs (passes over memory, below) and the classifier's tiny GEMMs.
-    Bytes a step must touch, each moved once (one read and one write): every layer output
-    (activation) written and read in the forward, its gradient written and read in the
-    backward (4 x activation bytes), the saved codes written and read (2 x the plan's 'saved'),
-    the parameters, gradients and optimizer state each read and written once (2 x their
-    plan bytes). At the copy bandwidth of numpy.copyto of a 256 MiB buffer over the same
-    threads, counting read + write bytes. Floor step = GEMM time + bytes / copy rate."""
-    import numpy as np
-    import lowmem
-    from lowmem.system import threads
-    threads.configure(args.threads)
-    T = threads.threads()
-    net = lowmem.models.preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)
-    eng = lowmem.Engine(net, args.batch, (3, 32, 32), "approx", 4, "float32")   # as lowmem_step_fn
-    N = args.batch
-    act_bytes = sum(4 * N * math.prod(eng.out_shape[L.name]) for L in net.layers)
-    kinds = eng.plan.bytes_by_kind()
-    state = kinds["params"] + kinds["grads"] + kinds["optimizer"]
-    touched = 4 * act_bytes + 2 * kinds["saved"] + 2 * state
-    rng = np.random.default_rng(0)
-    used = {"conv.cols"} | {getattr(s, f) for s in eng.schedule if s.op == "conv"
-                            for f in ("src", "dst", "dout", "dx", "scratch")}
-    for name in sorted(used - {""}):                      # no zeros, NaNs or denormals in the GEMMs
-        a = eng.arrays[name]
-        a[...] = rng.standard_normal(a.shape, dtype=np.float32)
-    products = step_gemms(eng)
-    paths = {}
-    for p in products:
-        paths[p["path"]] = paths.get(p["path"], 0) + 1
-    flop = sum(p["flop"] for p in products)
-    direct = sum(p["direct_flop"] for p in products)
-    calls = sum(len(r) for p in products for r in p["ranges"])
-    src = np.ones(256 << 18, np.float32)
-    dst = np.empty_like(src)
-    copy_s = min(_time(lambda: threads.parallel_for(lambda a, b: np.copyto(dst[a:b], src[a:b]), src.size))
-                 for _ in range(5))
-    copy_rate = 2 * src.nbytes / copy_s                     # bytes read + written per second
-    mem_s = touched / copy_rate
-    times = []
-    for i in range(args.warmup + args.steps):
-        times.append(_time(lambda: run_gemms(products)))
-    gemm = times[args.warmup:]
-    rate = flop / statistics.median(gemm)
-    peak, how = peak_flops(T)
-    res = dict(config="floor", depth=args.depth, block=args.block, batch=N, threads=args.threads,
-               lowmem_threads=T, source_sha=source_hash(), blas=blas_info(),
-               warmup_s=[t + mem_s for t in times[:args.warmup]], step_s=[t + mem_s for t in gemm],
-               gemm_s=gemm, gemm_flop=flop, gemm_flops=rate, gemm_direct_flop=direct,
-               gemm_direct_flops=direct / statistics.median(gemm), gemm_calls=calls,
-               convs=sum(1 for s in eng.schedule if s.op == "conv" and s.phase == "fwd"),
-               products=len(products), products_by_path=paths, winograd=eng.run.columns.winograd,
-               peak_flops=peak, peak_how=how, gemm_of_peak=rate / peak,
-               bytes_touched=touched, touched_parts=dict(activations_x4=4 * act_bytes, saved_x2=2 * kinds["saved"],
-                                                         params_grads_optimizer_x2=2 * state),
-               copy_bytes_per_s=copy_rate, mem_s=mem_s, peak_above_base=None, base_rss=None)
-    print("RESULT " + json.dumps(res), flush=True)
+def export_worker(args):
+    """Write the ONNX export of torchvision's module (seed 0, as torch_step_fn builds it) to args.onnx."""
+    import torch
+    torch.manual_seed(0)
+    model = torchvision_module(args.model, args.classes).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, torch.randn((2,) + shape_of(args)), args.onnx,
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, dynamo=False)
+    harness.result_line({"exported": args.onnx, "params": sum(p.numel() for p in model.parameters())})
     return 0
 
 
-def _time(fn):
+def floor_worker(args):
+    """The 'floor' configuration: gemm_floor.measure on the approx-4 engine lowmem_step_fn builds."""
+    import gemm_floor
+    from lowmem.system import threads
+    threads.configure(args.threads)
+    _net, eng = lowmem_engine(args, "approx", 4)
+    res = dict(config="floor", depth=args.depth, block=args.block, batch=args.batch, threads=args.threads,
+               lowmem_threads=threads.threads(), source_sha=harness.source_hash(), blas=harness.blas_info(),
+               peak_above_base=None, base_rss=None, **gemm_floor.measure(eng, args.warmup, args.steps))
+    harness.result_line(res)
+    return 0
+
+
+def kinds_worker(args, cfg):
+    """One warm-up step, then args.kernel_steps steps under cProfile on args.kernel_threads lowmem
+    threads: own time by op kind (op_profile.by_kind) and each kind's largest functions."""
+    import op_profile
+    from lowmem.system import threads
+    threads.configure(args.kernel_threads)
+    step, _extra = lowmem_step_fn(args, cfg)
+    step()
     t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    stats = op_profile.profile(step, args.kernel_steps)
+    wall = time.perf_counter() - t
+    kinds, functions = op_profile.by_kind(stats)
+    top = {k: dict(sorted(f.items(), key=lambda kv: -kv[1])[:8]) for k, f in functions.items()}
+    harness.result_line(dict(config=args.worker, kinds=kinds, functions=top, steps=args.kernel_steps,
+                             lowmem_threads=threads.threads(), profiled_wall_s=wall,
+                             own_total_s=op_profile.total_seconds(stats), source_sha=harness.source_hash()))
+    return 0
 
 
 def gemm_counter(numpy):
@@ -478,11 +248,14 @@ def gemm_counter(numpy):
 
 
 def worker(args):
-    if args.worker == "kernels":
-        return kernel_worker(args)
+    sys.path.insert(0, ROOT)
+    if args.worker == "export":
+        return export_worker(args)
     if args.worker == "floor":
         return floor_worker(args)
     cfg = CONFIGS[args.worker]
+    if args.kind_profile:
+        return kinds_worker(args, cfg)
     import numpy  # noqa: F401
     limits = None
     if cfg["impl"] == "torch":
@@ -498,13 +271,8 @@ def worker(args):
         from lowmem.system import threads
         from lowmem.units import window_cpu as fast
         threads.configure(args.threads)     # lowmem's own policy: BLAS at 1 thread, its pool for the rest
-    base = proc_status()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:     # VmHWM := VmRSS from here on
-            f.write("5")
-        hwm_reset = True
-    except OSError:
-        hwm_reset = False
+    base = harness.proc_status()
+    hwm_reset = harness.reset_peak()                 # VmHWM := VmRSS from here on
     t0 = time.perf_counter()
     step, extra = torch_step_fn(args, torch) if cfg["impl"] == "torch" else lowmem_step_fn(args, cfg)
     build_s = time.perf_counter() - t0
@@ -513,7 +281,7 @@ def worker(args):
         t = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t)
-    end = proc_status()
+    end = harness.proc_status()
     gemm = {}
     if args.gemm_share and cfg["impl"] == "lowmem":
         import numpy
@@ -524,12 +292,12 @@ def worker(args):
         restore()
         gemm = dict(gemm_counted_step_s=counted_s, gemm_core_s=sum(spent), gemm_calls=len(spent),
                     gemm_share=sum(spent) / (counted_s * threads.threads()))
-    res = dict(source_sha=source_hash(), **gemm, config=args.worker, depth=args.depth, block=args.block, batch=args.batch,
-               build_s=build_s,
+    res = dict(source_sha=harness.source_hash(), **gemm, config=args.worker, model=args.model or "preact",
+               depth=args.depth, block=args.block, batch=args.batch, shape=list(shape_of(args)), build_s=build_s,
                warmup_s=times[:args.warmup], step_s=times[args.warmup:], losses=losses,
                base_rss=base["VmRSS"], base_hwm=base["VmHWM"], hwm_reset=hwm_reset,
                peak_hwm=end["VmHWM"], end_rss=end["VmRSS"],
-               peak_above_base=end["VmHWM"] - base["VmRSS"], threads=args.threads, blas=blas_info(), **extra)
+               peak_above_base=end["VmHWM"] - base["VmRSS"], threads=args.threads, blas=harness.blas_info(), **extra)
     if cfg["impl"] == "torch":
         res.update(torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
     else:
@@ -548,332 +316,137 @@ def worker(args):
         res["profile"] = s.getvalue()
     if limits is not None:
         limits.restore_original_limits()
-    print("RESULT " + json.dumps(res), flush=True)
+    harness.result_line(res)
     return 0
-
-
-# ---- the per-kernel table: each fused kernel against its exact twin and a plain copy --------
-
-KERNEL_SHAPES = ((16, 131072), (64, 131072), (128, 32768), (256, 8192))   # ResNet-164 b128 units (C, N*H*W)
-ASM_KERNELS = ("_quantize_block", "_pack", "_unpack", "_decode_relu_block", "_decode_sums", "_decode_dx_block",
-               "_forward_exact", "_exact_sums", "_exact_dx_block", "_stats")
-
-
-def _best_time(fn, reps, setup=None):
-    """Fastest of reps + 1 calls (setup, untimed, before each)."""
-    best = float("inf")
-    for _ in range(reps + 1):
-        if setup is not None:
-            setup()
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def kernel_cases(C, M, bits):
-    """(name, exact twin, bytes moved per element, call, setup) for one unit shape. The calls are
-    the engine's: forward in place (out is x), backward in place (dx is dr, restored untimed)."""
-    import numpy as np
-    from lowmem.units import packing, window
-    from lowmem.system import threads
-    from lowmem.units import window_cpu as fast
-    F = np.float32
-    rng = np.random.default_rng(0)
-    x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(F)
-    g, b = rng.standard_normal(C).astype(F), rng.standard_normal(C).astype(F)
-    mean, var, rstd = (np.empty(C, F) for _ in range(3))
-    fast.bn_stats(mean, var, rstd, x, 1e-5)
-    qp = window.quant_params(g, b, bits)
-    packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
-    xhat = ((x - mean[:, None]) * rstd[:, None]).astype(F)
-    window.quantize_pack(packed, xhat, qp)
-    out, buf = np.empty_like(x), x.copy()
-    grad = rng.standard_normal(x.shape).astype(F)
-    dr, dg, db = grad.copy(), np.zeros(C, F), np.zeros(C, F)
-    fresh = lambda: np.copyto(dr, grad)                                        # noqa: E731
-    copy = lambda: threads.parallel_for(lambda c0, c1: np.copyto(out[c0:c1], x[c0:c1]), C)  # noqa: E731
-    kb = bits / 8
-    return [
-        ("plain copy", None, 8, copy, None),
-        ("bn_stats", None, 8, lambda: fast.bn_stats(mean, var, rstd, x, 1e-5), None),
-        ("forward exact", None, 12, lambda: fast.unit_forward_exact(buf, xhat, buf, mean, rstd, g, b), None),
-        (f"forward {bits}-bit", "forward exact", 8 + kb,
-         lambda: fast.unit_forward_code(buf, packed, buf, mean, rstd, g, b, qp, False), None),
-        ("conv input exact", None, 8, lambda: fast.conv_input(out, xhat, None, None, g, b), None),
-        (f"conv input {bits}-bit", "conv input exact", 4 + kb, lambda: fast.conv_input(out, None, packed, qp, g, b),
-         None),
-        ("backward exact", None, 20,
-         lambda: fast.unit_backward(dr, dg, db, dr, xhat, None, None, g, b, rstd, False), fresh),
-        (f"backward {bits}-bit", "backward exact", 12 + 2 * kb,
-         lambda: fast.unit_backward(dr, dg, db, dr, None, packed, qp, g, b, rstd, False), fresh),
-    ]
-
-
-def kernel_worker(args):
-    """Time every fused kernel on ResNet-164's unit shapes (this process, args.threads lowmem
-    threads); count the vector registers in their compiled code. Prints RESULT json."""
-    import re
-    from lowmem.system import threads  # the parent gave this process an empty NUMBA_CACHE_DIR:
-    from lowmem.units import window_cpu as fast          # first calls time the JIT, and inspect_asm works
-    threads.configure(args.threads)
-    if not fast.AVAILABLE:
-        print("RESULT " + json.dumps({"status": "numba not installed"}), flush=True)
-        return 0
-    rows, first_call_s = [], {}
-    for C, M in KERNEL_SHAPES:
-        cases = kernel_cases(C, M, args.kernel_bits)
-        for name, _twin, _bpe, fn, setup in cases:           # first calls: JIT compile or cache load
-            if name not in first_call_s:
-                t = time.perf_counter()
-                fn()
-                first_call_s[name] = time.perf_counter() - t
-        best = {}
-        for _ in range(3):                                   # interleaved rounds: a neighbour's burst hits all
-            for name, _twin, _bpe, fn, setup in cases:
-                best[name] = min(best.get(name, float("inf")), _best_time(fn, 5, setup))
-        copy_bw = 8 * C * M / best["plain copy"]
-        for name, twin, bpe, _fn, _setup in cases:
-            bw = bpe * C * M / best[name]
-            rows.append(dict(shape=f"{C}x{M}", kernel=name, ms=best[name] * 1e3, gb_s=bw / 1e9, bytes_per_elem=bpe,
-                             ratio_to_twin=best[name] / best[twin] if twin else None, of_copy_bw=bw / copy_bw))
-    asm = {}
-    for name in ASM_KERNELS:
-        disp = getattr(fast, name)
-        try:
-            text = "\n".join(disp.inspect_asm().values())
-        except Exception as e:                               # cached code cannot be inspected
-            asm[name] = f"n/a ({type(e).__name__})"
-            continue
-        asm[name] = {"ymm": len(re.findall(r"%ymm", text)), "zmm": len(re.findall(r"%zmm", text))}
-    res = dict(status="ok", threads=threads.threads(), bits=args.kernel_bits, rows=rows, first_call_s=first_call_s,
-               asm=asm, source_sha=source_hash())
-    print("RESULT " + json.dumps(res), flush=True)
-    return 0
-
-
-def kernel_table(res):
-    head = (f"{'unit (C x N*H*W)':<17} {'kernel':<20} {'ms':>8} {'GB/s':>7} {'B/elem':>7} {'/ exact twin':>12} "
-            f"{'/ copy GB/s':>11}")
-    lines = [head, "-" * len(head)]
-    for r in res["rows"]:
-        ratio = f"{r['ratio_to_twin']:.2f}" if r["ratio_to_twin"] is not None else "-"
-        lines.append(f"{r['shape']:<17} {r['kernel']:<20} {r['ms']:>8.3f} {r['gb_s']:>7.1f} "
-                     f"{r['bytes_per_elem']:>7.3g} {ratio:>12} {r['of_copy_bw']:>11.2f}")
-    return "\n".join(lines)
-
-
-def kernel_summary(res):
-    """Worst ratio to the exact twin and worst share of copy bandwidth per 4-bit kernel, over the shapes."""
-    out = {}
-    for r in res["rows"]:
-        if r["ratio_to_twin"] is None:
-            continue
-        s = out.setdefault(r["kernel"], dict(worst_ratio=0.0, worst_of_copy=9.0))
-        s["worst_ratio"] = max(s["worst_ratio"], r["ratio_to_twin"])
-        s["worst_of_copy"] = min(s["worst_of_copy"], r["of_copy_bw"])
-    return out
-
-
-def source_hash():
-    """sha256 (12 hex) of the lowmem sources this process imported: the code measured
-    (the work tree may change between runs)."""
-    import hashlib
-    h = hashlib.sha256()
-    for name in sorted(m for m in sys.modules if m == "lowmem" or m.startswith("lowmem.")):
-        path = getattr(sys.modules[name], "__file__", None)
-        if path:
-            with open(path, "rb") as f:
-                h.update(f.read())
-    return h.hexdigest()[:12]
 
 
 # ---- the parent ----------------------------------------------------------------------------
 
-def machine_info():
-    info = {"python": sys.version.split()[0], "cpus": os.cpu_count()}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for key in ("Model name", "Core(s) per socket", "Socket(s)", "Thread(s) per core", "L3 cache"):
-            m = re.search(rf"^{re.escape(key)}:\s*(.+)$", out, re.M)
-            if m:
-                info[key] = m.group(1).strip()
-        info["avx512f"] = " avx512f " in out + " "
-    except OSError:
-        pass
-    with open("/proc/meminfo") as f:
-        info["mem_total_gib"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
-    import numpy
-    info["numpy"] = numpy.__version__
-    info["blas"] = blas_info()
-    from importlib import metadata
-    for pkg in ("torch", "numba", "threadpoolctl"):
-        try:
-            info[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            info[pkg] = None
-    info["env"] = {k: os.environ.get(k) for k in OPENBLAS_ENV + THREAD_ENV}
-    return info
-
-
-def wait_quiet(args, log):
-    """Wait until the CPUs are quiet (or --max-wait has passed); return what was seen."""
-    t0 = time.time()
-    while True:
-        busy = cpu_busy()
-        load = os.getloadavg()
-        if busy < args.max_busy or time.time() - t0 > args.max_wait:
-            waited = time.time() - t0
-            quiet = busy < args.max_busy
-            if not quiet:
-                log(f"  machine still busy ({busy:.0%} CPU, load {load[0]:.2f}) after {waited:.0f} s: "
-                    f"measuring anyway (recorded)")
-            return dict(cpu_busy_before=round(busy, 3), load_before=[round(v, 2) for v in load],
-                        waited_s=round(waited, 1), quiet=quiet)
-        time.sleep(10)
-
-
-def run_worker(args, config, batch, steps, warmup, log, profile=0, timed=True, threads=None, env_extra=None,
-               empty_cache=False):
-    """run_once, repeated (up to --retries times) while other processes used more than
-    --max-others CPUs during the run; earlier attempts are kept under "disturbed_attempts".
-    timed=False (memory only): once, without waiting for a quiet machine."""
-    disturbed = []
-    while True:
-        res = run_once(args, config, batch, steps, warmup, log, profile, timed, threads, env_extra, empty_cache)
-        if not timed or res["other_cpus_during"] <= args.max_others or len(disturbed) >= args.retries \
-                or res["status"] != "ok":
-            break
-        log(f"  {config}: other processes used {res['other_cpus_during']:.2f} CPUs during the run; retrying")
-        res.pop("profile", None)
-        disturbed.append(res)
-    if disturbed:
-        res["disturbed_attempts"] = disturbed
-    return res
-
-
-def run_once(args, config, batch, steps, warmup, log, profile=0, timed=True, threads=None, env_extra=None,
-             empty_cache=False):
-    """Run one configuration in a fresh process under the memory watchdog; returns its result dict.
-    threads: instead of --threads; env_extra: variables set in the worker (e.g. NUMBA_CACHE_DIR);
-    empty_cache: empty that NUMBA_CACHE_DIR first. The kernel table always gets a new, empty one."""
-    import shutil
-    import tempfile
-    env = dict(os.environ, **(env_extra or {}))
-    own_cache = None
-    if config == "kernels":
-        own_cache = env["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="lowmem-numba-")
-    elif empty_cache:
-        shutil.rmtree(env["NUMBA_CACHE_DIR"], ignore_errors=True)
-    if args.unset_openblas_env:
-        for k in OPENBLAS_ENV:
-            env.pop(k, None)
+def worker_command(args, config, batch, steps, warmup, profile=0, threads=None, kind_profile=False):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--depth", str(args.depth),
            "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup),
            "--threads", str(threads or args.threads), "--classes", str(args.classes), "--block", args.block,
-           "--profile", str(profile), "--kernel-bits", str(args.kernel_bits)] + \
-        (["--gemm-share"] if args.gemm_share else [])
-    seen = (wait_quiet(args, log) if args.max_wait > 0 and timed
-            else {"load_before": [round(v, 2) for v in os.getloadavg()]})
-    t0 = time.time()
-    all0, busy0 = cpu_times()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    max_rss, killed, own = 0, None, 0
-    while p.poll() is None:
-        try:
-            rss = proc_status(p.pid).get("VmRSS", 0)
-            own = proc_cpu(p.pid)
-        except (OSError, ValueError, IndexError):
-            rss = 0
-        max_rss = max(max_rss, rss)
-        avail = mem_available()
-        if rss > args.mem_limit or (avail is not None and avail < 1 << 30) or time.time() - t0 > args.timeout:
-            why = ("RSS limit" if rss > args.mem_limit else
-                   "timeout" if time.time() - t0 > args.timeout else "MemAvailable < 1 GiB")
-            killed = f"killed ({why}) at RSS {rss / MiB:.0f} MiB after {time.time() - t0:.0f} s"
-            p.kill()
-            break
-        time.sleep(0.05)
-    out, err = p.communicate()
-    all1, busy1 = cpu_times()
-    if own_cache:
-        shutil.rmtree(own_cache, ignore_errors=True)
-    ncpu = os.cpu_count()
-    # CPUs busy on average during the run, and how many of them were not this worker (the
-    # worker's own time is its last reading, up to 50 ms short; the parent's is negligible)
-    busy_cpus = ncpu * (busy1 - busy0) / max(1, all1 - all0)
-    own_cpus = ncpu * own / max(1, all1 - all0)
-    res = {"config": config, "batch": batch, "threads": threads or args.threads}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            res = json.loads(line[7:])
-    res.update(seen, load_after=[round(v, 2) for v in os.getloadavg()], watched_max_rss=max_rss,
-               cpus_busy_during=round(busy_cpus, 2), other_cpus_during=round(max(0.0, busy_cpus - own_cpus), 2),
-               wall_s=round(time.time() - t0, 1), unset_openblas_env=args.unset_openblas_env)
-    if config == "kernels":
-        res["status"] = res.get("status") or killed or f"failed (exit {p.returncode}): {err.strip()[-500:]}"
-        res["config"] = "kernels"
-    elif "step_s" not in res:
-        res["status"] = killed or f"failed (exit {p.returncode}): {err.strip().splitlines()[-1:] or ''}"
-    else:
-        res["status"] = "ok"
+           "--shape", args.shape, "--profile", str(profile), "--kernel-threads", str(args.kernel_threads),
+           "--kernel-steps", str(args.kernel_steps)]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.onnx:
+        cmd += ["--onnx", args.onnx]
+    return cmd + (["--gemm-share"] if args.gemm_share else []) + (["--kind-profile"] if kind_profile else [])
+
+
+def run_worker(args, config, batch, steps, warmup, log, profile=0, timed=True, threads=None, env_extra=None,
+               empty_cache=False, kind_profile=False):
+    """One configuration in a fresh process (harness.run_supervised); its step statistics added.
+    threads: instead of --threads; env_extra: variables set in the worker (e.g. NUMBA_CACHE_DIR);
+    empty_cache: empty that NUMBA_CACHE_DIR first; kind_profile: the --kernels worker."""
+    env = dict(os.environ, **(env_extra or {}))
+    if empty_cache:
+        shutil.rmtree(env["NUMBA_CACHE_DIR"], ignore_errors=True)
+    if args.unset_openblas_env:
+        for k in harness.OPENBLAS_ENV:
+            env.pop(k, None)
+    cmd = worker_command(args, config, batch, steps, warmup, profile, threads, kind_profile)
+    res = harness.run_supervised(cmd, harness.Supervision.from_args(args), log, timed=timed, env=env, label=config,
+                                 done=(lambda r: "kinds" in r) if kind_profile else None)
+    res.setdefault("config", config)
+    res.setdefault("batch", batch)
+    res.setdefault("threads", threads or args.threads)
+    res["unset_openblas_env"] = args.unset_openblas_env
+    if res["status"] == "ok" and not kind_profile:
         st = res["step_s"]
         res.update(step_median=statistics.median(st), step_min=min(st), step_max=max(st),
                    images_per_s=batch / statistics.median(st))
     return res
 
 
-def fmt_mib(b):
-    return "-" if b is None else f"{b / MiB:,.0f}"
+def merge_rounds(rounds):
+    """One row from a configuration's rounds: its step is the median of the rounds' medians,
+    min / max over every timed step, peak memory the largest, load and others the worst seen."""
+    ok = [r for r in rounds if r["status"] == "ok"]
+    if len(ok) < len(rounds) or len(rounds) == 1:
+        row = dict(next((r for r in rounds if r["status"] != "ok"), rounds[0]))
+    else:
+        row = dict(ok[0])
+        steps = [t for r in ok for t in r["step_s"]]
+        peaks = [r["peak_above_base"] for r in ok if r.get("peak_above_base") is not None]
+        row.update(step_median=harness.median_of_medians(ok), step_min=min(steps), step_max=max(steps),
+                   peak_above_base=max(peaks) if peaks else None,
+                   load_before=max((r["load_before"] for r in ok), key=lambda v: v[0]),
+                   other_cpus_during=max(r["other_cpus_during"] for r in ok))
+        row["images_per_s"] = row["batch"] / row["step_median"]
+    row["round_medians"] = [r.get("step_median") for r in rounds]
+    if len(rounds) > 1:
+        row["rounds"] = [{k: v for k, v in r.items() if k != "profile"} for r in rounds]
+    return row
 
 
 def table(runs):
-    head = (f"{'config':<16} {'batch':>5} {'median s':>9} {'min s':>7} {'max s':>7} {'img/s':>7} "
+    head = (f"{'config':<16} {'batch':>5} {'rounds':>6} {'median s':>9} {'min s':>7} {'max s':>7} {'img/s':>7} "
             f"{'peak RSS MiB':>13} {'planned MiB':>12} {'load 1m':>8} {'others':>6}")
     lines = [head, "-" * len(head)]
     for r in runs:
         load = r.get("load_before", [float("nan")])[0]
         others = r.get("other_cpus_during", float("nan"))
+        n = len(r.get("round_medians", [None]))
         if r["status"] != "ok":
-            lines.append(f"{r['config']:<16} {r['batch']:>5} {r['status']}  "
+            lines.append(f"{r['config']:<16} {r['batch']:>5} {n:>6} {r['status']}  "
                          f"(watched max RSS {fmt_mib(r.get('watched_max_rss'))} MiB)")
             continue
-        lines.append(f"{r['config']:<16} {r['batch']:>5} {r['step_median']:>9.2f} {r['step_min']:>7.2f} "
+        lines.append(f"{r['config']:<16} {r['batch']:>5} {n:>6} {r['step_median']:>9.2f} {r['step_min']:>7.2f} "
                      f"{r['step_max']:>7.2f} {r['images_per_s']:>7.1f} {fmt_mib(r['peak_above_base']):>13} "
                      f"{fmt_mib(r.get('planned_bytes')):>12} {load:>8.2f} {others:>6.2f}")
     return "\n".join(lines)
 
 
-RATIOS = [("step time   lowmem-approx4 / torch-exact", "step_median", "lowmem-approx4", "torch-exact", "<= 0.8"),
-          ("step time   lowmem-approx4 / lowmem-exact", "step_median", "lowmem-approx4", "lowmem-exact", "<= 1.05"),
-          ("peak RSS    lowmem-approx4 / torch-exact", "peak_above_base", "lowmem-approx4", "torch-exact",
-           "<= 0.125"),
-          ("peak RSS    lowmem-approx4 / torch-ckpt", "peak_above_base", "lowmem-approx4", "torch-ckpt", "< 0.25"),
-          ("step time   lowmem-approx4 / floor", "step_median", "lowmem-approx4", "floor", "<= 1.6")]
+# (label, key, numerator, denominator, target or None)
+PREACT_RATIOS = [
+    ("step time   lowmem-approx4 / torch-exact", "step_median", "lowmem-approx4", "torch-exact", "<= 0.8"),
+    ("step time   lowmem-approx4 / lowmem-exact", "step_median", "lowmem-approx4", "lowmem-exact", "<= 1.05"),
+    ("step time   lowmem-approx2u / lowmem-exact", "step_median", "lowmem-approx2u", "lowmem-exact", None),
+    ("step time   lowmem-exact / torch-exact", "step_median", "lowmem-exact", "torch-exact", None),
+    ("peak RSS    lowmem-approx4 / torch-exact", "peak_above_base", "lowmem-approx4", "torch-exact", "<= 0.125"),
+    ("peak RSS    lowmem-approx4 / torch-ckpt", "peak_above_base", "lowmem-approx4", "torch-ckpt", "< 0.25"),
+    ("step time   lowmem-approx4 / floor", "step_median", "lowmem-approx4", "floor", "<= 1.6")]
 
 
-def ratios(runs):
+def imported_ratios(model):
+    """The ratios of an imported network; targets (docs/performance.md) for torchvision's four."""
+    named = model in TORCHVISION
+    return [("step time   lowmem-approx4 / torch-exact", "step_median", "lowmem-approx4", "torch-exact",
+             ("<= 1.0" if model == "mobilenet_v2" else "<= 0.8") if named else None),
+            ("step time   lowmem-approx4 / lowmem-exact", "step_median", "lowmem-approx4", "lowmem-exact",
+             "<= 1.0" if named else None),
+            ("step time   lowmem-approx2u / lowmem-exact", "step_median", "lowmem-approx2u", "lowmem-exact",
+             "<= 1.05" if named else None),
+            ("step time   lowmem-exact / torch-exact", "step_median", "lowmem-exact", "torch-exact",
+             "<= 1.0" if named else None),
+            ("peak RSS    lowmem-approx4 / torch-exact", "peak_above_base", "lowmem-approx4", "torch-exact", None)]
+
+
+def ratios(runs, spec):
     by = {r["config"]: r for r in runs if r["status"] == "ok"}
     out = {}
-    for label, key, a, b, target in RATIOS:
-        if a in by and b in by:
+    for label, key, a, b, target in spec:
+        if a in by and b in by and by[a].get(key) is not None and by[b].get(key):
             r = by[a][key] / by[b][key]
-            ok = r <= float(target.split()[-1]) if target.startswith("<=") else r < float(target.split()[-1])
-            out[label] = dict(ratio=r, target=target, met=ok)
+            met = None
+            if target:
+                bound = float(target.split()[-1])
+                met = r <= bound if target.startswith("<=") else r < bound
+            out[label] = dict(ratio=r, target=target, met=met)
     return out
 
 
 def header(info, args):
-    blas = "; ".join(f"{b['internal_api']} {b['version']} ({b['architecture']}, {b['num_threads']} threads)"
-                     for b in info["blas"])
-    env = ", ".join(f"{k}={v}" for k, v in info["env"].items() if v is not None) or "none set"
+    net = (f"torchvision {args.model} (PyTorch: tests/torchvision_layout.py; lowmem: its ONNX export)"
+           if args.model in TORCHVISION else f"{args.model} (lowmem only)" if args.model else
+           f"pre-act ResNet-{args.depth} ({args.block} blocks)")
     return "\n".join([
-        f"machine: {info.get('Model name')}, {info['cpus']} CPUs, {info['mem_total_gib']} GiB RAM; "
-        f"python {info['python']}, numpy {info['numpy']}, torch {info['torch']}, numba {info['numba']}",
-        f"numpy BLAS: {blas}",
-        f"thread / BLAS environment: {env}" + ("  (workers: OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE removed)"
-                                               if args.unset_openblas_env else ""),
-        f"pre-act ResNet-{args.depth} ({args.block} blocks), {args.classes} classes, 3x32x32 input, float32; "
+        f"machine: {harness.machine_line(info)}",
+        harness.libraries_line(info) + ("  (workers: OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE removed)"
+                                        if args.unset_openblas_env else ""),
+        f"{net}, {args.classes} classes, {args.shape.replace(',', 'x')} input, batch {args.batch}, float32; "
         f"threads {args.threads}; SGD momentum {MOMENTUM}, wd {WD}"])
 
 
@@ -919,11 +492,12 @@ def maxbatch_section(args, budget, log):
     from lowmem.tools.maxbatch import max_batch, planned_engine
     from lowmem.models import preact_resnet_cifar
     factory = lambda: preact_resnet_cifar(args.depth, num_classes=args.classes, block=args.block)  # noqa: E731
+    shape = tuple(int(v) for v in args.shape.split(","))
     rows = []
     for name in ("lowmem-exact", "lowmem-approx8", "lowmem-approx4", "lowmem-approx2"):
         cfg = CONFIGS[name]
-        n = max_batch(factory, (3, 32, 32), budget, cfg["mode"], cfg["bits"])
-        planned = planned_engine(factory, n, (3, 32, 32), cfg["mode"], cfg["bits"]).plan.total_bytes
+        n = max_batch(factory, shape, budget, cfg["mode"], cfg["bits"])
+        planned = planned_engine(factory, n, shape, cfg["mode"], cfg["bits"]).plan.total_bytes
         row = dict(config=name, batch=n, how="plan", planned_bytes=planned)
         if args.maxbatch_measure:
             r = run_worker(args, name, n, 1, 0, log, timed=False)   # one step: the first is the largest
@@ -954,8 +528,6 @@ def scaling_section(args, runs, log):
     by = {r["config"]: r for r in runs if r["status"] == "ok"}
     rows = []
     for c in args.scaling.split(","):
-        if c not in CONFIGS:
-            raise SystemExit(f"--scaling: unknown config {c!r}")
         many = by.get(c) or run_worker(args, c, args.batch, args.steps, args.warmup, log)
         log(f"running {c} on 1 thread ...")
         one = run_worker(args, c, args.batch, args.steps, args.warmup, log, threads=1)
@@ -981,7 +553,6 @@ def scaling_table(rows, n):
 def jit_section(args, log):
     """Each --jit config twice in fresh processes sharing one new numba cache: cold (empty: every
     kernel compiles) then warm (loaded from disk). First-step overhead = first step - median step."""
-    import tempfile
     rows = []
     with tempfile.TemporaryDirectory(prefix="lowmem-numba-") as cache:
         for c in args.jit.split(","):
@@ -1007,49 +578,122 @@ def jit_table(rows):
     return "\n".join(lines)
 
 
-def main(argv=None):
+def kinds_section(args, configs, log):
+    """{config: the kinds worker's result} for each lowmem configuration (--kernels)."""
+    out = {}
+    for c in configs:
+        if CONFIGS[c]["impl"] != "lowmem":
+            continue
+        log(f"profiling {c} by op kind ({args.kernel_threads} lowmem thread(s), {args.kernel_steps} steps) ...")
+        out[c] = run_worker(args, c, args.batch, 0, 0, log, kind_profile=True)
+    return out
+
+
+def kinds_report(kinds, args):
+    import op_profile
+    ok = {c: k for c, k in kinds.items() if k["status"] == "ok"}
+    lines = [f"own time per step by op kind (cProfile, {args.kernel_threads} lowmem thread(s), "
+             f"{args.kernel_steps} profiled steps after one warm-up; benchmarks/op_profile.py; "
+             f"the profiler's overhead is in it: read the shares)"]
+    if ok:
+        lines.append(op_profile.kind_table({c: k["kinds"] for c, k in ok.items()}, args.kernel_steps,
+                                           {c: k["functions"] for c, k in ok.items()}))
+    lines += [f"{c}: {k['status']}" for c, k in kinds.items() if k["status"] != "ok"]
+    return "\n".join(lines)
+
+
+def resolve_model(args, ap):
+    """Fill in the model's defaults (size, classes, input shape, block); return the default configs.
+    A file is read here (its input shape and classes); torchvision's modules are exported later."""
+    if args.model is None:
+        from lowmem.models import preact_resnet_cifar
+        args.size = args.size or 32
+        args.classes = args.classes or 10
+        if args.block == "auto":
+            net = preact_resnet_cifar(args.depth, num_classes=args.classes)      # lowmem's block rule
+            args.block = "bottleneck" if any(L.name.endswith(".bn3") for L in net.layers) else "basic"
+        args.shape = f"3,{args.size},{args.size}"
+        return "all"
+    for flag in ("maxbatch_budget", "scaling"):
+        if getattr(args, flag):
+            ap.error(f"--{flag.replace('_', '-')} runs on the pre-activation ResNet only (no --model)")
+    if args.model in TORCHVISION:
+        args.size = args.size or 224
+        args.classes = args.classes or 1000
+        args.shape = f"3,{args.size},{args.size}"
+        return ",".join(IMPORTED_CONFIGS)
+    if not args.model.endswith(".onnx"):
+        ap.error(f"--model: expected one of {', '.join(TORCHVISION)} or a path ending in .onnx, got {args.model!r}")
+    from lowmem.formats.onnx_import import file_input_shape
+    from lowmem import nn
+    args.onnx = os.path.abspath(args.model)
+    try:
+        shape = file_input_shape(args.onnx)
+        classes = nn.from_onnx(args.onnx).num_classes
+    except ValueError as e:
+        ap.error(f"--model: {e}")
+    if args.size and (args.size, args.size) != tuple(shape[1:]):
+        ap.error(f"--size {args.size}: {args.model} fixes its input at {'x'.join(map(str, shape))}")
+    if args.classes and args.classes != classes:
+        ap.error(f"--classes {args.classes}: {args.model} has {classes}")
+    args.size, args.classes, args.shape = shape[1], classes, ",".join(map(str, shape))
+    return ",".join(c for c in IMPORTED_CONFIGS if CONFIGS[c]["impl"] == "lowmem")
+
+
+def export_model(args, ap, log, folder):
+    """The ONNX file of torchvision's module that lowmem's workers train (written by a worker:
+    torch is not imported here)."""
+    args.onnx = os.path.join(folder, args.model + ".onnx")
+    log(f"exporting torchvision's {args.model} to ONNX ({args.shape.replace(',', 'x')}) ...")
+    r = harness.run_supervised(worker_command(args, "export", 2, 0, 0), harness.Supervision.from_args(args), log,
+                               timed=False, label="export", done=lambda r: "exported" in r)
+    if r["status"] != "ok":
+        ap.exit(1, f"compare_torch.py: the export failed: {r['status']}\n")
+
+
+def parser():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--depth", type=int, default=164)
+    ap.add_argument("--model", default=None,
+                    help=f"{' | '.join(TORCHVISION)} | FILE.onnx (default: the pre-activation ResNet of --depth)")
+    ap.add_argument("--size", type=int, default=None,
+                    help="input height and width (default: 32 for the pre-activation ResNet, 224 for torchvision's)")
+    ap.add_argument("--depth", type=int, default=164, help="the pre-activation ResNet's depth (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--classes", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps (default: %(default)s)")
+    ap.add_argument("--classes", type=int, default=None,
+                    help="default: 10 for the pre-activation ResNet, 1000 for torchvision's, the file's own")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per worker (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: %(default)s)")
-    ap.add_argument("--configs", default="all",
-                    help=f"comma-separated subset of {', '.join(CONFIGS)}; 'none' for only --maxbatch-budget. "
-                         "floor: the approx-4 step's conv GEMMs exactly as lowmem runs them (Winograd's "
-                         "batched GEMMs, 1x1 GEMMs, im2col GEMMs) plus one pass over the bytes a step touches")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="fresh processes per config, the order rotated each round; the median of the rounds' "
+                         "medians (default: 3 with --model, 1 for the pre-activation ResNet)")
+    ap.add_argument("--configs", default=None,
+                    help=f"comma-separated subset of {', '.join(CONFIGS)}; 'none' for only --maxbatch-budget "
+                         f"(default: all for the pre-activation ResNet, {','.join(IMPORTED_CONFIGS)} with --model)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="torch.set_num_threads, numba and BLAS threads (default: os.cpu_count() = %(default)s)")
     ap.add_argument("--json", metavar="PATH", help="also write everything as JSON")
     ap.add_argument("--update", action="store_true",
-                    help="with --json: keep the runs already in PATH (same depth and batch) of the configs not "
-                         "run now, e.g. to redo a disturbed one; the table and ratios cover them all")
+                    help="with --json: keep the runs already in PATH (same model, size and batch) of the configs "
+                         "not run now, e.g. to redo a disturbed one; the table and ratios cover them all")
     ap.add_argument("--unset-openblas-env", action="store_true",
                     help="remove OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE in the worker processes")
-    ap.add_argument("--mem-limit", type=parse_bytes, default=parse_bytes("21GiB"),
-                    help="kill a worker whose RSS passes this (default: 21GiB)")
-    ap.add_argument("--timeout", type=float, default=3600, help="kill a worker after this many s")
-    ap.add_argument("--max-busy", type=float, default=0.25,
-                    help="wait before each worker until CPU busy (all cores, 2 s sample) is below this")
-    ap.add_argument("--max-wait", type=float, default=1200, help="longest wait for a quiet machine, s (0: never wait)")
-    ap.add_argument("--max-others", type=float, default=0.3,
-                    help="rerun a config when other processes used more CPUs than this during it")
-    ap.add_argument("--retries", type=int, default=2, help="reruns of a disturbed config (default: %(default)s)")
-    ap.add_argument("--maxbatch-budget", type=parse_bytes, default=None, metavar="BYTES",
+    harness.add_arguments(ap)
+    ap.add_argument("--maxbatch-budget", type=harness.parse_bytes, default=None, metavar="BYTES",
                     help="also find the max batch at this budget (lowmem from plans, torch-exact measured)")
     ap.add_argument("--maxbatch-time", type=float, default=1200, help="cap on the torch search, s")
     ap.add_argument("--maxbatch-measure", action="store_true",
                     help="also run each lowmem config at its max batch and report its measured peak RSS")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="cProfile one extra (untimed) step of each config; print the top N by tottime")
-    ap.add_argument("--worker", choices=list(CONFIGS) + ["kernels"], help=argparse.SUPPRESS)
+                    help="cProfile one extra (untimed) step of each config in the first round; print the top N "
+                         "by tottime")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also the own time per step by op kind of each lowmem config (cProfile, a fresh process)")
+    ap.add_argument("--kernel-threads", type=int, default=1,
+                    help="lowmem threads of the --kernels workers (default: 1, where cProfile sees the whole step)")
+    ap.add_argument("--kernel-steps", type=int, default=2, help="profiled steps of a --kernels worker (default: 2)")
     ap.add_argument("--gemm-share", action="store_true",
                     help="lowmem configs: one extra (untimed) step with numpy.matmul wrapped by a timer: the "
                          "share of the step's core-seconds spent inside GEMMs")
-    ap.add_argument("--kernels", action="store_true",
-                    help="also the per-kernel table (fused BN-ReLU kernels vs their exact twins and a plain copy), "
-                         "in a fresh process with an empty numba cache (so inspect_asm works and JIT time shows)")
-    ap.add_argument("--kernel-bits", type=int, default=4, choices=(8, 4, 2, 1), help="bit width for --kernels")
     ap.add_argument("--scaling", metavar="CONFIGS", default="",
                     help="comma-separated configs to rerun on 1 thread: the 1-core/N-core row")
     ap.add_argument("--jit", metavar="CONFIGS", default="",
@@ -1057,76 +701,102 @@ def main(argv=None):
                          "filled: first-step overhead cold and warm")
     ap.add_argument("--block", choices=("auto", "basic", "bottleneck"), default="auto",
                     help="residual block; auto: lowmem's rule (bottleneck for 9n+2 depths >= 164 or not 6n+2)")
+    ap.add_argument("--worker", choices=list(CONFIGS) + ["export"], help=argparse.SUPPRESS)
+    ap.add_argument("--kind-profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)          # C,H,W, resolved by the parent
+    ap.add_argument("--onnx", help=argparse.SUPPRESS)           # the file lowmem's workers read
+    return ap
+
+
+def main(argv=None):
+    ap = parser()
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
-
     sys.path.insert(0, ROOT)
-    from lowmem.models import preact_resnet_cifar
-    if args.block == "auto":
-        net = preact_resnet_cifar(args.depth, num_classes=args.classes)      # lowmem's block rule
-        args.block = "bottleneck" if any(L.name.endswith(".bn3") for L in net.layers) else "basic"
-    configs = [] if args.configs == "none" else list(CONFIGS) if args.configs == "all" else args.configs.split(",")
-    bad = [c for c in configs if c not in CONFIGS]
-    if bad:
-        ap.error(f"unknown config(s) {bad}; expected a subset of {list(CONFIGS)}")
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    info = machine_info()
+    folder = tempfile.mkdtemp(prefix="compare_torch-")
+    try:
+        return compare(args, ap, log, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def compare(args, ap, log, folder):
+    default_configs = resolve_model(args, ap)
+    spec = args.configs or default_configs
+    configs = [] if spec == "none" else list(CONFIGS) if spec == "all" else spec.split(",")
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        ap.error(f"unknown config(s) {bad}; expected a subset of {list(CONFIGS)}")
+    for flag, names in (("--scaling", args.scaling), ("--jit", args.jit)):
+        wrong = [c for c in names.split(",") if c and c not in CONFIGS]
+        if wrong:
+            ap.error(f"{flag}: unknown config(s) {wrong}")
+    if args.model:
+        excluded = [c for c in configs if c in PREACT_ONLY or (args.model not in TORCHVISION and
+                                                               CONFIGS[c]["impl"] == "torch")]
+        if excluded:
+            ap.error(f"config(s) {excluded} do not run on --model {args.model} (torch-ckpt and floor: the "
+                     f"pre-activation ResNet only; torch-*: a torchvision model, not a file)")
+    rounds = args.rounds or (3 if args.model else 1)
+    if rounds < 1:
+        ap.error("--rounds must be at least 1")
+    if args.model in TORCHVISION:
+        export_model(args, ap, log, folder)
+
+    info = harness.machine_info()
     print(header(info, args), flush=True)
-    runs = []
-    for c in configs:
-        log(f"running {c} (batch {args.batch}) ...")
-        runs.append(run_worker(args, c, args.batch, args.steps, args.warmup, log, args.profile))
-        r = runs[-1]
-        log(f"  {r['status']}" + (f": median {r['step_median']:.2f} s, peak {fmt_mib(r['peak_above_base'])} MiB"
-                                  if r["status"] == "ok" else ""))
+    per_config = {c: [] for c in configs}
+    for r in range(rounds):
+        for c in harness.rotated(configs, r):
+            log(f"round {r + 1}/{rounds}: running {c} (batch {args.batch}) ...")
+            res = run_worker(args, c, args.batch, args.steps, args.warmup, log, args.profile if r == 0 else 0)
+            per_config[c].append(res)
+            log(f"  {res['status']}" + (f": median {res['step_median']:.2f} s, peak "
+                                        f"{fmt_mib(res['peak_above_base'])} MiB" if res["status"] == "ok" else ""))
+    runs = [merge_rounds(per_config[c]) for c in configs]
+    model = args.model or "preact"
     if args.update and args.json and os.path.exists(args.json):
-        key = (args.depth, args.batch, args.block)
+        key = (model, args.depth, args.block, args.size, args.batch)
         with open(args.json) as f:
             old = [r for r in json.load(f).get("runs", []) if r["config"] not in configs
-                   and (r.get("depth"), r.get("batch"), r.get("block", args.block)) == key]
+                   and (r.get("model", "preact"), r.get("depth"), r.get("block", args.block),
+                        r.get("shape", [3, 32, 32])[-1], r.get("batch")) == key]
         runs = sorted(old + runs, key=lambda r: list(CONFIGS).index(r["config"]))
-    result = {"machine": info, "args": {k: v for k, v in vars(args).items() if k != "worker"},
-              "runs": runs, "ratios": ratios(runs)}
+    result = {"machine": info, "args": {k: v for k, v in vars(args).items() if k not in ("worker", "onnx")},
+              "rounds": rounds, "runs": runs,
+              "ratios": ratios(runs, imported_ratios(args.model) if args.model else PREACT_RATIOS)}
     if runs:
-        print(f"\none training step (median/min/max over {args.steps} steps after {args.warmup} warm-up), "
-              f"batch {args.batch}; peak RSS = VmHWM - baseline VmRSS; planned = lowmem's plan total;\n"
+        print(f"\none training step: the median over {rounds} round(s) of each fresh process's median of "
+              f"{args.steps} steps after {args.warmup} warm-up (min / max over every timed step); peak RSS = "
+              f"VmHWM - baseline VmRSS (the largest over rounds); planned = lowmem's plan total;\n"
               f"load 1m = load average before the run; others = CPUs used on average by other processes "
-              f"during the run (0 = a quiet machine)")
+              f"during the run (0 = a quiet machine; the worst over rounds)")
         print(table(runs))
         for label, r in result["ratios"].items():
-            print(f"{label}: {r['ratio']:.3f}  (target {r['target']}: {'met' if r['met'] else 'MISSED'})")
+            verdict = f"  (target {r['target']}: {'met' if r['met'] else 'MISSED'})" if r["target"] else ""
+            print(f"{label}: {r['ratio']:.3f}{verdict}")
         for r in runs:
             if r["config"] == "floor" and r["status"] == "ok":
-                by = r.get("products_by_path")
-                what = (f"{r['products']} products as the step runs them ({by.get('winograd', 0)} Winograd "
-                        f"F(2x2,3x3): 16 batched GEMMs per chunk of tiles; {by.get('1x1', 0)} 1x1: plain GEMMs; "
-                        f"{by.get('im2col', 0)} im2col GEMMs), {r['gemm_calls']:,} matmul calls: "
-                        f"{r['gemm_flop'] / 1e9:.1f} GFLOP (direct-conv equivalent "
-                        f"{r['gemm_direct_flop'] / 1e9:.1f})" if by is not None else
-                        f"3 im2col GEMMs each (a run from before the floor ran the step's own GEMMs): "
-                        f"{r['gemm_flop'] / 1e9:.1f} GFLOP")
-                direct = f" ({r['gemm_direct_flops'] / 1e9:.1f} direct-equivalent)" if by is not None else ""
-                print(f"\nfloor: {r['convs']} convs, {what} in "
-                      f"{statistics.median(r['gemm_s']):.2f} s = {r['gemm_flops'] / 1e9:.1f} GFLOP/s{direct}, "
-                      f"{r['gemm_of_peak']:.0%} of peak {r['peak_flops'] / 1e9:.0f} GFLOP/s\n"
-                      f"  peak = {r['peak_how']}\n"
-                      f"  + {r['bytes_touched'] / MiB:,.0f} MiB touched once (activations x4 "
-                      f"{r['touched_parts']['activations_x4'] / MiB:,.0f}, saved codes x2 "
-                      f"{r['touched_parts']['saved_x2'] / MiB:,.0f}, params/grads/optimizer x2 "
-                      f"{r['touched_parts']['params_grads_optimizer_x2'] / MiB:,.0f}) at copy "
-                      f"{r['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + write) = {r['mem_s']:.2f} s")
+                import gemm_floor
+                print("\n" + gemm_floor.describe(r))
             if r.get("gemm_share") is not None:
                 print(f"{r['config']}: share of the step inside GEMMs (numpy.matmul timed, one extra step of "
                       f"{r['gemm_counted_step_s']:.2f} s, {r['gemm_calls']} calls, {r['lowmem_threads']} thread(s)): "
                       f"{r['gemm_share']:.0%}  (target >= 70%)")
-        for r in runs:
-            if r.get("profile"):
-                print(f"\ncProfile of one {r['config']} step ({r['profiled_step_s']:.2f} s under the profiler):")
-                print(r["profile"])
+        for c in configs:
+            first = per_config[c][0]
+            if first.get("profile"):
+                print(f"\ncProfile of one {c} step ({first['profiled_step_s']:.2f} s under the profiler):")
+                print(first["profile"])
+    if args.kernels:
+        result["kinds"] = kinds_section(args, configs, log)
+        print()
+        print(kinds_report(result["kinds"], args))
     if args.scaling:
         result["scaling"] = scaling_section(args, runs, log)
         print()
@@ -1135,27 +805,6 @@ def main(argv=None):
         result["jit"] = jit_section(args, log)
         print()
         print(jit_table(result["jit"]))
-    if args.kernels:
-        log("running the per-kernel table (fresh process, empty numba cache) ...")
-        k = run_worker(args, "kernels", args.batch, 0, 0, log)
-        result["kernels"] = k
-        print()
-        if k["status"] != "ok":
-            print(f"kernel table: {k['status']}")
-        else:
-            print(f"fused kernels, {k['threads']} lowmem thread(s), {k['bits']}-bit; best of 3 rounds x 6 calls; "
-                  f"bytes moved per element as counted in benchmarks/compare_torch.py:kernel_cases; "
-                  f"load 1m {k.get('load_before', [float('nan')])[0]:.2f}, others {k.get('other_cpus_during', float('nan')):.2f} CPUs")
-            print(kernel_table(k))
-            for name, v in kernel_summary(k).items():
-                print(f"{name:<20} worst / exact twin {v['worst_ratio']:.2f} (target <= 1.3: "
-                      f"{'met' if v['worst_ratio'] <= 1.3 else 'MISSED'}); worst share of copy GB/s "
-                      f"{v['worst_of_copy']:.2f} (target >= 0.5: {'met' if v['worst_of_copy'] >= 0.5 else 'MISSED'})")
-            print("vector registers in the compiled kernels (ymm = AVX2, zmm = AVX-512): " +
-                  ", ".join(f"{n} {a['ymm']}/{a['zmm']}" if isinstance(a, dict) else f"{n} {a}"
-                            for n, a in k["asm"].items()))
-            print("first call (JIT compile, empty cache), s: " +
-                  ", ".join(f"{n} {t:.2f}" for n, t in k["first_call_s"].items()))
     if args.maxbatch_budget:
         log(f"max batch at {args.maxbatch_budget / MiB:,.0f} MiB ...")
         rows = maxbatch_section(args, args.maxbatch_budget, log)
@@ -1163,8 +812,8 @@ def main(argv=None):
         print()
         print(maxbatch_table(rows, args.maxbatch_budget))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        from lowmem.system.atomic import atomic_write
+        atomic_write(args.json, json.dumps(result, indent=1))
     return 0
 
 

@@ -8,7 +8,8 @@ Each configuration runs in its own fresh process, float32, CPU, input 3x224x224,
   torch           tests/torchvision_layout.py's module (torchvision's modules, written again), one
                   step of forward + cross-entropy + backward + SGD (momentum 0.9). Reported: the peak
                   resident memory of the process during the step above its resident memory just before
-                  it (ru_maxrss after the step minus the resident size from /proc/self/statm just before; the model, its parameters, the input batch and
+                  it (benchmarks/harness.py: the high-water mark VmHWM, reset to the resident size just
+                  before the step, minus that size; the model, its parameters, the input batch and
                   PyTorch's libraries are already loaded, so the difference is what the step itself
                   allocates: activations kept for backward, gradients, momentum, temporaries).
   lowmem exact / approx 4-bit
@@ -16,38 +17,36 @@ Each configuration runs in its own fresh process, float32, CPU, input 3x224x224,
                   Engine.train_step with SGD (momentum 0.9). Reported: the plan's total bytes, the
                   measured peak of NumPy's allocations during the step (tracemalloc: the Engine's
                   buffers, the gradients and momentum, the temporaries; the same scope as the plan), and
-                  the same ru_maxrss difference as for torch (it also counts the parameters'
+                  the same peak-RSS difference as for torch (it also counts the parameters'
                   gradients and momentum, and any allocator slack; a warm-up step at batch 1 on 64x64
                   inputs runs first so that the compiled kernels are not counted).
 
-The ru_maxrss difference is the only figure measured the same way on both sides; it counts every
+The peak-RSS difference is the only figure measured the same way on both sides; it counts every
 page touched during the step. Memory only: no timings are reported (the machine may be shared).
+Each configuration runs in a fresh process under the harness's watchdog (--mem-limit).
 The JSON keeps every figure in MiB.
 """
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))        # torchvision_layout.py
 
+import harness                                                # noqa: E402 (benchmarks/harness.py)
+
 MODELS = {"resnet18": ("resnet", 18), "resnet50": ("resnet", 50), "densenet121": ("densenet", 121),
           "mobilenet_v2": ("mobilenet", 2)}
 
 
-def rss_mib():
-    """The process's peak resident memory so far (ru_maxrss; Linux: KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def current_rss_mib():
-    """The process's resident memory now (/proc/self/statm), the baseline a step's peak is taken above."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def step_peak_mib(step):
+    """Run step() and return the process's peak resident MiB during it above its resident MiB just before."""
+    base = harness.rss_now()
+    harness.reset_peak()
+    step()
+    return (harness.rss_peak() - base) / 2**20
 
 
 def run_torch(name, batch, shape):
@@ -61,11 +60,11 @@ def run_torch(name, batch, shape):
     x = torch.randn((batch,) + shape)
     y = torch.randint(0, 1000, (batch,))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    base = current_rss_mib()
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    return {"step_rss_MiB": rss_mib() - base, "params_MiB": sum(p.numel() for p in model.parameters()) * 4 / 2**20}
+
+    def step():
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {"step_rss_MiB": step_peak_mib(step), "params_MiB": sum(p.numel() for p in model.parameters()) * 4 / 2**20}
 
 
 def run_lowmem(name, mode, batch, shape):
@@ -80,10 +79,10 @@ def run_lowmem(name, mode, batch, shape):
     import gc
     gc.collect()
     net = models.build_model(family, depth)
-    base = current_rss_mib()
-    r = D.measure_peak(net, batch, shape, mode=m, bits=bits, steps=1)
-    return {"plan_MiB": r.plan_bytes / 2**20, "measured_MiB": r.peak_bytes / 2**20,
-            "step_rss_MiB": rss_mib() - base}
+    measured = []
+    step_rss = step_peak_mib(lambda: measured.append(D.measure_peak(net, batch, shape, mode=m, bits=bits, steps=1)))
+    return {"plan_MiB": measured[0].plan_bytes / 2**20, "measured_MiB": measured[0].peak_bytes / 2**20,
+            "step_rss_MiB": step_rss}
 
 
 def one(spec, batch, shape):
@@ -97,11 +96,13 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--input", default="3x224x224")
     p.add_argument("--out", default=None, help="JSON file (kept between runs: finished entries are not rerun)")
+    p.add_argument("--mem-limit", type=harness.parse_bytes, default=harness.parse_bytes("21GiB"),
+                   help="kill a configuration's process whose RSS passes this (default: 21GiB)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     shape = tuple(int(v) for v in a.input.split("x"))
     if a.one:
-        print(json.dumps(one(a.one, a.batch, shape)))
+        harness.result_line(one(a.one, a.batch, shape))
         return
     for name in a.models.split(","):
         if name not in MODELS:
@@ -115,11 +116,14 @@ def main(argv=None):
     for name in a.models.split(","):
         for spec in (f"torch:{name}:plain", f"lowmem:{name}:exact", f"lowmem:{name}:approx4"):
             if spec not in results:
-                out = subprocess.run([sys.executable, __file__, "--batch", str(a.batch), "--input", a.input,
-                                      "--one", spec], capture_output=True, text=True)
-                if out.returncode != 0:
-                    sys.exit(f"{spec} failed:\n{out.stderr[-2000:]}")
-                results[spec] = json.loads(out.stdout.strip().splitlines()[-1])
+                out, err, code, watch = harness.run_fresh(
+                    [sys.executable, os.path.abspath(__file__), "--batch", str(a.batch), "--input", a.input,
+                     "--one", spec], harness.Supervision(mem_limit=a.mem_limit))
+                res = harness.read_result(out)
+                if res is None:
+                    sys.exit(f"{spec} failed (exit {code}{'; ' + watch['killed'] if watch['killed'] else ''}):\n"
+                             f"{err[-2000:]}")
+                results[spec] = res
                 if a.out:
                     tmp = a.out + ".tmp"
                     with open(tmp, "w") as f:

@@ -28,7 +28,7 @@ import numpy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lowmem.bits import sensitivity as S                      # noqa: E402
+from lowmem.bits import simulate as S                         # noqa: E402
 from lowmem.data.datasets import load_dataset                  # noqa: E402
 from lowmem.data.transforms import normalize                   # noqa: E402
 from lowmem.models import MODELS                               # noqa: E402
@@ -97,18 +97,18 @@ def measure(depth, data, args):
     warm = batches_of(data, args.batch, args.warmup, 1)
     net = D.warm_up(net, warm, args.warmup, lr=0.05)
     batches = batches_of(data, args.batch, args.batches, 2)
-    eng = S._exact_engine(net, batches, "float32")
-    units = S._units(eng)
+    eng = S.exact_engine(net, batches, "float32")
+    units = list(eng.unit_bits)
     exact = []
     draws = {c: [[] for _ in range(args.draws)] for c in CODES}
     for bi, (x, y) in enumerate(batches):
         eng.forward(x, y)
-        exact.append(S._gradients(eng))
+        exact.append(S.sweep_gradients(eng))
         for c, (rounding, variant) in CODES.items():
             for d in range(args.draws if rounding != "nearest" else 1):
                 sets = {u: VariantUnits(args.bits, rounding, stream.stream_key(100 + d, bi, i), variant)
                         for i, u in enumerate(units)}
-                draws[c][d].append(S._gradients(eng, units=sets))
+                draws[c][d].append(S.sweep_gradients(eng, units=sets))
     stack = lambda gs: {n: numpy.stack([g[n] for g in gs]) for n in gs[0]}     # noqa: E731
     ex = stack(exact)
     out = {}

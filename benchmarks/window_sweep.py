@@ -208,10 +208,11 @@ def xhat_table(units, windows):
 # ---- gradient error -------------------------------------------------------------
 
 def grad_errors(net, batches, exact, bits):
-    """Per-tensor relative error of approx mode (current window) against `exact`: (T,) array."""
+    """Per-tensor relative error of approx mode (current window) against `exact`: (T,) array,
+    sqrt(mean over batches of ||g_b - exact_b||^2 / mean over batches of ||exact_b||^2)."""
     g = D.parameter_grads(net, batches, "approx", bits)
-    return numpy.array([math.sqrt(D._sq_norms(g[n] - exact[n]).mean() / D._sq_norms(exact[n]).mean())
-                        for n in exact])
+    sq = lambda a: (a.reshape(len(a), -1) ** 2).sum(axis=1).mean()         # noqa: E731
+    return numpy.array([math.sqrt(sq(g[n] - exact[n]) / sq(exact[n])) for n in exact])
 
 
 def sweep_net(label, args, bits_list, candidates, log):

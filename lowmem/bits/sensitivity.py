@@ -56,7 +56,7 @@ from ..units import quantize_simulated, stream
 from ..units.widths import BITS, FLOAT, check_bits, check_rounding, code_for
 from ..ops import conv2d_backward_weight, grouped_conv2d_backward_weight
 from ..core.optable import OPS
-from .simulate import BIAS_STEPS, SimulatedCodeUnits, _exact_engine, _gradients, _sq, _units, objective_of
+from .simulate import BIAS_STEPS, SimulatedCodeUnits, _sq, _units, exact_engine, objective_of, sweep_gradients
 from .simulate import simulate, simulate_draws  # noqa: F401  (the measurement the estimate is checked against)
 
 CALIBRATION_BITS = 2
@@ -174,7 +174,7 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
         raise ValueError(f"measure_sensitivity needs at least 2 batches to measure SGD noise, got {B}")
     calibration_bits = check_bits(calibration_bits)
     t0 = time.perf_counter()
-    eng = _exact_engine(net, batches, dtype)
+    eng = exact_engine(net, batches, dtype)
     xp = eng.xp
     units = _units(eng)
     shapes = {u: eng.in_shape[u] for u in units}
@@ -216,9 +216,9 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
                     arrival[p] += injected_so_far[0]
 
         inject_batch = _InjectView(inject, calibration_bits)
-        exact = _gradients(eng, before=before)
+        exact = sweep_gradients(eng, before=before)
         calib = {u: SimulatedCodeUnits(calibration_bits, rounding, keys[u]) for u in units}
-        approx = _gradients(eng, units=calib)
+        approx = sweep_gradients(eng, units=calib)
         exact_grads.append(exact)
         for p in params:
             e = _sq(approx[p] - exact[p])

@@ -23,6 +23,10 @@ exactly 0 (its draws are identical) and bias2 = error2.
     m = simulate_draws(net, batches, {"layer1.0.bn1": 2, ...}, rounding="stochastic", draws=4)
     m.error_norm, m.bias2, m.variance2, m.persistent2, m.objective
     error_norm, noise_norm = simulate(net, batches, allocation)   # one draw
+
+Both run on exact_engine(net, batches, dtype) and sweep_gradients(eng, units): the backward sweep
+over the exact engine's forward state with other kernel sets for some units (with them,
+benchmarks/unbiased_bias.py prices quantizers that are not lowmem's codes).
 """
 import copy
 import math
@@ -70,7 +74,9 @@ class SimulatedCodeUnits(ExactUnits):
         bn_relu_backward(dx, dgamma, dbeta, dr, xt, gamma, beta, rstd, dr_already_masked=True, accumulate=accumulate)
 
 
-def _exact_engine(net, batches, dtype):
+def exact_engine(net, batches, dtype):
+    """An exact-mode Engine for a copy of `net` at the batches' size and shape, whose units keep
+    the float x-hat that `sweep_gradients` hands to other kernel sets."""
     x0 = batches[0][0]
     eng = Engine(copy.deepcopy(net), x0.shape[0], x0.shape[1:], "exact", dtype=dtype)
     if any(u.saved_suffix != "xhat" for u in eng.selected.values()):
@@ -82,10 +88,15 @@ def _units(eng):
     return list(eng.unit_bits)
 
 
-def _gradients(eng, units=None, before=None):
+def sweep_gradients(eng, units=None, before=None):
     """The engine's backward sweep over the current forward state of the exact engine `eng`
-    (kept for another sweep), with `units` {unit: kernel set} in place of the exact sets and
-    `before(step)` before each step (Engine.backward); returns {param name: float64 grad copy}."""
+    (exact_engine; kept for another sweep), with `units` {unit: kernel set} in place of the exact
+    sets (e.g. SimulatedCodeUnits) and `before(step)` before each step (Engine.backward); returns
+    {param name: float64 grad copy}.
+
+        eng = exact_engine(net, batches, "float32"); eng.forward(x, y)
+        exact = sweep_gradients(eng)
+        approx = sweep_gradients(eng, {u: SimulatedCodeUnits(2) for u in eng.unit_bits})"""
     eng.backward(units=units, before=before, keep=True)
     return {p.name: backend.to_numpy(p.grad).astype(numpy.float64) for p in eng.net.parameters()}
 
@@ -178,19 +189,19 @@ def simulate_draws(net, batches, allocation, dtype="float32", rounding="nearest"
     rounding = check_rounding(rounding)
     if not (isinstance(draws, int) and not isinstance(draws, bool) and draws >= 1):
         raise ValueError(f"draws must be a positive integer, got {draws!r}")
-    eng = _exact_engine(net, batches, dtype)
+    eng = exact_engine(net, batches, dtype)
     order = _check_allocation(eng, allocation)
     widths = {u: k for u, k in allocation.items() if k not in (None, FLOAT)}
     exact_flat, means, spread, err = [], [], 0.0, 0.0
     for bi, (x, labels) in enumerate(batches):
         eng.forward(x, labels)
-        exact = _gradients(eng)
+        exact = sweep_gradients(eng)
         g = numpy.concatenate([exact[p].ravel() for p in exact])
         es = []
         for d in range(draws):
             sets = {u: SimulatedCodeUnits(k, rounding, stream.stream_key(seed + d, bi, order[u]))
                     for u, k in widths.items()}
-            approx = _gradients(eng, units=sets)
+            approx = sweep_gradients(eng, units=sets)
             es.append(numpy.concatenate([approx[p].ravel() for p in exact]) - g)
         es = numpy.stack(es)                                  # (D, P)
         # the spread about the first draw's error: draws all alike (nearest) give exactly 0

@@ -2,6 +2,7 @@
 variance, the per-batch bias and the bias that persists over batches."""
 import math
 
+import numpy
 import pytest
 
 from lowmem.bits import simulate as S
@@ -90,3 +91,28 @@ def test_bad_arguments_are_named(small):
         S.simulate_draws(net, batches, {}, rounding="up")
     empty = S.simulate_draws(net, batches, {}, dtype="float64")
     assert empty.error2 == empty.bias2 == empty.variance2 == empty.persistent2 == 0.0
+
+
+def test_sweep_gradients_is_the_engines_backward_with_the_units_swapped(small):
+    # on the exact engine's forward state: no units swapped is exact mode's gradient; every unit
+    # a 4-bit SimulatedCodeUnits is approx mode's (its codes match the packed ones bit for bit);
+    # a subclass that quantizes another way (here: x-hat itself) gives that quantizer's gradient
+    net, batches = small
+    x, y = batches[0]
+    exact = parameter_grads(net, [batches[0]], "exact", dtype="float64")
+    approx = parameter_grads(net, [batches[0]], "approx", 4, dtype="float64")
+    eng = S.exact_engine(net, batches, "float64")
+    eng.forward(x, y)
+    got = S.sweep_gradients(eng)
+    four = S.sweep_gradients(eng, {u: S.SimulatedCodeUnits(4) for u in eng.unit_bits})
+
+    class Identity(S.SimulatedCodeUnits):
+        def _quantize(self, saved, gamma, beta, keep):
+            return saved, saved * gamma[:, None] + beta[:, None] > 0
+
+    same = S.sweep_gradients(eng, {u: Identity(4) for u in eng.unit_bits})
+    for n in exact:
+        assert numpy.allclose(got[n], exact[n][0], rtol=1e-10, atol=1e-12), n
+        assert numpy.allclose(four[n], approx[n][0], rtol=1e-9, atol=1e-12), n
+        assert numpy.allclose(same[n], exact[n][0], rtol=1e-9, atol=1e-12), n
+    assert any(not numpy.allclose(four[n], exact[n][0], rtol=1e-6) for n in exact)

@@ -1,4 +1,4 @@
-"""benchmarks/compare_torch.py's floor: its list of GEMMs is the list the step's convs run.
+"""benchmarks/gemm_floor.py (compare_torch.py's floor): its list of GEMMs is the list the step's convs run.
 
 The floor times step_gemms(engine), a description of every conv GEMM of a training step
 built from the engine's own decisions (winograd.applies, the 1x1 test, the chunking and the
@@ -17,7 +17,7 @@ import lowmem
 from lowmem.system import threads
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
-import compare_torch                                             # noqa: E402
+import gemm_floor                                                # noqa: E402
 
 CONV_MODULES = ("lowmem.ops.conv", "lowmem.ops.winograd")
 
@@ -45,7 +45,7 @@ def test_floor_gemms_are_the_steps_conv_gemms(n_threads, monkeypatch):
     # 1x1 GEMMs wide enough (32*16*16 columns) to be split over two threads
     net = lowmem.models.preact_resnet_cifar(11, num_classes=10, block="bottleneck")
     eng = lowmem.Engine(net, 32, (3, 16, 16), "approx", 4, "float32", workspace_bytes=3 * 16 * 9 * 256 * 4)
-    products = compare_torch.step_gemms(eng)
+    products = gemm_floor.step_gemms(eng)
     expected = collections.Counter(signature(a, b, c) for p in products for r in p["ranges"] for a, b, c in r)
 
     real, seen = numpy.matmul, []
@@ -84,4 +84,4 @@ def test_conv_product_gemms_rejects_an_unknown_product():
     w = numpy.zeros((4, 4, 1, 1), numpy.float32)
     x = numpy.zeros((4, 2, 3, 3), numpy.float32)
     with pytest.raises(ValueError, match="product must be"):
-        compare_torch.conv_product_gemms("backward", None, x, w, x, 1, 0, numpy.zeros(64, numpy.float32))
+        gemm_floor.conv_product_gemms("backward", None, x, w, x, 1, 0, numpy.zeros(64, numpy.float32))

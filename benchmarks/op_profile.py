@@ -1,0 +1,194 @@
+"""Where a lowmem training step spends its time, by op kind: cProfile's own time of every
+function, each function's time charged to the op kind that called it.
+
+    stats = profile(step, steps=2)                 # cProfile over `steps` calls of step()
+    kinds, functions = by_kind(stats)              # {kind: seconds}, {kind: {function: seconds}}
+    print(kind_table({"lowmem-approx4": kinds}, steps=2))
+
+How a function's own time finds its kind. cProfile records, for every function, its own time
+and, per caller, the time spent in it from that caller. A numba kernel or a NumPy ufunc has no
+Python frame of its own in lowmem's code: its time is the own time of a builtin (numpy.matmul,
+ufunc.reduce) or of the Python function that called the compiled kernel. So each function's own
+time walks up its callers (split in proportion to the time each caller spent in it) until it
+reaches a function that names a kind:
+
+  * a module that is one kind wherever it is called from (MODULE_KINDS): the range code (how a
+    conv keeps an input that is no BN-ReLU unit's output: its K-bit range code, or in exact mode a
+    float copy), the bit packers, depthwise/grouped convolution, pooling, the optimizer;
+  * the dense convolution modules (ops/conv, ops/winograd, ops/columns): time below them is
+    "conv GEMMs" when it is numpy.matmul's, else "conv columns, transforms" (im2col, col2im,
+    Winograd's tiles, copies) -- unless a depthwise kernel above them claims it;
+  * an op's handler in lowmem/core/optable/ (OP_KINDS, by the class that holds the method):
+    the BN-ReLU unit, a standalone BN, ReLU/ReLU6/dropout, pools, add/concat, the head;
+  * anything else (the engine's Python loop, the step's own code) is "other".
+
+Everything else (lowmem/system/threads, the units' kernel sets, ops/batchnorm's functions that
+both BN kinds call, NumPy's Python wrappers) passes its time on to its callers. The kinds' sums
+add up to the profile's total own time (by_kind checks it).
+
+cProfile sees the thread that calls it: run the profiled step with one lowmem thread
+(threads.configure(1)) for the whole step's work. With more threads the time a pool thread
+works is not seen, and the calling thread's wait for it is charged to the op that waits.
+cProfile's own overhead per call inflates Python-heavy kinds ("other" most): read shares, and
+compare them between configurations profiled the same way.
+"""
+import ast
+import cProfile
+import os
+import pstats
+import re
+
+KINDS = ("conv GEMMs", "conv columns, transforms", "depthwise/grouped conv", "range code, kept inputs",
+         "ReLU/ReLU6/dropout, masks, packing", "BN-ReLU unit", "standalone BN", "pools", "add, concat",
+         "linear, loss", "SGD update", "other")
+
+# lowmem modules (paths below lowmem/, as a regular expression's start) that are one kind wherever called
+MODULE_KINDS = ((r"units/rangecode", "range code, kept inputs"),
+                (r"units/pack|ops/bitpack|ops/pack", "ReLU/ReLU6/dropout, masks, packing"),
+                (r"ops/conv_groups|ops/depthwise|ops/grouped", "depthwise/grouped conv"),
+                (r"ops/pool", "pools"),
+                (r"train/optim", "SGD update"))
+DENSE_CONV = r"ops/(conv|winograd|columns)"          # "conv GEMMs" below numpy.matmul, else "conv columns, transforms"
+# op handlers in lowmem/core/optable/, by the class their method belongs to
+OP_KINDS = {"BNReLU": "BN-ReLU unit", "BN": "standalone BN",
+            "_Elementwise": "ReLU/ReLU6/dropout, masks, packing", "ReLU": "ReLU/ReLU6/dropout, masks, packing",
+            "ReLU6": "ReLU/ReLU6/dropout, masks, packing", "Dropout": "ReLU/ReLU6/dropout, masks, packing",
+            "MaxPool": "pools", "AvgPool2d": "pools", "GlobalAvgPool": "pools",
+            "Add": "add, concat", "AddGrad": "add, concat", "Copy": "add, concat", "Concat": "add, concat",
+            "Linear": "linear, loss", "FlattenLinear": "linear, loss", "Loss": "linear, loss",
+            "Average": "linear, loss", "Conv": "conv columns, transforms"}
+GEMM_NAMES = ("matmul",)                             # functions whose time below a dense conv is its GEMMs
+
+
+def profile(step, steps):
+    """pstats.Stats of `steps` calls of step() under one cProfile. numpy.matmul is a ufunc, which
+    cProfile does not see: while profiling it is wrapped in a Python function (`matmul`, what
+    ops/conv.py and ops/winograd.py reach through the module attribute) so that the GEMMs' time is
+    that function's own time instead of their caller's."""
+    import numpy
+    real = numpy.matmul
+
+    def matmul(*args, **kwargs):
+        return real(*args, **kwargs)
+    prof = cProfile.Profile()
+    numpy.matmul = matmul
+    try:
+        prof.enable()
+        for _ in range(steps):
+            step()
+        prof.disable()
+    finally:
+        numpy.matmul = real
+    return pstats.Stats(prof)
+
+
+def _lowmem_path(filename):
+    """The path below the lowmem package ('ops/conv.py'), or None outside lowmem."""
+    parts = filename.replace("\\", "/").split("/lowmem/")
+    return parts[-1] if len(parts) > 1 and not filename.startswith("~") else None
+
+
+class _Classes:
+    """(file, line) -> the optable class whose body holds that line, from each file's syntax tree."""
+
+    def __init__(self):
+        self.spans = {}
+
+    def at(self, filename, line):
+        if filename not in self.spans:
+            try:
+                with open(filename) as f:
+                    tree = ast.parse(f.read())
+            except (OSError, SyntaxError):
+                tree = ast.Module(body=[], type_ignores=[])
+            self.spans[filename] = [(min([n.lineno] + [d.lineno for d in n.decorator_list]), n.end_lineno, n.name)
+                                    for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+        inside = [s for s in self.spans[filename] if s[0] <= line <= s[1]]
+        return min(inside, key=lambda s: s[1] - s[0])[2] if inside else None
+
+
+def _own_kind(func, classes):
+    """(kind, dense) of a profiled function: the kind it names (None: it passes its time on),
+    dense: it is a dense convolution's (ops/conv, winograd, columns)."""
+    filename, line, name = func
+    path = _lowmem_path(filename)
+    if path is None:
+        return None, False
+    for pattern, kind in MODULE_KINDS:
+        if re.match(pattern, path):
+            return kind, False
+    if re.match(DENSE_CONV, path):
+        return None, True
+    if path.startswith("core/optable/"):
+        cls = classes.at(filename, line)
+        if cls is not None:
+            return OP_KINDS.get(cls, "other"), False
+    return None, False
+
+
+def by_kind(stats):
+    """({kind: own seconds}, {kind: {function label: own seconds}}) of a pstats.Stats: every
+    function's own time charged to the kinds found by walking up its callers (module docstring).
+    The kinds' seconds sum to the profile's total own time."""
+    table = stats.stats
+    classes = _Classes()
+    own = {f: _own_kind(f, classes) for f in table}
+    shares = {}                           # (func, gemm, dense) -> {kind: fraction of func's time}
+
+    def share(func, gemm, dense):
+        key = (func, gemm, dense)
+        if key in shares:
+            return shares[key] or {"other": 1.0}           # None: on the walk now (a cycle)
+        shares[key] = None
+        kind, is_dense = own.get(func, (None, False))
+        dense = dense or is_dense
+        callers = table[func][4] if func in table else {}
+        total = sum(edge[3] for edge in callers.values())     # time spent in func, per caller
+        out = {}
+        if kind is None and total > 0:
+            for caller, edge in callers.items():
+                for k, f in share(caller, gemm, dense).items():
+                    out[k] = out.get(k, 0.0) + f * edge[3] / total
+        else:
+            if kind == "conv columns, transforms" or (kind is None and dense):
+                kind = "conv GEMMs" if gemm else "conv columns, transforms"
+            out[kind or "other"] = 1.0
+        shares[key] = out
+        return out
+
+    kinds = dict.fromkeys(KINDS, 0.0)
+    functions = {k: {} for k in KINDS}
+    for func, row in table.items():
+        if row[2] <= 0:
+            continue
+        filename, _line, name = func
+        path = _lowmem_path(filename)
+        label = name if filename == "~" else f"{path or os.path.basename(filename)}:{name}"
+        for kind, f in share(func, name in GEMM_NAMES, False).items():
+            kinds[kind] += row[2] * f
+            functions[kind][label] = functions[kind].get(label, 0.0) + row[2] * f
+    return kinds, functions
+
+
+def total_seconds(stats):
+    """The profile's total own time (what by_kind shares out)."""
+    return sum(row[2] for row in stats.stats.values())
+
+
+def kind_table(per_config, steps, top=None):
+    """A table of seconds per step and share of the profiled step, one column per configuration
+    ({config: {kind: seconds over `steps` steps}}); `top` {config: {kind: {function: s}}} adds,
+    under the table, each configuration's three largest functions of "other"."""
+    configs = list(per_config)
+    totals = {c: sum(per_config[c].values()) for c in configs}
+    head = f"{'op kind (own time per step)':<36}" + "".join(f"{c:>24}" for c in configs)
+    lines = [head, "-" * len(head)]
+    for kind in KINDS:
+        cells = "".join(f"{per_config[c][kind] / steps:>13.3f} s {per_config[c][kind] / max(totals[c], 1e-12):>7.1%}"
+                        for c in configs)
+        lines.append(f"{kind:<36}{cells}")
+    lines.append(f"{'profiled step':<36}" + "".join(f"{totals[c] / steps:>13.3f} s {1:>7.1%}" for c in configs))
+    for c in configs if top else ():
+        other = sorted(top[c]["other"].items(), key=lambda kv: -kv[1])[:3]
+        lines.append(f"  {c}, largest in other: " + ", ".join(f"{f} {s / steps:.3f} s" for f, s in other))
+    return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""The BN-ReLU unit's fused CPU kernels, each against its exact twin and a plain copy, on
+ResNet-164's unit shapes (batch 128): ms, GB/s at the bytes each must move, the ratio to the
+exact twin, the share of the copy bandwidth; the vector registers in their compiled code
+(ymm: AVX2, zmm: AVX-512) and each kernel's first call (its JIT compile).
+
+    python benchmarks/unit_kernels.py [--bits 4] [--threads 2]
+
+Runs in a fresh process with a new, empty numba cache (so inspect_asm works and the JIT time
+shows), after the machine is quiet (benchmarks/harness.py); best of 3 interleaved rounds x 6 calls.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+import harness                                   # benchmarks/harness.py, beside this script
+
+KERNEL_SHAPES = ((16, 131072), (64, 131072), (128, 32768), (256, 8192))   # ResNet-164 b128 units (C, N*H*W)
+# window_cpu's compiled kernels (private: the smoke test checks every name exists)
+ASM_KERNELS = ("_quantize_block", "_pack", "_unpack", "_decode_relu_block", "_decode_sums", "_decode_dx_block",
+               "_forward_exact", "_exact_sums", "_exact_dx_block", "_stats")
+
+
+def _best_time(fn, reps, setup=None):
+    """Fastest of reps + 1 calls (setup, untimed, before each)."""
+    best = float("inf")
+    for _ in range(reps + 1):
+        if setup is not None:
+            setup()
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def kernel_cases(C, M, bits):
+    """(name, exact twin, bytes moved per element, call, setup) for one unit shape. The calls are
+    the engine's: forward in place (out is x), backward in place (dx is dr, restored untimed)."""
+    import numpy as np
+    from lowmem.units import packing, window
+    from lowmem.system import threads
+    from lowmem.units import window_cpu as fast
+    F = np.float32
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((C, M)) * 2 + 0.5).astype(F)
+    g, b = rng.standard_normal(C).astype(F), rng.standard_normal(C).astype(F)
+    mean, var, rstd = (np.empty(C, F) for _ in range(3))
+    fast.bn_stats(mean, var, rstd, x, 1e-5)
+    qp = window.quant_params(g, b, bits)
+    packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
+    xhat = ((x - mean[:, None]) * rstd[:, None]).astype(F)
+    window.quantize_pack(packed, xhat, qp)
+    out, buf = np.empty_like(x), x.copy()
+    grad = rng.standard_normal(x.shape).astype(F)
+    dr, dg, db = grad.copy(), np.zeros(C, F), np.zeros(C, F)
+    fresh = lambda: np.copyto(dr, grad)                                        # noqa: E731
+    copy = lambda: threads.parallel_for(lambda c0, c1: np.copyto(out[c0:c1], x[c0:c1]), C)  # noqa: E731
+    kb = bits / 8
+    return [
+        ("plain copy", None, 8, copy, None),
+        ("bn_stats", None, 8, lambda: fast.bn_stats(mean, var, rstd, x, 1e-5), None),
+        ("forward exact", None, 12, lambda: fast.unit_forward_exact(buf, xhat, buf, mean, rstd, g, b), None),
+        (f"forward {bits}-bit", "forward exact", 8 + kb,
+         lambda: fast.unit_forward_code(buf, packed, buf, mean, rstd, g, b, qp, False), None),
+        ("conv input exact", None, 8, lambda: fast.conv_input(out, xhat, None, None, g, b), None),
+        (f"conv input {bits}-bit", "conv input exact", 4 + kb, lambda: fast.conv_input(out, None, packed, qp, g, b),
+         None),
+        ("backward exact", None, 20,
+         lambda: fast.unit_backward(dr, dg, db, dr, xhat, None, None, g, b, rstd, False), fresh),
+        (f"backward {bits}-bit", "backward exact", 12 + 2 * kb,
+         lambda: fast.unit_backward(dr, dg, db, dr, None, packed, qp, g, b, rstd, False), fresh),
+    ]
+
+
+def worker(args):
+    """Time every fused kernel on ResNet-164's unit shapes (this process, args.threads lowmem
+    threads); count the vector registers in their compiled code. Prints RESULT json."""
+    from lowmem.system import threads  # the parent gave this process an empty NUMBA_CACHE_DIR:
+    from lowmem.units import window_cpu as fast          # first calls time the JIT, and inspect_asm works
+    threads.configure(args.threads)
+    if not fast.AVAILABLE:
+        harness.result_line({"status": "numba not installed"})
+        return 0
+    rows, first_call_s = [], {}
+    for C, M in KERNEL_SHAPES:
+        cases = kernel_cases(C, M, args.bits)
+        for name, _twin, _bpe, fn, setup in cases:           # first calls: JIT compile or cache load
+            if name not in first_call_s:
+                t = time.perf_counter()
+                fn()
+                first_call_s[name] = time.perf_counter() - t
+        best = {}
+        for _ in range(3):                                   # interleaved rounds: a neighbour's burst hits all
+            for name, _twin, _bpe, fn, setup in cases:
+                best[name] = min(best.get(name, float("inf")), _best_time(fn, 5, setup))
+        copy_bw = 8 * C * M / best["plain copy"]
+        for name, twin, bpe, _fn, _setup in cases:
+            bw = bpe * C * M / best[name]
+            rows.append(dict(shape=f"{C}x{M}", kernel=name, ms=best[name] * 1e3, gb_s=bw / 1e9, bytes_per_elem=bpe,
+                             ratio_to_twin=best[name] / best[twin] if twin else None, of_copy_bw=bw / copy_bw))
+    asm = {}
+    for name in ASM_KERNELS:
+        disp = getattr(fast, name)
+        try:
+            text = "\n".join(disp.inspect_asm().values())
+        except Exception as e:                               # cached code cannot be inspected
+            asm[name] = f"n/a ({type(e).__name__})"
+            continue
+        asm[name] = {"ymm": len(re.findall(r"%ymm", text)), "zmm": len(re.findall(r"%zmm", text))}
+    res = dict(status="ok", threads=threads.threads(), bits=args.bits, rows=rows, first_call_s=first_call_s,
+               asm=asm, source_sha=harness.source_hash())
+    harness.result_line(res)
+    return 0
+
+
+def kernel_table(res):
+    head = (f"{'unit (C x N*H*W)':<17} {'kernel':<20} {'ms':>8} {'GB/s':>7} {'B/elem':>7} {'/ exact twin':>12} "
+            f"{'/ copy GB/s':>11}")
+    lines = [head, "-" * len(head)]
+    for r in res["rows"]:
+        ratio = f"{r['ratio_to_twin']:.2f}" if r["ratio_to_twin"] is not None else "-"
+        lines.append(f"{r['shape']:<17} {r['kernel']:<20} {r['ms']:>8.3f} {r['gb_s']:>7.1f} "
+                     f"{r['bytes_per_elem']:>7.3g} {ratio:>12} {r['of_copy_bw']:>11.2f}")
+    return "\n".join(lines)
+
+
+def kernel_summary(res):
+    """Worst ratio to the exact twin and worst share of copy bandwidth per 4-bit kernel, over the shapes."""
+    out = {}
+    for r in res["rows"]:
+        if r["ratio_to_twin"] is None:
+            continue
+        s = out.setdefault(r["kernel"], dict(worst_ratio=0.0, worst_of_copy=9.0))
+        s["worst_ratio"] = max(s["worst_ratio"], r["ratio_to_twin"])
+        s["worst_of_copy"] = min(s["worst_of_copy"], r["of_copy_bw"])
+    return out
+
+
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bits", type=int, default=4, choices=(8, 4, 2, 1), help="bit width (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(),
+                    help="lowmem threads (default: os.cpu_count() = %(default)s)")
+    ap.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    harness.add_arguments(ap)
+    args = ap.parse_args(argv)
+    if args.worker:
+        sys.path.insert(0, harness.ROOT)
+        return worker(args)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    info = harness.machine_info()
+    print(f"machine: {harness.machine_line(info)}\n{harness.libraries_line(info)}", flush=True)
+    cache = tempfile.mkdtemp(prefix="lowmem-numba-")
+    try:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--bits", str(args.bits),
+               "--threads", str(args.threads)]
+        k = harness.run_supervised(cmd, harness.Supervision.from_args(args), log, label="unit kernels",
+                                   env=dict(os.environ, NUMBA_CACHE_DIR=cache), done=lambda r: "rows" in r)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    if k["status"] != "ok":
+        print(f"kernel table: {k['status']}")
+        return 1
+    print(f"fused kernels, {k['threads']} lowmem thread(s), {k['bits']}-bit; best of 3 rounds x 6 calls; "
+          f"bytes moved per element as counted in kernel_cases; load 1m {k['load_before'][0]:.2f}, "
+          f"others {k['other_cpus_during']:.2f} CPUs")
+    print(kernel_table(k))
+    for name, v in kernel_summary(k).items():
+        print(f"{name:<20} worst / exact twin {v['worst_ratio']:.2f} (target <= 1.3: "
+              f"{'met' if v['worst_ratio'] <= 1.3 else 'MISSED'}); worst share of copy GB/s "
+              f"{v['worst_of_copy']:.2f} (target >= 0.5: {'met' if v['worst_of_copy'] >= 0.5 else 'MISSED'})")
+    print("vector registers in the compiled kernels (ymm = AVX2, zmm = AVX-512): " +
+          ", ".join(f"{n} {a['ymm']}/{a['zmm']}" if isinstance(a, dict) else f"{n} {a}" for n, a in k["asm"].items()))
+    print("first call (JIT compile, empty cache), s: " + ", ".join(f"{n} {t:.2f}" for n, t in k["first_call_s"].items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "kernels": k}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
