@@ -7,7 +7,7 @@ test, the same chunking and thread ranges), on views of the engine's own arrays;
 tests/benchmarks/test_gemm_floor.py runs a real step with numpy.matmul recorded and checks that
 the list is the step's. measure(eng, ...) times them (run_gemms) and adds the memory traffic at
 the copy bandwidth measured in the same process; benchmarks/compare_torch.py's "floor"
-configuration runs it in a fresh process. It reads conv's and winograd's private helpers
+configuration runs it in a fresh process. It reads conv's and winograd's private functions
 (conv._flat, conv._is_pointwise, winograd._chunk): a model of their decisions, pinned by that test.
 """
 import math

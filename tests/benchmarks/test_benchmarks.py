@@ -194,7 +194,7 @@ def run(code, *args, timeout=600):
 
 
 def test_every_benchmark_imports_without_running():
-    pytest.importorskip("numba")                  # unbiased_draw_cost compiles its variants' helpers at import
+    pytest.importorskip("numba")                  # unbiased_draw_cost compiles its draw variants' functions at import
     r = run(IMPORT, BENCH, *SCRIPTS)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["imported", str(len(SCRIPTS))]
