@@ -111,7 +111,8 @@ def cpu_busy(seconds=2.0):
 
 def parse_bytes(text):
     """argparse type: '21GiB', '512MiB', ... (lowmem's own parser)."""
-    sys.path.insert(0, ROOT)
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
     from lowmem.tools.maxbatch import parse_bytes as parse
     try:
         return parse(text)
