@@ -33,7 +33,7 @@ engine with use_fast=False runs) never does: its results are im2col's, bit for b
 from typing import Callable, NamedTuple
 
 from ..system.backend import array_module
-from . import columns_cpu, columns_gpu
+from . import columns_cpu, columns_gpu, depthwise_cpu, depthwise_gpu
 from .chunks import chunk_size, over_batch, over_columns
 from . import winograd as _winograd
 
@@ -99,11 +99,14 @@ class Columns(NamedTuple):
     im2col(cols, x, kh, kw, stride, pad)              cols <- patches of x (as `im2col` above)
     col2im(dx, n0, n1, cols, kh, kw, stride, pad)     dx[:, n0:n1] += the scatter of cols
     (col2im gets the whole dx and the sample range: the numba loop indexes dx flat).
-    winograd: stride-1 3x3 convs that ops/winograd.py takes run there instead (no columns)."""
+    winograd: stride-1 3x3 convs that ops/winograd.py takes run there instead (no columns).
+    depthwise: the direct depthwise kernels (ops/depthwise_cpu.py, depthwise_gpu.py) that
+    ops/conv_groups.py runs where they apply; None: its reference slices and GEMMs."""
     name: str
     im2col: Callable
     col2im: Callable
     winograd: bool = False
+    depthwise: object = None
 
 
 def _col2im_slices(dx, n0, n1, cols, kh, kw, stride, pad):
@@ -122,8 +125,8 @@ def _col2im_cuda(dx, n0, n1, cols, kh, kw, stride, pad):
 
 
 SLICES = Columns("slices", im2col, _col2im_slices)                    # the references above
-NUMBA = Columns("numba col2im + Winograd", im2col, _col2im_numba, True)   # ops/columns_cpu.py
-CUDA = Columns("cuda", columns_gpu.im2col, _col2im_cuda)              # ops/columns_gpu.py
+NUMBA = Columns("numba col2im + Winograd + depthwise", im2col, _col2im_numba, True, depthwise_cpu)
+CUDA = Columns("cuda", columns_gpu.im2col, _col2im_cuda, depthwise=depthwise_gpu)      # ops/columns_gpu.py
 
 
 def columns_for(xp, fast=True):

@@ -10,15 +10,18 @@ grouped conv is ops/conv.py's im2col conv run once per group on those slices, wi
 workspace sized for one group (workspace_per_sample: Cin_g*kh*kw*Ho*Wo elements a sample).
 G = 1 is ops/conv.py itself, bit for bit.
 
-Depthwise (Cin_g = Cout_g = 1, MobileNet's 3x3) would be G tiny GEMMs; it runs instead as a sum
-over kernel offsets of per-channel scaled, shifted slices (no workspace, no GEMM):
+Depthwise (Cin_g = Cout_g = 1, MobileNet's 3x3) would be G tiny GEMMs; its reference runs instead
+as a sum over kernel offsets of per-channel scaled, shifted slices (no workspace, no GEMM):
     out[c, :, oh, ow] += w[c, 0, i, j] * x[c, :, ih, iw]      for each offset (i, j)
 in blocks of whole channels, or of samples of one channel (DEPTHWISE_BLOCK elements, at least
 one sample's plane), the one temporary a block-sized product, threads splitting the channels.
+The fast kernel sets (`Columns.depthwise` of ops/conv.py: ops/depthwise_cpu.py's numba loops,
+ops/depthwise_gpu.py's CUDA launches) run every conv with one input channel a group (Cin_g = 1,
+any multiplier Cout_g) directly, bit for bit the slices' forward and input gradient at Cout_g = 1.
 """
 from ..system import threads
 from ..system.backend import array_module
-from .conv import conv2d_backward_input, conv2d_backward_weight, conv2d_forward, window_slices
+from .conv import conv2d_backward_input, conv2d_backward_weight, conv2d_forward, columns_for, window_slices
 
 DEPTHWISE_BLOCK = 1 << 16   # output elements per channel block of the depthwise path (tests vary it)
 
@@ -54,6 +57,15 @@ def scratch_bytes(cin, cout, groups, h, w, ho, wo, itemsize, threads_=1, block=N
         return 0
     b = max(DEPTHWISE_BLOCK if block is None else block, h * w, ho * wo)
     return 3 * b * int(itemsize) * max(1, int(threads_))
+
+
+def _direct(columns, a, b, w, groups):
+    """The direct depthwise kernels of `columns` (None: columns_for a's module) when they take
+    this conv (one input channel a group, arrays they accept), else None."""
+    kernels = (columns or columns_for(array_module(a))).depthwise
+    if kernels is not None and groups == a.shape[0] and w.shape[1] == 1 and kernels.applies(a, b, w):
+        return kernels
+    return None
 
 
 def _shapes(x_or_dx, w, out_or_dout, groups):
@@ -134,8 +146,11 @@ def grouped_conv2d_forward(out, x, w, stride, pad, groups, ws, bias=None, column
     plus bias (Cout,) when given. ws: the workspace (workspace_per_sample elements a sample at
     least; unused on the depthwise path); columns: as ops/conv.py's."""
     cig, cog = _shapes(x, w, out, groups)
+    direct = _direct(columns, x, out, w, groups) if groups > 1 else None
     if groups == 1:
         conv2d_forward(out, x, w, stride, pad, ws, columns)
+    elif direct is not None:
+        direct.forward(out, x, w, stride, pad)
     elif is_depthwise(w, groups):
         _depthwise_forward(out, x, w, stride, pad)
     else:
@@ -151,8 +166,11 @@ def grouped_conv2d_backward_input(dx, dout, w, stride, pad, groups, ws, accumula
 
     # saved: nothing but the weights (exact)."""
     cig, cog = _shapes(dx, w, dout, groups)
+    direct = _direct(columns, dx, dout, w, groups) if groups > 1 else None
     if groups == 1:
         conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate, columns)
+    elif direct is not None:
+        direct.backward_input(dx, dout, w, stride, pad, accumulate)
     elif is_depthwise(w, groups):
         _depthwise_backward_input(dx, dout, w, stride, pad, accumulate)
     else:
@@ -166,8 +184,11 @@ def grouped_conv2d_backward_weight(dw, x, dout, stride, pad, groups, ws, columns
 
     # saved: the conv input x (exact, or decoded from a code by the caller)."""
     cig, cog = _shapes(x, dw, dout, groups)
+    direct = _direct(columns, x, dout, dw, groups) if groups > 1 else None
     if groups == 1:
         conv2d_backward_weight(dw, x, dout, stride, pad, ws, columns)
+    elif direct is not None:
+        direct.backward_weight(dw, x, dout, stride, pad)
     elif is_depthwise(dw, groups):
         _depthwise_backward_weight(dw, x, dout, stride, pad)
     else:

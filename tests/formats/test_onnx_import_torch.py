@@ -132,6 +132,24 @@ class MobileNet(tnn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+class GroupedNet(tnn.Module):
+    """Grouped convs of the shapes ResNeXt / RegNet use (several channels a group), a depthwise
+    conv with a channel multiplier, each at strides 1 and 2."""
+
+    def __init__(self, cin=3):
+        super().__init__()
+        self.stem = tnn.Sequential(tnn.Conv2d(cin, 8, 3, 1, 1, bias=False), bn(8), tnn.ReLU())
+        self.grouped = tnn.Sequential(tnn.Conv2d(8, 8, 3, 1, 1, groups=4, bias=False), bn(8), tnn.ReLU(),
+                                      tnn.Conv2d(8, 12, 3, 2, 1, groups=2, bias=False), bn(12), tnn.ReLU())
+        self.multiplier = tnn.Sequential(tnn.Conv2d(12, 24, 3, 2, 1, groups=12, bias=False), bn(24), tnn.ReLU(),
+                                         tnn.Conv2d(24, 24, 5, 1, 2, groups=24, bias=False), bn(24), tnn.ReLU())
+        self.fc = tnn.Linear(24, K)
+
+    def forward(self, x):
+        x = self.multiplier(self.grouped(self.stem(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
 class BiasNet(tnn.Module):
     """Convs with biases and plain ReLUs, no batch norm."""
 
@@ -174,6 +192,7 @@ FAMILIES = {
     "postact-resnet": (PostActResNet, (3, 12, 12), ("bn", "relu")),
     "densenet": (DenseNet, (3, 8, 8), ("concat",)),
     "inverted-residual": (MobileNet, (3, 12, 12), ("bn", "relu6")),
+    "grouped": (GroupedNet, (3, 11, 11), ()),
     "conv-bias": (BiasNet, (3, 8, 8), ("relu",)),
     "vgg-classifier": (VGGStyle, (3, 8, 8), ("relu", "linear")),
     # torchvision's own modules and names (tests/torchvision_layout.py), small instances
@@ -212,7 +231,16 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_imported_model_matches_autograd_in_float64(tmp_path, family):
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_imported_model_matches_autograd_in_float64(tmp_path, monkeypatch, family, kernels):
+    """kernels "fast": the engine's convs on the fast columns (numba's col2im, depthwise loops),
+    which float64 engines do not choose by themselves."""
+    if kernels == "fast":
+        from lowmem.core import engine as engine_module
+        from lowmem.ops import conv as conv_module
+        if not conv_module.columns_cpu.AVAILABLE:
+            pytest.skip("numba not installed")
+        monkeypatch.setattr(engine_module, "columns_for", lambda xp, fast=True: conv_module.NUMBA)
     make, shape, needs = FAMILIES[family]
     missing = [m for m in needs if not hasattr(nn.Graph, m)]
     if missing:

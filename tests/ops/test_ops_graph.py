@@ -12,7 +12,8 @@ import pytest
 
 from reference import (check_grad, flatten_linear_ref, grouped_conv_ref, packbits_little)
 
-from lowmem.ops import bitpack, conv_groups, dropout, relu
+from lowmem.ops import bitpack, conv_groups, depthwise_cpu, dropout, relu
+from lowmem.ops.conv import NUMBA, SLICES
 from lowmem.ops import (grouped_conv2d_forward, grouped_conv2d_backward_input, grouped_conv2d_backward_weight,
                         conv_bias_backward, conv_out_size, bn_stats, bn_normalize, bn_apply_forward,
                         bn_eval_forward, bn_backward, relu_forward, relu_backward, clip_forward, clip_backward,
@@ -29,9 +30,13 @@ MARGIN = 0.05                    # distance of every sample from a kink (> every
 GROUP_CASES = [
     (4, 6, 2, 3, 1, 1, 5, 5), (6, 6, 3, 1, 1, 0, 4, 5), (6, 9, 3, 3, 2, 1, 7, 6),
     (5, 5, 5, 3, 1, 1, 6, 6), (4, 4, 4, 3, 2, 1, 7, 7), (3, 3, 3, 5, 1, 2, 5, 6),   # depthwise
-    (3, 6, 3, 3, 1, 1, 5, 5),                                                       # multiplier 2
+    (3, 6, 3, 3, 1, 1, 5, 5), (2, 6, 2, 3, 2, 1, 7, 6),                             # multiplier 2, 3
     (4, 5, 1, 3, 2, 1, 6, 6),                                                       # groups = 1
 ]
+# the reference (slices, GEMMs per group) and the fast set (numba's direct depthwise loops)
+COLUMNS = [pytest.param(SLICES, id="slices"),
+           pytest.param(NUMBA, id="numba", marks=pytest.mark.skipif(not depthwise_cpu.AVAILABLE,
+                                                                    reason="numba not installed"))]
 
 
 def group_setup(rng, Cin, Cout, groups, k, stride, pad, H, W, N=3):
@@ -45,41 +50,43 @@ def group_setup(rng, Cin, Cout, groups, k, stride, pad, H, W, N=3):
 
 @pytest.mark.parametrize("case", GROUP_CASES)
 @pytest.mark.parametrize("block", [1 << 16, 7, 80])  # whole channels; 1 sample; 2 samples of a channel
-def test_grouped_conv_forward_matches_naive_loops(rng, monkeypatch, case, block):
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_grouped_conv_forward_matches_naive_loops(rng, monkeypatch, case, block, columns):
     monkeypatch.setattr(conv_groups, "DEPTHWISE_BLOCK", block)
     x, w, b, ws, oshape = group_setup(rng, *case)
     out = np.full(oshape, np.nan)
     groups, stride, pad = case[2], case[4], case[5]
-    grouped_conv2d_forward(out, x, w, stride, pad, groups, ws, bias=b)
+    grouped_conv2d_forward(out, x, w, stride, pad, groups, ws, bias=b, columns=columns)
     np.testing.assert_allclose(out, grouped_conv_ref(x, w, stride, pad, groups, b), rtol=1e-12, atol=1e-12)
-    grouped_conv2d_forward(out, x, w, stride, pad, groups, ws)
+    grouped_conv2d_forward(out, x, w, stride, pad, groups, ws, columns=columns)
     np.testing.assert_allclose(out, grouped_conv_ref(x, w, stride, pad, groups), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("case", GROUP_CASES)
 @pytest.mark.parametrize("eps", STEPS)
-def test_grouped_conv_backward_finite_differences(rng, case, eps):
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_grouped_conv_backward_finite_differences(rng, case, eps, columns):
     x, w, b, ws, oshape = group_setup(rng, *case)
     groups, stride, pad = case[2], case[4], case[5]
     G = rng.standard_normal(oshape)
     out = np.empty(oshape)
 
     def loss():
-        grouped_conv2d_forward(out, x, w, stride, pad, groups, ws, bias=b)
+        grouped_conv2d_forward(out, x, w, stride, pad, groups, ws, bias=b, columns=columns)
         return float(np.sum(out * G))
 
     dx = np.full_like(x, np.nan)                 # overwritten
-    grouped_conv2d_backward_input(dx, G, w, stride, pad, groups, ws)
+    grouped_conv2d_backward_input(dx, G, w, stride, pad, groups, ws, columns=columns)
     w0, b0 = rng.standard_normal(w.shape), rng.standard_normal(b.shape)
     dw, db = w0.copy(), b0.copy()                # parameter gradients accumulate
-    grouped_conv2d_backward_weight(dw, x, G, stride, pad, groups, ws)
+    grouped_conv2d_backward_weight(dw, x, G, stride, pad, groups, ws, columns=columns)
     conv_bias_backward(db, G)
     check_grad(loss, x, dx, rng, eps=eps)
     check_grad(loss, w, dw - w0, rng, eps=eps)
     check_grad(loss, b, db - b0, rng, eps=eps)
     acc = rng.standard_normal(x.shape)
     dx2 = acc.copy()
-    grouped_conv2d_backward_input(dx2, G, w, stride, pad, groups, ws, accumulate=True)
+    grouped_conv2d_backward_input(dx2, G, w, stride, pad, groups, ws, accumulate=True, columns=columns)
     np.testing.assert_allclose(dx2, acc + dx, rtol=1e-12, atol=1e-12)
 
 
@@ -91,8 +98,8 @@ def test_depthwise_backward_in_sample_blocks_matches_whole_channels(rng, monkeyp
     for blk in (1 << 16, block):
         monkeypatch.setattr(conv_groups, "DEPTHWISE_BLOCK", blk)
         dx, dw = np.empty_like(x), np.zeros_like(w)
-        grouped_conv2d_backward_input(dx, G, w, 1, 1, 5, None)
-        grouped_conv2d_backward_weight(dw, x, G, 1, 1, 5, None)
+        grouped_conv2d_backward_input(dx, G, w, 1, 1, 5, None, columns=SLICES)
+        grouped_conv2d_backward_weight(dw, x, G, 1, 1, 5, None, columns=SLICES)
         got[blk] = dx, dw
     np.testing.assert_array_equal(got[block][0], got[1 << 16][0])     # elementwise: the same sums
     np.testing.assert_allclose(got[block][1], got[1 << 16][1], rtol=1e-13, atol=1e-13)
@@ -430,7 +437,8 @@ def test_flatten_linear_on_a_one_by_one_plane_needs_no_workspace(rng):
         flatten_linear_forward(np.empty((2, 3)), rng.standard_normal((3, 3, 2, 2)), rng.standard_normal((2, 12)), b)
 
 
-def test_depthwise_split_over_two_threads_is_bit_identical(rng, monkeypatch):
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_depthwise_split_over_two_threads_is_bit_identical(rng, monkeypatch, columns):
     """Channel blocks are disjoint and each sums its offsets in one order: 2 threads equal 1 bit for bit."""
     pytest.importorskip("threadpoolctl")
     from lowmem.system import threads
@@ -442,9 +450,9 @@ def test_depthwise_split_over_two_threads_is_bit_identical(rng, monkeypatch):
         for t in (1, 2):
             threads.configure(t)
             out, dx, dw = np.empty((6, 2, 3, 2)), np.empty_like(x), np.zeros_like(w)
-            grouped_conv2d_forward(out, x, w, 2, 1, 6, None)
-            grouped_conv2d_backward_input(dx, G, w, 2, 1, 6, None)
-            grouped_conv2d_backward_weight(dw, x, G, 2, 1, 6, None)
+            grouped_conv2d_forward(out, x, w, 2, 1, 6, None, columns=columns)
+            grouped_conv2d_backward_input(dx, G, w, 2, 1, 6, None, columns=columns)
+            grouped_conv2d_backward_weight(dw, x, G, 2, 1, 6, None, columns=columns)
             got[t] = out, dx, dw
     finally:
         threads.configure(before)
@@ -506,8 +514,8 @@ def test_depthwise_conv_allocates_within_its_stated_bound(rng, monkeypatch, dtyp
     from lowmem.system import threads        # the bound is per thread: as many as lowmem runs now
     bound = conv_groups.scratch_bytes(C, C, C, H, W, H, W, s, threads.threads())
     assert bound < x.nbytes / 2
-    for f in (lambda: grouped_conv2d_forward(out, x, w, 1, 1, C, None),
-              lambda: grouped_conv2d_backward_input(dx, out, w, 1, 1, C, None),
-              lambda: grouped_conv2d_backward_weight(dw, x, out, 1, 1, C, None)):
+    for f in (lambda: grouped_conv2d_forward(out, x, w, 1, 1, C, None, columns=SLICES),
+              lambda: grouped_conv2d_backward_input(dx, out, w, 1, 1, C, None, columns=SLICES),
+              lambda: grouped_conv2d_backward_weight(dw, x, out, 1, 1, C, None, columns=SLICES)):
         assert allocated(f) <= bound, (allocated(f), bound)
     assert conv_groups.scratch_bytes(8, 8, 2, H, W, H, W, s) == 0        # not depthwise: the conv's own

@@ -45,7 +45,7 @@ from lowmem.units import gpu_base, unbiased_gpu, unbiased
 from lowmem.units.stream import Stream
 from lowmem.core.network import Parameter
 from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
-from lowmem.ops import columns_gpu
+from lowmem.ops import columns_gpu, conv_groups, depthwise_gpu
 from lowmem.ops import conv as conv_ops
 from lowmem.train.optim import SGD
 from reference import beyond_window_channels, bn_normalize_forward, random_graph, unit_case
@@ -59,14 +59,15 @@ EPS = 1e-5
 NVCC = shutil.which("nvcc")
 
 
-PROGRAMS = cuda_helper.PROGRAMS       # every program, now that the five modules are imported
+PROGRAMS = cuda_helper.PROGRAMS       # every program, now that the six modules are imported
 
 
 def test_every_program_is_registered():
-    assert set(PROGRAMS) == {"bn", "units", "columns", "sgd", "unbiased"}
+    assert set(PROGRAMS) == {"bn", "units", "columns", "sgd", "unbiased", "depthwise"}
     assert (PROGRAMS["bn"] is gpu_base.PROGRAM and PROGRAMS["units"] is cuda.PROGRAM
             and PROGRAMS["columns"] is columns_gpu.PROGRAM
-            and PROGRAMS["sgd"] is optim_gpu.PROGRAM and PROGRAMS["unbiased"] is unbiased_gpu.PROGRAM)
+            and PROGRAMS["sgd"] is optim_gpu.PROGRAM and PROGRAMS["unbiased"] is unbiased_gpu.PROGRAM
+            and PROGRAMS["depthwise"] is depthwise_gpu.PROGRAM)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -739,6 +740,50 @@ def test_the_conv_ops_take_the_one_launch_columns_on_gpu_arrays(dev, k, stride, 
     assert "im2col" in calls and ("col2im" in calls or (k, stride) == (1, 2))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
+
+
+# (C, m, N, H, W, k, stride, pad): MobileNetV2's 3x3 at strides 1 and 2, odd planes, N = 1, 5x5,
+# channel multipliers 2 and 3
+DEPTHWISE_CASES = [(6, 1, 3, 8, 8, 3, 1, 1), (5, 1, 2, 9, 7, 3, 2, 1), (4, 1, 1, 7, 7, 3, 2, 1),
+                   (3, 1, 2, 11, 9, 5, 2, 2), (3, 2, 2, 7, 6, 3, 1, 1), (2, 3, 3, 9, 7, 3, 2, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DEPTHWISE_CASES)
+def test_depthwise_kernels_match_the_reference(dev, case, dtype):
+    """ops/depthwise_gpu.py, through conv_groups with the CUDA columns: forward and input
+    gradient (overwritten, accumulated) bit for bit the slice additions for one output channel
+    a group, to rounding for multipliers (the reference: GEMMs per group); the weight gradient,
+    a float64 block sum, to rounding."""
+    C, m, N, H, W, k, stride, pad = case
+    rng = np.random.default_rng(C * 10 + m)
+    Ho, Wo = conv_ops.conv_out_size(H, k, stride, pad), conv_ops.conv_out_size(W, k, stride, pad)
+    x = rng.standard_normal((C, N, H, W)).astype(dtype)
+    w = rng.standard_normal((C * m, 1, k, k)).astype(dtype)
+    g = rng.standard_normal((C * m, N, Ho, Wo)).astype(dtype)
+    base = rng.standard_normal(x.shape).astype(dtype)
+    ws = np.empty(k * k * Ho * Wo * N, dtype)
+
+    def run(columns, put, get):
+        out, dx, acc, dw = put(np.full(g.shape, np.nan, dtype)), put(np.full_like(x, np.nan)), put(base), \
+            put(np.full_like(w, 0.25))
+        xd, wd, gd, wsd = put(x), put(w), put(g), put(ws)
+        conv_groups.grouped_conv2d_forward(out, xd, wd, stride, pad, C, wsd, columns=columns)
+        conv_groups.grouped_conv2d_backward_input(dx, gd, wd, stride, pad, C, wsd, columns=columns)
+        conv_groups.grouped_conv2d_backward_input(acc, gd, wd, stride, pad, C, wsd, accumulate=True,
+                                                  columns=columns)
+        conv_groups.grouped_conv2d_backward_weight(dw, xd, gd, stride, pad, C, wsd, columns=columns)
+        return [get(a) for a in (out, dx, acc, dw)]
+
+    want = run(conv_ops.SLICES, np.array, np.array)
+    got = run(conv_ops.CUDA, dev.put, dev.get)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    for a, b in zip(got[:3], want[:3]):
+        if m == 1:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max())
+    np.testing.assert_allclose(got[3], want[3], rtol=tol, atol=tol * np.abs(want[3]).max())
 
 
 # ---- the unbiased code (lowmem/units/unbiased_gpu.py) ---------------------------------------

@@ -1,0 +1,130 @@
+"""Depthwise convolution on the GPU: one CUDA launch per forward, input gradient and weight gradient.
+
+Dimensions and layout as ops/depthwise_cpu.py (its CPU twin): x, dx (Cin, N, H, W), w, dw
+(Cout, 1, kh, kw), out, dout (Cout, N, Ho, Wo), Cout = m*Cin, output channel o reading input
+channel o // m; every array C-contiguous.
+
+ops/conv_groups.py's slice additions (m = 1) and per-group GEMMs (m > 1) are the reference, on
+CuPy dozens of launches per conv. Here the forward and the input gradient take one thread per
+element they write, which adds its terms from 0 (or from dx, accumulating) in the kernel
+offsets' (i, j) order with round-to-nearest operations: the slice additions' results bit for
+bit for m = 1. The weight gradient takes one block per (kernel offset, output channel), sums
+its products in float64 over the whole batch and adds the block's total (fixed tree order) to
+dw: to tolerance, as the reference's blocked sums. Compiled through lowmem/system/cuda.py
+(program "depthwise"); tested on the CPU emulation of this text and with nvcc
+(tests/units/test_units_gpu.py).
+"""
+from ..system import cuda
+from ..system.cuda import i32, i64
+
+SOURCE = r"""
+// out (Cout, N, Ho, Wo) <- the depthwise conv of x (Cin, N, H, W) with w (Cout, 1, kh, kw), one
+// thread per output element: its terms from 0 in (i, j) order (ops/conv_groups.py's slice order).
+extern "C" __global__ void depthwise_forward(real* out, const real* x, const real* w, int m, int N, int H,
+                                             int W, int Ho, int Wo, int kh, int kw, int stride, int pad,
+                                             long long total)
+{
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total;
+         e += (long long)gridDim.x * blockDim.x) {
+        const int ow = (int)(e % Wo), oh = (int)(e / Wo % Ho), n = (int)(e / Wo / Ho % N);
+        const int o = (int)(e / Wo / Ho / N);
+        const real* xp = x + ((long long)(o / m) * N + n) * H * W;
+        const real* wp = w + (long long)o * kh * kw;
+        real acc = (real)0;
+        for (int i = 0; i < kh; ++i) {
+            const int ih = oh * stride + i - pad;
+            if (ih < 0 || ih >= H) continue;
+            for (int j = 0; j < kw; ++j) {
+                const int iw = ow * stride + j - pad;
+                if (iw < 0 || iw >= W) continue;
+                acc = rn_add(acc, rn_mul(xp[ih * W + iw], wp[i * kw + j]));
+            }
+        }
+        out[e] = acc;
+    }
+}
+
+// dx (Cin, N, H, W) = (or += with accumulate) the input gradient, one thread per dx element: its
+// terms in (output channel, i, j) order, the slice additions' order for m = 1.
+extern "C" __global__ void depthwise_backward_input(real* dx, const real* dout, const real* w, int m, int N,
+                                                    int H, int W, int Ho, int Wo, int kh, int kw, int stride,
+                                                    int pad, int accumulate, long long total)
+{
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total;
+         e += (long long)gridDim.x * blockDim.x) {
+        const int iw = (int)(e % W), ih = (int)(e / W % H), n = (int)(e / W / H % N);
+        const int c = (int)(e / W / H / N);
+        real acc = accumulate ? dx[e] : (real)0;
+        for (int o = c * m; o < (c + 1) * m; ++o) {
+            const real* gp = dout + ((long long)o * N + n) * Ho * Wo;
+            const real* wp = w + (long long)o * kh * kw;
+            for (int i = 0; i < kh; ++i) {
+                const int r = ih + pad - i;
+                if (r < 0 || r % stride || r / stride >= Ho) continue;
+                for (int j = 0; j < kw; ++j) {
+                    const int s = iw + pad - j;
+                    if (s < 0 || s % stride || s / stride >= Wo) continue;
+                    acc = rn_add(acc, rn_mul(gp[(r / stride) * Wo + s / stride], wp[i * kw + j]));
+                }
+            }
+        }
+        dx[e] = acc;
+    }
+}
+
+// dw (Cout, 1, kh, kw) += dout correlated with x: one block per (offset k = i*kw + j, channel o) =
+// (blockIdx.x, blockIdx.y), float64 products summed over N*Ho*Wo, the block's total in tree order.
+extern "C" __global__ void depthwise_backward_weight(real* dw, const real* x, const real* dout, int m, int N,
+                                                     int H, int W, int Ho, int Wo, int kh, int kw, int stride,
+                                                     int pad)
+{
+    __shared__ double sa[BLOCK], sb[BLOCK];
+    const int k = blockIdx.x, o = blockIdx.y, i = k / kw, j = k % kw;
+    const long long plane = (long long)Ho * Wo, count = N * plane;
+    double a = 0.0;
+    for (long long e = threadIdx.x; e < count; e += BLOCK) {
+        const int ow = (int)(e % Wo), oh = (int)(e / Wo % Ho), n = (int)(e / plane);
+        const int ih = oh * stride + i - pad, iw = ow * stride + j - pad;
+        if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+        a += (double)dout[((long long)o * N + n) * plane + e % plane]
+             * (double)x[(((long long)(o / m) * N + n) * H + ih) * W + iw];
+    }
+    block_sum2(a, 0.0, sa, sb);
+    if (threadIdx.x == 0)
+        dw[(long long)o * kh * kw + k] = rn_add(dw[(long long)o * kh * kw + k], (real)sa[0]);
+}
+"""
+
+PROGRAM = cuda.Program("depthwise", SOURCE, block_sync=("depthwise_backward_weight",))
+
+
+def applies(a, b, w):
+    """Whether the kernels take these arrays: C-contiguous, one float dtype, w (Cout, 1, kh, kw)."""
+    return (all(v.flags.c_contiguous for v in (a, b, w)) and a.dtype == b.dtype == w.dtype
+            and a.dtype.name in cuda.REAL and w.shape[1] == 1)
+
+
+def _args(x, out, w, stride, pad):
+    Cin, N, H, W = x.shape
+    Cout, _, kh, kw = w.shape
+    return (i32(Cout // Cin), i32(N), i32(H), i32(W), i32(out.shape[2]), i32(out.shape[3]), i32(kh), i32(kw),
+            i32(stride), i32(pad))
+
+
+def forward(out, x, w, stride, pad):
+    """out (Cout, N, Ho, Wo) = the depthwise conv of x (Cin, N, H, W) with w (Cout, 1, kh, kw)."""
+    PROGRAM.launch("depthwise_forward", x.dtype, (cuda.blocks(out.size),),
+                   (out, x, w) + _args(x, out, w, stride, pad) + (i64(out.size),))
+
+
+def backward_input(dx, dout, w, stride, pad, accumulate=False):
+    """dx (Cin, N, H, W) = (or += with accumulate) the input gradient from dout (Cout, N, Ho, Wo)."""
+    PROGRAM.launch("depthwise_backward_input", dx.dtype, (cuda.blocks(dx.size),),
+                   (dx, dout, w) + _args(dx, dout, w, stride, pad) + (i32(bool(accumulate)), i64(dx.size)))
+
+
+def backward_weight(dw, x, dout, stride, pad):
+    """dw (Cout, 1, kh, kw) += dout (Cout, N, Ho, Wo) correlated with x (Cin, N, H, W)."""
+    kh, kw = dw.shape[2:]
+    PROGRAM.launch("depthwise_backward_weight", x.dtype, (kh * kw, dw.shape[0]),
+                   (dw, x, dout) + _args(x, dout, dw, stride, pad))
