@@ -132,7 +132,9 @@ class Engine:
             bind_parameters(self.arrays, net, self.xp)
             self.selected = self._select_units(sizes, self.arrays)   # with the CUDA set's workspace
             self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected,
-                                columns_for(self.xp, self.fused), keeper=self.keeper)
+                                columns_for(self.xp, self.fused), keeper=self.keeper,
+                                norms=kernels.select_norms(self.xp, self.fused, self.keeper,
+                                                           self.arrays.get("bn.partials")))
         self.reference_units = self._select_units(sizes, self.arrays, reference=True)
         self._ready = False                       # saved state holds a training forward
         self._input_grad_buffer = self.schedule.input_grad

@@ -16,6 +16,7 @@ each forward or backward. A handler reads its `schedule.Step` and this, nothing 
     loss        the mean loss of the last training forward (the loss step writes it)
     keys        {unit or dropout layer: its stream key} for the current training forward
     keeper      how a conv keeps an input no unit rebuilds (lowmem/units/rangecode.py), chosen once
+    norms       the kernels of a batch norm with no ReLU after it (lowmem/units/norm.py), chosen once
 """
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ class RunState:
     loss: float = None
     keys: dict = field(default_factory=dict)
     keeper: object = None
+    norms: object = None
 
     def act(self, buf, shape):
         """(C, n, H, W) view at the start of a flat buffer (or the input slot), shape = (C, H, W)."""

@@ -36,20 +36,15 @@ negative-index wrap-around, which keeps LLVM from vectorising (measured 6-9x slo
 import numpy
 
 from ..system import threads
-from ..system.backend import numba_allowed
+from ..system.backend import numba_available
 
-try:
-    if not numba_allowed():
-        raise ImportError("disabled by LOWMEM_FAST=0")
-    from numba import njit, uint64 as U
-    AVAILABLE = True
-except ImportError:                                        # pragma: no cover - optional
-    AVAILABLE = False
+AVAILABLE = numba_available()
 
 GRAIN = 1 << 15       # output elements per thread below which a call is not split
 
 
 if AVAILABLE:
+    from numba import njit, uint64 as U
     _opts = dict(cache=True, nogil=True)          # no fastmath: every operation rounds as NumPy's
     _reduce = dict(cache=True, nogil=True, fastmath={"reassoc", "nsz"})   # the weight gradient's sums
 
@@ -192,22 +187,22 @@ if AVAILABLE:
                 _rows_out(df, db, D, H, W, Wz)
 
     @njit(**_reduce)
-    def _dot9(tot, G, Q, off, n):
-        """tot[q] += the sum of G[e] * Q[off[q] + e] over e in [0, n), q < 9, in float64: _dot's
-        nine sums in one pass over G."""
+    def _dot9(tot, G, Q, off, n, zero):
+        """tot[q] += the sum of G[e] * Q[off[q] + e] over e in [0, n), q < 9: nine sums in one pass
+        over G, each in the data's dtype over the plane (vector lanes), added to tot in float64."""
         p0, p1, p2, p3, p4, p5, p6, p7, p8 = off[0], off[1], off[2], off[3], off[4], off[5], off[6], off[7], off[8]
-        v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = v8 = 0.0
+        v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = v8 = zero
         for e in range(n):
-            g = numpy.float64(G[U(e)])
-            v0 += g * numpy.float64(Q[U(p0 + e)])
-            v1 += g * numpy.float64(Q[U(p1 + e)])
-            v2 += g * numpy.float64(Q[U(p2 + e)])
-            v3 += g * numpy.float64(Q[U(p3 + e)])
-            v4 += g * numpy.float64(Q[U(p4 + e)])
-            v5 += g * numpy.float64(Q[U(p5 + e)])
-            v6 += g * numpy.float64(Q[U(p6 + e)])
-            v7 += g * numpy.float64(Q[U(p7 + e)])
-            v8 += g * numpy.float64(Q[U(p8 + e)])
+            g = G[U(e)]
+            v0 += g * Q[U(p0 + e)]
+            v1 += g * Q[U(p1 + e)]
+            v2 += g * Q[U(p2 + e)]
+            v3 += g * Q[U(p3 + e)]
+            v4 += g * Q[U(p4 + e)]
+            v5 += g * Q[U(p5 + e)]
+            v6 += g * Q[U(p6 + e)]
+            v7 += g * Q[U(p7 + e)]
+            v8 += g * Q[U(p8 + e)]
         tot[0] += v0
         tot[1] += v1
         tot[2] += v2
@@ -229,7 +224,8 @@ if AVAILABLE:
     @njit(**_opts)
     def _backward_weight(dwf, xf, gf, m, N, H, W, Ho, Wo, k, s, pad, zero, c0, c1):
         """dw[o] += the correlation of dout[o] with x[o // m], for the output channels of input
-        channels c0 .. c1 - 1: per tap and plane one float64 sum."""
+        channels c0 .. c1 - 1: per tap and plane a sum (3x3: in the data's dtype, over vector
+        lanes), the planes' sums added in float64."""
         Hq, Wq = (H + 2 * pad + s - 1) // s, (W + 2 * pad + s - 1) // s
         Q, R = numpy.empty(s * s * Hq * Wq + Wq + k, xf.dtype), numpy.empty(s * Wq, xf.dtype)
         G = numpy.empty(Ho * Wq, xf.dtype)
@@ -242,7 +238,7 @@ if AVAILABLE:
                     _phases(Q, R, xf, (c * N + n) * H * W, H, W, pad, s, Hq, Wq)
                     _rows_in(G, gf, (o * N + n) * Ho * Wo, Ho, Wo, Wq, zero)
                     if k == 3:
-                        _dot9(tot, G, Q, off, Ho * Wq)
+                        _dot9(tot, G, Q, off, Ho * Wq, zero)
                     else:
                         for q in range(k * k):
                             tot[q] += _dot(G, Q, off[q], Ho * Wq)

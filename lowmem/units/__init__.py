@@ -36,6 +36,7 @@ The sets:
                         array ops (NumPy or CuPy)
     units/fused.py      the same over the numba or the CUDA files of the grid
     units/sync.py       SyncUnits(set, comm): any set with batch statistics over all ranks
+    units/norm.py       the same for a batch norm with no ReLU after it (select_norms)
 
 `select` picks one; `reference` is the array-op twin of any set, used by the
 engine for a batch the fused kernels cannot take (a unit whose N*H*W is not
@@ -49,6 +50,7 @@ from . import fused, gpu_base, unbiased, window
 from .widths import FLOAT, FLOAT_CODE, check_bits, code_for
 from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
 from .sync import SyncUnits
+from .norm import select_norms
 
 
 def reference(mode, bits, rounding="nearest"):
@@ -144,4 +146,4 @@ def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
 
 
 __all__ = ["BN_EPS", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies",
-           "partials_size", "slot_nbytes", "quantize_simulated"]
+           "partials_size", "slot_nbytes", "quantize_simulated", "select_norms"]

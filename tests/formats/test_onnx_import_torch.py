@@ -233,14 +233,18 @@ def rel(a, b):
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("kernels", ["reference", "fast"])
 def test_imported_model_matches_autograd_in_float64(tmp_path, monkeypatch, family, kernels):
-    """kernels "fast": the engine's convs on the fast columns (numba's col2im, depthwise loops),
-    which float64 engines do not choose by themselves."""
+    """kernels "fast": the engine's convs on the fast columns (numba's col2im, depthwise loops) and
+    its batch norms without a ReLU on the fused set (units/norm.py), which float64 engines do not
+    choose by themselves."""
     if kernels == "fast":
         from lowmem.core import engine as engine_module
         from lowmem.ops import conv as conv_module
+        from lowmem.units import norm as norm_module
         if not conv_module.columns_cpu.AVAILABLE:
             pytest.skip("numba not installed")
         monkeypatch.setattr(engine_module, "columns_for", lambda xp, fast=True: conv_module.NUMBA)
+        monkeypatch.setattr(engine_module.kernels, "select_norms", lambda xp, fused, keeper, partials=None:
+                            norm_module.FusedNormKernels(norm_module.norm_cpu, keeper))
     make, shape, needs = FAMILIES[family]
     missing = [m for m in needs if not hasattr(nn.Graph, m)]
     if missing:

@@ -46,6 +46,8 @@ from lowmem.units.stream import Stream
 from lowmem.core.network import Parameter
 from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
 from lowmem.ops import columns_gpu, conv_groups, depthwise_gpu
+from lowmem.units import norm_gpu
+from lowmem.ops import batchnorm as bn_ops
 from lowmem.ops import conv as conv_ops
 from lowmem.train.optim import SGD
 from reference import beyond_window_channels, bn_normalize_forward, random_graph, unit_case
@@ -63,11 +65,11 @@ PROGRAMS = cuda_helper.PROGRAMS       # every program, now that the six modules 
 
 
 def test_every_program_is_registered():
-    assert set(PROGRAMS) == {"bn", "units", "columns", "sgd", "unbiased", "depthwise"}
+    assert set(PROGRAMS) == {"bn", "units", "columns", "sgd", "unbiased", "depthwise", "norm"}
     assert (PROGRAMS["bn"] is gpu_base.PROGRAM and PROGRAMS["units"] is cuda.PROGRAM
             and PROGRAMS["columns"] is columns_gpu.PROGRAM
             and PROGRAMS["sgd"] is optim_gpu.PROGRAM and PROGRAMS["unbiased"] is unbiased_gpu.PROGRAM
-            and PROGRAMS["depthwise"] is depthwise_gpu.PROGRAM)
+            and PROGRAMS["depthwise"] is depthwise_gpu.PROGRAM and PROGRAMS["norm"] is norm_gpu.PROGRAM)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -784,6 +786,40 @@ def test_depthwise_kernels_match_the_reference(dev, case, dtype):
         else:
             np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max())
     np.testing.assert_allclose(got[3], want[3], rtol=tol, atol=tol * np.abs(want[3]).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["overwrite", "in place", "accumulate"])
+def test_standalone_batch_norm_kernels_match_the_reference(dev, dtype, mode):
+    """units/norm_gpu.py: x-hat and out (one pass, or normalize then apply, in place over x) bit for
+    bit ops.bn_normalize's and bn_apply_forward's; the backward (float64 sums per segment, the
+    units' finalize, dx written, written over dy, or added) to rounding."""
+    x, g, b = unit(dtype, C=5, M=3000)
+    g[1] = 0
+    xhat, mean, _, rstd = host_stats(x)
+    want = np.empty_like(x)
+    bn_ops.bn_apply_forward(want, xhat, g, b)
+    xd, md, rd, gd, bd = map(dev.put, (x, mean, rstd, g, b))
+    hd, od = dev.put(np.full_like(x, np.nan)), dev.put(np.full_like(x, np.nan))
+    norm_gpu.forward(od, hd, xd, md, rd, gd, bd)
+    assert np.array_equal(dev.get(hd), xhat) and np.array_equal(dev.get(od), want)
+    norm_gpu.normalize(xd, xd, md, rd)
+    assert np.array_equal(dev.get(xd), xhat)
+    norm_gpu.apply(xd, gd, bd)
+    assert np.array_equal(dev.get(xd), want)
+    rng = np.random.default_rng(4)
+    dy, base = rng.standard_normal(x.shape).astype(dtype), rng.standard_normal(x.shape).astype(dtype)
+    C = x.shape[0]
+    acc = mode == "accumulate"
+    rdx, rdg, rdb = base.copy() if acc else np.empty_like(x), np.full(C, 0.5, dtype), np.full(C, -1, dtype)
+    bn_ops.bn_backward(rdx, rdg, rdb, dy, xhat, g, rstd, acc)
+    dyd = dev.put(dy)
+    dxd = dyd if mode == "in place" else dev.put(base if acc else np.full_like(x, np.nan))
+    dgd, dbd = dev.put(np.full(C, 0.5, dtype)), dev.put(np.full(C, -1, dtype))
+    norm_gpu.backward(dxd, dgd, dbd, dyd, dev.put(xhat), gd, rd, acc)
+    tol = 1e-5 if dtype == "float32" else 1e-11
+    for a, w in zip((dxd, dgd, dbd), (rdx, rdg, rdb)):
+        np.testing.assert_allclose(dev.get(a), w, rtol=tol, atol=tol * np.abs(w).max())
 
 
 # ---- the unbiased code (lowmem/units/unbiased_gpu.py) ---------------------------------------

@@ -4,8 +4,7 @@ lowmem/units, decides what its slot holds: x-hat in float, or its packed K-bit c
 batch norm with no ReLU after it (x-hat in float in exact mode, else a K-bit range code).
 rstd is kept exactly by both."""
 from ...system.backend import array_module
-from ...ops import (bn_eval_relu_forward, update_running_stats, bn_stats, bn_normalize, bn_apply_forward,
-                    bn_eval_forward, bn_backward)
+from ...ops import bn_eval_relu_forward, update_running_stats, bn_eval_forward
 from ...ops.batchnorm import BN_EPS
 from .base import BN_MOMENTUM, BatchStatisticsError, Op, channels, same_shape
 
@@ -81,7 +80,7 @@ class BN(Op):
     """Batch norm with no ReLU after it (affine, batch statistics in training, running
     statistics in eval): keeps x-hat the way convs keep their inputs (the engine's keeper: float
     in exact mode, else a K-bit range code, lowmem/units/rangecode.py; no mask to split) and
-    rstd, exactly."""
+    rstd, exactly. Its kernels: run.norms (lowmem/units/norm.py), chosen once per engine."""
     in_place = norm = True
     out_shape = staticmethod(same_shape)
 
@@ -114,30 +113,22 @@ class BN(Op):
         c, M = x.shape
         mean, var = run.arrays["bn.batch_mean"][:c], run.arrays["bn.batch_var"][:c]
         rstd, slots = run.arrays[step.saved[-1]], [run.arrays[n] for n in step.saved[:-1]]
-        bn_stats(mean, var, rstd, x, BN_EPS)
+        run.norms.stats(mean, var, rstd, x)
         xp = array_module(var)
         if not bool(xp.isfinite(var).all() & xp.isfinite(mean).all()):
             raise BatchStatisticsError(
                 f"{step.name}: non-finite batch statistics (the input has values too "
                 f"large for {x.dtype}?); the step was refused, running statistics unchanged")
-        bn_normalize(out, x, mean, rstd)                 # x-hat through the output (may alias x)
-        run.keeper.keep(slots, out.reshape(-1))
-        bn_apply_forward(out, out, g, b)
+        run.norms.forward(out, slots, x, mean, rstd, g, b)     # x-hat kept, out = g*x-hat + b (may alias x)
         update_running_stats(running_mean, running_var, mean, var, M, BN_MOMENTUM)
 
     @staticmethod
     def backward(run, step):
         # saved: x-hat, exact (float) or approximate (its range code), and rstd exact
         g, b = (run.params[n] for n in step.params)
-        c, h, w = step.in_shape
-        slots = [run.arrays[n] for n in step.saved[:-1]]
-        if step.scratch:
-            xhat = run.rows(step.scratch, step.in_shape)
-            run.keeper.restore(xhat.reshape(-1), slots)
-        else:
-            xhat = slots[0][:c * run.n * h * w].reshape(c, run.n * h * w)
-        bn_backward(run.rows(step.dx, step.in_shape), g.grad, b.grad, run.rows(step.dout, step.out_shape),
-                    xhat, g.data, run.arrays[step.saved[-1]], step.accumulate)
+        run.norms.backward(run.rows(step.dx, step.in_shape), g.grad, b.grad, run.rows(step.dout, step.out_shape),
+                           [run.arrays[n] for n in step.saved[:-1]], run.arrays[step.saved[-1]], g.data,
+                           step.accumulate, run.rows(step.scratch, step.in_shape) if step.scratch else None)
 
     @staticmethod
     def onnx(L, helper, read, write, opset):

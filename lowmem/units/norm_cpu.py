@@ -1,0 +1,158 @@
+"""Batch norm on its own (no ReLU after it) in numba: the CPU twin of units/norm_gpu.py, beside
+the BN-ReLU unit's kernels (units/window_cpu.py, whose bn_stats it shares).
+
+    forward(out, xhat, x, mean, rstd, gamma, beta)
+        xhat = (x - mean)*rstd (the exact slot, or out itself: see below), out = gamma*xhat + beta
+    normalize(out, x, mean, rstd)                  out = x-hat (a code is then taken of it)
+    apply(out, gamma, beta)                        out = gamma*out + beta, in place
+    backward(dx, dgamma, dbeta, dy, xhat, gamma, rstd, accumulate)
+        dgamma += sum(dy*xhat), dbeta += sum(dy), dx = (or +=) gamma*rstd*(dy - mean(dy) - xhat*mean(dy*xhat))
+
+The reference is ops/batchnorm.py (bn_normalize, bn_apply_forward, bn_backward). Layout: (C, M)
+rows, M = N*H*W, each C-contiguous. Element-wise arithmetic is the reference's, operation for
+operation in the data's dtype (no fastmath): the forward's x-hat and out equal bn_normalize's and
+bn_apply_forward's bit for bit for the same mean and rstd. The backward's two sums accumulate
+per block in the data's dtype and over blocks in float64 (NumPy's pairwise sums differ in the last
+bits: to tolerance), then dx as bn_relu_backward_apply writes it.
+
+Passes: the forward reads x once and writes x-hat and out in the same loop over a block (L1
+scratch between them, so out may alias x); the backward reads dy and x-hat twice (sums, then dx).
+Cores: channels split over lowmem's threads (units/cpu_base.py).
+"""
+import numpy
+
+from .cpu_base import AVAILABLE, BLOCK, _over_channels, _overlap
+
+if AVAILABLE:
+    from numba import njit
+    from .cpu_base import _copy, _opts, _reduce
+
+    @njit(**_opts)
+    def _normalize_block(h, xr, m, r):
+        for t in range(xr.size):
+            h[t] = (xr[t] - m) * r
+
+    @njit(**_opts)
+    def _apply_block(orow, h, g, b):
+        for t in range(h.size):
+            orow[t] = h[t] * g + b
+
+    @njit(**_opts)
+    def _forward(out, xhat, x, mean, rstd, gamma, beta, keep, apply):
+        """Per block of a row: x-hat into L1 scratch, then (keep) into xhat and out = x-hat*gamma +
+        beta (apply), else out = x-hat. x is read before out is written, block by block, and no
+        loop reads and writes one array (out may alias x)."""
+        C, M = x.shape
+        h = numpy.empty(BLOCK, x.dtype)
+        for c in range(C):
+            m, r, g, b = mean[c], rstd[c], gamma[c], beta[c]
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                hb = h[:i1 - i0]
+                _normalize_block(hb, x[c, i0:i1], m, r)
+                if keep:
+                    _copy(xhat[c, i0:i1], hb)
+                if apply:
+                    _apply_block(out[c, i0:i1], hb, g, b)
+                else:
+                    _copy(out[c, i0:i1], hb)
+
+    @njit(**_opts)
+    def _apply(out, gamma, beta):
+        C, M = out.shape
+        for c in range(C):
+            g, b = gamma[c], beta[c]
+            for i in range(M):
+                out[c, i] = out[c, i] * g + b
+
+    @njit(**_reduce)
+    def _sums(dyr, hr, zero):
+        """(sum dy, sum dy*x-hat) over one block, in the data's dtype (vectorised; the caller adds
+        the blocks in float64)."""
+        a = zero
+        b = zero
+        for t in range(dyr.size):
+            a += dyr[t]
+            b += dyr[t] * hr[t]
+        return a, b
+
+    @njit(**_opts)
+    def _dx_block(dxr, dyr, hr, a, mdy, mdyx, accumulate):
+        """dx (=, or +=) (dy - (x-hat*mean(dy*x-hat) + mean(dy))) * a: bn_relu_backward_apply's order."""
+        if accumulate:
+            for t in range(dyr.size):
+                dxr[t] += (dyr[t] - (hr[t] * mdyx + mdy)) * a
+        else:
+            for t in range(dyr.size):
+                dxr[t] = (dyr[t] - (hr[t] * mdyx + mdy)) * a
+
+    @njit(**_opts)
+    def _backward(dx, dgamma, dbeta, dy, xhat, gamma, rstd, accumulate, inplace, zero):
+        """Two passes per row: the sums, then dx (through L1 scratch when dx overlaps dy)."""
+        C, M = dy.shape
+        tmp = numpy.empty(BLOCK, dy.dtype)
+        f = numpy.empty(3, dy.dtype)                        # conversions into the data's dtype
+        f[2] = M
+        for c in range(C):
+            s1 = 0.0
+            s2 = 0.0
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                a1, a2 = _sums(dy[c, i0:i1], xhat[c, i0:i1], zero)
+                s1 += a1
+                s2 += a2
+            f[0], f[1] = s1, s2                               # the sums in the data's dtype, as the reference's
+            sum_dy, sum_dyx = f[0], f[1]
+            dgamma[c] += sum_dyx
+            dbeta[c] += sum_dy
+            a = gamma[c] * rstd[c]
+            mdy, mdyx = sum_dy / f[2], sum_dyx / f[2]
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                if accumulate or not inplace:
+                    _dx_block(dx[c, i0:i1], dy[c, i0:i1], xhat[c, i0:i1], a, mdy, mdyx, accumulate)
+                else:
+                    tb = tmp[:i1 - i0]
+                    _dx_block(tb, dy[c, i0:i1], xhat[c, i0:i1], a, mdy, mdyx, False)
+                    _copy(dx[c, i0:i1], tb)
+
+
+def supports(*arrays):
+    """Whether the kernels take these arrays: numba present, C-contiguous NumPy float32 or float64
+    arrays of one dtype."""
+    return (AVAILABLE and all(type(a) is numpy.ndarray and a.flags.c_contiguous for a in arrays)
+            and arrays[0].dtype in (numpy.float32, numpy.float64)
+            and all(a.dtype == arrays[0].dtype for a in arrays))
+
+
+def _split(fn, C, M):
+    _over_channels(fn, C, M)
+
+
+def forward(out, xhat, x, mean, rstd, gamma, beta):
+    """xhat (C, M) <- (x - mean)*rstd, out (C, M) = xhat*gamma + beta; out may alias x."""
+    C, M = x.shape
+    _split(lambda c0, c1: _forward(out[c0:c1], xhat[c0:c1], x[c0:c1], mean[c0:c1], rstd[c0:c1], gamma[c0:c1],
+                                   beta[c0:c1], True, True), C, M)
+
+
+def normalize(out, x, mean, rstd):
+    """out (C, M) = (x - mean)*rstd; out may alias x."""
+    C, M = x.shape
+    _split(lambda c0, c1: _forward(out[c0:c1], out[c0:c1], x[c0:c1], mean[c0:c1], rstd[c0:c1], mean[c0:c1],
+                                   mean[c0:c1], False, False), C, M)
+
+
+def apply(out, gamma, beta):
+    """out (C, M) = out*gamma + beta, in place."""
+    C, M = out.shape
+    _split(lambda c0, c1: _apply(out[c0:c1], gamma[c0:c1], beta[c0:c1]), C, M)
+
+
+def backward(dx, dgamma, dbeta, dy, xhat, gamma, rstd, accumulate=False):
+    """ops.bn_backward: dgamma += sum(dy*xhat), dbeta += sum(dy), dx = (or += with accumulate)
+    gamma*rstd*(dy - mean(dy) - xhat*mean(dy*xhat)). dy is read only; dx may alias dy."""
+    C, M = dy.shape
+    inplace, zero = _overlap(dx, dy), dy.dtype.type(0)
+    _split(lambda c0, c1: _backward(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dy[c0:c1], xhat[c0:c1], gamma[c0:c1],
+                                    rstd[c0:c1], bool(accumulate), inplace, zero), C, M)
