@@ -25,7 +25,7 @@ Part 2, gradient error against SGD noise through training. Along the exact run o
 seed, at --checkpoints evenly spaced iterations (the first before any step), the network's
 current weights are copied and, on B = --noise-batches fixed training batches of the training
 batch size (drawn once, normalised, not augmented), every parameter tensor p gets
-(lowmem.tools.diagnostics' definitions):
+(lowmem.tools.gradient_error's definitions):
 
     g_m,b(p)   the gradient of mode m on batch b (training-mode BN, the batch's own statistics)
     error(p)   = rms_b ||g_m,b(p) − g_exact,b(p)||                      (the approximation's error)
@@ -70,7 +70,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lowmem.tools import diagnostics as D  # noqa: E402
+from lowmem.tools import gradient_error as D  # noqa: E402
 from lowmem.units import widths, window  # noqa: E402
 from lowmem.system.atomic import atomic_write as write_atomically    # noqa: E402
 from lowmem.data.datasets import load_dataset                            # noqa: E402
@@ -561,7 +561,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
           "approximation adds less to the gradient's error than SGD's sampling already has.", "",
           "The third number in each cell is the ratio of all parameters taken as one vector: "
           "`sqrt(Σ_p e_m(p)²) / sqrt(Σ_p σ(p)²)`. The last two separate bias from noise "
-          "(lowmem.tools.diagnostics.bias_and_noise, all parameters as one vector, two independent draws "
+          "(lowmem.tools.gradient_error.bias_and_noise, all parameters as one vector, two independent draws "
           "of a stochastic code per batch): **persistent bias / ‖E g‖**, the part of the error that "
           "averages out over neither batches nor draws (`‖mean‖² − tr(cov)/B`, clipped at 0) against the "
           "expected gradient's norm, and **draw noise / SGD noise**, the per-step noise of the draws (0 "

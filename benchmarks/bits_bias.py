@@ -33,7 +33,7 @@ from lowmem.bits.auto import choose_widths, training_batches              # noqa
 from lowmem.data.datasets import load_dataset                             # noqa: E402
 from lowmem.models import build_model                                     # noqa: E402
 from lowmem.system.atomic import atomic_write                             # noqa: E402
-from lowmem.tools.diagnostics import warm_up                              # noqa: E402
+from lowmem.tools.gradient_error import warm_up                           # noqa: E402
 import harness  # noqa: E402 (benchmarks/harness.py)
 
 H = S.BIAS_STEPS

@@ -46,7 +46,7 @@ from lowmem.bits.allocate import CHOICES, allocate, allocation_for       # noqa:
 from lowmem.system.atomic import atomic_write                                # noqa: E402
 from lowmem.data.datasets import load_dataset                                # noqa: E402
 from lowmem.data.transforms import normalize                                 # noqa: E402
-from lowmem.tools.diagnostics import synthetic_batches, warm_up           # noqa: E402
+from lowmem.tools.gradient_error import synthetic_batches, warm_up           # noqa: E402
 from lowmem.models import preact_resnet_cifar                        # noqa: E402
 from lowmem.bits.sensitivity import measure_sensitivity, simulate        # noqa: E402
 from lowmem.bits.simulate import objective_of, simulate_draws            # noqa: E402

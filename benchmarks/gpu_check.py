@@ -10,7 +10,7 @@
    SGD (momentum 0.9, weight decay 5e-4 on conv/linear weights), one process, same GPU:
      lowmem exact, approx8/4/2, naive4      step time (median of --steps after --warmup),
                                             images/s, planned bytes, measured peak (CuPy's pool
-                                            through a MemoryHook: diagnostics.measure_peak)
+                                            through a MemoryHook: peak_memory.measure_peak)
      lowmem exact/approx4 slices            the same with im2col/col2im as lowmem.ops.conv's
                                             Python loop of CuPy slice copies instead of the one-launch
                                             kernels of lowmem/ops/columns_gpu.py (the engine's default)
@@ -117,7 +117,7 @@ def lowmem_config(name, depth, n, mode, bits, args, im2col=True, steps=None, war
     """Measured peak (a fresh engine, 2 steps, MemoryHook) and step times (another engine)."""
     import cupy
     import lowmem
-    from lowmem.tools.diagnostics import measure_peak
+    from lowmem.tools.peak_memory import measure_peak
     from lowmem.tools.maxbatch import parse_bytes
     steps = args.steps if steps is None else steps
     warmup = args.warmup if warmup is None else warmup

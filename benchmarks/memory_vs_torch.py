@@ -70,17 +70,17 @@ def run_torch(name, batch, shape):
 def run_lowmem(name, mode, batch, shape):
     from lowmem import models
     from lowmem.system import threads
-    from lowmem.tools import diagnostics as D
+    from lowmem.tools import peak_memory
     threads.configure(1)
     family, depth = MODELS[name]
     m, bits = ("approx", 4) if mode == "approx4" else ("exact", 4)
     # warm-up at batch 1 and a small input: the compiled kernels' memory is not the step's
-    D.measure_peak(models.build_model(family, depth), 1, (shape[0], 64, 64), mode=m, bits=bits, steps=1)
+    peak_memory.measure_peak(models.build_model(family, depth), 1, (shape[0], 64, 64), mode=m, bits=bits, steps=1)
     import gc
     gc.collect()
     net = models.build_model(family, depth)
     measured = []
-    step_rss = step_peak_mib(lambda: measured.append(D.measure_peak(net, batch, shape, mode=m, bits=bits, steps=1)))
+    step_rss = step_peak_mib(lambda: measured.append(peak_memory.measure_peak(net, batch, shape, mode=m, bits=bits, steps=1)))
     return {"plan_MiB": measured[0].plan_bytes / 2**20, "measured_MiB": measured[0].peak_bytes / 2**20,
             "step_rss_MiB": step_rss}
 

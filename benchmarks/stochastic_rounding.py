@@ -4,7 +4,7 @@
     python benchmarks/stochastic_rounding.py --depth 8 --bits 2 --batches 4
 
 On the same weights (pre-activation ResNet at initialisation) and the same B batches of
-learnable synthetic data (lowmem.tools.diagnostics.synthetic_batches, float32, approx mode), for each
+learnable synthetic data (lowmem.tools.gradient_error.synthetic_batches, float32, approx mode), for each
 bit width K and each rounding it measures, against exact gradients g_b (all parameters as one
 vector):
 
@@ -30,7 +30,7 @@ import numpy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lowmem.tools import diagnostics as D  # noqa: E402
+from lowmem.tools import gradient_error as D  # noqa: E402
 from lowmem.models import preact_resnet_cifar           # noqa: E402
 
 

@@ -15,7 +15,7 @@ what the step allocates: activations kept for backward, gradients, temporaries):
   torch hooks-8bit   torch.autograd.graph.saved_tensors_hooks that store each saved float
                      tensor as uint8 with a per-tensor min and scale (a plain 8-bit
                      compressor, the mechanism ActNN/GACT build on); forward stays exact
-  lowmem exact / approx 4-bit   lowmem.tools.diagnostics.measure_peak (tracemalloc of NumPy's
+  lowmem exact / approx 4-bit   lowmem.tools.peak_memory.measure_peak (tracemalloc of NumPy's
                      allocations during real steps) next to the plan total
 
 Memory only; no timings are reported (the machine may be shared).
@@ -123,11 +123,11 @@ def run_torch(mode, depth, batch):
 
 
 def run_lowmem(mode, depth, batch):
-    from lowmem.tools import diagnostics as D
+    from lowmem.tools import peak_memory
     from lowmem.models import preact_resnet_cifar
     net = preact_resnet_cifar(depth)
     m, bits = ("approx", 4) if mode == "approx-4" else ("exact", 4)
-    r = D.measure_peak(net, batch, (3, 32, 32), mode=m, bits=bits, steps=2)
+    r = peak_memory.measure_peak(net, batch, (3, 32, 32), mode=m, bits=bits, steps=2)
     return {"measured_MiB": r.peak_bytes / 2**20, "plan_MiB": r.plan_bytes / 2**20}
 
 

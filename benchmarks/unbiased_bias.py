@@ -5,7 +5,7 @@
 For a pre-act ResNet on Fashion-MNIST batches of 32 (after --warmup exact SGD steps), the
 exact engine's backward sweep runs once exactly and, per code, --draws times with every unit's
 x̂ replaced by that code's decode (lowmem.bits.sensitivity's SimulatedCodeUnits: the approx
-mode's backward, exact mask). lowmem.tools.diagnostics.bias_and_noise then separates, for all
+mode's backward, exact mask). lowmem.tools.gradient_error.bias_and_noise then separates, for all
 parameters as one vector, the persistent bias ‖E_b E_draw(ĝ_b − g_b)‖ (‖mean‖² − tr(cov)/B)
 against ‖E g‖ from the per-step draw noise against SGD noise. Codes: nearest, the fixed window
 with stochastic rounding, the unbiased group-range code (both group ends, systematic draws
@@ -32,7 +32,7 @@ from lowmem.bits import simulate as S                         # noqa: E402
 from lowmem.data.datasets import load_dataset                  # noqa: E402
 from lowmem.data.transforms import normalize                   # noqa: E402
 from lowmem.models import MODELS                               # noqa: E402
-from lowmem.tools import diagnostics as D                      # noqa: E402
+from lowmem.tools import gradient_error as D                      # noqa: E402
 from lowmem.units import stream, unbiased                       # noqa: E402
 
 CODES = {"nearest": ("nearest", None), "stochastic-window": ("stochastic-window", None),

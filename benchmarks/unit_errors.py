@@ -46,7 +46,7 @@ import numpy
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from lowmem.tools import diagnostics as D  # noqa: E402
+from lowmem.tools import gradient_error as D  # noqa: E402
 from lowmem.units import widths, window  # noqa: E402
 from lowmem.data.datasets import channel_mean_std, load_fashion_mnist           # noqa: E402
 from lowmem.data.transforms import normalize                                    # noqa: E402

@@ -9,10 +9,10 @@ The grid of lowmem/units/window.py covers about ±W in x̂ units with L = 2**K b
 width w = 2·W/L; W = window.WINDOWS[K]. For every candidate W of every K this
 measures, on the same weights and the same batches:
 
-  gradient error   per parameter tensor p, over B batches b (as lowmem.tools.diagnostics):
+  gradient error   per parameter tensor p, over B batches b (as lowmem.tools.gradient_error):
                    err(p) = rms_b ||g_approx,b(p) − g_exact,b(p)|| / rms_b ||g_exact,b(p)||
                    reported as the median and the worst over the network's tensors;
-                   approx mode, float32, learnable synthetic data (diagnostics.synthetic_batches)
+                   approx mode, float32, learnable synthetic data (gradient_error.synthetic_batches)
   x̂ error          relative rms error ||x̃ − x̂|| / ||x̂|| of window.quantize_simulated on
                    (a) a standard Gaussian, centred grid (exact integrals, no sampling), and
                    (b) the x̂ of every BN-ReLU unit of a float64 ResNet-20 (median over units)
@@ -46,7 +46,7 @@ import numpy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lowmem.tools import diagnostics as D  # noqa: E402
+from lowmem.tools import gradient_error as D  # noqa: E402
 from lowmem.units import widths, window  # noqa: E402
 from lowmem.core.engine import Engine                # noqa: E402
 from lowmem.models import preact_resnet_cifar   # noqa: E402

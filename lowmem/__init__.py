@@ -15,7 +15,6 @@ each unit's normalised activation for the backward sweep.
     eng = lm.Engine(net, 128, (3, 32, 32), mode="approx", bits=alloc.bits)
 """
 from .system import backend, distributed
-from .tools import diagnostics
 from . import models, nn
 from .bits.allocate import allocate_bits
 from .system.backend import set_backend, get_backend

@@ -3,7 +3,7 @@
     python docs/figures/error_by_depth.py [--depth 56] [--batch 32] [--bits 4] [--batches 4]
                                           [--out docs/error_by_depth.png]
 
-Runs lowmem.tools.diagnostics.gradient_errors (the same measurement as `lowmem diagnose`)
+Runs lowmem.tools.gradient_error.gradient_errors (the same measurement as `lowmem diagnose`)
 on a pre-activation CIFAR ResNet at random initialisation with learnable synthetic
 data, and plots, for every conv weight tensor in order from the output (left) to the
 input (right), the relative error ||g_m - g_exact|| / ||g_exact|| (rms over the
@@ -17,7 +17,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from lowmem.tools import diagnostics as D  # noqa: E402
+from lowmem.tools import gradient_error as D  # noqa: E402
 from lowmem.models import preact_resnet_cifar       # noqa: E402
 
 

@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 import lowmem as lm                                  # noqa: E402
-from lowmem.tools.diagnostics import synthetic_batches     # noqa: E402
+from lowmem.tools.gradient_error import synthetic_batches     # noqa: E402
 
 
 def drift(depth, batch, bits, seed=0):

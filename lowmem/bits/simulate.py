@@ -16,7 +16,7 @@ a stochastic code per batch, from distinct keys, b = 1..B) and m_b = mean_d e_bd
                                                                     draws nor over batches
 
 bias2 is what sensitivity's Sensitivity.bias2 predicts (per batch: it includes the part of a
-deterministic error that changes from batch to batch); persistent2 is lowmem.tools.diagnostics'
+deterministic error that changes from batch to batch); persistent2 is lowmem.tools.gradient_error'
 "persistent bias" (the finite-sample part removed, as there). Nearest rounding has variance2
 exactly 0 (its draws are identical) and bias2 = error2.
 
@@ -134,7 +134,7 @@ def objective_of(bias2, variance2, noise_norm, bias_steps=BIAS_STEPS):
 
 def corrected_mean2(v):
     """||E v_b||² of B >= 2 samples v (B, P) without their sampling part: ||mean||² − tr cov/B,
-    clipped at 0 (lowmem.tools.diagnostics' estimate)."""
+    clipped at 0 (lowmem.tools.gradient_error' estimate)."""
     B = v.shape[0]
     mu = v.mean(axis=0)
     return max(float((mu ** 2).sum()) - float(((v - mu) ** 2).sum()) / (B - 1) / B, 0.0)

@@ -1,4 +1,7 @@
-"""Files in and out that sit below the public face: the one error for a file or network that
-cannot be written or read (common.py) and the ONNX reader (onnx_import.py, onnx_nodes.py), which
-nn.from_onnx and the command line call. It builds through the builder it is handed (lowmem.nn's
-Graph), so it imports nothing above core/. The writers (safetensors, ONNX out) are tools/export.py."""
+"""Files in and out, below the public face: a network's weights as safetensors (weights.py),
+its inference graph as ONNX (onnx_export.py) and back in (onnx_import.py, with onnx_nodes.py),
+what travels with the weights in both (metadata.py), and what they all share (common.py: the one
+error for a file or network that cannot be written or read, the optional-library check). The ONNX
+reader builds through the builder it is handed (lowmem.nn's Graph), so nothing here imports above
+core/; rebuilding a training run's network from its checkpoint is the command line's
+(lowmem/tools/predict.py)."""

@@ -1,4 +1,4 @@
-"""What the weight files share, out (lowmem/tools/export.py) and in (lowmem/formats/onnx_import.py):
+"""What the weight files share, out (onnx_export.py, weights.py) and in (onnx_import.py, weights.py):
 the one error for a network or file that cannot be written or read (and the one warning for a
 file that reads, but likely not as meant), the check that a path is
 a non-empty file, and the check that names the extra to install when an optional library

@@ -13,7 +13,7 @@ One module per subcommand, one convention: lowmem/tools/commands/<name>.py is
 This module registers them in `COMMANDS` (`register`), builds the parser and maps the
 errors a subcommand lets through to exit statuses. What the subcommands share (the exit
 statuses, the model and --bits auto options) is lowmem/tools/options.py; the library code
-they call stays in its modules (trainer.Trainer, maxbatch.max_batch, diagnostics, the Engine).
+they call stays in its modules (trainer.Trainer, maxbatch.max_batch, gradient_error, the Engine).
 
 Every error is one line on stderr, `lowmem <command>: error: <what>`; a warning about a file
 that reads but likely not as meant (formats.common.FormatWarning), `lowmem <command>: warning: <what>`.

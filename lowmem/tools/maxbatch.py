@@ -14,7 +14,7 @@ fits and N + 1 does not. The search stops at MAX_BATCH = 2^24 (`limit`): a
 budget that allows more returns the cap, which the command line says.
 
 `--verify` then allocates the engine at that batch and runs two real
-training steps on random data (diagnostics.measure_peak: tracemalloc on the
+training steps on random data (peak_memory.measure_peak: tracemalloc on the
 CPU, CuPy's pool on a GPU), and checks the measured steady-state peak is
 within the budget. The input batch is the caller's array and is reported
 beside it, not counted (it is not in the plan either).

@@ -18,7 +18,7 @@ lowmem.models.MODELS. The value types of the options are lowmem/tools/argtypes.p
 """
 import signal
 
-from . import argtypes, diagnostics as D
+from . import argtypes, gradient_error
 from ..formats.onnx_import import file_input_shape
 from .. import models
 from ..bits.auto import choose_widths
@@ -135,7 +135,7 @@ def auto_widths(args, net, shape, batch, budget=None, ws=None):
     --avg-bits or `budget` (the whole plan), with the code of --rounding where the command has
     it; prints the measurement's line. (Allocation, Sensitivity)."""
     n = args.measure_batch or min(batch, 32)
-    batches = D.synthetic_batches(args.measure_batches, n, shape, net.num_classes, 0, args.dtype)
+    batches = gradient_error.synthetic_batches(args.measure_batches, n, shape, net.num_classes, 0, args.dtype)
 
     def measured(sens):
         print(f"sensitivity: {args.measure_batches} synthetic batches of {n} (lowmem.data.datasets.synthetic, "

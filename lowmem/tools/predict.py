@@ -7,7 +7,7 @@
     for path, name, p in predict.predict_files("model.onnx", ["cat.jpg"]):
         print(path, name, p)
 
-What travels with the weights (lowmem/tools/export.py's metadata, a checkpoint's
+What travels with the weights (lowmem/formats/metadata.py, a checkpoint's
 meta["data"]) makes this work without the training data: the class names in
 label order, the input size and the eval transform (resize the shorter side
 to `resize`, centre crop `image_size`, as lowmem.data.images' evaluation), and the
@@ -35,10 +35,14 @@ from ..data.files import DataError
 from ..data.decode import decode
 from ..data.transforms import normalize
 from ..formats.onnx_import import load_checked
-from ..models import MODELS, build_model, is_onnx_path
+from ..formats.common import ExportError
+from ..formats.metadata import read_metadata
+from ..formats.weights import read_safetensors
+from ..models import MODELS, build_model, is_onnx_path, model_spec
 from ..system.backend import to_numpy
+from ..train.checkpoint import load_checkpoint
 from ..train.rundir import CHECKPOINT
-from .export import ExportError, network_from_checkpoint, read_metadata, read_safetensors
+from ..train.trainstate import load_model_state
 
 REQUIRED = ("classes", "input_shape", "image_size", "resize", "mean", "std")
 CHUNK = 32              # images per forward: the memory predict needs does not grow with their number
@@ -85,6 +89,38 @@ def load(model_path, batch_size=CHUNK):
     except ValueError as e:
         raise ExportError(f"{path}: {e}") from None
     return _engine_logits(net, batch_size), info
+
+
+def network_from_checkpoint(path):
+    """(network with the checkpoint's weights, meta) of a lowmem training checkpoint.
+
+    The architecture is rebuilt from the run's configuration (model, depth,
+    seed) with the class and channel counts read off the stored weights: what `lowmem export
+    RUN_DIR OUT` (lowmem/tools/commands/export.py) writes out, and what predict runs."""
+    arrays, meta = load_checkpoint(path)
+    config = meta.get("config") or {}
+    model = config.get("model")
+    try:
+        model_spec(model)
+    except (ValueError, TypeError):
+        raise ExportError(f"{path}: unknown model {model!r} in the checkpoint's configuration "
+                          f"(this lowmem knows {', '.join(sorted(MODELS))} and .onnx files)") from None
+    shape = (meta.get("data") or {}).get("input_shape")      # an ONNX model's sizes (where symbolic)
+    if is_onnx_path(model):                                  # the file has the architecture and classes
+        net = build_model(model, None, seed=config.get("seed", 0), input_shape=tuple(shape) if shape else None)
+        load_model_state(path, net)
+        return net, meta
+    fc, first = arrays.get("net/fc.weight"), next((a for k, a in arrays.items()
+                                                   if k.startswith("net/") and a.ndim == 4), None)
+    if fc is None or first is None:
+        raise ExportError(f"{path}: no network weights (net/fc.weight, a conv) in this checkpoint")
+    if config.get("depth") is None:
+        raise ExportError(f"{path}: the checkpoint's configuration has no depth for model {model!r}, "
+                          f"so the network cannot be rebuilt (was it written by lowmem train?)")
+    net = build_model(model, config["depth"], num_classes=int(fc.shape[0]), in_channels=int(first.shape[1]),
+                      seed=config.get("seed", 0))
+    load_model_state(path, net)
+    return net, meta
 
 
 def _check_outputs(path, info, outputs):

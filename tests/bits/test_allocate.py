@@ -9,7 +9,7 @@ import pytest
 
 from lowmem.bits import allocate, sensitivity
 from lowmem.units import packing, window
-from lowmem.tools.diagnostics import gradient_errors, synthetic_batches, warm_up
+from lowmem.tools.gradient_error import gradient_errors, synthetic_batches, warm_up
 from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
 
@@ -156,7 +156,7 @@ def test_simulated_mixed_widths_are_the_per_unit_engine(small):
 
 
 def diagnostics_grads(net, batches, mode, bits):
-    from lowmem.tools.diagnostics import parameter_grads
+    from lowmem.tools.gradient_error import parameter_grads
     return parameter_grads(net, batches, mode, bits, dtype="float64")
 
 

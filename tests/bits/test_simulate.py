@@ -7,7 +7,7 @@ import pytest
 
 from lowmem.bits import simulate as S
 from lowmem.models import preact_resnet_cifar
-from lowmem.tools.diagnostics import bias_and_noise, parameter_grads, synthetic_batches, warm_up
+from lowmem.tools.gradient_error import bias_and_noise, parameter_grads, synthetic_batches, warm_up
 
 
 @pytest.fixture(scope="module")

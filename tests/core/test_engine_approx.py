@@ -20,7 +20,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from lowmem.tools import diagnostics
+from lowmem.tools import gradient_error
 from lowmem.units import widths
 from lowmem.core.engine import Engine
 from lowmem.models import preact_resnet_cifar
@@ -94,9 +94,9 @@ def test_gradient_error_grows_as_bits_fall():
     whose gradient reads a K-bit code; the other three are exact at every K.
     (Checked robust over network/data seeds 0-3 and batches 4 and 8.)"""
     net = preact_resnet_cifar(20)
-    batches = diagnostics.synthetic_batches(1, 8, (3, 16, 16), 10, seed=0)
-    exact = diagnostics.parameter_grads(net, batches, "exact")
-    err = {k: relative_errors(diagnostics.parameter_grads(net, batches, "approx", k), exact)
+    batches = gradient_error.synthetic_batches(1, 8, (3, 16, 16), 10, seed=0)
+    exact = gradient_error.parameter_grads(net, batches, "exact")
+    err = {k: relative_errors(gradient_error.parameter_grads(net, batches, "approx", k), exact)
            for k in (8, 4, 2, 1)}
     assert {n for n in exact if err[1][n] == 0} == EXACT_IN_APPROX
     for n in exact:
@@ -114,10 +114,10 @@ def test_gradient_error_grows_as_bits_fall():
 
 def test_naive_error_exceeds_approx_on_a_deep_net():
     net = preact_resnet_cifar(56)
-    batches = diagnostics.synthetic_batches(1, 4, (3, 8, 8), 10, seed=0)
-    exact = diagnostics.parameter_grads(net, batches, "exact")
-    approx = relative_errors(diagnostics.parameter_grads(net, batches, "approx", 4), exact)
-    naive = relative_errors(diagnostics.parameter_grads(net, batches, "naive", 4), exact)
+    batches = gradient_error.synthetic_batches(1, 4, (3, 8, 8), 10, seed=0)
+    exact = gradient_error.parameter_grads(net, batches, "exact")
+    approx = relative_errors(gradient_error.parameter_grads(net, batches, "approx", 4), exact)
+    naive = relative_errors(gradient_error.parameter_grads(net, batches, "naive", 4), exact)
     a, n = np.median(list(approx.values())), np.median(list(naive.values()))
     assert n > 3 * a, (a, n)           # measured: approx ~0.15, naive ~1.2-1.4
     coded = [k for k in exact if k not in EXACT_IN_APPROX]
@@ -126,8 +126,8 @@ def test_naive_error_exceeds_approx_on_a_deep_net():
 
 def test_gradient_errors_diagnosis_on_a_tiny_net():
     net = preact_resnet_cifar(8)
-    batches = diagnostics.synthetic_batches(3, 4, (3, 8, 8), 10, seed=1)
-    d = diagnostics.gradient_errors(net, batches, bits=4)
+    batches = gradient_error.synthetic_batches(3, 4, (3, 8, 8), 10, seed=1)
+    d = gradient_error.gradient_errors(net, batches, bits=4)
     assert d.names == [p.name for p in net.parameters()]
     s = d.summary()
     assert s["naive"]["median_ratio"] > s["approx"]["median_ratio"] > 0
@@ -137,9 +137,9 @@ def test_gradient_errors_diagnosis_on_a_tiny_net():
     assert len(d.table().splitlines()) == len(d.names) + 1
     assert "error/noise: median" in d.summary_text()
     with pytest.raises(ValueError, match="at least 2 batches"):
-        diagnostics.gradient_errors(net, batches[:1])
+        gradient_error.gradient_errors(net, batches[:1])
     with pytest.raises(ValueError, match="unknown mode"):
-        diagnostics.gradient_errors(net, batches, modes=("exact",))
+        gradient_error.gradient_errors(net, batches, modes=("exact",))
 
 
 # ---------------------------------------------------------------------- memory

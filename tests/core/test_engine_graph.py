@@ -316,14 +316,14 @@ def test_new_ops_export_to_onnx_and_run_in_onnxruntime(tmp_path, which):
     onnxruntime's logits equal the engine's eval logits (float32)."""
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
-    from lowmem.tools import export
+    from lowmem.formats import onnx_export
     net = GRAPHS[which]()
     randomize_units(net, np.random.default_rng(0))
     x, y = batch(np.random.default_rng(1), net, 3, (3, 8, 8), np.float32)
     eng = Engine(net, 3, (3, 8, 8))
     eng.forward(x, y)                                   # running statistics off their start
     logits = eng.predict(x)
-    path = export.export_onnx(net, tmp_path / "m.onnx")
+    path = onnx_export.export_onnx(net, tmp_path / "m.onnx")
     (out,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["logits"], {"input": x})
     assert float(np.abs(out - logits).max()) <= 1e-5 * float(np.abs(logits).max())
 

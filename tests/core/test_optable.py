@@ -1,4 +1,4 @@
-"""lowmem/core/optable.py: every op's entry is complete, and the op added through it (the k x k
+"""lowmem/core/optable/: every op's entry is complete, and the op added through it (the k x k
 average pool, docs/engine.md) is right: its ops against a naive reference and float64 finite
 differences, its engine gradients against finite differences of the engine's own loss, its
 ONNX node against onnxruntime."""
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import reference
-from lowmem.tools import export
+from lowmem.formats import onnx_export
 from lowmem import nn
 from lowmem.core.engine import Engine
 from lowmem.core.network import Network
@@ -93,6 +93,6 @@ def test_avg_pool_onnx_node_runs_in_onnxruntime(tmp_path, rng):
     net = reference.units_randomized(reference.tiny_graph("avg"), rng)
     x = rng.standard_normal((3, 3, 8, 8)).astype(np.float32)
     logits = Engine(net, 3, (3, 8, 8)).predict(x)
-    path = export.export_onnx(net, tmp_path / "m.onnx")
+    path = onnx_export.export_onnx(net, tmp_path / "m.onnx")
     (out,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["logits"], {"input": x})
     assert float(np.abs(out - logits).max()) <= 1e-5 * float(np.abs(logits).max())

@@ -80,7 +80,7 @@ def _steady_net(name):
 
 
 def _check_steady_step(name):
-    from lowmem.tools.diagnostics import measure_peak
+    from lowmem.tools.peak_memory import measure_peak
     factory, n, shape = _steady_net(name)
     for mode in ("approx", "exact"):
         bound = Engine(factory(), n, shape, mode, 4, allocate=False).plan.temporary_bytes
@@ -103,7 +103,7 @@ def one_thread():
 
 @pytest.mark.parametrize("name", STEADY_NETS)
 def test_a_steady_step_stays_within_the_plan_and_its_stated_temporaries(name, one_thread):
-    """What lowmem plan --measure reports (diagnostics.measure_peak) stays within
+    """What lowmem plan --measure reports (peak_memory.measure_peak) stays within
     what the engine holds (the plan, plus its Python objects) plus the plan's stated bound on
     temporaries (plus 64 KiB of interpreter bookkeeping) for every kind of network, pools included.
     Max-pool forward and backward used to allocate output-sized masks and a `where` copy per

@@ -1,6 +1,6 @@
 """ONNX in (lowmem.nn.from_onnx, lowmem/formats/onnx_import.py).
 
-* Round trip: every registry model family, exported by lowmem (tools/export.py) and read back,
+* Round trip: every registry model family, exported by lowmem (formats/onnx_export.py) and read back,
   is the same network: the same layers (ops, names, buffers, sizes), the same parameters and
   statistics bit for bit, the same memory plan and schedule, and a bit-identical training step.
 * Bad files: a missing, truncated or non-ONNX file, an unsupported node (named, with its op
@@ -14,8 +14,8 @@ onnx = pytest.importorskip("onnx")
 
 from lowmem import models, nn  # noqa: E402
 from lowmem.core.engine import Engine  # noqa: E402
-from lowmem.tools import export  # noqa: E402
-from lowmem.tools.export import ExportError  # noqa: E402
+from lowmem.formats import onnx_export  # noqa: E402
+from lowmem.formats.common import ExportError  # noqa: E402
 from lowmem.train.optim import SGD  # noqa: E402
 from reference import GRAPHS, random_graph, randomize_units  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_a_deep_bottleneck_resnet_round_trips_through_onnx(tmp_path):
 def round_trip(tmp_path, model, depth, shape, batch):
     rng = np.random.default_rng(3)
     net = randomize_units(models.build_model(model, depth, num_classes=5, in_channels=shape[0]), rng)
-    path = export.export_onnx(net, tmp_path / "m.onnx", input_shape=shape)
+    path = onnx_export.export_onnx(net, tmp_path / "m.onnx", input_shape=shape)
     back = nn.from_onnx(path)
     assert back.name == net.name and back.num_classes == 5 and back.in_channels == shape[0]
     assert layers(back, buffers=False) == layers(net, buffers=False)
@@ -92,7 +92,7 @@ def test_a_graph_of_the_new_ops_round_trips_through_onnx(tmp_path, which):
     and read back, the same layers and buffers, parameters, plan, schedule, and training step."""
     rng = np.random.default_rng(4)
     net = random_graph(which, rng)
-    back = nn.from_onnx(export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8)))
+    back = nn.from_onnx(onnx_export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8)))
     assert layers(back) == layers(net)
     a, b = net.state_dict(), back.state_dict()
     assert list(a) == list(b)
@@ -109,7 +109,7 @@ def test_a_graph_of_the_new_ops_round_trips_through_onnx(tmp_path, which):
         np.testing.assert_array_equal(s1[k], s2[k], err_msg=k)
 
 
-@pytest.mark.parametrize("opset", [export.MIN_OPSET, 10, 11, 12, export.OPSET, export.max_opset()])
+@pytest.mark.parametrize("opset", [onnx_export.MIN_OPSET, 10, 11, 12, onnx_export.OPSET, onnx_export.max_opset()])
 def test_relu6_and_dropout_round_trip_at_every_opset(tmp_path, opset):
     """Clip has attribute bounds before opset 11 and Dropout an attribute ratio before 12: at
     each opset the file passes onnx's checker, runs in onnxruntime with Engine.predict's logits
@@ -119,7 +119,7 @@ def test_relu6_and_dropout_round_trip_at_every_opset(tmp_path, opset):
     x = g.dropout(x, 0.2, name="d1")
     x = g.relu6(g.bn(g.conv(x, 6, 3, groups=2, name="c2"), name="b2"), name="r2")
     net = randomize_units(g.head(g.dropout(x, 0.5, name="d2")), np.random.default_rng(5))
-    path = export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8), opset=opset)
+    path = onnx_export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8), opset=opset)
     back = nn.from_onnx(path)
     assert layers(back) == layers(net)
     assert [L.p for L in back.layers if L.op == "dropout"] == [0.2, 0.5]
@@ -135,7 +135,7 @@ def test_bn_then_relu_reads_back_as_one_unit(tmp_path):
     and read back as the unit: the same function, keeping one x-hat code instead of x-hat and a mask."""
     g = nn.Graph("split", (3, 8, 8), 4)
     net = g.head(g.relu(g.bn(g.conv(g.input, 6, 3, name="conv1"), name="bn1"), name="relu1"))
-    back = nn.from_onnx(export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8)))
+    back = nn.from_onnx(onnx_export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8)))
     assert [L.op for L in net.layers[:3]] == ["conv", "bn", "relu"]
     assert [(L.op, L.name) for L in back.layers[:2]] == [("conv", "conv1"), ("bnrelu", "bn1")]
     assert list(back.state_dict()) == list(net.state_dict())
@@ -147,18 +147,18 @@ def test_a_classifier_keeps_its_own_name(tmp_path):
     x = g.conv(g.input, 6, 3, name="features.0")
     net = g.head(g.bn_relu(x, name="features.1"), name="classifier")
     assert [p.name for p in net.parameters()][-2:] == ["classifier.weight", "classifier.bias"]
-    back = nn.from_onnx(export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8)))
+    back = nn.from_onnx(onnx_export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 8, 8)))
     assert list(back.state_dict()) == list(net.state_dict())
     assert layers(back) == layers(net)
 
 
 def test_symbolic_sizes_need_an_input_shape_and_a_given_one_must_match(tmp_path):
     net = models.build_model("preact-cifar", 8, num_classes=3)
-    free = export.export_onnx(net, tmp_path / "free.onnx")                       # H, W symbolic
+    free = onnx_export.export_onnx(net, tmp_path / "free.onnx")                       # H, W symbolic
     with pytest.raises(ExportError, match=r"input height and width are symbolic; give input_shape"):
         nn.from_onnx(free)
     assert layers(nn.from_onnx(free, input_shape=(3, 16, 16))) == layers(net)
-    fixed = export.export_onnx(net, tmp_path / "fixed.onnx", input_shape=(3, 16, 16))
+    fixed = onnx_export.export_onnx(net, tmp_path / "fixed.onnx", input_shape=(3, 16, 16))
     with pytest.raises(ExportError, match=r"input shape 3x28x28 does not match the model's input 3x16x16"):
         nn.from_onnx(fixed, input_shape=(3, 28, 28))
     with pytest.raises(ExportError, match=r"input shape 1x16x16 does not match"):
@@ -167,7 +167,7 @@ def test_symbolic_sizes_need_an_input_shape_and_a_given_one_must_match(tmp_path)
 
 def test_unreadable_files_are_one_clear_line(tmp_path):
     net = models.build_model("preact-cifar", 8, num_classes=3)
-    good = export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 16, 16))
+    good = onnx_export.export_onnx(net, tmp_path / "m.onnx", input_shape=(3, 16, 16))
     data = open(good, "rb").read()
     cut = tmp_path / "cut.onnx"
     cut.write_bytes(data[:len(data) // 2])
@@ -183,7 +183,7 @@ def test_unreadable_files_are_one_clear_line(tmp_path):
 
 def edited(tmp_path, net, edit):
     """net exported, its ModelProto changed by edit(model), saved unchecked."""
-    model = export.onnx_model(net, input_shape=(3, 16, 16))
+    model = onnx_export.onnx_model(net, input_shape=(3, 16, 16))
     edit(model)
     path = tmp_path / "edited.onnx"
     onnx.save(model, path)
@@ -270,7 +270,7 @@ TRAIN = ["train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test
 
 def test_train_and_plan_take_an_onnx_file(tmp_path, capsys):
     net = models.build_model("preact-cifar", 8, num_classes=10)
-    free = export.export_onnx(net, tmp_path / "free.onnx")              # H, W symbolic: the data's
+    free = onnx_export.export_onnx(net, tmp_path / "free.onnx")              # H, W symbolic: the data's
     rc, out, err = cli_run(capsys, *TRAIN, "--model", free, "--out", tmp_path / "run")
     assert rc == 0, err
     assert net.name in out and "final test accuracy" in out
@@ -293,11 +293,11 @@ def test_train_and_plan_take_an_onnx_file(tmp_path, capsys):
 
 def test_train_with_an_onnx_file_that_does_not_fit_the_data_is_one_line(tmp_path, capsys):
     net = models.build_model("preact-cifar", 8, num_classes=10)
-    fixed = export.export_onnx(net, tmp_path / "fixed.onnx", input_shape=(3, 16, 16))
+    fixed = onnx_export.export_onnx(net, tmp_path / "fixed.onnx", input_shape=(3, 16, 16))
     rc, _, err = cli_run(capsys, *TRAIN, "--model", fixed, "--out", tmp_path / "a")
     assert rc != 0 and "input shape 3x32x32 does not match the model's input 3x16x16" in err
     assert err.count("\n") == 1 and not (tmp_path / "a" / "checkpoint.ckpt").exists()
-    five = export.export_onnx(models.build_model("preact-cifar", 8, num_classes=5), tmp_path / "five.onnx")
+    five = onnx_export.export_onnx(models.build_model("preact-cifar", 8, num_classes=5), tmp_path / "five.onnx")
     rc, _, err = cli_run(capsys, *TRAIN, "--model", five, "--out", tmp_path / "b")
     assert rc != 0 and "the model has 5 classes (its classifier fc), the data 10" in err
     assert err.count("\n") == 1

@@ -9,14 +9,14 @@ from onnx import helper  # noqa: E402
 
 from lowmem import models, nn  # noqa: E402
 from lowmem.formats.common import ExportError  # noqa: E402
-from lowmem.tools import export  # noqa: E402
+from lowmem.formats import onnx_export  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def free(tmp_path_factory):
     """A preact-resnet8 for 10 classes, H and W symbolic."""
     d = tmp_path_factory.mktemp("onnx")
-    return export.export_onnx(models.build_model("preact-cifar", 8, num_classes=10), d / "free.onnx")
+    return onnx_export.export_onnx(models.build_model("preact-cifar", 8, num_classes=10), d / "free.onnx")
 
 
 def edited(tmp_path, src, edit, name="edited.onnx"):
@@ -287,7 +287,7 @@ def test_spellings_other_exporters_write_read_as_the_same_network(tmp_path, resp
     """Each reads as the network the plain spelling (lowmem's export) makes, with the same plan."""
     from lowmem.core.engine import Engine
     plain = spelled_graph()
-    path = export.export_onnx(plain, tmp_path / "plain.onnx")
+    path = onnx_export.export_onnx(plain, tmp_path / "plain.onnx")
     back = nn.from_onnx(edited(tmp_path, path, respell, "respelled.onnx"), input_shape=(3, 8, 8))
     assert [(L.op, L.name, L.src, L.dst, L.inputs) for L in back.layers] == \
         [(L.op, L.name, L.src, L.dst, L.inputs) for L in plain.layers]
@@ -301,7 +301,7 @@ def test_a_pad_that_pads_is_refused_by_name(tmp_path):
         c = next(n for n in model.graph.node if n.name == "zeros")
         c.ClearField("attribute")
         c.attribute.append(helper.make_attribute("value_ints", [0, 0, 1, 1, 0, 0, 1, 1]))
-    path = export.export_onnx(spelled_graph(), tmp_path / "plain.onnx")
+    path = onnx_export.export_onnx(spelled_graph(), tmp_path / "plain.onnx")
     msg = refused(edited(tmp_path, path, edit), (3, 8, 8))
     assert "node 'pad': Pad with pads [0, 0, 1, 1, ... (8 values)] is not supported" in msg, msg
 

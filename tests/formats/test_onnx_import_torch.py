@@ -308,7 +308,7 @@ def test_a_dropout_before_the_classifier_needs_a_square_feature_map(tmp_path):
     """torchvision's MobileNetV2 ends pool, Flatten, Dropout(0.2), Linear; lowmem writes the pool as
     one k x k window, the dropout, then the head (tests/formats/test_onnx_import_ops.py), which a
     non-square final map cannot have: refused by name, saying so."""
-    from lowmem.tools.export import ExportError
+    from lowmem.formats.common import ExportError
     model = tv.mobilenet_v2(K, dropout=0.2, width_mult=0.25).train()
     with pytest.raises(ExportError, match=r"node '/classifier/classifier.0/Dropout': a Dropout between the "
                                           r"global pool and the classifier needs a square feature map there "

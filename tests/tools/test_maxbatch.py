@@ -156,8 +156,8 @@ def test_cli_maxbatch_vgg_bn_at_32x32(capsys):
 def test_verify_names_what_went_over(capsys, monkeypatch):
     """--verify, when over: the step's temporaries beyond the plan's stated bound are named as
     arrays the plan does not count, apart from the engine's Python objects."""
-    from lowmem.tools import diagnostics
-    from lowmem.tools.diagnostics import MemoryMeasurement
+    from lowmem.tools import peak_memory
+    from lowmem.tools.peak_memory import MemoryMeasurement
     seen = {}
 
     def fake(net, n, shape, mode, bits, dtype, steps, workspace_bytes):
@@ -167,7 +167,7 @@ def test_verify_names_what_went_over(capsys, monkeypatch):
         return MemoryMeasurement(plan, plan + 100_000, [plan + 100_000 + stated + (3 << 20)] * 2, 0, 0,
                                  "tracemalloc")
 
-    monkeypatch.setattr(diagnostics, "measure_peak", fake)
+    monkeypatch.setattr(peak_memory, "measure_peak", fake)
     argv = ["--depth", "8", "--input", "3x16x16", "--classes", "4", "--budget", "16MiB", "--verify"]
     assert maxbatch_command(parser().parse_args(argv)) == 1
     out = capsys.readouterr().out

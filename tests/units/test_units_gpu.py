@@ -690,7 +690,7 @@ def test_gpu_step_allocates_nothing_beyond_the_plan(gpu_backend):
     """CuPy's pool, through a MemoryHook: building the engine holds the plan (up to the pool's
     512-byte rounding) and a steady-state step's peak stays within 5% of it. The workspace fits a
     whole-batch im2col, so no GEMM needs a strided-output copy."""
-    from lowmem.tools.diagnostics import measure_peak
+    from lowmem.tools.peak_memory import measure_peak
     net = lowmem.models.preact_resnet_cifar(20)
     m = measure_peak(net, 64, (3, 32, 32), "approx", 4, steps=3, workspace_bytes=64 << 20)
     assert m.how == "cupy pool"

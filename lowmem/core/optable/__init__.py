@@ -9,7 +9,7 @@
     OPS[op].slots(step, saved)                     the saved slots a step fills or reads (printed)
     OPS[op].forward(run, step), .backward(run, step)    the handlers
     OPS[op].onnx(L, helper, read, write, opset) -> [nodes]     its inference form at that ONNX opset
-                                                        (lowmem/tools/export.py)
+                                                        (lowmem/formats/onnx_export.py)
     flags: unit (a BN-ReLU unit: own kernel set, own bit width), in_place (may write a buffer
            it reads), several (reads Layer.inputs, not one src)
 
@@ -21,7 +21,7 @@ averages).
 The walk (schedule.walk) visits the layers once forward (checks, shapes) and
 once backward (gradient buffers), calling these; the engine (lowmem/core/engine.py)
 builds its plan from `plan` and runs the handlers; nn.check is that same walk;
-lowmem/tools/export.py writes `onnx`. Nothing outside this package switches on an op name.
+lowmem/formats/onnx_export.py writes `onnx`. Nothing outside this package switches on an op name.
 
 Handlers receive the step (schedule.Step: buffers, shapes, slot and parameter
 names, accumulate / scratch) and a runstate.RunState: the arrays, parameters,

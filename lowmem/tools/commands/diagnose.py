@@ -3,7 +3,7 @@
     lowmem diagnose --depth 20 --batch 32 --bits 4 [--batches 4] [--warmup 0] [--rounding stochastic]
     lowmem diagnose --depth 20 --bits auto --avg-bits 2      # the allocation: predicted vs measured
 
-The measurement is lowmem/tools/diagnostics.py's (`gradient_errors`), on learnable
+The measurement is lowmem/tools/gradient_error.py's (`gradient_errors`), on learnable
 synthetic batches.
 
 A subcommand module of lowmem/tools/commands/: `HELP` (its line in `lowmem --help`),
@@ -17,7 +17,7 @@ from ...system import backend, memory as sysmem
 from ...bits.auto import choose_widths
 from ...units.widths import ROUNDINGS
 from ...core.engine import Engine
-from .. import diagnostics as D
+from .. import gradient_error
 from ..options import FLAG_NAMES, build_network, describe, mode_label, model_arguments, unit_widths
 
 HELP = "gradient error of approx and naive modes against SGD noise, per parameter tensor"

@@ -2,7 +2,7 @@
 
     lowmem export RUN_DIR model.onnx | model.safetensors [--input CxHxW] [--opset N]
 
-The formats and their metadata are lowmem/tools/export.py's.
+The formats and their metadata are lowmem/formats/'s (onnx_export.py, weights.py, metadata.py).
 
 A subcommand module of lowmem/tools/commands/: `HELP` (its line in `lowmem --help`),
 `add_arguments(parser)` declaring its options and `run(args) -> exit status`
@@ -14,9 +14,11 @@ import sys
 
 from .. import argtypes
 from ...train.rundir import CHECKPOINT
-from ..predict import REQUIRED, check_info
-from ..export import (FORMATS, MIN_OPSET, OPSET, ExportError, check_opset, export_onnx, export_safetensors,
-                      model_metadata, network_from_checkpoint)
+from ...formats.common import ExportError
+from ...formats.metadata import FORMATS, model_metadata
+from ...formats.onnx_export import MIN_OPSET, OPSET, check_opset, export_onnx
+from ...formats.weights import export_safetensors
+from ..predict import REQUIRED, check_info, network_from_checkpoint
 
 HELP = "write a run's model as .safetensors or .onnx (lowmem export RUN_DIR model.onnx)"
 

@@ -3,7 +3,7 @@
     lowmem maxbatch --model preact-cifar --depth 164 --budget 2GiB --mode approx --bits 4 [--verify]
 
 The search is lowmem/tools/maxbatch.py's (`max_batch`), from the plan alone;
---verify measures two real steps (lowmem/tools/diagnostics.py's `measure_peak`).
+--verify measures two real steps (lowmem/tools/peak_memory.py's `measure_peak`).
 
 A subcommand module of lowmem/tools/commands/: `HELP` (its line in `lowmem --help`),
 `add_arguments(parser)` declaring its options and `run(args) -> exit status`
@@ -11,7 +11,7 @@ A subcommand module of lowmem/tools/commands/: `HELP` (its line in `lowmem --hel
 """
 import numpy
 
-from .. import argtypes, diagnostics
+from .. import argtypes, peak_memory
 from ... import models
 from ...core.engine import DEFAULT_WORKSPACE_BYTES, DTYPES
 from ...units.widths import MODES
@@ -111,7 +111,7 @@ def run(args):
     print(f"  {'total':<10} {total:>16,} {fmt_bytes(total):>12}  ({total / args.budget:.1%} of the budget)")
     if not args.verify:
         return EXIT_OK
-    m = diagnostics.measure_peak(factory(), n, shape, args.mode, args.bits, args.dtype, steps=2, workspace_bytes=ws)
+    m = peak_memory.measure_peak(factory(), n, shape, args.mode, args.bits, args.dtype, steps=2, workspace_bytes=ws)
     print()
     print(m.report())
     ok = m.peak_bytes <= args.budget

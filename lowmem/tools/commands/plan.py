@@ -8,7 +8,7 @@ A subcommand module of lowmem/tools/commands/: `HELP` (its line in `lowmem --hel
 `add_arguments(parser)` declaring its options and `run(args) -> exit status`
 (lowmem/tools/options.py's table); lowmem/tools/cli.py registers it.
 """
-from .. import argtypes, diagnostics, plot
+from .. import argtypes, peak_memory, plot
 from ...core.engine import DEFAULT_WORKSPACE_BYTES, Engine
 from ...units.widths import MODES
 from ...core.plan import KINDS
@@ -107,7 +107,7 @@ def run(args):
         plot.plan_figure(eng, args.figure, compare=ref)
         print(f"\nfigure: {args.figure}")
     if args.measure:
-        m = diagnostics.measure_peak(net, args.batch, shape, args.mode, args.bits, args.dtype, steps=2,
+        m = peak_memory.measure_peak(net, args.batch, shape, args.mode, args.bits, args.dtype, steps=2,
                          workspace_bytes=ws)
         print()
         print(m.report())
