@@ -133,10 +133,14 @@ def test_every_printed_output_is_runnable_or_labelled():
 
 
 def test_no_references_to_the_development_process():
-    words = re.compile(r"\b(issue \d+|this round|this session)\b", re.IGNORECASE)
-    bad = [f"{p.relative_to(ROOT)}:{n}" for p in PAGES
-           for n, line in enumerate(p.read_text().splitlines(), 1) if words.search(line)]
-    assert not bad, "development-process references in the docs: " + ", ".join(bad)
+    """The project speaks of itself, not of how its work was organised: no tracker item in a page, a
+    Python file or a recorded result (the words are spelt apart below, so this file passes its own check)."""
+    words = re.compile(r"\b(is{2}ue|this (?:r)ound|this (?:s)ession)\b", re.IGNORECASE)
+    results = sorted(p for p in (ROOT / "benchmarks" / "results").rglob("*")
+                     if p.is_file() and p.suffix in (".json", ".txt", ".md", ".log", ".tsv"))
+    bad = [f"{p.relative_to(ROOT)}:{n}" for p in text_files() + results
+           for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if words.search(line)]
+    assert not bad, "development-process references: " + ", ".join(bad)
 
 
 def test_the_matcher():
@@ -191,3 +195,63 @@ def test_the_readme_layout_lists_every_module():
         assert names == actual, (folder, sorted(names ^ actual))
     assert set(listed) == {"lowmem/"} | {f"lowmem/{p.name}/" for p in (ROOT / "lowmem").iterdir()
                                         if (p / "__init__.py").exists()}
+
+
+# ---- every path a doc, a docstring or a comment names exists -------------------------------------
+
+NAMED = re.compile(r"(?<![\w./:-])((?:lowmem|tests|benchmarks|docs|demos)/[\w./-]*\w)")
+OUTPUT_OPTION = re.compile(r"--[\w-]+[ =]$")           # `--json benchmarks/results/x.json`: what a run writes
+
+
+def text_files():
+    """The pages and every Python file of the project (its docstrings and comments name paths too)."""
+    return PAGES + sorted(p for where in ("lowmem", "tests", "benchmarks", "docs", "demos")
+                          for p in (ROOT / where).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _braces(pattern):
+    """`a{1,2}b*` -> ["a1b*", "a2b*"]."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [x for alt in m.group(1).split(",") for x in _braces(pattern[:m.start()] + alt + pattern[m.end():])]
+
+
+def named_path_exists(path, after):
+    """Whether `path` (as written, followed by the text `after`) names something in the tree: a
+    file or folder, or a glob (`results/memory_depth*.txt`, `run{1,2}.json`) that matches one."""
+    if re.match(r"\.?[*{]", after):
+        pattern = path + re.match(r"(?:[\w.*/-]|\{[\w,]*\})*", after).group(0)
+        return any(next(ROOT.glob(p), None) is not None for p in _braces(pattern))
+    return (ROOT / path).exists()
+
+
+def missing_paths(text):
+    """[(line, path)] of the paths `text` names that do not exist (placeholders such as
+    tests/<folder>/ and the outputs of example command lines are no names)."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for m in NAMED.finditer(line):
+            before, after = line[:m.start()], line[m.end():]
+            if after.startswith("<") or OUTPUT_OPTION.search(before):
+                continue
+            if not named_path_exists(m.group(1), after):
+                out.append((n, m.group(1)))
+    return out
+
+
+def test_every_path_a_doc_or_docstring_names_exists():
+    """lowmem/..., tests/..., benchmarks/..., docs/... and demos/... as the pages, docstrings and
+    comments name them: a file moved or renamed leaves no stale name behind."""
+    files = text_files()
+    assert len(files) > 100
+    bad = [f"{p.relative_to(ROOT)}:{n}: {path}" for p in files for n, path in missing_paths(p.read_text())]
+    assert not bad, "paths named that do not exist: " + ", ".join(bad)
+
+
+def test_the_path_finder():
+    text = ("see {0}/units/window.py and {1}/<folder>/test_<module>.py, {2}/results/memory_depth*.txt,\n"
+            "`{2}/results/step_alternated_r164_run{{1,2}}.json`, {2}/results/first_release_resnet164_b128.*,\n"
+            "--json {2}/results/new.json, {0}/units/quant.py, https://github.com/x/y/blob/main/{3}/gone.md, {3}/gone.md")
+    text = text.format("lowmem", "tests", "benchmarks", "docs")        # spelt apart: this file is scanned too
+    assert missing_paths(text) == [(3, "{}/units/quant.py".format("lowmem")), (3, "{}/gone.md".format("docs"))]

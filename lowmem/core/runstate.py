@@ -1,4 +1,4 @@
-"""What a running step may touch: the one object the op handlers (lowmem/core/optable.py) receive.
+"""What a running step may touch: the one object the op handlers (lowmem/core/optable/) receive.
 
 The engine (lowmem/core/engine.py) builds one RunState when it allocates its plan and
 sets the per-call fields (`n`, `training`, `input_grad`, `units`) at the start of

@@ -223,7 +223,7 @@ def test_tile_references_against_the_float64_definitions():
 @pytest.mark.parametrize("k, stride, pad", [(3, 1, 1), (3, 2, 1), (1, 1, 0), (7, 2, 3)])
 def test_the_offsets_reference_equals_the_naive_loops(k, stride, pad):
     """The float64 reference used above (fast enough for real layer shapes) against
-    tests/reference.conv_ref's naive loops, and its backward against a finite difference of it."""
+    tests/reference.py's conv_ref (naive loops), and its backward against a finite difference of it."""
     rng = np.random.default_rng(1)
     x, w = rng.standard_normal((3, 2, 9, 9)), rng.standard_normal((4, 3, k, k))
     out = ref_forward(x, w, stride, pad)
