@@ -35,7 +35,7 @@ quantizations and four extra conv weight gradients: a few training steps in
 all (`Sensitivity.seconds`; benchmarks/bits_validate.py reports it as a
 multiple of a step). All errors are squared norms summed over parameters,
 averaged over the batches; `noise_norm` is the SGD noise of all parameters
-taken as one vector, as lowmem.tools.diagnostics defines it, so
+taken as one vector, as lowmem.tools.gradient_error defines it, so
 sqrt(E) / noise_norm is the predicted error-to-noise ratio of `lowmem diagnose`.
 
 `simulate` (lowmem/bits/simulate.py) is also the measurement the estimate is
@@ -79,7 +79,7 @@ class Sensitivity:
                      batch: ||d1 − d2||²/2; 0 for nearest rounding): the rest is bias²
     mean_grad_norm   ||E g|| of all parameters (||mean||² − tr(cov)/B over the batches)
     gain[u]          G_u: the fraction of injected squared error reaching the gradients below
-    noise_norm       SGD noise of all parameters (diagnostics' sigma, one vector)
+    noise_norm       SGD noise of all parameters (gradient_error's sigma, one vector)
     grad_norm        rms over batches of the exact gradient's norm
     calibration      {"bits": K0, "measured": measured squared error at uniform K0}
     seconds          wall time of the measurement; batch, num_batches, input_shape (C, H, W)"""
@@ -138,11 +138,11 @@ class Sensitivity:
         return sum(self.error2(u, allocation.get(u, FLOAT)) for u in self.units)
 
     def predict(self, allocation):
-        """Predicted rms norm of the gradient error of an allocation (diagnostics' error_norm)."""
+        """Predicted rms norm of the gradient error of an allocation (gradient_error's error_norm)."""
         return math.sqrt(self.predict2(allocation))
 
     def ratio(self, allocation):
-        """Predicted error-to-noise ratio of all parameters (diagnostics' total_ratio)."""
+        """Predicted error-to-noise ratio of all parameters (gradient_error's total_ratio)."""
         return self.predict(allocation) / self.noise_norm
 
 
@@ -180,7 +180,6 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
     shapes = {u: eng.in_shape[u] for u in units}
     params = [p.name for p in eng.net.parameters()]
     owner = {}                                    # parameter tensor -> the unit whose code it reads locally
-    layer_of = {L.name: L for L in eng.net.layers}
     local = {u: dict.fromkeys(BITS, 0.0) for u in units}
     inject = {u: dict.fromkeys(BITS, 0.0) for u in units}
     local_var = {u: dict.fromkeys(BITS, 0.0) for u in units}
@@ -248,7 +247,6 @@ def measure_sensitivity(net, batches, calibration_bits=CALIBRATION_BITS, dtype="
     grad_norm = math.sqrt((flat ** 2).sum(axis=1).mean())
     mean_grad = math.sqrt(max((mean ** 2).sum() - ((flat - mean) ** 2).sum() / (B - 1) / B, 0.0))
     n = batches[0][0].shape[0]
-    del layer_of
     return Sensitivity(units, shapes, {u: int(math.prod(shapes[u])) * n for u in units}, local, inject,
                        gain, noise_norm, grad_norm, {"bits": calibration_bits, "measured": measured_total},
                        time.perf_counter() - t0, n, B, tuple(batches[0][0].shape[1:]), rounding,

@@ -154,7 +154,7 @@ class Engine:
         return [n * h * w for (_, h, w) in self._unit_sizes.values()]
 
     def _select_units(self, sizes, arrays=None, reference=False):
-        """{unit: kernel set} for each unit's width: fused or reference (kernels.select_units),
+        """{unit: kernel set} for each unit's width: fused or reference (units.select_units),
         synchronized over ranks with sync_bn."""
         if reference:
             units = kernels.reference_units(self.mode, self.unit_bits, self.rounding)

@@ -13,8 +13,9 @@ import math
 import numpy
 
 from .common import ExportError
+from ..ops.batchnorm import BN_EPS
 
-BN_EPS = 1e-5
+ONNX_BN_EPS = 1e-5              # BatchNormalization's epsilon when a node gives none (the ONNX default)
 BN_MOMENTUM_ONNX = 0.9          # ONNX's momentum is 1 - PyTorch's (0.1, lowmem's)
 
 
@@ -103,7 +104,7 @@ def _conv(r, node):
 
 def _batchnorm(r, node):
     x = r.tensor(node)
-    eps, momentum = _attr(node, "epsilon", 1e-5), _attr(node, "momentum", BN_MOMENTUM_ONNX)
+    eps, momentum = _attr(node, "epsilon", ONNX_BN_EPS), _attr(node, "momentum", BN_MOMENTUM_ONNX)
     if not math.isclose(eps, BN_EPS, rel_tol=1e-6):
         raise ExportError(f"{r.path}: node {node.name!r}: batch norm epsilon {eps:.4g}; lowmem's is {BN_EPS:g}")
     if not math.isclose(momentum, BN_MOMENTUM_ONNX, rel_tol=1e-6):

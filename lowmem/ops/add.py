@@ -1,7 +1,7 @@
 """The residual add, out += x (same shape), split over lowmem's threads.
 
 One pass over two activation-sized arrays: on ResNet-164 at batch 128 it was the largest
-piece of a step that ran on one core only (54 adds, ~0.1 s a step). Elementwise, so the
+piece of a step that ran on one core only (54 adds; the time: docs/performance.md). Elementwise, so the
 split changes nothing: bit for bit `out += x` for every thread count.
 """
 from ..system import threads

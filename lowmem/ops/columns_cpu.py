@@ -2,14 +2,13 @@
 
 ops/conv.py's `col2im_add` (kernel-offset slice additions) is the reference;
 this loop gives the same sums bit for bit (every dx element receives its terms
-in the same (i, j) order: tests/units/test_window_cpu.py) and runs about 1.8x
-faster: one (channel, sample) plane of dx stays in L1 while its column rows
+in the same (i, j) order: tests/units/test_window_cpu.py) and runs faster (the
+figure: docs/performance.md): one (channel, sample) plane of dx stays in L1 while its column rows
 stream by. ops/conv.py's `columns_for` picks it for NumPy arrays when numba is
 installed (and LOWMEM_FAST is not 0); `supports` says which arrays it takes.
 
-im2col itself stays NumPy's: its nine strided slice copies measured faster
-than every numba loop tried, which spend their time on per-row set-up for rows
-of 8-32 elements.
+im2col itself stays NumPy's: its nine strided slice copies beat every numba loop
+tried, which spend their time on per-row set-up for rows of 8-32 elements.
 
 Layout: dx (Cin, N, H, W) C-contiguous (the whole array: the loop indexes it
 flat); cols (Cin, kh, kw, n, Ho, Wo) for samples n0 .. n0+n.

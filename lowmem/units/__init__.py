@@ -48,7 +48,7 @@ import numpy
 
 from . import fused, gpu_base, unbiased, window
 from .widths import FLOAT, FLOAT_CODE, check_bits, code_for
-from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
+from .reference import CodeUnits, ExactUnits, UnbiasedCodeUnits
 from .sync import SyncUnits
 from .norm import select_norms
 
@@ -145,5 +145,5 @@ def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
     return window.quantize_simulated(xhat, gamma, beta, code.bits, code.rounding, key)
 
 
-__all__ = ["BN_EPS", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies",
+__all__ = ["reference", "select", "select_units", "reference_units", "synchronized", "fused_applies",
            "partials_size", "slot_nbytes", "quantize_simulated", "select_norms"]

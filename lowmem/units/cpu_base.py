@@ -74,8 +74,7 @@ if AVAILABLE:
     @njit(**_opts)
     def _unpack(codes, prow, bits):
         """codes (n,) <- prow (n*bits/8,): the inverse of _pack; as there, one loop per K with a
-        constant number of codes per byte (K = 2 through the general loop ran the 2-bit decodes
-        about twice as long, measured with cProfile)."""
+        constant number of codes per byte (not the general loop: docs/performance.md)."""
         if bits == 8:
             for j in range(prow.size):
                 codes[j] = prow[j]

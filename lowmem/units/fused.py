@@ -18,7 +18,8 @@ apply only when M * bits is a multiple of 8 (`applies`).
 import numpy
 
 from . import window, window_cpu, window_gpu
-from .reference import BN_EPS, CodeUnits, ExactUnits, UnbiasedCodeUnits
+from ..ops.batchnorm import BN_EPS
+from .reference import CodeUnits, ExactUnits, UnbiasedCodeUnits
 
 
 class FusedExactUnits(ExactUnits):

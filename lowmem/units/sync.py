@@ -21,7 +21,7 @@ Communication buffer: the plan's `sync.bn` workspace, 2 * C float64.
 """
 from ..system.backend import array_module
 from ..ops import bn_relu_backward_apply, bn_relu_backward_sums
-from .reference import BN_EPS
+from ..ops.batchnorm import BN_EPS
 
 
 class SyncUnits:

@@ -11,8 +11,8 @@ each reading its group's constants before it starts. What is fixed for a channel
 into a float buffer first, so no loop both reads x and writes out (out may alias x); the
 group ranges are int32 max/min over order-preserving keys of the float bits. error_model=
 "numpy": no zero check on a float division (it stops LLVM vectorising; the divisions are the
-reference's own, kept as divisions). A call per group instead ran the decode and the backward
-about 1.6 times as long (cProfile, both in one process).
+reference's own, kept as divisions). One call per block, not per group (the variants tried and
+what they cost: docs/performance.md, "How the kernels are written").
 
 Arithmetic: every float operation of unbiased.metadata, Levels and _encode_piece, one rounding
 each, in the same order (float32 only, no fastmath outside the backward's sums), and the
@@ -213,12 +213,9 @@ if AVAILABLE:
         Scratch of GROUP elements: pb float32 (p), fl uint8 (the mask), a int64 (q, shifted 32
         bits up on the closed side), e int64 (R so far in each lane: the open side's in the low
         32 bits, the closed side's in the high). Per group three loops: p and q (vectorised);
-        the lanes' running sums, four accumulators held in registers (a recurrence through
-        memory, e[t] = e[t - 4] + a[t - 4], ran the whole draw 1.6 times as long: each load
-        waits on a store just made); the codes (vectorised). Variants that split the sums into
-        int32 arrays, or fused the loops, ran slower; one holding each side's q and R in int32
-        arrays (eight int32 accumulators; the p and code loops then 8 floats wide instead of 4)
-        ran no faster (6.6-6.7 against 6.5 ms per 2M elements on an AVX2 EPYC)."""
+        the lanes' running sums, four accumulators held in registers (not a recurrence through
+        memory, e[t] = e[t - 4] + a[t - 4], where each load waits on a store just made); the
+        codes (vectorised). The variants measured against it: docs/performance.md."""
         n = xb.size
         n_open = F32(L) - kf
         for q in range((n + GROUP - 1) // GROUP):

@@ -27,7 +27,8 @@ float work (normalise, quantize, or decode) element by element, with the
 codes in a small L1-resident uint8 scratch, one code per byte; a second loop
 packs or unpacks that scratch, 8/K codes per byte. Written the other way
 (shifting each code into its byte inside the float loop) LLVM must
-de-interleave neighbours and gives up on the backward reductions (5x slower).
+de-interleave neighbours and gives up on the backward reductions (what each
+choice cost when measured: docs/performance.md, "How the kernels are written").
 
 Cores: the engine-facing functions split their channels over lowmem's
 threads (lowmem/system/threads.py; the kernels release the GIL).
@@ -93,7 +94,7 @@ if AVAILABLE:
         """codes <- the clamped code of x-hat = (x - m)*r; ys <- relu(y), y = x-hat*g + b.
         The same operations, in the same order, as window.quantize_pack. Both outputs are
         scratch, never the caller's out: out may alias x, and a loop that reads and writes
-        the same array fails LLVM's overlap check and runs scalar (measured 9x slower)."""
+        the same array fails LLVM's overlap check and runs scalar."""
         for t in range(xr.size):
             xh = (xr[t] - m) * r
             y = xh * g + b

@@ -287,3 +287,22 @@ def test_model_wrn_k_takes_any_positive_widening_factor(capsys):
         assert rc == 2 and "Traceback" not in err, bad
         last = err.strip().splitlines()[-1]
         assert f"unknown model {bad!r}" in last and "wrn-K with K a positive integer" in last, last
+
+
+def test_train_flags_are_named_from_the_config_fields():
+    """`lowmem train`'s flag of a TrainConfig field is commands.train.flag_of(field), for every field, and a
+    refusal in field words reads in flag words in any process: the table is not filled in by
+    add_arguments (a fresh process that built no parser translated only a few fields)."""
+    import argparse
+    import dataclasses
+    from lowmem.tools.commands import train
+    from lowmem.train.config import TrainConfig
+    code = ("from lowmem.tools.commands import train; "
+            "print(train.in_flags(\"warmup_iters='x': expected an integer >= 0 or None\"))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "--warmup-iters x: expected an integer >= 0 or None", r
+    before = dict(train.FLAG_OF)
+    text = train.add_arguments(argparse.ArgumentParser()).format_help()
+    assert train.FLAG_OF == before
+    for field in (f.name for f in dataclasses.fields(TrainConfig)):
+        assert re.search(rf"(?<![\w-]){re.escape(train.flag_of(field))}\b", text), field

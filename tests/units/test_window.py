@@ -397,7 +397,7 @@ def test_conv_input_past_the_window(dtype, bits, sign):
     assert (affine[~inside][want_mask[~inside]] <= 0).all()     # = 0: t on the top midpoint
 
 
-def test_conv_input_example_of_the_issue():
+def test_conv_input_of_a_threshold_beyond_the_window():
     # gamma = 1, beta = -4, 4 bits: the open elements (x-hat > 4) used to be rebuilt as -0.5
     gamma, beta = np.array([1.0]), np.array([-4.0])
     x = np.array([[0.0, 3.9, 4.1, 5.0, 8.0, 1e3]])

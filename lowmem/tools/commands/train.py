@@ -31,8 +31,13 @@ from ..options import EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, EXIT_SIGNAL, EXIT_TIME
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 PER_INVOCATION = ("time_limit",)        # not taken over from the checkpoint by --resume
-FLAG_OF = {"augment": "--no-augment", "download": "--no-download", "nesterov": "--nesterov",
-           "sync_bn": "--sync-bn", "skip_bad": "--skip-bad"}      # TrainConfig field -> its flag (opt adds)
+FLAG_OF = {"data_dir": "--data", "augment": "--no-augment", "download": "--no-download",
+           "progress": "--no-progress"}         # the TrainConfig fields whose flag is not --field-name
+
+
+def flag_of(field):
+    """The `lowmem train` flag of a TrainConfig field: --field-name (underscores as dashes), or FLAG_OF's."""
+    return FLAG_OF.get(field, "--" + field.replace("_", "-"))
 
 
 def in_flags(message):
@@ -41,11 +46,11 @@ def in_flags(message):
     m = re.match(r"(\w+)=(.*?): expected (.*)$", str(message), re.S)
     if str(message).startswith("avg_bits "):        # the allocator's refusal of the budget
         return str(message).replace("avg_bits", "--avg-bits")
-    if not m or m.group(1) not in FLAG_OF:
+    if not m or m.group(1) not in _FIELDS:
         return str(message)
-    flag, value, want = FLAG_OF[m.group(1)], m.group(2), m.group(3)
-    want = re.sub(r"\b(\w+)=('?)([\w.]+)\2", lambda w: f"{FLAG_OF[w.group(1)]} {w.group(3)}"
-                  if w.group(1) in FLAG_OF else w.group(0), want)
+    flag, value, want = flag_of(m.group(1)), m.group(2), m.group(3)
+    want = re.sub(r"\b(\w+)=('?)([\w.]+)\2", lambda w: f"{flag_of(w.group(1))} {w.group(3)}"
+                  if w.group(1) in _FIELDS else w.group(0), want)
     if value == "None":
         return f"{flag} is missing: expected {want}"
     return f"{flag} {value[1:-1] if value[:1] == value[-1:] == chr(39) else value}: expected {want}"
@@ -61,59 +66,58 @@ def add_arguments(parser):
     rest from TrainConfig's defaults."""
     S = argparse.SUPPRESS
 
-    def opt(flag, field, help, **kw):
-        FLAG_OF[field] = flag
+    def opt(field, help, **kw):
         default = _FIELDS[field].default
         help += "" if default is None else f" (default: {default})"
-        parser.add_argument(flag, dest=field, default=S, help=help, **kw)
+        parser.add_argument(flag_of(field), dest=field, default=S, help=help, **kw)
 
-    opt("--dataset", "dataset", "cifar10 | cifar100 | fashion-mnist | synthetic | folder (--data DIR with "
+    opt("dataset", "cifar10 | cifar100 | fashion-mnist | synthetic | folder (--data DIR with "
         "train/<class>/*.jpg and val/<class>/*, needs lowmem[images])",
         choices=("cifar10", "cifar100", "fashion-mnist", "synthetic", "folder"))
-    opt("--data", "data_dir", "directory holding the dataset files", metavar="DIR")
-    parser.add_argument("--no-download", dest="download", action="store_false", default=S,
+    opt("data_dir", "directory holding the dataset files", metavar="DIR")
+    parser.add_argument(flag_of("download"), dest="download", action="store_false", default=S,
                         help="never download CIFAR; fail if the files are missing")
-    opt("--pad-to", "pad_to", "Fashion-MNIST: zero-pad the 28x28 images to this size (0 keeps 28)",
+    opt("pad_to", "Fashion-MNIST: zero-pad the 28x28 images to this size (0 keeps 28)",
         type=argtypes.count, metavar="SIZE")
-    opt("--image-size", "image_size", "folder: crop / resize images to SIZE x SIZE", type=argtypes.positive,
+    opt("image_size", "folder: crop / resize images to SIZE x SIZE", type=argtypes.positive,
         metavar="SIZE")
-    opt("--workers", "workers", "folder: decoding threads", type=argtypes.positive, metavar="N")
-    parser.add_argument("--skip-bad", dest="skip_bad", action="store_true", default=S,
+    opt("workers", "folder: decoding threads", type=argtypes.positive, metavar="N")
+    parser.add_argument(flag_of("skip_bad"), dest="skip_bad", action="store_true", default=S,
                         help="folder: replace an unreadable image by the next readable one of its split "
                              "(counted) instead of stopping")
-    opt("--limit-train", "limit_train", "use the first N training images (synthetic: how many)",
+    opt("limit_train", "use the first N training images (synthetic: how many)",
         type=argtypes.positive, metavar="N")
-    opt("--limit-test", "limit_test", "use the first N test images", type=argtypes.positive, metavar="N")
-    opt("--model", "model", argtypes.model_help(), type=argtypes.model, metavar="MODEL")
-    opt("--depth", "depth", "; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items()),
+    opt("limit_test", "use the first N test images", type=argtypes.positive, metavar="N")
+    opt("model", argtypes.model_help(), type=argtypes.model, metavar="MODEL")
+    opt("depth", "; ".join(f"{name}: {spec.depth_help}" for name, spec in models.MODELS.items()),
         type=argtypes.positive)
-    opt("--mode", "mode", "exact | approx (the method) | naive (the paper's baseline)", choices=MODES)
-    opt("--bits", "bits", "bits per stored activation in approx / naive mode: 8, 4, 2, 1, or auto (a width "
+    opt("mode", "exact | approx (the method) | naive (the paper's baseline)", choices=MODES)
+    opt("bits", "bits per stored activation in approx / naive mode: 8, 4, 2, 1, or auto (a width "
         "per unit, chosen from error measured on the first training batches to fit --avg-bits), or per-unit "
         "widths (layer1.0.bn1=4,*=2 or a JSON file)",
         type=argtypes.bits, choices=argtypes.BITS_CHOICES)
-    opt("--avg-bits", "avg_bits", "with --bits auto: the saved x-hat within what every unit at A bits would take",
+    opt("avg_bits", "with --bits auto: the saved x-hat within what every unit at A bits would take",
         type=argtypes.average_bits, metavar="A")
-    opt("--rounding", "rounding", "how x-hat becomes a code: nearest (the fixed window), stochastic (unbiased "
+    opt("rounding", "how x-hat becomes a code: nearest (the fixed window), stochastic (unbiased "
         "everywhere: group ends stored, 2.125 bits/elem at --bits 2), or stochastic-window (stochastic inside "
         "the fixed window only); the ReLU mask is exact and the draws follow --seed and the iteration",
         choices=ROUNDINGS)
-    opt("--dtype", "dtype", "float32 | float64", choices=DTYPES)
-    opt("--batch", "batch", "batch size (also the planned batch of the engine)", type=argtypes.positive)
-    opt("--epochs", "epochs", "epochs to train in total (including those already done)", type=argtypes.positive)
-    opt("--lr", "lr", "base learning rate", type=argtypes.positive_number)
-    opt("--schedule", "schedule", "step: /10 at 50%% and 75%%; cosine; constant", choices=SCHEDULES)
-    opt("--warmup-iters", "warmup_iters", "iterations at lr/10 first; default: 400, at most 5%% of the run",
+    opt("dtype", "float32 | float64", choices=DTYPES)
+    opt("batch", "batch size (also the planned batch of the engine)", type=argtypes.positive)
+    opt("epochs", "epochs to train in total (including those already done)", type=argtypes.positive)
+    opt("lr", "base learning rate", type=argtypes.positive_number)
+    opt("schedule", "step: /10 at 50%% and 75%%; cosine; constant", choices=SCHEDULES)
+    opt("warmup_iters", "iterations at lr/10 first; default: 400, at most 5%% of the run",
         type=argtypes.count, metavar="N")
-    opt("--momentum", "momentum", "SGD momentum, in [0, 1)", type=argtypes.momentum)
-    opt("--weight-decay", "weight_decay", "weight decay of conv and FC weights", type=argtypes.nonnegative_number)
-    parser.add_argument("--nesterov", dest="nesterov", action="store_true", default=S,
+    opt("momentum", "SGD momentum, in [0, 1)", type=argtypes.momentum)
+    opt("weight_decay", "weight decay of conv and FC weights", type=argtypes.nonnegative_number)
+    parser.add_argument(flag_of("nesterov"), dest="nesterov", action="store_true", default=S,
                         help="Nesterov momentum")
-    parser.add_argument("--no-augment", dest="augment", action="store_false", default=S,
+    parser.add_argument(flag_of("augment"), dest="augment", action="store_false", default=S,
                         help="no random crop / flip")
-    opt("--seed", "seed", "seed of the initial weights, batch order and augmentation", type=argtypes.seed,
+    opt("seed", "seed of the initial weights, batch order and augmentation", type=argtypes.seed,
         metavar="S")
-    opt("--out", "out", "run folder: checkpoint, metrics, config; new or empty unless --resume or "
+    opt("out", "run folder: checkpoint, metrics, config; new or empty unless --resume or "
         "--overwrite (required)", metavar="RUN_DIR", type=argtypes.folder, required=True)
     how = parser.add_mutually_exclusive_group()
     how.add_argument("--resume", action="store_true", default=False,
@@ -121,13 +125,13 @@ def add_arguments(parser):
     how.add_argument("--overwrite", action="store_true", default=False,
                      help="start a new run in RUN_DIR even though it is not empty: replaces lowmem's "
                           "files there (checkpoint, metrics, config, plan), leaves all others")
-    opt("--time-limit", "time_limit", "stop after this many seconds of training, with a checkpoint",
+    opt("time_limit", "stop after this many seconds of training, with a checkpoint",
         type=argtypes.positive_number, metavar="SECONDS")
-    opt("--log-every", "log_every", "a step record (loss, accuracy, lr, img/s) in metrics.jsonl every N "
+    opt("log_every", "a step record (loss, accuracy, lr, img/s) in metrics.jsonl every N "
         "iterations, 0 for none", type=argtypes.count, metavar="N")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", default=S,
+    parser.add_argument(flag_of("progress"), dest="progress", action="store_false", default=S,
                         help="no progress bar")
-    parser.add_argument("--sync-bn", dest="sync_bn", action="store_true", default=S,
+    parser.add_argument(flag_of("sync_bn"), dest="sync_bn", action="store_true", default=S,
                         help="under mpiexec: batch-norm statistics over the global batch (default: per rank)")
     return parser
 
