@@ -495,7 +495,8 @@ def test_class_names_and_preprocessing_travel_with_the_weights(tmp_path, capsys)
     """The checkpoint and both exports hold the classes, image size and mean/std;
     a resume after a class folder was renamed is refused naming it; `lowmem predict` on an exported
     model prints class names."""
-    from lowmem.tools import cli, export
+    from lowmem.formats import metadata
+    from lowmem.tools import cli
     from lowmem.train.checkpoint import load_checkpoint
     root = make_folders(str(tmp_path / "p"), per_class=(16, 4))
     run = tmp_path / "run"
@@ -511,7 +512,7 @@ def test_class_names_and_preprocessing_travel_with_the_weights(tmp_path, capsys)
         pytest.importorskip("safetensors")
         model = str(tmp_path / ("model" + suffix))
         assert cli.main(["export", str(run), model]) == 0
-        meta = export.read_metadata(model)
+        meta = metadata.read_metadata(model)
         assert {k: meta[k] for k in info} == info and (meta["model"], meta["depth"]) == ("preact-cifar", 8)
         written[suffix] = model
     capsys.readouterr()

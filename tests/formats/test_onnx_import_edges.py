@@ -8,7 +8,8 @@ onnx = pytest.importorskip("onnx")
 from onnx import helper, numpy_helper  # noqa: E402
 
 from lowmem import models, nn  # noqa: E402
-from lowmem.tools import cli, export  # noqa: E402
+from lowmem.formats import onnx_export  # noqa: E402
+from lowmem.tools import cli  # noqa: E402
 from lowmem.formats.common import ExportError  # noqa: E402
 
 TRAIN = ["train", "--dataset", "synthetic", "--limit-train", "32", "--limit-test", "8",
@@ -25,7 +26,7 @@ def cli_run(capsys, *argv):
 def free(tmp_path_factory):
     """A preact-resnet8 for 10 classes, H and W symbolic."""
     d = tmp_path_factory.mktemp("onnx")
-    return export.export_onnx(models.build_model("preact-cifar", 8, num_classes=10), d / "free.onnx")
+    return onnx_export.export_onnx(models.build_model("preact-cifar", 8, num_classes=10), d / "free.onnx")
 
 
 def edited(tmp_path, src, edit, name="edited.onnx"):
@@ -133,7 +134,7 @@ def test_a_three_channel_model_on_one_channel_fashion_mnist_is_one_line(tmp_path
         datasets.load_fashion_mnist(limit_train=16, limit_test=8)
     except Exception as e:                              # the Debian package is optional
         pytest.skip(f"Fashion-MNIST files not installed ({e})")
-    fixed = export.export_onnx(models.build_model("preact-cifar", 8, num_classes=10), tmp_path / "fixed.onnx",
+    fixed = onnx_export.export_onnx(models.build_model("preact-cifar", 8, num_classes=10), tmp_path / "fixed.onnx",
                                input_shape=(3, 32, 32))
     base = [a if a != "synthetic" else "fashion-mnist" for a in TRAIN]
     for path, data, words in ((free, [], "input shape 1x32x32 does not match the model's input 3x?x?"),
@@ -148,11 +149,11 @@ def test_a_three_channel_model_on_one_channel_fashion_mnist_is_one_line(tmp_path
 
 def test_a_model_whose_sizes_do_not_fit_the_data_is_one_line(tmp_path, capsys):
     net = models.build_model("preact-cifar", 8, num_classes=10)
-    small = export.export_onnx(net, tmp_path / "small.onnx", input_shape=(3, 8, 8))
+    small = onnx_export.export_onnx(net, tmp_path / "small.onnx", input_shape=(3, 8, 8))
     rc, _, err = cli_run(capsys, *TRAIN, "--model", small, "--out", tmp_path / "run")
     assert rc != 0 and "input shape 3x32x32 does not match the model's input 3x8x8" in err
     assert err.count("\n") == 1
-    free = export.export_onnx(models.build_model("densenet", 121, num_classes=10), tmp_path / "dense.onnx")
+    free = onnx_export.export_onnx(models.build_model("densenet", 121, num_classes=10), tmp_path / "dense.onnx")
     with pytest.raises(ExportError, match=r"dense.onnx: 'features.transition1.pool': input \(128, 1, 1\) is "
                                           r"too small, the output would be \(128, 0, 0\) \(input_shape "
                                           r"\(3, 4, 4\)\)"):

@@ -14,7 +14,8 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from lowmem import models, nn  # noqa: E402
 from lowmem.formats.common import ExportError  # noqa: E402
-from lowmem.tools import cli, export  # noqa: E402
+from lowmem.formats import onnx_export  # noqa: E402
+from lowmem.tools import cli  # noqa: E402
 
 OPENED = []          # paths opened while a test watches (an audit hook cannot be removed: it is gated)
 WATCHING = [False]
@@ -39,7 +40,7 @@ def watch():
 @pytest.fixture(scope="module")
 def free(tmp_path_factory):
     d = tmp_path_factory.mktemp("onnx")
-    return export.export_onnx(models.build_model("preact-cifar", 8, num_classes=10), d / "free.onnx")
+    return onnx_export.export_onnx(models.build_model("preact-cifar", 8, num_classes=10), d / "free.onnx")
 
 
 def external(name, location, dims=(), dtype=TensorProto.FLOAT):

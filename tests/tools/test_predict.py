@@ -9,7 +9,8 @@ import pytest
 
 from lowmem import models
 from lowmem.core import plan as plan_module
-from lowmem.tools import cli, export, predict
+from lowmem.formats import common, onnx_export, weights
+from lowmem.tools import cli, predict
 
 SHAPE = (3, 16, 16)
 CLASSES = ["ant", "bee", "cat"]
@@ -47,10 +48,10 @@ def saved(tmp_path, suffix, net=None, **over):
     path = str(tmp_path / ("m" + suffix))
     if suffix == ".onnx":
         pytest.importorskip("onnxruntime")
-        export.export_onnx(net or network(), path, metadata=info(**over))
+        onnx_export.export_onnx(net or network(), path, metadata=info(**over))
     else:
         pytest.importorskip("safetensors")
-        export.export_safetensors(net or network(), path, metadata=info(**over))
+        weights.export_safetensors(net or network(), path, metadata=info(**over))
     return path
 
 
@@ -73,7 +74,7 @@ def test_predict_runs_fixed_chunks_on_an_inference_plan(tmp_path, photos, monkey
         == 3 * int(np.prod(SHAPE))
     # the same answers as the training engine's eval forward on all images at once
     from lowmem.core.engine import Engine
-    net = export.load_safetensors(network(), model)
+    net = weights.load_safetensors(network(), model)
     x = predict.preprocess(photos, json_info())
     ref = Engine(net, len(photos), SHAPE, "exact").predict(x).argmax(1)
     assert [r[1] for r in chunked] == [CLASSES[k] for k in ref]
@@ -210,7 +211,7 @@ def test_an_onnx_model_reads_no_file_beside_it(tmp_path, photos, monkeypatch, ca
     np.array([0, 0, 50], np.float32).tofile(tmp_path / "secret.bin")
     onnx.save(model, path)
     monkeypatch.chdir(tmp_path.parent)
-    with pytest.raises(export.ExportError, match="external data file"):
+    with pytest.raises(common.ExportError, match="external data file"):
         predict.predict_files(path, photos)
     assert cli.main(["predict", path, photos[0]]) == 1
     err = capsys.readouterr().err

@@ -415,10 +415,10 @@ def test_the_engine_keys_each_rank_by_its_global_place_and_refuses_a_split_depen
     Config.batch = 256                                  # whole groups on 1 and on 2 ranks: fine
     trainstate.check_world_size(meta, Config, 1, eng.split_dependent_units, "run/c.ckpt")
     Config.rounding, Config.batch = "stochastic-window", 8     # the window code never depends on the split
-    window = Engine(copy.deepcopy(net), 4, (3, 8, 8), "approx", 2, rounding="stochastic-window", comm=Rank1(),
+    windowed = Engine(copy.deepcopy(net), 4, (3, 8, 8), "approx", 2, rounding="stochastic-window", comm=Rank1(),
                     allocate=False)
-    assert window.split_dependent_units(4) == []
-    trainstate.check_world_size(meta, Config, 1, window.split_dependent_units, "run/c.ckpt")
+    assert windowed.split_dependent_units(4) == []
+    trainstate.check_world_size(meta, Config, 1, windowed.split_dependent_units, "run/c.ckpt")
 
 
 def test_the_allocator_prices_bias_and_variance_apart():
