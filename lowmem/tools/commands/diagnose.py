@@ -66,11 +66,11 @@ def run(args):
                    + ("" if args.rounding == "nearest" else f", {args.rounding} rounding") + ") vs exact"))
     print(f"data: lowmem.data.datasets.synthetic (learnable), {args.batches} batches, seed {args.seed}; "
           f"warm-up: {args.warmup} exact SGD steps (lr {args.lr})")
-    batches = D.synthetic_batches(args.batches, args.batch, shape, net.num_classes, args.seed, args.dtype)
+    batches = gradient_error.synthetic_batches(args.batches, args.batch, shape, net.num_classes, args.seed, args.dtype)
     if args.warmup:
-        warm = D.synthetic_batches(min(args.warmup, 8), args.batch, shape, net.num_classes,
+        warm = gradient_error.synthetic_batches(min(args.warmup, 8), args.batch, shape, net.num_classes,
                                    args.seed + 1, args.dtype)
-        net = D.warm_up(net, warm, args.warmup, lr=args.lr, dtype=args.dtype)
+        net = gradient_error.warm_up(net, warm, args.warmup, lr=args.lr, dtype=args.dtype)
     predicted = None
     if bits == "auto":
         a, _ = choose_widths(net, batches, args.batch, avg_bits=args.avg_bits, dtype=args.dtype,
@@ -78,7 +78,7 @@ def run(args):
         bits, predicted = a.bits, a.predicted_ratio
         print(f"\nallocation (batch {args.batch}, measured on the same batches):")
         print(a.table())
-    d = D.gradient_errors(net, batches, bits=bits, dtype=args.dtype, rounding=args.rounding)
+    d = gradient_error.gradient_errors(net, batches, bits=bits, dtype=args.dtype, rounding=args.rounding)
     if not args.no_table:
         print()
         print(d.table())
