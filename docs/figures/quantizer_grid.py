@@ -2,7 +2,7 @@
 
     python docs/figures/quantizer_grid.py [--bits 4] [--out docs/quantizer_grid.png]
 
-Two channels of a 4-bit unit, decoded by lowmem.units.quant itself (quant_params and
+Two channels of a 4-bit unit, decoded by lowmem.units.window itself (quant_params and
 quantize_simulated, which the packed path matches bit for bit): x-tilde as a
 function of x-hat (the staircase), every bin edge, the grid [lo, lo + L*w] (notation.md), and
 the ReLU threshold t = -beta/|gamma|. Left, gamma = 1.5, beta = 0.4 (the worked

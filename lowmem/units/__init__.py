@@ -9,6 +9,7 @@ The folder is a grid: each code a unit may keep, in each backend, and what the c
     what the codes share        packing.py, stream.py   cpu_base.py       gpu_base.py
     kernel sets                 reference.py            fused.py (numba or CUDA)
     any set over ranks          sync.py
+    a batch norm with no ReLU   norm.py                 norm_cpu.py       norm_gpu.py
 
 widths.py holds the vocabulary (bit widths, "float", modes, roundings) and the one rule for
 which code a unit keeps (code_for(rounding, K)); this module chooses the kernel set from it.

@@ -59,8 +59,8 @@ def test_bits_auto_runs_on_a_network_of_grouped_and_depthwise_convs(tmp_path, ca
                                        for i in range(2)], 4, avg_bits=2)
         assert set(alloc.bits) == {"u"}
     pytest.importorskip("onnx")
-    from lowmem.tools import export
-    path = export.export_onnx(one_unit(8), tmp_path / "depthwise.onnx", input_shape=(3, 6, 6))
+    from lowmem.formats import onnx_export
+    path = onnx_export.export_onnx(one_unit(8), tmp_path / "depthwise.onnx", input_shape=(3, 6, 6))
     rc = cli.main(["plan", "--model", str(path), "--batch", "4", "--bits", "auto", "--avg-bits", "2",
                    "--measure-batches", "2", "--no-schedule", "--rows", "1"])
     out, err = capsys.readouterr()
