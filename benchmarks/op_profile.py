@@ -22,7 +22,7 @@ reaches a function that names a kind:
     the BN-ReLU unit, a standalone BN, ReLU/ReLU6/dropout, pools, add/concat, the head;
   * anything else (the engine's Python loop, the step's own code) is "other".
 
-Everything else (lowmem/system/threads, the units' kernel sets, ops/batchnorm's functions that
+Everything else (lowmem/system/threads.py, the units' kernel sets, ops/batchnorm's functions that
 both BN kinds call, NumPy's Python wrappers) passes its time on to its callers. The kinds' sums
 add up to the profile's total own time (by_kind checks it).
 
