@@ -101,12 +101,15 @@ class Columns(NamedTuple):
     (col2im gets the whole dx and the sample range: the numba loop indexes dx flat).
     winograd: stride-1 3x3 convs that ops/winograd.py takes run there instead (no columns).
     depthwise: the direct depthwise kernels (ops/depthwise_cpu.py, depthwise_gpu.py) that
-    ops/conv_groups.py runs where they apply; None: its reference slices and GEMMs."""
+    ops/conv_groups.py runs where they apply; None: its reference slices and GEMMs.
+    batched: other grouped convs as batched GEMMs over tiles of (groups, samples), not a
+    conv per group (ops/conv_groups.py)."""
     name: str
     im2col: Callable
     col2im: Callable
     winograd: bool = False
     depthwise: object = None
+    batched: bool = False
 
 
 def _col2im_slices(dx, n0, n1, cols, kh, kw, stride, pad):
@@ -125,8 +128,8 @@ def _col2im_cuda(dx, n0, n1, cols, kh, kw, stride, pad):
 
 
 SLICES = Columns("slices", im2col, _col2im_slices)                    # the references above
-NUMBA = Columns("numba col2im + Winograd + depthwise", im2col, _col2im_numba, True, depthwise_cpu)
-CUDA = Columns("cuda", columns_gpu.im2col, _col2im_cuda, depthwise=depthwise_gpu)      # ops/columns_gpu.py
+NUMBA = Columns("numba col2im + Winograd + depthwise", im2col, _col2im_numba, True, depthwise_cpu, True)
+CUDA = Columns("cuda", columns_gpu.im2col, _col2im_cuda, depthwise=depthwise_gpu, batched=True)  # columns_gpu.py
 
 
 def columns_for(xp, fast=True):

@@ -5,10 +5,15 @@ Dimensions:  Cin, Cout channels;  G groups;  Cin_g = Cin/G, Cout_g = Cout/G per 
 Layout: x (Cin, N, H, W), w (Cout, Cin_g, kh, kw) (PyTorch's grouped layout), b (Cout,),
 out (Cout, N, Ho, Wo). Output channels of group g read input channels g*Cin_g .. (g+1)*Cin_g - 1.
 
-Channels-major, so a group's input, weights and output are contiguous channel slices: a
-grouped conv is ops/conv.py's im2col conv run once per group on those slices, with the
-workspace sized for one group (workspace_per_sample: Cin_g*kh*kw*Ho*Wo elements a sample).
-G = 1 is ops/conv.py itself, bit for bit.
+Channels-major, so a group's input, weights and output are contiguous channel slices: the
+reference runs ops/conv.py's im2col conv once per group on those slices, with the workspace
+sized for one group (workspace_per_sample: Cin_g*kh*kw*Ho*Wo elements a sample). The fast
+column sets (`Columns.batched`) run the groups together instead: the im2col columns of a tile of
+groups and samples, (g, Cin_g*kh*kw, n*Ho*Wo), and one batched GEMM with the weights viewed
+(G, Cout_g, Cin_g*kh*kw) writing the output channels viewed (g, Cout_g, n*Ho*Wo); a tile holds
+every group for as many samples as the same workspace fits, else as many groups as fit for one
+sample (a 1x1 conv on contiguous arrays: no columns, the batched GEMM over column ranges).
+The same products in another blocking: to rounding. G = 1 is ops/conv.py itself, bit for bit.
 
 Depthwise (Cin_g = Cout_g = 1, MobileNet's 3x3) would be G tiny GEMMs; its reference runs instead
 as a sum over kernel offsets of per-channel scaled, shifted slices (no workspace, no GEMM):
@@ -21,7 +26,9 @@ any multiplier Cout_g) directly, bit for bit the slices' forward and input gradi
 """
 from ..system import threads
 from ..system.backend import array_module
-from .conv import conv2d_backward_input, conv2d_backward_weight, conv2d_forward, columns_for, window_slices
+from .chunks import over_batch, over_columns
+from .conv import (conv2d_backward_input, conv2d_backward_weight, conv2d_forward, columns_for, window_slices,
+                   _is_pointwise)
 
 DEPTHWISE_BLOCK = 1 << 16   # output elements per channel block of the depthwise path (tests vary it)
 
@@ -141,6 +148,102 @@ def _depthwise_backward_weight(dw, x, dout, stride, pad):
     _blocks(C, N, max(H * W, Ho * Wo), block, dw)
 
 
+def _view3(a, g, rows):
+    """(g, rows, -1) view of a channel block a (g*rows, ...) whose channels each hold one
+    contiguous run; raises instead of silently copying."""
+    v = a.view()
+    v.shape = (g, rows, -1)
+    return v
+
+
+def _tiles(groups, a, b, fit):
+    """(g0, g1, n0, n1) tiles of groups x samples [a, b) of at most `fit` (group, sample) pairs
+    (fit >= 1): every group for as many samples as fit, else as many groups as fit, one sample."""
+    if fit >= groups:
+        nc = min(b - a, fit // groups)
+        for n0 in range(a, b, nc):
+            yield 0, groups, n0, min(b, n0 + nc)
+        return
+    for n0 in range(a, b):
+        for g0 in range(0, groups, fit):
+            yield g0, min(groups, g0 + fit), n0, n0 + 1
+
+
+def _over_tiles(x_or_dx, ws, groups, cig, kh, kw, P, body):
+    """body(a, g0, g1, n0, n1, cols) over the tiles of each thread's batch range [a, b): cols, the
+    flat start of the thread's workspace holding the tile's (g*Cin_g, kh, kw, n, Ho, Wo) columns."""
+    per = cig * kh * kw * P                            # one group, one sample
+
+    def samples(a, b, wsp):
+        for g0, g1, n0, n1 in _tiles(groups, a, b, wsp.size // per):
+            body(a, g0, g1, n0, n1, wsp[:(g1 - g0) * (n1 - n0) * per])
+    over_batch(x_or_dx.shape[1], ws, per, samples)
+
+
+def _batched_forward(out, x, w, stride, pad, groups, ws, columns):
+    xp = array_module(out)
+    Cout, cig, kh, kw = w.shape
+    cog, (Ho, Wo) = Cout // groups, out.shape[2:]
+    w3 = w.reshape(groups, cog, -1)
+    if _is_pointwise(w, stride, pad) and x.flags.c_contiguous and out.flags.c_contiguous:
+        x3, o3 = _view3(x, groups, cig), _view3(out, groups, cog)
+        over_columns(x3.shape[2], lambda m0, m1: xp.matmul(w3, x3[:, :, m0:m1], out=o3[:, :, m0:m1]), x)
+        return
+
+    def tile(a, g0, g1, n0, n1, cols):
+        cols = cols.reshape((g1 - g0) * cig, kh, kw, n1 - n0, Ho, Wo)
+        columns.im2col(cols, x[g0 * cig:g1 * cig, n0:n1], kh, kw, stride, pad)
+        xp.matmul(w3[g0:g1], cols.reshape(g1 - g0, cig * kh * kw, -1),
+                  out=_view3(out[g0 * cog:g1 * cog, n0:n1], g1 - g0, cog))
+    _over_tiles(x, ws, groups, cig, kh, kw, Ho * Wo, tile)
+
+
+def _batched_backward_input(dx, dout, w, stride, pad, groups, ws, accumulate, columns):
+    xp = array_module(dx)
+    Cout, cig, kh, kw = w.shape
+    cog, (Ho, Wo) = Cout // groups, dout.shape[2:]
+    w3t = w.reshape(groups, cog, -1).transpose(0, 2, 1)
+    if _is_pointwise(w, stride, pad) and not accumulate and dx.flags.c_contiguous and dout.flags.c_contiguous:
+        g3, d3 = _view3(dout, groups, cog), _view3(dx, groups, cig)
+        over_columns(g3.shape[2], lambda m0, m1: xp.matmul(w3t, g3[:, :, m0:m1], out=d3[:, :, m0:m1]), dout)
+        return
+    def tile(a, g0, g1, n0, n1, cols):
+        cols = cols.reshape((g1 - g0) * cig, kh, kw, n1 - n0, Ho, Wo)
+        if not accumulate:                                  # tiles are disjoint: each zeroes its own dx
+            dx[g0 * cig:g1 * cig, n0:n1].fill(0)
+        xp.matmul(w3t[g0:g1], _view3(dout[g0 * cog:g1 * cog, n0:n1], g1 - g0, cog),
+                  out=cols.reshape(g1 - g0, cig * kh * kw, -1))
+        columns.col2im(dx[g0 * cig:g1 * cig], n0, n1, cols, kh, kw, stride, pad)
+    _over_tiles(dx, ws, groups, cig, kh, kw, Ho * Wo, tile)
+
+
+def _batched_backward_weight(dw, x, dout, stride, pad, groups, ws, columns):
+    """Allocates a weight-sized partial per thread and one GEMM result per tile (never activation-sized)."""
+    xp = array_module(dw)
+    Cout, cig, kh, kw = dw.shape
+    cog, (Ho, Wo) = Cout // groups, dout.shape[2:]
+    dw3 = dw.reshape(groups, cog, -1)
+    parts = {}                                         # range start -> its partial sum
+    if _is_pointwise(dw, stride, pad) and x.flags.c_contiguous and dout.flags.c_contiguous:
+        x3, g3 = _view3(x, groups, cig), _view3(dout, groups, cog)
+
+        def ranges(m0, m1):
+            parts[m0] = xp.matmul(g3[:, :, m0:m1], x3[:, :, m0:m1].transpose(0, 2, 1))
+        over_columns(x3.shape[2], ranges, x)
+    else:
+        def tile(a, g0, g1, n0, n1, cols):
+            cols = cols.reshape((g1 - g0) * cig, kh, kw, n1 - n0, Ho, Wo)
+            columns.im2col(cols, x[g0 * cig:g1 * cig, n0:n1], kh, kw, stride, pad)
+            t = xp.matmul(_view3(dout[g0 * cog:g1 * cog, n0:n1], g1 - g0, cog),
+                          cols.reshape(g1 - g0, cig * kh * kw, -1).transpose(0, 2, 1))
+            if a not in parts:                              # this thread's range: its partial
+                parts[a] = xp.zeros_like(dw3)
+            parts[a][g0:g1] += t
+        _over_tiles(x, ws, groups, cig, kh, kw, Ho * Wo, tile)
+    for start in sorted(parts):                        # a fixed order: deterministic for a given T
+        dw3 += parts[start]
+
+
 def grouped_conv2d_forward(out, x, w, stride, pad, groups, ws, bias=None, columns=None):
     """out (Cout, N, Ho, Wo) = grouped conv of x (Cin, N, H, W) with w (Cout, Cin/groups, kh, kw),
     plus bias (Cout,) when given. ws: the workspace (workspace_per_sample elements a sample at
@@ -153,6 +256,8 @@ def grouped_conv2d_forward(out, x, w, stride, pad, groups, ws, bias=None, column
         direct.forward(out, x, w, stride, pad)
     elif is_depthwise(w, groups):
         _depthwise_forward(out, x, w, stride, pad)
+    elif (columns or columns_for(array_module(out))).batched:
+        _batched_forward(out, x, w, stride, pad, groups, ws, columns or columns_for(array_module(out)))
     else:
         for g in range(groups):
             conv2d_forward(out[g * cog:(g + 1) * cog], x[g * cig:(g + 1) * cig], w[g * cog:(g + 1) * cog],
@@ -173,6 +278,9 @@ def grouped_conv2d_backward_input(dx, dout, w, stride, pad, groups, ws, accumula
         direct.backward_input(dx, dout, w, stride, pad, accumulate)
     elif is_depthwise(w, groups):
         _depthwise_backward_input(dx, dout, w, stride, pad, accumulate)
+    elif (columns or columns_for(array_module(dx))).batched:
+        _batched_backward_input(dx, dout, w, stride, pad, groups, ws, accumulate,
+                                columns or columns_for(array_module(dx)))
     else:
         for g in range(groups):
             conv2d_backward_input(dx[g * cig:(g + 1) * cig], dout[g * cog:(g + 1) * cog], w[g * cog:(g + 1) * cog],
@@ -191,6 +299,8 @@ def grouped_conv2d_backward_weight(dw, x, dout, stride, pad, groups, ws, columns
         direct.backward_weight(dw, x, dout, stride, pad)
     elif is_depthwise(dw, groups):
         _depthwise_backward_weight(dw, x, dout, stride, pad)
+    elif (columns or columns_for(array_module(dw))).batched:
+        _batched_backward_weight(dw, x, dout, stride, pad, groups, ws, columns or columns_for(array_module(dw)))
     else:
         for g in range(groups):
             conv2d_backward_weight(dw[g * cog:(g + 1) * cog], x[g * cig:(g + 1) * cig], dout[g * cog:(g + 1) * cog],

@@ -90,6 +90,51 @@ def test_grouped_conv_backward_finite_differences(rng, case, eps, columns):
     np.testing.assert_allclose(dx2, acc + dx, rtol=1e-12, atol=1e-12)
 
 
+# (Cin, Cout, groups, k, stride, pad, H, W, N): ResNeXt / RegNet shapes (several channels a
+# group), 1x1 at strides 1 and 2, 5x5, odd planes, N = 1
+BATCHED_CASES = [(8, 8, 4, 3, 1, 1, 6, 6, 3), (8, 12, 2, 3, 2, 1, 7, 5, 2), (12, 6, 3, 1, 1, 0, 5, 4, 3),
+                 (6, 9, 3, 1, 2, 0, 7, 7, 2), (4, 8, 2, 5, 1, 2, 6, 5, 1)]
+
+
+@pytest.mark.parametrize("case", BATCHED_CASES)
+@pytest.mark.parametrize("tile", ["group", "groups", "all", "samples"])
+@pytest.mark.parametrize("columns", [pytest.param(SLICES._replace(batched=True), id="slices-batched")] + COLUMNS[1:])
+def test_batched_groups_match_the_conv_per_group(rng, case, tile, columns):
+    """Columns.batched: the groups' GEMMs batched over tiles of (groups, samples) equal the
+    reference's conv per group to rounding, forward, input gradient (written, accumulated) and
+    weight gradient (accumulated), for workspaces of one (group, sample), two groups of one
+    sample, every group of one sample and every group of two samples."""
+    Cin, Cout, groups, k, stride, pad, H, W, N = case
+    x, w, b, _, oshape = group_setup(rng, Cin, Cout, groups, k, stride, pad, H, W, N=N)
+    per = conv_groups.workspace_per_sample(Cin, k, k, *oshape[2:], groups, Cout)
+    ws = np.full(per * {"group": 1, "groups": 2, "all": groups, "samples": 2 * groups}[tile], np.nan)
+    G, base = rng.standard_normal(oshape), rng.standard_normal(x.shape)
+
+    def run(cols):
+        out, dx, acc, dw = np.full(oshape, np.nan), np.full_like(x, np.nan), base.copy(), np.full_like(w, 0.5)
+        grouped_conv2d_forward(out, x, w, stride, pad, groups, ws, columns=cols)
+        grouped_conv2d_backward_input(dx, G, w, stride, pad, groups, ws, columns=cols)
+        grouped_conv2d_backward_input(acc, G, w, stride, pad, groups, ws, accumulate=True, columns=cols)
+        grouped_conv2d_backward_weight(dw, x, G, stride, pad, groups, ws, columns=cols)
+        return out, dx, acc, dw
+
+    for got, want in zip(run(columns), run(SLICES)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(run(columns)[0], grouped_conv_ref(x, w, stride, pad, groups), rtol=1e-12, atol=1e-12)
+
+
+def test_batched_groups_take_no_loop_per_group(rng, monkeypatch):
+    """With a workspace for every group, the batched path makes one GEMM per sample tile: the
+    reference conv per group is never called."""
+    from lowmem.ops import conv as conv_module
+    monkeypatch.setattr(conv_groups, "conv2d_forward", lambda *a, **k: pytest.fail("a conv per group"))
+    x, w, b, ws, oshape = group_setup(rng, 8, 8, 4, 3, 1, 1, 6, 6)
+    out = np.empty(oshape)
+    grouped_conv2d_forward(out, x, w, 1, 1, 4, np.empty(ws.size * 4), columns=conv_module.NUMBA._replace(
+        winograd=False))
+    np.testing.assert_allclose(out, grouped_conv_ref(x, w, 1, 1, 4), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("block", [7, 80])
 def test_depthwise_backward_in_sample_blocks_matches_whole_channels(rng, monkeypatch, block):
     x, w, b, ws, oshape = group_setup(rng, 5, 5, 5, 3, 1, 1, 6, 6)
