@@ -7,8 +7,10 @@ C-contiguous (`applies`). Output channel o reads input channel o // m (groups = 
 
 ops/conv_groups.py's slice additions (m = 1) and its per-group GEMMs (m > 1) are the reference.
 
-How: per (channel, sample) plane, the plane is first copied into a small zero-padded scratch
-(L1/L2-resident), so no loop below has a border case:
+How: per channel, a block of samples' planes (as many as fit BLOCK_ELEMS, one at least: small
+planes go many to a block) is first copied into a zero-padded scratch (L1/L2-resident), the
+planes stacked, so no loop below has a border case and one loop runs over a whole block (the
+rows between two samples' outputs are junk, computed and never copied out):
   * forward and weight gradient read x's padded plane split into its s column phases,
     P[p, r, u] = xpad[r, u*s + p], so that tap (i, j) of output row oh is the contiguous run
     P[j % s, oh*s + i, j // s + t] over t (a run-time stride does not vectorise);
@@ -25,8 +27,9 @@ reduction, sums each lane of a row over a plane in the data's dtype and the plan
 to tolerance, as the reference's blocked sums. For m > 1 (the reference: GEMMs) all three
 to tolerance.
 
-Memory: per call and thread a padded plane (s*(H + 2*pad)*ceil((W + 2*pad)/s) elements, or
-(H + k - 1)*(W + k - 1) for the input gradient) and k*k*Wo accumulators; no workspace.
+Memory: per call and thread two blocks of padded planes (each at most max(BLOCK_ELEMS, one
+padded plane) elements, s*s*ceil((H + 2*pad)/s)*ceil((W + 2*pad)/s) a plane, (H + k - 1)*(W + k - 1)
+for the input gradient); no workspace.
 Threads split the input channels, so every result is the same bit for bit for any thread count.
 
 Indexing: the loops index flat arrays with offsets cast to uint64: numba then adds no
@@ -41,6 +44,7 @@ from ..system.backend import numba_available
 AVAILABLE = numba_available()
 
 GRAIN = 1 << 15       # output elements per thread below which a call is not split
+BLOCK_ELEMS = 4096    # scratch elements a block of samples' stacked planes aims at (16 KiB in float32)
 
 
 if AVAILABLE:
@@ -49,20 +53,20 @@ if AVAILABLE:
     _reduce = dict(cache=True, nogil=True, fastmath={"reassoc", "nsz"})   # the weight gradient's sums
 
     @njit(**_opts)
-    def _phases(Q, R, xf, xb, H, W, pad, s, Hq, Wq):
-        """Q (s, s, Hq, Wq) flat <- the phases of x's plane at xb, padded by pad:
-        Q[pr, pc, a, b] = x[a*s + pr - pad, b*s + pc - pad], 0 outside the image.
+    def _phases(Q, R, xf, xb, H, W, pad, s, Hq, Wq, T, a0):
+        """Rows a0 .. a0 + Hq - 1 of Q (s, s, T, Wq) flat <- the phases of x's plane at xb, padded
+        by pad: Q[pr, pc, a0 + a, b] = x[a*s + pr - pad, b*s + pc - pad], 0 outside the image.
         R: s*Wq scratch (stride > 1: each padded row is built there, then split)."""
         for r in range(s * Hq):
             ih = r - pad
-            pr, a = r % s, r // s
+            pr, a = r % s, a0 + r // s
             if ih < 0 or ih >= H:
                 for pc in range(s):
-                    d = ((pr * s + pc) * Hq + a) * Wq
+                    d = ((pr * s + pc) * T + a) * Wq
                     for u in range(Wq):
                         Q[U(d + u)] = 0
                 continue
-            row, d = (Q, (pr * s * Hq + a) * Wq) if s == 1 else (R, 0)
+            row, d = (Q, a * Wq) if s == 1 else (R, 0)
             for u in range(pad):
                 row[U(d + u)] = 0
             x0 = xb + ih * W
@@ -71,24 +75,30 @@ if AVAILABLE:
             for u in range(pad + W, s * Wq):
                 row[U(d + u)] = 0
             if s == 2:                               # both column phases in one loop
-                d0, d1 = (pr * 2 * Hq + a) * Wq, ((pr * 2 + 1) * Hq + a) * Wq
+                d0, d1 = (pr * 2 * T + a) * Wq, ((pr * 2 + 1) * T + a) * Wq
                 for u in range(Wq):
                     Q[U(d0 + u)] = R[U(2 * u)]
                     Q[U(d1 + u)] = R[U(2 * u + 1)]
             elif s > 2:
                 for pc in range(s):
-                    d = ((pr * s + pc) * Hq + a) * Wq
+                    d = ((pr * s + pc) * T + a) * Wq
                     for u in range(Wq):
                         Q[U(d + u)] = R[U(u * s + pc)]
 
     @njit(**_opts)
-    def _taps(k, s, Hq, Wq):
-        """Offset in Q of tap (i, j) of output element (0, 0): x-pad[i, j] = Q[i % s, j % s, i // s, j // s]."""
+    def _taps(k, s, T, Wq):
+        """Offset in Q (s, s, T, Wq) of tap (i, j) of output element (0, 0) of the block's first
+        sample: x-pad[i, j] = Q[i % s, j % s, i // s, j // s]."""
         off = numpy.empty(k * k, numpy.int64)
         for i in range(k):
             for j in range(k):
-                off[i * k + j] = (((i % s) * s + j % s) * Hq + i // s) * Wq + j // s
+                off[i * k + j] = (((i % s) * s + j % s) * T + i // s) * Wq + j // s
         return off
+
+    @njit(**_opts)
+    def _per_block(N, plane):
+        """Samples a block stacks: as many planes as fit a few thousand elements (L1), one at least."""
+        return max(1, min(N, BLOCK_ELEMS // max(plane, 1)))
 
     @njit(**_opts)
     def _correlate(O, Q, off, wf, wb, k, n, start, zero):
@@ -138,17 +148,24 @@ if AVAILABLE:
 
     @njit(**_opts)
     def _forward(of, xf, wf, m, N, H, W, Ho, Wo, k, s, pad, zero, c0, c1):
-        """out[o] for the output channels of input channels c0 .. c1 - 1."""
+        """out[o] for the output channels of input channels c0 .. c1 - 1, in blocks of samples
+        whose planes are stacked in the scratch: one correlation runs over a whole block (the
+        rows between two samples' outputs are junk, never copied out)."""
         Hq, Wq = (H + 2 * pad + s - 1) // s, (W + 2 * pad + s - 1) // s
-        Q, R = numpy.empty(s * s * Hq * Wq + Wq + k, xf.dtype), numpy.empty(s * Wq, xf.dtype)
-        O = numpy.empty(Ho * Wq, xf.dtype)
-        off = _taps(k, s, Hq, Wq)
+        nb = _per_block(N, s * s * Hq * Wq)
+        T = nb * Hq
+        Q, R = numpy.empty(s * s * T * Wq + Wq + k, xf.dtype), numpy.empty(s * Wq, xf.dtype)
+        O = numpy.empty(T * Wq, xf.dtype)
+        off = _taps(k, s, T, Wq)
         for c in range(c0, c1):
-            for n in range(N):
-                _phases(Q, R, xf, (c * N + n) * H * W, H, W, pad, s, Hq, Wq)
+            for n0 in range(0, N, nb):
+                n1 = min(N, n0 + nb)
+                for n in range(n0, n1):
+                    _phases(Q, R, xf, (c * N + n) * H * W, H, W, pad, s, Hq, Wq, T, (n - n0) * Hq)
                 for o in range(c * m, (c + 1) * m):
-                    _correlate(O, Q, off, wf, o * k * k, k, Ho * Wq, False, zero)
-                    _rows_out(of, (o * N + n) * Ho * Wo, O, Ho, Wo, Wq)
+                    _correlate(O, Q, off, wf, o * k * k, k, ((n1 - n0 - 1) * Hq + Ho) * Wq, False, zero)
+                    for n in range(n0, n1):
+                        _rows_out(of, (o * N + n) * Ho * Wo, O[(n - n0) * Hq * Wq:], Ho, Wo, Wq)
 
     @njit(**_opts)
     def _dilate(Z, gf, gb, Ho, Wo, s, e, Hz, Wz):
@@ -169,22 +186,30 @@ if AVAILABLE:
     @njit(**_opts)
     def _backward_input(df, gf, wf, m, N, H, W, Ho, Wo, k, s, pad, accumulate, zero, c0, c1):
         """dx[c] for input channels c0 .. c1 - 1: per output channel of c, in order, the
-        correlation of the dilated, padded output gradient with the flipped taps."""
+        correlation of the dilated, padded output gradient with the flipped taps, in blocks of
+        samples stacked as the forward's."""
         Hz, Wz = H + k - 1, W + k - 1
-        Z, D = numpy.empty(Hz * Wz + k, df.dtype), numpy.empty(H * Wz, df.dtype)
+        nb = _per_block(N, Hz * Wz)
+        T = nb * Hz
+        Z, D = numpy.empty(T * Wz + k, df.dtype), numpy.empty(T * Wz, df.dtype)
         off = numpy.empty(k * k, numpy.int64)
         for i in range(k):
             for j in range(k):
                 off[i * k + j] = (k - 1 - i) * Wz + (k - 1 - j)
         for c in range(c0, c1):
-            for n in range(N):
-                db = (c * N + n) * H * W
+            for n0 in range(0, N, nb):
+                n1 = min(N, n0 + nb)
                 if accumulate:
-                    _rows_in(D, df, db, H, W, Wz, zero)
+                    for n in range(n0, n1):
+                        _rows_in(D[(n - n0) * Hz * Wz:], df, (c * N + n) * H * W, H, W, Wz, zero)
                 for o in range(c * m, (c + 1) * m):
-                    _dilate(Z, gf, (o * N + n) * Ho * Wo, Ho, Wo, s, k - 1 - pad, Hz, Wz)
-                    _correlate(D, Z, off, wf, o * k * k, k, H * Wz, accumulate or o > c * m, zero)
-                _rows_out(df, db, D, H, W, Wz)
+                    for n in range(n0, n1):
+                        _dilate(Z[(n - n0) * Hz * Wz:(n - n0 + 1) * Hz * Wz], gf, (o * N + n) * Ho * Wo, Ho, Wo, s,
+                                k - 1 - pad, Hz, Wz)
+                    _correlate(D, Z, off, wf, o * k * k, k, ((n1 - n0 - 1) * Hz + H) * Wz,
+                               accumulate or o > c * m, zero)
+                for n in range(n0, n1):
+                    _rows_out(df, (c * N + n) * H * W, D[(n - n0) * Hz * Wz:], H, W, Wz)
 
     @njit(**_reduce)
     def _dot9(tot, G, Q, off, n, zero):
@@ -224,24 +249,32 @@ if AVAILABLE:
     @njit(**_opts)
     def _backward_weight(dwf, xf, gf, m, N, H, W, Ho, Wo, k, s, pad, zero, c0, c1):
         """dw[o] += the correlation of dout[o] with x[o // m], for the output channels of input
-        channels c0 .. c1 - 1: per tap and plane a sum (3x3: in the data's dtype, over vector
-        lanes), the planes' sums added in float64."""
+        channels c0 .. c1 - 1: per tap and block of samples (stacked as the forward's, dout's
+        junk rows and columns 0) a sum (3x3: in the data's dtype, over vector lanes), the blocks'
+        sums added in float64."""
         Hq, Wq = (H + 2 * pad + s - 1) // s, (W + 2 * pad + s - 1) // s
-        Q, R = numpy.empty(s * s * Hq * Wq + Wq + k, xf.dtype), numpy.empty(s * Wq, xf.dtype)
-        G = numpy.empty(Ho * Wq, xf.dtype)
-        off = _taps(k, s, Hq, Wq)
+        nb = _per_block(N, s * s * Hq * Wq)
+        T = nb * Hq
+        Q, R = numpy.empty(s * s * T * Wq + Wq + k, xf.dtype), numpy.empty(s * Wq, xf.dtype)
+        G = numpy.empty(T * Wq, xf.dtype)
+        off = _taps(k, s, T, Wq)
         tot = numpy.zeros(k * k)
         for c in range(c0, c1):
             for o in range(c * m, (c + 1) * m):
                 tot[:] = 0.0
-                for n in range(N):
-                    _phases(Q, R, xf, (c * N + n) * H * W, H, W, pad, s, Hq, Wq)
-                    _rows_in(G, gf, (o * N + n) * Ho * Wo, Ho, Wo, Wq, zero)
+                for n0 in range(0, N, nb):
+                    n1 = min(N, n0 + nb)
+                    for n in range(n0, n1):
+                        _phases(Q, R, xf, (c * N + n) * H * W, H, W, pad, s, Hq, Wq, T, (n - n0) * Hq)
+                        _rows_in(G[(n - n0) * Hq * Wq:], gf, (o * N + n) * Ho * Wo, Ho, Wo, Wq, zero)
+                        for t in range(Ho * Wq, Hq * Wq):
+                            G[U((n - n0) * Hq * Wq + t)] = zero
+                    n = ((n1 - n0 - 1) * Hq + Ho) * Wq
                     if k == 3:
-                        _dot9(tot, G, Q, off, Ho * Wq, zero)
+                        _dot9(tot, G, Q, off, n, zero)
                     else:
                         for q in range(k * k):
-                            tot[q] += _dot(G, Q, off[q], Ho * Wq)
+                            tot[q] += _dot(G, Q, off[q], n)
                 for q in range(k * k):
                     dwf[U(o * k * k + q)] += tot[q]
 
