@@ -29,7 +29,9 @@ to tolerance.
 
 Memory: per call and thread two blocks of padded planes (each at most max(BLOCK_ELEMS, one
 padded plane) elements, s*s*ceil((H + 2*pad)/s)*ceil((W + 2*pad)/s) a plane, (H + k - 1)*(W + k - 1)
-for the input gradient); no workspace.
+for the input gradient), allocated zeroed: the junk outputs read a few elements past the last
+plane, and in the weight gradient such a read meets a zero of dout (0 * NaN would be NaN); no
+workspace.
 Threads split the input channels, so every result is the same bit for bit for any thread count.
 
 Indexing: the loops index flat arrays with offsets cast to uint64: numba then adds no
@@ -154,7 +156,7 @@ if AVAILABLE:
         Hq, Wq = (H + 2 * pad + s - 1) // s, (W + 2 * pad + s - 1) // s
         nb = _per_block(N, s * s * Hq * Wq)
         T = nb * Hq
-        Q, R = numpy.empty(s * s * T * Wq + Wq + k, xf.dtype), numpy.empty(s * Wq, xf.dtype)
+        Q, R = numpy.zeros(s * s * T * Wq + Wq + k, xf.dtype), numpy.zeros(s * Wq, xf.dtype)
         O = numpy.empty(T * Wq, xf.dtype)
         off = _taps(k, s, T, Wq)
         for c in range(c0, c1):
@@ -191,7 +193,7 @@ if AVAILABLE:
         Hz, Wz = H + k - 1, W + k - 1
         nb = _per_block(N, Hz * Wz)
         T = nb * Hz
-        Z, D = numpy.empty(T * Wz + k, df.dtype), numpy.empty(T * Wz, df.dtype)
+        Z, D = numpy.zeros(T * Wz + k, df.dtype), numpy.zeros(T * Wz, df.dtype)
         off = numpy.empty(k * k, numpy.int64)
         for i in range(k):
             for j in range(k):
@@ -255,8 +257,8 @@ if AVAILABLE:
         Hq, Wq = (H + 2 * pad + s - 1) // s, (W + 2 * pad + s - 1) // s
         nb = _per_block(N, s * s * Hq * Wq)
         T = nb * Hq
-        Q, R = numpy.empty(s * s * T * Wq + Wq + k, xf.dtype), numpy.empty(s * Wq, xf.dtype)
-        G = numpy.empty(T * Wq, xf.dtype)
+        Q, R = numpy.zeros(s * s * T * Wq + Wq + k, xf.dtype), numpy.zeros(s * Wq, xf.dtype)
+        G = numpy.zeros(T * Wq, xf.dtype)
         off = _taps(k, s, T, Wq)
         tot = numpy.zeros(k * k)
         for c in range(c0, c1):

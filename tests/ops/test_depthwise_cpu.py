@@ -129,3 +129,25 @@ def counted(fn, calls, name):
         calls.append(name)
         return fn(*a, **k)
     return call
+
+
+def test_no_result_reads_uninitialised_scratch(rng):
+    """The junk columns and rows of the padded scratch are computed but never kept; in the weight
+    gradient they meet dout's zeros, and 0 * NaN is NaN, so every scratch element a loop reads must
+    be written first. Poisoned heap: the allocator hands the kernels memory a NaN array just freed
+    (sizes swept to meet the scratch's size class), and every gradient stays the reference's."""
+    from numba import njit
+
+    @njit
+    def poison(n):
+        return np.full(n, np.nan, np.float32).sum()
+
+    for C, N, H, s in [(6, 3, 4, 1), (6, 3, 8, 1), (5, 2, 7, 2), (4, 3, 6, 2)]:
+        x, w, g, ws = setup(rng, C, 1, N, H, H, 3, s, 1, np.float32)
+        want = np.zeros_like(w)
+        conv_groups.grouped_conv2d_backward_weight(want, x, g, s, 1, C, ws, columns=SLICES)
+        for n in range(16, 4000, 7):
+            poison(n)
+            dw = np.zeros_like(w)
+            depthwise_cpu.backward_weight(dw, x, g, s, 1)
+            np.testing.assert_allclose(dw, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
