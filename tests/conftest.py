@@ -17,7 +17,9 @@ import pytest  # noqa: E402
 
 import lowmem  # noqa: E402
 from lowmem.core.network import Parameter  # noqa: E402
+from lowmem.system import cuda as cuda_helper  # noqa: E402
 from reference import central_difference  # noqa: E402  (tests/reference.py)
+import cuda_emulation  # noqa: E402  (tests/cuda_emulation.py)
 
 lowmem.set_backend("numpy")
 
@@ -40,3 +42,23 @@ def make_param():
         data = np.array(data, dtype=np.float64)
         return Parameter(name, data, np.zeros_like(data), decay=decay)
     return make
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory):
+    """Every registered CUDA program compiled for the CPU emulator (tests/cuda_emulation.py), once."""
+    return cuda_emulation.build(tmp_path_factory)
+
+
+@pytest.fixture(params=["emu", "gpu"])
+def dev(request, monkeypatch):
+    """Where a CUDA kernel test runs: the CPU emulation of the kernels ("emu"), or CuPy on a GPU
+    ("gpu", skipped without one)."""
+    cuda_helper.reset()
+    if request.param == "emu":
+        cuda_emulation.emulate(monkeypatch, request.getfixturevalue("emulator"))
+        yield cuda_emulation.Device("emu", lambda a: np.array(a), lambda a: np.array(a), np)
+    else:
+        cupy = cuda_emulation.gpu()
+        yield cuda_emulation.Device("gpu", cupy.asarray, cupy.asnumpy, cupy)
+    cuda_helper.reset()
