@@ -1,0 +1,177 @@
+"""The range code in numba (optional: lowmem[fast]), the CPU twin of units/rangecode.py's
+NumPy reference and of units/rangecode_gpu.py.
+
+    range_encode(packed, scale, zero, x, bits)   one pass per group of GROUP elements: its
+                                                 range (min, max), step and zero point, every
+                                                 code, packed; nothing else is written
+    range_decode(out, packed, scale, zero, bits) out = (q - z) * s, unpacked inline
+
+Why: the reference walks each chunk a dozen times (min, max, divide, rint, clip, nan_to_num,
+the pack's shifts) and decodes through an index array (arange // GROUP). Here a group's 256
+elements are read once for the range and once, from L1, for the codes.
+
+Arithmetic: the reference's operations in its order and dtype (float32 or float64, whichever x
+is; the step is float32), so the packed codes, scales and zero points equal range_encode's byte
+for byte, and the decode equals range_decode's bit for bit (tests/units/test_rangecode_cpu.py).
+Inputs holding inf or NaN take the reference's path through nan_to_num and clip as well; only the
+payload of a NaN step (a group holding NaN, whose decode is meaningless) is not pinned.
+
+Cores: each call splits its groups over lowmem's threads (lowmem/system/threads.py), the kernels
+release the GIL; scratch is one group of codes per thread.
+"""
+import numpy
+
+from ..system import threads
+from .cpu_base import AVAILABLE, GRAIN
+from .rangecode import F32_MAX, GROUP
+
+INTS = {4: numpy.int32, 8: numpy.int64}          # a float's bits, by its size
+UINTS = {4: numpy.uint32, 8: numpy.uint64}
+
+if AVAILABLE:
+    from numba import njit
+    from .cpu_base import _opts, _pack, _unpack
+
+    @njit(**_opts)
+    def _pack_any(prow, codes, bits):
+        """prow (ceil(n*bits/8),) <- codes (n,), any n: whole bytes, then a last partial byte."""
+        per = 8 // bits
+        full = codes.size // per
+        _pack(prow[:full], codes[:full * per], bits)
+        if full * per < codes.size:
+            byte = 0
+            for q in range(codes.size - full * per):
+                byte |= codes[full * per + q] << (q * bits)
+            prow[full] = byte
+
+    @njit(**_opts)
+    def _unpack_any(codes, prow, bits):
+        """codes (n,) <- prow (ceil(n*bits/8),): the inverse of _pack_any."""
+        per, top = 8 // bits, (1 << bits) - 1
+        full = codes.size // per
+        _unpack(codes[:full * per], prow[:full], bits)
+        for q in range(codes.size - full * per):
+            codes[full * per + q] = (prow[full] >> (q * bits)) & top
+
+    @njit(**_opts)
+    def _range(xi, xu, nil, sign):
+        """(largest signed, largest unsigned) bit pattern of a group, the float's bits read as integers
+        (xi, xu: two integer views of it). Plain integer max reductions, so the loop vectorises
+        (a float min/max reduction does not without fast-math, which would lose the reference's
+        rules). Positive floats order as their signed bits, negative ones by magnitude as their
+        unsigned bits above `sign` (the sign bit alone, -0): the caller turns them into the
+        group's max and min. nil: 0 as xi's integer (so the max stays that wide)."""
+        hi = nil
+        lo = sign
+        for i in range(xi.size):
+            hi = max(hi, xi[i])
+            lo = max(lo, xu[i])
+        return hi, lo
+
+    @njit(**_opts)
+    def _quantize_group(cb, xr, safe, z, q_lo, q_hi, nil):
+        """cb <- clip(rint(x / safe) + z, q_lo, q_hi), NaN to 0 (the reference's element order)."""
+        for i in range(xr.size):
+            q = numpy.rint(xr[i] / safe) + z
+            q = q_lo if q < q_lo else q
+            q = q_hi if q > q_hi else q
+            q = q if q == q else nil
+            cb[i] = numpy.uint8(numpy.int32(q))
+
+    @njit(**_opts)
+    def _decode_group(orow, cb, z, s):
+        for i in range(orow.size):
+            orow[i] = (cb[i] - z) * s
+
+    @njit(**_opts)
+    def _encode(packed, scale, zero, x, xi, xu, ends, bits, g0, g1, lev, fmax, big, nil_i, sign, inf_i, inf_u):
+        """Groups g0 .. g1-1 of x (n,); xi, xu: x's bits as signed and unsigned integers; ends: two
+        integers the caller also views as two floats of x's dtype (the range's ends, bits to float).
+        lev = 2**bits - 1, fmax = the float32 maximum and big = the dtype's maximum (nan_to_num's
+        +inf), in x's dtype; nil_i: 0 as xi's integer; sign: the sign bit alone (-0); inf_i, inf_u: +inf's and -inf's bits.
+        Reference: rangecode._encode."""
+        n = x.size
+        codes = numpy.empty(GROUP, numpy.uint8)
+        f = numpy.zeros(4, x.dtype)                     # conversions into x's dtype (as astype)
+        e = ends.view(x.dtype)
+        nil = f[3]
+        nan = (big + big) - (big + big)
+        for g in range(g0, g1):
+            a = g * GROUP
+            b = min(n, a + GROUP)
+            top, bottom = _range(xi[a:b], xu[a:b], nil_i, sign)
+            ends[0] = top                               # maximum(max(v), 0): +0 if nothing is above 0
+            ends[1] = bottom                            # minimum(min(v), 0): +0 if only -0 is below
+            hi = e[0] if top > 0 else nil
+            lo = e[1] if bottom > sign else nil
+            if top > inf_i or bottom > inf_u:           # NaN propagates through min and max
+                lo = hi = nan
+            s = hi / lev - lo / lev
+            s = fmax if s > fmax else s                 # minimum(s, F32_MAX); NaN stays NaN
+            s32 = numpy.float32(s)
+            f[0] = s32 if s32 > 0 else numpy.float32(1)
+            safe = f[0]
+            z = numpy.rint(-lo / safe)                  # nan_to_num, then clip into [0, lev]
+            z = nil if z != z else (big if z > big else z)
+            z = nil if z < nil else (lev if z > lev else z)
+            s64 = numpy.float64(safe)
+            reach = numpy.floor(F32_MAX / s64)          # levels whose decode stays finite
+            if reach * s64 > F32_MAX:
+                reach -= 1.0
+            f[1] = max(numpy.float64(z) - reach, 0.0)
+            f[2] = min(numpy.float64(z) + reach, numpy.float64(lev))
+            cb = codes[:b - a]
+            _quantize_group(cb, x[a:b], safe, z, f[1], f[2], nil)
+            scale[g] = s32
+            zero[g] = numpy.uint8(numpy.int32(z))
+            _pack_any(packed[a * bits // 8:(b * bits + 7) // 8], cb, bits)
+
+    @njit(**_opts)
+    def _decode(out, packed, scale, zero, bits, g0, g1):
+        """out[groups g0 .. g1-1] <- (q - z) * s, in out's dtype. Reference: rangecode.range_decode."""
+        n = out.size
+        codes = numpy.empty(GROUP, numpy.uint8)
+        f = numpy.empty(2, out.dtype)
+        for g in range(g0, g1):
+            a = g * GROUP
+            b = min(n, a + GROUP)
+            cb = codes[:b - a]
+            _unpack_any(cb, packed[a * bits // 8:(b * bits + 7) // 8], bits)
+            f[0] = zero[g]                              # exact small integers in out's dtype
+            f[1] = scale[g]
+            _decode_group(out[a:b], cb, f[0], f[1])
+
+
+def supports(*arrays):
+    """Whether these kernels take the arrays: numba present, NumPy, C-contiguous, and the data
+    float32 or float64 (the first array)."""
+    return (AVAILABLE and all(type(a) is numpy.ndarray and a.flags.c_contiguous for a in arrays)
+            and arrays[0].dtype in (numpy.float32, numpy.float64))
+
+
+def _groups(fn, n):
+    G = (n + GROUP - 1) // GROUP
+    threads.parallel_for(fn, G, grain=max(1, GRAIN // GROUP))
+
+
+def range_encode(packed, scale, zero, x, bits):
+    """rangecode.range_encode's bytes: packed (packed_nbytes(n, bits),) uint8, scale (groups(n),)
+    float32, zero (groups(n),) uint8 <- the range code of x (n,) float32 or float64."""
+    x = x.reshape(-1)
+    dt, si, ui = x.dtype.type, INTS[x.dtype.itemsize], UINTS[x.dtype.itemsize]
+    lev, fmax, big = dt((1 << bits) - 1), dt(F32_MAX), dt(numpy.finfo(x.dtype).max)
+    sign = ui(1 << (8 * x.dtype.itemsize - 1))
+    inf_u, ninf_u = numpy.array([numpy.inf, -numpy.inf], x.dtype).view(ui)
+    xi, xu = x.view(si), x.view(ui)
+
+    def groups(g0, g1):
+        ends = numpy.empty(2, ui)                                           # one per thread
+        _encode(packed, scale, zero, x, xi, xu, ends, bits, g0, g1, lev, fmax, big, si(0), sign, si(inf_u),
+                ninf_u)
+    _groups(groups, x.size)
+
+
+def range_decode(out, packed, scale, zero, bits):
+    """rangecode.range_decode's values: out (n,) <- (q - z) * s in out's dtype."""
+    out = out.reshape(-1)
+    _groups(lambda g0, g1: _decode(out, packed, scale, zero, bits, g0, g1), out.size)
