@@ -44,7 +44,7 @@ import numpy
 from ..system import backend, distributed, threads
 from . import checks
 from .. import units as kernels
-from ..units import rangecode, stream
+from ..units import stream
 from ..units.widths import check_rounding
 from ..ops import dropout
 from ..ops.conv import columns_for
@@ -103,7 +103,7 @@ class Engine:
         self.unit_bits = checks.unit_bits(self.bits, self.mode, unit_names)
         ranks = self.comm.size > 1
         # how a conv keeps an input no unit rebuilds: float in exact mode, else a range code
-        self.keeper = rangecode.keeper(checks.code_bits(self.bits, self.mode))
+        self.keeper = kernels.keeper(self.xp, checks.code_bits(self.bits, self.mode), use_fast)
         self.schedule = walk(net, self.input_shape, {u for u, K in self.unit_bits.items() if K is not None},
                              average_stats=ranks and not self.sync_bn, average_grads=ranks,
                              keep_codes=self.keeper.decodes)

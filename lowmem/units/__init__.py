@@ -5,7 +5,7 @@ The folder is a grid: each code a unit may keep, in each backend, and what the c
     code                        reference (array ops)   numba (CPU)       CUDA (CuPy)
     window (the paper's)        window.py               window_cpu.py     window_gpu.py
     unbiased (group ranges)     unbiased.py             unbiased_cpu.py   unbiased_gpu.py
-    range (conv inputs)         rangecode.py            -                 -
+    range (conv inputs)         rangecode.py            rangecode_cpu.py  rangecode_gpu.py
     what the codes share        packing.py, stream.py   cpu_base.py       gpu_base.py
     kernel sets                 reference.py            fused.py (numba or CUDA)
     any set over ranks          sync.py
@@ -47,11 +47,22 @@ import math
 
 import numpy
 
-from . import fused, gpu_base, unbiased, window
+from . import fused, gpu_base, rangecode, rangecode_cpu, rangecode_gpu, unbiased, window
 from .widths import FLOAT, FLOAT_CODE, check_bits, code_for
 from .reference import CodeUnits, ExactUnits, UnbiasedCodeUnits
 from .sync import SyncUnits
 from .norm import select_norms
+
+
+def keeper(xp, bits, use_fast=None):
+    """How a layer keeps an input no unit rebuilds (a conv's, a linear layer's, a BN's x-hat
+    alone): float for bits None (exact mode), else the K-bit range code (units/rangecode.py) on
+    the one-pass kernels (rangecode_cpu.py with numba, rangecode_gpu.py on CuPy) unless
+    use_fast is False or numba is missing; the codes are the same bytes either way."""
+    fast = None
+    if use_fast is not False:
+        fast = rangecode_gpu if xp is not numpy else (rangecode_cpu if rangecode_cpu.AVAILABLE else None)
+    return rangecode.keeper(bits, fast)
 
 
 def reference(mode, bits, rounding="nearest"):
@@ -146,5 +157,5 @@ def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
     return window.quantize_simulated(xhat, gamma, beta, code.bits, code.rounding, key)
 
 
-__all__ = ["reference", "select", "select_units", "reference_units", "synchronized", "fused_applies",
+__all__ = ["keeper", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies",
            "partials_size", "slot_nbytes", "quantize_simulated", "select_norms"]

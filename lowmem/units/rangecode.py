@@ -23,11 +23,17 @@ decode to 0, within the smallest subnormal of x. inf and NaN: no warning, no exc
 decode of such a group is meaningless (a NaN element codes as level 0); the engine refuses a
 batch holding either and a non-finite loss before backward ever decodes one.
 
-`keeper(bits)` is what the engine hands every conv that keeps its input: `ExactKeep` (float,
-exact mode or bits None) or `RangeKeep(K)`; their slots come from `entries`, `keep` fills
-them in forward, `restore` decodes into a buffer for backward. Temporaries: one CHUNK
-(packing.CHUNK) of elements at a time, about (2 * itemsize + 2) bytes each.
+`keeper(bits, kernels)` is what the engine hands every conv that keeps its input: `ExactKeep`
+(float, exact mode or bits None) or `RangeKeep(K)`; their slots come from `entries`, `keep`
+fills them in forward, `restore` decodes into a buffer for backward. range_encode and
+range_decode here are the reference; `kernels` runs the same code in one pass per group
+(units/rangecode_cpu.py, numba; units/rangecode_gpu.py, CUDA; byte for byte the same codes),
+chosen once by the engine (units.keeper). Temporaries of the reference: one CHUNK
+(packing.CHUNK) of elements at a time, about (2 * itemsize + 2) bytes each; the kernels', one
+group of codes per thread.
 """
+import sys
+
 import numpy
 
 from ..system.backend import array_module
@@ -122,11 +128,19 @@ class ExactKeep:
 
 
 class RangeKeep:
-    """The input kept as a K-bit range code (approx and naive modes)."""
+    """The input kept as a K-bit range code (approx and naive modes); `kernels`: a module with
+    supports(x), range_encode and range_decode (rangecode_cpu, rangecode_gpu), or None: the
+    reference here. Arrays its kernels do not take (not C-contiguous, not float32 or float64)
+    take the reference."""
     decodes = True
 
-    def __init__(self, bits):
+    def __init__(self, bits, kernels=None):
         self.bits = check_bits(bits)
+        self.kernels = kernels
+
+    def _module(self, x):
+        fast = self.kernels
+        return fast if fast is not None and fast.supports(x) else _REFERENCE
 
     def entries(self, name, n, dtype):
         return [(name, "saved", (packing.packed_nbytes(n, self.bits),), "uint8"),
@@ -135,15 +149,18 @@ class RangeKeep:
 
     def keep(self, slots, x):
         n = x.size
-        range_encode(slots[0][:packing.packed_nbytes(n, self.bits)], slots[1][:groups(n)], slots[2][:groups(n)],
+        self._module(x).range_encode(slots[0][:packing.packed_nbytes(n, self.bits)], slots[1][:groups(n)], slots[2][:groups(n)],
                      x, self.bits)
 
     def restore(self, out, slots):
         n = out.size
-        range_decode(out, slots[0][:packing.packed_nbytes(n, self.bits)], slots[1][:groups(n)],
+        self._module(out).range_decode(out, slots[0][:packing.packed_nbytes(n, self.bits)], slots[1][:groups(n)],
                      slots[2][:groups(n)], self.bits)
 
 
-def keeper(bits):
-    """ExactKeep for bits None (exact mode), else RangeKeep(bits)."""
-    return ExactKeep() if bits is None else RangeKeep(bits)
+def keeper(bits, kernels=None):
+    """ExactKeep for bits None (exact mode), else RangeKeep(bits, kernels)."""
+    return ExactKeep() if bits is None else RangeKeep(bits, kernels)
+
+
+_REFERENCE = sys.modules[__name__]          # range_encode and range_decode above

@@ -124,6 +124,11 @@ extern "C" __global__ void range_decode(real* out, const unsigned char* packed, 
 PROGRAM = cuda.Program("rangecode", SOURCE, block_sync=("range_encode",))
 
 
+def supports(x):
+    """Whether these kernels take x: a C-contiguous CuPy float32 or float64 array."""
+    return type(x).__module__.split(".", 1)[0] == "cupy" and x.flags.c_contiguous and x.dtype.name in REAL
+
+
 def _flat(a, name):
     if not a.flags.c_contiguous or a.dtype.name not in REAL:
         raise ValueError(f"{name} must be a C-contiguous float32 or float64 array, got {a.dtype} {a.shape}")

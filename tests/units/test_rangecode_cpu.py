@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lowmem.system import threads
-from lowmem.units import quant
+from lowmem.units import packing
 from lowmem.units import rangecode as rc
 from lowmem.units import rangecode_cpu as fast
 
@@ -19,7 +19,7 @@ SIZES = [1, 7, 255, 256, 257, 3 * 256 + 5, 1000]
 
 def encode(module, x, bits):
     n = x.size
-    packed = np.full(quant.packed_nbytes(n, bits), 0xA5, np.uint8)      # every byte must be written
+    packed = np.full(packing.packed_nbytes(n, bits), 0xA5, np.uint8)      # every byte must be written
     scale, zero = np.full(rc.groups(n), 7, np.float32), np.full(rc.groups(n), 9, np.uint8)
     module.range_encode(packed, scale, zero, x, bits)
     return packed, scale, zero

@@ -6,14 +6,14 @@ both signs, infinities, range ends and subnormal steps; a NaN group keeps a NaN 
 import numpy as np
 import pytest
 
-from lowmem.units import quant
+from lowmem.units import packing
 from lowmem.units import rangecode as rc
 from lowmem.units import rangecode_gpu as cuda
 
 
 def reference(x, bits):
     n = x.size
-    packed = np.zeros(quant.packed_nbytes(n, bits), np.uint8)
+    packed = np.zeros(packing.packed_nbytes(n, bits), np.uint8)
     scale, zero = np.zeros(rc.groups(n), np.float32), np.zeros(rc.groups(n), np.uint8)
     rc.range_encode(packed, scale, zero, x, bits)
     return packed, scale, zero
