@@ -1,24 +1,35 @@
-"""Small codes packed into bytes: the 1-bit masks (ReLU, dropout) and the 2-bit region codes
-(ReLU6 / clip) that an op keeps for its backward.
+"""The packer: K-bit codes (K = 1, 2, 4 or 8) in bytes, the one layout every kept code uses (the
+units' x-hat codes, the range codes, ReLU's and dropout's 1-bit masks, ReLU6's 2-bit region
+codes, max-pool's 4-bit window indices).
 
-Dimensions: n elements (any contiguous shape, taken flat).
-Layout: numpy.packbits(..., bitorder="little") for 1 bit: element 8*i + j sits in bit j of
-byte i; at b bits, element (8/b)*i + j sits in bits b*j .. b*j + b-1 of byte i (the layout of
-lowmem's K-bit codes, units/packing.py's pack_codes). A last, partial byte holds the remaining
-elements in its low bits, its high bits zero. Planned bytes: packed_nbytes(n, bits) = ceil(n*bits/8).
+Dimensions: n codes (any contiguous shape, taken flat).
+Layout: 8/K codes per byte, little end first: code (8/K)*i + j sits in bits K*j .. K*j + K-1 of
+byte i (numpy.packbits(..., bitorder="little") at 1 bit). A last, partial byte holds the
+remaining codes in its low bits, its high bits zero. Bytes: packed_nbytes(n, K) = ceil(n*K/8).
 
-Work runs over blocks of BLOCK elements (a multiple of 8), so every temporary is bounded by
-one block (a few bytes per element of it), never activation-sized.
+    pack_codes(packed, codes, bits)      checked, in blocks of BLOCK codes
+    unpack_codes(codes, packed, bits)
+    pack_block(out, codes, bits, tmp)    the raw block operations under them (array ops on NumPy
+    unpack_block(codes, packed, bits)    or CuPy, no checks), for callers with their own loops
+
+ops/bitpack_cpu.py is its numba twin, the loops the fused kernels pack and unpack with; the CUDA
+kernels write the same bytes.
+
+Work runs over blocks of BLOCK codes (a multiple of 8), so every temporary is bounded by one
+block (a few bytes per code of it), never activation-sized.
 """
-from ..system.backend import array_module
-
 import numpy
 
-BLOCK = 1 << 16         # elements per block; a multiple of 8 (tests lower it)
+from ..system.backend import array_module
+
+BLOCK = 1 << 16         # codes per block; a multiple of 8 (tests lower it)
+WIDTHS = (1, 2, 4, 8)   # the layout's code widths: 8/K codes fill a byte
 
 
 def packed_nbytes(n, bits):
-    """Bytes holding n codes of `bits` (1 or 2) bits: ceil(n*bits/8)."""
+    """Bytes holding n codes of `bits` bits: ceil(n*bits/8)."""
+    if bits not in WIDTHS or isinstance(bits, bool):
+        raise ValueError(f"bits must be one of {{1, 2, 4, 8}} (8/bits codes fill a byte), got {bits!r}")
     return (int(n) * int(bits) + 7) // 8
 
 
@@ -30,16 +41,16 @@ def flat(a, name):
     return a.reshape(-1)
 
 
-def check_packed(packed, n, bits, name):
+def check_packed(packed, n, bits, name="packed"):
     """packed must be uint8 (packed_nbytes(n, bits),); ValueError naming it otherwise."""
     want = packed_nbytes(n, bits)
     if packed.dtype != numpy.uint8 or packed.ndim != 1 or packed.size != want:
-        raise ValueError(f"{name} must be uint8 of shape ({want},) for {n} elements at {bits} "
+        raise ValueError(f"{name} must be uint8 of shape ({want},) for {n} codes at {bits} "
                          f"bit(s), got {packed.dtype} {tuple(packed.shape)}")
 
 
 def blocks(n, block=None):
-    """(a, b) element ranges of at most `block` (a multiple of 8) elements covering [0, n)."""
+    """(a, b) ranges of at most `block` (a multiple of 8) codes covering [0, n)."""
     step = BLOCK if block is None else block
     if step <= 0 or step % 8:
         raise ValueError(f"the block must be a positive multiple of 8, got {step}")
@@ -47,31 +58,65 @@ def blocks(n, block=None):
         yield a, min(n, a + step)
 
 
-def pack_block(out, codes, bits):
-    """out (packed_nbytes(m, bits),) uint8 <- codes (m,) uint8 (values < 2**bits)."""
+def pack_block(out, codes, bits, tmp=None):
+    """out (packed_nbytes(m, bits),) uint8 <- codes (m,) uint8 (values < 2**bits). tmp: scratch of
+    at least m*bits/8 bytes (None: one is allocated)."""
     xp = array_module(codes)
+    if bits == 8:
+        xp.copyto(out, codes)
+        return
     per = 8 // bits
     full = codes.size // per
-    g = codes[:full * per].reshape(full, per)      # row i: the codes of byte i
-    o = out[:full]
+    if tmp is None:
+        tmp = xp.empty(full, numpy.uint8)
+    g = codes[:full * per].reshape(full, per)       # row i: the codes of byte i
+    o, t = out[:full], tmp[:full]
     xp.copyto(o, g[:, 0])
     for j in range(1, per):
-        o |= xp.left_shift(g[:, j], j * bits)      # bounded temporary (one block / per)
-    rest = codes.size - full * per
-    if rest:
+        xp.left_shift(g[:, j], j * bits, out=t)
+        xp.bitwise_or(o, t, out=o)
+    rest = codes[full * per:]                       # m % per codes share a last byte
+    if rest.size:
         last = out[full:full + 1]
-        xp.copyto(last, codes[full * per:full * per + 1])
-        for j in range(1, rest):
-            last |= xp.left_shift(codes[full * per + j:full * per + j + 1], j * bits)
+        xp.copyto(last, rest[:1])
+        for j in range(1, rest.size):
+            last |= rest[j:j + 1] << (j * bits)
 
 
-def unpack_block(packed, m, bits):
-    """codes (m,) uint8 of packed (packed_nbytes(m, bits),): a new array of one block."""
+def unpack_block(codes, packed, bits):
+    """codes (m,) uint8 <- packed (packed_nbytes(m, bits),), written in place (no temporaries)."""
     xp = array_module(packed)
+    if bits == 8:
+        xp.copyto(codes, packed)
+        return
     per, top = 8 // bits, (1 << bits) - 1
-    nbytes = packed_nbytes(m, bits)
-    codes = xp.empty((nbytes, per), numpy.uint8)
-    for j in range(per):
-        xp.right_shift(packed[:nbytes], j * bits, out=codes[:, j])
-        xp.bitwise_and(codes[:, j], top, out=codes[:, j])
-    return codes.reshape(-1)[:m]
+    full = codes.size // per
+    g = codes[:full * per].reshape(full, per)
+    p = packed[:full]
+    for j in range(per):                            # strided writes
+        xp.right_shift(p, j * bits, out=g[:, j])
+        xp.bitwise_and(g[:, j], top, out=g[:, j])
+    for j in range(codes.size - full * per):
+        codes[full * per + j:full * per + j + 1] = (packed[full:full + 1] >> (j * bits)) & top
+
+
+def pack_codes(packed, codes, bits):
+    """packed (packed_nbytes(n, bits),) uint8 <- codes (any contiguous uint8 shape, n in all,
+    values < 2**bits), in blocks."""
+    xp = array_module(codes)
+    codes = flat(codes, "codes")
+    check_packed(packed, codes.size, bits, "packed")
+    tmp = xp.empty(min(BLOCK, codes.size) * bits // 8 + 1, numpy.uint8)
+    for a, b in blocks(codes.size):
+        pack_block(packed[a * bits // 8:(b * bits + 7) // 8], codes[a:b], bits, tmp)
+
+
+def unpack_codes(codes, packed, bits):
+    """codes (any contiguous uint8 shape, n in all) <- packed (packed_nbytes(n, bits),). Allocates
+    nothing."""
+    if codes.dtype != numpy.uint8:
+        raise ValueError(f"codes must be uint8, got {codes.dtype}")
+    codes = flat(codes, "codes")                    # a view, written in place
+    check_packed(packed, codes.size, bits)
+    for a, b in blocks(codes.size):
+        unpack_block(codes[a:b], packed[a * bits // 8:(b * bits + 7) // 8], bits)

@@ -96,8 +96,10 @@ def dropout_backward(dx, dout, mask, p, accumulate=False, block=None):
     xp = array_module(dout)
     d, g = flat(dx, "dx"), flat(dout, "dout")
     check_packed(mask, g.size, 1, "mask")
+    codes = xp.empty(min(g.size, bitpack.BLOCK if block is None else block), numpy.uint8)
     for a, b in bitpack.blocks(g.size, block):
-        keep = unpack_block(mask[a // 8:(b + 7) // 8], b - a, 1)
+        keep = codes[:b - a]
+        unpack_block(keep, mask[a // 8:(b + 7) // 8], 1)
         if accumulate:
             t = xp.multiply(g[a:b], keep)            # bounded temporary (one block)
             t *= scale

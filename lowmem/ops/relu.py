@@ -51,8 +51,10 @@ def relu_backward(dx, dout, mask, accumulate=False, block=None):
     xp = array_module(dout)
     d, g = flat(dx, "dx"), flat(dout, "dout")
     check_packed(mask, g.size, 1, "mask")
+    codes = xp.empty(min(g.size, bitpack.BLOCK if block is None else block), numpy.uint8)
     for a, b in bitpack.blocks(g.size, block):
-        keep = unpack_block(mask[a // 8:(b + 7) // 8], b - a, 1)
+        keep = codes[:b - a]
+        unpack_block(keep, mask[a // 8:(b + 7) // 8], 1)
         if accumulate:
             d[a:b] += xp.multiply(g[a:b], keep)      # bounded temporary (one block)
         else:
@@ -85,8 +87,10 @@ def clip_backward(dx, dout, code, accumulate=False, block=None):
     xp = array_module(dout)
     d, g = flat(dx, "dx"), flat(dout, "dout")
     check_packed(code, g.size, 2, "code")
+    codes = xp.empty(min(g.size, bitpack.BLOCK if block is None else block), numpy.uint8)
     for a, b in bitpack.blocks(g.size, block):
-        inside = xp.equal(unpack_block(code[a // 4:(b + 3) // 4], b - a, 2), INSIDE)
+        unpack_block(codes[:b - a], code[a // 4:(b + 3) // 4], 2)
+        inside = xp.equal(codes[:b - a], INSIDE)
         if accumulate:
             d[a:b] += xp.multiply(g[a:b], inside)
         else:

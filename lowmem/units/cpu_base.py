@@ -1,6 +1,6 @@
 """What the numba kernels of units/window_cpu.py and units/unbiased_cpu.py share: numba's presence,
-the float and stream constants, the block sizes, the packer (one code per byte <-> 8/K codes
-per byte, the layout of units/window.py) and the split of a call's channels over lowmem's threads.
+the float and stream constants, the block sizes, the packer's loops (ops/bitpack_cpu.py's, here
+as _pack and _unpack) and the split of a call's channels over lowmem's threads.
 """
 import numpy
 
@@ -35,6 +35,8 @@ if AVAILABLE:
     # Reductions: reassociation allowed (vectorised float64 sums; tests use a tolerance).
     _opts = dict(cache=True, nogil=True)
     _reduce = dict(cache=True, nogil=True, fastmath={"reassoc", "nsz"})
+    # the packer's loops (one code per byte <-> 8/K codes per byte): ops/bitpack_cpu.py's
+    from ..ops.bitpack_cpu import pack_bytes as _pack, unpack_bytes as _unpack  # noqa: F401
 
 
     # ---- the counter stream ----
@@ -47,53 +49,6 @@ if AVAILABLE:
         z = (z ^ (z >> S27)) * MIX2
         z = z ^ (z >> S31)
         return numpy.int32(z >> S_OFF)
-
-    # ---- packing: one code per byte <-> 8/K codes per byte, little end first ----
-
-    @njit(**_opts)
-    def _pack(prow, codes, bits):
-        """prow (n*bits/8,) uint8 <- codes (n,), n a multiple of 8/bits. One loop per K,
-        each with a constant number of codes per byte, so each vectorises."""
-        if bits == 8:
-            for j in range(prow.size):
-                prow[j] = codes[j]
-        elif bits == 4:
-            for j in range(prow.size):
-                prow[j] = codes[2 * j] | (codes[2 * j + 1] << 4)
-        elif bits == 2:
-            for j in range(prow.size):
-                prow[j] = (codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4)
-                           | (codes[4 * j + 3] << 6))
-        else:
-            for j in range(prow.size):
-                byte = 0
-                for q in range(8):
-                    byte |= codes[8 * j + q] << q
-                prow[j] = byte
-
-    @njit(**_opts)
-    def _unpack(codes, prow, bits):
-        """codes (n,) <- prow (n*bits/8,): the inverse of _pack; as there, one loop per K with a
-        constant number of codes per byte (not the general loop: docs/performance.md)."""
-        if bits == 8:
-            for j in range(prow.size):
-                codes[j] = prow[j]
-        elif bits == 4:
-            for j in range(prow.size):
-                byte = prow[j]
-                codes[2 * j] = byte & 15
-                codes[2 * j + 1] = byte >> 4
-        elif bits == 2:
-            for j in range(prow.size):
-                byte = prow[j]
-                codes[4 * j], codes[4 * j + 1] = byte & 3, (byte >> 2) & 3
-                codes[4 * j + 2], codes[4 * j + 3] = (byte >> 4) & 3, byte >> 6
-        else:
-            per, top = 8 // bits, (1 << bits) - 1
-            for j in range(prow.size):
-                byte = prow[j]
-                for q in range(per):
-                    codes[per * j + q] = (byte >> (q * bits)) & top
 
     @njit(**_opts)
     def _copy(dst, src):

@@ -30,28 +30,8 @@ UINTS = {4: numpy.uint32, 8: numpy.uint64}
 
 if AVAILABLE:
     from numba import njit
-    from .cpu_base import _opts, _pack, _unpack
-
-    @njit(**_opts)
-    def _pack_any(prow, codes, bits):
-        """prow (ceil(n*bits/8),) <- codes (n,), any n: whole bytes, then a last partial byte."""
-        per = 8 // bits
-        full = codes.size // per
-        _pack(prow[:full], codes[:full * per], bits)
-        if full * per < codes.size:
-            byte = 0
-            for q in range(codes.size - full * per):
-                byte |= codes[full * per + q] << (q * bits)
-            prow[full] = byte
-
-    @njit(**_opts)
-    def _unpack_any(codes, prow, bits):
-        """codes (n,) <- prow (ceil(n*bits/8),): the inverse of _pack_any."""
-        per, top = 8 // bits, (1 << bits) - 1
-        full = codes.size // per
-        _unpack(codes[:full * per], prow[:full], bits)
-        for q in range(codes.size - full * per):
-            codes[full * per + q] = (prow[full] >> (q * bits)) & top
+    from .cpu_base import _opts
+    from ..ops.bitpack_cpu import pack_any as _pack_any, unpack_any as _unpack_any
 
     @njit(**_opts)
     def _range(xi, xu, nil, sign):

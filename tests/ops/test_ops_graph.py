@@ -320,18 +320,6 @@ def test_clip_backward_finite_differences(rng, eps, lo, hi):
     np.testing.assert_array_equal(d2, acc + dx)
 
 
-def test_packed_codes_match_lowmems_kbit_layout(rng):
-    """The 1- and 2-bit layouts are units/packing.py's pack_codes layouts (one layout for all codes)."""
-    from lowmem.units import packing, stream
-    for bits in (1, 2):
-        codes = rng.integers(0, 1 << bits, 45).astype(np.uint8)
-        ours, theirs = np.empty(bitpack.packed_nbytes(45, bits), np.uint8), np.empty(packing.packed_nbytes(45, bits), np.uint8)
-        bitpack.pack_block(ours, codes, bits)
-        packing.pack_codes(theirs, codes, bits)
-        np.testing.assert_array_equal(ours, theirs)
-        np.testing.assert_array_equal(bitpack.unpack_block(ours, 45, bits), codes)
-
-
 def test_packed_ops_refuse_wrong_buffers(rng):
     x = rng.standard_normal((4, 4))
     with pytest.raises(ValueError, match=r"mask must be uint8 of shape \(2,\)"):

@@ -1,0 +1,85 @@
+"""The packer's loops in numba (optional: lowmem[fast]), ops/bitpack.py's layout: one code per byte
+<-> 8/K codes per byte, little end first. Every numba kernel that keeps or reads a code packs and
+unpacks through these (the units' codes in units/window_cpu.py and unbiased_cpu.py through
+units/cpu_base.py, the range code, ReLU's, ReLU6's and dropout's masks, max-pool's indices).
+
+    pack_bytes(prow, codes, bits)     codes (n,) -> prow (n*bits/8,), n a multiple of 8/bits
+    unpack_bytes(codes, prow, bits)   the inverse
+    pack_any, unpack_any              any n: whole bytes, then a last partial byte (high bits 0)
+
+The kernels call them on blocks of a few thousand codes held one per byte in an L1 scratch: a
+float loop writes that scratch element by element and one of these loops packs it (written the
+other way, shifting each code into its byte inside the float loop, LLVM gives up vectorising).
+"""
+from ..system.backend import numba_available
+
+AVAILABLE = numba_available()
+if AVAILABLE:
+    from numba import njit
+    _opts = dict(cache=True, nogil=True)
+
+    @njit(**_opts)
+    def pack_bytes(prow, codes, bits):
+        """prow (n*bits/8,) uint8 <- codes (n,), n a multiple of 8/bits. One loop per K,
+        each with a constant number of codes per byte, so each vectorises."""
+        if bits == 8:
+            for j in range(prow.size):
+                prow[j] = codes[j]
+        elif bits == 4:
+            for j in range(prow.size):
+                prow[j] = codes[2 * j] | (codes[2 * j + 1] << 4)
+        elif bits == 2:
+            for j in range(prow.size):
+                prow[j] = (codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4)
+                           | (codes[4 * j + 3] << 6))
+        else:
+            for j in range(prow.size):
+                byte = 0
+                for q in range(8):
+                    byte |= codes[8 * j + q] << q
+                prow[j] = byte
+
+    @njit(**_opts)
+    def unpack_bytes(codes, prow, bits):
+        """codes (n,) <- prow (n*bits/8,): the inverse of pack_bytes; as there, one loop per K with a
+        constant number of codes per byte (not the general loop: docs/performance.md)."""
+        if bits == 8:
+            for j in range(prow.size):
+                codes[j] = prow[j]
+        elif bits == 4:
+            for j in range(prow.size):
+                byte = prow[j]
+                codes[2 * j] = byte & 15
+                codes[2 * j + 1] = byte >> 4
+        elif bits == 2:
+            for j in range(prow.size):
+                byte = prow[j]
+                codes[4 * j], codes[4 * j + 1] = byte & 3, (byte >> 2) & 3
+                codes[4 * j + 2], codes[4 * j + 3] = (byte >> 4) & 3, byte >> 6
+        else:
+            per, top = 8 // bits, (1 << bits) - 1
+            for j in range(prow.size):
+                byte = prow[j]
+                for q in range(per):
+                    codes[per * j + q] = (byte >> (q * bits)) & top
+
+    @njit(**_opts)
+    def pack_any(prow, codes, bits):
+        """prow (ceil(n*bits/8),) <- codes (n,), any n: whole bytes, then a last partial byte."""
+        per = 8 // bits
+        full = codes.size // per
+        pack_bytes(prow[:full], codes[:full * per], bits)
+        if full * per < codes.size:
+            byte = 0
+            for q in range(codes.size - full * per):
+                byte |= codes[full * per + q] << (q * bits)
+            prow[full] = byte
+
+    @njit(**_opts)
+    def unpack_any(codes, prow, bits):
+        """codes (n,) <- prow (ceil(n*bits/8),): the inverse of pack_any."""
+        per, top = 8 // bits, (1 << bits) - 1
+        full = codes.size // per
+        unpack_bytes(codes[:full * per], prow[:full], bits)
+        for q in range(codes.size - full * per):
+            codes[full * per + q] = (prow[full] >> (q * bits)) & top
