@@ -47,6 +47,7 @@ from .. import units as kernels
 from ..units import stream
 from ..units.widths import check_rounding
 from ..ops import dropout
+from ..ops.codes import codes_for
 from ..ops.conv import columns_for
 from .optable import OPS, BatchStatisticsError
 from .plan import bind_parameters, code_bits, training_plan
@@ -134,7 +135,8 @@ class Engine:
             self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected,
                                 columns_for(self.xp, self.fused), keeper=self.keeper,
                                 norms=kernels.select_norms(self.xp, self.fused, self.keeper,
-                                                           self.arrays.get("bn.partials")))
+                                                           self.arrays.get("bn.partials")),
+                                codes=codes_for(self.xp, use_fast))
         self.reference_units = self._select_units(sizes, self.arrays, reference=True)
         self._ready = False                       # saved state holds a training forward
         self._input_grad_buffer = self.schedule.input_grad

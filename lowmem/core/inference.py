@@ -25,6 +25,7 @@ from .network import Parameter
 from .optable import OPS
 from .plan import Plan
 from .runstate import RunState
+from ..ops.codes import codes_for
 from ..ops.conv import columns_for
 
 DROPPED = ("grads", "optimizer")            # kinds an eval forward never touches
@@ -58,7 +59,8 @@ class InferenceEngine:
             stats[name] = flat[at:at + n].reshape(s.shape)
             stats[name][...] = self.xp.asarray(backend.to_numpy(s))
             at += n
-        self.run = RunState(self.arrays, params, stats, None, {}, columns_for(self.xp, full.fused))
+        self.run = RunState(self.arrays, params, stats, None, {}, columns_for(self.xp, full.fused),
+                            codes=codes_for(self.xp, use_fast))
 
     def predict(self, x):
         """Eval-mode logits (n, K), a copy, for x (n, C, H, W) with 1 <= n <= batch_size."""

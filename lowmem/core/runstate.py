@@ -17,6 +17,7 @@ each forward or backward. A handler reads its `schedule.Step` and this, nothing 
     keys        {unit or dropout layer: its stream key} for the current training forward
     keeper      how a conv keeps an input no unit rebuilds (lowmem/units/rangecode.py), chosen once
     norms       the kernels of a batch norm with no ReLU after it (lowmem/units/norm.py), chosen once
+    codes       the ops that keep a packed code: ReLU, ReLU6, dropout, max-pool (lowmem/ops/codes.py), chosen once
 """
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class RunState:
     keys: dict = field(default_factory=dict)
     keeper: object = None
     norms: object = None
+    codes: object = None
 
     def act(self, buf, shape):
         """(C, n, H, W) view at the start of a flat buffer (or the input slot), shape = (C, H, W)."""

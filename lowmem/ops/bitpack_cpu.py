@@ -11,6 +11,9 @@ The kernels call them on blocks of a few thousand codes held one per byte in an 
 float loop writes that scratch element by element and one of these loops packs it (written the
 other way, shifting each code into its byte inside the float loop, LLVM gives up vectorising).
 """
+import numpy
+
+from ..system import threads
 from ..system.backend import numba_available
 
 AVAILABLE = numba_available()
@@ -83,3 +86,26 @@ if AVAILABLE:
         unpack_bytes(codes[:full * per], prow[:full], bits)
         for q in range(codes.size - full * per):
             codes[full * per + q] = (prow[full] >> (q * bits)) & top
+
+
+BLOCK = 4096            # codes per block of the elementwise code kernels: a multiple of 8, its codes in L1
+GRAIN = 1 << 15         # elements per thread below which a call is not split
+
+
+def over_blocks(fn, n):
+    """fn(a, b) over [0, n) in ranges of whole BLOCKs (so every range starts on a byte of any
+    width's codes), split over lowmem's threads when n is large enough."""
+    nblocks = -(-n // BLOCK)
+    threads.parallel_for(lambda b0, b1: fn(b0 * BLOCK, min(n, b1 * BLOCK)), nblocks,
+                         grain=max(1, GRAIN // BLOCK))
+
+
+def same_or_apart(a, b):
+    """True when a and b are one array (the kernels then read and write it through one pointer:
+    LLVM vectorises a loop over two pointers that may overlap only behind a runtime check, which
+    an exact alias fails); False when they share no memory; ValueError for a partial overlap."""
+    if a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape:
+        return True
+    if numpy.may_share_memory(a, b):
+        raise ValueError("the output overlaps the input without being it")
+    return False

@@ -13,6 +13,7 @@ element i of one layer in one step draws the same bit whatever the block size, t
 or the kernel path, after a resume, and each data-parallel rank its own bits. P(keep) is
 1 - round(p*2**24)/2**24, exact to 6e-8 of 1 - p.
 Temporaries: one block (ops/bitpack.py BLOCK) of uint64 counters and a mask.
+These are the references; ops/codes.py names their one-pass twins (numba, CUDA).
 """
 import numbers
 

@@ -3,6 +3,8 @@
 Dimensions: C channels, N batch, H, W input, Ho, Wo output.
 Layout: x (C, N, H, W); max-pool and k x k average pool out (C, N, Ho, Wo); global
 average pool out (N, C).
+The max-pool here is the reference; ops/codes.py names its one-pass twins (numba, CUDA), which
+write and read the packed 4-bit index directly.
 """
 from ..system.backend import array_module
 from .conv import window_slices

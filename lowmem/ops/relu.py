@@ -14,6 +14,7 @@ The derivative at a kink is 0 (PyTorch's rule: relu's backward passes where the 
     says which side a clipped element left by, for a caller that wants it.
 Both forwards may run in place (out aliases x): the code is taken from each block of x before
 the block is overwritten. Temporaries: one block (ops/bitpack.py BLOCK) of masks / codes.
+These are the references; ops/codes.py names their one-pass twins (numba, CUDA).
 """
 from ..system.backend import array_module
 from . import bitpack

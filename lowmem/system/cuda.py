@@ -133,6 +133,12 @@ def i64(v):
     return numpy.int64(v)
 
 
+def address(a):
+    """Where array a's data starts: a CuPy array's device pointer (a NumPy array's, for the tests'
+    CPU emulation)."""
+    return a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
+
+
 def elem_strides(a):
     """a's strides in elements, as int64 kernel arguments."""
     return tuple(i64(s // a.itemsize) for s in a.strides)

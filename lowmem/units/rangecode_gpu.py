@@ -125,8 +125,9 @@ PROGRAM = cuda.Program("rangecode", SOURCE, block_sync=("range_encode",))
 
 
 def supports(x):
-    """Whether these kernels take x: a C-contiguous CuPy float32 or float64 array."""
-    return type(x).__module__.split(".", 1)[0] == "cupy" and x.flags.c_contiguous and x.dtype.name in REAL
+    """Whether these kernels take x (a device array: the engine picks this module for CuPy):
+    C-contiguous, float32 or float64."""
+    return x.flags.c_contiguous and x.dtype.name in REAL
 
 
 def _flat(a, name):

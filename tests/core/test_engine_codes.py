@@ -1,14 +1,16 @@
 """The one-pass kernels of the codes the general graph's ops keep (the range code of a conv's,
-a linear layer's or a lone BN's input: units/rangecode_cpu.py) leave a training step bit for
-bit what it was on the NumPy references: the loss, the logits and every parameter gradient of
+a linear layer's or a lone BN's input, units/rangecode_cpu.py; ReLU's, ReLU6's and dropout's
+masks and max-pool's indices, ops/codes.py's numba set) leave a training step bit for bit what
+it was on the NumPy references: the loss, the logits and every parameter gradient of
 the same engine, run once on its kernels and once with the references swapped in, for every
 hand-built graph of the newer ops (post-activation, dense, inverted residual, biased,
-classifier) and a small residual network with a max-pool, float32 and float64, 4-bit nearest
+classifier) and a small residual network with a max-pool (and their eval logits), float32 and float64, 4-bit nearest
 and 2-bit unbiased codes, at a batch whose activations end in partial groups."""
 import numpy as np
 import pytest
 
 from lowmem.core.engine import Engine
+from lowmem.ops import codes
 from lowmem.units import rangecode_cpu
 from reference import GRAPHS, batch, random_graph, randomize_units, tiny_graph
 
@@ -19,13 +21,16 @@ SHAPE = (3, 8, 8)          # every graph here reads 3x8x8 inputs
 def on_references(eng):
     """The engine with its code kernels swapped for the NumPy references."""
     eng.keeper.kernels = None
+    eng.run.codes = codes.REFERENCE
     return eng
 
 
 def step(eng, x, y):
     loss, logits = eng.forward(x, y)
+    logits = logits.copy()
     eng.backward()
-    return loss, logits.copy(), {p.name: p.grad.copy() for p in eng.net.parameters()}
+    grads = {p.name: p.grad.copy() for p in eng.net.parameters()}
+    return loss, np.concatenate([logits, eng.predict(x)]), grads
 
 
 def network(which, rng):
@@ -43,7 +48,7 @@ def test_a_step_is_bit_identical_on_the_code_kernels(which, dtype, bits, roundin
     for swap in (False, True):
         net_copy = network(which, np.random.default_rng(5))
         eng = Engine(net_copy, 3, SHAPE, mode="approx", bits=bits, rounding=rounding, dtype=dtype)
-        assert eng.keeper.kernels is rangecode_cpu
+        assert eng.keeper.kernels is rangecode_cpu and eng.run.codes is codes.NUMBA
         steps.append(step(on_references(eng) if swap else eng, x, y))
     (loss, logits, grads), (ref_loss, ref_logits, ref_grads) = steps
     assert loss == ref_loss and np.array_equal(logits, ref_logits)

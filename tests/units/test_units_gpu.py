@@ -40,11 +40,11 @@ from lowmem.system import cuda as cuda_helper
 from lowmem.train import optim, optim_gpu
 from lowmem.units import packing, stream, widths, window
 from lowmem.units import window_gpu as cuda
-from lowmem.units import gpu_base, unbiased_gpu, unbiased
+from lowmem.units import gpu_base, rangecode_gpu, unbiased_gpu, unbiased
 from lowmem.units.stream import Stream
 from lowmem.core.network import Parameter
 from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
-from lowmem.ops import columns_gpu, conv_groups, depthwise_gpu
+from lowmem.ops import columns_gpu, conv_groups, depthwise_gpu, dropout_gpu, pool_gpu, relu_gpu
 from lowmem.units import norm_gpu
 from lowmem.ops import batchnorm as bn_ops
 from lowmem.ops import conv as conv_ops
@@ -65,11 +65,14 @@ PROGRAMS = cuda_helper.PROGRAMS       # every program, now that the modules are 
 
 
 def test_every_program_is_registered():
-    assert set(PROGRAMS) == {"bn", "units", "columns", "sgd", "unbiased", "depthwise", "norm"}
+    assert set(PROGRAMS) == {"bn", "units", "columns", "sgd", "unbiased", "depthwise", "norm", "rangecode", "relu",
+                             "dropout", "pool"}
     assert (PROGRAMS["bn"] is gpu_base.PROGRAM and PROGRAMS["units"] is cuda.PROGRAM
             and PROGRAMS["columns"] is columns_gpu.PROGRAM
             and PROGRAMS["sgd"] is optim_gpu.PROGRAM and PROGRAMS["unbiased"] is unbiased_gpu.PROGRAM
-            and PROGRAMS["depthwise"] is depthwise_gpu.PROGRAM and PROGRAMS["norm"] is norm_gpu.PROGRAM)
+            and PROGRAMS["depthwise"] is depthwise_gpu.PROGRAM and PROGRAMS["norm"] is norm_gpu.PROGRAM
+            and PROGRAMS["rangecode"] is rangecode_gpu.PROGRAM and PROGRAMS["relu"] is relu_gpu.PROGRAM
+            and PROGRAMS["dropout"] is dropout_gpu.PROGRAM and PROGRAMS["pool"] is pool_gpu.PROGRAM)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")

@@ -4,7 +4,6 @@ stream: run.keys[layer], so a resumed run and every rank draw the same masks). E
 in place; each backward reads its output gradient only, so the input gradient may overwrite it.
 
 Dimensions: n = C*N*H*W elements of the layer's (C, H, W) input at batch N, taken flat."""
-from ...ops import relu_forward, relu_backward, relu6_forward, relu6_backward, dropout_forward, dropout_backward
 from ...ops import dropout as _dropout, relu as _relu
 from ...ops.bitpack import packed_nbytes
 from ...system.backend import array_module
@@ -54,15 +53,15 @@ class ReLU(_Elementwise):
     def forward(run, step):
         out, x = _flat(run, step.dst, step), _flat(run, step.src, step)
         if run.training:
-            relu_forward(out, _code(run, step, 1), x)
+            run.codes.relu_forward(out, _code(run, step, 1), x)
         else:
             array_module(x).maximum(x, 0, out=out)
 
     @staticmethod
     def backward(run, step):
         # saved: the 1-bit mask [x > 0], exact
-        relu_backward(_flat(run, step.dx, step), _flat(run, step.dout, step), _code(run, step, 1),
-                      step.accumulate)
+        run.codes.relu_backward(_flat(run, step.dx, step), _flat(run, step.dout, step), _code(run, step, 1),
+                                step.accumulate)
 
     @staticmethod
     def onnx(L, helper, read, write, opset):
@@ -77,15 +76,15 @@ class ReLU6(_Elementwise):
     def forward(run, step):
         out, x = _flat(run, step.dst, step), _flat(run, step.src, step)
         if run.training:
-            relu6_forward(out, _code(run, step, 2), x)
+            run.codes.relu6_forward(out, _code(run, step, 2), x)
         else:
             array_module(x).clip(x, 0, 6, out=out)
 
     @staticmethod
     def backward(run, step):
         # saved: the 2-bit region code of x, exact
-        relu6_backward(_flat(run, step.dx, step), _flat(run, step.dout, step), _code(run, step, 2),
-                       step.accumulate)
+        run.codes.relu6_backward(_flat(run, step.dx, step), _flat(run, step.dout, step), _code(run, step, 2),
+                                 step.accumulate)
 
     @staticmethod
     def onnx(L, helper, read, write, opset):
@@ -106,15 +105,15 @@ class Dropout(_Elementwise):
     def forward(run, step):
         out, x = _flat(run, step.dst, step), _flat(run, step.src, step)
         if run.training:
-            dropout_forward(out, _code(run, step, 1), x, step.layer.p, run.keys[step.name])
+            run.codes.dropout_forward(out, _code(run, step, 1), x, step.layer.p, run.keys[step.name])
         elif step.dst != step.src:
             out[...] = x
 
     @staticmethod
     def backward(run, step):
         # saved: the 1-bit keep mask, exact
-        dropout_backward(_flat(run, step.dx, step), _flat(run, step.dout, step), _code(run, step, 1),
-                         step.layer.p, step.accumulate)
+        run.codes.dropout_backward(_flat(run, step.dx, step), _flat(run, step.dout, step), _code(run, step, 1),
+                                   step.layer.p, step.accumulate)
 
     @staticmethod
     def onnx(L, helper, read, write, opset):

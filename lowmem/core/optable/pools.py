@@ -1,8 +1,8 @@
 """The k x k pools' entries: max-pool (keeps a 4-bit window index per output, exact) and
 average pool (keeps nothing). Their backward writes the input gradient (Op.route)."""
-from ...units import packing
-from ...ops import maxpool_forward, maxpool_backward, avgpool2d_forward, avgpool2d_backward
+from ...ops import avgpool2d_forward, avgpool2d_backward
 from ...ops import pool
+from ...ops.bitpack import packed_nbytes
 from ..network import NetworkError
 from .base import MAX_POOL_WINDOW, Op, window_shape
 
@@ -21,7 +21,7 @@ class MaxPool(Op):
     @staticmethod
     def plan(step, N, units, dtype, budget):
         L, (co, ho, wo) = step.layer, step.out_shape
-        return [(f"{L.name}.argmax", "saved", (packing.packed_nbytes(co * N * ho * wo, 4),), "uint8"),
+        return [(f"{L.name}.argmax", "saved", (packed_nbytes(co * N * ho * wo, 4),), "uint8"),
                 (f"{L.name}.index", "workspace", (co, N, ho, wo), "uint8")]
 
     @staticmethod
@@ -38,23 +38,21 @@ class MaxPool(Op):
     @staticmethod
     def _argmax(run, step):
         co, ho, wo = step.out_shape
-        return run.arrays[step.saved[0]][:packing.packed_nbytes(co * run.n * ho * wo, 4)]
+        return run.arrays[step.saved[0]][:packed_nbytes(co * run.n * ho * wo, 4)]
 
     @staticmethod
     def forward(run, step):
-        L, idx = step.layer, MaxPool._index(run, step)
-        maxpool_forward(run.act(step.dst, step.out_shape), idx, run.act(step.src, step.in_shape),
-                        L.k, L.stride, L.pad)
-        if run.training:
-            packing.pack_codes(MaxPool._argmax(run, step), idx.reshape(-1), 4)
+        # the index workspace: where the reference writes one index per output before packing
+        L, code = step.layer, MaxPool._argmax(run, step) if run.training else None
+        run.codes.maxpool_forward(run.act(step.dst, step.out_shape), code, MaxPool._index(run, step),
+                                  run.act(step.src, step.in_shape), L.k, L.stride, L.pad)
 
     @staticmethod
     def backward(run, step):
         # saved: argmax, exact (a 4-bit window index per output)
-        L, idx = step.layer, MaxPool._index(run, step)
-        packing.unpack_codes(idx.reshape(-1), MaxPool._argmax(run, step), 4)
-        maxpool_backward(run.act(step.dx, step.in_shape), run.act(step.dout, step.out_shape), idx,
-                         L.k, L.stride, L.pad)
+        L = step.layer
+        run.codes.maxpool_backward(run.act(step.dx, step.in_shape), run.act(step.dout, step.out_shape),
+                                   MaxPool._argmax(run, step), MaxPool._index(run, step), L.k, L.stride, L.pad)
 
     @staticmethod
     def onnx(L, helper, read, write, opset):
