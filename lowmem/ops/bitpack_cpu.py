@@ -100,6 +100,13 @@ def over_blocks(fn, n):
                          grain=max(1, GRAIN // BLOCK))
 
 
+def supports(*arrays):
+    """Whether the elementwise code kernels take the arrays: numba present, NumPy, C-contiguous,
+    float32 or float64 of one dtype."""
+    return (AVAILABLE and all(type(a) is numpy.ndarray and a.flags.c_contiguous for a in arrays)
+            and arrays[0].dtype in (numpy.float32, numpy.float64) and all(a.dtype == arrays[0].dtype for a in arrays))
+
+
 def same_or_apart(a, b):
     """True when a and b are one array (the kernels then read and write it through one pointer:
     LLVM vectorises a loop over two pointers that may overlap only behind a runtime check, which

@@ -15,7 +15,7 @@ import numpy
 
 from . import dropout as reference
 from .bitpack import check_packed, flat
-from .bitpack_cpu import AVAILABLE, BLOCK, over_blocks, same_or_apart
+from .bitpack_cpu import AVAILABLE, BLOCK, over_blocks, same_or_apart, supports
 from ..system.splitmix import GOLDEN, MIX1, MIX2, mix64
 
 if AVAILABLE:
@@ -82,12 +82,6 @@ if AVAILABLE:
                 _scaled_inplace(dout[i0:i1], c, scale, one)
             else:
                 _scaled(dx[i0:i1], dout[i0:i1], c, scale, one)
-
-
-def supports(*arrays):
-    """Whether these kernels take the arrays: numba present, NumPy float32 or float64, C-contiguous."""
-    return (AVAILABLE and all(type(a) is numpy.ndarray and a.flags.c_contiguous for a in arrays)
-            and arrays[0].dtype in (numpy.float32, numpy.float64) and all(a.dtype == arrays[0].dtype for a in arrays))
 
 
 def dropout_forward(out, mask, x, p, key):

@@ -11,9 +11,8 @@ import numpy
 
 from . import dropout as reference
 from .bitpack import check_packed, flat
-from .relu_gpu import _partial_overlap, supports
 from ..system import cuda
-from ..system.cuda import i64
+from ..system.cuda import i64, partial_overlap as _partial_overlap, supports
 from ..system.splitmix import mix64
 
 SOURCE = r"""

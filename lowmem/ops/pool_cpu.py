@@ -8,9 +8,10 @@ lowmem[fast]), the CPU twin of ops/pool.py's max-pool (the reference) and ops/po
                                                         maximum each input was
 
 The reference writes one uint8 index per output into a workspace and packs it in a second pass
-(and unpacks it before the backward), and walks the windows offset by offset over the whole
-tensor. Here each output's window is read once and its index goes straight into the packed code;
-the backward reads the code where it needs it and writes every dx element once.
+(and unpacks it before the backward), and walks the window offsets over the whole tensor, with
+masked copies. Here one plane at a time stays in L1: its outputs and indices are built offset by
+offset as there, and the indices packed from the plane's scratch (the backward unpacks a plane's
+and routes dout into the dx plane the same way); nothing activation-sized is read twice.
 
 Arithmetic: the reference's, element by element (tests/ops/test_pool_cpu.py): the forward keeps
 the first strict maximum in row-major window order (NaN never wins; a window of -inf or NaN gives
@@ -21,78 +22,110 @@ Layout: x, dx (C, N, H, W) and out, dout (C, N, Ho, Wo), C-contiguous, float32 o
 import numpy
 
 from .bitpack import check_packed
-from .bitpack_cpu import AVAILABLE, BLOCK, GRAIN
+from .bitpack_cpu import AVAILABLE, GRAIN, supports
 from ..system import threads
 
 if AVAILABLE:
     from numba import njit
-    from .bitpack_cpu import pack_any
+    from .bitpack_cpu import pack_any, unpack_any
     _opts = dict(cache=True, nogil=True)
 
     @njit(**_opts)
-    def _forward(out, argmax, x, k, stride, pad, a, b, keep, neg):
-        """Flat outputs [a, b) of out (C*N*Ho*Wo,) from x (C*N, H, W); with keep, their 4-bit
-        indices packed into argmax (a and b even, so the range owns whole bytes). neg: -inf in
-        x's dtype."""
-        P, H, W = x.shape
+    def _window_ranges(n_in, n_out, i, stride, pad):
+        """The outputs o in [o0, o1) whose offset-i input o*stride - pad + i lies in [0, n_in)
+        (ops/conv.py's window_slices, for one offset)."""
+        o0 = (pad - i + stride - 1) // stride if pad > i else 0
+        last = n_in - 1 + pad - i
+        o1 = min(n_out, last // stride + 1) if last >= 0 else 0
+        return o0, max(o0, o1)
+
+    @njit(**_opts)
+    def _forward(out, argmax, x, k, stride, pad, p0, p1, keep, neg):
+        """Planes p0 .. p1-1 of out (C*N, Ho, Wo) from x (C*N, H, W), window offset by window
+        offset as the reference, in one plane's L1-sized scratch of indices; with keep, the
+        indices packed into argmax (a plane may start inside a byte: its low half belongs to the
+        plane before, in this range unless p0 starts one)."""
+        H, W = x.shape[1], x.shape[2]
         Ho, Wo = out.shape[1], out.shape[2]
-        cb = numpy.empty(BLOCK, numpy.uint8)
-        for e0 in range(a, b, BLOCK):
-            e1 = min(b, e0 + BLOCK)
-            for e in range(e0, e1):
-                p, r = e // (Ho * Wo), e % (Ho * Wo)
-                oh, ow = r // Wo, r % Wo
-                best, arg = neg, 0
-                for i in range(k):
-                    ih = oh * stride - pad + i
-                    if ih < 0 or ih >= H:
-                        continue
-                    for j in range(k):
-                        iw = ow * stride - pad + j
-                        if iw < 0 or iw >= W:
-                            continue
-                        v = x[p, ih, iw]
-                        if v > best:
-                            best, arg = v, i * k + j
-                out[p, oh, ow] = best
-                cb[e - e0] = arg
+        plane = Ho * Wo
+        idx = numpy.empty((Ho, Wo), numpy.uint8)
+        flat_idx = idx.reshape(plane)
+        for p in range(p0, p1):
+            o = out[p]
+            o[:, :] = neg
+            idx[:, :] = 0
+            for i in range(k):
+                h0, h1 = _window_ranges(H, Ho, i, stride, pad)
+                for j in range(k):
+                    w0, w1 = _window_ranges(W, Wo, j, stride, pad)
+                    code = numpy.uint8(i * k + j)
+                    for oh in range(h0, h1):
+                        _better(o[oh, w0:w1], idx[oh, w0:w1], x[p, oh * stride - pad + i, w0 * stride - pad + j:],
+                                stride, code)
             if keep:
-                pack_any(argmax[e0 // 2:(e1 + 1) // 2], cb[:e1 - e0], 4)
+                e = p * plane
+                if e % 2:                               # the plane's first index: a high half byte
+                    argmax[e // 2] = (argmax[e // 2] & 15) | (flat_idx[0] << 4)
+                    pack_any(argmax[(e + 1) // 2:(e + plane + 1) // 2], flat_idx[1:], 4)
+                else:
+                    pack_any(argmax[e // 2:(e + plane + 1) // 2], flat_idx, 4)
+
+    @njit(**_opts)
+    def _better(orow, irow, xs, stride, code):
+        """orow, irow <- xs[stride * t] where it is > orow (strictly: the first maximum stays). Every
+        store made (selects), the loop over slices from 0 and the common strides as constants: so
+        LLVM vectorises it (an index like stride*ow + shift from a range not starting at 0 carries
+        numba's negative-index check, which it does not)."""
+        if stride == 2:
+            for t in range(orow.size):
+                v, o = xs[2 * t], orow[t]
+                up = v > o
+                orow[t] = v if up else o
+                irow[t] = code if up else irow[t]
+        else:
+            for t in range(orow.size):
+                v, o = xs[stride * t], orow[t]
+                up = v > o
+                orow[t] = v if up else o
+                irow[t] = code if up else irow[t]
 
     @njit(**_opts)
     def _backward(dx, dout, argmax, k, stride, pad, p0, p1, nil):
-        """Planes p0 .. p1-1 of dx (C*N, H, W) from dout (C*N, Ho, Wo) and the packed indices; nil:
-        +0 in dx's dtype."""
+        """Planes p0 .. p1-1 of dx (C*N, H, W) from dout (C*N, Ho, Wo) and the packed indices, as
+        the reference: dx = 0, then per window offset in order, + dout where the index names it
+        and + 0 where not."""
         H, W = dx.shape[1], dx.shape[2]
         Ho, Wo = dout.shape[1], dout.shape[2]
+        plane = Ho * Wo
+        idx = numpy.empty((Ho, Wo), numpy.uint8)
+        flat_idx = idx.reshape(plane)
         for p in range(p0, p1):
-            for h in range(H):
-                for w in range(W):
-                    acc = nil
-                    for i in range(k):
-                        t = h + pad - i
-                        if t < 0 or t % stride:
-                            continue
-                        oh = t // stride
-                        if oh >= Ho:
-                            continue
-                        for j in range(k):
-                            u = w + pad - j
-                            if u < 0 or u % stride:
-                                continue
-                            ow = u // stride
-                            if ow >= Wo:
-                                continue
-                            e = (p * Ho + oh) * Wo + ow
-                            code = (argmax[e >> 1] >> ((e & 1) * 4)) & 15
-                            acc += dout[p, oh, ow] if code == i * k + j else nil
-                    dx[p, h, w] = acc
+            e = p * plane
+            if e % 2:
+                flat_idx[0] = argmax[e // 2] >> 4
+                unpack_any(flat_idx[1:], argmax[(e + 1) // 2:(e + plane + 1) // 2], 4)
+            else:
+                unpack_any(flat_idx, argmax[e // 2:(e + plane + 1) // 2], 4)
+            d = dx[p]
+            d[:, :] = nil
+            for i in range(k):
+                h0, h1 = _window_ranges(H, Ho, i, stride, pad)
+                for j in range(k):
+                    w0, w1 = _window_ranges(W, Wo, j, stride, pad)
+                    code = numpy.uint8(i * k + j)
+                    for oh in range(h0, h1):
+                        _route(d[oh * stride - pad + i, w0 * stride - pad + j:], dout[p, oh, w0:w1], idx[oh, w0:w1],
+                               stride, code, nil)
 
-
-def supports(*arrays):
-    """Whether these kernels take the arrays: numba present, NumPy float32 or float64, C-contiguous."""
-    return (AVAILABLE and all(type(a) is numpy.ndarray and a.flags.c_contiguous for a in arrays)
-            and arrays[0].dtype in (numpy.float32, numpy.float64) and all(a.dtype == arrays[0].dtype for a in arrays))
+    @njit(**_opts)
+    def _route(ds, grow, irow, stride, code, nil):
+        """ds[stride * t] += grow[t] where the index is `code`, else + 0 (as the reference)."""
+        if stride == 2:
+            for t in range(grow.size):
+                ds[2 * t] += grow[t] if irow[t] == code else nil
+        else:
+            for t in range(grow.size):
+                ds[stride * t] += grow[t] if irow[t] == code else nil
 
 
 def maxpool_forward(out, argmax, x, k=3, stride=2, pad=1):
@@ -110,9 +143,7 @@ def maxpool_forward(out, argmax, x, k=3, stride=2, pad=1):
     o, xs = out.reshape(C * N, Ho, Wo), x.reshape(C * N, H, W)
     code = argmax if keep else numpy.empty(1, numpy.uint8)
     neg = x.dtype.type(-numpy.inf)
-    blocks = -(-n // BLOCK)
-    threads.parallel_for(lambda b0, b1: _forward(o, code, xs, k, stride, pad, b0 * BLOCK, min(n, b1 * BLOCK),
-                                                 keep, neg), blocks, grain=max(1, GRAIN // BLOCK))
+    _over_planes(lambda p0, p1: _forward(o, code, xs, k, stride, pad, p0, p1, keep, neg), C * N, Ho * Wo, H * W)
 
 
 def maxpool_backward(dx, dout, argmax, k=3, stride=2, pad=1):
@@ -128,5 +159,13 @@ def maxpool_backward(dx, dout, argmax, k=3, stride=2, pad=1):
                          f"be C-contiguous float32 or float64 of one dtype")
     d, g = dx.reshape(C * N, H, W), dout.reshape(C * N, Ho, Wo)
     nil = dx.dtype.type(0)
-    threads.parallel_for(lambda p0, p1: _backward(d, g, argmax, k, stride, pad, p0, p1, nil), C * N,
-                         grain=max(1, GRAIN // max(1, H * W)))
+    _over_planes(lambda p0, p1: _backward(d, g, argmax, k, stride, pad, p0, p1, nil), C * N, Ho * Wo, H * W)
+
+
+def _over_planes(fn, P, plane, in_plane):
+    """fn(p0, p1) over planes split over lowmem's threads; with an odd plane, in pairs, so each range
+    starts its indices on a whole byte (a byte is never written by two threads)."""
+    step = 2 if plane % 2 else 1
+    units = -(-P // step)
+    threads.parallel_for(lambda u0, u1: fn(u0 * step, min(P, u1 * step)), units,
+                         grain=max(1, GRAIN // max(1, step * (plane + in_plane))))

@@ -9,10 +9,9 @@ Program "pool".
 import numpy
 
 from .bitpack import check_packed
-from .relu_gpu import supports  # noqa: F401 (ops/codes.py asks each module)
 from ..system import cuda
 from ..system.backend import array_module
-from ..system.cuda import i32, i64
+from ..system.cuda import i32, i64, supports  # noqa: F401 (ops/codes.py asks each module)
 
 SOURCE = r"""
 // out (P, Ho, Wo) = window maxima of x (P, H, W); argmax (packed 4-bit) <- first maximum's i*k + j.

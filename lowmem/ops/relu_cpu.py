@@ -21,7 +21,7 @@ import numpy
 
 from . import relu as reference
 from .bitpack import check_packed, flat
-from .bitpack_cpu import AVAILABLE, BLOCK, over_blocks, same_or_apart
+from .bitpack_cpu import AVAILABLE, BLOCK, over_blocks, same_or_apart, supports
 
 if AVAILABLE:
     from numba import njit
@@ -117,12 +117,6 @@ if AVAILABLE:
         nil = one - one
         for i in range(g.size):
             g[i] = g[i] * (one if c[i] == passes else nil)
-
-
-def supports(*arrays):
-    """Whether these kernels take the arrays: numba present, NumPy float32 or float64, C-contiguous."""
-    return (AVAILABLE and all(type(a) is numpy.ndarray and a.flags.c_contiguous for a in arrays)
-            and arrays[0].dtype in (numpy.float32, numpy.float64) and all(a.dtype == arrays[0].dtype for a in arrays))
 
 
 def relu_forward(out, mask, x):

@@ -15,7 +15,7 @@ import numpy
 from . import relu as reference
 from .bitpack import check_packed, flat
 from ..system import cuda
-from ..system.cuda import REAL, i64
+from ..system.cuda import i64, partial_overlap as _partial_overlap, supports
 
 SOURCE = r"""
 // forward: one thread per code byte (8 / bits elements); relu: bits 1, clip: bits 2
@@ -63,18 +63,6 @@ extern "C" __global__ void gate_backward(real* dx, const real* dout, const unsig
 """
 
 PROGRAM = cuda.Program("relu", SOURCE)
-
-
-def supports(*arrays):
-    """Whether these kernels take the arrays (device arrays: the engine picks this module for CuPy):
-    C-contiguous, float32 or float64 of one dtype."""
-    return (all(a.flags.c_contiguous for a in arrays) and arrays[0].dtype.name in REAL
-            and all(a.dtype == arrays[0].dtype for a in arrays))
-
-
-def _partial_overlap(a, b):
-    pa, pb = cuda.address(a), cuda.address(b)
-    return pa != pb and pa < pb + b.nbytes and pb < pa + a.nbytes
 
 
 def relu_forward(out, mask, x):

@@ -139,6 +139,20 @@ def address(a):
     return a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
 
 
+def supports(*arrays):
+    """Whether the elementwise kernels take these device arrays: C-contiguous, float32 or float64
+    of one dtype."""
+    return (all(a.flags.c_contiguous for a in arrays) and arrays[0].dtype.name in REAL
+            and all(a.dtype == arrays[0].dtype for a in arrays))
+
+
+def partial_overlap(a, b):
+    """Whether two arrays share memory without being the same array (a kernel that may write its
+    input in place cannot take that)."""
+    pa, pb = address(a), address(b)
+    return pa != pb and pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
 def elem_strides(a):
     """a's strides in elements, as int64 kernel arguments."""
     return tuple(i64(s // a.itemsize) for s in a.strides)

@@ -22,7 +22,7 @@ Built through lowmem/system/cuda.py (program "rangecode"), compiled per dtype at
 import numpy
 
 from ..system import cuda
-from ..system.cuda import BLOCK, REAL, i64
+from ..system.cuda import BLOCK, REAL, i64, supports  # noqa: F401 (RangeKeep asks it)
 from .rangecode import F32_MAX, GROUP
 
 assert GROUP == BLOCK, "one block per group"
@@ -122,12 +122,6 @@ extern "C" __global__ void range_decode(real* out, const unsigned char* packed, 
 """
 
 PROGRAM = cuda.Program("rangecode", SOURCE, block_sync=("range_encode",))
-
-
-def supports(x):
-    """Whether these kernels take x (a device array: the engine picks this module for CuPy):
-    C-contiguous, float32 or float64."""
-    return x.flags.c_contiguous and x.dtype.name in REAL
 
 
 def _flat(a, name):

@@ -13,7 +13,7 @@ from lowmem.system import threads
 
 pytestmark = pytest.mark.skipif(not fast.AVAILABLE, reason="numba not installed")
 
-SHAPES = [(1, 1, 5, 5), (3, 2, 7, 9), (2, 1, 8, 8), (4, 3, 13, 11)]
+SHAPES = [(1, 1, 5, 5), (3, 2, 7, 9), (2, 1, 8, 8), (4, 3, 13, 11), (2, 3, 9, 9)]
 WINDOWS = [(3, 2, 1), (2, 2, 0), (3, 1, 1)]
 
 
@@ -63,13 +63,13 @@ def test_forward_and_backward_equal_the_reference(rng, dtype, shape, k, stride, 
 
 
 @pytest.mark.parametrize("count", [1, 2])
-def test_across_threads(rng, monkeypatch, count):
+@pytest.mark.parametrize("shape", [(3, 5, 17, 15), (3, 5, 17, 17)], ids=["even planes", "odd planes"])
+def test_across_threads(rng, monkeypatch, count, shape):
     before = threads.threads()
     threads.configure(count)
-    monkeypatch.setattr(fast, "GRAIN", 64)
-    monkeypatch.setattr(fast, "BLOCK", 64)
+    monkeypatch.setattr(fast, "GRAIN", 1)
     try:
-        x = data(rng, (3, 5, 17, 15), np.float32)
+        x = data(rng, shape, np.float32)
         want_out, index, want_code = reference(x, 3, 2, 1)
         out, code = np.empty_like(want_out), np.empty_like(want_code)
         fast.maxpool_forward(out, code, x, 3, 2, 1)
