@@ -34,7 +34,7 @@ def leaky_backward(dx, dout, mask, accumulate=False):
     d, g = flat(dx, "dx"), flat(dout, "dout")
     check_packed(mask, g.size, 1, "mask")
     for a, b in blocks(g.size):
-        neg = unpack_block(mask[a // 8:(b + 7) // 8], b - a, 1) == 0
+        neg = unpack_block(np.empty(b - a, np.uint8), mask[a // 8:(b + 7) // 8], 1) == 0
         if accumulate:
             d[a:b] += np.where(neg, SLOPE * g[a:b], g[a:b])    # a block of temporaries
         else:

@@ -84,11 +84,12 @@ def pack_block(out, codes, bits, tmp=None):
 
 
 def unpack_block(codes, packed, bits):
-    """codes (m,) uint8 <- packed (packed_nbytes(m, bits),), written in place (no temporaries)."""
+    """codes (m,) uint8 <- packed (packed_nbytes(m, bits),), written in place (no temporaries);
+    returns codes."""
     xp = array_module(packed)
     if bits == 8:
         xp.copyto(codes, packed)
-        return
+        return codes
     per, top = 8 // bits, (1 << bits) - 1
     full = codes.size // per
     g = codes[:full * per].reshape(full, per)
@@ -98,6 +99,7 @@ def unpack_block(codes, packed, bits):
         xp.bitwise_and(g[:, j], top, out=g[:, j])
     for j in range(codes.size - full * per):
         codes[full * per + j:full * per + j + 1] = (packed[full:full + 1] >> (j * bits)) & top
+    return codes
 
 
 def pack_codes(packed, codes, bits):

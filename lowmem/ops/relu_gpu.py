@@ -100,7 +100,8 @@ def _backward(dx, dout, packed, bits, passes, accumulate, fallback):
         raise ValueError("dx overlaps dout without being it")
     if g.size:
         PROGRAM.launch("gate_backward", g.dtype, (cuda.blocks(g.size),),
-                       (d, g, packed, i64(g.size), numpy.int32(bits), numpy.int32(passes), numpy.int32(bool(accumulate))))
+                       (d, g, packed, i64(g.size), numpy.int32(bits), numpy.int32(passes),
+                        numpy.int32(bool(accumulate))))
 
 
 def relu_backward(dx, dout, mask, accumulate=False):

@@ -149,13 +149,13 @@ class RangeKeep:
 
     def keep(self, slots, x):
         n = x.size
-        self._module(x).range_encode(slots[0][:packing.packed_nbytes(n, self.bits)], slots[1][:groups(n)], slots[2][:groups(n)],
-                     x, self.bits)
+        self._module(x).range_encode(slots[0][:packing.packed_nbytes(n, self.bits)], slots[1][:groups(n)],
+                                     slots[2][:groups(n)], x, self.bits)
 
     def restore(self, out, slots):
         n = out.size
         self._module(out).range_decode(out, slots[0][:packing.packed_nbytes(n, self.bits)], slots[1][:groups(n)],
-                     slots[2][:groups(n)], self.bits)
+                                       slots[2][:groups(n)], self.bits)
 
 
 def keeper(bits, kernels=None):

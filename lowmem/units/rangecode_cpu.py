@@ -68,7 +68,8 @@ if AVAILABLE:
         """Groups g0 .. g1-1 of x (n,); xi, xu: x's bits as signed and unsigned integers; ends: two
         integers the caller also views as two floats of x's dtype (the range's ends, bits to float).
         lev = 2**bits - 1, fmax = the float32 maximum and big = the dtype's maximum (nan_to_num's
-        +inf), in x's dtype; nil_i: 0 as xi's integer; sign: the sign bit alone (-0); inf_i, inf_u: +inf's and -inf's bits.
+        +inf), in x's dtype; nil_i: 0 as xi's integer; sign: the sign bit alone (-0); inf_i, inf_u:
+        +inf's and -inf's bits.
         Reference: rangecode._encode."""
         n = x.size
         codes = numpy.empty(GROUP, numpy.uint8)
