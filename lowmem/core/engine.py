@@ -49,7 +49,7 @@ from ..units.widths import check_rounding
 from ..ops import dropout
 from ..ops.codes import codes_for
 from ..ops.conv import columns_for
-from .optable import OPS, BatchStatisticsError
+from .optable import OPS, BatchStatisticsError, forward_groups
 from .plan import bind_parameters, code_bits, training_plan
 from ..system.memory import fmt_bytes
 from .runstate import RunState
@@ -138,6 +138,7 @@ class Engine:
                                                            self.arrays.get("bn.partials")),
                                 codes=codes_for(self.xp, use_fast))
         self.reference_units = self._select_units(sizes, self.arrays, reference=True)
+        self._forward_groups = forward_groups(self.schedule, self.run is not None and self.run.norms.fused)
         self._ready = False                       # saved state holds a training forward
         self._input_grad_buffer = self.schedule.input_grad
 
@@ -234,12 +235,15 @@ class Engine:
         self.xp.copyto(run.act("input", self.input_shape), x.transpose(1, 0, 2, 3))
 
     def _sweep(self, phase, before=None):
-        handler = "forward" if phase == "fwd" else "backward"
+        if phase == "fwd":                        # a post-activation block's end may run as one handler
+            for handler, steps in self._forward_groups:
+                handler(self.run, *steps)
+            return
         for step in self.schedule:
             if step.phase == phase:
                 if before is not None:
                     before(step)
-                getattr(OPS[step.op], handler)(self.run, step)
+                OPS[step.op].backward(self.run, step)
 
     def backward(self, input_grad=False, units=None, before=None, keep=False):
         """Fill p.grad of every parameter (overwriting) for the last forward().

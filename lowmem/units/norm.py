@@ -13,7 +13,9 @@ The sets:
     NormKernels(keeper)          ops/batchnorm.py's array ops (NumPy or CuPy): the reference
     FusedNormKernels(module, keeper)   units/norm_cpu.py (numba) or units/norm_gpu.py (CUDA):
                                  statistics by the units' kernels (window_cpu / gpu_base), x-hat,
-                                 its float slot and out in one pass; the backward's sums and dx in two
+                                 its float slot and out in one pass; the backward's sums and dx in two;
+                                 and forward_add_relu: a batch norm, an add and a ReLU (a ResNet
+                                 block's end) in one pass (core/optable's forward_groups)
 
 Both compute the same x-hat and out for the same statistics, bit for bit (so an engine's exact
 and approx forwards stay equal); the fused statistics and sums are reductions in another order
@@ -79,6 +81,21 @@ class FusedNormKernels(NormKernels):
         self.module.normalize(out, x, mean, rstd)
         self.keeper.keep(slots, out.reshape(-1))
         self.module.apply(out, gamma, beta)
+
+    def forward_add_relu(self, out, mask, slots, x, other, mean, rstd, gamma, beta, scratch):
+        """A post-activation block's end in one pass: x-hat kept in its slots, out =
+        relu(gamma*x-hat + beta + other), mask (ceil(C*M/8),) <- [gamma*x-hat + beta + other > 0]
+        packed 1 bit each (ops/relu.py's code), as the batch norm, the add and the ReLU would leave
+        them, bit for bit. scratch: the batch norm's own (C, M) output buffer, which no one reads:
+        with a range code x-hat passes through it to be coded, then the pass reads it back. out
+        may alias x, other or scratch."""
+        C, M = x.shape
+        if not self.keeper.decodes:
+            self.module.forward_add_relu(out, mask, _xhat(slots, C, M), x, other, mean, rstd, gamma, beta)
+            return
+        self.module.normalize(scratch, x, mean, rstd)
+        self.keeper.keep(slots, scratch.reshape(-1))
+        self.module.forward_add_relu(out, mask, None, scratch, other, mean, rstd, gamma, beta)
 
     def backward(self, dx, dgamma, dbeta, dy, slots, rstd, gamma, accumulate, scratch):
         # saved: x-hat, exact (float) or approximate (its range code), and rstd exact

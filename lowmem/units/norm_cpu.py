@@ -21,11 +21,12 @@ Cores: channels split over lowmem's threads (units/cpu_base.py).
 """
 import numpy
 
-from .cpu_base import AVAILABLE, BLOCK, _over_channels, _overlap
+from ..system import threads
+from .cpu_base import AVAILABLE, BLOCK, GRAIN, _over_channels, _overlap
 
 if AVAILABLE:
     from numba import njit
-    from .cpu_base import _copy, _opts, _reduce
+    from .cpu_base import _copy, _opts, _pack, _reduce
 
     @njit(**_opts)
     def _normalize_block(h, xr, m, r):
@@ -117,6 +118,49 @@ if AVAILABLE:
                     _copy(dx[c, i0:i1], tb)
 
 
+    @njit(**_opts)
+    def _add_relu_block(rb, cb, hb, src, other, mean, rstd, gamma, beta, M, a, b, normalized, zero):
+        """Flat elements [a, b) into L1 scratch: hb = x-hat ((x - mean)*rstd, or src itself when
+        normalized), rb = relu(x-hat*gamma + beta + other) (numpy.maximum's: NaN passes, -0 and
+        below become +0: zero), cb = [x-hat*gamma + beta + other > 0]; channel by channel (c = e // M)."""
+        e = a
+        while e < b:
+            c = e // M
+            e1 = min(b, (c + 1) * M)
+            m, r, g, bb = mean[c], rstd[c], gamma[c], beta[c]
+            for t in range(e, e1):
+                h = src[t] if normalized else (src[t] - m) * r
+                z = (h * g + bb) + other[t]
+                on = z > 0
+                hb[t - a] = h
+                cb[t - a] = on
+                rb[t - a] = z if on or z != z else zero
+            e = e1
+
+    @njit(**_opts)
+    def _forward_add_relu(out, mask, xhat, src, other, mean, rstd, gamma, beta, M, b0, b1, keep, normalized, zero):
+        """Blocks b0 .. b1 - 1 of BLOCK flat elements: the block's x-hat, relu output and mask bits
+        in scratch (so out may alias src or other), then x-hat kept (keep), out and the mask's
+        bytes written."""
+        n = src.size
+        hb = numpy.empty(BLOCK, src.dtype)
+        rb = numpy.empty(BLOCK, src.dtype)
+        cb = numpy.empty(BLOCK, numpy.uint8)
+        for k in range(b0, b1):
+            a, b = k * BLOCK, min(n, (k + 1) * BLOCK)
+            _add_relu_block(rb, cb, hb, src, other, mean, rstd, gamma, beta, M, a, b, normalized, zero)
+            if keep:
+                _copy(xhat[a:b], hb[:b - a])
+            _copy(out[a:b], rb[:b - a])
+            full = (b - a) // 8
+            _pack(mask[a // 8:a // 8 + full], cb[:full * 8], 1)
+            if full * 8 < b - a:                         # the tensor's last, partial byte
+                byte = 0
+                for q in range(b - a - full * 8):
+                    byte |= cb[full * 8 + q] << q
+                mask[a // 8 + full] = byte
+
+
 def supports(*arrays):
     """Whether the kernels take these arrays: numba present, C-contiguous NumPy float32 or float64
     arrays of one dtype."""
@@ -156,3 +200,19 @@ def backward(dx, dgamma, dbeta, dy, xhat, gamma, rstd, accumulate=False):
     inplace, zero = _overlap(dx, dy), dy.dtype.type(0)
     _split(lambda c0, c1: _backward(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dy[c0:c1], xhat[c0:c1], gamma[c0:c1],
                                     rstd[c0:c1], bool(accumulate), inplace, zero), C, M)
+
+
+def forward_add_relu(out, mask, xhat, src, other, mean, rstd, gamma, beta):
+    """A batch norm, an add and a ReLU in one pass over (C, M) rows: with xhat (the float slot)
+    x-hat = (src - mean)*rstd is kept there, with xhat None src is x-hat already; out =
+    relu(x-hat*gamma + beta + other) (numpy.maximum's rules), mask (ceil(C*M/8),) uint8 <- [that
+    sum > 0], the layout of ops/bitpack.py. The three ops' operations in their order: bit for
+    bit bn_apply_forward, add_forward and relu_forward. out may alias src or other."""
+    C, M = src.shape
+    n, o, s_, t = C * M, out.reshape(-1), src.reshape(-1), other.reshape(-1)
+    h = xhat.reshape(-1) if xhat is not None else o
+    blocks = -(-n // BLOCK)
+    zero = src.dtype.type(0)
+    threads.parallel_for(lambda b0, b1: _forward_add_relu(o, mask, h, s_, t, mean, rstd, gamma, beta, M, b0, b1,
+                                                          xhat is not None, xhat is None, zero),
+                         blocks, grain=max(1, GRAIN // BLOCK))

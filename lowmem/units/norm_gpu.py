@@ -3,6 +3,8 @@ functions, same arithmetic), beside the BN-ReLU unit's kernels; the statistics a
 finalize are units/gpu_base.py's (program "bn").
 
     forward      one thread per element: x-hat = (x - mean)*rstd into the slot, out = x-hat*gamma + beta
+    forward_add_relu   a batch norm, an add and a ReLU (a ResNet block's end): one thread per byte of
+                 the ReLU's mask
     normalize    out = x-hat;  apply: out = out*gamma + beta (in place)
     backward     per (segment, channel) block the float64 sums of dy and dy*x-hat into the plan's
                  `bn.partials` workspace, gpu_base's finalize (dgamma, dbeta and the three
@@ -76,6 +78,31 @@ extern "C" __global__ void bn_backward_apply(real* dx, const real* dy, const rea
     const real v = rn_mul(rn_sub(dy[e], rn_add(rn_mul(xhat[(long long)c * ldx + i], mdyx), mdy)), a);
     dx[e] = accumulate ? rn_add(dx[e], v) : v;
 }
+
+// A batch norm, an add and a ReLU (a post-activation block's end) in one pass: one thread per byte
+// of the mask (8 flat elements e of the (C, M) rows, c = e / M). x-hat = (src - mean)*rstd, or src
+// itself (normalized); kept in xhat (keep); out = relu(x-hat*gamma + beta + other) with
+// numpy.maximum's rules (NaN passes, -0 and below give +0); mask bit [x-hat*gamma + beta + other > 0].
+// out may alias src or other (each thread reads its elements before writing them).
+extern "C" __global__ void bn_add_relu(real* out, unsigned char* mask, real* xhat, const real* src,
+                                       const real* other, const real* mean, const real* rstd,
+                                       const real* gamma, const real* beta, long long M, long long n,
+                                       int keep, int normalized)
+{
+    const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j * 8 >= n) return;
+    unsigned int byte = 0;
+    for (int q = 0; q < 8 && j * 8 + q < n; ++q) {
+        const long long e = j * 8 + q;
+        const int c = (int)(e / M);
+        const real h = normalized ? src[e] : rn_mul(rn_sub(src[e], mean[c]), rstd[c]);
+        const real z = rn_add(rn_add(rn_mul(h, gamma[c]), beta[c]), other[e]);
+        if (keep) xhat[e] = h;
+        out[e] = (z > (real)0 || z != z) ? z : (real)0;
+        byte |= (unsigned int)(z > (real)0) << q;
+    }
+    mask[j] = (unsigned char)byte;
+}
 """
 
 PROGRAM = cuda.Program("norm", SOURCE, block_sync=("bn_backward_partial",))
@@ -129,3 +156,20 @@ def backward(dx, dgamma, dbeta, dy, xhat, gamma, rstd, accumulate=False, partial
     gpu_base.backward_finalize(coef, dgamma, dbeta, part, gamma, rstd, M, S)
     PROGRAM.launch("bn_backward_apply", dy.dtype, (blocks(M), C),
                    (dx, dy, xhat, coef, i64(M), ldx, i32(bool(accumulate))))
+
+
+def forward_add_relu(out, mask, xhat, src, other, mean, rstd, gamma, beta):
+    """A batch norm, an add and a ReLU in one pass (units/norm_cpu.py's function, the same bits):
+    x-hat kept in xhat (None: src is x-hat already), out = relu(x-hat*gamma + beta + other),
+    mask <- [that sum > 0], 1 bit each. out may alias src or other."""
+    gpu_base.rows(src, "src")
+    gpu_base.rows(out, "out", src)
+    gpu_base.rows(other, "other", src)
+    C, M = src.shape
+    n = C * M
+    keep = xhat is not None
+    if keep:
+        gpu_base.rows(xhat, "xhat", src)
+    PROGRAM.launch("bn_add_relu", src.dtype, (blocks(-(-n // 8)),),
+                   (out, mask, xhat if keep else out, src, other, mean, rstd, gamma, beta, i64(M), i64(n),
+                    i32(keep), i32(not keep)))

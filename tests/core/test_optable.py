@@ -96,3 +96,60 @@ def test_avg_pool_onnx_node_runs_in_onnxruntime(tmp_path, rng):
     path = onnx_export.export_onnx(net, tmp_path / "m.onnx")
     (out,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["logits"], {"input": x})
     assert float(np.abs(out - logits).max()) <= 1e-5 * float(np.abs(logits).max())
+
+
+
+@pytest.mark.parametrize("mode", ["exact", "approx"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_post_activation_block_end_runs_as_one_handler(monkeypatch, mode, dtype):
+    """forward_groups: with the fused batch-norm kernels, a BN -> add -> ReLU block end runs as
+    BN.forward_add_relu; the step (loss, logits, every gradient, every saved slot, eval logits)
+    is the one its three forwards give, bit for bit."""
+    from lowmem.core import engine as engine_module
+    from lowmem.core.optable import BN, forward_groups
+    from lowmem.units import norm as norm_module, norm_cpu
+    if not norm_cpu.AVAILABLE:
+        pytest.skip("numba not installed")
+    monkeypatch.setattr(engine_module.kernels, "select_norms", lambda xp, fused, keeper, partials=None:
+                        norm_module.FusedNormKernels(norm_cpu, keeper))
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((5, 3, 8, 8)).astype(dtype), rng.integers(0, 4, 5)
+    runs = {}
+    for fuse in (True, False):
+        if not fuse:
+            monkeypatch.setattr(engine_module, "forward_groups", lambda schedule, fused: forward_groups(schedule, False))
+        eng = Engine(reference.random_graph("postact", np.random.default_rng(9)), 5, (3, 8, 8), mode=mode, bits=4,
+                     dtype=dtype)
+        fused = [h for h, _ in eng._forward_groups if h is BN.forward_add_relu]
+        assert len(fused) == (1 if fuse else 0)
+        loss, logits = eng.forward(x, y)
+        saved = {e.name: np.array(eng.arrays[e.name]) for e in eng.plan.entries if e.kind == "saved"}
+        eng.backward()
+        runs[fuse] = (loss, logits, {p.name: p.grad.copy() for p in eng.net.parameters()}, saved, eng.predict(x))
+    (l1, o1, g1, s1, p1), (l2, o2, g2, s2, p2) = runs[True], runs[False]
+    assert l1 == l2
+    np.testing.assert_array_equal(o1, o2)
+    np.testing.assert_array_equal(p1, p2)
+    for name in g2:
+        np.testing.assert_array_equal(g1[name], g2[name])
+    assert s1.keys() == s2.keys()
+    for name in s2:
+        np.testing.assert_array_equal(s1[name], s2[name], err_msg=name)
+
+
+def test_a_batch_norm_output_read_twice_is_not_fused():
+    """The batch norm's output read by a conv as well as the add: its tensor is needed, so the
+    three steps run on their own."""
+    from lowmem.core.optable import BN, forward_groups
+    g = nn.Graph("twice", (3, 8, 8), 4)
+    x = g.bn_relu(g.conv(g.input, 6, 3, name="c1"), name="u1")
+    h = g.bn(g.conv(x, 6, 3, name="c2"), name="b2")
+    z = g.relu(g.add(h, x, name="add"), name="r")
+    net = g.head(g.add(z, g.conv(h, 6, 1, name="c3"), name="add2"))
+    eng = Engine(net, 2, (3, 8, 8), allocate=False)
+    assert not [h for h, _ in forward_groups(eng.schedule, True) if h is BN.forward_add_relu]
+    g2 = nn.Graph("once", (3, 8, 8), 4)
+    x = g2.bn_relu(g2.conv(g2.input, 6, 3, name="c1"), name="u1")
+    h = g2.bn(g2.conv(x, 6, 3, name="c2"), name="b2")
+    eng2 = Engine(g2.head(g2.relu(g2.add(h, x, name="add"), name="r")), 2, (3, 8, 8), allocate=False)
+    assert [h for h, _ in forward_groups(eng2.schedule, True) if h is BN.forward_add_relu]

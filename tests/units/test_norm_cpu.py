@@ -137,3 +137,41 @@ def test_an_engine_runs_its_batch_norms_on_the_set_it_chose():
         losses[fast] = eng.forward(x, y)[0]
         eng.backward()
     assert abs(losses[True] - losses[False]) <= 1e-5 * abs(losses[False])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("C,M", [(3, 5), (4, 4096 + 13), (7, 64)])   # a partial last mask byte; several blocks
+@pytest.mark.parametrize("where", ["apart", "over other", "from x-hat"])
+def test_forward_add_relu_is_the_three_ops(rng, dtype, C, M, where):
+    """One pass for a batch norm, an add and a ReLU: x-hat, the output and the ReLU's 1-bit mask
+    bit for bit bn_normalize + bn_apply_forward, add_forward and relu_forward (NaN, inf and -0 in
+    the identity included); written over the identity, or from x-hat (nothing kept)."""
+    from lowmem.ops import add_forward, relu_forward
+    x = rng.standard_normal((C, M)).astype(dtype)
+    other = rng.standard_normal((C, M)).astype(dtype)
+    other[0, :3] = [-0.0, np.nan, np.inf]
+    g, b = rng.standard_normal(C).astype(dtype), rng.standard_normal(C).astype(dtype)
+    g[-1] = 0
+    mean, var, rstd = (np.empty(C, dtype) for _ in range(3))
+    ref.bn_stats(mean, var, rstd, x, EPS)
+    h, y = np.empty_like(x), np.empty_like(x)
+    ref.bn_normalize(h, x, mean, rstd)
+    ref.bn_apply_forward(y, h, g, b)
+    want = other.copy()
+    add_forward(want, y)
+    want_mask = np.zeros((C * M + 7) // 8, np.uint8)
+    relu_forward(want, want_mask, want)
+    mask = np.full_like(want_mask, 0xAA)
+    if where == "apart":
+        out, xhat = np.full_like(x, np.nan), np.full_like(x, np.nan)
+        norm_cpu.forward_add_relu(out, mask, xhat, x, other, mean, rstd, g, b)
+        np.testing.assert_array_equal(xhat, h)
+    elif where == "over other":
+        out = other.copy()
+        norm_cpu.forward_add_relu(out, mask, np.empty_like(x), x, out, mean, rstd, g, b)
+    else:
+        out = h.copy()
+        norm_cpu.forward_add_relu(out, mask, None, out, other, mean, rstd, g, b)
+    np.testing.assert_array_equal(out, want)
+    assert np.array_equal(np.signbit(out), np.signbit(want))
+    np.testing.assert_array_equal(mask, want_mask)

@@ -641,6 +641,38 @@ def test_standalone_batch_norm_kernels_match_the_reference(dev, dtype, mode):
         np.testing.assert_allclose(dev.get(a), w, rtol=tol, atol=tol * np.abs(w).max())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", ["apart", "over other", "from x-hat"])
+def test_batch_norm_add_relu_kernel_is_the_three_ops(dev, dtype, where):
+    """units/norm_gpu.py's forward_add_relu: x-hat, relu(gamma*x-hat + beta + other) and the ReLU's
+    mask bit for bit the three reference ops' (a partial last mask byte; NaN, inf and -0 in other)."""
+    from lowmem.ops import add_forward, relu_forward
+    x, g, b = unit(dtype, C=5, M=3001)
+    g[1] = 0
+    xhat, mean, _, rstd = host_stats(x)
+    other = np.random.default_rng(6).standard_normal(x.shape).astype(dtype)
+    other[0, :3] = [-0.0, np.nan, np.inf]
+    want = np.empty_like(x)
+    bn_ops.bn_apply_forward(want, xhat, g, b)
+    add_forward(want, other)
+    want_mask = np.zeros((x.size + 7) // 8, np.uint8)
+    relu_forward(want, want_mask, want)
+    md, rd, gd, bd, maskd = map(dev.put, (mean, rstd, g, b, np.full_like(want_mask, 0xAA)))
+    if where == "apart":
+        out, hd = dev.put(np.full_like(x, np.nan)), dev.put(np.full_like(x, np.nan))
+        norm_gpu.forward_add_relu(out, maskd, hd, dev.put(x), dev.put(other), md, rd, gd, bd)
+        assert np.array_equal(dev.get(hd), xhat)
+    elif where == "over other":
+        out = dev.put(other)
+        norm_gpu.forward_add_relu(out, maskd, dev.put(np.empty_like(x)), dev.put(x), out, md, rd, gd, bd)
+    else:
+        out = dev.put(xhat)
+        norm_gpu.forward_add_relu(out, maskd, None, out, dev.put(other), md, rd, gd, bd)
+    got = dev.get(out)
+    assert np.array_equal(got, want, equal_nan=True) and np.array_equal(np.signbit(got), np.signbit(want))
+    assert np.array_equal(dev.get(maskd), want_mask)
+
+
 # ---- the unbiased code (lowmem/units/unbiased_gpu.py) ---------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

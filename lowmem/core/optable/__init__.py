@@ -51,7 +51,7 @@ from .norm import BN, BNReLU
 from .pools import AvgPool2d, MaxPool
 
 __all__ = ["OPS", "HEAD", "STEP_ONLY", "BN_MOMENTUM", "MAX_POOL_WINDOW", "BatchStatisticsError", "Op",
-           "step_temporaries"]
+           "step_temporaries", "forward_groups"]
 
 OPS = {"conv": Conv, "flatten_linear": FlattenLinear, "bnrelu": BNReLU, "bn": BN, "relu": ReLU, "relu6": ReLU6, "dropout": Dropout,
        "add": Add, "concat": Concat, "maxpool": MaxPool, "avgpool2d": AvgPool2d,
@@ -80,3 +80,42 @@ def step_temporaries(net, out_shape, unit_sizes, N, itemsize, decodes):
         if what:
             per_op[what] = max(per_op.get(what, 0), nbytes)
     return out + list(per_op.items())
+
+
+def _reads(step):
+    """The buffers a forward step reads."""
+    return set(step.layer.reads) if OPS[step.op].several else {step.src}
+
+
+def _dead_after(steps, j, buf):
+    """Whether no forward step after steps[j] reads buf before one writes it (its tensor then has
+    no reader left; backward reads no forward buffer)."""
+    for later in steps[j + 1:]:
+        if buf in _reads(later):
+            return False
+        if later.dst == buf:
+            return True
+    return True
+
+
+def forward_groups(schedule, fused):
+    """[(handler, steps)]: the forward sweep, each step's own handler, except that with the fused
+    batch-norm kernels (`fused`: the engine's norms set has them) a batch norm whose output only
+    the next step, an add, reads, and whose add's output only the step after, a ReLU, reads,
+    runs as one handler for the three (BN.forward_add_relu: a post-activation block's end)."""
+    steps = [s for s in schedule if s.phase == "fwd"]
+    groups, i = [], 0
+    while i < len(steps):
+        s = steps[i]
+        if fused and s.op == "bn" and i + 2 < len(steps):
+            add, relu = steps[i + 1], steps[i + 2]
+            if (add.op == "add" and relu.op == "relu" and s.dst in add.layer.reads and relu.src == add.dst
+                    and list(add.layer.reads).count(s.dst) == 1
+                    and (add.dst == s.dst or _dead_after(steps, i + 1, s.dst))
+                    and (relu.dst == add.dst or _dead_after(steps, i + 2, add.dst))):
+                groups.append((BN.forward_add_relu, (s, add, relu)))
+                i += 3
+                continue
+        groups.append((OPS[s.op].forward, (s,)))
+        i += 1
+    return groups

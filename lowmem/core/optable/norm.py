@@ -114,12 +114,35 @@ class BN(Op):
         mean, var = run.arrays["bn.batch_mean"][:c], run.arrays["bn.batch_var"][:c]
         rstd, slots = run.arrays[step.saved[-1]], [run.arrays[n] for n in step.saved[:-1]]
         run.norms.stats(mean, var, rstd, x)
-        xp = array_module(var)
-        if not bool(xp.isfinite(var).all() & xp.isfinite(mean).all()):
-            raise BatchStatisticsError(
-                f"{step.name}: non-finite batch statistics (the input has values too "
-                f"large for {x.dtype}?); the step was refused, running statistics unchanged")
+        _check_statistics(step, x, mean, var)
         run.norms.forward(out, slots, x, mean, rstd, g, b)     # x-hat kept, out = g*x-hat + b (may alias x)
+        update_running_stats(running_mean, running_var, mean, var, M, BN_MOMENTUM)
+
+    @staticmethod
+    def forward_add_relu(run, bn, add, relu):
+        """The steps bn, add, relu of a post-activation block's end (a ResNet's BN -> + identity ->
+        ReLU, optable.forward_groups found them: the BN's output read by the add alone, the add's
+        by the ReLU alone) in one pass in training: what the three forwards leave (the BN's and
+        the ReLU's saved slots, relu(gamma*x-hat + beta + identity) in the ReLU's buffer), bit for
+        bit, without writing the two tensors between them. Eval runs the three forwards."""
+        if not run.training:
+            from . import OPS
+            for s in (bn, add, relu):
+                OPS[s.op].forward(run, s)
+            return
+        g, b = (run.params[n].data for n in bn.params)
+        x = run.rows(bn.src, bn.in_shape)
+        other = run.rows(next(r for r in add.layer.reads if r != bn.dst), add.in_shape)
+        out = run.rows(relu.dst, relu.out_shape)
+        running_mean = run.stats[bn.layer.name + ".running_mean"]
+        running_var = run.stats[bn.layer.name + ".running_var"]
+        c, M = x.shape
+        mean, var = run.arrays["bn.batch_mean"][:c], run.arrays["bn.batch_var"][:c]
+        rstd, slots = run.arrays[bn.saved[-1]], [run.arrays[n] for n in bn.saved[:-1]]
+        run.norms.stats(mean, var, rstd, x)
+        _check_statistics(bn, x, mean, var)
+        mask = run.arrays[relu.saved[0]][:(c * M + 7) // 8]
+        run.norms.forward_add_relu(out, mask, slots, x, other, mean, rstd, g, b, run.rows(bn.dst, bn.out_shape))
         update_running_stats(running_mean, running_var, mean, var, M, BN_MOMENTUM)
 
     @staticmethod
@@ -135,3 +158,13 @@ class BN(Op):
         stats = [L.name + s for s in (".weight", ".bias", ".running_mean", ".running_var")]
         return [helper.make_node("BatchNormalization", [read(L.src)] + stats, [write(L.dst, L.name)],
                                  name=L.name, epsilon=BN_EPS)]
+
+
+def _check_statistics(step, x, mean, var):
+    """Refuse the step (nothing written yet) when a batch statistic is not finite."""
+    xp = array_module(var)
+    if not bool(xp.isfinite(var).all() & xp.isfinite(mean).all()):   # (C,): cheap
+        raise BatchStatisticsError(
+            f"{step.name}: non-finite batch statistics (the input has values too "
+            f"large for {x.dtype}?); the step was refused, running statistics unchanged")
+
