@@ -106,7 +106,7 @@ def test_a_post_activation_block_end_runs_as_one_handler(monkeypatch, mode, dtyp
     BN.forward_add_relu; the step (loss, logits, every gradient, every saved slot, eval logits)
     is the one its three forwards give, bit for bit."""
     from lowmem.core import engine as engine_module
-    from lowmem.core.optable import BN, forward_groups
+    from lowmem.core.optable import _block_end, forward_groups
     from lowmem.units import norm as norm_module, norm_cpu
     if not norm_cpu.AVAILABLE:
         pytest.skip("numba not installed")
@@ -120,7 +120,7 @@ def test_a_post_activation_block_end_runs_as_one_handler(monkeypatch, mode, dtyp
             monkeypatch.setattr(engine_module, "forward_groups", lambda schedule, fused: forward_groups(schedule, False))
         eng = Engine(reference.random_graph("postact", np.random.default_rng(9)), 5, (3, 8, 8), mode=mode, bits=4,
                      dtype=dtype)
-        fused = [h for h, _ in eng._forward_groups if h is BN.forward_add_relu]
+        fused = [h for h, _ in eng._forward_groups if h is _block_end]
         assert len(fused) == (1 if fuse else 0)
         loss, logits = eng.forward(x, y)
         saved = {e.name: np.array(eng.arrays[e.name]) for e in eng.plan.entries if e.kind == "saved"}
@@ -140,16 +140,16 @@ def test_a_post_activation_block_end_runs_as_one_handler(monkeypatch, mode, dtyp
 def test_a_batch_norm_output_read_twice_is_not_fused():
     """The batch norm's output read by a conv as well as the add: its tensor is needed, so the
     three steps run on their own."""
-    from lowmem.core.optable import BN, forward_groups
+    from lowmem.core.optable import _block_end, forward_groups
     g = nn.Graph("twice", (3, 8, 8), 4)
     x = g.bn_relu(g.conv(g.input, 6, 3, name="c1"), name="u1")
     h = g.bn(g.conv(x, 6, 3, name="c2"), name="b2")
     z = g.relu(g.add(h, x, name="add"), name="r")
     net = g.head(g.add(z, g.conv(h, 6, 1, name="c3"), name="add2"))
     eng = Engine(net, 2, (3, 8, 8), allocate=False)
-    assert not [h for h, _ in forward_groups(eng.schedule, True) if h is BN.forward_add_relu]
+    assert not [h for h, _ in forward_groups(eng.schedule, True) if h is _block_end]
     g2 = nn.Graph("once", (3, 8, 8), 4)
     x = g2.bn_relu(g2.conv(g2.input, 6, 3, name="c1"), name="u1")
     h = g2.bn(g2.conv(x, 6, 3, name="c2"), name="b2")
     eng2 = Engine(g2.head(g2.relu(g2.add(h, x, name="add"), name="r")), 2, (3, 8, 8), allocate=False)
-    assert [h for h, _ in forward_groups(eng2.schedule, True) if h is BN.forward_add_relu]
+    assert [h for h, _ in forward_groups(eng2.schedule, True) if h is _block_end]

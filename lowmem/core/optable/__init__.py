@@ -98,11 +98,21 @@ def _dead_after(steps, j, buf):
     return True
 
 
+def _block_end(run, bn, add, relu):
+    """A post-activation block's end: one pass in training (BN.forward_add_relu), its three
+    forwards in eval."""
+    if run.training:
+        BN.forward_add_relu(run, bn, add, relu)
+        return
+    for s in (bn, add, relu):
+        OPS[s.op].forward(run, s)
+
+
 def forward_groups(schedule, fused):
     """[(handler, steps)]: the forward sweep, each step's own handler, except that with the fused
     batch-norm kernels (`fused`: the engine's norms set has them) a batch norm whose output only
     the next step, an add, reads, and whose add's output only the step after, a ReLU, reads,
-    runs as one handler for the three (BN.forward_add_relu: a post-activation block's end)."""
+    runs as one handler for the three (_block_end: a post-activation block's end)."""
     steps = [s for s in schedule if s.phase == "fwd"]
     groups, i = [], 0
     while i < len(steps):
@@ -113,7 +123,7 @@ def forward_groups(schedule, fused):
                     and list(add.layer.reads).count(s.dst) == 1
                     and (add.dst == s.dst or _dead_after(steps, i + 1, s.dst))
                     and (relu.dst == add.dst or _dead_after(steps, i + 2, add.dst))):
-                groups.append((BN.forward_add_relu, (s, add, relu)))
+                groups.append((_block_end, (s, add, relu)))
                 i += 3
                 continue
         groups.append((OPS[s.op].forward, (s,)))

@@ -124,12 +124,7 @@ class BN(Op):
         ReLU, optable.forward_groups found them: the BN's output read by the add alone, the add's
         by the ReLU alone) in one pass in training: what the three forwards leave (the BN's and
         the ReLU's saved slots, relu(gamma*x-hat + beta + identity) in the ReLU's buffer), bit for
-        bit, without writing the two tensors between them. Eval runs the three forwards."""
-        if not run.training:
-            from . import OPS
-            for s in (bn, add, relu):
-                OPS[s.op].forward(run, s)
-            return
+        bit, without writing the two tensors between them. Training only (eval runs the three)."""
         g, b = (run.params[n].data for n in bn.params)
         x = run.rows(bn.src, bn.in_shape)
         other = run.rows(next(r for r in add.layer.reads if r != bn.dst), add.in_shape)
