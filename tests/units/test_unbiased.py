@@ -373,8 +373,8 @@ def mean_gradient_distance(rounding, draws, seed=0):
 def test_gradients_averaged_over_draws_converge_to_the_exact_gradient():
     """Seed 0, 40 draws. For an unbiased code the squared distance of the mean from the exact
     gradient is about the sum of the draws' variances over the draws, i.e. the ratio is ~1
-    (measured 1.02; seed 1: 1.01); tolerance: below 2. The fixed-window stochastic code is about
-    5x outside (measured 5.4 and 5.3) and must be above 3.5."""
+    (measured 1.10; seed 1: 1.05); tolerance: below 2. The fixed-window stochastic code is about
+    5x outside (measured 5.38 and 5.27) and must be above 3.5."""
     unbiased_ratio = mean_gradient_distance("stochastic", 40)
     window_ratio = mean_gradient_distance("stochastic-window", 40)
     assert unbiased_ratio < 2, unbiased_ratio
