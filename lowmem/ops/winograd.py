@@ -42,12 +42,15 @@ import os
 import numpy
 
 from .chunks import over_batch
+from ..system import threads
 from ..system.backend import numba_available
 
 ENABLED = os.environ.get("LOWMEM_WINOGRAD", "1").strip() not in ("0", "false", "no")   # the switch
 AVAILABLE = numba_available()          # its tile transforms are numba loops
 MIN_CHANNELS = 16           # below this the 16 GEMMs are too thin to beat one im2col GEMM (the stem's Cin = 3)
 CACHE_BYTES = 1 << 20       # bytes of transformed tiles (V and M) per chunk
+FILTER_GRAIN = 1 << 12      # filters per thread below which a filter transform is not split
+FILTER_BLOCK = 64           # filters (input channels) the filter transforms vectorise over
 
 
 
@@ -95,10 +98,21 @@ def temporary_bytes(convs, dtype):
 
 def filter_transform(w):
     """U (16, Cout, Cin) float32 = G g G^T per filter (w (Cout, Cin, 3, 3), any strides),
-    each computed in float64 and rounded once; the only allocation is U."""
+    each computed in float64 and rounded once, threads splitting Cout; the only allocation is U."""
     U = numpy.empty((16,) + w.shape[:2], numpy.float32)
-    _filter_tiles(U, w)
+    threads.parallel_for(lambda o0, o1: _filter_tiles(U, w, o0, o1), w.shape[0], _filter_grain(w))
     return U
+
+
+def filter_gradient_add(dw, dU):
+    """dw (Cout, Cin, 3, 3) += G^T dU G per filter, dU (16, Cout, Cin) the gradient of U, in
+    float64 (the adjoint of filter_transform), threads splitting Cout."""
+    threads.parallel_for(lambda o0, o1: _filter_gradient_add(dw, dU, o0, o1), dw.shape[0], _filter_grain(dw))
+
+
+def _filter_grain(w):
+    """Output channels per thread below which a filter transform is not split."""
+    return max(1, FILTER_GRAIN // max(1, w.shape[1]))
 
 
 def _chunk(wsp, per, n):
@@ -172,12 +186,38 @@ def conv3x3_backward_weight(dw, x, dout, ws):
     dU = sums[starts[0]]
     for start in starts[1:]:
         dU += sums[start]
-    _filter_gradient_add(dw, dU)
+    filter_gradient_add(dw, dU)
 
 
-# ---- the tile transforms in NumPy: the references the numba kernels below match bit for bit
-# (the same float32 operations in the same order; tests/ops/test_winograd.py). Each takes ns
-# samples from n0 on; T = ns*th*tw tiles, tile (s, a, b) at column (s*th + a)*tw + b.
+# ---- the filter and tile transforms in NumPy: the references the numba kernels below match bit
+# for bit (the same float64 / float32 operations in the same order; tests/ops/test_winograd.py).
+# The tile transforms take ns samples from n0 on; T = ns*th*tw tiles, tile (s, a, b) at column
+# (s*th + a)*tw + b.
+
+G = numpy.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])   # float64
+
+
+def filter_tiles_reference(w):
+    """U (16, Cout, Cin) float32 = G g G^T of every filter g = w[o, c] (3x3), in float64: t = G g
+    (each entry G[i,0]*g[0,l] + G[i,1]*g[1,l] + G[i,2]*g[2,l], in that order), then t G^T the same way."""
+    g = w.astype(numpy.float64)
+    t = [G[i, 0] * g[:, :, 0] + G[i, 1] * g[:, :, 1] + G[i, 2] * g[:, :, 2] for i in range(4)]   # (Co, Ci, 3)
+    U = numpy.empty((16,) + w.shape[:2], numpy.float32)
+    for i in range(4):
+        for j in range(4):
+            U[4 * i + j] = t[i][..., 0] * G[j, 0] + t[i][..., 1] * G[j, 1] + t[i][..., 2] * G[j, 2]
+    return U
+
+
+def filter_gradient_reference(dw, dU):
+    """dw (Cout, Cin, 3, 3) += G^T dU G per filter, in float64: t = G^T dU (each entry
+    0 + G[0,p]*dU[j] + G[1,p]*dU[4+j] + ..., in that order), then t G the same way (no leading 0)."""
+    d = dU.astype(numpy.float64)
+    for p in range(3):
+        t = [0.0 + G[0, p] * d[j] + G[1, p] * d[4 + j] + G[2, p] * d[8 + j] + G[3, p] * d[12 + j] for j in range(4)]
+        for q in range(3):
+            dw[:, :, p, q] += t[0] * G[0, q] + t[1] * G[1, q] + t[2] * G[2, q] + t[3] * G[3, q]
+
 
 def input_tiles_reference(x, n0, ns):
     """V (16, C, T) float32 = B^T d B of every tile's 4x4 input patch (pad 1, zero outside)."""
@@ -231,37 +271,80 @@ if AVAILABLE:
     _opts = dict(cache=True, nogil=True)
 
     @njit(**_opts)
-    def _filter_tiles(U, w):
-        """U[4i+j, o, c] = (G g G^T)[i, j] for each filter g = w[o, c] (3x3), in float64."""
-        G = numpy.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
-        Co, Ci = w.shape[0], w.shape[1]
-        t = numpy.empty((4, 3))
-        for o in range(Co):
-            for c in range(Ci):
-                for i in range(4):                          # t = G g
-                    for l in range(3):
-                        t[i, l] = G[i, 0] * w[o, c, 0, l] + G[i, 1] * w[o, c, 1, l] + G[i, 2] * w[o, c, 2, l]
-                for i in range(4):                          # (G g) G^T
-                    for j in range(4):
-                        U[4 * i + j, o, c] = t[i, 0] * G[j, 0] + t[i, 1] * G[j, 1] + t[i, 2] * G[j, 2]
+    def _g_rows(a, b, c):
+        """The four rows of G applied to (a, b, c): G[i,0]*a + G[i,1]*b + G[i,2]*c, i = 0..3.
+        The zero products stay (no fastmath): the same float64 operations as filter_tiles_reference."""
+        return (1.0 * a + 0.0 * b + 0.0 * c, 0.5 * a + 0.5 * b + 0.5 * c,
+                0.5 * a + -0.5 * b + 0.5 * c, 0.0 * a + 0.0 * b + 1.0 * c)
 
     @njit(**_opts)
-    def _filter_gradient_add(dw, dU):
-        """dw[o, c] += G^T dU G, dU[4i+j, o, c] the gradient of U, in float64 (the adjoint of _filter_tiles)."""
-        G = numpy.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
-        Co, Ci = dw.shape[0], dw.shape[1]
-        t = numpy.empty((3, 4))
-        for o in range(Co):
-            for c in range(Ci):
-                for p in range(3):                          # t = G^T dU
-                    for j in range(4):
-                        acc = 0.0
-                        for i in range(4):
-                            acc += G[i, p] * dU[4 * i + j, o, c]
-                        t[p, j] = acc
-                for p in range(3):                          # (G^T dU) G
-                    for q in range(3):
-                        dw[o, c, p, q] += t[p, 0] * G[0, q] + t[p, 1] * G[1, q] + t[p, 2] * G[2, q] + t[p, 3] * G[3, q]
+    def _gt_cols(a, b, c, d):
+        """The three columns of G applied to (a, b, c, d): G[0,p]*a + ... + G[3,p]*d, p = 0..2."""
+        return (1.0 * a + 0.5 * b + 0.5 * c + 0.0 * d, 0.0 * a + 0.5 * b + -0.5 * c + 0.0 * d,
+                0.0 * a + 0.5 * b + 0.5 * c + 1.0 * d)
+
+    @njit(**_opts)
+    def _gt_cols0(a, b, c, d):
+        """_gt_cols summed from 0.0 (0 + G[0,p]*a + ...): a -0 sum becomes +0, as in the reference."""
+        return (0.0 + 1.0 * a + 0.5 * b + 0.5 * c + 0.0 * d, 0.0 + 0.0 * a + 0.5 * b + -0.5 * c + 0.0 * d,
+                0.0 + 0.0 * a + 0.5 * b + 0.5 * c + 1.0 * d)
+
+    @njit(**_opts)
+    def _filter_tiles(U, w, o0, o1):
+        """U[4i+j, o, c] = (G g G^T)[i, j] for each filter g = w[o, c] (3x3) of o0 <= o < o1, in
+        float64, bit for bit filter_tiles_reference. FILTER_BLOCK filters at a time: their 9
+        values gathered into g (float64), the transform vectorised over the block into u, u's 16
+        rows copied out (U's planes are Cout*Cin apart: 16 scattered writes per filter thrash the
+        cache when that is a power of two)."""
+        Ci = w.shape[1]
+        g = numpy.empty((9, FILTER_BLOCK))
+        u = numpy.empty((16, FILTER_BLOCK), numpy.float32)
+        for o in range(o0, o1):
+            for c0 in range(0, Ci, FILTER_BLOCK):
+                n = min(FILTER_BLOCK, Ci - c0)
+                for k in range(n):
+                    for m in range(9):
+                        g[m, k] = w[o, c0 + k, m // 3, m % 3]
+                for k in range(n):
+                    r0 = _g_rows(g[0, k], g[3, k], g[6, k])     # column l of G g is r_l
+                    r1 = _g_rows(g[1, k], g[4, k], g[7, k])
+                    r2 = _g_rows(g[2, k], g[5, k], g[8, k])
+                    for i in range(4):                          # row i of G g, times G^T
+                        v = _g_rows(r0[i], r1[i], r2[i])
+                        u[4 * i, k] = v[0]
+                        u[4 * i + 1, k] = v[1]
+                        u[4 * i + 2, k] = v[2]
+                        u[4 * i + 3, k] = v[3]
+                for p in range(16):
+                    for k in range(n):
+                        U[p, o, c0 + k] = u[p, k]
+
+    @njit(**_opts)
+    def _filter_gradient_add(dw, dU, o0, o1):
+        """dw[o, c] += G^T dU G, dU[4i+j, o, c] the gradient of U, for o0 <= o < o1, in float64
+        (the adjoint of _filter_tiles), bit for bit filter_gradient_reference; blocked as it is."""
+        Ci = dw.shape[1]
+        d = numpy.empty((16, FILTER_BLOCK))
+        g = numpy.empty((9, FILTER_BLOCK))
+        for o in range(o0, o1):
+            for c0 in range(0, Ci, FILTER_BLOCK):
+                n = min(FILTER_BLOCK, Ci - c0)
+                for p in range(16):
+                    for k in range(n):
+                        d[p, k] = dU[p, o, c0 + k]
+                for k in range(n):
+                    t0 = _gt_cols0(d[0, k], d[4, k], d[8, k], d[12, k])     # column j of G^T dU is t_j
+                    t1 = _gt_cols0(d[1, k], d[5, k], d[9, k], d[13, k])
+                    t2 = _gt_cols0(d[2, k], d[6, k], d[10, k], d[14, k])
+                    t3 = _gt_cols0(d[3, k], d[7, k], d[11, k], d[15, k])
+                    for p in range(3):                          # row p of G^T dU, times G
+                        v = _gt_cols(t0[p], t1[p], t2[p], t3[p])
+                        g[3 * p, k] = v[0]
+                        g[3 * p + 1, k] = v[1]
+                        g[3 * p + 2, k] = v[2]
+                for k in range(n):
+                    for m in range(9):
+                        dw[o, c0 + k, m // 3, m % 3] += g[m, k]
 
     @njit(**_opts)
     def _input_tiles(V, x, n0):

@@ -189,6 +189,77 @@ def test_tile_kernels_match_their_numpy_references_bit_for_bit(C, H, W):
         np.testing.assert_array_equal(got[:, n0 + ns:], base[:, n0 + ns:])
 
 
+def _specials(rng, shape, zeros=False):
+    """float32 values over many magnitudes, with signed zeros, infinities and NaNs mixed in;
+    zeros: mostly signed zeros (where the order of a sum decides a zero's sign)."""
+    if zeros:
+        return rng.choice(np.array([-0.0, 0.0, -1.5, 1.5, np.inf, np.nan], np.float32), shape,
+                          p=[0.45, 0.35, 0.08, 0.08, 0.02, 0.02])
+    a = (rng.standard_normal(shape) * 10.0 ** rng.integers(-30, 30, shape)).astype(np.float32)
+    u = rng.random(shape)
+    a[u < 0.05], a[(u >= 0.05) & (u < 0.1)] = -0.0, 0.0
+    a[(u >= 0.1) & (u < 0.11)], a[(u >= 0.11) & (u < 0.12)], a[(u >= 0.12) & (u < 0.13)] = np.inf, -np.inf, np.nan
+    return a
+
+
+def _same_bits(a, b):
+    """Equal bit for bit, signed zeros included; NaN where the other is NaN (any payload)."""
+    nan = np.isnan(a)
+    np.testing.assert_array_equal(nan, np.isnan(b))
+    assert a[~nan].tobytes() == b[~nan].tobytes()
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("Co,Ci", [(3, 5), (16, 64), (40, 130), (2, 200)])
+def test_filter_kernels_match_their_numpy_references_bit_for_bit(Co, Ci, zeros):
+    """The numba filter transform (forward, and the flipped, transposed view the input gradient
+    passes) and its adjoint (the weight gradient's dw += G^T dU G) against the float64 NumPy
+    references, bit for bit on special values, on 1 and 2 threads (Cout split), blocks of
+    input channels cut at odd places (FILTER_BLOCK)."""
+    rng = np.random.default_rng(Co * 1000 + Ci)
+    w = _specials(rng, (Co, Ci, 3, 3), zeros)
+    dU = _specials(rng, (16, Co, Ci), zeros)
+    base = _specials(rng, (Co, Ci, 3, 3), zeros)
+    wb = w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)
+    want_dw = base.copy()
+    with np.errstate(all="ignore"):
+        want_u, want_ub = winograd.filter_tiles_reference(w), winograd.filter_tiles_reference(wb)
+        winograd.filter_gradient_reference(want_dw, dU)
+    try:
+        for t in (1, 2):
+            threads.configure(t)
+            old = winograd.FILTER_GRAIN
+            winograd.FILTER_GRAIN = 1                       # split even these small filters
+            try:
+                _same_bits(winograd.filter_transform(w), want_u)
+                _same_bits(winograd.filter_transform(wb), want_ub)
+                dw = base.copy()
+                winograd.filter_gradient_add(dw, dU)
+                _same_bits(dw, want_dw)
+            finally:
+                winograd.FILTER_GRAIN = old
+    finally:
+        threads.configure(1)
+
+
+def test_filter_references_against_the_float64_definitions():
+    """U = G g G^T per filter and dw += G^T dU G (its adjoint: <U(w), dU> = <w, G^T dU G>), by
+    matrix products in float64 (to float32 rounding)."""
+    rng = np.random.default_rng(3)
+    G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    dU = rng.standard_normal((16, 4, 3)).astype(np.float32)
+    U = winograd.filter_tiles_reference(w)
+    dw = np.zeros_like(w)
+    winograd.filter_gradient_reference(dw, dU)
+    for o in range(4):
+        for c in range(3):
+            np.testing.assert_allclose(U[:, o, c], (G @ w[o, c].astype(float) @ G.T).ravel(), rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(dw[o, c], G.T @ dU[:, o, c].reshape(4, 4).astype(float) @ G,
+                                       rtol=1e-6, atol=1e-7)
+    assert np.isclose(float(np.sum(U.astype(float) * dU)), float(np.sum(w.astype(float) * dw)), rtol=1e-5)
+
+
 def test_tile_references_against_the_float64_definitions():
     """The references are the textbook transforms: B^T d B, A dy A^T and A^T m A per tile,
     computed here by matrix products in float64 (to float32 rounding)."""
