@@ -26,6 +26,12 @@ Everything else (lowmem/system/threads.py, the units' kernel sets, ops/batchnorm
 both BN kinds call, NumPy's Python wrappers) passes its time on to its callers. The kinds' sums
 add up to the profile's total own time (by_kind checks it).
 
+One exception to "its callers": cProfile keeps one caller table per function, not per call path,
+so the thread pool's dispatcher (threads.parallel_for, which every kernel set, pool and conv calls)
+would mix every kernel's time with every other's (a batch norm's kernel charged in part to the
+convs). A function the dispatcher calls is a lambda or closure handed to it by the function it
+is written in; that enclosing function is taken as its caller instead.
+
 cProfile sees the thread that calls it: run the profiled step with one lowmem thread
 (threads.configure(1)) for the whole step's work. With more threads the time a pool thread
 works is not seen, and the calling thread's wait for it is charged to the op that waits.
@@ -107,6 +113,53 @@ class _Classes:
         return min(inside, key=lambda s: s[1] - s[0])[2] if inside else None
 
 
+class _Enclosing:
+    """(file, line, name) of a nested function or lambda -> the cProfile key (file, first line,
+    name) of the function whose body it is written in, from each file's syntax tree (None at
+    module or class level)."""
+
+    def __init__(self):
+        self.spans = {}
+
+    def of(self, func):
+        filename, line, name = func
+        if filename not in self.spans:
+            try:
+                with open(filename) as f:
+                    tree = ast.parse(f.read())
+            except (OSError, SyntaxError):
+                tree = ast.Module(body=[], type_ignores=[])
+            defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+            self.spans[filename] = [(min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", ())]),
+                                     n.end_lineno, getattr(n, "name", "<lambda>"))
+                                    for n in ast.walk(tree) if isinstance(n, defs)]
+        inside = [s for s in self.spans[filename]
+                  if s[0] <= line <= s[1] and s[2] != "<lambda>" and (s[0], s[2]) != (line, name)]
+        if not inside:
+            return None
+        first, _end, outer = min(inside, key=lambda s: s[1] - s[0])
+        return filename, first, outer
+
+
+def _dispatcher(func):
+    """Whether func is the thread pool's (lowmem/system/threads.py), which runs the functions handed to it."""
+    return _lowmem_path(func[0]) == "system/threads.py"
+
+
+def _callers(table, func, enclosing):
+    """{caller: seconds spent in func from it} of a profiled function, the thread pool's
+    dispatcher replaced by the function func is written in (module docstring)."""
+    callers = table[func][4] if func in table else {}
+    outer = enclosing.of(func) if any(_dispatcher(c) for c in callers) else None
+    if outer is None or outer not in table:
+        return {c: edge[3] for c, edge in callers.items()}
+    out = {}
+    for caller, edge in callers.items():
+        key = outer if _dispatcher(caller) else caller
+        out[key] = out.get(key, 0.0) + edge[3]
+    return out
+
+
 def _own_kind(func, classes):
     """(kind, dense) of a profiled function: the kind it names (None: it passes its time on),
     dense: it is a dense convolution's (ops/conv, winograd, columns)."""
@@ -131,7 +184,7 @@ def by_kind(stats):
     function's own time charged to the kinds found by walking up its callers (module docstring).
     The kinds' seconds sum to the profile's total own time."""
     table = stats.stats
-    classes = _Classes()
+    classes, enclosing = _Classes(), _Enclosing()
     own = {f: _own_kind(f, classes) for f in table}
     shares = {}                           # (func, gemm, dense) -> {kind: fraction of func's time}
 
@@ -142,13 +195,13 @@ def by_kind(stats):
         shares[key] = None
         kind, is_dense = own.get(func, (None, False))
         dense = dense or is_dense
-        callers = table[func][4] if func in table else {}
-        total = sum(edge[3] for edge in callers.values())     # time spent in func, per caller
+        callers = _callers(table, func, enclosing)              # time spent in func, per caller
+        total = sum(callers.values())
         out = {}
         if kind is None and total > 0:
-            for caller, edge in callers.items():
+            for caller, seconds in callers.items():
                 for k, f in share(caller, gemm, dense).items():
-                    out[k] = out.get(k, 0.0) + f * edge[3] / total
+                    out[k] = out.get(k, 0.0) + f * seconds / total
         else:
             if kind == "conv columns, transforms" or (kind is None and dense):
                 kind = "conv GEMMs" if gemm else "conv columns, transforms"

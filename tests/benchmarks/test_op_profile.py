@@ -9,6 +9,7 @@ import pytest
 
 import lowmem
 from lowmem.system import threads
+from lowmem.units import norm_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import op_profile as P                                                  # noqa: E402
@@ -22,8 +23,8 @@ def one_thread():
     threads.configure(before)
 
 
-def profiled(net, mode, bits=4, shape=(3, 32, 32), batch=2, rounding="nearest"):
-    eng = lowmem.Engine(net, batch, shape, mode, bits, "float32", rounding=rounding)
+def profiled(net, mode, bits=4, shape=(3, 32, 32), batch=2, rounding="nearest", use_fast=None):
+    eng = lowmem.Engine(net, batch, shape, mode, bits, "float32", rounding=rounding, use_fast=use_fast)
     opt = lowmem.SGD(net.parameters(), lr=0.0)
     rng = numpy.random.default_rng(0)
     x = rng.standard_normal((batch,) + shape).astype(numpy.float32)
@@ -65,6 +66,20 @@ def test_a_post_activation_resnets_kinds(one_thread):
             "range code, kept inputs", "SGD update"}
     assert must <= seen, must - seen
     assert kinds["depthwise/grouped conv"] == 0
+
+
+@pytest.mark.skipif(not norm_cpu.AVAILABLE, reason="the fused kernels need numba")
+def test_a_kernel_run_by_the_thread_pool_keeps_its_op_kind(one_thread):
+    # the block end's fused kernel (BN -> add -> ReLU) reaches the thread pool's dispatcher as the
+    # convs' and the units' kernels do; cProfile's one caller table for the dispatcher must not
+    # share its time out among them: it is the standalone BN's, whoever else runs on the pool
+    net = lowmem.models.build_model("resnet", 18, num_classes=10)
+    _, _, functions = profiled(net, "exact", batch=8, use_fast=True)
+    assert functions["standalone BN"].get("units/norm_cpu.py:_forward_add_relu", 0) > 0
+    misplaced = [(k, f) for k in P.KINDS if k != "standalone BN" for f in functions[k]
+                 if f.startswith("units/norm_cpu.py")]
+    assert not misplaced, misplaced
+    assert any(f.startswith("ops/winograd.py") for f in functions["conv columns, transforms"])
 
 
 def test_time_outside_lowmem_is_other():
