@@ -19,7 +19,8 @@ between thread counts (smaller GEMMs may take other BLAS kernels, too).
 
 Columns: im2col / col2im_add below are the readable NumPy references
 (kernel-offset slices). Faster twins sit beside this file, bit-identical:
-a numba col2im (ops/columns_cpu.py) and one-launch CUDA im2col / col2im
+a numba col2im (ops/columns_cpu.py; a 1x1 stride-1 conv's col2im, one block
+addition, stays NumPy's) and one-launch CUDA im2col / col2im
 (ops/columns_gpu.py). Which ones a conv runs is a `Columns` pair passed in
 (`columns=`): the engine picks it once, `columns_for(xp, fused)`; a direct call
 without one gets `columns_for` of its arrays' module.
@@ -117,9 +118,11 @@ def _col2im_slices(dx, n0, n1, cols, kh, kw, stride, pad):
 
 
 def _col2im_numba(dx, n0, n1, cols, kh, kw, stride, pad):
-    if columns_cpu.supports(dx, cols):                     # else (a strided dx) the slices
+    # a 1x1 stride-1 conv's col2im (the input gradient that accumulates) is one whole-block
+    # addition, which NumPy's add streams; the numba loop walks it row by row (rows of 4-32)
+    if columns_cpu.supports(dx, cols) and (kh, kw, stride, pad) != (1, 1, 1, 0):
         columns_cpu.col2im_add(dx, cols, kh, kw, stride, pad, n0)
-    else:
+    else:                                                  # the slices: a 1x1 block, or a strided dx
         _col2im_slices(dx, n0, n1, cols, kh, kw, stride, pad)
 
 

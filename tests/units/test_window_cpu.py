@@ -220,6 +220,9 @@ def test_col2im_equals_numpy_reference(dtype, k, stride, pad, H, W):
     assert np.array_equal(got, ref)
     assert not columns_cpu.supports(got[:, 1:], cols)    # a strided dx takes the reference path
     assert conv.columns_for(np) is conv.NUMBA
+    picked = base.copy()                                 # what a conv on the numba columns runs
+    conv.NUMBA.col2im(picked, n0, n0 + n, cols, k, k, stride, pad)   # (a 1x1 stride-1 block: NumPy's add)
+    assert np.array_equal(picked, ref)
 
 
 # ---- stochastic rounding: the same codes as window.quantize_pack for the same key --------------
