@@ -18,6 +18,10 @@ is its entry in lowmem/core/optable/.
 `nn.check(net, input_shape)` says whether the engine can run a Network
 (the engine runs the same check on every network it is given).
 
+`network_records(net)` is the architecture as plain JSON data (the Layer records, no
+weights) and `network_from_records` builds the same Network from it, every value checked: what
+a checkpoint and an export keep of a network read from an ONNX file.
+
 Weights are declared with their shapes while the network is built and drawn
 (seeded, in declaration order) only when first used, so the memory plan of
 any depth can be computed without building a single weight.
@@ -293,3 +297,75 @@ def _like(target, value, name):
         raise ValueError(f"state_dict entry {name!r} has a negative running variance "
                          f"(min {float(out.min()):g}): variances are >= 0")
     return out
+
+
+# --------------------------------------------------------------------- records
+
+# the layer methods a record may name, and the Layer fields each takes after (name, src, dst)
+REBUILT_BY = {"conv": ("cin", "cout", "k", "stride", "pad", "groups", "bias"), "bnrelu": ("cin",), "bn": ("cin",),
+              "relu": (), "relu6": (), "dropout": ("p",), "flatten_linear": ("cin", "cout", "bias"),
+              "maxpool": ("k", "stride", "pad"), "avgpool2d": ("k", "stride", "pad")}
+_TYPE_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "True or False", list: "a list of names"}
+_FIELD_TYPES = {"op": str, "name": str, "src": str, "dst": str, "k": int, "stride": int, "pad": int, "cin": int,
+                "cout": int, "inputs": list, "groups": int, "bias": bool, "p": float}
+
+
+def network_records(net):
+    """The architecture of `net` as plain JSON data: its name, input channels, classes and every
+    Layer record (buffers included), no weights. network_from_records builds the same Network
+    from it: what a checkpoint and an export keep of a network read from an ONNX file, so the
+    run never depends on that file again."""
+    layers = []
+    for L in net.layers:
+        d = {k: getattr(L, k) for k in _FIELD_TYPES}
+        d["inputs"] = list(L.inputs)
+        layers.append(d)
+    return {"name": net.name, "in_channels": net.in_channels, "num_classes": net.num_classes, "layers": layers}
+
+
+def network_from_records(records, seed=0):
+    """The Network network_records wrote (weights drawn from `seed`: load them after). Every value
+    is checked (a file's records are not trusted): ValueError (NetworkError) naming the first that
+    is not what a network_records record holds; the engine's walk then checks the network."""
+    def bad(what):
+        return NetworkError(f"network records: {what}")
+
+    if not isinstance(records, dict) or set(records) != {"name", "in_channels", "num_classes", "layers"}:
+        raise bad("expected an object of name, in_channels, num_classes and layers")
+    name, cin, classes, layers = (records[k] for k in ("name", "in_channels", "num_classes", "layers"))
+    if not (isinstance(name, str) and name.strip()):
+        raise bad(f"name {name!r} is not a non-empty string")
+    for what, v in (("in_channels", cin), ("num_classes", classes)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise bad(f"{what} {v!r} is not a positive integer")
+    if not (isinstance(layers, list) and len(layers) >= 2):
+        raise bad("layers is not a list ending in the head")
+    want = []
+    for i, d in enumerate(layers):
+        if not (isinstance(d, dict) and set(d) == set(_FIELD_TYPES)):
+            raise bad(f"layer {i} is not an object of {', '.join(_FIELD_TYPES)}")
+        for k, t in _FIELD_TYPES.items():
+            v = d[k]
+            ok = (isinstance(v, (int, float)) and not isinstance(v, bool) if t is float else
+                  isinstance(v, int) and not isinstance(v, bool) if t is int else isinstance(v, t))
+            if not ok or (t is list and not all(isinstance(s, str) for s in v)):
+                raise bad(f"layer {i}: {k} {v!r} is not {_TYPE_WORDS[t]}")
+        want.append(Layer(**{**d, "inputs": tuple(d["inputs"]), "p": float(d["p"])}))
+    net = Network(name, cin, classes, seed)
+    *body, pool, fc = want
+    for L in body:
+        if L.op in REBUILT_BY:
+            getattr(net, L.op)(L.name, L.src, L.dst, *(getattr(L, k) for k in REBUILT_BY[L.op]))
+        elif L.op == "concat":
+            net.concat(L.name, L.inputs, L.dst, L.cout)
+        elif L.op == "add" and len(L.inputs) == 2:
+            net.add(L.name, L.inputs, L.dst)
+        else:
+            raise bad(f"layer {L.name!r}: op {L.op!r} is not a layer of the network's body")
+    if (pool.op, fc.op) != ("avgpool", "linear"):
+        raise bad("the last two layers are not the head (avgpool, linear)")
+    net.head(pool.src, pool.cin, fc.name)
+    if net.layers != want:                      # fields the methods derive (an add's src, ...) must agree
+        i = next(i for i, (a, b) in enumerate(zip(net.layers, want)) if a != b)
+        raise bad(f"layer {want[i].name!r} is not one a network of these layers holds")
+    return net

@@ -3,7 +3,8 @@ metadata_props; each value a JSON string.
 
 classes (names in label order), input_shape, image_size, resize (the eval transform: shorter
 side to `resize`, centre crop `image_size`), mean and std (per channel, pixel / 255), dataset,
-model and depth. `lowmem export` writes them (model_metadata of a training checkpoint's meta),
+model and depth, and for a run from an ONNX file its network's layer records (`architecture`:
+core.network.network_records), so the file is needed nowhere else. `lowmem export` writes them (model_metadata of a training checkpoint's meta),
 `lowmem predict` (lowmem/tools/predict.py) reads them (read_metadata).
 """
 import json
@@ -12,7 +13,8 @@ import os
 from .common import ExportError, check_file, require
 
 FORMATS = {".safetensors": "safetensors", ".onnx": "onnx"}
-METADATA_KEYS = ("classes", "input_shape", "image_size", "resize", "mean", "std", "dataset", "model", "depth")
+METADATA_KEYS = ("classes", "input_shape", "image_size", "resize", "mean", "std", "dataset", "model", "depth",
+                 "architecture")
 
 
 def model_metadata(meta):
@@ -20,7 +22,8 @@ def model_metadata(meta):
     its "data" (class names in label order, input shape, eval resize / crop, mean / std in pixel / 255)
     and the architecture (model, depth) that rebuilds the network from a safetensors file."""
     data, config = meta.get("data") or {}, meta.get("config") or {}
-    values = {**data, "model": config.get("model"), "depth": config.get("depth")}
+    values = {**data, "model": config.get("model"), "depth": config.get("depth"),
+              "architecture": meta.get("architecture")}
     return {k: json.dumps(values[k]) for k in METADATA_KEYS if values.get(k) is not None}
 
 

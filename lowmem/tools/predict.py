@@ -11,7 +11,8 @@ What travels with the weights (lowmem/formats/metadata.py, a checkpoint's
 meta["data"]) makes this work without the training data: the class names in
 label order, the input size and the eval transform (resize the shorter side
 to `resize`, centre crop `image_size`, as lowmem.data.images' evaluation), and the
-normalisation mean/std. A safetensors file also names its model and depth,
+normalisation mean/std. A safetensors file also names its model and depth (a run from an
+ONNX file: the network's own layer records, the file no longer needed),
 so the network is rebuilt and run by lowmem.core.inference.InferenceEngine (eval
 mode, no training state); an ONNX file is run by onnxruntime, handed the file's bytes after the
 reader's checks (lowmem.formats.onnx_import.load_checked: no tensor in another file). Images are read and
@@ -31,6 +32,7 @@ import sys
 import numpy as np
 
 from ..core.inference import InferenceEngine
+from ..core.network import network_from_records
 from ..data.files import DataError
 from ..data.decode import decode
 from ..data.transforms import normalize
@@ -42,7 +44,7 @@ from ..models import MODELS, build_model, is_onnx_path, model_spec
 from ..system.backend import to_numpy
 from ..train.checkpoint import load_checkpoint
 from ..train.rundir import CHECKPOINT
-from ..train.trainstate import load_model_state
+from ..train.trainstate import kept_network, load_model_state
 
 REQUIRED = ("classes", "input_shape", "image_size", "resize", "mean", "std")
 CHUNK = 32              # images per forward: the memory predict needs does not grow with their number
@@ -68,12 +70,23 @@ def load(model_path, batch_size=CHUNK):
     info = check_info(read_metadata(path), path)
     if suffix == ".onnx":
         return _onnx_logits(path, info), info
-    onnx_model = is_onnx_path(info.get("model"))          # a run of `lowmem train --model file.onnx`
-    if not onnx_model and (info.get("model") not in MODELS or not isinstance(info.get("depth"), int)):
+    records = info.get("architecture")                    # a run from an ONNX file: its own network
+    onnx_model = records is None and is_onnx_path(info.get("model"))    # exported before runs kept it
+    if records is None and not onnx_model and (info.get("model") not in MODELS
+                                               or not isinstance(info.get("depth"), int)):
         raise ExportError(f"{path}: its metadata does not name a lowmem model and depth (exported by an "
                           f"older lowmem?); export the run again")
     state = read_safetensors(path)
-    if onnx_model:                                         # the .onnx file it names has the architecture
+    if records is not None:
+        try:
+            net = network_from_records(records)
+        except ValueError as e:
+            raise ExportError(f"{path}: {e}") from None
+        if net.in_channels != info["input_shape"][0]:
+            raise ExportError(f"{path}: input_shape {info['input_shape']} stored for a network of "
+                              f"{net.in_channels} input channels")
+        _check_outputs(path, info, net.num_classes)
+    elif onnx_model:                                         # the .onnx file it names has the architecture
         net = build_model(info["model"], None, in_channels=info["input_shape"][0],
                           input_shape=tuple(info["input_shape"]))
         _check_outputs(path, info, net.num_classes)
@@ -94,8 +107,9 @@ def load(model_path, batch_size=CHUNK):
 def network_from_checkpoint(path):
     """(network with the checkpoint's weights, meta) of a lowmem training checkpoint.
 
-    The architecture is rebuilt from the run's configuration (model, depth,
-    seed) with the class and channel counts read off the stored weights: what `lowmem export
+    The architecture is the checkpoint's own (a run from an ONNX file keeps its layer records),
+    else rebuilt from the run's configuration (model, depth, seed) with the class and channel
+    counts read off the stored weights: what `lowmem export
     RUN_DIR OUT` (lowmem/tools/commands/export.py) writes out, and what predict runs."""
     arrays, meta = load_checkpoint(path)
     config = meta.get("config") or {}
@@ -105,8 +119,12 @@ def network_from_checkpoint(path):
     except (ValueError, TypeError):
         raise ExportError(f"{path}: unknown model {model!r} in the checkpoint's configuration "
                           f"(this lowmem knows {', '.join(sorted(MODELS))} and .onnx files)") from None
+    kept = kept_network(meta, path, config.get("seed", 0))   # a run from an ONNX file: its own network
+    if kept is not None:
+        load_model_state(path, kept)
+        return kept, meta
     shape = (meta.get("data") or {}).get("input_shape")      # an ONNX model's sizes (where symbolic)
-    if is_onnx_path(model):                                  # the file has the architecture and classes
+    if is_onnx_path(model):                                  # a checkpoint from before runs kept it: the file
         net = build_model(model, None, seed=config.get("seed", 0), input_shape=tuple(shape) if shape else None)
         load_model_state(path, net)
         return net, meta

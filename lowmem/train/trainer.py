@@ -237,11 +237,18 @@ class Trainer:
         """Network, widths (bits "auto": measured now, once), engine, optimizer, data order, the
         batch pipeline and the loop's bookkeeping."""
         local = c.batch // self.comm.size
+        # a run from an ONNX file resumes the network it began with, whatever the file holds now
+        kept = saved and trainstate.kept_network(saved[1], self.ckpt_path, c.seed)
+        if kept:
+            trainstate.check_kept_network(kept, self.data.num_classes, self.data.input_shape, self.ckpt_path)
         try:
             distributed.shard(c.batch, self.comm)                 # refuses a batch the ranks do not divide
-            self.net = build_model(c.model, c.depth, num_classes=self.data.num_classes,
-                                   in_channels=self.data.input_shape[0], seed=c.seed,
-                                   input_shape=self.data.input_shape)
+            if kept:
+                self.net = kept
+            else:
+                self.net = build_model(c.model, c.depth, num_classes=self.data.num_classes,
+                                       in_channels=self.data.input_shape[0], seed=c.seed,
+                                       input_shape=self.data.input_shape)
             self.allocation = None
             if self.widths == "auto":   # measured once, at the start; the run's records keep the widths
                 self.allocation = allocate_widths(self.net, self.data, c, self.comm)

@@ -17,6 +17,9 @@ What a checkpoint holds (lowmem.train.checkpoint's file; meta["format"] = FORMAT
           batches           the data order's position (lowmem.data.batches.EpochOrder.state_dict)
           epoch_sums        the running epoch's loss, correct, seen, time (a mid-epoch stop)
           last_eval         the last evaluation, or null
+          architecture      a network read from an ONNX file (--model PATH.onnx): its layer
+                            records (core.network.network_records), so resume, predict and export
+                            rebuild the network the run trained, whatever the file holds later
 
 Resume is exact: the learning rate is a function of the iteration, the data
 order of (seed, epoch, batch), the augmentation of the saved RNG; so on
@@ -34,6 +37,8 @@ import numpy
 
 from .._version import __version__
 from .checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
+from ..core.network import NetworkError, network_from_records, network_records
+from ..models import is_onnx_path
 from ..data.files import DataError
 from .rundir import CHECKPOINT, ResumeError
 
@@ -87,6 +92,8 @@ def save(path, state, config, data_info, epoch_sums=None, world_size=1):
             "optimizer": state.opt.state_dict(), "rng": state.rng.bit_generator.state,
             "batches": state.batches.state_dict(), "epoch_sums": epoch_sums or state.sums,
             "last_eval": state.last_eval, "world_size": int(world_size)}
+    if is_onnx_path(config.model):            # the file's network, kept: the run never reads the file again
+        meta["architecture"] = network_records(net)
     save_checkpoint(path, arrays, meta)
 
 
@@ -263,6 +270,24 @@ def saved_config(run_dir):
     meta = load_checkpoint(path)[1]
     check_training_meta(meta, path)
     return meta["config"]
+
+
+def kept_network(meta, path, seed=0):
+    """The network a checkpoint keeps (meta["architecture"]: a run from an ONNX file), or None.
+    CheckpointError when its records are not a network's."""
+    if meta.get("architecture") is None:
+        return None
+    try:
+        return network_from_records(meta["architecture"], seed)
+    except NetworkError as e:
+        raise CheckpointError(f"checkpoint {os.fspath(path)!r}: {e}") from None
+
+
+def check_kept_network(net, num_classes, input_shape, path):
+    """ResumeError unless the checkpoint's own network fits the data (classes, input channels)."""
+    if net.num_classes != num_classes or net.in_channels != input_shape[0]:
+        raise ResumeError(f"cannot resume from {path}: its network has {net.num_classes} classes and "
+                          f"{net.in_channels} input channels, the data {num_classes} and {input_shape[0]}")
 
 
 def load_model_state(path, net):

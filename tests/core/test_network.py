@@ -1,6 +1,8 @@
 """lowmem/core/network.py: declared parameters drawn lazily, and per-step bookkeeping that stays
 O(layers): a training step never walks every parameter spec once per layer (a walk that did
 made a ResNet-1001 step grow with depth squared)."""
+import re
+
 import numpy as np
 import pytest
 
@@ -66,3 +68,40 @@ def test_avgpool2d_and_head_records():
     with pytest.raises(ValueError, match="declared twice"):
         net.head("act0", 4)
         net.head("act0", 4)
+
+
+# ---- records: the architecture as plain data ----------------------------------------------
+
+def test_records_rebuild_every_registry_family_with_the_same_plan():
+    import json
+    from lowmem import models
+    from lowmem.core.engine import Engine
+    from lowmem.core.network import network_from_records, network_records
+    for name, depth, shape in (("preact-cifar", 20, (3, 32, 32)), ("resnet", 18, (3, 32, 32)),
+                               ("densenet", 121, (3, 32, 32)), ("mobilenet", 2, (3, 32, 32)),
+                               ("vgg-bn", 11, (3, 32, 32)), ("wrn-2", 10, (3, 32, 32))):
+        net = models.build_model(name, depth)
+        back = network_from_records(json.loads(json.dumps(network_records(net))))
+        assert back.layers == net.layers and back.param_shapes() == net.param_shapes(), name
+        plans = [Engine(n, 2, shape, "approx", 4, allocate=False).plan.report(max_rows=10 ** 6) for n in (net, back)]
+        assert plans[0] == plans[1], name
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda r: r.update(name=" "), "name ' ' is not a non-empty string"),
+    (lambda r: r.update(num_classes=True), "num_classes True is not a positive integer"),
+    (lambda r: r["layers"][0].update(op="__init__"), "op '__init__' is not a layer"),
+    (lambda r: r["layers"][0].update(k="3"), "layer 0: k '3' is not an integer"),
+    (lambda r: r["layers"][0].update(extra=1), "layer 0 is not an object of"),
+    (lambda r: r["layers"].pop(), "the last two layers are not the head"),
+    (lambda r: next(L for L in r["layers"] if L["op"] == "add").update(src="elsewhere"),
+     "is not one a network of these layers holds"),
+    (lambda r: r.pop("layers"), "expected an object of name"),
+])
+def test_records_that_are_no_network_are_refused_by_name(change, words):
+    from lowmem import models
+    from lowmem.core.network import network_from_records, network_records
+    records = network_records(models.build_model("resnet", 18))
+    change(records)
+    with pytest.raises(NetworkError, match=re.escape(words)):
+        network_from_records(records)

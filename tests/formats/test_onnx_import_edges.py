@@ -203,3 +203,52 @@ def test_a_graph_the_builder_refuses_is_an_export_error_naming_the_file(tmp_path
     rc, out, err = cli_run(capsys, "plan", "--model", path)
     assert rc == 2 and err == f"lowmem plan: error: {path}: the graph input 'input' has a dimension of 0; " \
                               f"an image batch (N, C, H, W) needs C, H, W >= 1\n", err
+
+
+def pooled_graph():
+    """conv, BN-ReLU, a 2x2 max-pool, conv, BN-ReLU, head: 10 classes (a pool to swap in the file)."""
+    g = nn.Graph("pooled", (3, 32, 32), 10, seed=4)
+    x = g.max_pool(g.bn_relu(g.conv(g.input, 4, 3, name="c1"), name="b1"), 2, name="pool1")
+    return g.head(g.bn_relu(g.conv(x, 8, 3, name="c2"), name="b2"))
+
+
+def test_a_run_trained_from_onnx_keeps_its_own_architecture(tmp_path, capsys, monkeypatch):
+    """The run does not depend on the .onnx file after it started: with the file edited (its
+    MaxPool now an AveragePool) or gone, and from another folder, predict gives the same
+    logits from the run and from its exported .safetensors, export writes the same network, and
+    --resume trains the network the run began with."""
+    from lowmem.tools import predict
+    pytest.importorskip("safetensors")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    model = export.export_onnx(pooled_graph(), tmp_path / "models" / "net.onnx")
+    rc, _, err = cli_run(capsys, *TRAIN, "--model", "models/net.onnx", "--out", "run")     # as typed: relative
+    assert rc == 0, err
+    rc, _, err = cli_run(capsys, "export", "run", "net.safetensors")
+    assert rc == 0, err
+    x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    before = {m: predict.load(m)[0](x) for m in ("run", "net.safetensors")}
+
+    swapped = onnx.load(model)
+    next(n for n in swapped.graph.node if n.op_type == "MaxPool").op_type = "AveragePool"
+    onnx.save(swapped, model)
+    assert [L.op for L in nn.from_onnx(model, input_shape=(3, 32, 32)).layers].count("avgpool2d") == 1
+    for m, want in before.items():
+        np.testing.assert_array_equal(predict.load(m)[0](x), want)
+    rc, _, err = cli_run(capsys, "export", "run", "again.safetensors")
+    assert rc == 0, err
+    np.testing.assert_array_equal(predict.load("again.safetensors")[0](x), before["run"])
+    rc, out, err = cli_run(capsys, *TRAIN[:-3], "--epochs", "2", "--no-progress", "--out", "run", "--resume")
+    assert rc == 0, err
+    assert "maxpool" in (tmp_path / "run" / "plan.txt").read_text()
+    assert "avgpool2d" not in (tmp_path / "run" / "plan.txt").read_text()
+
+    model.unlink()                                       # the file gone, another folder
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    np.testing.assert_array_equal(predict.load(tmp_path / "net.safetensors")[0](x), before["net.safetensors"])
+    logits, _ = predict.load(tmp_path / "run")
+    assert logits(x).shape == (2, 10)
+    rc, _, err = cli_run(capsys, "export", tmp_path / "run", tmp_path / "out.onnx")
+    assert rc == 0, err
