@@ -138,15 +138,6 @@ def owns(arrays, params, name):
                                f"e.g. Engine(copy.deepcopy(net), ...) for a second one")
 
 
-def sync_bn(norm_sizes, unit_sizes):
-    """Refuse synchronized batch norm where a batch norm is no BN->ReLU unit's (it syncs units only)."""
-    alone = sorted(set(norm_sizes) - set(unit_sizes))
-    if alone:
-        raise ValueError(f"sync_bn synchronizes the BN->ReLU units only; {', '.join(alone[:3])} "
-                         f"{'is a batch norm' if len(alone) == 1 else 'are batch norms'} without a "
-                         f"ReLU after it (train without sync_bn)")
-
-
 def batch_norm(unit_sizes, n, what):
     """Refuse a batch n whose unit (C, H, W) would normalise one value per channel."""
     for name, (c, h, w) in unit_sizes.items():

@@ -114,8 +114,6 @@ class Engine:
         self._norm_sizes = {L.name: self.in_shape[L.name] for L in net.layers if OPS[L.op].norm}
         self._keyed = [L.name for L in net.layers if OPS[L.op].keyed]      # dropout: its mask's stream
         self.rank_keyed_layers = tuple(self._keyed)     # their draws follow the rank's shard (a resume checks)
-        if self.sync_bn:
-            checks.sync_bn(self._norm_sizes, self._unit_sizes)
         checks.batch_norm(self._norm_sizes, self.N, "batch_size")
         sizes = self._sizes(self.N)
         self.fused = kernels.fused_applies(self.xp, self.dtype, sizes) if use_fast is None else bool(use_fast)
@@ -134,13 +132,17 @@ class Engine:
             self.selected = self._select_units(sizes, self.arrays)   # with the CUDA set's workspace
             self.run = RunState(self.arrays, dict(net.params), dict(net.stats), self.comm, self.selected,
                                 columns_for(self.xp, self.fused), keeper=self.keeper,
-                                norms=kernels.select_norms(self.xp, self.fused, self.keeper,
-                                                           self.arrays.get("bn.partials")),
-                                codes=codes_for(self.xp, use_fast))
+                                norms=self._select_norms(), codes=codes_for(self.xp, use_fast))
         self.reference_units = self._select_units(sizes, self.arrays, reference=True)
         self._forward_groups = forward_groups(self.schedule, self.run is not None and self.run.norms.fused)
         self._ready = False                       # saved state holds a training forward
         self._input_grad_buffer = self.schedule.input_grad
+
+    def _select_norms(self):
+        """The kernel set of the batch norms with no ReLU after them (kernels.select_norms: fused as
+        the units are), synchronized over ranks with sync_bn."""
+        norms = kernels.select_norms(self.xp, self.fused, self.keeper, self.arrays.get("bn.partials"))
+        return kernels.synchronized_norms(norms, self.comm, self.arrays["sync.bn"]) if self.sync_bn else norms
 
     @property
     def use_fast(self):

@@ -36,7 +36,8 @@ The sets:
     units/reference.py  ExactUnits, CodeUnits(bits, naive, rounding), UnbiasedCodeUnits(bits, naive)
                         array ops (NumPy or CuPy)
     units/fused.py      the same over the numba or the CUDA files of the grid
-    units/sync.py       SyncUnits(set, comm): any set with batch statistics over all ranks
+    units/sync.py       SyncUnits(set, comm): any set with batch statistics over all ranks;
+                        SyncNorms(norms, comm): the same for the batch norms with no ReLU after them
     units/norm.py       the same for a batch norm with no ReLU after it (select_norms)
 
 `select` picks one; `reference` is the array-op twin of any set, used by the
@@ -50,7 +51,7 @@ import numpy
 from . import fused, gpu_base, rangecode, rangecode_cpu, rangecode_gpu, unbiased, window
 from .widths import FLOAT, FLOAT_CODE, check_bits, code_for
 from .reference import CodeUnits, ExactUnits, UnbiasedCodeUnits
-from .sync import SyncUnits
+from .sync import SyncNorms, SyncUnits
 from .norm import select_norms
 
 
@@ -95,6 +96,11 @@ def fused_applies(xp, dtype, sizes):
 def synchronized(units, comm, buf):
     """`units` with batch norm over the global batch of all of comm's ranks (units/sync.py)."""
     return SyncUnits(units, comm, buf)
+
+
+def synchronized_norms(norms, comm, buf):
+    """A norm kernel set (units/norm.py) with statistics over the global batch (units/sync.py)."""
+    return SyncNorms(norms, comm, buf)
 
 
 def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None, rounding="nearest"):
@@ -158,4 +164,4 @@ def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
 
 
 __all__ = ["keeper", "reference", "select", "select_units", "reference_units", "synchronized", "fused_applies",
-           "partials_size", "slot_nbytes", "quantize_simulated", "select_norms"]
+           "partials_size", "slot_nbytes", "quantize_simulated", "select_norms", "synchronized_norms"]

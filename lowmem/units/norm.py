@@ -2,6 +2,7 @@
 once per engine as the BN-ReLU units' are (units/__init__.py). Every set has
 
     norms.stats(mean, var, rstd, x)                         batch statistics of x (C, M)
+    norms.count(M)                                          the elements per channel they are over
     norms.forward(out, slots, x, mean, rstd, gamma, beta)
         x-hat = (x - mean)*rstd kept in its slots (the engine's keeper: float, or its range code),
         out = gamma*x-hat + beta; out may alias x
@@ -40,6 +41,10 @@ class NormKernels:
     def __init__(self, keeper):
         self.keeper = keeper
 
+    @staticmethod
+    def count(M):
+        return M                                         # this batch's (sync.SyncNorms: all ranks')
+
     def stats(self, mean, var, rstd, x):
         bn_stats(mean, var, rstd, x, BN_EPS)
 
@@ -50,9 +55,10 @@ class NormKernels:
 
     def backward(self, dx, dgamma, dbeta, dy, slots, rstd, gamma, accumulate, scratch):
         # saved: x-hat, exact (float) or approximate (its range code), and rstd exact
-        bn_backward(dx, dgamma, dbeta, dy, self._restore(slots, dy.shape, scratch), gamma, rstd, accumulate)
+        bn_backward(dx, dgamma, dbeta, dy, self.restore(slots, dy.shape, scratch), gamma, rstd, accumulate)
 
-    def _restore(self, slots, shape, scratch):
+    def restore(self, slots, shape, scratch):
+        """x-hat (C, M) for the backward: the float slot, or decoded from the code into scratch."""
         if scratch is None:
             return _xhat(slots, *shape)
         self.keeper.restore(scratch.reshape(-1), slots)
@@ -99,7 +105,7 @@ class FusedNormKernels(NormKernels):
 
     def backward(self, dx, dgamma, dbeta, dy, slots, rstd, gamma, accumulate, scratch):
         # saved: x-hat, exact (float) or approximate (its range code), and rstd exact
-        self.module.backward(dx, dgamma, dbeta, dy, self._restore(slots, dy.shape, scratch), gamma, rstd,
+        self.module.backward(dx, dgamma, dbeta, dy, self.restore(slots, dy.shape, scratch), gamma, rstd,
                              accumulate, **self._extra)
 
 

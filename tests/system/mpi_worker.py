@@ -3,7 +3,9 @@
 Trains pre-act ResNet-8 for a few steps on a fixed global batch sequence, each rank on its
 shard, and writes every rank's final parameters and running statistics to OUT.rank<r>.npz.
 ACTION "raise" / "kill": rank 1 raises or SIGKILLs itself at the second step (failure tests).
-Optional ROUNDING and GLOBAL_BATCH (stochastic rounding across world sizes).
+Optional ROUNDING and GLOBAL_BATCH (stochastic rounding across world sizes), and MODEL: "preact"
+(the default) or "standalone" (batch norms with no ReLU after them: a post-activation block, a
+depthwise conv's batch norm before ReLU6).
 """
 import os
 import signal
@@ -24,8 +26,16 @@ def batches(dtype, global_batch=GLOBAL_BATCH):
                rng.integers(0, 10, global_batch))
 
 
-def train(comm, mode, sync_bn, dtype, action="train", rounding="nearest", global_batch=GLOBAL_BATCH):
-    net = lm.models.preact_resnet_cifar(8, seed=1)
+def standalone_bn_net():
+    g = lm.nn.Graph("standalone", SHAPE, 10, seed=1)
+    x = g.bn_relu(g.conv(g.input, 8, 3, name="c1"), name="b1")
+    x = g.relu(g.add(x, g.bn(g.conv(x, 8, 3, name="c2"), name="b2"), name="add"), name="r")
+    return g.head(g.relu6(g.bn(g.conv(x, 8, 3, groups=8, name="dw"), name="b3"), name="r6"))
+
+
+def train(comm, mode, sync_bn, dtype, action="train", rounding="nearest", global_batch=GLOBAL_BATCH,
+          model="preact"):
+    net = lm.models.preact_resnet_cifar(8, seed=1) if model == "preact" else standalone_bn_net()
     eng = lm.Engine(net, global_batch // comm.size, SHAPE, mode, bits=4 if rounding == "nearest" else 2,
                     dtype=dtype, comm=comm, sync_bn=sync_bn, rounding=rounding, seed=5)
     opt = lm.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
@@ -43,8 +53,9 @@ if __name__ == "__main__":
     mode, sync_bn, dtype, out, action = sys.argv[1], sys.argv[2] == "1", sys.argv[3], sys.argv[4], sys.argv[5]
     rounding = sys.argv[6] if len(sys.argv) > 6 else "nearest"
     global_batch = int(sys.argv[7]) if len(sys.argv) > 7 else GLOBAL_BATCH
+    model = sys.argv[8] if len(sys.argv) > 8 else "preact"
     comm = distributed.get_communicator()
-    state = train(comm, mode, sync_bn, dtype, action, rounding, global_batch)
+    state = train(comm, mode, sync_bn, dtype, action, rounding, global_batch, model)
     np.savez(f"{out}.rank{comm.rank}.npz", **state)
     if comm.rank == 0:
         print(comm.describe())

@@ -52,6 +52,22 @@ def test_sync_bn_over_two_ranks_equals_one_rank_at_the_global_batch(tmp_path, mo
             assert err < tol, (name, err)
 
 
+@pytest.mark.parametrize("mode,dtype,tol", [("exact", "float64", 1e-9), ("approx", "float64", 1e-6),
+                                            ("approx", "float32", 2e-3)])
+def test_sync_bn_synchronizes_batch_norms_with_no_relu_after_them(tmp_path, mode, dtype, tol):
+    """A post-activation block's batch norm before its add and a depthwise conv's before ReLU6:
+    the same two 2C exchanges as a unit's, so 2 ranks reach the parameters and running
+    statistics of 1 rank at the global batch."""
+    r, states, _ = launch(tmp_path, mode, True, dtype, extra=("nearest", 8, "standalone"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = mpi_worker.train(distributed.SingleProcess(), mode, False, dtype, model="standalone")
+    assert len(states) == 2
+    for state in states:
+        for name, want in one.items():
+            err = np.linalg.norm(state[name] - want) / max(np.linalg.norm(want), 1e-30)
+            assert err < tol, (name, err)
+
+
 @pytest.mark.parametrize("rounding,global_batch", [("stochastic-window", 8), ("stochastic", 128)])
 def test_stochastic_draws_do_not_depend_on_the_split(tmp_path, rounding, global_batch):
     """With sync_bn, 2 ranks draw the codes 1 rank at the global batch draws (the stream follows the

@@ -116,7 +116,7 @@ class BN(Op):
         run.norms.stats(mean, var, rstd, x)
         _check_statistics(step, x, mean, var)
         run.norms.forward(out, slots, x, mean, rstd, g, b)     # x-hat kept, out = g*x-hat + b (may alias x)
-        update_running_stats(running_mean, running_var, mean, var, M, BN_MOMENTUM)
+        update_running_stats(running_mean, running_var, mean, var, run.norms.count(M), BN_MOMENTUM)
 
     @staticmethod
     def forward_add_relu(run, bn, add, relu):
