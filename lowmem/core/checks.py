@@ -7,7 +7,7 @@ import numbers
 
 import numpy
 
-from ..units.widths import FLOAT, MODES, check_bits
+from ..units.widths import FLOAT, MODES, check_bits, code_for
 from .network import Network
 
 DTYPES = ("float32", "float64")
@@ -112,10 +112,18 @@ def width_labels(mode, unit_bits, slot_bits=None):
     return {u: label(u, K) for u, K in unit_bits.items()}
 
 
-def rounding_label(rounding):
-    """', unbiased stochastic rounding' etc. for a summary (nearest, the default: '')."""
-    return {"nearest": "", "stochastic": ", unbiased stochastic rounding",
-            "stochastic-window": ", window stochastic rounding"}[rounding]
+def rounding_label(rounding, widths):
+    """', unbiased stochastic rounding' etc. for a summary (nearest, the default: ''), saying what
+    units of `widths` (each K, or None / "float") keep (units.widths.code_for): "stochastic" has
+    no 1-bit code, its 1-bit units keep the window code rounded to nearest."""
+    codes = [code_for(rounding, K) for K in widths if K not in (None, FLOAT)]
+    if rounding == "stochastic" and codes and not any(c.unbiased for c in codes):
+        return ", nearest rounding (stochastic has no 1-bit code)"
+    label = {"nearest": "", "stochastic": ", unbiased stochastic rounding",
+             "stochastic-window": ", window stochastic rounding"}[rounding]
+    if rounding == "stochastic" and not all(c.unbiased for c in codes):
+        label += " (1-bit units: nearest)"
+    return label
 
 
 def bits_label(mode, unit_bits):

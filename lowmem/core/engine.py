@@ -308,7 +308,7 @@ class Engine:
         return (f"{self.net.name}: {self.net.num_params():,} params, batch {self.N}, "
                 f"input {self.input_shape}, mode {self.mode}"
                 + (f" ({checks.bits_label(self.mode, self.unit_bits)}"
-                   + checks.rounding_label(self.rounding)
+                   + checks.rounding_label(self.rounding, self.unit_bits.values())
                    + (f", {self.bits_per_element():.4g} bits/elem" if metadata else "") + ")"
                    if self.mode != "exact" and self.unit_bits else "")
                 + f", {self.dtype}; planned {fmt_bytes(self.plan.total_bytes)} "

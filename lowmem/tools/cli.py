@@ -103,7 +103,8 @@ def main(argv=None):
         return error("interrupted", EXIT_SIGNAL[signal.SIGINT])
     except BrokenPipeError:                  # `lowmem plan | head`: the reader took what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
+        # a command whose work is its printout is done; a training run that stopped is not
+        return EXIT_ERROR if args.command == "train" else EXIT_OK
     except OSError as e:                     # a file a command could not write (a full disk, ...)
         return error(re.sub(r"^\[Errno \d+\] ", "", str(e)), EXIT_ERROR)
 

@@ -41,6 +41,7 @@ import numpy
 from ..system import backend
 from ..data.datasets import channel_mean_std, synthetic
 from ..data.transforms import normalize
+from ..core import checks
 from ..core.engine import Engine
 from ..units.widths import MODES
 from ..train.optim import SGD
@@ -164,6 +165,14 @@ class GradientDiagnosis:
     error_norm: dict                     # mode -> (T,)
     total: dict = field(default_factory=dict)
     rounding: str = "nearest"
+    dtype: str = "float32"
+
+    @property
+    def no_gradient(self):
+        """(T,) bool: tensors whose exact gradient is rounding noise, 100 ulps of the dtype below the
+        largest tensor's: zero in exact arithmetic (a conv's bias before a batch norm, which takes
+        the mean out). Their ratios are noise over zero: medians and the worst skip them."""
+        return self.grad_norm <= 100 * numpy.finfo(self.dtype).eps * numpy.max(self.grad_norm)
 
     @property
     def widths(self):
@@ -173,7 +182,8 @@ class GradientDiagnosis:
             label = "per-unit " + ", ".join(f"{k} x{w.count(k)}" for k in dict.fromkeys(w))
         else:
             label = f"{self.bits}-bit"
-        return label + (", stochastic rounding" if self.rounding == "stochastic" else "")
+        widths = list(self.bits.values()) if isinstance(self.bits, dict) else [self.bits]
+        return label + checks.rounding_label(self.rounding, widths)
 
     @staticmethod
     def _div(a, b):
@@ -197,14 +207,17 @@ class GradientDiagnosis:
         return self._div(self.error_norm[mode], self.noise_norm)
 
     def summary(self):
-        """{"noise": {median, total}, mode: {median_error, total_error, median_ratio,
-        worst_ratio, worst_tensor, total_ratio}}; medians and worst skip nan tensors."""
+        """{"noise": {median, total}, "no_gradient": [tensor names], mode: {median_error, total_error,
+        median_ratio, worst_ratio, worst_tensor, total_ratio}}; medians and worst skip nan tensors
+        and those with no gradient."""
         t, div = self.total, lambda a, b: float(self._div(numpy.float64(a), numpy.float64(b)))
         out = {"noise": {"median": _nanmedian(self.noise), "total": div(t["noise_norm"], t["mean_norm"])}}
+        zero = self.no_gradient
+        out["no_gradient"] = [n for n, z in zip(self.names, zero) if z]
         for m in self.modes:
-            r = self.ratio(m)
+            r = numpy.where(zero, numpy.nan, self.ratio(m))
             worst = int(numpy.nanargmax(r)) if not numpy.isnan(r).all() else None   # all nan: no gradient
-            out[m] = {"median_error": _nanmedian(self.error[m]),
+            out[m] = {"median_error": _nanmedian(numpy.where(zero, numpy.nan, self.error[m])),
                       "total_error": div(t["error_norm"][m], t["grad_norm"]),
                       "median_ratio": _nanmedian(r),
                       "worst_ratio": float("nan") if worst is None else float(r[worst]),
@@ -246,6 +259,11 @@ class GradientDiagnosis:
                                else "not resolved (|E g| within the batches' noise: use more --batches)")
                             + ", draw noise / SGD noise "
                             f"{d['draw_noise_ratio']:.3g}" if "bias_ratio" in d else ""))
+        if s["no_gradient"]:
+            lines.append(f"no gradient (zero in exact arithmetic, e.g. a conv's bias before a batch norm; "
+                         f"its ratios are rounding noise over zero, left out above): "
+                         + ", ".join(s["no_gradient"][:5]) + (f" and {len(s['no_gradient']) - 5} more"
+                                                            if len(s["no_gradient"]) > 5 else ""))
         return "\n".join(lines)
 
 
@@ -297,4 +315,4 @@ def gradient_errors(net, batches, bits=4, modes=("approx", "naive"), dtype="floa
         total["error_norm"][m] = float(numpy.sqrt(_sq_norms(flat(g) - e_all).mean()))
         total["bias"][m] = bias_and_noise(exact, draws)
     return GradientDiagnosis(names, [exact[n].shape[1:] for n in names], bits, B,
-                             per[:, 0], per[:, 1], per[:, 2], error_norm, total, rounding)
+                             per[:, 0], per[:, 1], per[:, 2], error_norm, total, rounding, str(dtype))

@@ -3,7 +3,8 @@
 
 Exit status, the same for every subcommand:
 
-    0    done (also when the reader of its output stops early: `lowmem plan | head`)
+    0    done (also when the reader of its printout stops early: `lowmem plan | head`; not
+         for `lowmem train`, whose run then stops: 1)
     1    the data, a checkpoint, a run folder, the disk, or --verify failed
          (missing or damaged files, a folder lowmem may not use, a full disk)
     2    a bad command line: an option's value, a combination the model, the

@@ -94,3 +94,27 @@ def test_trainer_resume_draws_the_same_stream(tmp_path):
     resumed.fit()
     for p, q in zip(whole.net.parameters(), resumed.net.parameters()):
         assert np.array_equal(p.data, q.data), p.name
+
+
+def test_stochastic_at_one_bit_is_said_to_be_the_nearest_code_it_is():
+    """No unbiased 1-bit code exists (one level per side of the exact mask): a 1-bit unit under
+    rounding="stochastic" keeps the window code rounded to nearest (the same gradients), and the
+    summary (the plan's, the run header's, plan.txt's) says so instead of "unbiased stochastic"."""
+    from lowmem.tools import runcurves
+    net = preact_resnet_cifar(8, num_classes=4)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 3, 8, 8)), rng.integers(0, 4, 4)
+    grads = []
+    for rounding in ("nearest", "stochastic"):
+        eng = Engine(copy.deepcopy(net), 4, (3, 8, 8), "approx", 1, "float64", rounding=rounding)
+        eng.forward(x, y)
+        eng.backward()
+        grads.append([np.array(p.grad) for p in eng.net.parameters()])
+        if rounding == "stochastic":
+            assert "nearest rounding (stochastic has no 1-bit code)" in eng.summary()
+            assert "unbiased" not in eng.summary()
+    assert all(np.array_equal(a, b) for a, b in zip(*grads))
+    mixed = Engine(net, 4, (3, 8, 8), "approx", {"*": 2, "layer1.0.bn1": 1}, allocate=False, rounding="stochastic")
+    assert "unbiased stochastic rounding (1-bit units: nearest)" in mixed.summary()
+    assert runcurves.mode_label({"mode": "approx", "bits": 1, "rounding": "stochastic"}) == "approx 1-bit"
+    assert runcurves.mode_label({"mode": "approx", "bits": 2, "rounding": "stochastic"}) == "approx 2-bit, stochastic"

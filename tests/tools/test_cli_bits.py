@@ -186,7 +186,8 @@ def test_diagnose_takes_bits_auto_rounding_and_per_unit_widths(capsys):
     assert 0.5 < predicted / measured < 2.0          # the estimate's documented accuracy (docs/bits.md)
     rc, out, err = run(capsys, *DIAG, "--bits", "2", "--rounding", "stochastic")
     assert rc == 0, err
-    assert "(2-bit, stochastic rounding) vs exact" in out and "2-bit, stochastic rounding, 25 parameter" in out
+    assert "(2-bit, unbiased stochastic rounding) vs exact" in out
+    assert "2-bit, unbiased stochastic rounding, 25 parameter" in out
     rc, out, err = run(capsys, *DIAG, "--bits", "layer1.0.bn1=8,*=2")
     assert rc == 0, err
     assert "per-unit 8-bit x1, 2-bit x6, 25 parameter tensors" in out

@@ -10,7 +10,7 @@ A subcommand module of lowmem/tools/commands/: `HELP` (its line in `lowmem --hel
 """
 from .. import argtypes, peak_memory, plot
 from ...core.engine import DEFAULT_WORKSPACE_BYTES, Engine
-from ...units.widths import MODES
+from ...units.widths import MODES, code_for
 from ...core.plan import KINDS
 from ...system.memory import fmt_bytes
 from ..options import (auto_arguments, auto_widths, build_network, check_auto, describe, mode_label, unit_widths,
@@ -82,7 +82,8 @@ def run(args):
     eng = Engine(net, args.batch, shape, args.mode, args.bits, args.dtype, ws, allocate=False,
                  rounding=args.rounding)
     print(describe(net, args.batch, shape, args.dtype, "mode " + mode_label(args.mode, unit_widths(eng, args.bits))))
-    if eng.bits_per_element() is not None and args.rounding == "stochastic":
+    if eng.bits_per_element() is not None and any(code_for(args.rounding, K).unbiased
+                                                  for K in eng.unit_bits.values() if K is not None):
         print(f"saved codes: {eng.bits_per_element():.4g} bits/elem, metadata included "
               f"(rounding {args.rounding})")
     if not args.no_schedule:
