@@ -19,7 +19,10 @@ module imports nothing above it. BatchNormalization whose only reader is a Relu 
 BN->ReLU unit (`bn_relu`); Flatten -> Gemm inside the network a linear layer;
 GlobalAveragePool (or ReduceMean over H, W) -> Flatten -> Gemm at the end, or a last Gemm on a
 linear layer's output, the head. Identity and ratio-0 Dropout pass their input through; a
-Dropout with a ratio trains as dropout.
+Dropout with a ratio trains as dropout. A Constant, and an Identity or Cast of a constant, is
+read as that constant before the walk (docs/onnx.md lists the spellings read). Only standard ops
+are read: a node of another domain or a call of a model-local function is refused first. The
+file's tensors must all lie inside it (load_checked): lowmem reads no other file.
 
 Names: a layer takes the name of its parameters' initializers (`layer1.0.conv1.weight` ->
 layer `layer1.0.conv1`, so parameters keep the ONNX initializer names, which for a torch
