@@ -221,7 +221,7 @@ def test_a_run_trained_from_onnx_keeps_its_own_architecture(tmp_path, capsys, mo
     pytest.importorskip("safetensors")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()
-    model = export.export_onnx(pooled_graph(), tmp_path / "models" / "net.onnx")
+    model = onnx_export.export_onnx(pooled_graph(), tmp_path / "models" / "net.onnx")
     rc, _, err = cli_run(capsys, *TRAIN, "--model", "models/net.onnx", "--out", "run")     # as typed: relative
     assert rc == 0, err
     rc, _, err = cli_run(capsys, "export", "run", "net.safetensors")
