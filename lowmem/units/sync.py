@@ -82,6 +82,10 @@ class SyncNorms:
     def forward(self, out, slots, x, mean, rstd, gamma, beta):
         self.inner.forward(out, slots, x, mean, rstd, gamma, beta)
 
+    def forward_add_relu(self, out, mask, slots, x, other, mean, rstd, gamma, beta, scratch):
+        # a post-activation block's end (the fused sets only): mean and rstd are global already
+        self.inner.forward_add_relu(out, mask, slots, x, other, mean, rstd, gamma, beta, scratch)
+
     def backward(self, dx, dgamma, dbeta, dy, slots, rstd, gamma, accumulate, scratch):
         # saved: x-hat, exact (float) or approximate (its range code, decoded into scratch), rstd exact
         xhat = self.inner.restore(slots, dy.shape, scratch)

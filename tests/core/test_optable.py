@@ -153,3 +153,36 @@ def test_a_batch_norm_output_read_twice_is_not_fused():
     h = g2.bn(g2.conv(x, 6, 3, name="c2"), name="b2")
     eng2 = Engine(g2.head(g2.relu(g2.add(h, x, name="add"), name="r")), 2, (3, 8, 8), allocate=False)
     assert [h for h, _ in forward_groups(eng2.schedule, True) if h is _block_end]
+
+
+def test_a_synchronized_block_end_takes_the_global_batch(monkeypatch):
+    """With sync_bn, the one-pass block end takes its statistics over all ranks and updates the
+    running statistics with the global count: rank 1 of 2 (whose allreduce stands in for rank 0
+    holding the same shard) equals one process at the batch of both shards."""
+    from lowmem.core import engine as engine_module
+    from lowmem.core.optable import _block_end
+    from lowmem.system import distributed
+    from lowmem.units import norm as norm_module, norm_cpu
+    if not norm_cpu.AVAILABLE:
+        pytest.skip("numba not installed")
+    monkeypatch.setattr(engine_module.kernels, "select_norms", lambda xp, fused, keeper, partials=None:
+                        norm_module.FusedNormKernels(norm_cpu, keeper))
+
+    class Rank1(distributed.Communicator):
+        rank, size = 1, 2
+
+        def allreduce(self, a):
+            a *= 2
+
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((5, 3, 8, 8)), rng.integers(0, 4, 5)
+    net = reference.random_graph("postact", np.random.default_rng(9))
+    two = Engine(copy.deepcopy(net), 5, (3, 8, 8), mode="approx", bits=4, dtype="float64", comm=Rank1(),
+                 sync_bn=True)
+    one = Engine(copy.deepcopy(net), 10, (3, 8, 8), mode="approx", bits=4, dtype="float64")
+    assert [h for h, _ in two._forward_groups if h is _block_end]
+    two.forward(x, y)
+    one.forward(np.concatenate([x, x]), np.concatenate([y, y]))
+    assert two.run.stats.keys() == one.run.stats.keys()
+    for name, want in one.run.stats.items():
+        np.testing.assert_allclose(two.run.stats[name], want, rtol=1e-12, atol=1e-14, err_msg=name)

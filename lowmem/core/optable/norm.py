@@ -138,7 +138,7 @@ class BN(Op):
         _check_statistics(bn, x, mean, var)
         mask = run.arrays[relu.saved[0]][:(c * M + 7) // 8]
         run.norms.forward_add_relu(out, mask, slots, x, other, mean, rstd, g, b, run.rows(bn.dst, bn.out_shape))
-        update_running_stats(running_mean, running_var, mean, var, M, BN_MOMENTUM)
+        update_running_stats(running_mean, running_var, mean, var, run.norms.count(M), BN_MOMENTUM)
 
     @staticmethod
     def backward(run, step):
