@@ -32,10 +32,11 @@ def tile_kernels(repeat):
         ns = max(1, winograd.CACHE_BYTES // (4 * winograd.per_sample(C, C, H, H)))
         x = np.random.default_rng(0).standard_normal((C, ns, H, H)).astype(np.float32)
         V = np.empty((16, C, ns * th * tw), np.float32)
-        out = np.empty_like(x)
+        M = winograd._planes(np.zeros(16 * (C * ns * th * tw + winograd.PLANE_GAP), np.float32), C, ns * th * tw)
+        out = np.empty_like(x)                          # M: the product's planes, laid as the conv lays them
         t = [best(lambda: winograd._input_tiles(V, x, 0), repeat),
              best(lambda: winograd._gradient_tiles(V, x, 0), repeat),
-             best(lambda: winograd._output_tiles(out, V, 0, False), repeat)]
+             best(lambda: winograd._output_tiles(out, M, 0, False), repeat)]
         print(f"  C {C:3d}, {H:2d}x{H:<2d} ({ns} samples): " + " | ".join(f"{s * 1e6:7.1f}" for s in t))
 
 

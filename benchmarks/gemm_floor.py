@@ -8,7 +8,7 @@ tests/benchmarks/test_gemm_floor.py runs a real step with numpy.matmul recorded 
 the list is the step's. measure(eng, ...) times them (run_gemms) and adds the memory traffic at
 the copy bandwidth measured in the same process; benchmarks/compare_torch.py's "floor"
 configuration runs it in a fresh process. It reads conv's and winograd's private functions
-(conv._flat, conv._is_pointwise, winograd._chunk): a model of their decisions, pinned by that test.
+(conv._flat, conv._is_pointwise, winograd._chunk, winograd._planes): a model of their decisions, pinned by that test.
 """
 import math
 import re
@@ -69,8 +69,7 @@ def _winograd_correlate(x, U, ws):
         nc, gemms = winograd._chunk(wsp, per, b - a), []
         for n0 in range(a, b, nc):
             T = (min(b, n0 + nc) - n0) * th * tw
-            gemms.append((U, wsp[:16 * Ci * T].reshape(16, Ci, T),
-                          wsp[16 * Ci * T:16 * (Ci + Co) * T].reshape(16, Co, T)))
+            gemms.append((U, wsp[:16 * Ci * T].reshape(16, Ci, T), winograd._planes(wsp[16 * Ci * T:], Co, T)))
         ranges.append(gemms)
     return ranges
 

@@ -27,7 +27,9 @@ tiles take 4x the input instead of 9x. The three products of training:
 
 Memory: V and M for `n` samples take 16*(Cin + Cout)*th*tw*n elements of the conv
 workspace (the weight gradient also keeps two 16*Cout*Cin sums per range there) (under im2col's 9*Cin*H*W*n when Cin = Cout); chunks are capped at CACHE_BYTES so
-V and M stay in the core's cache between the transform and the GEMM. Threads as in
+V and M stay in the core's cache between the transform and the GEMM. Where the room is there,
+M's planes lie PLANE_GAP elements further apart (16 more per plane; `_planes`), so that the 16
+streams _output_tiles reads are not a multiple of 4 KiB apart. Threads as in
 ops/conv.py (ops/chunks.py): batch ranges, each with its own part of the workspace.
 
 Accuracy: the transforms' constants are 0, +-1 and +-1/2, so float32 Winograd stays close to
@@ -51,6 +53,7 @@ MIN_CHANNELS = 16           # below this the 16 GEMMs are too thin to beat one i
 CACHE_BYTES = 1 << 20       # bytes of transformed tiles (V and M) per chunk
 FILTER_GRAIN = 1 << 12      # filters per thread below which a filter transform is not split
 FILTER_BLOCK = 64           # filters (input channels) the filter transforms vectorise over
+PLANE_GAP = 16              # float32 elements (one 64-byte line) between M's planes where they would alias
 
 
 
@@ -120,6 +123,21 @@ def _chunk(wsp, per, n):
     return max(1, min(n, wsp.size // per, CACHE_BYTES // (4 * per)))
 
 
+def _planes(wsp, rows, T):
+    """A (16, rows, T) array at the start of wsp whose planes lie an odd number of 64-byte lines
+    apart (PLANE_GAP elements more than rows*T when that is an even number of lines and wsp has
+    the room), else wsp's first 16*rows*T elements as they come. _output_tiles reads the 16
+    planes side by side: at a plane distance that is a multiple of 4 KiB (rows*T a multiple of
+    1024 float32, as at 64+ channels on 32x32 tiles) all 16 streams fall into the same L1 sets and
+    evict each other. Only where the planes lie changes, not what is computed."""
+    n = rows * T
+    step = n + PLANE_GAP if (n % PLANE_GAP == 0 and (n // PLANE_GAP) % 2 == 0
+                             and 16 * (n + PLANE_GAP) <= wsp.size) else n
+    planes = wsp[:16 * step].reshape(16, step)[:, :n]
+    planes.shape = (16, rows, T)                           # a view, never a copy (raises instead)
+    return planes
+
+
 def _correlate(out, x, U, ws, accumulate):
     """out (Co, N, H, W) (+)= the stride-1 pad-1 3x3 correlation of x (Ci, N, H, W) with the
     filters whose transforms are U (16, Co, Ci)."""
@@ -134,7 +152,7 @@ def _correlate(out, x, U, ws, accumulate):
             n1 = min(b, n0 + nc)
             T = (n1 - n0) * th * tw
             V = wsp[:16 * Ci * T].reshape(16, Ci, T)
-            M = wsp[16 * Ci * T:16 * (Ci + Co) * T].reshape(16, Co, T)
+            M = _planes(wsp[16 * Ci * T:], Co, T)
             _input_tiles(V, x, n0)
             numpy.matmul(U, V, out=M)
             _output_tiles(out, M, n0, accumulate)

@@ -189,6 +189,46 @@ def test_tile_kernels_match_their_numpy_references_bit_for_bit(C, H, W):
         np.testing.assert_array_equal(got[:, n0 + ns:], base[:, n0 + ns:])
 
 
+def test_output_planes_apart_by_an_odd_number_of_lines(monkeypatch):
+    """M's 16 planes (read side by side by _output_tiles) lie an odd number of 64-byte lines apart
+    where rows*T would put them a multiple of 4 KiB apart, inside the workspace (a view, written
+    through); without the room, or where they do not alias, as they come. The forward and the
+    accumulating input gradient through the spaced planes equal the unspaced ones bit for bit, and
+    _output_tiles on a spaced M equals its reference."""
+    ws = np.zeros(16 * (64 * 256 + winograd.PLANE_GAP), np.float32)
+    M = winograd._planes(ws, 64, 256)
+    assert M.shape == (16, 64, 256) and np.shares_memory(M, ws)
+    assert M.strides[0] % 64 == 0 and (M.strides[0] // 64) % 2 == 1
+    M[15, 63, 255] = 7.0
+    assert ws[15 * (64 * 256 + winograd.PLANE_GAP) + 64 * 256 - 1] == 7.0
+    assert winograd._planes(ws[:16 * 64 * 256], 64, 256).flags.c_contiguous        # no room
+    assert winograd._planes(ws, 63, 16).flags.c_contiguous                         # 63*16: an odd number of lines
+    rng = np.random.default_rng(3)
+    N, H = 3, 32
+    x = rng.standard_normal((64, N, H, H)).astype(np.float32)
+    w = (rng.standard_normal((64, 64, 3, 3)) * 0.05).astype(np.float32)
+    base = rng.standard_normal((64, N, H, H)).astype(np.float32)
+    ws = np.empty(1 << 21, np.float32)
+    got = {}
+    for gap in (1 << 40, winograd.PLANE_GAP):                 # 1 << 40: never spaced
+        monkeypatch.setattr(winograd, "PLANE_GAP", gap)
+        out, dx = np.empty_like(x), base.copy()
+        winograd.conv3x3_forward(out, x, w, ws)
+        winograd.conv3x3_backward_input(dx, x, w, ws, accumulate=True)
+        got[gap] = out, dx
+    for a, b in zip(*got.values()):
+        _same_bits(a, b)
+    th, tw = winograd.tiles(H, H)
+    M = winograd._planes(np.empty(16 * (64 * th * tw + 16), np.float32), 64, th * tw)
+    M[...] = rng.standard_normal(M.shape)
+    assert not M.flags.c_contiguous
+    for accumulate in (False, True):
+        have, want = base.copy(), base.copy()
+        winograd._output_tiles(have, M, 1, accumulate)
+        winograd.output_tiles_reference(want, np.ascontiguousarray(M), 1, accumulate)
+        _same_bits(have, want)
+
+
 def _specials(rng, shape, zeros=False):
     """float32 values over many magnitudes, with signed zeros, infinities and NaNs mixed in;
     zeros: mostly signed zeros (where the order of a sum decides a zero's sign)."""
