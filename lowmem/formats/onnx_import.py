@@ -300,20 +300,30 @@ FOLD_PREFIX = "onnx::"      # PyTorch's name for a tensor its constant folding m
 
 
 def _warn_if_folded(model, path):
-    """FormatWarning when the file has no BatchNormalization while its convs read tensors named
-    by the exporter: torch.onnx.export's defaults (eval mode, constant folding) folded each batch
-    norm into its conv's weights and bias, leaving no BN-ReLU unit to compress and other names."""
+    """FormatWarning when convs read tensors named by the exporter: torch.onnx.export's defaults
+    (eval mode, constant folding) fold each batch norm that follows a conv into that conv's weights
+    and bias, leaving no BN-ReLU unit to compress there and other names. A batch norm after
+    anything else (a concatenation, an add) stays a node, so a file may hold some and still have
+    lost the others: counted, not only when no BatchNormalization is left."""
     g = model.graph
-    if any(n.op_type == "BatchNormalization" for n in g.node):
+    convs = [n for n in g.node if n.op_type == "Conv"]
+    folded = [v for n in convs for v in n.input[1:] if v.startswith(FOLD_PREFIX)]
+    if not folded:
         return
-    folded = [v for n in g.node if n.op_type == "Conv" for v in n.input[1:] if v.startswith(FOLD_PREFIX)]
-    if folded:
-        warnings.warn(FormatWarning(
-            f"{path}: no BatchNormalization node, and its convs read tensors the exporter made "
-            f"({folded[0]!r}, ...): PyTorch's default export (eval mode, constant folding) folds every batch "
-            f"norm into its conv, so lowmem has no BN-ReLU unit to compress and the parameter names are not "
-            f"the model's; export with training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, "
-            f"dynamo=False"), stacklevel=3)
+    n_folded = sum(any(v.startswith(FOLD_PREFIX) for v in n.input[1:]) for n in convs)
+    if any(n.op_type == "BatchNormalization" for n in g.node):
+        what = (f"{n_folded} of its {len(convs)} convs read tensors the exporter made ({folded[0]!r}, ...): "
+                f"PyTorch's default export (eval mode, constant folding) folds each batch norm that follows "
+                f"a conv into it (the others stay), so lowmem has no BN-ReLU unit to compress there and "
+                f"those parameter names are not the model's")
+    else:
+        what = (f"no BatchNormalization node, and its convs read tensors the exporter made ({folded[0]!r}, "
+                f"...): PyTorch's default export (eval mode, constant folding) folds every batch norm into "
+                f"its conv, so lowmem has no BN-ReLU unit to compress and the parameter names are not the "
+                f"model's")
+    warnings.warn(FormatWarning(
+        f"{path}: {what}; export with training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, "
+        f"dynamo=False"), stacklevel=3)
 
 
 def _first_line(e):

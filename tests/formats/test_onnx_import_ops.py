@@ -241,6 +241,25 @@ def test_a_default_export_with_batch_norm_folded_away_is_warned_about(tmp_path, 
         nn.from_onnx(torch_export(Net(), (3, 8, 8), tmp_path / "kept.onnx"))
 
 
+def test_a_default_export_with_some_batch_norms_folded_is_warned_about(tmp_path):
+    """Constant folding folds only a batch norm that follows a conv: in a DenseNet the others (after
+    a concatenation) stay BatchNormalization nodes, so the file has some, yet half its convs carry
+    their batch norm folded in. Warned about as well, counting the convs."""
+    from lowmem.formats.common import FormatWarning
+    pytest.importorskip("torch")
+    import torchvision_layout as tv
+    model = tv.DenseNet(growth=4, blocks=(2, 2), init=8, bn_size=2, num_classes=5)
+    path = torch_export(model, (3, 32, 32), tmp_path / "partial.onnx", how="default")
+    nodes = onnx.load(path).graph.node
+    assert "BatchNormalization" in [n.op_type for n in nodes]
+    with pytest.warns(FormatWarning) as w:
+        net = nn.from_onnx(path)
+    msg = str(w[0].message)
+    assert "5 of its 10 convs read tensors the exporter made ('onnx::Conv_" in msg, msg
+    assert "do_constant_folding=False" in msg and "TRAINING" in msg, msg
+    assert [L.op for L in net.layers].count("bnrelu") == 6             # norm1 of each layer, the transition, norm5
+
+
 # ------------------------------------------------------------------ spellings
 
 def spelled_graph():
