@@ -339,6 +339,78 @@ def test_dropout_trains_as_dropout_and_predicts_as_torch_eval(tmp_path):
     assert np.isfinite(loss) and all(np.isfinite(p.grad).all() for p in net.parameters())
 
 
+class AlexNetStyle(tnn.Module):
+    """torchvision's AlexNet classifier on small features: Dropout, Linear, ReLU, Dropout, Linear,
+    ReLU, Linear on torch.flatten (ONNX: Flatten -> Dropout -> Gemm)."""
+
+    def __init__(self, cin=3):
+        super().__init__()
+        self.features = tnn.Sequential(tnn.Conv2d(cin, 6, 3, 2, 1, bias=False), bn(6), tnn.ReLU(), tnn.MaxPool2d(2))
+        self.classifier = tnn.Sequential(tnn.Dropout(0.5), tnn.Linear(6 * 2 * 2, 12), tnn.ReLU(), tnn.Dropout(0.3),
+                                         tnn.Linear(12, 10), tnn.ReLU(), tnn.Linear(10, K))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+class FixedDropout(tnn.Module):
+    """Inverted dropout with a given keep mask (lowmem's, in torch's layout)."""
+
+    def __init__(self, keep, p):
+        super().__init__()
+        self.keep, self.p = keep, p
+
+    def forward(self, x):
+        return x * self.keep.reshape(x.shape) / (1 - self.p)
+
+
+@pytest.mark.parametrize("family", ["tv-mobilenet_v2-dropout", "alexnet-classifier"])
+def test_a_classifier_with_dropout_matches_autograd_under_lowmem_masks(tmp_path, family):
+    """MobileNetV2 at its default dropout (pool, Flatten, Dropout, Gemm: read as a k x k pool, the
+    dropout on its (C, 1, 1) output, then the head) and AlexNet's classifier (Flatten, Dropout, Gemm:
+    the dropout on the unflattened tensor): one training step in float64 against autograd, the
+    torch model's Dropouts replaced by lowmem's keep masks of that step (its counter stream,
+    ops/dropout.py), so loss, logits and every parameter gradient must agree."""
+    from lowmem.ops import dropout
+    make, shape = {"tv-mobilenet_v2-dropout": (lambda: tv.mobilenet_v2(K, dropout=0.2, width_mult=0.25), (3, 64, 64)),
+                   "alexnet-classifier": (AlexNetStyle, (3, 8, 8))}[family]
+    torch.manual_seed(0)
+    model = randomized(make(), 1).train()
+    net = nn.from_onnx(export(model, shape, tmp_path / f"{family}.onnx"))
+    drops = [L for L in net.layers if L.op == "dropout"]
+    tdrops = [(parent, name, m) for parent in model.modules() for name, m in parent.named_children()
+              if isinstance(m, tnn.Dropout)]
+    assert [L.p for L in drops] == [pytest.approx(m.p) for _, _, m in tdrops] and drops
+    model.double().load_state_dict({k: torch.from_numpy(v.astype(np.float64)) for k, v in net.state_dict().items()},
+                                   strict=False)
+
+    rng = np.random.default_rng(2)
+    x, labels = rng.standard_normal((N,) + shape), rng.integers(0, K, N)
+    eng = Engine(net, N, shape, mode="exact", dtype="float64")
+    for i, (L, (parent, name, m)) in enumerate(zip(drops, tdrops)):
+        c, h, w = eng.in_shape[L.name]                    # lowmem's (C, N, H, W) activation, flat
+        n = c * N * h * w
+        mask = np.empty((n + 7) // 8, np.uint8)
+        dropout.dropout_mask(mask, n, L.p, dropout.stream_key(eng.seed, eng.step, i, 0))
+        keep = np.unpackbits(mask, bitorder="little")[:n].reshape(c, N, h, w).transpose(1, 0, 2, 3)
+        assert 0 < keep.mean() < 1
+        setattr(parent, name, FixedDropout(torch.from_numpy(keep.astype(np.float64)), L.p))
+    loss, logits = eng.forward(x, labels)
+    eng.backward()
+    grads = {p.name: np.array(p.grad) for p in net.parameters()}
+    tlogits = model(torch.from_numpy(x))
+    tloss = F.cross_entropy(tlogits, torch.from_numpy(labels))
+    model.zero_grad(set_to_none=True)
+    tloss.backward()
+    assert rel(loss, tloss.item()) <= TOL
+    assert rel(logits, tlogits.detach().numpy()) <= TOL
+    floor = 1e-8 * max(np.linalg.norm(p.grad.numpy()) for p in model.parameters())
+    errors = {n: float(np.linalg.norm(grads[n] - p.grad.numpy()) / max(np.linalg.norm(p.grad.numpy()), floor))
+              for n, p in model.named_parameters()}
+    bad = {n: e for n, e in errors.items() if not e <= TOL}
+    assert not bad, sorted(bad.items(), key=lambda kv: -kv[1])[:5]
+
+
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "tv-mobilenet_v2"])
 def test_imported_model_steps_within_its_plan(tmp_path, family):
     """A steady approx 4-bit float32 step of each imported model allocates at most the plan's
