@@ -306,9 +306,15 @@ def _global_pool(r, node):
     gemm = r.only_reader(v, "Gemm")
     if gemm is None or gemm.output[0] not in r.outputs:
         readers = sorted({n.op_type for n in r.readers.get(v, [])})
-        if readers and not set(readers) <= {"Flatten", "Gemm"}:       # squeeze-excitation and the like
+        inner = None                                  # squeeze-excitation and the like: what reads the pool
+        if readers and not set(readers) <= {"Flatten", "Gemm"}:
+            inner = ", ".join(readers)
+        elif gemm is not None:                        # SENet's gate of linear layers: pool, Flatten, Gemm, ...
+            inner = f"{'Flatten, then ' if flat is not None else ''}Gemm {gemm.name!r}, which does not write " \
+                    f"the graph's output"
+        if inner is not None:
             raise ExportError(f"{r.path}: node {node.name!r} ({node.op_type}): a global average pool inside the "
-                              f"network (read by {', '.join(readers)}) is not supported: lowmem pools globally "
+                              f"network (read by {inner}) is not supported: lowmem pools globally "
                               f"only in its classifier head (pool, Flatten, Gemm writing the graph's output), "
                               f"and has no op for a squeeze-and-excitation gate (Sigmoid, channel-wise Mul)")
         if flat is None and (node.op_type == "GlobalAveragePool" or _attr(node, "keepdims", 1)):

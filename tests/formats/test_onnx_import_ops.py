@@ -356,3 +356,27 @@ def test_squeeze_excitation_is_refused_naming_the_real_reason(tmp_path):
 
     msg = refused(torch_export(SE(), (3, 8, 8), tmp_path / "se.onnx"), None)
     assert "global average pool inside the network (read by Conv)" in msg and "squeeze-and-excitation" in msg, msg
+
+
+def test_a_squeeze_excitation_of_linear_layers_is_refused_naming_the_real_reason(tmp_path):
+    """SENet's own gate: pool, Flatten, Linear, ReLU, Linear, Sigmoid, view, Mul. The pool reaches a
+    Gemm through a Flatten, as a classifier would, but that Gemm does not write the logits: the
+    refusal names the pool inside the network, not the classifier's spelling."""
+    torch, tnn, F, _, _ = torch_modules()
+
+    class LinearSE(tnn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = tnn.Conv2d(3, 8, 3, 1, 1, bias=False), tnn.BatchNorm2d(8)
+            self.fc1, self.fc2 = tnn.Linear(8, 2), tnn.Linear(2, 8)
+            self.fc = tnn.Linear(8, 5)
+
+        def forward(self, x):
+            x = F.relu(self.bn(self.conv(x)))
+            gate = torch.sigmoid(self.fc2(F.relu(self.fc1(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)))))
+            x = x * gate.view(-1, 8, 1, 1)
+            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+    msg = refused(torch_export(LinearSE(), (3, 8, 8), tmp_path / "linear_se.onnx"), None)
+    assert "a global average pool inside the network (read by Flatten, then Gemm '/fc1/Gemm', which does not " \
+           "write the graph's output) is not supported" in msg and "squeeze-and-excitation" in msg, msg
