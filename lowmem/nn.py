@@ -106,6 +106,9 @@ class Graph:
     def __init__(self, name, input_shape, num_classes, seed=0):
         if not isinstance(name, str) or not name.strip():
             raise NetworkError(f"the network's name must be a non-empty string, got {name!r}")
+        if not name.isprintable():          # it stands in one-line messages, logs and run headers
+            raise NetworkError(f"the network's name must be printable (no newline or other control "
+                               f"character), got {name!r}")
         input_shape = tuple(_number(v) for v in input_shape)
         num_classes = _number(num_classes)
         if len(input_shape) != 3 or not all(_posint(v) for v in input_shape):
@@ -349,6 +352,9 @@ def _layer_name(graph, name, prefix):
     if not isinstance(name, str) or not name or name.startswith(".") or name.endswith("."):
         raise NetworkError(f"layer name must be a non-empty string without leading or trailing "
                            f"dots, got {name!r}")
+    if not name.isprintable():
+        raise NetworkError(f"layer name must be printable (no newline or other control character), "
+                           f"got {name!r}")
     if name in RESERVED or name in HEAD_VALUES or name.startswith(("pool.", "fc.")):
         raise NetworkError(f"layer name {name!r} is reserved ({', '.join(RESERVED + HEAD_VALUES)} "
                            f"and pool.* / fc.*: the input, the head and its values)")

@@ -205,6 +205,21 @@ def test_a_graph_the_builder_refuses_is_an_export_error_naming_the_file(tmp_path
                               f"an image batch (N, C, H, W) needs C, H, W >= 1\n", err
 
 
+def test_a_graph_or_layer_name_with_a_control_character_is_refused_in_one_line(tmp_path, free, capsys):
+    """A name stands in one-line messages and logs: a newline in the graph's name or in a weight's
+    (a layer's) name is refused as the file's, in one line."""
+    def newline(model):
+        model.graph.name = "a\nb"
+    path = edited(tmp_path, free, newline, "newline.onnx")
+    with pytest.raises(ExportError, match="network's name must be printable"):
+        nn.from_onnx(path, input_shape=(3, 32, 32))
+    rc, out, err = cli_run(capsys, "plan", "--model", path, "--input", "3x32x32")
+    assert rc == 2 and err.count("\n") == 1 and str(path) in err and "printable" in err, err
+    g = nn.Graph("g", (3, 8, 8), 10)
+    with pytest.raises(nn.NetworkError, match="layer name must be printable"):
+        g.conv(g.input, 4, 3, name="c\x1b[2J")
+
+
 def pooled_graph():
     """conv, BN-ReLU, a 2x2 max-pool, conv, BN-ReLU, head: 10 classes (a pool to swap in the file)."""
     g = nn.Graph("pooled", (3, 32, 32), 10, seed=4)
