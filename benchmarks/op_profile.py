@@ -94,6 +94,18 @@ def _lowmem_path(filename):
     return parts[-1] if len(parts) > 1 and not filename.startswith("~") else None
 
 
+def _spans(filename, kinds):
+    """[(first line, decorators included; last line; name)] of the nodes of `kinds` in a file's
+    syntax tree (a lambda is named "<lambda>"); none for a file that cannot be read or parsed."""
+    try:
+        with open(filename) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return []
+    return [(min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", ())]), n.end_lineno,
+             getattr(n, "name", "<lambda>")) for n in ast.walk(tree) if isinstance(n, kinds)]
+
+
 class _Classes:
     """(file, line) -> the optable class whose body holds that line, from each file's syntax tree."""
 
@@ -102,13 +114,7 @@ class _Classes:
 
     def at(self, filename, line):
         if filename not in self.spans:
-            try:
-                with open(filename) as f:
-                    tree = ast.parse(f.read())
-            except (OSError, SyntaxError):
-                tree = ast.Module(body=[], type_ignores=[])
-            self.spans[filename] = [(min([n.lineno] + [d.lineno for d in n.decorator_list]), n.end_lineno, n.name)
-                                    for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+            self.spans[filename] = _spans(filename, ast.ClassDef)
         inside = [s for s in self.spans[filename] if s[0] <= line <= s[1]]
         return min(inside, key=lambda s: s[1] - s[0])[2] if inside else None
 
@@ -124,15 +130,7 @@ class _Enclosing:
     def of(self, func):
         filename, line, name = func
         if filename not in self.spans:
-            try:
-                with open(filename) as f:
-                    tree = ast.parse(f.read())
-            except (OSError, SyntaxError):
-                tree = ast.Module(body=[], type_ignores=[])
-            defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-            self.spans[filename] = [(min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", ())]),
-                                     n.end_lineno, getattr(n, "name", "<lambda>"))
-                                    for n in ast.walk(tree) if isinstance(n, defs)]
+            self.spans[filename] = _spans(filename, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         inside = [s for s in self.spans[filename]
                   if s[0] <= line <= s[1] and s[2] != "<lambda>" and (s[0], s[2]) != (line, name)]
         if not inside:

@@ -230,6 +230,25 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a))
 
 
+def matches_autograd(model, x, labels, loss, logits, grads):
+    """Asserts lowmem's loss, logits and gradients {name: array} of one step on (x, labels) equal
+    the torch model's under autograd within TOL. Gradients relative to their own norm, floored at
+    1e-8 of the largest one: a BN bias whose every path runs into another batch norm has an
+    exactly-zero gradient in exact arithmetic (~1e-17 in float64 on both sides), where a
+    norm-relative error measures only rounding noise."""
+    tlogits = model(torch.from_numpy(x))
+    tloss = F.cross_entropy(tlogits, torch.from_numpy(labels))
+    model.zero_grad(set_to_none=True)
+    tloss.backward()
+    assert rel(loss, tloss.item()) <= TOL
+    assert rel(logits, tlogits.detach().numpy()) <= TOL
+    floor = 1e-8 * max(np.linalg.norm(p.grad.numpy()) for p in model.parameters())
+    errors = {n: float(np.linalg.norm(grads[n] - p.grad.numpy()) / max(np.linalg.norm(p.grad.numpy()), floor))
+              for n, p in model.named_parameters()}
+    bad = {n: e for n, e in errors.items() if not e <= TOL}
+    assert not bad, sorted(bad.items(), key=lambda kv: -kv[1])[:5]
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("kernels", ["reference", "fast"])
 def test_imported_model_matches_autograd_in_float64(tmp_path, monkeypatch, family, kernels):
@@ -267,21 +286,7 @@ def test_imported_model_matches_autograd_in_float64(tmp_path, monkeypatch, famil
     eng.backward()
     grads = {p.name: np.array(p.grad) for p in net.parameters()}
 
-    xt = torch.from_numpy(x)
-    tlogits = model(xt)
-    tloss = F.cross_entropy(tlogits, torch.from_numpy(labels))
-    model.zero_grad(set_to_none=True)
-    tloss.backward()
-    assert rel(loss, tloss.item()) <= TOL
-    assert rel(logits, tlogits.detach().numpy()) <= TOL
-    # relative to the gradient's own norm, floored at 1e-8 of the largest one: a BN bias whose every
-    # path runs into another batch norm has an exactly-zero gradient in exact arithmetic (~1e-17 in
-    # float64 on both sides), where a norm-relative error measures only rounding noise
-    floor = 1e-8 * max(np.linalg.norm(p.grad.numpy()) for p in model.parameters())
-    errors = {n: float(np.linalg.norm(grads[n] - p.grad.numpy()) / max(np.linalg.norm(p.grad.numpy()), floor))
-              for n, p in model.named_parameters()}
-    bad = {n: e for n, e in errors.items() if not e <= TOL}
-    assert not bad, sorted(bad.items(), key=lambda kv: -kv[1])[:5]
+    matches_autograd(model, x, labels, loss, logits, grads)
 
     approx = nn.from_onnx(tmp_path / f"{family}.onnx")
     approx.load_state_dict(net.state_dict())
@@ -398,17 +403,7 @@ def test_a_classifier_with_dropout_matches_autograd_under_lowmem_masks(tmp_path,
     loss, logits = eng.forward(x, labels)
     eng.backward()
     grads = {p.name: np.array(p.grad) for p in net.parameters()}
-    tlogits = model(torch.from_numpy(x))
-    tloss = F.cross_entropy(tlogits, torch.from_numpy(labels))
-    model.zero_grad(set_to_none=True)
-    tloss.backward()
-    assert rel(loss, tloss.item()) <= TOL
-    assert rel(logits, tlogits.detach().numpy()) <= TOL
-    floor = 1e-8 * max(np.linalg.norm(p.grad.numpy()) for p in model.parameters())
-    errors = {n: float(np.linalg.norm(grads[n] - p.grad.numpy()) / max(np.linalg.norm(p.grad.numpy()), floor))
-              for n, p in model.named_parameters()}
-    bad = {n: e for n, e in errors.items() if not e <= TOL}
-    assert not bad, sorted(bad.items(), key=lambda kv: -kv[1])[:5]
+    matches_autograd(model, x, labels, loss, logits, grads)
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "tv-mobilenet_v2"])
