@@ -307,17 +307,17 @@ def _warn_if_folded(model, path):
     lost the others: counted, not only when no BatchNormalization is left."""
     g = model.graph
     convs = [n for n in g.node if n.op_type == "Conv"]
-    folded = [v for n in convs for v in n.input[1:] if v.startswith(FOLD_PREFIX)]
+    folded = [vs for vs in ([v for v in n.input[1:] if v.startswith(FOLD_PREFIX)] for n in convs) if vs]
     if not folded:
         return
-    n_folded = sum(any(v.startswith(FOLD_PREFIX) for v in n.input[1:]) for n in convs)
+    n_folded, first = len(folded), folded[0][0]
     if any(n.op_type == "BatchNormalization" for n in g.node):
-        what = (f"{n_folded} of its {len(convs)} convs read tensors the exporter made ({folded[0]!r}, ...): "
+        what = (f"{n_folded} of its {len(convs)} convs read tensors the exporter made ({first!r}, ...): "
                 f"PyTorch's default export (eval mode, constant folding) folds each batch norm that follows "
                 f"a conv into it (the others stay), so lowmem has no BN-ReLU unit to compress there and "
                 f"those parameter names are not the model's")
     else:
-        what = (f"no BatchNormalization node, and its convs read tensors the exporter made ({folded[0]!r}, "
+        what = (f"no BatchNormalization node, and its convs read tensors the exporter made ({first!r}, "
                 f"...): PyTorch's default export (eval mode, constant folding) folds every batch norm into "
                 f"its conv, so lowmem has no BN-ReLU unit to compress and the parameter names are not the "
                 f"model's")

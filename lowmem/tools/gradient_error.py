@@ -43,7 +43,7 @@ from ..data.datasets import channel_mean_std, synthetic
 from ..data.transforms import normalize
 from ..core import checks
 from ..core.engine import Engine
-from ..units.widths import MODES
+from ..units.widths import MODES, named as widths_named
 from ..train.optim import SGD
 
 
@@ -182,8 +182,7 @@ class GradientDiagnosis:
             label = "per-unit " + ", ".join(f"{k} x{w.count(k)}" for k in dict.fromkeys(w))
         else:
             label = f"{self.bits}-bit"
-        widths = list(self.bits.values()) if isinstance(self.bits, dict) else [self.bits]
-        return label + checks.rounding_label(self.rounding, widths)
+        return label + checks.rounding_label(self.rounding, widths_named(self.bits))
 
     @staticmethod
     def _div(a, b):

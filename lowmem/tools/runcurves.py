@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from ..models import is_onnx_path
-from ..units.widths import BITS, code_for
+from ..units.widths import BITS, code_for, named
 from ..system.memory import fmt_bytes
 from ..train.rundir import CONFIG, METRICS, PLAN, read_metrics
 
@@ -76,9 +76,8 @@ def mode_label(config):
         text = f"{mode} per-unit widths" + (f" ({avg:g} bits on average)" if avg else "")
     else:
         text = f"{mode} {bits}-bit"
-    widths = list(bits.values()) if isinstance(bits, dict) else [bits]
     unbiased = config.get("rounding") == "stochastic" and any(
-        k in BITS and code_for("stochastic", k).unbiased for k in widths if not isinstance(k, bool))
+        k in BITS and code_for("stochastic", k).unbiased for k in named(bits) if not isinstance(k, bool))
     return text + (", stochastic" if unbiased else "")
 
 

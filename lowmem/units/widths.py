@@ -10,6 +10,7 @@ ROUNDINGS  how x-hat becomes a code: "nearest" (the fixed-window code, determini
            with stochastic rounding)
 
     code_for(rounding, K) -> Code(name, bits, rounding)
+    named(bits) -> the widths a bits value (K, or {unit: K}) names, as a list
 
 is the rule: which code a unit of width K keeps under a rounding. "float" (x-hat itself, K None
 or FLOAT), "window" (units/window.py, drawn with its `rounding`) or "unbiased"
@@ -35,6 +36,12 @@ def check_bits(bits):
     if not ok:
         raise ValueError(f"bits must be one of {{1, 2, 4, 8}}, got {bits!r}")
     return int(bits)
+
+
+def named(bits):
+    """The widths a `bits` value names, as a list: a dict's values ({unit: K, "*": K}), else the one
+    value (K, "float" or "auto" as given)."""
+    return list(bits.values()) if isinstance(bits, dict) else [bits]
 
 
 def check_rounding(rounding):

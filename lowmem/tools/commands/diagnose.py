@@ -16,16 +16,12 @@ from .. import argtypes
 from ...system import backend, memory as sysmem
 from ...bits.auto import choose_widths
 from ...core import checks
-from ...units.widths import ROUNDINGS
+from ...units.widths import ROUNDINGS, named as widths_named
 from ...core.engine import Engine
 from .. import gradient_error
 from ..options import FLAG_NAMES, build_network, describe, mode_label, model_arguments, unit_widths
 
 HELP = "gradient error of approx and naive modes against SGD noise, per parameter tensor"
-
-
-def _widths(bits):
-    return list(bits.values()) if isinstance(bits, dict) else [bits]
 
 
 def add_arguments(p):
@@ -68,7 +64,7 @@ def run(args):
     sysmem.require(plan + data + 2 * args.batches * net.num_params() * 8,
                    f"diagnosing {net.name} at batch {args.batch} over {args.batches} batches", backend.xp)
     print(describe(net, args.batch, shape, args.dtype, f"modes approx and naive ({widths}"
-                   + ("" if bits == "auto" else checks.rounding_label(args.rounding, _widths(bits)))
+                   + ("" if bits == "auto" else checks.rounding_label(args.rounding, widths_named(bits)))
                    + ") vs exact"))
     print(f"data: lowmem.data.datasets.synthetic (learnable), {args.batches} batches, seed {args.seed}; "
           f"warm-up: {args.warmup} exact SGD steps (lr {args.lr})")
