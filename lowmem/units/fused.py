@@ -8,8 +8,8 @@ when the set is made. What differs between the two modules is written here
 once:
 
   * the quantization grid: numba's kernels take window.QuantParams (computed
-    per unit, a few (C,) ops); the CUDA kernels derive it from gamma and beta
-    in-kernel and take only the bit width (no per-unit launches);
+    per unit by window_cpu.quant_params, one small kernel); the CUDA kernels derive
+    it from gamma and beta in-kernel and take only the bit width (no per-unit launches);
   * CUDA's reductions need the plan's `bn.partials` workspace (float64).
 
 The code kernels read and write one channel's codes as whole bytes, so they
@@ -55,8 +55,9 @@ class FusedCodeUnits(CodeUnits):
         self._extra = {} if partials is None else {"partials": partials}
 
     def grid(self, gamma, beta):
-        """What the module takes for the grid: QuantParams (numba) or the bit width (CUDA)."""
-        return self.bits if self.module is window_gpu else window.quant_params(gamma, beta, self.bits)
+        """What the module takes for the grid: QuantParams (numba, from window_cpu.quant_params: the
+        reference's grid in one kernel call) or the bit width (CUDA)."""
+        return self.bits if self.module is window_gpu else self.module.quant_params(gamma, beta, self.bits)
 
     stats = FusedExactUnits.stats
 

@@ -90,6 +90,29 @@ if AVAILABLE:
     # ---- one block of one row: the float work, contiguous ----
 
     @njit(**_opts)
+    def _grid(s, lo, k, gamma, beta, L, consts):
+        """s, lo, k (C,) <- window.quant_params' grid of each channel, its float32 operations in its
+        order (t = -β/|γ|; k = clip(rint((t + W)/w), 1, L-1); lo = clip(t - k*w, -W - w/2, -W + w/2);
+        γ == 0: s = 1, lo = -W, k = 0 if β > 0 else L). consts: float32 W, w, -W - w/2, -W + w/2 (one
+        array: numba's dispatch costs per argument). Returns False (the grid unwritten past that
+        channel) at a γ or β that is inf or NaN."""
+        W, w, lo_min, lo_max = consts[0], consts[1], consts[2], consts[3]
+        for c in range(gamma.size):
+            g, b = gamma[c], beta[c]
+            if not (abs(g) < numpy.inf and abs(b) < numpy.inf):
+                return False
+            s[c] = F32(-1) if g < 0 else F32(1)
+            if g == 0:
+                lo[c] = -W
+                k[c] = 0 if b > 0 else L
+                continue
+            t = -b / abs(g)
+            kr = min(max(numpy.rint((t + W) / w), F32(1)), F32(L - 1))
+            lo[c] = min(max(t - kr * w, lo_min), lo_max)
+            k[c] = numpy.int32(kr)
+        return True
+
+    @njit(**_opts)
     def _quantize_block(codes, ys, xr, m, r, g, b, sc, l0, kf, km1, ftop, w):
         """codes <- the clamped code of x-hat = (x - m)*r; ys <- relu(y), y = x-hat*g + b.
         The same operations, in the same order, as window.quantize_pack. Both outputs are
@@ -311,6 +334,23 @@ if AVAILABLE:
 # ---- the engine-facing functions (same maths as lowmem/ops + lowmem/units/window.py) ----
 # Each splits its channels into contiguous ranges, one per lowmem thread
 # (threads.parallel_for); channel c's codes are bytes [c*M*K/8, (c+1)*M*K/8).
+
+def quant_params(gamma, beta, bits):
+    """window.quant_params(gamma, beta, bits), the same grid bit for bit, from one kernel call
+    instead of a dozen (C,) NumPy operations (it runs three times per unit per step: forward,
+    conv input, backward). float32 γ, β with finite values; anything else (a non-finite parameter,
+    whose grid NumPy's casts define) takes window's."""
+    if not (AVAILABLE and type(gamma) is numpy.ndarray and gamma.dtype == beta.dtype == numpy.float32
+            and gamma.ndim == 1 and beta.shape == gamma.shape):
+        return window.quant_params(gamma, beta, bits)
+    W, w = window.half_width(bits), window.bin_width(bits)
+    C = gamma.shape[0]
+    s, lo, k = numpy.empty(C, numpy.float32), numpy.empty(C, numpy.float32), numpy.empty(C, numpy.int32)
+    consts = numpy.array([W, w, -W - w / 2, -W + w / 2], numpy.float32)     # exact: see window.half_width
+    if not _grid(s, lo, k, gamma, beta, 1 << bits, consts):
+        return window.quant_params(gamma, beta, bits)
+    return window.QuantParams(bits, s, lo, k, gamma.copy(), beta.copy())
+
 
 def _w(qp):
     return numpy.dtype(qp.dtype).type(qp.w)

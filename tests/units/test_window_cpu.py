@@ -35,6 +35,29 @@ def test_stats_match_numpy():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bits", widths.BITS)
+def test_grid_equals_quant_params(bits):
+    """window_cpu.quant_params: window.quant_params' s, lo and k bit for bit, over γ from 1e-40
+    (t = -β/|γ| overflows to ±inf) to 1e4, zeros of both signs and negative γ; a non-finite γ
+    or β, or float64, takes the reference."""
+    rng = np.random.default_rng(bits)
+    for _ in range(50):
+        C = int(rng.integers(1, 300))
+        g = (rng.standard_normal(C) * 10.0 ** rng.integers(-40, 5, C)).astype(F)
+        b = (rng.standard_normal(C) * 10.0 ** rng.integers(-6, 6, C)).astype(F)
+        g[rng.random(C) < 0.1] = 0
+        g[rng.random(C) < 0.05] = -0.0
+        for gg, bb in ((g, b), (g.astype(np.float64), b.astype(np.float64))):
+            ref, got = window.quant_params(gg, bb, bits), fast.quant_params(gg, bb, bits)
+            for f in ("s", "lo", "k", "gamma", "beta"):
+                x, y = getattr(ref, f), getattr(got, f)
+                assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), f
+    g, b = np.ones(4, F), np.zeros(4, F)
+    g[2] = np.nan
+    with np.errstate(invalid="ignore"):             # the reference's cast of NaN's k
+        assert np.array_equal(fast.quant_params(g, b, bits).k, window.quant_params(g, b, bits).k)
+
+
 def test_forward_exact_matches_numpy_given_same_stats():
     x, g, b = unit()
     mean, var, rstd = stats(x)
