@@ -1,7 +1,7 @@
 """The range code's numba kernels (lowmem/units/rangecode_cpu.py) against the NumPy reference
 (lowmem/units/rangecode.py): the packed codes, the float32 steps and the zero points equal the
 reference's byte for byte, and the decode equals its decode bit for bit, for float32 and float64,
-every width, sizes that are not multiples of 8 or of a group, zeros of both signs, infinities,
+every width, sizes that are not multiples of 8, of a group or of a block (the kernels' packing unit), zeros of both signs, infinities,
 values near the float32 maximum and beyond it (float64), subnormal steps, and over 1 or 2 threads.
 A group holding NaN keeps a NaN step (its payload is not pinned) and the same codes."""
 import numpy as np
@@ -14,7 +14,7 @@ from lowmem.units import rangecode_cpu as fast
 
 pytestmark = pytest.mark.skipif(not fast.AVAILABLE, reason="numba not installed")
 
-SIZES = [1, 7, 255, 256, 257, 3 * 256 + 5, 1000]
+SIZES = [1, 7, 255, 256, 257, 3 * 256 + 5, 1000, 2 * fast.BLOCK + 3 * 256 + 5]     # the last: whole blocks and a part
 
 
 def encode(module, x, bits):
@@ -87,8 +87,8 @@ def split(request, monkeypatch):
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_codes_across_threads(rng, split, bits):
-    x = rng.standard_normal(9 * 256 + 3).astype(np.float32)
-    check(x, bits)
+    for n in (9 * 256 + 3, 5 * fast.BLOCK + 9 * 256 + 3):      # the second: a thread's range starts inside a block
+        check(rng.standard_normal(n).astype(np.float32), bits)
 
 
 def test_supports():
