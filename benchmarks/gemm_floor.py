@@ -114,7 +114,7 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
         w2 = w.reshape(Cout, -1)
         if conv._is_pointwise(w, stride, pad) and x.flags.c_contiguous:
             x2, o2 = conv._flat(x, Cin), conv._flat(out, Cout)
-            cuts = _column_ranges(x2.shape[1], chunks.GEMM_GRAIN)
+            cuts = _column_ranges(x2.shape[1], chunks.gemm_grain(Cout * Cin))
             return "1x1", [[(w2, x2[:, a:b], o2[:, a:b])] for a, b in cuts]
     elif product == "input":
         dout, dx = x, out
@@ -125,7 +125,7 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
         w2t = w.reshape(Cout, -1).T
         if conv._is_pointwise(w, stride, pad) and not accumulate:
             g2, d2 = conv._flat(dout, Cout), conv._flat(dx, Cin)
-            cuts = _column_ranges(g2.shape[1], chunks.GEMM_GRAIN)
+            cuts = _column_ranges(g2.shape[1], chunks.gemm_grain(Cout * Cin))
             return "1x1", [[(w2t, g2[:, a:b], d2[:, a:b])] for a, b in cuts]
     elif product == "weight":
         dout = out
@@ -134,7 +134,7 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
         N, (Ho, Wo) = x.shape[1], dout.shape[2:]
         if conv._is_pointwise(w, stride, pad) and x.flags.c_contiguous:
             x2, g2 = conv._flat(x, Cin), conv._flat(dout, Cout)
-            cuts = _column_ranges(x2.shape[1], chunks.GEMM_GRAIN)
+            cuts = _column_ranges(x2.shape[1], chunks.gemm_grain(Cout * Cin))
             return "1x1", [[(g2[:, a:b], x2[:, a:b].T, None)] for a, b in cuts]
     else:
         raise ValueError(f"product must be forward, input or weight, got {product!r}")

@@ -159,7 +159,7 @@ def conv2d_forward(out, x, w, stride, pad, ws, columns=None):
     w2 = w.reshape(Cout, -1)
     if _is_pointwise(w, stride, pad) and x.flags.c_contiguous:
         x2, o2 = _flat(x, Cin), _flat(out, Cout)
-        over_columns(x2.shape[1], lambda m0, m1: xp.matmul(w2, x2[:, m0:m1], out=o2[:, m0:m1]), x2)
+        over_columns(x2.shape[1], lambda m0, m1: xp.matmul(w2, x2[:, m0:m1], out=o2[:, m0:m1]), x2, Cout * Cin)
         return
     K = Cin * kh * kw
 
@@ -187,7 +187,7 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False, column
     w2t = w.reshape(Cout, -1).T
     if _is_pointwise(w, stride, pad) and not accumulate:
         g2, d2 = _flat(dout, Cout), _flat(dx, Cin)
-        over_columns(g2.shape[1], lambda m0, m1: xp.matmul(w2t, g2[:, m0:m1], out=d2[:, m0:m1]), g2)
+        over_columns(g2.shape[1], lambda m0, m1: xp.matmul(w2t, g2[:, m0:m1], out=d2[:, m0:m1]), g2, Cout * Cin)
         return
     K = Cin * kh * kw
 
@@ -229,7 +229,7 @@ def conv2d_backward_weight(dw, x, dout, stride, pad, ws, columns=None):
 
         def columns(m0, m1):
             parts[m0] = xp.matmul(g2[:, m0:m1], x2[:, m0:m1].T)
-        over_columns(x2.shape[1], columns, x2)
+        over_columns(x2.shape[1], columns, x2, Cout * Cin)
     else:
         K = Cin * kh * kw
 

@@ -187,7 +187,8 @@ def _batched_forward(out, x, w, stride, pad, groups, ws, columns):
     w3 = w.reshape(groups, cog, -1)
     if _is_pointwise(w, stride, pad) and x.flags.c_contiguous and out.flags.c_contiguous:
         x3, o3 = _view3(x, groups, cig), _view3(out, groups, cog)
-        over_columns(x3.shape[2], lambda m0, m1: xp.matmul(w3, x3[:, :, m0:m1], out=o3[:, :, m0:m1]), x)
+        over_columns(x3.shape[2], lambda m0, m1: xp.matmul(w3, x3[:, :, m0:m1], out=o3[:, :, m0:m1]), x,
+                     Cout * cig)
         return
 
     def tile(a, g0, g1, n0, n1, cols):
@@ -205,7 +206,8 @@ def _batched_backward_input(dx, dout, w, stride, pad, groups, ws, accumulate, co
     w3t = w.reshape(groups, cog, -1).transpose(0, 2, 1)
     if _is_pointwise(w, stride, pad) and not accumulate and dx.flags.c_contiguous and dout.flags.c_contiguous:
         g3, d3 = _view3(dout, groups, cog), _view3(dx, groups, cig)
-        over_columns(g3.shape[2], lambda m0, m1: xp.matmul(w3t, g3[:, :, m0:m1], out=d3[:, :, m0:m1]), dout)
+        over_columns(g3.shape[2], lambda m0, m1: xp.matmul(w3t, g3[:, :, m0:m1], out=d3[:, :, m0:m1]), dout,
+                     Cout * cig)
         return
     def tile(a, g0, g1, n0, n1, cols):
         cols = cols.reshape((g1 - g0) * cig, kh, kw, n1 - n0, Ho, Wo)
@@ -229,7 +231,7 @@ def _batched_backward_weight(dw, x, dout, stride, pad, groups, ws, columns):
 
         def ranges(m0, m1):
             parts[m0] = xp.matmul(g3[:, :, m0:m1], x3[:, :, m0:m1].transpose(0, 2, 1))
-        over_columns(x3.shape[2], ranges, x)
+        over_columns(x3.shape[2], ranges, x, Cout * cig)
     else:
         def tile(a, g0, g1, n0, n1, cols):
             cols = cols.reshape((g1 - g0) * cig, kh, kw, n1 - n0, Ho, Wo)

@@ -153,6 +153,22 @@ def test_conv_split_over_two_threads_matches_one(rng, monkeypatch, k, stride, pa
                                rtol=1e-4 if dtype == np.float32 else 1e-12, atol=1e-4 if dtype == np.float32 else 1e-12)
 
 
+def test_a_1x1_gemm_splits_by_its_work(monkeypatch):
+    """A 1x1 conv's GEMM splits into column ranges of gemm_grain(Cout*Cin) columns: light
+    columns (16 x 16 channels) keep GEMM_GRAIN (4,096 columns run on one thread), heavy ones
+    (128 x 256) split at GEMM_WORK's worth, never below GEMM_MIN_COLUMNS."""
+    from lowmem.ops import chunks
+    from lowmem.system import threads
+    assert chunks.gemm_grain(16 * 16) == chunks.GEMM_GRAIN
+    assert chunks.gemm_grain(128 * 256) == max(chunks.GEMM_MIN_COLUMNS, chunks.GEMM_WORK // (128 * 256))
+    assert chunks.gemm_grain(2048 * 2048) == chunks.GEMM_MIN_COLUMNS
+    seen = []
+    monkeypatch.setattr(threads, "parallel_for", lambda fn, n, grain=1: seen.append(grain))
+    chunks.over_columns(4096, None, per_column=128 * 256)           # what conv2d_forward hands it
+    chunks.over_columns(4096, None, per_column=16 * 16)
+    assert seen == [chunks.GEMM_MIN_COLUMNS, chunks.GEMM_GRAIN]     # 128 x 256: GEMM_WORK in 32 columns, raised
+
+
 def test_conv_workspace_too_small_raises(rng):
     x, w, Ho, Wo = conv_setup(rng, 3, 1, 1, 5, 5)
     with pytest.raises(ValueError, match="workspace too small"):
