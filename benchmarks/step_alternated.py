@@ -5,9 +5,12 @@ rows by 10% and more on a shared machine).
 
     python benchmarks/step_alternated.py --depth 164 --batch 128 --configs exact,approx4,approx4u,approx2u
 
+    python benchmarks/step_alternated.py --model resnet50.onnx --batch 16 --configs exact,approx4,approx2u
+
 A config is exact, approxK or naiveK (K in 1, 2, 4, 8), with a "u" suffix for the unbiased code
-(rounding="stochastic"). Every engine is built from models.preact_resnet_cifar(depth) with seed 0
-and trains on the same random batch; round r steps each config once, the order rotated by r.
+(rounding="stochastic"). Every engine is built from models.preact_resnet_cifar(depth) with seed 0,
+or from --model (an .onnx file, at the input shape it fixes: compare_torch.py --worker export
+writes torchvision's), and trains on the same random batch; round r steps each config once, the order rotated by r.
 Printed: per config its plan bytes and median step, and the median (and range) over rounds of
 its step / the first config's step of the same round. Wall-clock on whatever machine runs it.
 
@@ -43,17 +46,21 @@ def parse(config):
     return m.group(2), int(m.group(3)), "stochastic" if m.group(4) else "nearest"
 
 
-def random_batch(n):
-    """The batch every engine trains on: n standard-normal 3x32x32 images and labels, seed 0."""
+def random_batch(n, shape=(3, 32, 32), classes=10):
+    """The batch every engine trains on: n standard-normal images of `shape` and labels, seed 0."""
     rng = numpy.random.default_rng(0)
-    return rng.standard_normal((n, 3, 32, 32)).astype(numpy.float32), rng.integers(0, 10, n)
+    return rng.standard_normal((n,) + tuple(shape)).astype(numpy.float32), rng.integers(0, classes, n)
 
 
-def make_step(L, depth, mode, bits, rounding, x, y):
+def make_step(L, depth, mode, bits, rounding, x, y, model=None):
     """(one training step of a fresh engine, its plan bytes): models.preact_resnet_cifar(depth) of
     the lowmem package L (this checkout's, or an older copy: rounding is passed only when not
-    "nearest", so a copy from before the keyword builds too)."""
-    net = L.models.preact_resnet_cifar(depth, num_classes=10)
+    "nearest", so a copy from before the keyword builds too), or the network of the .onnx file
+    `model`."""
+    if model is not None:
+        net = L.nn.from_onnx(model, input_shape=x.shape[1:])
+    else:
+        net = L.models.preact_resnet_cifar(depth, num_classes=10)
     kw = {} if rounding == "nearest" else {"rounding": rounding}
     eng = L.Engine(net, len(x), x.shape[1:], mode, bits, "float32", **kw)
     opt = L.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
@@ -100,6 +107,7 @@ def ratios(times, name, first):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--depth", type=int, default=164)
+    p.add_argument("--model", metavar="FILE.onnx", help="an exported CNN instead of the pre-activation ResNet")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--configs", default="exact,approx4,approx4u,approx2u")
     p.add_argument("--rounds", type=int, default=10, help="timed steps of each config (default: %(default)s)")
@@ -109,13 +117,21 @@ def main(argv=None):
                    help="then profile as many rounds and print the N functions with the most own time")
     args = p.parse_args(argv)
     configs = args.configs.split(",")
-    x, y = random_batch(args.batch)
+    if args.model:
+        from lowmem.formats.onnx_import import file_input_shape
+        try:
+            shape, classes = file_input_shape(args.model), lowmem.nn.from_onnx(args.model).num_classes
+        except (OSError, ValueError) as e:
+            p.error(f"--model: {e}")
+        x, y = random_batch(args.batch, shape, classes)
+    else:
+        x, y = random_batch(args.batch)
     steps, plans = {}, {}
     for c in configs:
-        steps[c], plans[c] = make_step(lowmem, args.depth, *parse(c), x, y)
+        steps[c], plans[c] = make_step(lowmem, args.depth, *parse(c), x, y, args.model)
     times = alternate(steps, args.rounds, args.warmup)
     first = configs[0]
-    out = {"depth": args.depth, "batch": args.batch, "rounds": args.rounds,
+    out = {"model": args.model or "preact", "depth": args.depth, "batch": args.batch, "rounds": args.rounds,
            "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "configs": {}}
     for c in configs:
         r = ratios(times, c, first)

@@ -1,0 +1,40 @@
+"""benchmarks/step_alternated.py: configurations of one network alternated in one process, on the
+pre-activation ResNet or on an .onnx file (its input shape and classes from the file)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "step_alternated.py")
+
+
+def run(*args):
+    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True, timeout=600)
+
+
+def test_an_onnx_file_alternated(tmp_path):
+    pytest.importorskip("onnx")
+    from lowmem import models
+    from lowmem.formats import onnx_export
+    path = onnx_export.export_onnx(models.build_model("preact-cifar", 8, num_classes=7), tmp_path / "net.onnx",
+                                   input_shape=(3, 12, 12))
+    out = tmp_path / "r.json"
+    r = run("--model", path, "--batch", 4, "--configs", "exact,approx4,approx2u", "--rounds", 2, "--warmup", 0,
+            "--json", out)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["model"] == str(path) and res["batch"] == 4
+    plans = {c: v["plan_bytes"] for c, v in res["configs"].items()}
+    assert set(plans) == {"exact", "approx4", "approx2u"} and plans["approx4"] < plans["exact"]
+    assert res["configs"]["exact"]["per_round_vs_exact"] == [1.0, 1.0]
+    assert len(res["configs"]["approx2u"]["per_round_vs_exact"]) == 2
+    for c in plans:
+        assert f"{c:10s} plan {plans[c]:>14,d} B" in r.stdout
+
+
+def test_a_file_it_cannot_read(tmp_path):
+    r = run("--model", tmp_path / "missing.onnx", "--rounds", 1)
+    assert r.returncode == 2 and "--model:" in r.stderr and "missing.onnx" in r.stderr
