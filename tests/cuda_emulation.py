@@ -129,6 +129,7 @@ class Emulated:
         return {"real*": self.dtype, "double*": np.dtype(np.float64), "float*": np.dtype(np.float32),
                 "unsigned char*": np.dtype(np.uint8),
                 "unsigned short*": np.dtype(np.uint16), "int*": np.dtype(np.int32),
+                "unsigned long long*": np.dtype(np.uint64),
                 "real": self.dtype.type, "double": np.float64, "int": np.int32, "long long": np.int64,
                 "unsigned long long": np.uint64}[t]
 

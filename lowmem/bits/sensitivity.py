@@ -334,9 +334,12 @@ def _measure_conv(eng, step, u, acc, tensor_local, k0, cache, rounding, key):
     for k in BITS:
         dws = []
         for delta in deltas[k]:
-            # approx's rebuilt input minus the exact one where the mask is open (0 where closed)
-            xp.copyto(du, xp.where(mask, xp.maximum((xhat + delta) * g[:, None] + b[:, None], 0)
-                                   - (xhat * g[:, None] + b[:, None]), 0))
+            # approx's rebuilt input minus the exact one where the mask is open (0 where closed);
+            # the dithered code's is not clamped at 0 (units/unbiased.py)
+            rebuilt = (xhat + delta) * g[:, None] + b[:, None]
+            if not code_for(rounding, k).dither:
+                rebuilt = xp.maximum(rebuilt, 0)
+            xp.copyto(du, xp.where(mask, rebuilt - (xhat * g[:, None] + b[:, None]), 0))
             dw = xp.zeros_like(p.data)
             x, dout, ws = run.act(step.scratch, step.in_shape), run.act(step.dout, step.out_shape), eng.arrays["conv.cols"]
             if L.groups == 1:

@@ -38,7 +38,7 @@ from ..system import backend
 from ..units import quantize_simulated, stream
 from ..core.engine import Engine
 from ..units.reference import ExactUnits
-from ..units.widths import FLOAT, check_bits, check_rounding
+from ..units.widths import FLOAT, check_bits, check_rounding, code_for
 from ..ops import bn_relu_backward
 
 
@@ -65,8 +65,12 @@ class SimulatedCodeUnits(ExactUnits):
         xt, mask = self._quantize(saved, gamma, beta, keep=True)
         xp = backend.array_module(u)
         # approx mode's rebuilt input: relu(gamma*x-tilde + beta) where the exact mask is open,
-        # else 0 (docs/quantizer.md: the decoded conv input of an open element is never negative)
-        xp.copyto(u, xp.where(mask, xp.maximum(xt * gamma[:, None] + beta[:, None], 0), 0))
+        # else 0 (docs/quantizer.md: the decoded conv input of an open element is never negative;
+        # the dithered code's is gamma*x-tilde + beta unclamped, units/unbiased.py)
+        rebuilt = xt * gamma[:, None] + beta[:, None]
+        if not code_for(self.rounding, self.bits).dither:
+            rebuilt = xp.maximum(rebuilt, 0)
+        xp.copyto(u, xp.where(mask, rebuilt, 0))
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         xt, mask = self._quantize(saved, gamma, beta, keep=False)

@@ -7,7 +7,7 @@ import numbers
 
 import numpy
 
-from ..units.widths import FLOAT, MODES, check_bits, code_for
+from ..units.widths import FLOAT, MODES, UNBIASED_ROUNDINGS, check_bits, code_for
 from .network import Network
 
 DTYPES = ("float32", "float64")
@@ -114,14 +114,15 @@ def width_labels(mode, unit_bits, slot_bits=None):
 
 def rounding_label(rounding, widths):
     """', unbiased stochastic rounding' etc. for a summary (nearest, the default: ''), saying what
-    units of `widths` (each K, or None / "float") keep (units.widths.code_for): "stochastic" has
-    no 1-bit code, its 1-bit units keep the window code rounded to nearest."""
+    units of `widths` (each K, or None / "float") keep (units.widths.code_for): the unbiased code's
+    roundings ("stochastic", "dither") have no 1-bit code, their 1-bit units keep the window code
+    rounded to nearest."""
     codes = [code_for(rounding, K) for K in widths if K not in (None, FLOAT)]
-    if rounding == "stochastic" and codes and not any(c.unbiased for c in codes):
-        return ", nearest rounding (stochastic has no 1-bit code)"
-    label = {"nearest": "", "stochastic": ", unbiased stochastic rounding",
+    if rounding in UNBIASED_ROUNDINGS and codes and not any(c.unbiased for c in codes):
+        return f", nearest rounding ({rounding} has no 1-bit code)"
+    label = {"nearest": "", "stochastic": ", unbiased stochastic rounding", "dither": ", unbiased dithered rounding",
              "stochastic-window": ", window stochastic rounding"}[rounding]
-    if rounding == "stochastic" and not all(c.unbiased for c in codes):
+    if rounding in UNBIASED_ROUNDINGS and not all(c.unbiased for c in codes):
         label += " (1-bit units: nearest)"
     return label
 

@@ -86,7 +86,8 @@ class Engine:
 
         rounding: how x-hat becomes a code (docs/quantizer.md): "nearest" (the default, the
         fixed-window code), "stochastic" (the unbiased group-range code: E[x-tilde] = x-hat
-        everywhere, the ReLU mask exact) or "stochastic-window" (the
+        everywhere, the ReLU mask exact), "dither" (the same code with a subtractive dither: its
+        decoder removes each element's draw, about half the draw variance) or "stochastic-window" (the
         fixed window with stochastic rounding, unbiased only inside it). Stochastic codes are
         drawn from stream.stream_key(seed, step, unit index) at each element's index in the
         GLOBAL batch (stream.Stream: this rank's shard starts at rank*batch_size), so the draws

@@ -153,5 +153,6 @@ def rounding_argument(p, help_tail=""):
     """--rounding: the code x-hat is kept in (docs/quantizer.md)."""
     p.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
                    help="the code (docs/quantizer.md): nearest (the fixed window), stochastic (unbiased, with "
-                        "group ends: a little metadata per element), stochastic-window (stochastic inside the "
+                        "group ends: a little metadata per element), dither (the same code with a subtractive dither: "
+                        "less draw noise), stochastic-window (stochastic inside the "
                         "fixed window only)" + help_tail + " (default: %(default)s)")

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from ..models import is_onnx_path
-from ..units.widths import BITS, code_for, named
+from ..units.widths import BITS, UNBIASED_ROUNDINGS, code_for, named
 from ..system.memory import fmt_bytes
 from ..train.rundir import CONFIG, METRICS, PLAN, read_metrics
 
@@ -76,9 +76,10 @@ def mode_label(config):
         text = f"{mode} per-unit widths" + (f" ({avg:g} bits on average)" if avg else "")
     else:
         text = f"{mode} {bits}-bit"
-    unbiased = config.get("rounding") == "stochastic" and any(
-        k in BITS and code_for("stochastic", k).unbiased for k in named(bits) if not isinstance(k, bool))
-    return text + (", stochastic" if unbiased else "")
+    rounding = config.get("rounding")
+    unbiased = rounding in UNBIASED_ROUNDINGS and any(
+        k in BITS and code_for(rounding, k).unbiased for k in named(bits) if not isinstance(k, bool))
+    return text + ({"stochastic": ", stochastic", "dither": ", dither"}[rounding] if unbiased else "")
 
 
 def model_label(config):

@@ -40,7 +40,7 @@ class TrainConfig:
     mode: str = "approx"            # exact | approx | naive
     bits: int = 4                   # 8, 4, 2, 1; "auto" (resolved to a {unit: K} dict at the start); a dict
     avg_bits: float = None          # bits "auto": the saved x-hat within every unit at avg_bits
-    rounding: str = "nearest"       # nearest | stochastic (codes drawn from the seed and the iteration)
+    rounding: str = "nearest"       # nearest | stochastic | dither (codes drawn from the seed and the iteration)
     dtype: str = "float32"
     batch: int = 128
     epochs: int = 10

@@ -114,7 +114,7 @@ def check_world_size(meta, config, world_size, split_dependent, path, rank_keyed
         units = split_dependent(config.batch // ranks)
         if units:
             raise ResumeError(f"cannot resume from {path} on {world_size} rank(s): it was saved on {saved} with "
-                              f"rounding='stochastic', and at the per-rank batch {config.batch // ranks} unit "
+                              f"rounding={config.rounding!r}, and at the per-rank batch {config.batch // ranks} unit "
                               f"{units[0]}'s rows are not whole groups of 256 elements, so its codes depend on "
                               f"the split; resume on {saved} rank(s)")
 

@@ -74,7 +74,7 @@ def reference(mode, bits, rounding="nearest"):
     if code.name == FLOAT:
         return ExactUnits()
     if code.unbiased:
-        return UnbiasedCodeUnits(code.bits, naive=(mode == "naive"))
+        return UnbiasedCodeUnits(code.bits, naive=(mode == "naive"), dither=code.dither)
     return CodeUnits(code.bits, naive=(mode == "naive"), rounding=code.rounding)
 
 
@@ -121,7 +121,8 @@ def select(xp, mode, bits, dtype, sizes, use_fast=None, partials=None, rounding=
     if code.name == FLOAT:
         return fused.FusedExactUnits(module, partials)
     if code.unbiased:
-        return fused.FusedUnbiasedCodeUnits(module, code.bits, naive=(mode == "naive"), partials=partials)
+        return fused.FusedUnbiasedCodeUnits(module, code.bits, naive=(mode == "naive"), partials=partials,
+                                            dither=code.dither)
     return fused.FusedCodeUnits(module, code.bits, naive=(mode == "naive"), partials=partials, rounding=code.rounding)
 
 
@@ -159,7 +160,8 @@ def quantize_simulated(xhat, gamma, beta, bits, rounding="nearest", key=None):
     if code.name == FLOAT:
         check_bits(bits)                          # a code width, not "float": its ValueError
     if code.unbiased:
-        return unbiased.quantize_simulated(xhat, gamma, beta, code.bits, key)
+        return unbiased.quantize_simulated(xhat, gamma, beta, code.bits, key,
+                                           draws="dither" if code.dither else None)
     return window.quantize_simulated(xhat, gamma, beta, code.bits, code.rounding, key)
 
 

@@ -83,8 +83,8 @@ class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
     finalize and dx (unbiased_gpu.unit_backward, in the `bn.partials` workspace)."""
     fused = True
 
-    def __init__(self, module, bits, naive=False, partials=None):
-        super().__init__(bits, naive)
+    def __init__(self, module, bits, naive=False, partials=None, dither=False):
+        super().__init__(bits, naive, dither)
         from . import unbiased_cpu, unbiased_gpu
         self.module, self.partials = module, partials
         self._extra = {} if partials is None else {"partials": partials}
@@ -93,19 +93,19 @@ class FusedUnbiasedCodeUnits(UnbiasedCodeUnits):
     stats = FusedExactUnits.stats
 
     def forward(self, out, saved, x, mean, rstd, gamma, beta, key=None):
-        self.kernels.unit_forward(out, saved, x, mean, rstd, gamma, beta, self.bits, self.naive, key)
+        self.kernels.unit_forward(out, saved, x, mean, rstd, gamma, beta, self.bits, self.naive, key, self.dither)
 
     def conv_input(self, u, saved, gamma, beta):
-        self.kernels.decode(u, saved, gamma, beta, self.bits, relu=True)
+        self.kernels.decode(u, saved, gamma, beta, self.bits, relu=True, dither=self.dither)
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         # saved: the unbiased code (x-tilde with E = x-hat, exact mask); rstd exact
         self.kernels.unit_backward(dx, dgamma, dbeta, dr, saved, gamma, beta, rstd, self.bits, accumulate,
-                                   **(self._extra if self.module is window_gpu else {}))
+                                   dither=self.dither, **(self._extra if self.module is window_gpu else {}))
 
     def decode_masking(self, xtilde, dr, saved, gamma, beta):
         """xtilde <- x-tilde, dr *= the exact mask, in one kernel pass (units/sync.py's backward)."""
-        self.kernels.decode(xtilde, saved, gamma, beta, self.bits, dr=dr)
+        self.kernels.decode(xtilde, saved, gamma, beta, self.bits, dr=dr, dither=self.dither)
 
 
 def module_for(xp):

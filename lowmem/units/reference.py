@@ -126,21 +126,24 @@ def decode_masking(xtilde, dr, packed, qp):
 
 class UnbiasedCodeUnits(CodeUnits):
     """x-hat saved as the unbiased group-range code (units/unbiased.py; bits >= 2): the slot
-    holds the packed codes, the bf16 group ends and the per-channel split."""
+    holds the packed codes, the bf16 group ends and the per-channel split. dither: the dithered
+    code (rounding "dither": its decoder subtracts each element's draw; the slot also holds the
+    stream it was drawn from)."""
 
-    def __init__(self, bits, naive=False):
+    def __init__(self, bits, naive=False, dither=False):
         super().__init__(bits, naive, "nearest")
         self.bits = unbiased.check_bits(bits)
-        self.rounding = "stochastic"
+        self.dither = bool(dither)
+        self.rounding = "dither" if self.dither else "stochastic"
 
     def saved_entry(self, C, M, dtype):
-        return (unbiased.slot_nbytes(C, M, self.bits),), "uint8"
+        return (unbiased.slot_nbytes(C, M, self.bits, self.dither),), "uint8"
 
     def saved_view(self, slot, C, M):
-        return slot[:unbiased.slot_nbytes(C, M, self.bits)]
+        return slot[:unbiased.slot_nbytes(C, M, self.bits, self.dither)]
 
     def metadata_nbytes(self, C, M):
-        return unbiased.metadata_nbytes(C, M, self.bits)
+        return unbiased.metadata_nbytes(C, M, self.bits, self.dither)
 
     def depends_on_split(self, M):
         """A rank's rows code what the whole batch codes there only when they are whole groups."""
@@ -150,14 +153,14 @@ class UnbiasedCodeUnits(CodeUnits):
         """saved <- the unbiased code of x-hat drawn from `key` (required: an integer or a
         stream.Stream); out as CodeUnits.forward."""
         bn_normalize(out, x, mean, rstd)
-        unbiased.quantize_pack(saved, out, gamma, beta, self.bits, key)
+        unbiased.quantize_pack(saved, out, gamma, beta, self.bits, key, self.dither)
         if self.naive:
-            unbiased.decode_each_chunk(out, saved, gamma, beta, self.bits, relu=True)
+            unbiased.decode_each_chunk(out, saved, gamma, beta, self.bits, relu=True, dither=self.dither)
         else:
             bn_relu_apply_forward(out, out, gamma, beta)
 
     def conv_input(self, u, saved, gamma, beta):
-        unbiased.decode_each_chunk(u, saved, gamma, beta, self.bits, relu=True)
+        unbiased.decode_each_chunk(u, saved, gamma, beta, self.bits, relu=True, dither=self.dither)
 
     def backward(self, dx, dgamma, dbeta, dr, saved, rstd, gamma, beta, accumulate, scratch):
         # saved: the unbiased code (x-tilde with E = x-hat, exact mask) and rstd (C,) exact
@@ -167,10 +170,10 @@ class UnbiasedCodeUnits(CodeUnits):
 
     def decode_masking(self, xtilde, dr, saved, gamma, beta):
         """xtilde <- x-tilde decoded from the slot; dr *= the exact mask (units/sync.py's backward)."""
-        decode_masking_unbiased(xtilde, dr, saved, gamma, beta, self.bits)
+        decode_masking_unbiased(xtilde, dr, saved, gamma, beta, self.bits, self.dither)
 
 
-def decode_masking_unbiased(xtilde, dr, slot, gamma, beta, bits):
+def decode_masking_unbiased(xtilde, dr, slot, gamma, beta, bits, dither=False):
     """decode_masking for the unbiased code: xtilde <- x-tilde, dr *= the exact mask."""
     xp = array_module(dr)
 
@@ -178,4 +181,4 @@ def decode_masking_unbiased(xtilde, dr, slot, gamma, beta, bits):
         block = dr[r0:r1, c0:c1]
         xp.multiply(block, open_, out=block)
 
-    unbiased.decode_each_chunk(xtilde, slot, gamma, beta, bits, extra=mask_gradient)
+    unbiased.decode_each_chunk(xtilde, slot, gamma, beta, bits, extra=mask_gradient, dither=dither)

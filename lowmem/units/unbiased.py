@@ -36,6 +36,23 @@ padded to 8 bytes), then (C, G, 2) uint16 group ends (hi, lo): at 2 bits 2 + 32/
 bits per element when M is a multiple of 256. Scratch: (C, G) arrays of the group ends and
 levels, and per packing.CHUNK-sized piece a few piece-sized temporaries.
 
+The dithered code (rounding="dither"; `dither=True` / draws="dither" below) keeps these levels
+and metadata and changes the draw and the decode. Element i of a group (its index in the group)
+draws r_i = R_i·2**−24 with R_i = (u0 + i·WEYL) mod 2**24 (u0 the group's one counter draw, as
+the systematic draws' start: a Weyl sequence along the group, every r_i uniform), codes j =
+floor(p + r) as above, and the decoder subtracts the dither:
+
+    x̃ = s·(base + (j + d)·step),   d = 1/2 − r = (2**23 − R)·2**−24   (exact in float)
+
+E[j] = p and E[d] = 0, so E[x̃] = x̂ as before; but the error (j + d − p)·step =
+(1/2 − frac(p + r))·step is uniform on ±step/2 whatever x̂ (variance step²/12, where stochastic
+rounding's is f(1−f)·step² with f the fraction of p: larger for the many open elements near
+t), and along the Weyl sequence neighbours' errors cancel. The decoder regenerates R from the
+stream, which the slot therefore carries: (mix64(key), start, row) as three uint64 right after
+the codes (STREAM_NBYTES), so a decode reads nothing but the slot, γ and β. The conv input of an
+open element, |γ|·((base − t) + (j + d)·step), may be negative: it is not clamped at 0 (a clamp
+would bias it).
+
 1 bit cannot be unbiased with an exact mask (one level per side): units/reference.py then
 uses the window code with nearest rounding. The measured cheaper variant (`variant="open"`:
 one end per group, the lower end the channel's) is reachable through `quantize_simulated`
@@ -49,6 +66,7 @@ from ..system.backend import array_module
 
 GROUP = 256
 ENDS = ("group", "open")
+STREAM_NBYTES = 24      # the dithered code's slot: (mix64(key), start, row) as uint64, after the codes
 
 
 def groups(M):
@@ -60,26 +78,41 @@ def _code_bytes(C, M, bits):
     return (packing.packed_nbytes(C * M, bits) + 7) // 8 * 8
 
 
-def slot_nbytes(C, M, bits):
-    """Bytes of a unit's saved slot: the codes padded to 8 bytes, then 4 bytes per group."""
-    return _code_bytes(C, M, bits) + 4 * C * groups(M)
+def slot_nbytes(C, M, bits, dither=False):
+    """Bytes of a unit's saved slot: the codes padded to 8 bytes, the stream (dither: 24 bytes),
+    then 4 bytes per group."""
+    return _code_bytes(C, M, bits) + (STREAM_NBYTES if dither else 0) + 4 * C * groups(M)
 
 
-def metadata_nbytes(C, M, bits):
-    """The slot's bytes beyond the packed codes (the group ends and the padding)."""
-    return slot_nbytes(C, M, bits) - packing.packed_nbytes(C * M, bits)
+def metadata_nbytes(C, M, bits, dither=False):
+    """The slot's bytes beyond the packed codes (the group ends, the stream, the padding)."""
+    return slot_nbytes(C, M, bits, dither) - packing.packed_nbytes(C * M, bits)
 
 
-def split_slot(slot, C, M, bits):
-    """(codes (packed_nbytes,) uint8, ends (C, G, 2) uint16 bf16 (hi, lo)): views into slot."""
-    n0 = _code_bytes(C, M, bits)
+def split_slot(slot, C, M, bits, dither=False):
+    """(codes (packed_nbytes,) uint8, ends (C, G, 2) uint16 bf16 (hi, lo)): views into slot
+    (the dithered code's stream sits between them: slot_stream)."""
+    n0 = _code_bytes(C, M, bits) + (STREAM_NBYTES if dither else 0)
     G = groups(M)
-    if slot.dtype != numpy.uint8 or slot.ndim != 1 or slot.size < slot_nbytes(C, M, bits):
-        raise ValueError(f"the unbiased code's slot must be uint8 of at least {slot_nbytes(C, M, bits)} "
-                         f"bytes for C={C}, M={M} at {bits} bits, got {slot.dtype} {slot.shape}")
+    need = slot_nbytes(C, M, bits, dither)
+    if slot.dtype != numpy.uint8 or slot.ndim != 1 or slot.size < need:
+        raise ValueError(f"the {'dithered ' if dither else ''}unbiased code's slot must be uint8 of at least "
+                         f"{need} bytes for C={C}, M={M} at {bits} bits, got {slot.dtype} {slot.shape}")
     codes = slot[:packing.packed_nbytes(C * M, bits)]
     ends = slot[n0:n0 + 4 * C * G].view(numpy.uint16).reshape(C, G, 2)
     return codes, ends
+
+
+def slot_stream(slot, C, M, bits):
+    """The dithered code's stream in its slot: a (3,) uint64 view, resolve()'s (base, start, row)."""
+    n0 = _code_bytes(C, M, bits)
+    return slot[n0:n0 + STREAM_NBYTES].view(numpy.uint64)
+
+
+def read_stream(slot, C, M, bits):
+    """resolve()'s (base, start, row), Python ints, from a dithered slot (a device slot: one copy)."""
+    words = slot_stream(slot, C, M, bits)
+    return tuple(int(v) for v in (words.get() if hasattr(words, "get") else words))
 
 
 def split(gamma, beta, bits):
@@ -225,14 +258,18 @@ def default_draws(bits):
 def _encode_segments(xhat, lv, r0, r1, c0, c1, stream, draws, lanes):
     """(s0, s1, codes (r1−r0, s1−s0) floats) of rows r0:r1 over columns c0:c1, whole groups
     (c0 a multiple of GROUP; c1 one too, or M), run by run of equal groups (_segments).
-    draws: "systematic" (each group's walk from its draw, stream.group_bits) or
-    "independent" (each element's own draw)."""
+    draws: "systematic" (each group's walk from its draw, stream.group_bits), "independent"
+    (each element's own draw) or "dither" (the Weyl sequence from each group's draw)."""
     xp = array_module(xhat)
-    u0 = group_bits(stream, r0, r1, c0, c1, GROUP, xp) if draws == "systematic" else None
+    u0 = group_bits(stream, r0, r1, c0, c1, GROUP, xp) if draws != "independent" else None
     for s0, s1, size in _segments(r0, r1, c0, c1, xhat.shape[1]):
         shape = (r1 - r0, (s1 - s0) // size, size)
         if u0 is None:
             r = uniforms(stream, r0, r1, s0, s1, xhat.dtype, xp).reshape(shape)
+            draw = lambda p, mask, r=r: r                                    # noqa: E731
+        elif draws == "dither":
+            g0 = (s0 - c0) // GROUP
+            r = weyl_uniforms(u0[:, g0:g0 + shape[1]], size, xhat.dtype)
             draw = lambda p, mask, r=r: r                                    # noqa: E731
         else:
             g0 = (s0 - c0) // GROUP
@@ -245,7 +282,7 @@ def _encode_segments(xhat, lv, r0, r1, c0, c1, stream, draws, lanes):
 def _encode_piece(xhat, lv, r0, r1, c0, c1, stream, draws=None, lanes=None):
     """Codes (r1−r0, c1−c0) as floats of x̂ rows r0:r1, columns c0:c1 of the whole (C, M) x̂:
     the piece's groups are coded whole (a group's draws run from its first element) and cut.
-    draws: None (the packed code's, default_draws), "systematic" or "independent"."""
+    draws: None (the packed code's, default_draws), "systematic", "independent" or "dither"."""
     M = xhat.shape[1]
     draws = default_draws(lv.bits) if draws is None else draws
     a0, a1 = c0 // GROUP * GROUP, min(M, -(-c1 // GROUP) * GROUP)
@@ -255,17 +292,20 @@ def _encode_piece(xhat, lv, r0, r1, c0, c1, stream, draws=None, lanes=None):
     return out[:, c0 - a0:c1 - a0]
 
 
-def _decode_piece(code, lv, r0, r1, c0, c1, relu):
-    """x̃ (relu=False) or the conv input (relu=True) of float codes (rows r0:r1, cols c0:c1)."""
+def _decode_piece(code, lv, r0, r1, c0, c1, relu, d=None):
+    """x̃ (relu=False) or the conv input (relu=True) of float codes (rows r0:r1, cols c0:c1);
+    d: the dithered code's 1/2 − r of each element (dither_piece), added to its level index."""
     xp = array_module(code)
     bo, so, bc, sc = lv.piece(r0, r1, c0, c1)
     k = lv.k[r0:r1, None].astype(code.dtype)
     open_ = code >= k
     j = code - xp.where(open_, k, 0)
+    if d is not None:
+        j = j + d
     if relu:
         ag, t, zero = lv.ag[r0:r1], lv.t[r0:r1], lv.zero[r0:r1]
         val = xp.where(zero, lv.beta[r0:r1, None], ag * ((bo - xp.where(zero, bo, t)) + j * so))
-        return xp.where(open_, xp.maximum(val, 0), 0)
+        return xp.where(open_, xp.maximum(val, 0) if d is None else val, 0)     # dithered: not clamped
     return lv.s[r0:r1, None] * xp.where(open_, bo + j * so, bc + j * sc)
 
 
@@ -276,13 +316,14 @@ def check_bits(bits):
     return bits
 
 
-DRAWS = ("systematic", "independent")
+DRAWS = ("systematic", "independent", "dither")
 
 
 def quantize_simulated(xhat, gamma, beta, bits, key, variant="group", draws=None, lanes=None):
     """Reference (x̃, mask), both (C, M): the unbiased code's decode of x̂ for stream `key` (an
     integer or a Stream), whole arrays; the packed path (quantize_pack + decode) matches it bit
-    for bit. The measured variants (never packed): variant="open" (the lower end per channel),
+    for bit. draws="dither": the dithered code (rounding="dither"; quantize_pack(dither=True)).
+    The measured variants (never packed): variant="open" (the lower end per channel),
     draws="independent" or "systematic" at a width whose packed code draws the other way
     (default None: default_draws(bits)), lanes (another lane count for the systematic draws)."""
     bits = check_bits(bits)
@@ -296,7 +337,8 @@ def quantize_simulated(xhat, gamma, beta, bits, key, variant="group", draws=None
     stream = resolve(key, M, what="stochastic")
     code = _encode_piece(xhat, lv, 0, C, 0, M, stream, draws, lanes)
     mask = (xhat * gamma[:, None]) + beta[:, None] > 0
-    return _decode_piece(code, lv, 0, C, 0, M, relu=False), mask
+    d = dither_piece(stream, 0, C, 0, M, xhat.dtype, xp) if draws == "dither" else None
+    return _decode_piece(code, lv, 0, C, 0, M, relu=False, d=d), mask
 
 
 def _segments(r0, r1, c0, c1, M):
@@ -386,18 +428,56 @@ def systematic_uniforms(p, mask, u0, lanes=None):
     return r
 
 
-def _decode_levels(code, lv, rows, params, relu):
+MASK24 = (1 << OFFSET_BITS) - 1
+
+
+def weyl_bits(u0, size):
+    """(.., size) int64: R_i = (u0 + i·WEYL) mod 2**24 of a group's elements i = 0 .. size−1, from
+    its 24-bit draw u0 (..): the dithered code's draws (a Weyl sequence along the group)."""
+    xp = array_module(u0)
+    return (u0.astype(numpy.int64)[..., None] + xp.arange(size, dtype=numpy.int64) * WEYL) & MASK24
+
+
+def weyl_uniforms(u0, size, dtype):
+    """r = R·2**−24 in [0, 1) (dtype) of weyl_bits: what the dithered code adds to p."""
+    r = weyl_bits(u0, size).astype(dtype)
+    r *= 2.0 ** -OFFSET_BITS
+    return r
+
+
+def dither_offsets(u0, size, dtype):
+    """d = 1/2 − r = (2**23 − R)·2**−24 (exact in dtype) of weyl_bits: what the decoder adds to j."""
+    d = ((1 << (OFFSET_BITS - 1)) - weyl_bits(u0, size)).astype(dtype)
+    d *= 2.0 ** -OFFSET_BITS
+    return d
+
+
+def dither_piece(stream, r0, r1, c0, c1, dtype, xp=numpy):
+    """dither_offsets of every element of rows r0:r1, columns c0:c1 (any piece: each element's
+    group draw and index in its group gathered), resolve()'s stream."""
+    a0 = c0 // GROUP * GROUP
+    u0 = group_bits(stream, r0, r1, a0, c1, GROUP, xp).astype(numpy.int64)       # (R, groups)
+    col = xp.arange(c0, c1, dtype=numpy.int64)
+    R = (u0[:, (col - a0) // GROUP] + (col % GROUP) * WEYL) & MASK24
+    d = ((1 << (OFFSET_BITS - 1)) - R).astype(dtype)
+    d *= 2.0 ** -OFFSET_BITS
+    return d
+
+
+def _decode_levels(code, lv, rows, params, relu, d=None):
     """x̃ or the conv input of (R, g, size) float codes, and their open mask; the same
-    operations as _decode_piece."""
+    operations as _decode_piece (d: the dithered code's offsets, dither_offsets)."""
     xp = array_module(code)
     bo, so, bc, sc = params
     k = lv.k[rows, None, None].astype(code.dtype)
     open_ = code >= k
     j = code - xp.where(open_, k, 0)
+    if d is not None:
+        j = j + d
     if relu:
         ag, t, zero = (a[rows, :, None] for a in (lv.ag, lv.t, lv.zero))
         val = xp.where(zero, lv.beta[rows, None, None], ag * ((bo - xp.where(zero, bo, t)) + j * so))
-        return xp.where(open_, xp.maximum(val, 0), 0), open_
+        return xp.where(open_, xp.maximum(val, 0) if d is None else val, 0), open_
     return lv.s[rows, None, None] * xp.where(open_, bo + j * so, bc + j * sc), open_
 
 
@@ -406,29 +486,32 @@ def _aligned(M, bits):
     return (M * bits) % 8 == 0
 
 
-def quantize_pack(slot, xhat, gamma, beta, bits, key):
+def quantize_pack(slot, xhat, gamma, beta, bits, key, dither=False):
     """Encode x̂ (C, M) into the unit's slot (uint8, >= slot_nbytes): metadata, then the codes,
     block by block of whole groups (packing.CHUNK elements; the codes packed by units/packing.py).
-    key: integer or Stream (required)."""
+    key: integer or Stream (required). dither: the dithered code (its stream into the slot)."""
     bits = check_bits(bits)
     xp = array_module(xhat)
     C, M = xhat.shape
-    codes, ends = split_slot(slot, C, M, bits)
+    codes, ends = split_slot(slot, C, M, bits, dither)
     metadata(ends, xhat, gamma)
     lv = Levels(ends, gamma, beta, bits)
-    stream = resolve(key, M, what="stochastic")
+    stream = resolve(key, M, what="dither" if dither else "stochastic")
+    draws = "dither" if dither else default_draws(bits)
+    if dither:
+        slot_stream(slot, C, M, bits)[...] = xp.asarray(numpy.array(stream, dtype=numpy.uint64))
     if not _aligned(M, bits):
-        return _quantize_pack_pieces(codes, xhat, lv, bits, stream)
+        return _quantize_pack_pieces(codes, xhat, lv, bits, stream, draws)
     for r0, r1, c0, c1 in _blocks(C, M):
         buf = xp.empty((r1 - r0, c1 - c0), numpy.uint8)
-        for s0, s1, code in _encode_segments(xhat, lv, r0, r1, c0, c1, stream, default_draws(bits), None):
+        for s0, s1, code in _encode_segments(xhat, lv, r0, r1, c0, c1, stream, draws, None):
             xp.copyto(buf[:, s0 - c0:s1 - c0], code, casting="unsafe")
         a = r0 * M + c0                           # whole rows, or a part of one: contiguous
         packing.pack_block(codes[a * bits // 8:(a + buf.size) * bits // 8], buf.reshape(-1), bits,
                           xp.empty(buf.size * bits // 8, numpy.uint8))
 
 
-def _quantize_pack_pieces(codes, xhat, lv, bits, stream):
+def _quantize_pack_pieces(codes, xhat, lv, bits, stream, draws):
     """quantize_pack for rows whose blocks do not start on a code byte: packing's flat chunks,
     each element's group parameters gathered (slower)."""
     xp = array_module(xhat)
@@ -439,21 +522,23 @@ def _quantize_pack_pieces(codes, xhat, lv, bits, stream):
     tmp = xp.empty(step * bits // 8, numpy.uint8)
     for a, b, pieces in packing.chunks(n, M):
         for r0, r1, c0, c1, off in pieces:
-            code = _encode_piece(xhat, lv, r0, r1, c0, c1, stream)
+            code = _encode_piece(xhat, lv, r0, r1, c0, c1, stream, draws)
             xp.copyto(buf[off:off + code.size].reshape(code.shape), code, casting="unsafe")
         packing.pack_block(codes[a * bits // 8:(b * bits + 7) // 8], buf[:b - a], bits, tmp)
 
 
-def decode_each_chunk(out, slot, gamma, beta, bits, relu=False, extra=None):
+def decode_each_chunk(out, slot, gamma, beta, bits, relu=False, extra=None, dither=False):
     """Decode the slot block by block into out (C, M) float: x̃, or the conv input (relu=True);
-    then extra(out_block, open_block, r0, r1, c0, c1) (open: the exact mask of the block)."""
+    then extra(out_block, open_block, r0, r1, c0, c1) (open: the exact mask of the block).
+    dither: a dithered slot (each element's offset regenerated from the slot's stream)."""
     xp = array_module(out)
     C, M = out.shape
-    codes, ends = split_slot(slot, C, M, bits)
+    codes, ends = split_slot(slot, C, M, bits, dither)
     lv = Levels(ends, gamma, beta, bits)
+    stream = read_stream(slot, C, M, bits) if dither else None
     if not _aligned(M, bits):
-        return _decode_pieces(out, codes, lv, bits, relu, extra)
-    table = lv.tables(relu).astype(out.dtype) if bits <= 4 else None
+        return _decode_pieces(out, codes, lv, bits, relu, extra, stream)
+    table = lv.tables(relu).astype(out.dtype) if bits <= 4 and not dither else None
     for r0, r1, c0, c1 in _blocks(C, M):
         buf = xp.empty((r1 - r0, c1 - c0), numpy.uint8)
         a = r0 * M + c0
@@ -465,15 +550,17 @@ def decode_each_chunk(out, slot, gamma, beta, bits, relu=False, extra=None):
             if table is not None:           # one lookup per element
                 val = xp.take_along_axis(table[r0:r1, gs], codes3.astype(numpy.intp), axis=2)
             else:
+                d = None if stream is None else \
+                    dither_offsets(group_bits(stream, r0, r1, s0, s1, GROUP, xp), size, out.dtype)
                 val = _decode_levels(codes3.astype(out.dtype), lv, slice(r0, r1),
-                                     _grouped(lv, r0, r1, s0, s1, size), relu)[0]
+                                     _grouped(lv, r0, r1, s0, s1, size), relu, d)[0]
             out[r0:r1, s0:s1] = val.reshape(r1 - r0, s1 - s0)
         if extra is not None:
             extra(out[r0:r1, c0:c1], buf >= lv.k[r0:r1, None].astype(numpy.uint8) if bits < 8
                   else buf.astype(numpy.int32) >= lv.k[r0:r1, None], r0, r1, c0, c1)
 
 
-def _decode_pieces(out, codes, lv, bits, relu, extra):
+def _decode_pieces(out, codes, lv, bits, relu, extra, stream=None):
     """decode_each_chunk through packing's flat chunks (rows not starting on a code byte)."""
     xp = array_module(out)
     C, M = out.shape
@@ -484,6 +571,7 @@ def _decode_pieces(out, codes, lv, bits, relu, extra):
         for r0, r1, c0, c1, off in pieces:
             cb = buf[off:off + (r1 - r0) * (c1 - c0)].reshape(r1 - r0, c1 - c0).astype(out.dtype)
             ob = out[r0:r1, c0:c1]
-            ob[...] = _decode_piece(cb, lv, r0, r1, c0, c1, relu)
+            d = None if stream is None else dither_piece(stream, r0, r1, c0, c1, out.dtype, xp)
+            ob[...] = _decode_piece(cb, lv, r0, r1, c0, c1, relu, d)
             if extra is not None:
                 extra(ob, cb >= lv.k[r0:r1, None], r0, r1, c0, c1)

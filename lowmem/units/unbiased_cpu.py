@@ -195,6 +195,45 @@ if AVAILABLE:
                 cq[t] = numpy.uint8(numpy.int32(code))
                 oq[t] = y if on else F0
 
+    @njit(**_opts)
+    def _draw_dither(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
+        """codes <- the block's codes of the dithered code (unbiased._encode_block with
+        unbiased.weyl_uniforms: element t of a group draws R = (u0 + t*WEYL) mod 2**24 from the
+        group's draw u0, counter z0 + (its first element)*GOLDEN); orow <- relu(y)."""
+        n = xb.size
+        n_open = F32(L) - kf
+        for q in range((n + GROUP - 1) // GROUP):
+            bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
+            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
+            u0 = numpy.int64(cpu_base._counter_bits(z0 + U64(q0) * GOLDEN))          # < 2**24
+            for t in range(xq.size):
+                xh = xq[t]
+                y = xh * g + b
+                on = y > 0
+                u = xh * s
+                bb = bo if on else bc
+                st = so if on else sc
+                nn = n_open if on else kf
+                p = (u - bb) / st
+                p = p if st > 0 else F0
+                p = p + F32(numpy.int32((u0 + t * WEYL) & R_MASK)) * R_SCALE
+                j = min(max(numpy.floor(p), F0), nn - F32(1))
+                code = kf + j if on else j
+                cq[t] = numpy.uint8(numpy.int32(code))
+                oq[t] = y if on else F0
+
+    @njit(**_opts)
+    def _offsets(dq, n, z0):
+        """dq[:n] <- the dithered code's d = (2**23 − R)*2**−24 of a block's elements
+        (unbiased.dither_offsets), each group's R from its draw (counter z0 + first*GOLDEN)."""
+        for q in range((n + GROUP - 1) // GROUP):
+            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            u0 = numpy.int64(cpu_base._counter_bits(z0 + U64(q0) * GOLDEN))
+            dd = dq[q0:q1]
+            for t in range(dd.size):
+                dd[t] = F32(numpy.int32(HALF - ((u0 + t * WEYL) & R_MASK))) * R_SCALE
+
     if LANES != 4:              # _draw_systematic holds one accumulator per lane
         raise RuntimeError(f"the numba 2-bit draw is written for 4 lanes, unbiased.LANES is {LANES}")
 
@@ -259,31 +298,42 @@ if AVAILABLE:
                 cq[t] = numpy.uint8(numpy.int32(code))
 
     @njit(**_opts)
-    def _xtilde(orow, codes, lv, gi0, kf, s):
-        """orow <- x-tilde = s*(base + j*step) of each code's side."""
+    def _xtilde(orow, codes, lv, gi0, kf, s, dith, dq):
+        """orow <- x-tilde = s*(base + j*step) of each code's side (dith: j + d, d from dq)."""
         n = orow.size
         for q in range((n + GROUP - 1) // GROUP):
             bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
-            for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
-                v = F32(codes[t])
-                orow[t] = s * ((bo + (v - kf) * so) if v >= kf else (bc + v * sc))
+            if dith:
+                for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
+                    v = F32(codes[t])
+                    orow[t] = s * ((bo + ((v - kf) + dq[t]) * so) if v >= kf else (bc + (v + dq[t]) * sc))
+            else:
+                for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
+                    v = F32(codes[t])
+                    orow[t] = s * ((bo + (v - kf) * so) if v >= kf else (bc + v * sc))
 
     @njit(**_opts)
-    def _conv_input(orow, codes, lv, gi0, kf, zero, b, ag, t_o):
+    def _conv_input(orow, codes, lv, gi0, kf, zero, b, ag, t_o, dith, dq):
         """orow <- the conv input: |γ|*((base_o − t) + j*step_o) (β where γ = 0), at least 0,
-        on open codes; 0 on closed ones."""
+        on open codes; 0 on closed ones. dith: j + d (dq), not clamped at 0."""
         n = orow.size
         if zero:
-            val = max(b, F0)
+            val = b if dith else max(b, F0)
             for t in range(n):
                 orow[t] = val if F32(codes[t]) >= kf else F0
             return
         for q in range((n + GROUP - 1) // GROUP):
             d, so = lv[gi0 + q, 0] - t_o, lv[gi0 + q, 1]
-            for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
-                v = F32(codes[t])
-                y = max(ag * (d + (v - kf) * so), F0)
-                orow[t] = y if v >= kf else F0
+            if dith:
+                for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
+                    v = F32(codes[t])
+                    y = ag * (d + ((v - kf) + dq[t]) * so)
+                    orow[t] = y if v >= kf else F0
+            else:
+                for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
+                    v = F32(codes[t])
+                    y = max(ag * (d + (v - kf) * so), F0)
+                    orow[t] = y if v >= kf else F0
 
     @njit(**_opts)
     def _mask(drow, codes, kf):
@@ -292,32 +342,56 @@ if AVAILABLE:
             drow[t] = drow[t] if F32(codes[t]) >= kf else F0
 
     @njit(**_reduce)
-    def _sums(drow, codes, lv, gi0, kf, s):
+    def _sums(drow, codes, lv, gi0, kf, s, dith, dq):
         """(sum dy, sum dy*x-tilde) over one block, dy = dr masked by code >= k, x-tilde decoded
-        inline; float32 within the block (vectorised), the caller adds the blocks in float64."""
+        inline (dith: j + d, dq); float32 within the block (vectorised), the caller adds the
+        blocks in float64."""
         n = drow.size
         sdy = F0
         sdyx = F0
         for q in range((n + GROUP - 1) // GROUP):
             bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
-            for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
-                v = F32(codes[t])
-                on = v >= kf
-                dy = drow[t] if on else F0
-                sdy += dy
-                sdyx += dy * (s * ((bo + (v - kf) * so) if on else (bc + v * sc)))
+            if dith:
+                for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
+                    v = F32(codes[t])
+                    on = v >= kf
+                    dy = drow[t] if on else F0
+                    sdy += dy
+                    sdyx += dy * (s * ((bo + ((v - kf) + dq[t]) * so) if on else (bc + (v + dq[t]) * sc)))
+            else:
+                for t in range(U64(q * GROUP), U64(min(n, q * GROUP + GROUP))):
+                    v = F32(codes[t])
+                    on = v >= kf
+                    dy = drow[t] if on else F0
+                    sdy += dy
+                    sdyx += dy * (s * ((bo + (v - kf) * so) if on else (bc + v * sc)))
         return sdy, sdyx
 
     @njit(**_opts)
-    def _dx(dxr, drow, codes, lv, gi0, kf, s, a, mdy, mdyx, accumulate):
+    def _dx(dxr, drow, codes, lv, gi0, kf, s, a, mdy, mdyx, accumulate, dith, dbuf):
         """dx (=, or += with accumulate) a*(dy - mean(dy) - x-tilde*mean(dy*x-tilde)) for a
-        block, x-tilde decoded inline. dxr must not alias drow (see window_cpu._quantize_block)."""
+        block, x-tilde decoded inline (dith: j + d, dbuf). dxr must not alias drow (see
+        window_cpu._quantize_block)."""
         n = drow.size
         for q in range((n + GROUP - 1) // GROUP):
             bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
             q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
             dq, rq, cq = dxr[q0:q1], drow[q0:q1], codes[q0:q1]
-            if accumulate:
+            if dith:
+                oq = dbuf[q0:q1]
+                if accumulate:
+                    for t in range(rq.size):
+                        v = F32(cq[t])
+                        on = v >= kf
+                        xt = s * ((bo + ((v - kf) + oq[t]) * so) if on else (bc + (v + oq[t]) * sc))
+                        dq[t] += a * ((rq[t] if on else F0) - mdy - xt * mdyx)
+                else:
+                    for t in range(rq.size):
+                        v = F32(cq[t])
+                        on = v >= kf
+                        xt = s * ((bo + ((v - kf) + oq[t]) * so) if on else (bc + (v + oq[t]) * sc))
+                        dq[t] = a * ((rq[t] if on else F0) - mdy - xt * mdyx)
+            elif accumulate:
                 for t in range(rq.size):
                     v = F32(cq[t])
                     on = v >= kf
@@ -334,11 +408,12 @@ if AVAILABLE:
 
     @njit(**_opts)
     def _forward_rows(out, slot_codes, ends, x, mean, rstd, gamma, beta, W, w, L, naive, c_first,
-                      base, start, row, bits, box, bits_view):
+                      base, start, row, bits, dith, box, bits_view):
         C, M = x.shape
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)
         xb = numpy.empty(BLOCK, numpy.float32)
+        dq = numpy.empty(BLOCK if dith and naive else 0, numpy.float32)
         xi = xb.view(numpy.int32)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         pb, fl = numpy.empty(GROUP, numpy.float32), numpy.empty(GROUP, numpy.uint8)
@@ -352,20 +427,27 @@ if AVAILABLE:
                 _normalise(xg, x[c, i0:i1], mean[c], rstd[c])
                 z0 = base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN
                 _block_ranges(ends, lv, xi[:i1 - i0], c, i0 // GROUP, s < 0, t_o, t_c, kc, L, box, bits_view)
-                if bits <= SYSTEMATIC_BITS:
+                if dith:
+                    _draw_dither(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
+                elif bits <= SYSTEMATIC_BITS:
                     _draw_systematic(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0, pb, fl, a, e)
                 else:
                     _draw_independent(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
                 if naive:                       # continue from the decoded value
-                    _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, b, ag, t_o)
+                    if dith:
+                        _offsets(dq, i1 - i0, z0)
+                    _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, b, ag, t_o, dith, dq)
                 cpu_base._pack(slot_codes[(c * M + i0) // per:(c * M + i1) // per], cg, bits)
 
     @njit(**_opts)
-    def _decode_rows(out, dr, slot_codes, ends, gamma, beta, W, w, L, relu, mask_dr, bits, box, bits_view):
-        """out <- x-tilde (relu False) or the conv input (relu True); mask_dr: dr *= the mask."""
+    def _decode_rows(out, dr, slot_codes, ends, gamma, beta, W, w, L, relu, mask_dr, bits, dith, c_first,
+                     base, start, row, box, bits_view):
+        """out <- x-tilde (relu False) or the conv input (relu True); mask_dr: dr *= the mask.
+        dith: the dithered code, its offsets from the stream (base, start, row; rows from c_first)."""
         C, M = out.shape
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)
+        dq = numpy.empty(BLOCK if dith else 0, numpy.float32)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         for c in range(C):
             s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
@@ -374,16 +456,18 @@ if AVAILABLE:
                 i1 = min(M, i0 + BLOCK)
                 cg, orow = codes[:i1 - i0], out[c, i0:i1]
                 cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
+                if dith:
+                    _offsets(dq, i1 - i0, base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN)
                 if relu:
-                    _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, beta[c], ag, t_o)
+                    _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, beta[c], ag, t_o, dith, dq)
                 else:
-                    _xtilde(orow, cg, lv, i0 // GROUP, kf, s)
+                    _xtilde(orow, cg, lv, i0 // GROUP, kf, s, dith, dq)
                 if mask_dr:
                     _mask(dr[c, i0:i1], cg, kf)
 
     @njit(**_opts)
     def _backward_rows(dx, dgamma, dbeta, dr, slot_codes, ends, gamma, beta, rstd, W, w, L, bits,
-                       accumulate, inplace, box, bits_view):
+                       accumulate, inplace, dith, c_first, base, start, row, box, bits_view):
         """BN-ReLU backward from the slot: two passes per row (sums, then dx), each unpacking
         block by block into L1 scratch and decoding x-tilde inline (the row's group levels
         computed once); no decode buffer. inplace: dx overlaps dr, so dx goes through tmp (see
@@ -392,6 +476,7 @@ if AVAILABLE:
         per = 8 // bits
         codes = numpy.empty(BLOCK, numpy.uint8)
         tmp = numpy.empty(BLOCK, numpy.float32)
+        dq = numpy.empty(BLOCK if dith else 0, numpy.float32)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         for c in range(C):
             s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
@@ -402,7 +487,9 @@ if AVAILABLE:
                 i1 = min(M, i0 + BLOCK)
                 cg = codes[:i1 - i0]
                 cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
-                a1, a2 = _sums(dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s)
+                if dith:
+                    _offsets(dq, i1 - i0, base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN)
+                a1, a2 = _sums(dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, dith, dq)
                 sdy += a1
                 sdyx += a2
             dgamma[c] += sdyx
@@ -413,11 +500,13 @@ if AVAILABLE:
                 i1 = min(M, i0 + BLOCK)
                 cg = codes[:i1 - i0]
                 cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
+                if dith:
+                    _offsets(dq, i1 - i0, base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN)
                 if accumulate or not inplace:
-                    _dx(dx[c, i0:i1], dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, accumulate)
+                    _dx(dx[c, i0:i1], dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, accumulate, dith, dq)
                 else:
                     tb = tmp[:i1 - i0]
-                    _dx(tb, dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, False)
+                    _dx(tb, dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, False, dith, dq)
                     cpu_base._copy(dx[c, i0:i1], tb)
 
 
@@ -440,42 +529,57 @@ def _check(x, M, bits, what):
                          f"got {x.dtype} M={M} at {bits} bits")
 
 
-def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
+def _stream_of(slot, C, M, bits, dither):
+    """(base uint64, start, row) from a dithered slot, typed as unit_forward passes them (a
+    uint64 start or row would make numba's index arithmetic float); zeros otherwise (not read)."""
+    if not dither:
+        return U64(0), 0, 0
+    base, start, row = unbiased.read_stream(slot, C, M, bits)
+    return U64(base), start, row
+
+
+def decode(out, slot, gamma, beta, bits, relu=False, dr=None, dither=False):
     """unbiased.decode_each_chunk's output (x-tilde, or the conv input with relu=True), bit for
-    bit, in one numba pass; with dr (C, M): dr *= the exact mask (the backward's masking)."""
+    bit, in one numba pass; with dr (C, M): dr *= the exact mask (the backward's masking).
+    dither: a dithered slot (rounding "dither")."""
     bits = unbiased.check_bits(bits)
     C, M = out.shape
     _check(out, M, bits, "decode")
-    codes, ends = unbiased.split_slot(slot, C, M, bits)
+    codes, ends = unbiased.split_slot(slot, C, M, bits, dither)
     W, w = _window(bits, gamma)
     mask_dr = dr is not None
     drr = dr if mask_dr else out
+    base, start, row = _stream_of(slot, C, M, bits, dither)
 
     def rows(c0, c1):
         _decode_rows(out[c0:c1], drr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1],
-                     gamma[c0:c1], beta[c0:c1], W, w, 1 << bits, bool(relu), mask_dr, bits, *_box())
+                     gamma[c0:c1], beta[c0:c1], W, w, 1 << bits, bool(relu), mask_dr, bits, bool(dither),
+                     c0, base, start, row, *_box())
     cpu_base._over_channels(rows, C, M)
 
 
-def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key):
+def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key, dither=False):
     """The fused forward of UnbiasedCodeUnits: slot <- the unbiased code of x-hat = (x - mean)*rstd
     drawn from key (an integer or stream.Stream); out = relu(y) (approx) or the decoded conv input
-    (naive). x, out (C, M) float32 C-contiguous (out may alias x), M*bits a multiple of 8."""
+    (naive). x, out (C, M) float32 C-contiguous (out may alias x), M*bits a multiple of 8.
+    dither: the dithered code (its stream written into the slot)."""
     bits = unbiased.check_bits(bits)
     C, M = x.shape
     _check(x, M, bits, "forward")
-    codes, ends = unbiased.split_slot(slot, C, M, bits)
+    codes, ends = unbiased.split_slot(slot, C, M, bits, dither)
     W, w = _window(bits, gamma)
-    base, start, row = resolve(key, M, what="stochastic")
+    base, start, row = resolve(key, M, what="dither" if dither else "stochastic")
+    if dither:
+        unbiased.slot_stream(slot, C, M, bits)[:] = (base, start, row)
 
     def rows(c0, c1):
         _forward_rows(out[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1], x[c0:c1],
                       mean[c0:c1], rstd[c0:c1], gamma[c0:c1], beta[c0:c1], W, w, 1 << bits, bool(naive),
-                      c0, U64(base), start, row, bits, *_box())
+                      c0, U64(base), start, row, bits, bool(dither), *_box())
     cpu_base._over_channels(rows, C, M)
 
 
-def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumulate):
+def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumulate, dither=False):
     """The fused BN-ReLU backward of UnbiasedCodeUnits (ops.bn_relu_backward on the slot's x-tilde
     under the exact mask, without a decode buffer):
 
@@ -483,18 +587,20 @@ def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumula
         dx = (or += with accumulate) gamma*rstd * (dy - mean(dy) - x-tilde * mean(dy * x-tilde))
 
     # saved: the unbiased code (x-tilde with E = x-hat, exact mask) and rstd (C,) exact.
-    dr (C, M) float32 is read only; dx may alias it. Channels split over lowmem's threads."""
+    dr (C, M) float32 is read only; dx may alias it. Channels split over lowmem's threads.
+    dither: a dithered slot."""
     bits = unbiased.check_bits(bits)
     C, M = dr.shape
     _check(dr, M, bits, "backward")
     if dx.shape != (C, M):
         raise ValueError(f"dx must have dr's shape {(C, M)}, got {dx.shape}")
-    codes, ends = unbiased.split_slot(slot, C, M, bits)
+    codes, ends = unbiased.split_slot(slot, C, M, bits, dither)
     W, w = _window(bits, gamma)
     inplace = cpu_base._overlap(dx, dr)
+    base, start, row = _stream_of(slot, C, M, bits, dither)
 
     def rows(c0, c1):
         _backward_rows(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8],
                        ends[c0:c1], gamma[c0:c1], beta[c0:c1], rstd[c0:c1], W, w, 1 << bits, bits,
-                       bool(accumulate), inplace, *_box())
+                       bool(accumulate), inplace, bool(dither), c0, base, start, row, *_box())
     cpu_base._over_channels(rows, C, M)

@@ -8,6 +8,11 @@
     unbiased_decode    one thread per (group, channel): x-tilde or the conv input from the codes
                        and the stored ends; optionally zero the incoming gradient where the mask
                        is closed (synchronized batch norm's masking)
+
+The dithered code (rounding "dither", `dither` below): the forward draws the Weyl sequence from
+each group's draw and writes the stream into the slot (thread (0, 0)); every decode reads it
+there, regenerates each element's offset d = (2**23 − R)·2**−24 and decodes level j + d (the
+conv input not clamped at 0).
     unbiased_backward_partial + units/gpu_base.py's unit_backward_finalize + unbiased_backward_apply
                        BN-ReLU backward: sum(dy), sum(dy*x-tilde) per channel over segments of
                        groups (float64, a fixed tree order), then dx, x-tilde decoded inline
@@ -23,6 +28,7 @@ then ops.bn_relu_backward) to float rounding: its sums in float64, its dx in the
 import numpy
 
 from ..system import cuda
+from ..system.backend import array_module
 from ..system.cuda import BLOCK, i32 as _i32, i64 as _i64
 from . import gpu_base, unbiased
 from .stream import GOLDEN, resolve
@@ -87,12 +93,31 @@ __device__ UbLevels ub_levels(real hi, real lo, real t_o, real t_c, int k, int L
 }
 
 // the conv input of level jj on its side: |gamma|*((base_o - t) + jj*step_o) (beta where gamma = 0),
-// at least 0, on the open side; 0 on the closed one
-__device__ real ub_conv_input(bool on, real jj, const UbChannel& h, real b, const UbLevels& v)
+// at least 0 (dithered: not clamped), on the open side; 0 on the closed one
+__device__ real ub_conv_input(bool on, real jj, const UbChannel& h, real b, const UbLevels& v, int dither)
 {
     if (!on) return (real)0;
-    if (h.zero) return ub_max(b, (real)0);
-    return ub_max(rn_mul(h.ag, rn_add(rn_sub(v.bo, h.t_o), rn_mul(jj, v.so))), (real)0);
+    if (h.zero) return dither ? b : ub_max(b, (real)0);
+    const real y = rn_mul(h.ag, rn_add(rn_sub(v.bo, h.t_o), rn_mul(jj, v.so)));
+    return dither ? y : ub_max(y, (real)0);
+}
+
+// the dithered code: element i of a group draws R = (u0 + i*WEYL) mod 2**24 from the group's draw
+// u0 (unbiased.weyl_bits; < 2**32 before the mask), its decoder adds d = (2**23 - R)*2**-24 to j
+__device__ __forceinline__ unsigned int ub_weyl(unsigned int u0, long long i)
+{
+    return (u0 + (unsigned int)i * UB_WEYL) & 0xFFFFFFu;
+}
+
+__device__ __forceinline__ real ub_offset(unsigned int u0, long long i)
+{
+    return rn_mul((real)(0x800000 - (int)ub_weyl(u0, i)), (real)5.9604644775390625e-08);
+}
+
+// the group's draw of a decode: from the stream the forward wrote into the slot
+__device__ __forceinline__ unsigned int ub_group_draw(const unsigned long long* stream, int c, long long g0)
+{
+    return counter_bits(stream[0], (long long)c * (long long)stream[2] + (long long)stream[1] + g0);
 }
 
 // x-tilde of level jj on its side: s*(base + jj*step) (unbiased.Levels' decode)
@@ -122,12 +147,18 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
                                             const real* x, const real* mean, const real* rstd,
                                             const real* gamma, const real* beta, const int* k,
                                             long long M, int bits, int naive, unsigned long long base,
-                                            long long row, long long start)
+                                            long long row, long long start, int dither,
+                                            unsigned long long* stream)
 {
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
     const long long G = (M + UB_GROUP - 1) / UB_GROUP;
     const long long gi = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (gi >= G) return;
+    if (dither && c == 0 && gi == 0) {              // the stream the decoders regenerate d from
+        stream[0] = base;
+        stream[1] = (unsigned long long)start;
+        stream[2] = (unsigned long long)row;
+    }
     const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
     const real m = mean[c], r = rstd[c], g = gamma[c], b = beta[c];
     const UbChannel h = ub_channel(g, b, k[c]);
@@ -167,7 +198,9 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
             if (!(f >= (real)0 && f < (real)1)) f = (real)0;
             const unsigned int qv = (unsigned int)rn_mul(f, (real)16777216.0);
             unsigned int R;
-            if (bits <= UB_SYSTEMATIC_BITS) {               // the lane's walk
+            if (dither) {                                   // the group's Weyl sequence
+                R = ub_weyl(u0, i - g0);
+            } else if (bits <= UB_SYSTEMATIC_BITS) {        // the lane's walk
                 const int lane = (int)((i - g0) % UB_LANES);
                 R = (on ? acc_o[lane] : acc_c[lane]) & 0xFFFFFFu;
                 if (on) acc_o[lane] += qv; else acc_c[lane] += qv;
@@ -178,7 +211,9 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
             const real jj = ub_min(ub_max(ub_floor(p), (real)0), rn_sub(n, (real)1));
             const real code = on ? rn_add(kf, jj) : jj;
             byte |= (unsigned int)code << (q * bits);
-            out[(long long)c * M + i] = naive ? ub_conv_input(on, jj, h, b, v) : (on ? y : (real)0);
+            out[(long long)c * M + i] = naive ? ub_conv_input(on, dither ? rn_add(jj, ub_offset(u0, i - g0)) : jj,
+                                                              h, b, v, dither)
+                                              : (on ? y : (real)0);
         }
         packed[(long long)c * (M / per) + j] = (unsigned char)byte;
     }
@@ -187,7 +222,7 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
 extern "C" __global__ void unbiased_decode(real* out, real* dr, const unsigned char* packed,
                                            const unsigned short* ends, const real* gamma,
                                            const real* beta, const int* k, long long M, int bits,
-                                           int relu, int mask_dr)
+                                           int relu, int mask_dr, int dither, const unsigned long long* stream)
 {
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
     const long long G = (M + UB_GROUP - 1) / UB_GROUP;
@@ -197,11 +232,13 @@ extern "C" __global__ void unbiased_decode(real* out, real* dr, const unsigned c
     const real b = beta[c];
     const UbChannel h = ub_channel(gamma[c], b, k[c]);
     const UbLevels v = ub_stored_levels(ends, c, G, gi, h, L);
+    const unsigned int u0 = dither ? ub_group_draw(stream, c, g0) : 0u;
     for (long long i = g0; i < g1; ++i) {
         const real code = ub_code(packed, c, M, bits, per, i);
         const bool on = code >= h.kf;
-        const real jj = on ? rn_sub(code, h.kf) : code;
-        out[(long long)c * M + i] = relu ? ub_conv_input(on, jj, h, b, v) : ub_xtilde(on, jj, h, v);
+        real jj = on ? rn_sub(code, h.kf) : code;
+        if (dither) jj = rn_add(jj, ub_offset(u0, i - g0));
+        out[(long long)c * M + i] = relu ? ub_conv_input(on, jj, h, b, v, dither) : ub_xtilde(on, jj, h, v);
         if (mask_dr && !on)
             dr[(long long)c * M + i] = (real)0;
     }
@@ -213,7 +250,8 @@ extern "C" __global__ void unbiased_decode(real* out, real* dr, const unsigned c
 // read only. Pass 2 is units/gpu_base.py's unit_backward_finalize.
 extern "C" __global__ void unbiased_backward_partial(double* part, const real* dr, const unsigned char* packed,
                                                      const unsigned short* ends, const real* gamma,
-                                                     const real* beta, const int* k, long long M, int bits)
+                                                     const real* beta, const int* k, long long M, int bits,
+                                                     int dither, const unsigned long long* stream)
 {
     __shared__ double sa[BLOCK], sb[BLOCK];
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
@@ -225,12 +263,15 @@ extern "C" __global__ void unbiased_backward_partial(double* part, const real* d
     for (long long gi = lo + threadIdx.x; gi < hi; gi += blockDim.x) {
         const UbLevels v = ub_stored_levels(ends, c, G, gi, h, L);
         const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
+        const unsigned int u0 = dither ? ub_group_draw(stream, c, g0) : 0u;
         for (long long i = g0; i < g1; ++i) {
             const real code = ub_code(packed, c, M, bits, per, i);
             if (code >= h.kf) {
                 const double dy = (double)dr[(long long)c * M + i];
+                real jj = rn_sub(code, h.kf);
+                if (dither) jj = rn_add(jj, ub_offset(u0, i - g0));
                 a += dy;
-                s2 += dy * (double)ub_xtilde(true, rn_sub(code, h.kf), h, v);
+                s2 += dy * (double)ub_xtilde(true, jj, h, v);
             }
         }
     }
@@ -247,7 +288,8 @@ extern "C" __global__ void unbiased_backward_partial(double* part, const real* d
 extern "C" __global__ void unbiased_backward_apply(real* dx, const real* dr, const unsigned char* packed,
                                                    const unsigned short* ends, const double* coef,
                                                    const real* gamma, const real* beta, const int* k,
-                                                   long long M, int bits, int accumulate)
+                                                   long long M, int bits, int accumulate, int dither,
+                                                   const unsigned long long* stream)
 {
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
     const long long G = (M + UB_GROUP - 1) / UB_GROUP;
@@ -257,10 +299,13 @@ extern "C" __global__ void unbiased_backward_apply(real* dx, const real* dr, con
     const UbChannel h = ub_channel(gamma[c], beta[c], k[c]);
     const UbLevels v = ub_stored_levels(ends, c, G, gi, h, L);
     const real a = (real)coef[c * 3], mdy = (real)coef[c * 3 + 1], mdyx = (real)coef[c * 3 + 2];
+    const unsigned int u0 = dither ? ub_group_draw(stream, c, g0) : 0u;
     for (long long i = g0; i < g1; ++i) {
         const real code = ub_code(packed, c, M, bits, per, i);
         const bool on = code >= h.kf;
-        const real xt = ub_xtilde(on, on ? rn_sub(code, h.kf) : code, h, v);
+        real jj = on ? rn_sub(code, h.kf) : code;
+        if (dither) jj = rn_add(jj, ub_offset(u0, i - g0));
+        const real xt = ub_xtilde(on, jj, h, v);
         const long long e = (long long)c * M + i;
         const real dy = on ? dr[e] : (real)0;
         const real val = rn_mul(rn_sub(dy, rn_add(rn_mul(xt, mdyx), mdy)), a);
@@ -272,37 +317,52 @@ extern "C" __global__ void unbiased_backward_apply(real* dx, const real* dr, con
 PROGRAM = cuda.Program("unbiased", SOURCE, block_sync=("unbiased_backward_partial",))
 
 
-def _prepare(slot, C, M, bits, gamma, beta):
+def _prepare(slot, C, M, bits, gamma, beta, dither):
+    """(bits, codes, ends, k, grid, stream): stream the dithered slot's (3,) uint64 view (the
+    kernels read it; a plain slot's kernels get _no_stream's, never read)."""
     bits = unbiased.check_bits(bits)
     if (M * bits) % 8:
         raise ValueError(f"rows of {M} elements at {bits} bits are not whole bytes (use unbiased.quantize_pack)")
-    codes, ends = unbiased.split_slot(slot, C, M, bits)
+    codes, ends = unbiased.split_slot(slot, C, M, bits, dither)
     k = unbiased.split(gamma, beta, bits).astype(numpy.int32)
     grid = (max(1, -(-unbiased.groups(M) // BLOCK)), C)
-    return bits, codes, ends, k, grid
+    stream = unbiased.slot_stream(slot, C, M, bits) if dither else _no_stream(slot)
+    return bits, codes, ends, k, grid, stream
 
 
-def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key):
+_NO_STREAM = {}
+
+
+def _no_stream(like):
+    """A (3,) uint64 array of like's module for the kernels' stream argument of a plain slot
+    (never read there), made once per module."""
+    xp = array_module(like)
+    if xp not in _NO_STREAM:
+        _NO_STREAM[xp] = xp.zeros(3, numpy.uint64)
+    return _NO_STREAM[xp]
+
+
+def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key, dither=False):
     """As units/unbiased_cpu.py's unit_forward, on the GPU: slot <- the unbiased code of
     x-hat = (x - mean)*rstd drawn from key; out = relu(y) or naive's decoded conv input."""
     C, M = x.shape
-    bits, codes, ends, k, grid = _prepare(slot, C, M, bits, gamma, beta)
-    base, start, row = resolve(key, M, what="stochastic")
+    bits, codes, ends, k, grid, stream = _prepare(slot, C, M, bits, gamma, beta, dither)
+    base, start, row = resolve(key, M, what="dither" if dither else "stochastic")
     PROGRAM.launch("unbiased_forward", x.dtype, grid,
                    (out, codes, ends, x, mean, rstd, gamma, beta, k, _i64(M), _i32(bits), _i32(bool(naive)),
-                    numpy.uint64(base), _i64(row), _i64(start)))
+                    numpy.uint64(base), _i64(row), _i64(start), _i32(bool(dither)), stream))
 
 
-def decode(out, slot, gamma, beta, bits, relu=False, dr=None):
+def decode(out, slot, gamma, beta, bits, relu=False, dr=None, dither=False):
     """As units/unbiased_cpu.py's decode, on the GPU (dr: the gradient to mask, or None)."""
     C, M = out.shape
-    bits, codes, ends, k, grid = _prepare(slot, C, M, bits, gamma, beta)
+    bits, codes, ends, k, grid, stream = _prepare(slot, C, M, bits, gamma, beta, dither)
     PROGRAM.launch("unbiased_decode", out.dtype, grid,
                    (out, dr if dr is not None else out, codes, ends, gamma, beta, k, _i64(M), _i32(bits),
-                    _i32(bool(relu)), _i32(dr is not None)))
+                    _i32(bool(relu)), _i32(dr is not None), _i32(bool(dither)), stream))
 
 
-def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumulate, partials=None):
+def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumulate, partials=None, dither=False):
     """As units/unbiased_cpu.py's unit_backward, on the GPU (ops.bn_relu_backward on the slot's
     x-tilde under the exact mask, no decode buffer): the sums per segment of groups, then
     units/gpu_base.py's finalize (dgamma, dbeta and the coefficients, in the `bn.partials`
@@ -310,14 +370,16 @@ def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumula
     gpu_base.rows(dr, "dr")
     gpu_base.rows(dx, "dx", dr)
     C, M = dr.shape
-    bits, codes, ends, k, grid = _prepare(slot, C, M, bits, gamma, beta)
+    bits, codes, ends, k, grid, stream = _prepare(slot, C, M, bits, gamma, beta, dither)
     S = gpu_base.segments(C, unbiased.groups(M))               # segments of groups
     part, coef = gpu_base.workspace(partials, C, dr)
     dt = dr.dtype
-    PROGRAM.launch("unbiased_backward_partial", dt, (S, C), (part, dr, codes, ends, gamma, beta, k, _i64(M), _i32(bits)))
+    PROGRAM.launch("unbiased_backward_partial", dt, (S, C), (part, dr, codes, ends, gamma, beta, k, _i64(M), _i32(bits),
+                                                            _i32(bool(dither)), stream))
     gpu_base.backward_finalize(coef, dgamma, dbeta, part, gamma, rstd, M, S)
     PROGRAM.launch("unbiased_backward_apply", dt, grid,
-                   (dx, dr, codes, ends, coef, gamma, beta, k, _i64(M), _i32(bits), _i32(bool(accumulate))))
+                   (dx, dr, codes, ends, coef, gamma, beta, k, _i64(M), _i32(bits), _i32(bool(accumulate)),
+                    _i32(bool(dither)), stream))
 
 
 assert GOLDEN == 0x9E3779B97F4A7C15           # in the kernel texts (system/cuda.py's counter_bits)

@@ -6,8 +6,9 @@ FLOAT      the width of a unit that saves x-hat in float instead (as every unit 
 MODES      how an engine's units save and use x-hat: exact (float), approx (K-bit codes read
            only by backward: the method), naive (the forward itself continues from the codes)
 ROUNDINGS  how x-hat becomes a code: "nearest" (the fixed-window code, deterministic),
-           "stochastic" (the unbiased group-range code), "stochastic-window" (the fixed window
-           with stochastic rounding)
+           "stochastic" (the unbiased group-range code), "dither" (the unbiased code with a
+           subtractive dither: the same levels, a decoder that subtracts each element's draw),
+           "stochastic-window" (the fixed window with stochastic rounding)
 
     code_for(rounding, K) -> Code(name, bits, rounding)
     named(bits) -> the widths a bits value (K, or {unit: K}) names, as a list
@@ -24,7 +25,8 @@ from typing import NamedTuple
 BITS = (1, 2, 4, 8)
 FLOAT = "float"
 MODES = ("exact", "approx", "naive")
-ROUNDINGS = ("nearest", "stochastic", "stochastic-window")
+ROUNDINGS = ("nearest", "stochastic", "dither", "stochastic-window")
+UNBIASED_ROUNDINGS = ("stochastic", "dither")      # the unbiased code's two draws (units/unbiased.py)
 
 
 def check_bits(bits):
@@ -63,19 +65,25 @@ class Code(NamedTuple):
         """Whether E[x-tilde | x-hat] = x-hat for every element (the unbiased code; float is exact)."""
         return self.name == "unbiased"
 
+    @property
+    def dither(self):
+        """Whether the unbiased code's decoder subtracts its dither (rounding "dither")."""
+        return self.name == "unbiased" and self.rounding == "dither"
+
 
 FLOAT_CODE = Code(FLOAT)
 
 
 def code_for(rounding, bits):
     """Which code a unit of width `bits` (K in BITS; None or FLOAT: x-hat in float) keeps under
-    `rounding`. "stochastic" is the unbiased group-range code, except at 1 bit, where no code can
-    be unbiased with an exact mask (one level per side): there the window code rounded to nearest.
-    "nearest" and "stochastic-window" are the window code drawn that way."""
+    `rounding`. "stochastic" and "dither" are the unbiased group-range code (drawn those two ways),
+    except at 1 bit, where no code can be unbiased with an exact mask (one level per side): there
+    the window code rounded to nearest. "nearest" and "stochastic-window" are the window code
+    drawn that way."""
     rounding = check_rounding(rounding)
     if bits is None or bits == FLOAT:
         return FLOAT_CODE
     bits = check_bits(bits)
-    if rounding == "stochastic":
+    if rounding in UNBIASED_ROUNDINGS:
         return Code("unbiased", bits, rounding) if bits > 1 else Code("window", bits, "nearest")
     return Code("window", bits, rounding)

@@ -74,7 +74,7 @@ def test_stochastic_draws_follow_seed_and_step_and_match_across_kernels():
 
 
 def test_rounding_is_checked():
-    with pytest.raises(ValueError, match="rounding must be one of 'nearest', 'stochastic', 'stochastic-window', got 'up'"):
+    with pytest.raises(ValueError, match="rounding must be one of 'nearest', 'stochastic', 'dither', 'stochastic-window', got 'up'"):
         Engine(preact_resnet_cifar(8), N, SHAPE, "approx", 2, rounding="up", allocate=False)
     with pytest.raises(Exception, match=r"rounding='up': expected one of nearest, stochastic"):
         TrainConfig(dataset="synthetic", rounding="up").validate()

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not unbiased_cpu.AVAILABLE, reason="numba not in
 TOL = 1e-5
 
 
-def case(bits, seed=21, M=776):
+def case(bits, seed=21, M=776, dither=False):
     """A unit (C=6; M=776: groups 256, 256, 256, 8; M=4872: a block of 4096, then those) with γ
     of both signs and 0, t outside the data on both sides, a constant channel; its slot drawn
     by the reference set's forward."""
@@ -33,9 +33,9 @@ def case(bits, seed=21, M=776):
     gamma = np.array([1.2, -0.7, 0.0, 0.9, -1.1, 1.0], np.float32)
     beta = np.array([0.1, 0.3, 0.4, 9.0, -8.0, 0.2], np.float32)
     mean, rstd = x.mean(axis=1).astype(np.float32), (1 / (x.std(axis=1) + 1e-3)).astype(np.float32)
-    slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
-    UnbiasedCodeUnits(bits).forward(np.empty_like(x), slot, x, mean, rstd, gamma, beta,
-                                    key=Stream(7, start=0, row=M))
+    slot = np.zeros(unbiased.slot_nbytes(C, M, bits, dither), np.uint8)
+    UnbiasedCodeUnits(bits, dither=dither).forward(np.empty_like(x), slot, x, mean, rstd, gamma, beta,
+                                                   key=Stream(7, start=0, row=M))
     dr = rng.standard_normal((C, M)).astype(np.float32)
     return x, mean, rstd, gamma, beta, slot, dr
 
@@ -44,10 +44,10 @@ def close(got, want, scale):
     assert np.all(np.abs(np.asarray(got, np.float64) - want) <= TOL * scale)
 
 
-def reference_backward(bits, x, rstd, gamma, beta, slot, dr, dx0, accumulate):
+def reference_backward(bits, x, rstd, gamma, beta, slot, dr, dx0, accumulate, dither=False):
     C, M = dr.shape
     dx, dg, db = dx0.copy(), np.full(C, 0.5, np.float32), np.full(C, -0.25, np.float32)
-    UnbiasedCodeUnits(bits).backward(dx, dg, db, dr.copy(), slot, rstd, gamma, beta, accumulate,
+    UnbiasedCodeUnits(bits, dither=dither).backward(dx, dg, db, dr.copy(), slot, rstd, gamma, beta, accumulate,
                                      np.empty_like(dr))
     return dx, dg, db
 
@@ -55,11 +55,12 @@ def reference_backward(bits, x, rstd, gamma, beta, slot, dr, dx0, accumulate):
 @pytest.mark.parametrize("bits,M", [(2, 776), (4, 776), (8, 776), (2, 4872)])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_fused_backward_is_the_reference_backward(bits, M, accumulate, inplace):
-    x, mean, rstd, gamma, beta, slot, dr = case(bits, M=M)
+@pytest.mark.parametrize("dither", [False, True])
+def test_fused_backward_is_the_reference_backward(bits, M, accumulate, inplace, dither):
+    x, mean, rstd, gamma, beta, slot, dr = case(bits, M=M, dither=dither)
     dx0 = np.random.default_rng(2).standard_normal(dr.shape).astype(np.float32)
-    want = reference_backward(bits, x, rstd, gamma, beta, slot, dr, dr if inplace else dx0, accumulate)
-    units = fused.FusedUnbiasedCodeUnits(window_cpu, bits)
+    want = reference_backward(bits, x, rstd, gamma, beta, slot, dr, dr if inplace else dx0, accumulate, dither)
+    units = fused.FusedUnbiasedCodeUnits(window_cpu, bits, dither=dither)
     C = dr.shape[0]
     g, b = np.full(C, 0.5, np.float32), np.full(C, -0.25, np.float32)
     d = dr.copy()
@@ -74,24 +75,25 @@ def test_fused_backward_is_the_reference_backward(bits, M, accumulate, inplace):
 
 
 @pytest.mark.parametrize("bits,M", [(2, 776), (4, 4872)])
-def test_fused_backward_is_the_formula_in_float64(bits, M):
+@pytest.mark.parametrize("dither", [False, True])
+def test_fused_backward_is_the_formula_in_float64(bits, M, dither):
     """dy = dr·mask (mask: the forward's exact (x̂·γ) + β > 0), sums and dx written out in float64
     on the reference decode's x̃; a channel of zero gradient gives dγ = dβ = 0 and dx = 0."""
-    x, mean, rstd, gamma, beta, slot, dr = case(bits, seed=5, M=M)
+    x, mean, rstd, gamma, beta, slot, dr = case(bits, seed=5, M=M, dither=dither)
     dr[1] = 0
     C, M = dr.shape
     xhat = np.empty_like(x)
     bn_normalize(xhat, x, mean, rstd)
     mask = (xhat * gamma[:, None]) + beta[:, None] > 0
     xt = np.empty_like(x)
-    unbiased.decode_each_chunk(xt, slot, gamma, beta, bits)
+    unbiased.decode_each_chunk(xt, slot, gamma, beta, bits, dither=dither)
     dy = dr.astype(np.float64) * mask
     xt = xt.astype(np.float64)
     sdy, sdyx = dy.sum(axis=1), (dy * xt).sum(axis=1)
     a = gamma.astype(np.float64) * rstd
     want_dx = a[:, None] * (dy - sdy[:, None] / M - xt * (sdyx / M)[:, None])
     dx, g, b = np.empty_like(dr), np.zeros(C, np.float32), np.zeros(C, np.float32)
-    unbiased_cpu.unit_backward(dx, g, b, dr, slot, gamma, beta, rstd, bits, False)
+    unbiased_cpu.unit_backward(dx, g, b, dr, slot, gamma, beta, rstd, bits, False, dither)
     terms = np.abs(dy).sum(axis=1) * np.abs(xt).max(axis=1)
     close(g, sdyx, terms)
     close(b, sdy, np.abs(dy).sum(axis=1))

@@ -446,16 +446,17 @@ def test_engine_gpu_path_on_emulated_kernels(emulator, monkeypatch, mode, n):
     cuda_helper.reset()
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "dither"])
 @pytest.mark.parametrize("mode,n", [("approx", 8), ("naive", 4)])
-def test_engine_gpu_path_runs_the_unbiased_code_on_emulated_kernels(emulator, monkeypatch, mode, n):
-    """rounding="stochastic" on the CuPy wiring (units/unbiased_gpu.py, emulated), float64: the
-    NumPy engine's loss, gradients and two SGD steps (the same draws: they follow the element's
-    index, not the kernels)."""
+def test_engine_gpu_path_runs_the_unbiased_code_on_emulated_kernels(emulator, monkeypatch, mode, n, rounding):
+    """rounding="stochastic" and "dither" on the CuPy wiring (units/unbiased_gpu.py, emulated),
+    float64: the NumPy engine's loss, gradients and two SGD steps (the same draws: they follow
+    the element's index, not the kernels)."""
     emulate(monkeypatch, emulator)
     net, shape = randomized(lowmem.models.preact_resnet_cifar(11), 2), (3, 8, 8)
     rng = np.random.default_rng(9)
     x, y = rng.standard_normal((n,) + shape), rng.integers(0, net.num_classes, n)
-    kw = dict(mode=mode, bits=2, N=8, steps=2, rounding="stochastic", seed=3)
+    kw = dict(mode=mode, bits=2, N=8, steps=2, rounding=rounding, seed=3)
     ref = run(net, shape, x, y, np, "float64", **kw)
     monkeypatch.setattr(lowmem.system.backend, "xp", NumpyAsCupy("cupy"))
     got = run(net, shape, x, y, np, "float64", **kw)
@@ -678,59 +679,61 @@ def test_batch_norm_add_relu_kernel_is_the_three_ops(dev, dtype, where):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("naive", [False, True])
-def test_unbiased_forward_and_decode_are_the_reference(dev, dtype, bits, naive):
-    """The CUDA unbiased code: the slot byte for byte unbiased.quantize_pack's (a shard keyed by
-    its global place; γ of both signs and 0, t outside the data, a short last group), relu(y) or
-    naive's conv input as the reference, and the decodes (x-tilde, conv input, masked gradient)
-    bit for bit unbiased.decode_each_chunk's."""
+@pytest.mark.parametrize("dither", [False, True])
+def test_unbiased_forward_and_decode_are_the_reference(dev, dtype, bits, naive, dither):
+    """The CUDA unbiased code (and its dithered draw): the slot byte for byte
+    unbiased.quantize_pack's (a shard keyed by its global place; γ of both signs and 0, t outside
+    the data, a short last group), relu(y) or naive's conv input as the reference, and the
+    decodes (x-tilde, conv input, masked gradient) bit for bit unbiased.decode_each_chunk's."""
     x, g, b = unit(dtype, C=7, M=776, seed=bits)
     g[2], b[3], b[4] = 0, 9.0, -9.0
     xhat, mean, _, rstd = host_stats(x)
     key = Stream(stream.stream_key(2, 3, 4), start=776, row=3 * 776)
     C, M = x.shape
-    want = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
-    unbiased.quantize_pack(want, xhat, g, b, bits, key)
+    want = np.zeros(unbiased.slot_nbytes(C, M, bits, dither), np.uint8)
+    unbiased.quantize_pack(want, xhat, g, b, bits, key, dither)
     ref_out = np.empty_like(x)
     if naive:
-        unbiased.decode_each_chunk(ref_out, want, g, b, bits, relu=True)
+        unbiased.decode_each_chunk(ref_out, want, g, b, bits, relu=True, dither=dither)
     else:
         bn_relu_apply_forward(ref_out, xhat, g, b)
     slot, xd = dev.put(np.zeros_like(want)), dev.put(x)
     gd, bd = dev.put(g), dev.put(b)
-    unbiased_gpu.unit_forward(xd, slot, xd, dev.put(mean), dev.put(rstd), gd, bd, bits, naive, key)   # in place
+    unbiased_gpu.unit_forward(xd, slot, xd, dev.put(mean), dev.put(rstd), gd, bd, bits, naive, key, dither)  # in place
     assert np.array_equal(dev.get(slot), want)
     assert np.array_equal(dev.get(xd), ref_out)
     for relu in (False, True):
         ref = np.empty_like(x)
-        unbiased.decode_each_chunk(ref, want, g, b, bits, relu=relu)
+        unbiased.decode_each_chunk(ref, want, g, b, bits, relu=relu, dither=dither)
         got = dev.put(np.empty_like(x))
-        unbiased_gpu.decode(got, slot, gd, bd, bits, relu=relu)
+        unbiased_gpu.decode(got, slot, gd, bd, bits, relu=relu, dither=dither)
         assert np.array_equal(dev.get(got), ref)
     dr = np.random.default_rng(1).standard_normal(x.shape).astype(dtype)
     drd = dev.put(dr.copy())
-    unbiased_gpu.decode(dev.put(np.empty_like(x)), slot, gd, bd, bits, dr=drd)
+    unbiased_gpu.decode(dev.put(np.empty_like(x)), slot, gd, bd, bits, dr=drd, dither=dither)
     assert np.array_equal(dev.get(drd), dr * ((xhat * g[:, None]) + b[:, None] > 0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_unbiased_backward_matches_the_reference(dev, dtype, bits, accumulate, M=776):
+@pytest.mark.parametrize("dither", [False, True])
+def test_unbiased_backward_matches_the_reference(dev, dtype, bits, accumulate, dither, M=776):
     """The CUDA unbiased BN-ReLU backward (the sums per segment of groups, the finalize, dx with
-    x-tilde decoded inline) equals the reference's, the decode and then ops.bn_relu_backward
-    under the exact mask (γ of both signs and 0, t outside the data, a short last group), dx
-    written in place over dr or added to a gradient already there."""
+    x-tilde decoded inline; plain and dithered codes) equals the reference's, the decode and then
+    ops.bn_relu_backward under the exact mask (γ of both signs and 0, t outside the data, a short
+    last group), dx written in place over dr or added to a gradient already there."""
     x, g, b = unit(dtype, C=7, M=M, seed=30 + bits)
     g[2], g[5], b[3], b[4] = 0, -abs(g[5]), 9.0, -9.0
     xhat, mean, _, rstd = host_stats(x)
     C, M = x.shape
-    slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
-    unbiased.quantize_pack(slot, xhat, g, b, bits, Stream(stream.stream_key(5, 6, 7)))
+    slot = np.zeros(unbiased.slot_nbytes(C, M, bits, dither), np.uint8)
+    unbiased.quantize_pack(slot, xhat, g, b, bits, Stream(stream.stream_key(5, 6, 7)), dither)
     xt, mask = np.empty_like(x), np.empty(x.shape, bool)
 
     def keep_mask(out_block, open_block, r0, r1, c0, c1):
         mask[r0:r1, c0:c1] = open_block
-    unbiased.decode_each_chunk(xt, slot, g, b, bits, extra=keep_mask)
+    unbiased.decode_each_chunk(xt, slot, g, b, bits, extra=keep_mask, dither=dither)
     rng = np.random.default_rng(2)
     dr = rng.standard_normal(x.shape).astype(dtype)
     base = rng.standard_normal(x.shape).astype(dtype)
@@ -739,7 +742,8 @@ def test_unbiased_backward_matches_the_reference(dev, dtype, bits, accumulate, M
     dgd, dbd = dev.put(np.full(C, 0.5, dtype)), dev.put(np.full(C, -0.25, dtype))
     drd = dev.put(dr.copy())
     dxd = dev.put(base) if accumulate else drd                       # in place, as the engine does
-    unbiased_gpu.unit_backward(dxd, dgd, dbd, drd, dev.put(slot), *map(dev.put, (g, b, rstd)), bits, accumulate)
+    unbiased_gpu.unit_backward(dxd, dgd, dbd, drd, dev.put(slot), *map(dev.put, (g, b, rstd)), bits, accumulate,
+                               dither=dither)
     tol = 1e-4 if dtype == "float32" else 1e-10
     np.testing.assert_allclose(dev.get(dgd), rdg, rtol=tol, atol=tol * 10)
     np.testing.assert_allclose(dev.get(dbd), rdb, rtol=tol, atol=tol * 10)
@@ -752,7 +756,8 @@ def test_unbiased_backward_sums_over_several_segments(dev):
     """A row of more than BLOCK groups: the sums run over several segments of groups."""
     M = (cuda_helper.BLOCK + 3) * unbiased.GROUP + 40
     assert gpu_base.segments(7, unbiased.groups(M)) > 1
-    test_unbiased_backward_matches_the_reference(dev, "float64", 2, False, M=M)
+    test_unbiased_backward_matches_the_reference(dev, "float64", 2, False, False, M=M)
+    test_unbiased_backward_matches_the_reference(dev, "float64", 2, False, True, M=M)
 
 
 GRAPH_FAMILIES = ("postact", "dense", "inverted", "bias", "classifier")

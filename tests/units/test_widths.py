@@ -13,17 +13,20 @@ from lowmem.units.widths import BITS, FLOAT, ROUNDINGS, Code, check_bits, check_
 
 
 def test_the_rule():
-    """"stochastic" is the unbiased code from 2 bits up and the window code rounded to nearest at
-    1 bit; the window code's roundings keep their own; a float width is x-hat itself."""
-    assert code_for("stochastic", 1) == Code("window", 1, "nearest")
-    for K in (2, 4, 8):
-        assert code_for("stochastic", K) == Code("unbiased", K, "stochastic") and code_for("stochastic", K).unbiased
+    """"stochastic" and "dither" are the unbiased code from 2 bits up (drawn those two ways) and
+    the window code rounded to nearest at 1 bit; the window code's roundings keep their own; a
+    float width is x-hat itself."""
+    for rounding in ("stochastic", "dither"):
+        assert code_for(rounding, 1) == Code("window", 1, "nearest")
+        for K in (2, 4, 8):
+            code = code_for(rounding, K)
+            assert code == Code("unbiased", K, rounding) and code.unbiased and code.dither == (rounding == "dither")
     for rounding in window.ROUNDINGS:
         for K in BITS:
             assert code_for(rounding, K) == Code("window", K, rounding) and not code_for(rounding, K).unbiased
     for rounding in ROUNDINGS:
         assert code_for(rounding, None) == code_for(rounding, FLOAT) == Code(FLOAT)
-    with pytest.raises(ValueError, match="rounding must be one of 'nearest', 'stochastic', 'stochastic-window'"):
+    with pytest.raises(ValueError, match="rounding must be one of 'nearest', 'stochastic', 'dither', 'stochastic-window'"):
         code_for("up", 4)
     with pytest.raises(ValueError, match=r"bits must be one of \{1, 2, 4, 8\}, got 3"):
         code_for("nearest", 3)
@@ -60,7 +63,7 @@ def test_slot_bytes_are_the_kernel_sets_in_the_plan_and_the_allocator(rounding):
             assert planned == units.slot_nbytes(K, rounding, C, 3 * H * W, "float32"), (u, K)
             assert planned == unit_bytes(C * 3 * H * W, K, 4, C, rounding), (u, K)
             if code_for(rounding, K).unbiased:
-                assert planned == unbiased.slot_nbytes(C, 3 * H * W, K)
+                assert planned == unbiased.slot_nbytes(C, 3 * H * W, K, code_for(rounding, K).dither)
 
 
 def test_which_units_depend_on_the_split_is_the_kernel_sets_answer():

@@ -506,7 +506,7 @@ def test_stochastic_is_deterministic_per_key(bits):
     np.testing.assert_array_equal(n0, n1)
     with pytest.raises(ValueError, match="rounding='stochastic-window' needs a key"):
         q.quantize_pack(n0, x, qp, "stochastic-window")
-    with pytest.raises(ValueError, match="rounding must be one of 'nearest', 'stochastic', 'stochastic-window', got 'up'"):
+    with pytest.raises(ValueError, match="rounding must be one of 'nearest', 'stochastic', 'dither', 'stochastic-window', got 'up'"):
         q.quantize_pack(n0, x, qp, "up", 1)
     for bad in (-1, 2 ** 64, 1.0, True, "1"):
         with pytest.raises(ValueError, match=r"key must be an integer in \[0, 2\*\*64\)"):

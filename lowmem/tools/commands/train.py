@@ -99,7 +99,8 @@ def add_arguments(parser):
     opt("avg_bits", "with --bits auto: the saved x-hat within what every unit at A bits would take",
         type=argtypes.average_bits, metavar="A")
     opt("rounding", "how x-hat becomes a code: nearest (the fixed window), stochastic (unbiased "
-        "everywhere: group ends stored, 2.125 bits/elem at --bits 2), or stochastic-window (stochastic inside "
+        "everywhere: group ends stored, 2.125 bits/elem at --bits 2), dither (the same code, its decoder "
+        "subtracting each element's draw: about half the draw variance), or stochastic-window (stochastic inside "
         "the fixed window only); the ReLU mask is exact and the draws follow --seed and the iteration",
         choices=ROUNDINGS)
     opt("dtype", "float32 | float64", choices=DTYPES)
