@@ -9,7 +9,8 @@ gradient error against SGD noise through training.
 The default study is what a user runs: `lowmem train --dataset fashion-mnist --pad-to 0 --depth 20
 --batch 128 --epochs 5 --schedule cosine --seed S` on the whole Fashion-MNIST (60,000 training and
 10,000 test images), with only --mode / --bits / --rounding changed: exact, approx 2-bit and 4-bit
-unbiased (rounding="stochastic"), seeds 0, 1, 2; its page is the "full" section of docs/accuracy.md.
+unbiased (rounding="stochastic"), then the same with the subtractive dither (rounding="dither"),
+seeds 0, 1, 2; its page is the "full" section of docs/accuracy.md.
 
 Part 1, accuracy. The same network (pre-activation ResNet, lowmem.models) is trained with
 lowmem.train.trainer in every mode of --modes for every seed of --seeds. A seed fixes the initial
@@ -84,10 +85,11 @@ from lowmem.train.rundir import CHECKPOINT, read_metrics                # noqa: 
 from lowmem.train.trainer import Trainer                              # noqa: E402
 from harness import cpu                                              # noqa: E402 (benchmarks/harness.py)
 
-# The full study: the user's recipe (module docstring) on all of Fashion-MNIST, 9 runs of 2,340
-# steps, the draw noise measured at every epoch's end of the first seed's exact run.
+# The full study: the user's recipe (module docstring) on all of Fashion-MNIST, 15 runs of 2,340
+# steps, the draw noise measured at every epoch's end of the first seed's exact run. (The dithered
+# rows came after the first three; a results file of those modes alone continues with them.)
 FULL = dict(dataset="fashion-mnist", depth=20, batch=128, epochs=5, lr=0.1, limit_train=None,
-            limit_test=None, seeds="0,1,2", modes="exact,approx2u,approx4u",
+            limit_test=None, seeds="0,1,2", modes="exact,approx2u,approx4u,approx2d,approx4d",
             checkpoints=6, noise_batches=8, noise_modes="approx2u,approx4u", section="full")
 SMOKE = dict(dataset="fashion-mnist", depth=8, batch=128, epochs=2, lr=0.1, limit_train=768,
              limit_test=256, seeds="0,1", modes="exact,approx4,naive4", checkpoints=3, noise_batches=2,
@@ -105,17 +107,19 @@ class Spec(tuple):
     mode, bits, rounding, avg = (property(lambda self, i=i: self[i]) for i in range(4))
 
 
-SUFFIX = {"": "nearest", "u": "stochastic", "s": "stochastic-window"}
+SUFFIX = {"": "nearest", "u": "stochastic", "s": "stochastic-window", "d": "dither"}
 
 
 def parse_mode(text):
     """'exact'; 'approx4' / 'naive4' (K in 1, 2, 4, 8); 'auto2' (approx, a width per unit chosen
     to fit an average of 2 bits, lowmem/bits/allocate.py); a trailing 'u': the unbiased code
-    (rounding="stochastic"), 's': the fixed window with stochastic rounding ("stochastic-window")."""
-    m = re.fullmatch(r"(exact)|(approx|naive)([1248])([us]?)|auto(\d+(?:\.\d+)?)([us]?)", text.strip())
+    (rounding="stochastic"), 'd': the unbiased code with a subtractive dither ("dither"), 's': the
+    fixed window with stochastic rounding ("stochastic-window")."""
+    m = re.fullmatch(r"(exact)|(approx|naive)([1248])([uds]?)|auto(\d+(?:\.\d+)?)([uds]?)", text.strip())
     if not m:
         raise ValueError(f"unknown mode {text!r}: expected exact, approxK, naiveK (K in 1, 2, 4, 8) or autoA, "
-                         f"each but exact with an optional u (unbiased code) or s (window stochastic rounding)")
+                         f"each but exact with an optional u (unbiased code), d (the unbiased code dithered) "
+                         f"or s (window stochastic rounding)")
     if m.group(1):
         return Spec("exact", 4)
     if m.group(2):
@@ -128,7 +132,8 @@ def label(spec):
     if mode == "exact":
         return mode
     text = f"auto {avg:g}-bit avg" if bits == "auto" else f"{mode} {bits}-bit"
-    return text + {"nearest": "", "stochastic": " unbiased", "stochastic-window": " stochastic"}[rounding]
+    return text + {"nearest": "", "stochastic": " unbiased", "stochastic-window": " stochastic",
+                   "dither": " dithered"}[rounding]
 
 
 def seeds_of(text):
@@ -338,6 +343,7 @@ def targets(s, noise):
         if name.endswith(("stochastic", "unbiased")) and "approx 2-bit" in s and "diff" in s.get("approx 2-bit", {}):
             out.append(gap_halved(s, name, "approx 2-bit"))
     for name, floor, stretch in (("approx 2-bit unbiased", 0.005, 0.003), ("approx 4-bit unbiased", 0.002, None),
+                                 ("approx 2-bit dithered", 0.005, 0.003), ("approx 4-bit dithered", 0.002, None),
                                  ("auto 2-bit avg unbiased", 0.005, None)):
         if name in s and "diff" in s[name]:
             r = s[name]

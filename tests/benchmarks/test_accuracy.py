@@ -17,14 +17,15 @@ import accuracy                                                  # noqa: E402
 USER = ("--dataset fashion-mnist --pad-to 0 --depth 20 --batch 128 --epochs 5 --schedule cosine "
         "--seed {seed} --out {out}")
 FLAGS = {"exact": "--mode exact", "approx2u": "--mode approx --bits 2 --rounding stochastic",
-         "approx4u": "--mode approx --bits 4 --rounding stochastic"}
+         "approx4u": "--mode approx --bits 4 --rounding stochastic",
+         "approx2d": "--mode approx --bits 2 --rounding dither", "approx4d": "--mode approx --bits 4 --rounding dither"}
 
 
 @pytest.mark.parametrize("mode", sorted(FLAGS))
 def test_the_default_study_is_the_users_command(mode):
     args = accuracy.parse_args([])
     assert (args.limit_train, args.limit_test, args.seeds) == (None, None, "0,1,2")     # the whole data, 3 seeds
-    assert args.modes.split(",") == ["exact", "approx2u", "approx4u"]                   # each seed's group in order
+    assert args.modes.split(",") == ["exact", "approx2u", "approx4u", "approx2d", "approx4d"]   # each seed's group in order
     p = argparse.ArgumentParser()
     train_command.add_arguments(p)
     for seed in (0, 2):
