@@ -11,7 +11,7 @@ replaced by an independent draw of that code's decode (lowmem.bits.simulate's pa
 mode's backward, the exact mask; the forward stays exact). All parameters as one vector:
 
     draw noise / SGD noise   sqrt(mean_b ||e_b1 − e_b2||²/2) / σ,   σ the spread of the exact
-                             mini-batch gradients (lowmem.tools.diagnostics' definitions)
+                             mini-batch gradients (lowmem.tools.gradient_error's definitions)
     persistent bias / ‖E g‖  ‖E_b E_draw e‖ (‖mean‖² − tr(cov)/B, clipped at 0) against ‖E g‖
     median over tensors      the median over parameter tensors of each one's draw noise / σ(p)
 
