@@ -250,13 +250,13 @@ def flat(grads):
 
 def measure(net, batches, codes, per_unit, draws=2, log=print):
     """{code: {"total": {...}, "units": {unit: ratio}}} (module docstring) and the exact σ."""
-    eng = S._exact_engine(net, batches, "float32")
+    eng = S.exact_engine(net, batches, "float32")
     units = S._units(eng)
     names = [p.name for p in eng.net.parameters()]
     exact, err = [], {c: {"all": [], **({u: [] for u in units} if per_unit else {})} for c in codes}
     for bi, (x, y) in enumerate(batches):
         eng.forward(x, y)
-        gx = S._gradients(eng)
+        gx = S.sweep_gradients(eng)
         exact.append(gx)
         for ci, c in enumerate(codes):
             fn = CODES[c][0]
@@ -265,7 +265,7 @@ def measure(net, batches, codes, per_unit, draws=2, log=print):
                 for d in range(draws):
                     sets = {u: CodeUnits(fn, [ci, bi, d, i], eng.in_shape[u][1:]) for i, u in enumerate(units)
                             if who in ("all", u)}
-                    ga = S._gradients(eng, units=sets)
+                    ga = S.sweep_gradients(eng, units=sets)
                     es.append({p: ga[p] - gx[p] for p in names})
                 err[c][who].append(es)
         log(f"  batch {bi + 1}/{len(batches)} done")
@@ -294,13 +294,13 @@ def measure(net, batches, codes, per_unit, draws=2, log=print):
 
 def bias_distance(net, batch, codes, draws):
     """{code: ‖mean over `draws` draws of g_code − g_exact‖ / its standard error} on one batch."""
-    eng = S._exact_engine(net, [batch], "float32")
+    eng = S.exact_engine(net, [batch], "float32")
     units = S._units(eng)
     eng.forward(*batch)
-    g0 = flat(S._gradients(eng))
+    g0 = flat(S.sweep_gradients(eng))
     out = {}
     for ci, c in enumerate(codes):
-        gs = numpy.stack([flat(S._gradients(eng, units={u: CodeUnits(CODES[c][0], [ci, 99, d, i], eng.in_shape[u][1:])
+        gs = numpy.stack([flat(S.sweep_gradients(eng, units={u: CodeUnits(CODES[c][0], [ci, 99, d, i], eng.in_shape[u][1:])
                                                          for i, u in enumerate(units)})) for d in range(draws)])
         se = math.sqrt(gs.var(axis=0, ddof=1).sum() / draws)
         out[c] = float(numpy.linalg.norm(gs.mean(axis=0) - g0) / se)
