@@ -8,16 +8,18 @@ gradient error against SGD noise through training.
 
 The default study is what a user runs: `lowmem train --dataset fashion-mnist --pad-to 0 --depth 20
 --batch 128 --epochs 5 --schedule cosine --seed S` on the whole Fashion-MNIST (60,000 training and
-10,000 test images), with only --mode / --bits / --rounding changed: exact, approx 2-bit and 4-bit
-unbiased (rounding="stochastic"), then the same with the subtractive dither (rounding="dither"),
-seeds 0, 1, 2; its page is the "full" section of docs/accuracy.md.
+10,000 test images), with only --mode / --bits / --rounding changed: exact, approx 2-bit unbiased
+(rounding="stochastic"), 2-bit with the subtractive dither (rounding="dither") and 4-bit unbiased
+for seeds 0, 1, 2, then 4-bit dithered for the three seeds; its page is the "full" section of
+docs/accuracy.md.
 
 Part 1, accuracy. The same network (pre-activation ResNet, lowmem.models) is trained with
 lowmem.train.trainer in every mode of --modes for every seed of --seeds. A seed fixes the initial
 weights, the batch order and the augmentation (random crop + flip), so for one seed every mode
 sees exactly the same data in the same order and starts from the same weights: the modes differ
 only in what the backward pass uses. Runs go seed by seed, each seed's modes in the order given,
-so every finished seed is a complete paired group. Per mode the report gives the final test
+so every finished seed is a complete paired group; a "/" in --modes starts a phase that runs
+only after every seed of the phases before it (the comparisons that matter most finish first). Per mode the report gives the final test
 accuracy (mean, sample standard deviation, range over seeds) and the difference to exact,
 computed per seed (paired) and summarised as mean ± standard error with a 95% t interval, over
 the seeds whose every mode has finished.
@@ -87,9 +89,10 @@ from harness import cpu                                              # noqa: E40
 
 # The full study: the user's recipe (module docstring) on all of Fashion-MNIST, 15 runs of 2,340
 # steps, the draw noise measured at every epoch's end of the first seed's exact run. (The dithered
-# rows came after the first three; a results file of those modes alone continues with them.)
+# rows came after the first modes; a results file of those alone continues with them: a run's key
+# is its mode and seed, whatever the order.)
 FULL = dict(dataset="fashion-mnist", depth=20, batch=128, epochs=5, lr=0.1, limit_train=None,
-            limit_test=None, seeds="0,1,2", modes="exact,approx2u,approx4u,approx2d,approx4d",
+            limit_test=None, seeds="0,1,2", modes="exact,approx2u,approx2d,approx4u/approx4d",
             checkpoints=6, noise_batches=8, noise_modes="approx2u,approx4u", section="full")
 SMOKE = dict(dataset="fashion-mnist", depth=8, batch=128, epochs=2, lr=0.1, limit_train=768,
              limit_test=256, seeds="0,1", modes="exact,approx4,naive4", checkpoints=3, noise_batches=2,
@@ -134,6 +137,12 @@ def label(spec):
     text = f"auto {avg:g}-bit avg" if bits == "auto" else f"{mode} {bits}-bit"
     return text + {"nearest": "", "stochastic": " unbiased", "stochastic-window": " stochastic",
                    "dither": " dithered"}[rounding]
+
+
+def phases_of(text):
+    """--modes as phases of mode specs: modes separated by "," run seed by seed in the order given;
+    a "/" starts a phase that runs only after every seed of the phases before it."""
+    return [[parse_mode(m) for m in part.split(",") if m.strip()] for part in text.split("/")]
 
 
 def seeds_of(text):
@@ -394,9 +403,9 @@ def estimate_full(results, args):
     F = FULL
     n_train, n_test = F["limit_train"] or 60000, F["limit_test"] or 10000    # Fashion-MNIST's whole splits
     per_run_imgs = (n_train // F["batch"]) * F["batch"] * F["epochs"]
-    train = len(seeds_of(F["seeds"])) * sum(per_run_imgs * rate.get(label(parse_mode(m)), base)
-                                             for m in F["modes"].split(","))
-    evals = len(seeds_of(F["seeds"])) * len(F["modes"].split(",")) * F["epochs"] * n_test * statistics.mean(ev)
+    full_modes = [m for phase in phases_of(F["modes"]) for m in phase]
+    train = len(seeds_of(F["seeds"])) * sum(per_run_imgs * rate.get(label(m), base) for m in full_modes)
+    evals = len(seeds_of(F["seeds"])) * len(full_modes) * F["epochs"] * n_test * statistics.mean(ev)
     noise = results.get("noise") or []
     per_ckpt = statistics.mean(r["seconds"] for r in noise) if noise else 0.0
     noise_s = per_ckpt * F["checkpoints"] * F["noise_batches"] / max(args.noise_batches, 1)
@@ -654,7 +663,8 @@ def parse_args(argv):
     p.add_argument("--limit-train", type=int, default=None)
     p.add_argument("--limit-test", type=int, default=None)
     p.add_argument("--seeds", default=None, help="comma-separated")
-    p.add_argument("--modes", default=None, help="e.g. exact,approx8,approx4,approx2,approx1,naive4")
+    p.add_argument("--modes", default=None, help="e.g. exact,approx8,approx4,approx2,approx1,naive4; a '/' "
+                   "starts a phase run after every seed of the modes before it")
     p.add_argument("--checkpoints", type=int, default=None, help="noise measurements along the run (0: none)")
     p.add_argument("--noise-batches", type=int, default=None)
     p.add_argument("--noise-modes", default=None)
@@ -681,14 +691,15 @@ def parse_args(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    modes = [parse_mode(m) for m in args.modes.split(",")]
+    phases = phases_of(args.modes)
     noise_modes = [parse_mode(m) for m in args.noise_modes.split(",")] if args.checkpoints else []
     if any(m.mode == "exact" for m in noise_modes):
         raise SystemExit("--noise-modes compares with exact: list approxK / naiveK modes only")
     if args.checkpoints and args.noise_batches < 2:
         raise SystemExit(f"--noise-batches must be >= 2 (the noise compares batches), got {args.noise_batches}")
-    if Spec("exact", 4) not in modes:
-        modes.insert(0, Spec("exact", 4))       # the reference of every difference
+    if all(Spec("exact", 4) not in phase for phase in phases):
+        phases[0].insert(0, Spec("exact", 4))   # the reference of every difference
+    modes = [m for phase in phases for m in phase]
     seeds = seeds_of(args.seeds)
     command = " ".join(["python benchmarks/accuracy.py"] + [a for a in argv if a != "--report-only"])
 
@@ -719,7 +730,7 @@ def main(argv=None):
     if not args.report_only:
         results["load"] = f"{results['load']}, {load}" if results.get("load") else load
     t0 = time.time()
-    order = [(seed, spec) for seed in seeds for spec in modes]     # seed by seed: finished seeds are paired
+    order = [(seed, spec) for phase in phases for seed in seeds for spec in phase]   # seed by seed per phase
     todo = [(seed, spec) for seed, spec in order if f"{label(spec)}|{seed}" not in results["runs"]]
     stopped = None
     if not args.report_only:

@@ -25,7 +25,8 @@ FLAGS = {"exact": "--mode exact", "approx2u": "--mode approx --bits 2 --rounding
 def test_the_default_study_is_the_users_command(mode):
     args = accuracy.parse_args([])
     assert (args.limit_train, args.limit_test, args.seeds) == (None, None, "0,1,2")     # the whole data, 3 seeds
-    assert args.modes.split(",") == ["exact", "approx2u", "approx4u", "approx2d", "approx4d"]   # each seed's group in order
+    # per seed exact, 2-bit unbiased, 2-bit dithered, 4-bit unbiased; then 4-bit dithered for every seed
+    assert [p.split(",") for p in args.modes.split("/")] == [["exact", "approx2u", "approx2d", "approx4u"], ["approx4d"]]
     p = argparse.ArgumentParser()
     train_command.add_arguments(p)
     for seed in (0, 2):
@@ -35,6 +36,36 @@ def test_the_default_study_is_the_users_command(mode):
         differ = {f.name for f in dataclasses.fields(user) if getattr(user, f.name) != getattr(ours, f.name)}
         # only where the data are read from and what is shown while training
         assert differ <= {"download", "progress"}, {k: (getattr(user, k), getattr(ours, k)) for k in differ}
+
+
+def test_the_study_runs_phase_by_phase_and_never_repeats_a_finished_run(tmp_path, monkeypatch):
+    """Each phase seed by seed, a later phase after every seed of the earlier ones; a run already in
+    results.json is not trained again, whatever the order it was finished in."""
+    trained = []
+
+    def fake_run(args, data, spec, seed, **kw):
+        trained.append((accuracy.label(spec), seed))
+        acc = {"exact": 0.9, "approx 2-bit unbiased": 0.89}.get(accuracy.label(spec), 0.895) + seed / 1000
+        return {"final_test_acc": acc, "seconds": 1.0,
+                "history": [{"epoch": 1, "iteration": 4, "train_loss": 1.0, "train_acc": 0.5, "test_loss": 1.0,
+                             "test_acc": acc, "train_time_s": 0.5, "eval_time_s": 0.5}]}
+    monkeypatch.setattr(accuracy, "train_run", fake_run)
+    argv = ["--depth", "8", "--limit-train", "64", "--limit-test", "32", "--batch", "32", "--epochs", "1",
+            "--seeds", "0,1", "--modes", "exact,approx2u,approx4u/approx2d", "--checkpoints", "0",
+            "--out", str(tmp_path / "r"), "--doc", str(tmp_path / "page.md")]
+    assert accuracy.main(argv) == 0
+    assert trained == [("exact", 0), ("approx 2-bit unbiased", 0), ("approx 4-bit unbiased", 0),
+                       ("exact", 1), ("approx 2-bit unbiased", 1), ("approx 4-bit unbiased", 1),
+                       ("approx 2-bit dithered", 0), ("approx 2-bit dithered", 1)]
+    done = json.loads((tmp_path / "r" / "results.json").read_text())
+    # a results file that lacks a middle run and a later phase's: only those are trained
+    del done["runs"]["approx 2-bit unbiased|1"], done["runs"]["approx 2-bit dithered|0"]
+    (tmp_path / "r" / "results.json").write_text(json.dumps(done))
+    trained.clear()
+    assert accuracy.main(argv) == 0
+    assert trained == [("approx 2-bit unbiased", 1), ("approx 2-bit dithered", 0)]
+    trained.clear()
+    assert accuracy.main(argv) == 0 and trained == []
 
 
 def test_a_section_replaces_only_its_part(tmp_path):
