@@ -21,8 +21,9 @@ only in what the backward pass uses. Runs go seed by seed, each seed's modes in 
 so every finished seed is a complete paired group; a "/" in --modes starts a phase that runs
 only after every seed of the phases before it (the comparisons that matter most finish first). Per mode the report gives the final test
 accuracy (mean, sample standard deviation, range over seeds) and the difference to exact,
-computed per seed (paired) and summarised as mean ± standard error with a 95% t interval, over
-the seeds whose every mode has finished.
+computed per seed (paired) and summarised as mean ± standard error with a 95% t interval: each
+mode over the seeds it has finished, each difference over the seeds both modes have (a study
+still running reports what has finished).
 
 Part 2, gradient error against SGD noise through training. Along the exact run of the first
 seed, at --checkpoints evenly spaced iterations (the first before any step), the network's
@@ -52,7 +53,11 @@ process (SIGSTOP / SIGCONT) changes nothing but the times it records. Then --doc
 docs/accuracy.md; with --section NAME only the part of the page between that section's markers,
 added before the page's first "## " heading if absent, the rest of the page kept) and its two plots
 (<doc>[_<section>]_curves.png, _noise.png; need matplotlib, `pip install lowmem[plot]`: without
-it the doc is written without them). --smoke labels everything as a smoke run.
+it the doc is written without them). --headline PAGE (default for the full study:
+docs/results.md) also writes the study's headline table into PAGE, right after its "## Accuracy"
+heading, once a mode has 3 seeds paired with exact (the page is left alone before). --report-only
+trains nothing and writes neither results.json nor a run folder: only the doc, its plots and the
+headline. --smoke labels everything as a smoke run.
 
 Data: Fashion-MNIST from the Debian package (/usr/share/datasets/fashion-mnist, see lowmem.data.datasets)
 or --data-dir; CIFAR-10/100 only where the archive is already present (never downloaded here).
@@ -74,7 +79,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lowmem.tools import gradient_error as D  # noqa: E402
-from lowmem.units import widths, window  # noqa: E402
+from lowmem.units import unbiased, widths, window  # noqa: E402
 from lowmem.system.atomic import atomic_write as write_atomically    # noqa: E402
 from lowmem.data.datasets import load_dataset                            # noqa: E402
 from lowmem.data.files import DataError                                  # noqa: E402
@@ -93,10 +98,11 @@ from harness import cpu                                              # noqa: E40
 # is its mode and seed, whatever the order.)
 FULL = dict(dataset="fashion-mnist", depth=20, batch=128, epochs=5, lr=0.1, limit_train=None,
             limit_test=None, seeds="0,1,2", modes="exact,approx2u,approx2d,approx4u/approx4d",
-            checkpoints=6, noise_batches=8, noise_modes="approx2u,approx4u", section="full")
+            checkpoints=6, noise_batches=8, noise_modes="approx2u,approx4u", section="full",
+            headline="docs/results.md")
 SMOKE = dict(dataset="fashion-mnist", depth=8, batch=128, epochs=2, lr=0.1, limit_train=768,
              limit_test=256, seeds="0,1", modes="exact,approx4,naive4", checkpoints=3, noise_batches=2,
-             noise_modes="approx4,approx2,naive4", section=None)
+             noise_modes="approx4,approx2,naive4", section=None, headline=None)
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -299,20 +305,65 @@ def noise_hook(args, data, template, checkpoints, total_iters, modes, store, log
 
 # ---- report ---------------------------------------------------------------------------
 
+def paired(results, name, base, seeds):
+    """name − base per seed over the seeds of `seeds` where both runs have finished:
+    {"seeds", "diff" (mean), "diff_se" (standard error; nan for one seed), "diff_ci" (95% t
+    interval)}, or None if no seed has both."""
+    runs = results["runs"]
+    both = [s for s in seeds if f"{name}|{s}" in runs and f"{base}|{s}" in runs]
+    if not both:
+        return None
+    d = [runs[f"{name}|{s}"]["final_test_acc"] - runs[f"{base}|{s}"]["final_test_acc"] for s in both]
+    m = statistics.mean(d)
+    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+    t = T95.get(len(d) - 1, 1.96)
+    return {"seeds": both, "diffs": d, "diff": m, "diff_se": se, "diff_ci": (m - t * se, m + t * se)}
+
+
 def summarise(results, modes, seeds):
-    """Per mode label: accuracies per seed, mean, sd, and the paired difference to exact."""
-    acc = {label(m): [results["runs"][f"{label(m)}|{s}"]["final_test_acc"] for s in seeds] for m in modes}
+    """Per mode label with at least one finished run among `seeds`: its seeds, accuracies, mean,
+    sd, and (paired) the difference to exact over the seeds where exact has finished too."""
     out = {}
-    for name, a in acc.items():
-        row = {"acc": a, "mean": statistics.mean(a), "sd": statistics.stdev(a) if len(a) > 1 else float("nan")}
-        if "exact" in acc and name != "exact":
-            d = [x - e for x, e in zip(a, acc["exact"])]
-            se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
-            t = T95.get(len(d) - 1, 1.96)
-            row.update(diff=statistics.mean(d), diff_se=se, diff_ci=(statistics.mean(d) - t * se,
-                                                                     statistics.mean(d) + t * se))
+    for m in modes:
+        name = label(m)
+        done = [s for s in seeds if f"{name}|{s}" in results["runs"]]
+        if not done:
+            continue
+        a = [results["runs"][f"{name}|{s}"]["final_test_acc"] for s in done]
+        row = {"seeds": done, "acc": a, "mean": statistics.mean(a),
+               "sd": statistics.stdev(a) if len(a) > 1 else float("nan")}
+        d = paired(results, name, "exact", seeds) if name != "exact" else None
+        if d is not None:
+            row.update(paired_seeds=d["seeds"], diff=d["diff"], diff_se=d["diff_se"], diff_ci=d["diff_ci"])
         out[name] = row
     return out
+
+
+def saved_bits(spec):
+    """Saved bits per element of a BN-ReLU unit's x̂ under `spec` (a group of GROUP whole):
+    32 exact, K for the window code, K + the group ends (two bf16 per group) for the unbiased
+    codes; the dithered slot adds 24 bytes per unit, not per element."""
+    if spec.mode == "exact":
+        return "32"
+    if spec.bits == "auto":
+        return f"{spec.avg:g} on average"
+    extra = 32 / unbiased.GROUP if spec.rounding in ("stochastic", "dither") else 0
+    return f"{spec.bits + extra:g}" + (" + 24 B per unit" if spec.rounding == "dither" else "")
+
+
+def comparisons(modes):
+    """The pairs (dithered, unbiased) of the same width among `modes`: the dither's own effect."""
+    names = {label(m) for m in modes}
+    return [(n, n.replace(" dithered", " unbiased")) for n in sorted(names)
+            if n.endswith(" dithered") and n.replace(" dithered", " unbiased") in names]
+
+
+def pp(d):
+    """A paired difference as text: mean ± s.e. pp and the 95% interval (one seed: its value)."""
+    if not math.isfinite(d["diff_se"]):
+        return f"{100 * d['diff']:+.2f} pp (one seed)", "—"
+    return (f"{100 * d['diff']:+.2f} ± {100 * d['diff_se']:.2f} pp",
+            f"[{100 * d['diff_ci'][0]:+.2f}, {100 * d['diff_ci'][1]:+.2f}]")
 
 
 def _within(r, bound):
@@ -343,9 +394,9 @@ def targets(s, noise):
     auto = [n for n in s if n.startswith("auto 2-bit avg") and "diff" in s[n]]
     for name in auto:                           # within 0.5 pp of exact (paired mean)
         r = s[name]
+        diff, ci = pp(r)
         out.append(f"* {name} within 0.5 pp of exact (paired mean): {'met' if abs(r['diff']) <= 0.005 else 'missed'}"
-                   f"; stretch, interval inside ±0.5 pp: {_within(r, 0.005)} (difference {100 * r['diff']:+.2f} pp, "
-                   f"95% interval [{100 * r['diff_ci'][0]:+.2f}, {100 * r['diff_ci'][1]:+.2f}])")
+                   f"; stretch, interval inside ±0.5 pp: {_within(r, 0.005)} ({diff}, 95% interval {ci})")
         uniform = "approx 2-bit" + next((" " + w for w in ("stochastic", "unbiased") if name.endswith(w)), "")
         if uniform in s and "diff" in s[uniform]:
             out.append(gap_halved(s, name, uniform))
@@ -356,26 +407,26 @@ def targets(s, noise):
                                  ("auto 2-bit avg unbiased", 0.005, None)):
         if name in s and "diff" in s[name]:
             r = s[name]
+            diff, ci = pp(r)
             line = (f"* {name}: paired mean at least −{100 * floor:g} pp: {'met' if r['diff'] >= -floor else 'missed'} "
-                    f"(difference {100 * r['diff']:+.2f} pp, 95% interval [{100 * r['diff_ci'][0]:+.2f}, "
-                    f"{100 * r['diff_ci'][1]:+.2f}])")
+                    f"({diff}, 95% interval {ci}, {len(r['paired_seeds'])} seed(s))")
             if stretch is not None:
                 ok = r["diff"] >= -stretch and r["diff_ci"][0] >= -0.008
+                verdict = ("met" if ok else "missed") if math.isfinite(r["diff_se"]) else "not resolved (one seed)"
                 line += f"; stretch (at least −{100 * stretch:g} pp and the interval's lower end at least −0.8): " \
-                        f"{'met' if ok else 'missed'}"
+                        f"{verdict}"
             out.append(line)
     for name, bound in (("approx 4-bit", 0.003), ("approx 2-bit", 0.01)):
         if name in s and "diff" in s[name]:
             r = s[name]
-            out.append(f"* {name} within {100 * bound:g} pp of exact: {_within(r, bound)} "
-                       f"(difference {100 * r['diff']:+.2f} pp, 95% interval [{100 * r['diff_ci'][0]:+.2f}, "
-                       f"{100 * r['diff_ci'][1]:+.2f}])")
+            diff, ci = pp(r)
+            out.append(f"* {name} within {100 * bound:g} pp of exact: {_within(r, bound)} ({diff}, 95% interval {ci})")
     if "naive 4-bit" in s and "diff" in s["naive 4-bit"]:
         r = s["naive 4-bit"]
         worse = r["diff_ci"][1] < 0
+        diff, ci = pp(r)
         out.append(f"* naive 4-bit visibly worse than exact: {'yes' if worse else 'not resolved'} "
-                   f"(difference {100 * r['diff']:+.2f} pp, interval [{100 * r['diff_ci'][0]:+.2f}, "
-                   f"{100 * r['diff_ci'][1]:+.2f}])")
+                   f"({diff}, interval {ci})")
     if noise and "naive 4-bit" in noise[0]["modes"] and "approx 4-bit" in noise[0]["modes"]:
         f = statistics.median(r["modes"]["naive 4-bit"]["median_ratio"] / r["modes"]["approx 4-bit"]["median_ratio"]
                               for r in noise)
@@ -433,17 +484,19 @@ def plots(results, modes, seeds, doc_dir, stem):
     # band is the spread (min to max) over the seeds, the line their mean
     order = [m for m in modes if m[0] != "exact"] + [m for m in modes if m[0] == "exact"]
     for k, m in enumerate(order):
-        hs = [results["runs"][f"{label(m)}|{s}"]["history"] for s in seeds]
+        hs = [results["runs"][f"{label(m)}|{s}"]["history"] for s in seeds if f"{label(m)}|{s}" in results["runs"]]
+        if not hs:
+            continue
         ep = [r["epoch"] for r in hs[0]]
         style = (dict(color="k", lw=2.2, ls="--", zorder=5) if m[0] == "exact" else dict(color=f"C{k}", lw=1.3))
         for ax, key, scale in ((a1, "test_acc", 100), (a2, "train_loss", 1)):
             v = [[scale * h[i][key] for h in hs] for i in range(len(ep))]
-            ax.plot(ep, [statistics.mean(x) for x in v], marker="o", label=label(m), **style)
+            ax.plot(ep, [statistics.mean(x) for x in v], marker="o", label=f"{label(m)} ({len(hs)})", **style)
             ax.fill_between(ep, [min(x) for x in v], [max(x) for x in v], color=style["color"],
                             alpha=0.12, lw=0)
-    a1.set(xlabel="epoch", ylabel=f"test accuracy, % (mean; band: min-max over {len(seeds)} seeds)",
-           title="test accuracy")
-    a2.set(xlabel="epoch", ylabel=f"training loss (mean; band: min-max over {len(seeds)} seeds)",
+    a1.set(xlabel="epoch", ylabel="test accuracy, % (mean; band: min-max over seeds)",
+           title="test accuracy (legend: seeds finished)")
+    a2.set(xlabel="epoch", ylabel="training loss (mean; band: min-max over seeds)",
            title="training loss", yscale="log")
     a1.legend(fontsize=8)
     a1.grid(alpha=0.3)
@@ -486,13 +539,15 @@ def total_ratio(rec, mode_rec):
 
 
 def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_note, pending=(), section=None):
-    """The report on the runs of `seeds` (each a complete paired group) into `path`: the whole page,
-    or with `section` only that section of it (place_section). pending: the run keys not finished."""
+    """The report on the finished runs of `seeds` into `path` (each mode over the seeds it has
+    finished, each difference over the seeds both modes have): the whole page, or with `section`
+    only that section of it (place_section). pending: the run keys not finished."""
     s = summarise(results, modes, seeds)
     doc_dir = os.path.dirname(os.path.abspath(path))
     stem = os.path.splitext(os.path.basename(path))[0] + (f"_{section}" if section else "")
     figs = plots(results, modes, seeds, doc_dir, stem)
-    steps = results["runs"][f"exact|{seeds[0]}"]["history"][-1]["iteration"] if "exact" in s else "?"
+    steps = (results["runs"][f"exact|{s['exact']['seeds'][0]}"]["history"][-1]["iteration"] if "exact" in s
+             else "?")
     runs = results["runs"].values()
     L = []
     if section:
@@ -501,8 +556,8 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
               f"{args.epochs} epochs, batch {args.batch}", ""]
         if pending:
             L += [f"> **Not finished: {len(pending)} run(s) to go** ({', '.join(k.replace('|', ', seed ') for k in pending)}). "
-                  f"The tables hold the {len(seeds)} seed(s) whose every mode has finished; rerun the command "
-                  f"below to continue (an unfinished run resumes from its checkpoint).", ""]
+                  f"Each row holds the seeds its mode has finished, each difference the seeds both modes have; "
+                  f"rerun the command below to continue (an unfinished run resumes from its checkpoint).", ""]
         L += [f"Produced by `{command}` on {machine()}. Run times are not reported: the machine was shared "
               f"with other work and the study was paused at times (results.json keeps each run's).", ""]
     elif smoke:
@@ -529,29 +584,45 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
           f"windows (half-widths W per bit width, docs/quantizer.md): "
           + ", ".join(f"{k}-bit ±{window.WINDOWS[k]:g}" for k in widths.BITS[::-1]) + ".", "",
           "## 1. Final test accuracy", "",
-          "Test accuracy after the last epoch (BN running statistics, whole test split). Difference: "
-          "per seed, mode − exact (same seed: same data and initial weights), then mean ± standard "
-          "error over seeds and a 95% t interval.", "",
-          "| mode | mean | sd over seeds | min – max | − exact (paired) | 95% interval | per seed |",
-          "|---|---|---|---|---|---|---|"]
+          "Test accuracy after the last epoch (BN running statistics, whole test split), over the seeds "
+          "each mode has finished. Difference: per seed, mode − exact (same seed: same data and initial "
+          "weights), then mean ± standard error over the seeds both have finished and a 95% t interval.", "",
+          "| mode | saved bits per element | seeds | mean | sd over seeds | min – max | − exact (paired) "
+          "| 95% interval | per seed |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    specs = {label(m): m for m in modes}
     for name, r in s.items():
-        diff = (f"{100 * r['diff']:+.2f} ± {100 * r['diff_se']:.2f} pp" if "diff" in r else "—")
-        ci = (f"[{100 * r['diff_ci'][0]:+.2f}, {100 * r['diff_ci'][1]:+.2f}]" if "diff" in r else "—")
-        L.append(f"| {name} | {100 * r['mean']:.2f}% | {100 * r['sd']:.2f} | {100 * min(r['acc']):.2f} – "
-                 f"{100 * max(r['acc']):.2f} | {diff} | {ci} | "
-                 + ", ".join(f"{100 * a:.2f}" for a in r["acc"]) + " |")
-    se = [r["diff_se"] for r in s.values() if "diff_se" in r and math.isfinite(r["diff_se"])]
+        diff, ci = pp(r) if "diff" in r else ("—", "—")
+        sd = f"{100 * r['sd']:.2f}" if math.isfinite(r["sd"]) else "—"
+        L.append(f"| {name} | {saved_bits(specs[name])} | {len(r['seeds'])} | {100 * r['mean']:.2f}% | {sd} | "
+                 f"{100 * min(r['acc']):.2f} – {100 * max(r['acc']):.2f} | {diff} | {ci} | "
+                 + ", ".join(f"{seed}: {100 * a:.2f}" for seed, a in zip(r["seeds"], r["acc"])) + " |")
+    pairs = [(a, b, paired(results, a, b, seeds)) for a, b in comparisons(modes)]
+    pairs = [(a, b, d) for a, b, d in pairs if d is not None]
+    if pairs:
+        L += ["", "The dither's own effect, paired per seed (the same seed's two runs differ only in the draw "
+              "and decode of the code):", "",
+              "| comparison | seeds | difference (paired) | 95% interval | per seed |", "|---|---|---|---|---|"]
+        for a, b, d in pairs:
+            diff, ci = pp(d)
+            L.append(f"| {a} − {b} | {len(d['seeds'])} | {diff} | {ci} | "
+                     + ", ".join(f"{seed}: {100 * x:+.2f}" for seed, x in zip(d["seeds"], d["diffs"])) + " |")
+    se = [(r["diff_se"], len(r["paired_seeds"])) for r in s.values()
+          if "diff_se" in r and math.isfinite(r["diff_se"])]
     if se:
-        t = T95.get(len(seeds) - 1, 1.96)
-        L += ["", f"What this resolves: the paired differences have standard errors of "
-              f"{100 * min(se):.2f}–{100 * max(se):.2f} pp, so with {len(seeds)} seeds a difference "
-              f"smaller than about {100 * t * max(se):.2f} pp (the widest 95% half-interval) cannot be told "
-              f"from zero; larger ones can. A target such as \"within 0.3 pp of exact\" is met only if "
-              f"the whole interval lies within ±0.3 pp."]
+        half = max(T95.get(n - 1, 1.96) * e for e, n in se)
+        L += ["", f"What this resolves: the paired differences to exact have standard errors of "
+              f"{100 * min(e for e, _ in se):.2f}–{100 * max(e for e, _ in se):.2f} pp, so with "
+              f"{'–'.join(str(n) for n in sorted({min(n for _, n in se), max(n for _, n in se)}))} seeds a difference "
+              f"smaller than about "
+              f"{100 * half:.2f} pp (the widest 95% half-interval) cannot be told from zero; larger ones "
+              f"can. A target such as \"within 0.3 pp of exact\" is met only if the whole interval lies "
+              f"within ±0.3 pp."]
     if figs:
         L += ["", f"![training curves]({figs[0]})"]
     noise = results.get("noise") or []
-    L += ["", "### Against the targets set before the runs", ""] + targets(s, noise)
+    L += ["", "### Against the targets set before the runs", ""] + (targets(s, noise) or [
+        "None can be judged yet: no mode has a finished seed paired with exact."])
     autos = [(k, r) for k, r in results["runs"].items() if "bits" in r]
     if autos:
         L += ["", "Auto allocations (chosen by each run at its start from the first 3 training batches, "
@@ -647,6 +718,61 @@ def place_section(path, name, text):
     atomic_write(path, page)
 
 
+HEADLINE_SEEDS = 3                  # a mode enters the headline with this many paired seeds
+HEADLINE_ANCHOR = "## Accuracy"
+
+
+def write_headline(path, results, args, modes, seeds, command):
+    """The study's headline into the page at `path` (its section `<section>-headline`, placed
+    right after the page's HEADLINE_ANCHOR heading): the modes with HEADLINE_SEEDS or more seeds
+    paired with exact, and the dither's paired effect. Returns False (the page untouched) while
+    no mode has that many."""
+    s = summarise(results, modes, seeds)
+    rows = [n for n, r in s.items() if len(r.get("paired_seeds", ())) >= HEADLINE_SEEDS]
+    if not rows:
+        return False
+    specs = {label(m): m for m in modes}
+    runs = results["runs"]
+    n_train = "all" if args.limit_train is None else f"{args.limit_train:,}"
+    n_test = "the whole test split" if args.limit_test is None else f"{args.limit_test:,} test images"
+    doc = os.path.relpath(os.path.abspath(args.doc), os.path.dirname(os.path.abspath(path))).replace(os.sep, "/")
+    L = [f"### Pre-activation ResNet-{args.depth}, {n_train} {args.dataset} training images, {args.epochs} epochs",
+         "", f"Batch {args.batch}, cosine schedule, {'no augmentation' if args.no_augment else 'random crop + flip'}, "
+         f"{n_test}; per seed every mode trains from the same weights on the same batches, so the differences "
+         f"are paired, and each mode's mean is over its seeds paired with exact "
+         f"([{os.path.basename(doc)}]({doc}) has every run, the curves and the draw noise; written by "
+         f"`{command}`):", "",
+         "| mode | saved bits per element | seeds | final test accuracy, mean | − exact (paired), mean ± s.e. "
+         "| 95% interval |", "|---|---|---|---|---|---|",
+         f"| exact | 32 | {len(s['exact']['seeds'])} | {100 * s['exact']['mean']:.2f}% | — | — |"]
+    for name in rows:
+        r = s[name]
+        diff, ci = pp(r)
+        mean = statistics.mean(runs[f"{name}|{seed}"]["final_test_acc"] for seed in r["paired_seeds"])
+        L.append(f"| {name} | {saved_bits(specs[name])} | {len(r['paired_seeds'])} | {100 * mean:.2f}% "
+                 f"| {diff} | {ci} |")
+    for a, b in comparisons(modes):
+        d = paired(results, a, b, seeds)
+        if d is not None and len(d["seeds"]) >= HEADLINE_SEEDS:
+            diff, ci = pp(d)
+            L += ["", f"The dither's own effect, {a} − {b} per seed: {diff}, 95% interval {ci} "
+                  f"({len(d['seeds'])} seeds)."]
+    L = "\n".join(L) + "\n"
+    name = f"{args.section or 'study'}-headline"
+    begin, end = section_markers(name)
+    page = open(path).read()
+    if begin not in page and end not in page:     # first time: empty markers right after the heading
+        lines = page.split("\n")
+        at = next((i for i, line in enumerate(lines) if line.rstrip() == HEADLINE_ANCHOR), None)
+        if at is None:
+            raise SystemExit(f"{path}: no '{HEADLINE_ANCHOR}' heading to put the headline after")
+        rest = "\n".join(lines[at + 1:]).lstrip("\n")
+        page = "\n".join(lines[:at + 1]) + f"\n\n{begin}\n{end}\n" + ("\n" + rest if rest else "")
+        atomic_write(path, page)
+    place_section(path, name, L)
+    return True
+
+
 # ---- main --------------------------------------------------------------------------------
 
 def parse_args(argv):
@@ -675,11 +801,14 @@ def parse_args(argv):
                    "--smoke: OUT/accuracy.md); a page named here is written whole unless --section is given")
     p.add_argument("--section", default=None, help="write only this section of --doc (between its markers), "
                    "keeping the rest of the page")
+    p.add_argument("--headline", default=None, help="also write this page's accuracy headline (its section "
+                   f"between markers, after its '{HEADLINE_ANCHOR}' heading) once a mode has {HEADLINE_SEEDS} "
+                   "paired seeds (default for the full study: docs/results.md)")
     p.add_argument("--report-only", action="store_true", help="write the doc from the runs finished so far; train nothing")
     args = p.parse_args(argv)
     base = SMOKE if args.smoke else FULL
     if args.doc is not None:                    # a page named: whole, unless a section is named too
-        base = {k: v for k, v in base.items() if k != "section"}
+        base = {k: v for k, v in base.items() if k not in ("section", "headline")}
     for k, v in base.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -736,17 +865,19 @@ def main(argv=None):
     if not args.report_only:
         stopped = run_all(args, data, results, path, todo, seeds, noise_modes, log)
     pending = [f"{label(spec)}|{seed}" for seed, spec in order if f"{label(spec)}|{seed}" not in results["runs"]]
-    done = [s for s in seeds if all(f"{label(m)}|{s}" in results["runs"] for m in modes)]
+    finished = [k for k in (f"{label(m)}|{s}" for m in modes for s in seeds) if k in results["runs"]]
     total_s = sum(r["seconds"] for r in results["runs"].values())
-    if not done:
-        log(f"no seed has finished every mode yet: {args.doc} not written")
+    if not any(f"exact|{s}" in results["runs"] for s in seeds):
+        log(f"no exact run has finished yet: {args.doc} not written")
     else:
-        figs = write_doc(args.doc, results, args, modes, done, command, args.smoke, total_s, cifar_note,
+        figs = write_doc(args.doc, results, args, modes, seeds, command, args.smoke, total_s, cifar_note,
                          pending, args.section)
         log(f"wrote {args.doc}" + (f" (section {args.section})" if args.section else "")
             + (f" and {', '.join(figs)}" if figs else " (no matplotlib: no plots)")
-            + f" from {len(done)} seed(s); training time {total_s / 60:.1f} min in all, this process "
+            + f" from {len(finished)} finished run(s); training time {total_s / 60:.1f} min in all, this process "
             f"{(time.time() - t0) / 60:.1f} min")
+        if args.headline and write_headline(args.headline, results, args, modes, seeds, command):
+            log(f"wrote the headline of {args.headline} (modes with {HEADLINE_SEEDS} or more paired seeds)")
     if stopped:
         log(f"stopped: {stopped}. Run the same command again to continue.")
         return 130

@@ -38,18 +38,25 @@ def test_the_default_study_is_the_users_command(mode):
         assert differ <= {"download", "progress"}, {k: (getattr(user, k), getattr(ours, k)) for k in differ}
 
 
-def test_the_study_runs_phase_by_phase_and_never_repeats_a_finished_run(tmp_path, monkeypatch):
-    """Each phase seed by seed, a later phase after every seed of the earlier ones; a run already in
-    results.json is not trained again, whatever the order it was finished in."""
+def faked(monkeypatch, accuracies):
+    """accuracy.train_run replaced by a record of one epoch at accuracies[(label, seed)] (else
+    0.9); returns the list of the (label, seed) trained."""
     trained = []
 
     def fake_run(args, data, spec, seed, **kw):
         trained.append((accuracy.label(spec), seed))
-        acc = {"exact": 0.9, "approx 2-bit unbiased": 0.89}.get(accuracy.label(spec), 0.895) + seed / 1000
+        acc = accuracies.get((accuracy.label(spec), seed), 0.9)
         return {"final_test_acc": acc, "seconds": 1.0,
                 "history": [{"epoch": 1, "iteration": 4, "train_loss": 1.0, "train_acc": 0.5, "test_loss": 1.0,
                              "test_acc": acc, "train_time_s": 0.5, "eval_time_s": 0.5}]}
     monkeypatch.setattr(accuracy, "train_run", fake_run)
+    return trained
+
+
+def test_the_study_runs_phase_by_phase_and_never_repeats_a_finished_run(tmp_path, monkeypatch):
+    """Each phase seed by seed, a later phase after every seed of the earlier ones; a run already in
+    results.json is not trained again, whatever the order it was finished in."""
+    trained = faked(monkeypatch, {})
     argv = ["--depth", "8", "--limit-train", "64", "--limit-test", "32", "--batch", "32", "--epochs", "1",
             "--seeds", "0,1", "--modes", "exact,approx2u,approx4u/approx2d", "--checkpoints", "0",
             "--out", str(tmp_path / "r"), "--doc", str(tmp_path / "page.md")]
@@ -66,6 +73,53 @@ def test_the_study_runs_phase_by_phase_and_never_repeats_a_finished_run(tmp_path
     assert trained == [("approx 2-bit unbiased", 1), ("approx 2-bit dithered", 0)]
     trained.clear()
     assert accuracy.main(argv) == 0 and trained == []
+
+
+def test_the_report_pairs_what_has_finished_and_the_headline_waits_for_three_seeds(tmp_path, monkeypatch):
+    """Each row over its mode's finished seeds, each difference over the seeds both have; the
+    headline page is left alone until a mode has 3 seeds paired with exact, then gets its section
+    after its "## Accuracy" heading, the rest of the page kept."""
+    acc = {("exact", 0): 0.91, ("exact", 1): 0.92, ("exact", 2): 0.915,
+           ("approx 2-bit unbiased", 0): 0.905, ("approx 2-bit unbiased", 1): 0.912,
+           ("approx 2-bit unbiased", 2): 0.909, ("approx 2-bit dithered", 0): 0.907,
+           ("approx 2-bit dithered", 1): 0.915, ("approx 2-bit dithered", 2): 0.91}
+    faked(monkeypatch, acc)
+    page, head = tmp_path / "page.md", tmp_path / "results.md"
+    head_text = "# Results\n\n## Accuracy\n\nthe older study\n\n## Memory\n\nx\n"
+    head.write_text(head_text)
+    argv = ["--depth", "8", "--limit-train", "64", "--limit-test", "32", "--batch", "32", "--epochs", "1",
+            "--modes", "exact,approx2u/approx2d", "--checkpoints", "0", "--out", str(tmp_path / "r"),
+            "--doc", str(page), "--section", "full", "--headline", str(head)]
+    assert accuracy.main(argv + ["--seeds", "0,1"]) == 0
+    text = page.read_text()
+    assert "| approx 2-bit unbiased | 2.125 | 2 | 90.85% |" in text and "| −0.65 ± 0.15 pp |" not in text
+    assert "| -0.65 ± 0.15 pp | [-2.56, +1.26] | 0: 90.50, 1: 91.20 |" in text       # (−0.5, −0.8) pp
+    assert "| approx 2-bit dithered − approx 2-bit unbiased | 2 | +0.25 ± 0.05 pp | [-0.39, +0.89] |" in text
+    assert head.read_text() == head_text                                        # 2 seeds: not yet
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    del results["runs"]["approx 2-bit dithered|1"]                             # one seed of it lost
+    (tmp_path / "r" / "results.json").write_text(json.dumps(results))
+    stored, files = (tmp_path / "r" / "results.json").read_bytes(), sorted(os.walk(tmp_path / "r"))
+    assert accuracy.main(argv + ["--seeds", "0,1,2", "--report-only"]) == 0
+    assert (tmp_path / "r" / "results.json").read_bytes() == stored                # --report-only writes no run
+    assert sorted(os.walk(tmp_path / "r")) == files
+    text = page.read_text()
+    assert "| approx 2-bit dithered | 2.125 + 24 B per unit | 1 | 90.70% | — |" in text
+    assert "| -0.30 pp (one seed) | — | 0: 90.70 |" in text
+    assert "stretch (at least −0.3 pp and the interval's lower end at least −0.8): not resolved (one seed)" in text
+    assert "nan" not in text
+    assert head.read_text() == head_text                                        # exact 0-1 only: not yet
+    assert accuracy.main(argv + ["--seeds", "0,1,2"]) == 0                      # exact, 2u seed 2; 2d seeds 1, 2
+    got = head.read_text()
+    assert got.startswith("# Results\n\n## Accuracy\n\n<!-- benchmarks/accuracy.py section full-headline: begin")
+    assert got.endswith("full-headline: end -->\n\nthe older study\n\n## Memory\n\nx\n")
+    assert "| approx 2-bit unbiased | 2.125 | 3 | 90.87% | -0.63 ± 0.09 pp | [-1.01, -0.25] |" in got
+    assert "| approx 2-bit dithered | 2.125 + 24 B per unit | 3 | 91.07% | -0.43 ± 0.07 pp | [-0.72, -0.15] |" in got
+    assert "| exact | 32 | 3 | 91.50% | — | — |" in got
+    assert "32 test images" in got and "whole test split" not in got and "([page.md](page.md) has" in got
+    assert "dithered − approx 2-bit unbiased per seed: +0.20 ± 0.06 pp, 95% interval [-0.05, +0.45] (3 seeds)" in got
+    assert accuracy.main(argv + ["--seeds", "0,1,2", "--report-only"]) == 0
+    assert head.read_text() == got                                               # rewritten in place
 
 
 def test_a_section_replaces_only_its_part(tmp_path):
