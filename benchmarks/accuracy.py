@@ -550,14 +550,15 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
              else "?")
     runs = results["runs"].values()
     L = []
+    unfinished = ([f"> **Not finished: {len(pending)} run(s) to go** ({'; '.join(k.replace('|', ', seed ') for k in pending)}). "
+                   f"Each row holds the seeds its mode has finished, each difference the seeds both modes have; "
+                   f"rerun the command below to continue (an unfinished run resumes from its checkpoint).", ""]
+                  if pending else [])
     if section:
         n_train = "all" if args.limit_train is None else f"{args.limit_train:,}"
         L += [f"# Study: pre-act ResNet-{args.depth}, {n_train} {args.dataset} training images, "
               f"{args.epochs} epochs, batch {args.batch}", ""]
-        if pending:
-            L += [f"> **Not finished: {len(pending)} run(s) to go** ({', '.join(k.replace('|', ', seed ') for k in pending)}). "
-                  f"Each row holds the seeds its mode has finished, each difference the seeds both modes have; "
-                  f"rerun the command below to continue (an unfinished run resumes from its checkpoint).", ""]
+        L += unfinished
         L += [f"Produced by `{command}` on {machine()}. Run times are not reported: the machine was shared "
               f"with other work and the study was paused at times (results.json keeps each run's).", ""]
     elif smoke:
@@ -568,7 +569,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
               "the method.** The full study is `python benchmarks/accuracy.py` (results in "
               "runs/accuracy); it rewrites this page. " + est, ""]
     else:
-        L += ["# Accuracy: exact, approx and naive training on real data", ""]
+        L += ["# Accuracy: exact, approx and naive training on real data", ""] + unfinished
     if not section:
         L += [f"Produced by `{command}`: {total_s / 60:.1f} min of runs in all "
           f"({statistics.mean(r['seconds'] for r in runs):.0f} s per run on average, noise checkpoints "
@@ -612,7 +613,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
     if se:
         half = max(T95.get(n - 1, 1.96) * e for e, n in se)
         L += ["", f"What this resolves: the paired differences to exact have standard errors of "
-              f"{100 * min(e for e, _ in se):.2f}–{100 * max(e for e, _ in se):.2f} pp, so with "
+              f"{'–'.join(dict.fromkeys(f'{100 * e:.2f}' for e in (min(e for e, _ in se), max(e for e, _ in se))))} pp, so with "
               f"{'–'.join(str(n) for n in sorted({min(n for _, n in se), max(n for _, n in se)}))} seeds a difference "
               f"smaller than about "
               f"{100 * half:.2f} pp (the widest 95% half-interval) cannot be told from zero; larger ones "
