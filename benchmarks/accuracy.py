@@ -388,15 +388,20 @@ def gap_halved(s, auto, uniform):
             f"({100 * a:+.2f} pp against {100 * u:+.2f} pp, paired means)")
 
 
-def targets(s, noise):
-    """Lines judging the measured numbers against the targets set before the runs (met / missed / not resolved)."""
+def targets(s, noise, n_seeds):
+    """Lines judging the measured numbers against the targets set before the runs (met / missed / not resolved);
+    a verdict on fewer than the study's `n_seeds` paired seeds says "so far"."""
     out = []
+
+    def so_far(r):
+        return " so far" if len(r["paired_seeds"]) < n_seeds else ""
     auto = [n for n in s if n.startswith("auto 2-bit avg") and "diff" in s[n]]
     for name in auto:                           # within 0.5 pp of exact (paired mean)
         r = s[name]
         diff, ci = pp(r)
         out.append(f"* {name} within 0.5 pp of exact (paired mean): {'met' if abs(r['diff']) <= 0.005 else 'missed'}"
-                   f"; stretch, interval inside ±0.5 pp: {_within(r, 0.005)} ({diff}, 95% interval {ci})")
+                   f"{so_far(r)}; stretch, interval inside ±0.5 pp: {_within(r, 0.005)}{so_far(r)} "
+                   f"({diff}, 95% interval {ci})")
         uniform = "approx 2-bit" + next((" " + w for w in ("stochastic", "unbiased") if name.endswith(w)), "")
         if uniform in s and "diff" in s[uniform]:
             out.append(gap_halved(s, name, uniform))
@@ -408,11 +413,13 @@ def targets(s, noise):
         if name in s and "diff" in s[name]:
             r = s[name]
             diff, ci = pp(r)
-            line = (f"* {name}: paired mean at least −{100 * floor:g} pp: {'met' if r['diff'] >= -floor else 'missed'} "
-                    f"({diff}, 95% interval {ci}, {len(r['paired_seeds'])} seed(s))")
+            line = (f"* {name}: paired mean at least −{100 * floor:g} pp: "
+                    f"{'met' if r['diff'] >= -floor else 'missed'}{so_far(r)} ({diff}, 95% interval {ci}, "
+                    f"{len(r['paired_seeds'])} of {n_seeds} seeds)")
             if stretch is not None:
                 ok = r["diff"] >= -stretch and r["diff_ci"][0] >= -0.008
-                verdict = ("met" if ok else "missed") if math.isfinite(r["diff_se"]) else "not resolved (one seed)"
+                verdict = (("met" if ok else "missed") + so_far(r) if math.isfinite(r["diff_se"])
+                           else "not resolved (one seed)")
                 line += f"; stretch (at least −{100 * stretch:g} pp and the interval's lower end at least −0.8): " \
                         f"{verdict}"
             out.append(line)
@@ -420,7 +427,8 @@ def targets(s, noise):
         if name in s and "diff" in s[name]:
             r = s[name]
             diff, ci = pp(r)
-            out.append(f"* {name} within {100 * bound:g} pp of exact: {_within(r, bound)} ({diff}, 95% interval {ci})")
+            out.append(f"* {name} within {100 * bound:g} pp of exact: {_within(r, bound)}{so_far(r)} "
+                       f"({diff}, 95% interval {ci})")
     if "naive 4-bit" in s and "diff" in s["naive 4-bit"]:
         r = s["naive 4-bit"]
         worse = r["diff_ci"][1] < 0
@@ -531,6 +539,11 @@ def plots(results, modes, seeds, doc_dir, stem):
     return files
 
 
+def g3(x):
+    """A ratio to 3 significant digits; — when undefined (None or nan)."""
+    return "—" if x is None or not math.isfinite(x) else f"{x:.3g}"
+
+
 def total_ratio(rec, mode_rec):
     """Error over noise of all parameters as one vector: squared norms add over tensors."""
     err = math.sqrt(sum(e * e for e in mode_rec["error_norm"]))
@@ -545,6 +558,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
     s = summarise(results, modes, seeds)
     doc_dir = os.path.dirname(os.path.abspath(path))
     stem = os.path.splitext(os.path.basename(path))[0] + (f"_{section}" if section else "")
+    os.makedirs(doc_dir, exist_ok=True)         # the plots go there before the page does
     figs = plots(results, modes, seeds, doc_dir, stem)
     steps = (results["runs"][f"exact|{s['exact']['seeds'][0]}"]["history"][-1]["iteration"] if "exact" in s
              else "?")
@@ -622,7 +636,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
     if figs:
         L += ["", f"![training curves]({figs[0]})"]
     noise = results.get("noise") or []
-    L += ["", "### Against the targets set before the runs", ""] + (targets(s, noise) or [
+    L += ["", "### Against the targets set before the runs", ""] + (targets(s, noise, len(seeds)) or [
         "None can be judged yet: no mode has a finished seed paired with exact."])
     autos = [(k, r) for k, r in results["runs"].items() if "bits" in r]
     if autos:
@@ -660,8 +674,12 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
     for r in noise:
         L.append(f"| {r['iteration']} | {r['epoch']:.2f} | " + " | ".join(
             f"{v['median_ratio']:.3g} / {v['worst_ratio']:.3g} / {total_ratio(r, v):.3g} / "
-            f"{v.get('bias_ratio', float('nan')):.3g} / {v.get('draw_noise_ratio', float('nan')):.3g}"
-            for v in r["modes"].values()) + " |")
+            f"{g3(v.get('bias_ratio'))} / {g3(v.get('draw_noise_ratio'))}" for v in r["modes"].values()) + " |")
+    if any(v.get("bias_ratio") is not None and not math.isfinite(v["bias_ratio"])
+           for r in noise for v in r["modes"].values()):
+        L += ["", "— in the bias column: at that checkpoint ‖E g‖ is not resolved from the batch noise (its "
+              "estimate `‖mean‖² − tr(cov)/B` of the exact gradients is clipped at 0), so bias / ‖E g‖ is "
+              "undefined."]
     if noise and any("draw_noise_ratio" in v for v in noise[0]["modes"].values()):
         L += ["", "Draw noise / SGD noise (all parameters as one vector), range over checkpoints: " + "; ".join(
             f"{m} {min(r['modes'][m]['draw_noise_ratio'] for r in noise):.3g}–"

@@ -122,6 +122,38 @@ def test_the_report_pairs_what_has_finished_and_the_headline_waits_for_three_see
     assert head.read_text() == got                                               # rewritten in place
 
 
+def test_a_partial_report_says_so_far_and_dashes_an_undefined_bias(tmp_path, monkeypatch):
+    """A target judged on fewer seeds than the study has says "so far"; a checkpoint where ||E g||
+    is not resolved (bias ratio nan) shows a dash and why; the page may go into a new folder."""
+    faked(monkeypatch, {("exact", 0): 0.91, ("approx 4-bit unbiased", 0): 0.912})
+    out, page = tmp_path / "r", tmp_path / "new" / "page.md"
+    argv = ["--depth", "8", "--limit-train", "64", "--limit-test", "32", "--batch", "32", "--epochs", "1",
+            "--modes", "exact,approx4u", "--checkpoints", "0", "--out", str(out), "--doc", str(page)]
+    assert accuracy.main(argv + ["--seeds", "0"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    mode = {"error_norm": [0.1], "median_ratio": 0.14, "worst_ratio": 0.65, "worst_tensor": "w",
+            "median_rel_error": 0.1, "bias_ratio": float("nan"), "draw_noise_ratio": 0.172}
+    results["noise"] = [{"names": ["w"], "noise_norm": [1.0], "grad_norm": [1.0], "iteration": 4, "epoch": 1.0,
+                         "seconds": 1.0, "modes": {"approx 4-bit unbiased": mode}}]
+    (out / "results.json").write_text(json.dumps(results))
+    (tmp_path / "new").rename(tmp_path / "gone")
+    assert accuracy.main(argv + ["--seeds", "0,1,2", "--report-only"]) == 0
+    text = page.read_text()
+    assert "* approx 4-bit unbiased: paired mean at least −0.2 pp: met so far (+0.20 pp (one seed), 95% " \
+           "interval —, 1 of 3 seeds)" in text
+    assert "| 4 | 1.00 | 0.14 / 0.65 / 0.1 / — / 0.172 |" in text and "nan" not in text
+    assert "— in the bias column: at that checkpoint ‖E g‖ is not resolved" in text
+
+
+def test_the_results_page_keeps_its_older_headline_under_a_heading_of_its_own():
+    """The full study's headline goes right after docs/results.md's "## Accuracy" heading: the text
+    there must open with its own heading, or the new section's heading would claim it."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "results.md")
+    lines = open(path).read().split("\n")
+    after = [line for line in lines[lines.index(accuracy.HEADLINE_ANCHOR) + 1:] if line.strip()]
+    assert after[0].startswith("### ") or after[0].startswith(accuracy.MARK), after[0]
+
+
 def test_a_section_replaces_only_its_part(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# Title\n\nintro\n\n## Older study\n\nits text\n")
