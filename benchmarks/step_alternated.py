@@ -8,7 +8,7 @@ rows by 10% and more on a shared machine).
     python benchmarks/step_alternated.py --model resnet50.onnx --batch 16 --configs exact,approx4,approx2u
 
 A config is exact, approxK or naiveK (K in 1, 2, 4, 8), with a "u" suffix for the unbiased code
-(rounding="stochastic"). Every engine is built from models.preact_resnet_cifar(depth) with seed 0,
+(rounding="stochastic") or a "d" for its dithered draw (rounding="dither"). Every engine is built from models.preact_resnet_cifar(depth) with seed 0,
 or from --model (an .onnx file, at the input shape it fixes: compare_torch.py --worker export
 writes torchvision's), and trains on the same random batch; round r steps each config once, the order rotated by r.
 Printed: per config its plan bytes and median step, and the median (and range) over rounds of
@@ -37,13 +37,13 @@ import lowmem  # noqa: E402
 
 
 def parse(config):
-    m = re.fullmatch(r"(exact)|(approx|naive)([1248])(u?)", config)
+    m = re.fullmatch(r"(exact)|(approx|naive)([1248])([ud]?)", config)
     if not m:
         raise SystemExit(f"unknown config {config!r}: expected exact, approxK or naiveK, K in 1, 2, 4, 8, "
-                         f"optionally with a 'u' suffix (the unbiased code)")
+                         f"optionally with a 'u' suffix (the unbiased code) or a 'd' (its dithered draw)")
     if m.group(1):
         return "exact", 4, "nearest"
-    return m.group(2), int(m.group(3)), "stochastic" if m.group(4) else "nearest"
+    return m.group(2), int(m.group(3)), {"u": "stochastic", "d": "dither", "": "nearest"}[m.group(4)]
 
 
 def random_batch(n, shape=(3, 32, 32), classes=10):

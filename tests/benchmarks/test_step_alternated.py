@@ -22,13 +22,14 @@ def test_an_onnx_file_alternated(tmp_path):
     path = onnx_export.export_onnx(models.build_model("preact-cifar", 8, num_classes=7), tmp_path / "net.onnx",
                                    input_shape=(3, 12, 12))
     out = tmp_path / "r.json"
-    r = run("--model", path, "--batch", 4, "--configs", "exact,approx4,approx2u", "--rounds", 2, "--warmup", 0,
+    r = run("--model", path, "--batch", 4, "--configs", "exact,approx4,approx2u,approx2d", "--rounds", 2, "--warmup", 0,
             "--json", out)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert res["model"] == str(path) and res["batch"] == 4
     plans = {c: v["plan_bytes"] for c, v in res["configs"].items()}
-    assert set(plans) == {"exact", "approx4", "approx2u"} and plans["approx4"] < plans["exact"]
+    assert set(plans) == {"exact", "approx4", "approx2u", "approx2d"} and plans["approx4"] < plans["exact"]
+    assert plans["approx2u"] < plans["approx2d"] < plans["approx4"]          # the dither's stream: 24 bytes a unit
     assert res["configs"]["exact"]["per_round_vs_exact"] == [1.0, 1.0]
     assert len(res["configs"]["approx2u"]["per_round_vs_exact"]) == 2
     for c in plans:
