@@ -9,7 +9,8 @@ biases are exempt unless decay_bn / decay_bias say otherwise. `lr` may be
 changed between steps (opt.lr = ...). Momentum buffers are the engine's
 planned "optimizer" arrays when present (p.state["momentum"]), so the plan
 counts them. On CuPy arrays `step` runs optim_gpu.py's fused update (one
-kernel per tensor, the same arithmetic); on NumPy the array ops below.
+kernel per tensor, the same arithmetic); on NumPy arrays with numba present
+optim_cpu.py's (one pass per tensor); else the array ops below, the reference.
 
 Hyperparameters are checked where they are set (constructor, opt.lr = ...,
 load_state_dict): finite real numbers, lr and weight_decay >= 0, momentum in
@@ -22,7 +23,7 @@ import numbers
 import numpy
 
 from ..system.backend import array_module
-from . import optim_gpu
+from . import optim_cpu, optim_gpu
 
 
 def _hyper(name, value, upper=None):
@@ -58,6 +59,8 @@ class SGD:
         """One update of every parameter from its .grad (which it may modify)."""
         if array_module(self.params[0].data) is not numpy:
             optim_gpu.sgd_step(self)            # CuPy arrays: one fused kernel per tensor
+        elif optim_cpu.supports(self.params):
+            optim_cpu.sgd_step(self)            # numba: one pass per tensor, the same arithmetic
         else:
             self._step_arrays()
         self._started = True
