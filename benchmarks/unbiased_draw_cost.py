@@ -3,9 +3,9 @@
     python benchmarks/unbiased_draw_cost.py [--channels 64] [--elements 32768] [--repeats 7]
 
 Times unbiased_cpu.unit_forward (normalise, group ranges, draws, pack, relu) on one thread, best
-of --repeats calls, with its per-element draw (_draw_independent: SplitMix64's finaliser of the
+of --repeats calls, with its per-element draw (_draw_each: SplitMix64's finaliser of the
 element's counter, two 64-bit multiplies) as it is and swapped for variants compiled here from
-_draw_independent's own source with the draw's expression replaced (and, for the 32-bit hash,
+_draw_each's own source with the draw's expression replaced (and, for the 32-bit hash,
 the group's seed computed where the group's counter is):
 
   * no hash: the counter's low 24 bits, not a valid draw: it prices the hash;
@@ -43,7 +43,7 @@ S30, S27, S31, S40, S16 = U64(30), U64(27), U64(31), U64(40), U64(16)
 M24 = U64((1 << 24) - 1)
 OPTS = dict(cache=False, nogil=True, error_model="numpy")
 
-DRAW = "cpu_base._counter_bits(zq + U64(t) * GOLDEN)"       # _draw_independent's draw
+DRAW = "cpu_base._counter_bits(zq + U64(t) * GOLDEN)"       # _draw_each's draw
 GROUP_COUNTER = "zq = z0 + U64(q0) * GOLDEN"
 
 
@@ -66,18 +66,18 @@ def _lowbias32(x):
 
 
 def _variant(draw, seed=None):
-    """_draw_independent compiled with `draw` for its draw's expression (and `seed` set after
+    """_draw_each compiled with `draw` for its draw's expression (and `seed` set after
     the group's counter)."""
-    src = textwrap.dedent(inspect.getsource(cu._draw_independent.py_func))
+    src = textwrap.dedent(inspect.getsource(cu._draw_each.py_func))
     src = src.split("\n", 1)[1]                               # without its decorator
-    assert DRAW in src and GROUP_COUNTER in src, "unbiased_cpu._draw_independent changed: update DRAW"
+    assert DRAW in src and GROUP_COUNTER in src, "unbiased_cpu._draw_each changed: update DRAW"
     src = src.replace(DRAW, draw)
     if seed is not None:
         indent = src.split(GROUP_COUNTER)[0].rsplit("\n", 1)[1]
         src = src.replace(GROUP_COUNTER, f"{GROUP_COUNTER}\n{indent}seed = {seed}")
-    ns = dict(cu._draw_independent.py_func.__globals__, _pair_bits=_pair_bits, _lowbias32=_lowbias32)
+    ns = dict(cu._draw_each.py_func.__globals__, _pair_bits=_pair_bits, _lowbias32=_lowbias32)
     exec(src, ns)
-    return njit(**OPTS)(ns["_draw_independent"])
+    return njit(**OPTS)(ns["_draw_each"])
 
 
 VARIANTS = {
@@ -106,13 +106,13 @@ def main():
     out = np.empty_like(x)
     threads.configure(1)
     glob = cu._forward_rows.py_func.__globals__
-    draw, systematic = glob["_draw_independent"], glob["SYSTEMATIC_BITS"]
+    draw, systematic = glob["_draw_each"], glob["SYSTEMATIC_BITS"]
 
     def timed(bits, draw_fn=None, systematic_bits=None):
         slot = np.zeros(unbiased.slot_nbytes(C, M, bits), np.uint8)
         saved = cu._forward_rows
         if draw_fn is not None or systematic_bits is not None:
-            glob["_draw_independent"] = draw_fn or draw
+            glob["_draw_each"] = draw_fn or draw
             glob["SYSTEMATIC_BITS"] = systematic if systematic_bits is None else systematic_bits
             cu._forward_rows = njit(**OPTS)(saved.py_func)      # compiled with the swapped draw
         try:
@@ -123,7 +123,7 @@ def main():
                 best = min(best, time.perf_counter() - t0)
         finally:
             cu._forward_rows = saved
-            glob["_draw_independent"], glob["SYSTEMATIC_BITS"] = draw, systematic
+            glob["_draw_each"], glob["SYSTEMATIC_BITS"] = draw, systematic
         return best
 
     print(f"unit_forward, {C} channels x {M} elements, one thread, best of {a.repeats}:")

@@ -168,10 +168,12 @@ if AVAILABLE:
             lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3] = bo, so, bc, sc
 
     @njit(**_opts)
-    def _draw_independent(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
-        """codes <- the block's codes at K >= 3 bits (unbiased._encode_block, from its groups'
-        levels lv; element t's own draw from counter z0 + t*GOLDEN); orow <- relu(y),
-        y = x-hat*g + b."""
+    def _draw_each(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0, dither):
+        """codes <- the block's codes when each element draws its own uniform (unbiased._encode_block,
+        from its groups' levels lv): at K >= 3 bits element t's own counter z0 + t*GOLDEN; with
+        dither, the dithered code's draws (unbiased.weyl_uniforms: element t of a group draws
+        R = (u0 + t*WEYL) mod 2**24 from the group's draw u0, counter z0 + (its first
+        element)*GOLDEN). orow <- relu(y), y = x-hat*g + b."""
         n = xb.size
         n_open = F32(L) - kf
         for q in range((n + GROUP - 1) // GROUP):
@@ -179,6 +181,7 @@ if AVAILABLE:
             q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
             xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
             zq = z0 + U64(q0) * GOLDEN
+            u0 = numpy.int64(cpu_base._counter_bits(zq))                                  # < 2**24
             for t in range(xq.size):
                 xh = xq[t]
                 y = xh * g + b
@@ -189,35 +192,11 @@ if AVAILABLE:
                 nn = n_open if on else kf
                 p = (u - bb) / st
                 p = p if st > 0 else F0
-                p = p + F32(cpu_base._counter_bits(zq + U64(t) * GOLDEN)) * R_SCALE     # < 2**24: exact
-                j = min(max(numpy.floor(p), F0), nn - F32(1))
-                code = kf + j if on else j
-                cq[t] = numpy.uint8(numpy.int32(code))
-                oq[t] = y if on else F0
-
-    @njit(**_opts)
-    def _draw_dither(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
-        """codes <- the block's codes of the dithered code (unbiased._encode_block with
-        unbiased.weyl_uniforms: element t of a group draws R = (u0 + t*WEYL) mod 2**24 from the
-        group's draw u0, counter z0 + (its first element)*GOLDEN); orow <- relu(y)."""
-        n = xb.size
-        n_open = F32(L) - kf
-        for q in range((n + GROUP - 1) // GROUP):
-            bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
-            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
-            xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
-            u0 = numpy.int64(cpu_base._counter_bits(z0 + U64(q0) * GOLDEN))          # < 2**24
-            for t in range(xq.size):
-                xh = xq[t]
-                y = xh * g + b
-                on = y > 0
-                u = xh * s
-                bb = bo if on else bc
-                st = so if on else sc
-                nn = n_open if on else kf
-                p = (u - bb) / st
-                p = p if st > 0 else F0
-                p = p + F32(numpy.int32((u0 + t * WEYL) & R_MASK)) * R_SCALE
+                if dither:
+                    r = numpy.int32((u0 + t * WEYL) & R_MASK)
+                else:
+                    r = cpu_base._counter_bits(zq + U64(t) * GOLDEN)                     # < 2**24: exact
+                p = p + F32(r) * R_SCALE
                 j = min(max(numpy.floor(p), F0), nn - F32(1))
                 code = kf + j if on else j
                 cq[t] = numpy.uint8(numpy.int32(code))
@@ -427,12 +406,10 @@ if AVAILABLE:
                 _normalise(xg, x[c, i0:i1], mean[c], rstd[c])
                 z0 = base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN
                 _block_ranges(ends, lv, xi[:i1 - i0], c, i0 // GROUP, s < 0, t_o, t_c, kc, L, box, bits_view)
-                if dith:
-                    _draw_dither(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
-                elif bits <= SYSTEMATIC_BITS:
+                if bits <= SYSTEMATIC_BITS and not dith:
                     _draw_systematic(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0, pb, fl, a, e)
                 else:
-                    _draw_independent(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
+                    _draw_each(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0, dith)
                 if naive:                       # continue from the decoded value
                     if dith:
                         _offsets(dq, i1 - i0, z0)

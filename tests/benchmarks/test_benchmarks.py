@@ -45,7 +45,7 @@ PRIVATE = {
     ("unbiased_bias.py", "lowmem.bits.simulate", "SimulatedCodeUnits._kept"),
     ("unbiased_bias.py", "lowmem.bits.simulate", "SimulatedCodeUnits._quantize"),
     ("unbiased_draw_cost.py", "lowmem.units.cpu_base", "_counter_bits"),
-    ("unbiased_draw_cost.py", "lowmem.units.unbiased_cpu", "_draw_independent"),
+    ("unbiased_draw_cost.py", "lowmem.units.unbiased_cpu", "_draw_each"),
     ("unbiased_draw_cost.py", "lowmem.units.unbiased_cpu", "_forward_rows"),
 } | {("unit_kernels.py", "lowmem.units.window_cpu", name) for name in (
     "_quantize_block", "_pack", "_unpack", "_decode_relu_block", "_decode_sums", "_decode_dx_block",
@@ -217,7 +217,7 @@ def test_every_script_prints_its_help():
 
 
 def test_unbiased_draw_cost_rebuilds_its_variants_from_the_kernel_source():
-    # the variants are unbiased_cpu._draw_independent's own source with its draw line swapped:
+    # the variants are unbiased_cpu._draw_each's own source with its draw line swapped:
     # if the kernel's draw line changes, the script's assertion names it
     pytest.importorskip("numba")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
