@@ -50,6 +50,20 @@ if AVAILABLE:
         z = z ^ (z >> S31)
         return numpy.int32(z >> S_OFF)
 
+    # ---- the window code's split of a channel (window.quant_params, per channel) ----
+
+    @njit(inline="always")
+    def _window_split(g, b, L, W, w):
+        """(s, t, kr) of a channel from γ and β, window W and bin w (float32): the axis flip s
+        (+1 for γ = 0), the threshold t = −β/|γ| (−β where γ = 0) and window.quant_params' k
+        before its cast, clip(rint((t + W)/w), 1, L − 1): its float32 operations in its order.
+        The window kernels' grid (window_cpu._grid) and the unbiased code's split
+        (unbiased_cpu._channel) both start here."""
+        s = F32(-1) if g < 0 else F32(1)
+        t = -b / (F32(1) if g == 0 else abs(g))
+        kr = min(max(numpy.rint((t + W) / w), F32(1)), F32(L - 1))
+        return s, t, kr
+
     @njit(**_opts)
     def _copy(dst, src):
         for t in range(dst.size):

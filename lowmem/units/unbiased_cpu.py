@@ -55,13 +55,11 @@ if AVAILABLE:
         the closed side's ceiling (+inf there), and the split k (unbiased.split: the window
         code's k of window.quant_params, window W and bin w, clipped to [2, L−2]; 0 or L where
         γ = 0), as an int and a float: the same float32 operations, so the same k."""
-        s = F32(-1) if g < 0 else F32(1)
+        s, t, kr = cpu_base._window_split(g, b, L, W, w)               # quant_params' clip
         zero = g == 0
         ag = abs(g)
-        t = -b / (F32(1) if zero else ag)
         t_o = -INF if zero else t
         t_c = INF if zero else t
-        kr = min(max(numpy.rint((t + W) / w), F32(1)), F32(L - 1))    # quant_params' clip
         kc = (0 if b > 0 else L) if zero else (min(max(int(kr), 2), L - 2) if kr == kr else 2)
         return s, zero, ag, t_o, t_c, kc, F32(kc)
 

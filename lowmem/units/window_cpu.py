@@ -52,7 +52,7 @@ from .cpu_base import AVAILABLE, BLOCK, GRAIN, _over_channels, _overlap, support
 if AVAILABLE:
     from numba import njit
     from .cpu_base import (F0, F32, GOLDEN, HALF, OFF_MID, OFF_SCALE, U64, _copy, _counter_bits, _opts, _pack,
-                           _reduce, _unpack)
+                           _reduce, _unpack, _window_split)
 
     @njit(**_reduce)
     def _stats(x, mean, var):
@@ -101,15 +101,13 @@ if AVAILABLE:
             g, b = gamma[c], beta[c]
             if not (abs(g) < numpy.inf and abs(b) < numpy.inf):
                 return False
-            s[c] = F32(-1) if g < 0 else F32(1)
+            s[c], t, kr = _window_split(g, b, L, W, w)
             if g == 0:
                 lo[c] = -W
                 k[c] = 0 if b > 0 else L
-                continue
-            t = -b / abs(g)
-            kr = min(max(numpy.rint((t + W) / w), F32(1)), F32(L - 1))
-            lo[c] = min(max(t - kr * w, lo_min), lo_max)
-            k[c] = numpy.int32(kr)
+            else:
+                lo[c] = min(max(t - kr * w, lo_min), lo_max)
+                k[c] = numpy.int32(kr)
         return True
 
     @njit(**_opts)
