@@ -60,10 +60,18 @@ class SGD:
         if array_module(self.params[0].data) is not numpy:
             optim_gpu.sgd_step(self)            # CuPy arrays: one fused kernel per tensor
         elif optim_cpu.supports(self.params):
-            optim_cpu.sgd_step(self)            # numba: one pass per tensor, the same arithmetic
+            self.each_tensor(optim_cpu.sgd_update)  # numba: one pass per tensor, the same arithmetic
         else:
             self._step_arrays()
         self._started = True
+
+    def each_tensor(self, update):
+        """update(w, grad, v, lr, momentum, weight_decay, nesterov, started) for every parameter,
+        weight_decay 0 where it does not decay: how a fused update (optim_cpu's, optim_gpu's
+        sgd_update) runs this step."""
+        for p, decays in zip(self.params, self.decay):
+            update(p.data, p.grad, p.state["momentum"], self.lr, self.momentum,
+                   self.weight_decay if decays else 0.0, self.nesterov, self._started)
 
     def _step_arrays(self):
         """The update as array ops (NumPy), in the order the CUDA kernel repeats."""

@@ -2,12 +2,12 @@
 weights, the gradient and the momentum instead of NumPy's 5-7 array passes, split over lowmem's
 threads (lowmem/system/threads.py) where a tensor is large.
 
-`sgd_step(opt)` is what optim.SGD.step runs when numba is present and every parameter is a
-C-contiguous float32 or float64 NumPy array: the operations of SGD._step_arrays in its order and
-its dtype (decay, momentum with PyTorch's first step v = g, Nesterov, the step; each constant
-rounded to the array's dtype first, as NumPy rounds a Python float beside an array), so the
-updated weights, momenta and gradients equal the NumPy path's bit for bit
-(tests/train/test_optim.py). The CUDA twin is optim_gpu.py.
+`sgd_update` is what optim.SGD.step runs on each tensor when numba is present and every
+parameter is a C-contiguous float32 or float64 NumPy array (`supports`): the operations of
+SGD._step_arrays in its order and its dtype (decay, momentum with PyTorch's first step v = g,
+Nesterov, the step; each constant rounded to the array's dtype first, as NumPy rounds a Python
+float beside an array), so the updated weights, momenta and gradients equal the NumPy path's bit
+for bit (tests/train/test_optim.py). The CUDA twin is optim_gpu.py.
 
 Why: the update reads and writes every parameter several times; ResNet-50's 25.6 M parameters
 took 0.047 s of a 1.7 s one-thread step in NumPy.
@@ -44,7 +44,7 @@ if AVAILABLE:
 
 
 def supports(params):
-    """Whether sgd_step takes these parameters: numba present; data, grad and momentum C-contiguous
+    """Whether sgd_update takes these parameters: numba present; data, grad and momentum C-contiguous
     NumPy arrays of one float dtype (float32 or float64)."""
     if not AVAILABLE:
         return False
@@ -66,10 +66,3 @@ def sgd_update(w, grad, v, lr, momentum, weight_decay, nesterov, started):
     flags = (bool(weight_decay), bool(momentum), bool(started), bool(nesterov))
     threads.parallel_for(lambda a, b: _update(w[a:b], grad[a:b], v[a:b], lr, momentum, wd, *flags), w.size,
                          grain=GRAIN)
-
-
-def sgd_step(opt):
-    """The update of every tensor of an optim.SGD (the caller records that a step was taken)."""
-    for p, decays in zip(opt.params, opt.decay):
-        sgd_update(p.data, p.grad, p.state["momentum"], opt.lr, opt.momentum,
-                   opt.weight_decay if decays else 0.0, opt.nesterov, opt._started)

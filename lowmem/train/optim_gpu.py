@@ -49,6 +49,4 @@ def sgd_update(w, grad, v, lr, momentum, weight_decay, nesterov, started):
 def sgd_step(opt):
     """The update of every tensor of an optim.SGD whose parameters live on the GPU; returns
     nothing: the caller (SGD.step) records that a step was taken."""
-    for p, decays in zip(opt.params, opt.decay):
-        sgd_update(p.data, p.grad, p.state["momentum"], opt.lr, opt.momentum,
-                   opt.weight_decay if decays else 0.0, opt.nesterov, opt._started)
+    opt.each_tensor(sgd_update)
