@@ -18,6 +18,7 @@ import numpy
 from ..data.transforms import normalize
 from ..system import backend
 from .allocate import allocate_bits, check_budget
+from .along import measure_along
 from .sensitivity import measure_sensitivity, measured_batches
 
 AUTO_BATCHES, AUTO_BATCH = 3, 64              # training: measured on 3 training batches of at most 64
@@ -57,21 +58,27 @@ def folder_batches(data, batch, dtype="float32", seed=0, workers=4, skip_bad=Fal
 
 
 def choose_widths(net, batches, batch_size, avg_bits=None, budget=None, mode="approx", dtype="float32",
-                  rounding="nearest", workspace_bytes=None, measured=None, names=None, momentum=None):
+                  rounding="nearest", workspace_bytes=None, measured=None, names=None, momentum=None,
+                  along=None):
     """Every unit's width for an engine of `net` at `batch_size`, measured on `batches` (B >= 2
     (x, labels)) and fitted to exactly one of avg_bits (the saved x-hat within what every unit
     at that many bits would take) and budget (the whole plan's bytes). measured(sens): called
     once the sensitivity is measured, before the widths are fitted (a command prints it).
     The budget is checked first (allocate.check_budget; `names` spells avg_bits and budget the
     caller's way, e.g. as flags), so a budget no allocation fits costs no measurement.
-    momentum: the training's SGD momentum (allocate_bits; None: 0.9).
+    momentum: the training's SGD momentum (allocate_bits; None: 0.9). along: [along.Point] of a
+    run (lowmem.train.trainstate.run_points): the widths priced over that run, each point's
+    sensitivity weighed by the learning rate there (lowmem/bits/along.py), not at `net` alone.
     Returns (Allocation, Sensitivity): the sensitivity serves to show the widths at another batch
     (allocate.allocation_for)."""
     batches = measured_batches(batches)
     if len(batches) >= 2:                         # fewer: measure_sensitivity names the problem
         check_budget(net, batch_size, tuple(batches[0][0].shape[1:]), avg_bits=avg_bits, budget=budget,
                      mode=mode, dtype=dtype, workspace_bytes=workspace_bytes, names=names, rounding=rounding)
-    sens = measure_sensitivity(net, batches, dtype=dtype, rounding=rounding)
+    if along:
+        sens = measure_along(along, batches, rounding=rounding, dtype=dtype)
+    else:
+        sens = measure_sensitivity(net, batches, dtype=dtype, rounding=rounding)
     if measured is not None:
         measured(sens)
     a = allocate_bits(net, None, batch_size=batch_size, avg_bits=avg_bits, budget=budget, mode=mode, dtype=dtype,

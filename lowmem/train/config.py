@@ -40,6 +40,7 @@ class TrainConfig:
     mode: str = "approx"            # exact | approx | naive
     bits: int = 4                   # 8, 4, 2, 1; "auto" (resolved to a {unit: K} dict at the start); a dict
     avg_bits: float = None          # bits "auto": the saved x-hat within every unit at avg_bits
+    price_along: list = None        # bits "auto": checkpoints of an earlier run the widths are priced along
     rounding: str = "nearest"       # nearest | stochastic | dither (codes drawn from the seed and the iteration)
     dtype: str = "float32"
     batch: int = 128
@@ -100,6 +101,13 @@ class TrainConfig:
             bad("bits", f"one of {', '.join(map(str, BITS[::-1]))}, 'auto' or a dict of per-unit widths")
         if self.mode == "exact" and self.rounding != "nearest":
             bad("rounding", "nearest in mode exact (it saves x-hat in float: nothing is rounded)")
+        if self.price_along is not None:
+            if self.bits != "auto":
+                bad("price_along", "only with bits='auto' (it prices the widths the allocator chooses)")
+            if (not isinstance(self.price_along, (list, tuple)) or not self.price_along
+                    or not all(isinstance(x, (str, os.PathLike)) and os.fspath(x) for x in self.price_along)):
+                bad("price_along", "a list of training checkpoint files of one earlier run")
+            self.price_along = [os.fspath(x) for x in self.price_along]
         if not (self.bits == "auto" or isinstance(self.bits, dict)) and self.avg_bits is not None:
             bad("avg_bits", "only with bits='auto' (a resumed auto run keeps it beside its widths)")
         for f in ("depth", "batch", "epochs"):

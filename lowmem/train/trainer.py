@@ -95,7 +95,7 @@ from ..core.plan import KINDS
 from ..system.memory import fmt_bytes
 from .rundir import CHECKPOINT, CONFIG, METRICS, PLAN, ResumeError, RunDirError, RunLog   # noqa: F401 (re-exported)
 from .trainstate import (FORMAT, TrainState, TrainingDiverged, check_training_meta,   # noqa: F401 (re-exported)
-                         load_model_state, saved_config, zero_sums)
+                         load_model_state, run_points, saved_config, zero_sums)
 from .steplog import StepLog
 from .stop import Stop
 
@@ -103,14 +103,16 @@ def allocate_widths(net, data, c, comm):
     """bits='auto': every unit's width through the one door (lowmem/bits/auto.py), measured on
     the first AUTO_BATCHES training batches (in order, not augmented; an image folder's: the
     first its training loader yields, through the eval transform; the same on every rank) at the
-    initial weights of `net` (not consumed), fitted to c.avg_bits. Returns the Allocation."""
+    initial weights of `net` (not consumed), or along c.price_along's checkpoints of an earlier run and
+    the initial weights (lowmem/bits/along.py), fitted to c.avg_bits. Returns the Allocation."""
     local = c.batch // comm.size
     if isinstance(data, images.ImageFolders):
         batches = folder_batches(data, local, c.dtype, seed=c.seed, workers=c.workers, skip_bad=c.skip_bad)
     else:
         batches = training_batches(data, local, c.dtype)
+    along = run_points(net, c.price_along, initial=True) if c.price_along else None
     a, _ = choose_widths(net, batches, local, avg_bits=c.avg_bits, mode=c.mode, dtype=c.dtype,
-                         rounding=c.rounding, momentum=c.momentum)
+                         rounding=c.rounding, momentum=c.momentum, along=along)
     return a
 
 
@@ -132,8 +134,10 @@ def describe(t):
     by, c = t.engine.plan.bytes_by_kind(), t.config
     lines = [t.engine.summary()]
     if t.allocation is not None:
+        at = (f"at the initial weights and {len(c.price_along)} checkpoints of an earlier run, learning-rate "
+              f"weighed" if c.price_along else "at the initial weights")
         lines += [f"bits auto ({c.avg_bits:g} bits on average), measured on {AUTO_BATCHES} training "
-                  f"batches at the initial weights:", t.allocation.table()]
+                  f"batches {at}:", t.allocation.table()]
     lines.append("planned memory by kind:")
     lines += [f"  {k:<10} {fmt_bytes(by[k]):>12}" for k in KINDS if by[k]]
     lines.append(f"  {'total':<10} {fmt_bytes(t.engine.plan.total_bytes):>12}")

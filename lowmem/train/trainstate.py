@@ -29,7 +29,9 @@ parameters of an uninterrupted run. Every failure raises: CheckpointError
 architecture, settings, or class folders that differ), TrainingDiverged
 (a state that is not finite is never written).
 """
+import copy
 import dataclasses
+import functools
 import math
 import os
 
@@ -41,6 +43,8 @@ from ..core.network import NetworkError, network_from_records, network_records
 from ..models import is_onnx_path
 from ..data.files import DataError
 from .rundir import CHECKPOINT, ResumeError
+from .config import TrainConfig, lr_at
+from ..bits.along import Point
 
 FORMAT = "lowmem-train/1"           # meta["format"] of a training checkpoint
 NOT_COMPARED = ("out", "data_dir", "progress", "time_limit", "download")   # may change on resume, silently
@@ -304,3 +308,39 @@ def load_model_state(path, net):
         name = network.get("name", "?") if isinstance(network, dict) else "?"
         raise ResumeError(f"{path} holds {name}, not {net.name}: {e}") from None
     return meta
+
+
+def _rate(it, total, config):
+    return lr_at(it, total, config)
+
+
+def run_points(net, paths, initial=True):
+    """[lowmem.bits.along.Point] from training checkpoints of one run (e.g. the epoch<E>.ckpt
+    files an accuracy study keeps), in the order of their iterations: each loaded into its own
+    copy of `net` (`net` is not changed), with the iteration and the learning rate its run's
+    schedule gives there (both read from the file). initial: `net`'s own weights too, as the point
+    at iteration 0 (the run's initial weights when `net` was built as the run built it).
+    ResumeError for checkpoints of different runs or of another network."""
+    points, first = [], None
+    for p in paths:
+        held = copy.deepcopy(net)
+        meta = load_model_state(p, held)
+        check_training_meta(meta, p)
+        c, b = TrainConfig(**meta["config"]), meta["batches"]
+        per_epoch = (b["num_samples"] // b["batch_size"] if b.get("drop_last", True)
+                     else -(-b["num_samples"] // b["batch_size"]))
+        total = int(c.epochs * per_epoch)
+        run = {"model": c.model, "depth": c.depth, "seed": c.seed, "lr": c.lr, "schedule": c.schedule,
+               "epochs": c.epochs, "iterations": total}
+        if first is not None and run != first[1]:
+            diff = ", ".join(f"{k} {run[k]} vs {first[1][k]}" for k in run if run[k] != first[1][k])
+            raise ResumeError(f"{p} is from another run than {first[0]} ({diff}): price one run's checkpoints")
+        first = first or (p, run, c)
+        it = int(meta["iteration"])
+        points.append(Point(held, it, lr_at(min(it, total - 1), total, c), total,
+                            functools.partial(_rate, total=total, config=c)))
+    if initial:
+        if not points:
+            raise ValueError("initial=True prices the initial weights along a run: name its checkpoints too")
+        points.append(Point(net, 0, lr_at(0, points[0].total, first[2]), points[0].total, points[0].schedule))
+    return sorted(points, key=lambda q: q.iteration)

@@ -98,6 +98,10 @@ def add_arguments(parser):
         type=argtypes.bits, choices=argtypes.BITS_CHOICES)
     opt("avg_bits", "with --bits auto: the saved x-hat within what every unit at A bits would take",
         type=argtypes.average_bits, metavar="A")
+    opt("price_along", "with --bits auto: price the widths along an earlier run of this network, "
+        "at its training checkpoints (e.g. RUN/epoch1.ckpt ... RUN/epoch5.ckpt) and the initial weights, "
+        "each weighed by the learning rate there (docs/bits.md 3c), instead of at the initial weights alone",
+        nargs="+", metavar="CKPT")
     opt("rounding", "how x-hat becomes a code: nearest (the fixed window), stochastic (unbiased "
         "everywhere: group ends stored, 2.125 bits/elem at --bits 2), dither (the same code, its decoder "
         "subtracting each element's draw: about half the draw variance), or stochastic-window (stochastic inside "
