@@ -14,8 +14,10 @@ byte grid: g = the greatest common divisor of every cost, cells = budget // g + 
 and for each unit in turn best[c] = min over choices k of best_before[c - cost_k] + err_k
 (the least error of the units so far within c grid steps). Unit sizes of a ResNet
 share large powers of two, so g is large and the grid small; when it would exceed
-`max_cells`, costs are rounded UP to a coarser grid instead (the budget still
-holds; the result is then optimal for the rounded costs, `Solution.exact` False).
+`max_cells`, costs are rounded UP to a coarser grid instead, the grid runs n cells
+past the budget (n units overstate their sum by less than n steps) and the fullest
+cell whose allocation fits the true budget is taken (the budget holds; the result
+is then near-optimal, `Solution.exact` False).
 
     sens = sensitivity.measure_sensitivity(net, batches)
     a = allocate(sens, batch_size=128, avg_bits=2)      # or code_bytes=...
@@ -85,6 +87,11 @@ def solve(costs, errors, budget, max_cells=MAX_CELLS):
         g = -(-room // (max_cells - 1))
     cells = room // g + 1
     steps = [[-(-b // g) for b in c] for c in extra]
+    # rounded up, the costs of n items overstate their sum by less than n grid steps: the cells up
+    # to room // g + n may hold allocations that fit the true budget (uniform K's bytes exactly,
+    # e.g., where every unit's cost carries a few odd bytes); the fullest that does is taken below
+    top = room // g + (0 if exact else n)
+    cells = top + 1
     best = numpy.zeros(cells)                     # no item yet: error 0 within any budget
     picks = numpy.empty((n, cells), numpy.int16)
     for i in range(n):
@@ -98,14 +105,21 @@ def solve(costs, errors, budget, max_cells=MAX_CELLS):
             new[better] = cand[better]
             picks[i, better] = k
         best = new
-    c = cells - 1
-    if not numpy.isfinite(best[c]):               # only where errors are infinite
+
+    def walk(c):                                  # the options taken within c cells: the last's, then back
+        choice = [0] * n
+        for i in range(n - 1, -1, -1):
+            choice[i] = int(picks[i, c])
+            c -= steps[i][choice[i]]
+        return choice
+    for c in range(top, room // g - 1, -1):       # room // g always fits (costs rounded up)
+        if not numpy.isfinite(best[c]):
+            continue
+        choice = walk(c)
+        if sum(extra[i][k] for i, k in enumerate(choice)) <= room:
+            break
+    else:                                         # only where errors are infinite
         raise ValueError(f"no allocation within the budget {fmt_bytes(budget)} has a finite predicted error")
-    choice = [0] * n
-    for i in range(n - 1, -1, -1):                # walk back: the option taken, then its cost
-        k = int(picks[i, c])
-        choice[i] = k
-        c -= steps[i][k]
     total = sum(int(costs[i][k]) for i, k in enumerate(choice))
     return Solution(choice, total, float(sum(errors[i][k] for i, k in enumerate(choice))), exact)
 

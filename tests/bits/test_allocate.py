@@ -294,3 +294,22 @@ def test_identical_batches_and_networks_without_units(tiny):
     plain = g.head(g.conv(g.input, 4, 3))
     with pytest.raises(ValueError, match="the network has no BN-ReLU unit"):
         allocate.allocate_bits(plain, batches, avg_bits=2)
+
+
+def test_a_coarse_grid_still_affords_an_allocation_that_fills_the_budget_exactly():
+    """Costs with a few odd bytes each (the dithered code's 24-byte stream per unit, group ends)
+    make the exact grid too fine; on the coarse one the costs are rounded up. A budget of exactly
+    every unit's 2-bit bytes must still give every unit 2 bits, not force one to its (much worse)
+    1 bit because the rounded costs overstate the sum."""
+    rng = np.random.default_rng(5)
+    elements = [int(e) for e in rng.integers(1_000, 200_000, 20) * 64]
+    costs = [[e // 8, e * 2 // 8 + e // 256 * 4 + 24, e * 4 // 8 + e // 256 * 4 + 24] for e in elements]
+    errors = [[1e6, 1.0, 0.1] for _ in elements]
+    budget = sum(c[1] for c in costs)
+    sol = allocate.solve(costs, errors, budget, max_cells=1000)
+    assert not sol.exact
+    assert sol.choice == [1] * len(costs) and sol.bytes == budget
+    # and where a little more fits, it is still within the budget and never worse than uniform 2-bit
+    more = budget + 3 * costs[0][2]
+    sol = allocate.solve(costs, errors, more, max_cells=1000)
+    assert sol.bytes <= more and sol.error <= len(costs) * 1.0 and 2 in sol.choice
