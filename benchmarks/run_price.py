@@ -13,7 +13,8 @@ seed 0) with lowmem.bits.along.measure_along, for each rounding the study traine
                 the run, learning-rate weighed), and the price at the initial weights alone
                 (what the allocator sees when it measures at the start of a run)
     measured    the study's accuracy cost, exact minus the allocation's final test accuracy,
-                paired per seed (mean ± s.e.)
+                paired per seed (mean ± s.e.) over every seed of --seeds the study trained (the
+                prices are the mean over the seeds whose exact run kept its epoch checkpoints)
 
 for the allocations the study trained (uniform 2 and 4 bits under each rounding) and the
 allocator's own choice at 2.125 bits per element (avg_bits=2: uniform 2-bit's bytes, the group
@@ -143,7 +144,7 @@ def main(argv=None):
 
 
 def report(out, results, seeds, roundings):
-    measured = measured_costs(results, [s for s in seeds if s in out["seeds"]])
+    measured = measured_costs(results, seeds)         # every seed the study trained, priced or not
     priced = [s for s in out["seeds"].values()]
     if not priced:
         return
