@@ -1,6 +1,8 @@
 """lowmem/system/threads.py: the split of work over lowmem's threads, and its configuration."""
 import threading
 
+import numpy
+
 import pytest
 
 from lowmem.system import threads
@@ -83,3 +85,71 @@ def test_lowmem_threads_environment_variable(monkeypatch):
     monkeypatch.setenv("LOWMEM_THREADS", "1")
     assert threads.configure() == 1
     threads.configure(before)
+
+
+def test_spin_returns_the_new_value_or_gives_up_after_its_reads():
+    spin = threads._spinner()
+    if spin is None:
+        pytest.skip("numba is not installed: the pool uses its locks alone")
+    flag = numpy.array([5], numpy.int64)
+    assert spin(flag, 4, 1 << 30) == 5            # already differs: at once
+    assert spin(flag, 5, 1000) == 5               # never changes: `seen` after 1,000 reads
+    later = threading.Timer(0.05, lambda: flag.__setitem__(0, 6))
+    later.start()
+    assert spin(flag, 5, 1 << 40) == 6            # another thread's store is seen (not hoisted)
+    later.join()
+
+
+@pytest.mark.parametrize("spinning", [True, False])
+def test_the_pool_with_and_without_the_spin(monkeypatch, spinning):
+    """Every item once over many calls in a row, errors after every range, and a resize that
+    stops the old workers, whether the workers spin (numba) or only block on their locks."""
+    if not spinning:
+        monkeypatch.setattr(threads, "_spinner", lambda: None)
+    before = threads.threads()
+    threads.configure(1)
+    try:
+        assert threads.configure(3) == 3
+        workers = list(threads._pool)
+        assert len(workers) == 2
+        assert all((w.spin is None) == (not spinning or threads._spinner() is None) for w in workers)
+        out = numpy.zeros(64, numpy.int64)
+
+        def body(lo, hi):
+            out[lo:hi] += 1
+        for _ in range(200):
+            threads.parallel_for(body, 64)
+        assert (out == 200).all()
+        def fails(lo, hi):
+            if lo:                                       # the two workers' ranges fail
+                raise ValueError(f"range {lo // 4}")
+        with pytest.raises(ValueError, match="range 1"):   # the first, after both
+            threads.parallel_for(fails, 12)
+        threads.configure(2)
+        assert not any(w.thread.is_alive() for w in workers) and len(threads._pool) == 1
+        threads.parallel_for(body, 64)
+        assert (out == 201).all()
+    finally:
+        threads.configure(before)
+
+
+def test_two_callers_at_once_each_cover_their_range(two_threads):
+    """A call made while another thread's call has the workers runs serially: both complete."""
+    results = {}
+
+    def caller(name):
+        seen = []
+        lock = threading.Lock()
+
+        def body(lo, hi):
+            with lock:
+                seen.extend(range(lo, hi))
+        for _ in range(100):
+            threads.parallel_for(body, 50)
+        results[name] = sorted(seen)
+    ts = [threading.Thread(target=caller, args=(k,)) for k in "ab"]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert results["a"] == results["b"] == sorted(list(range(50)) * 100)

@@ -1,0 +1,29 @@
+"""spin(flag, seen, limit): wait for flag[0] to change without holding the GIL (needs numba).
+
+An atomic (acquire) load of flag[0] in a nogil numba loop, `limit` reads at most: returns
+the value once it differs from `seen`, else `seen`. lowmem's pool threads (threads.py) wait
+on it for the next task, and the caller for a range to finish, before they block on a lock.
+"""
+from numba import njit
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+@intrinsic
+def _load_acquire(typingctx, arr_t, idx_t):
+    """arr[idx] by an atomic load with acquire ordering: read afresh on every iteration (a
+    plain load of memory the loop never writes could be hoisted out of it)."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(arr_t)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, arr_t, ary, [args[1]])
+        return builder.load_atomic(ptr, ordering="acquire", align=arr_t.dtype.bitwidth // 8)
+    return arr_t.dtype(arr_t, idx_t), codegen
+
+
+@njit(nogil=True, cache=True)
+def spin(flag, seen, limit):
+    for _ in range(limit):
+        v = _load_acquire(flag, 0)
+        if v != seen:
+            return v
+    return seen
