@@ -136,7 +136,8 @@ def _spinner():
 
 
 SPIN_READS = 1 << 18    # about 90 us of reads (0.33 ns each on a Zen 4 EPYC): how long a pool thread
-                        # waits for the next task (and the caller for a range) before it blocks on a lock
+                        # waits for the next task before it blocks on its lock
+WAIT_READS = 1 << 18    # and how long the caller waits for a worker's range (0: block at once)
 
 
 class _Worker:
@@ -181,8 +182,8 @@ class _Worker:
 
     def wait(self):
         """Block until the range is done; its error, or None."""
-        if self.spin is not None:
-            self.spin(self.fin, self.seq[0] - 1, SPIN_READS)
+        if self.spin is not None and WAIT_READS:
+            self.spin(self.fin, self.seq[0] - 1, WAIT_READS)
         self.done.acquire()
         self.task = None
         return self.error
