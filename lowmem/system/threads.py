@@ -43,6 +43,7 @@ bits).
 """
 import os
 import threading
+import time
 
 import numpy
 
@@ -165,17 +166,25 @@ class _Worker:
             seen = int(self.seq[0])
             task = self.task
             if task is None:                             # stop()
-                self.fin[0] = seen
                 self.done.release()
+                self.fin[0] = seen
                 return
             try:
                 _in_range(*task)
             except BaseException as e:                   # re-raised by the caller
                 self.error = e
+            self.done.release()                          # then fin: fin == seq means `done` was released
             self.fin[0] = seen
-            self.done.release()
+
+    def _settle(self):
+        """After a wait() that an exception (Ctrl-C) cut short: let that range end and take its
+        `done`, so the worker is idle and `done` held, as after a full wait. At once otherwise."""
+        while int(self.fin[0]) != int(self.seq[0]):
+            time.sleep(0.0001)
+        self.done.acquire(blocking=False)
 
     def start(self, fn, lo, hi):
+        self._settle()
         self.task, self.error = (fn, lo, hi), None
         self.seq[0] += 1                                 # before go: the worker reads seq once it has go
         self.go.release()
@@ -189,6 +198,7 @@ class _Worker:
         return self.error
 
     def stop(self):
+        self._settle()
         self.task = None
         self.seq[0] += 1
         self.go.release()

@@ -153,3 +153,28 @@ def test_two_callers_at_once_each_cover_their_range(two_threads):
     for t in ts:
         t.join()
     assert results["a"] == results["b"] == sorted(list(range(50)) * 100)
+
+
+def test_a_wait_cut_short_leaves_the_pool_usable(two_threads):
+    """An exception (Ctrl-C) while the caller waits for a worker's range: the next call lets that
+    range end first and then runs as usual (nothing hangs, nothing runs twice at once)."""
+    w = threads._pool[0]
+    started, release = threading.Event(), threading.Event()
+    w.start(lambda lo, hi: (started.set(), release.wait(5)), 0, 1)
+    started.wait(5)
+    threading.Timer(0.05, release.set).start()         # the cut-short wait never took `done`
+    out = numpy.zeros(8, numpy.int64)
+
+    def body(lo, hi):
+        out[lo:hi] += 1
+
+    def calls():
+        threads.parallel_for(body, 8)
+        assert (out == 1).all() and release.is_set()
+        for _ in range(50):
+            threads.parallel_for(body, 8)
+    t = threading.Thread(target=calls, daemon=True)      # a pool that hangs fails here, not forever
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the pool hung after a wait cut short"
+    assert (out == 51).all()
