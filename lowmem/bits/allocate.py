@@ -85,7 +85,6 @@ def solve(costs, errors, budget, max_cells=MAX_CELLS):
     exact = room // g + 1 <= max_cells
     if not exact:                                 # a coarser grid; costs rounded up: still within budget
         g = -(-room // (max_cells - 1))
-    cells = room // g + 1
     steps = [[-(-b // g) for b in c] for c in extra]
     # rounded up, the costs of n items overstate their sum by less than n grid steps: the cells up
     # to room // g + n may hold allocations that fit the true budget (uniform K's bytes exactly,

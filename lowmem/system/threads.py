@@ -144,8 +144,8 @@ WAIT_READS = 1 << 18    # and how long the caller waits for a worker's range (0:
 class _Worker:
     """One pool thread. It waits for a task, spinning SPIN_READS reads on `seq` (a counter the
     caller bumps per task) and then blocking on the `go` lock (released once per task); runs the
-    range it was given, records an error, and bumps `fin` (which the caller spins on) and
-    releases `done`. Without numba only the locks."""
+    range it was given, records an error, releases `done` and then bumps `fin` (which the
+    caller spins on: fin == seq means `done` was released). Without numba only the locks."""
 
     def __init__(self, i, spin):
         self.go, self.done = threading.Lock(), threading.Lock()

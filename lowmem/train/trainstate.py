@@ -41,6 +41,7 @@ from .._version import __version__
 from .checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
 from ..core.network import NetworkError, network_from_records, network_records
 from ..models import is_onnx_path
+from ..data.batches import EpochOrder
 from ..data.files import DataError
 from .rundir import CHECKPOINT, ResumeError
 from .config import TrainConfig, lr_at
@@ -310,10 +311,6 @@ def load_model_state(path, net):
     return meta
 
 
-def _rate(it, total, config):
-    return lr_at(it, total, config)
-
-
 def run_points(net, paths, initial=True):
     """[lowmem.bits.along.Point] from training checkpoints of one run (e.g. the epoch<E>.ckpt
     files an accuracy study keeps), in the order of their iterations: each loaded into its own
@@ -327,9 +324,7 @@ def run_points(net, paths, initial=True):
         meta = load_model_state(p, held)
         check_training_meta(meta, p)
         c, b = TrainConfig(**meta["config"]), meta["batches"]
-        per_epoch = (b["num_samples"] // b["batch_size"] if b.get("drop_last", True)
-                     else -(-b["num_samples"] // b["batch_size"]))
-        total = int(c.epochs * per_epoch)
+        total = c.epochs * len(EpochOrder(b["num_samples"], b["batch_size"], drop_last=b.get("drop_last", True)))
         run = {"model": c.model, "depth": c.depth, "seed": c.seed, "lr": c.lr, "schedule": c.schedule,
                "epochs": c.epochs, "iterations": total}
         if first is not None and run != first[1]:
@@ -338,7 +333,7 @@ def run_points(net, paths, initial=True):
         first = first or (p, run, c)
         it = int(meta["iteration"])
         points.append(Point(held, it, lr_at(min(it, total - 1), total, c), total,
-                            functools.partial(_rate, total=total, config=c)))
+                            functools.partial(lr_at, total=total, config=c)))
     if initial:
         if not points:
             raise ValueError("initial=True prices the initial weights along a run: name its checkpoints too")
