@@ -26,7 +26,6 @@ A measurement tool: nothing is timed.
 import argparse
 import glob
 import json
-import math
 import os
 import re
 import statistics
@@ -40,7 +39,7 @@ from lowmem.data.datasets import load_dataset                   # noqa: E402
 from lowmem.models import MODELS                                # noqa: E402
 from lowmem.train.checkpoint import load_checkpoint             # noqa: E402
 from lowmem.train.trainstate import run_points                  # noqa: E402
-from accuracy import T95, noise_batches                         # noqa: E402 (benchmarks/accuracy.py)
+from accuracy import noise_batches, paired                         # noqa: E402 (benchmarks/accuracy.py)
 
 # the study's trained allocations: its label -> (rounding, K for every unit)
 TRAINED = {"approx 2-bit unbiased": ("stochastic", 2), "approx 2-bit dithered": ("dither", 2),
@@ -55,18 +54,15 @@ def epoch_checkpoints(run_dir):
 
 
 def measured_costs(results, seeds):
-    """{label: {"per_seed": {s: exact − label}, "mean", "se", "ci"}} of the study's finished runs."""
-    runs, out = results["runs"], {}
+    """{label: {"per_seed": {s: exact − label}, "mean", "se", "ci"}} of the study's finished runs:
+    accuracy.paired's differences to exact, turned into costs."""
+    out = {}
     for name in TRAINED:
-        d = {s: runs[f"exact|{s}"]["final_test_acc"] - runs[f"{name}|{s}"]["final_test_acc"]
-             for s in seeds if f"exact|{s}" in runs and f"{name}|{s}" in runs}
-        if not d:
-            continue
-        v = list(d.values())
-        se = statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else float("nan")
-        t = T95.get(len(v) - 1, 1.96)
-        m = statistics.mean(v)
-        out[name] = {"per_seed": d, "mean": m, "se": se, "ci": (m - t * se, m + t * se)}
+        d = paired(results, name, "exact", seeds)
+        if d is not None:
+            lo, hi = d["diff_ci"]
+            out[name] = {"per_seed": {s: -x for s, x in zip(d["seeds"], d["diffs"])}, "mean": -d["diff"],
+                         "se": d["diff_se"], "ci": (-hi, -lo)}
     return out
 
 
@@ -80,16 +76,6 @@ def kendall(a, b):
             if x < 0:
                 bad.append((i, j))
     return (s / (n * (n - 1) / 2) if n > 1 else float("nan")), bad
-
-
-def paired_gap(results, a, b, seeds):
-    """Accuracy of b minus a, paired per seed: (mean, 95% t half-width)."""
-    runs = results["runs"]
-    d = [runs[f"{b}|{s}"]["final_test_acc"] - runs[f"{a}|{s}"]["final_test_acc"]
-         for s in seeds if f"{a}|{s}" in runs and f"{b}|{s}" in runs]
-    if len(d) < 2:
-        return float("nan"), float("nan")
-    return statistics.mean(d), T95.get(len(d) - 1, 1.96) * statistics.stdev(d) / math.sqrt(len(d))
 
 
 def main(argv=None):

@@ -134,12 +134,7 @@ class RunSensitivity:
         return sum(w * p for w, p in zip(self.weights, self.price_at(bits, bias_steps)))
 
     def _check(self, bits):
-        if not isinstance(bits, dict):
-            return dict.fromkeys(self.units, bits)
-        for u in bits:
-            if u not in self.shapes:
-                raise ValueError(f"unknown unit {u!r}; the units are {', '.join(self.units)}")
-        return {u: bits.get(u, "float") for u in self.units}
+        return self.sens[0].widths(bits) if isinstance(bits, dict) else dict.fromkeys(self.units, bits)
 
 
 def measure_along(points, batches, rounding="nearest", dtype="float32", total=None, log=None):

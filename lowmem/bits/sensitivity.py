@@ -130,12 +130,17 @@ class Sensitivity:
         bias2 = 0.0 if code_for(self.rounding, bits).unbiased else self.bias2(unit, bits)
         return objective_of(bias2, self.variance2(unit, bits), self.noise_norm, bias_steps)
 
-    def predict2(self, allocation):
-        """Predicted squared error norm of an allocation {unit: K or FLOAT} (missing: FLOAT)."""
+    def widths(self, allocation):
+        """{unit: K or FLOAT} for every unit of an allocation {unit: K or FLOAT} (missing: FLOAT);
+        ValueError naming a unit the network does not have."""
         for u in allocation:
             if u not in self.shapes:
                 raise ValueError(f"unknown unit {u!r}; the units are {', '.join(self.units)}")
-        return sum(self.error2(u, allocation.get(u, FLOAT)) for u in self.units)
+        return {u: allocation.get(u, FLOAT) for u in self.units}
+
+    def predict2(self, allocation):
+        """Predicted squared error norm of an allocation {unit: K or FLOAT} (missing: FLOAT)."""
+        return sum(self.error2(u, k) for u, k in self.widths(allocation).items())
 
     def predict(self, allocation):
         """Predicted rms norm of the gradient error of an allocation (gradient_error's error_norm)."""
