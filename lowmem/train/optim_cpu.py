@@ -18,7 +18,7 @@ from ..system import threads
 from ..system.backend import numba_available
 
 AVAILABLE = numba_available()
-GRAIN = 1 << 18         # elements per thread below which a tensor's update is not split (a hand-over costs ~60 us)
+GRAIN = 1 << 18         # elements per thread below which a tensor's update is not split (set when a hand-over cost ~60 us)
 
 if AVAILABLE:
     from numba import njit
