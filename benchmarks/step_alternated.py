@@ -52,6 +52,19 @@ def random_batch(n, shape=(3, 32, 32), classes=10):
     return rng.standard_normal((n,) + tuple(shape)).astype(numpy.float32), rng.integers(0, classes, n)
 
 
+def batch_for(parser, args):
+    """random_batch(args.batch) for the pre-activation ResNet, or at the input shape and classes
+    of args.model (an .onnx file; a file it cannot read is the parser's error)."""
+    if not args.model:
+        return random_batch(args.batch)
+    from lowmem.formats.onnx_import import file_input_shape
+    try:
+        shape, classes = file_input_shape(args.model), lowmem.nn.from_onnx(args.model).num_classes
+    except (OSError, ValueError) as e:
+        parser.error(f"--model: {e}")
+    return random_batch(args.batch, shape, classes)
+
+
 def make_step(L, depth, mode, bits, rounding, x, y, model=None):
     """(one training step of a fresh engine, its plan bytes): models.preact_resnet_cifar(depth) of
     the lowmem package L (this checkout's, or an older copy: rounding is passed only when not
@@ -117,15 +130,7 @@ def main(argv=None):
                    help="then profile as many rounds and print the N functions with the most own time")
     args = p.parse_args(argv)
     configs = args.configs.split(",")
-    if args.model:
-        from lowmem.formats.onnx_import import file_input_shape
-        try:
-            shape, classes = file_input_shape(args.model), lowmem.nn.from_onnx(args.model).num_classes
-        except (OSError, ValueError) as e:
-            p.error(f"--model: {e}")
-        x, y = random_batch(args.batch, shape, classes)
-    else:
-        x, y = random_batch(args.batch)
+    x, y = batch_for(p, args)
     steps, plans = {}, {}
     for c in configs:
         steps[c], plans[c] = make_step(lowmem, args.depth, *parse(c), x, y, args.model)

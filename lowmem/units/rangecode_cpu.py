@@ -35,6 +35,9 @@ if AVAILABLE:
     from numba import njit
     from .cpu_base import _opts
     from ..ops.bitpack_cpu import pack_any as _pack_any, unpack_any as _unpack_any
+    from ..system.prefetch import prefetch
+
+    LINE = 16                   # float32 elements per 64-byte cache line (float64: every other line)
 
     @njit(**_opts)
     def _range(xi, xu, nil, sign):
@@ -78,11 +81,14 @@ if AVAILABLE:
         codes = numpy.empty(BLOCK, numpy.uint8)       # a block's codes, one per byte, packed at its end
         f = numpy.zeros(4, x.dtype)                     # conversions into x's dtype (as astype)
         e = ends.view(x.dtype)
+        par = numpy.empty((BLOCK // GROUP, 4), x.dtype)   # per group of a block: safe, z, q_lo, q_hi
         nil = f[3]
         nan = (big + big) - (big + big)
         end = min(n, g1 * GROUP)
         for a0 in range(g0 * GROUP, end, BLOCK):
             a1 = min(end, a0 + BLOCK)
+            # first every group's range and constants (independent chains, which the core overlaps),
+            # then its codes: a group's codes wait on its step and zero point, not on the next range
             for a in range(a0, a1, GROUP):
                 g = a // GROUP
                 b = min(n, a + GROUP)
@@ -102,14 +108,25 @@ if AVAILABLE:
                 z = nil if z != z else (big if z > big else z)
                 z = nil if z < nil else (lev if z > lev else z)
                 s64 = numpy.float64(safe)
-                reach = numpy.floor(F32_MAX / s64)          # levels whose decode stays finite
-                if reach * s64 > F32_MAX:
-                    reach -= 1.0
-                f[1] = max(numpy.float64(z) - reach, 0.0)
-                f[2] = min(numpy.float64(z) + reach, numpy.float64(lev))
-                _quantize_group(codes[a - a0:b - a0], x[a:b], safe, z, f[1], f[2], nil)
+                if s64 * (lev + 1.0) <= F32_MAX:             # every level's decode is finite (exact:
+                    f[1] = 0.0                              # lev + 1 is a power of two, so reach
+                    f[2] = lev                              # >= lev below): no float64 division
+                else:
+                    reach = numpy.floor(F32_MAX / s64)      # levels whose decode stays finite
+                    if reach * s64 > F32_MAX:
+                        reach -= 1.0
+                    f[1] = max(numpy.float64(z) - reach, 0.0)
+                    f[2] = min(numpy.float64(z) + reach, numpy.float64(lev))
+                q = (a - a0) // GROUP
+                par[q, 0], par[q, 1], par[q, 2], par[q, 3] = safe, z, f[1], f[2]
                 scale[g] = s32
                 zero[g] = numpy.uint8(numpy.int32(z))
+            for a in range(a0, a1, GROUP):
+                b = min(n, a + GROUP)
+                q = (a - a0) // GROUP
+                for p in range(a + BLOCK, min(end, a + BLOCK + GROUP), LINE):    # the next block's group q
+                    prefetch(xi, p)
+                _quantize_group(codes[a - a0:b - a0], x[a:b], par[q, 0], par[q, 1], par[q, 2], par[q, 3], nil)
             _pack_any(packed[a0 * bits // 8:(a1 * bits + 7) // 8], codes[:a1 - a0], bits)
 
     @njit(**_opts)
