@@ -171,6 +171,23 @@ if AVAILABLE:
                                      t_o, t_c, kc, L)
             lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3] = bo, so, bc, sc
 
+    @njit(inline="always")
+    def _drawn(xh, g, b, s, bo, so, bc, sc, n_open, kf, rf):
+        """(code, relu(y)) of one element (unbiased._encode_block) from its x-hat, its group's
+        levels and its draw R < 2**24 as a float32 rf (exact), y = x-hat*g + b."""
+        y = xh * g + b
+        on = y > 0
+        u = xh * s
+        bb = bo if on else bc
+        st = so if on else sc
+        nn = n_open if on else kf
+        p = (u - bb) / st
+        p = p if st > 0 else F0
+        p = p + rf * R_SCALE
+        j = min(max(numpy.floor(p), F0), nn - F32(1))
+        code = kf + j if on else j
+        return numpy.uint8(numpy.int32(code)), (y if on else F0)
+
     @njit(**_opts)
     def _draw_each(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
         """codes <- the block's codes when each element draws its own uniform (unbiased._encode_block,
@@ -184,21 +201,8 @@ if AVAILABLE:
             xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
             zq = z0 + U64(q0) * GOLDEN
             for t in range(xq.size):
-                xh = xq[t]
-                y = xh * g + b
-                on = y > 0
-                u = xh * s
-                bb = bo if on else bc
-                st = so if on else sc
-                nn = n_open if on else kf
-                p = (u - bb) / st
-                p = p if st > 0 else F0
-                r = cpu_base._counter_bits(zq + U64(t) * GOLDEN)                         # < 2**24: exact
-                p = p + F32(r) * R_SCALE
-                j = min(max(numpy.floor(p), F0), nn - F32(1))
-                code = kf + j if on else j
-                cq[t] = numpy.uint8(numpy.int32(code))
-                oq[t] = y if on else F0
+                rf = F32(cpu_base._counter_bits(zq + U64(t) * GOLDEN))                   # < 2**24: exact
+                cq[t], oq[t] = _drawn(xq[t], g, b, s, bo, so, bc, sc, n_open, kf, rf)
 
     @njit(**_opts)
     def _draw_dither(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
@@ -216,22 +220,9 @@ if AVAILABLE:
             xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
             u0 = F32(cpu_base._counter_bits(z0 + U64(q0) * GOLDEN))                  # < 2**24: exact
             for t in range(xq.size):
-                xh = xq[t]
-                y = xh * g + b
-                on = y > 0
-                u = xh * s
-                bb = bo if on else bc
-                st = so if on else sc
-                nn = n_open if on else kf
-                p = (u - bb) / st
-                p = p if st > 0 else F0
                 v = u0 - WEYL_NEG[t]
-                r = v if v >= F0 else u0 + WEYL_F[t]
-                p = p + r * R_SCALE
-                j = min(max(numpy.floor(p), F0), nn - F32(1))
-                code = kf + j if on else j
-                cq[t] = numpy.uint8(numpy.int32(code))
-                oq[t] = y if on else F0
+                rf = v if v >= F0 else u0 + WEYL_F[t]
+                cq[t], oq[t] = _drawn(xq[t], g, b, s, bo, so, bc, sc, n_open, kf, rf)
 
     @njit(inline="always")
     def _dither_a(z0, q0):
