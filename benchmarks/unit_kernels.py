@@ -3,7 +3,11 @@ ResNet-164's unit shapes (batch 128): ms, GB/s at the bytes each must move, the 
 exact twin, the share of the copy bandwidth; the vector registers in their compiled code
 (ymm: AVX2, zmm: AVX-512) and each kernel's first call (its JIT compile).
 
-    python benchmarks/unit_kernels.py [--bits 4] [--threads 2]
+    python benchmarks/unit_kernels.py [--bits 4] [--threads 2] [--rounding nearest|stochastic|dither]
+
+--rounding nearest (the default) times the window code's kernels (units/window_cpu.py);
+stochastic and dither the unbiased code's (units/unbiased_cpu.py, the stochastic or the dithered
+draw), each against the same exact twins.
 
 Runs in a fresh process with a new, empty numba cache (so inspect_asm works and the JIT time
 shows), after the machine is quiet (benchmarks/harness.py); best of 3 interleaved rounds x 6 calls.
@@ -23,6 +27,9 @@ KERNEL_SHAPES = ((16, 131072), (64, 131072), (128, 32768), (256, 8192))   # ResN
 # window_cpu's compiled kernels (private: the smoke test checks every name exists)
 ASM_KERNELS = ("_quantize_block", "_pack", "_unpack", "_decode_relu_block", "_decode_sums", "_decode_dx_block",
                "_forward_exact", "_exact_sums", "_exact_dx_block", "_stats")
+# unbiased_cpu's (--rounding stochastic or dither)
+UNBIASED_ASM_KERNELS = ("_forward_rows", "_range", "_draw_each", "_draw_dither", "_draw_systematic", "_decode_rows",
+                        "_conv_input", "_backward_rows", "_sums", "_dx")
 
 
 def _best_time(fn, reps, setup=None):
@@ -37,9 +44,11 @@ def _best_time(fn, reps, setup=None):
     return best
 
 
-def kernel_cases(C, M, bits):
+def kernel_cases(C, M, bits, rounding="nearest"):
     """(name, exact twin, bytes moved per element, call, setup) for one unit shape. The calls are
-    the engine's: forward in place (out is x), backward in place (dx is dr, restored untimed)."""
+    the engine's: forward in place (out is x), backward in place (dx is dr, restored untimed).
+    rounding stochastic or dither: the unbiased code's kernels in place of the window code's
+    (their slot's bytes per element, metadata included, in place of bits/8)."""
     import numpy as np
     from lowmem.units import packing, window
     from lowmem.system import threads
@@ -60,6 +69,26 @@ def kernel_cases(C, M, bits):
     fresh = lambda: np.copyto(dr, grad)                                        # noqa: E731
     copy = lambda: threads.parallel_for(lambda c0, c1: np.copyto(out[c0:c1], x[c0:c1]), C)  # noqa: E731
     kb = bits / 8
+    if rounding != "nearest":
+        from lowmem.units import unbiased, unbiased_cpu as ub
+        dither = rounding == "dither"
+        slot = np.zeros(unbiased.slot_nbytes(C, M, bits, dither), np.uint8)
+        kb = slot.size / x.size
+        unbiased.quantize_pack(slot, xhat, g, b, bits, 7, dither=dither)     # the reference: no JIT before the timing
+        tag = f"{bits}-bit {rounding}"
+        return [
+            ("plain copy", None, 8, copy, None),
+            ("forward exact", None, 12, lambda: fast.unit_forward_exact(buf, xhat, buf, mean, rstd, g, b), None),
+            (f"forward {tag}", "forward exact", 8 + kb,
+             lambda: ub.unit_forward(buf, slot, buf, mean, rstd, g, b, bits, False, 7, dither=dither), None),
+            ("conv input exact", None, 8, lambda: fast.conv_input(out, xhat, None, None, g, b), None),
+            (f"conv input {tag}", "conv input exact", 4 + kb,
+             lambda: ub.decode(out, slot, g, b, bits, relu=True, dither=dither), None),
+            ("backward exact", None, 20,
+             lambda: fast.unit_backward(dr, dg, db, dr, xhat, None, None, g, b, rstd, False), fresh),
+            (f"backward {tag}", "backward exact", 12 + 2 * kb,
+             lambda: ub.unit_backward(dr, dg, db, dr, slot, g, b, rstd, bits, False, dither=dither), fresh),
+        ]
     return [
         ("plain copy", None, 8, copy, None),
         ("bn_stats", None, 8, lambda: fast.bn_stats(mean, var, rstd, x, 1e-5), None),
@@ -87,7 +116,7 @@ def worker(args):
         return 0
     rows, first_call_s = [], {}
     for C, M in KERNEL_SHAPES:
-        cases = kernel_cases(C, M, args.bits)
+        cases = kernel_cases(C, M, args.bits, args.rounding)
         for name, _twin, _bpe, fn, setup in cases:           # first calls: JIT compile or cache load
             if name not in first_call_s:
                 t = time.perf_counter()
@@ -103,27 +132,32 @@ def worker(args):
             rows.append(dict(shape=f"{C}x{M}", kernel=name, ms=best[name] * 1e3, gb_s=bw / 1e9, bytes_per_elem=bpe,
                              ratio_to_twin=best[name] / best[twin] if twin else None, of_copy_bw=bw / copy_bw))
     asm = {}
-    for name in ASM_KERNELS:
-        disp = getattr(fast, name)
+    from lowmem.units import unbiased_cpu
+    module, names = (fast, ASM_KERNELS) if args.rounding == "nearest" else (unbiased_cpu, UNBIASED_ASM_KERNELS)
+    for name in names:
+        disp = getattr(module, name, None)
+        if disp is None:                                     # an older checkout's kernel set
+            asm[name] = "n/a (absent)"
+            continue
         try:
             text = "\n".join(disp.inspect_asm().values())
         except Exception as e:                               # cached code cannot be inspected
             asm[name] = f"n/a ({type(e).__name__})"
             continue
         asm[name] = {"ymm": len(re.findall(r"%ymm", text)), "zmm": len(re.findall(r"%zmm", text))}
-    res = dict(status="ok", threads=threads.threads(), bits=args.bits, rows=rows, first_call_s=first_call_s,
+    res = dict(status="ok", threads=threads.threads(), bits=args.bits, rounding=args.rounding, rows=rows, first_call_s=first_call_s,
                asm=asm, source_sha=harness.source_hash())
     harness.result_line(res)
     return 0
 
 
 def kernel_table(res):
-    head = (f"{'unit (C x N*H*W)':<17} {'kernel':<20} {'ms':>8} {'GB/s':>7} {'B/elem':>7} {'/ exact twin':>12} "
+    head = (f"{'unit (C x N*H*W)':<17} {'kernel':<28} {'ms':>8} {'GB/s':>7} {'B/elem':>7} {'/ exact twin':>12} "
             f"{'/ copy GB/s':>11}")
     lines = [head, "-" * len(head)]
     for r in res["rows"]:
         ratio = f"{r['ratio_to_twin']:.2f}" if r["ratio_to_twin"] is not None else "-"
-        lines.append(f"{r['shape']:<17} {r['kernel']:<20} {r['ms']:>8.3f} {r['gb_s']:>7.1f} "
+        lines.append(f"{r['shape']:<17} {r['kernel']:<28} {r['ms']:>8.3f} {r['gb_s']:>7.1f} "
                      f"{r['bytes_per_elem']:>7.3g} {ratio:>12} {r['of_copy_bw']:>11.2f}")
     return "\n".join(lines)
 
@@ -145,6 +179,8 @@ def kernel_summary(res):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bits", type=int, default=4, choices=(8, 4, 2, 1), help="bit width (default: %(default)s)")
+    ap.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic", "dither"),
+                    help="the window code's kernels (nearest) or the unbiased code's (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="lowmem threads (default: os.cpu_count() = %(default)s)")
     ap.add_argument("--json", metavar="PATH", help="also write the result as JSON")
@@ -163,7 +199,7 @@ def main(argv=None):
     cache = tempfile.mkdtemp(prefix="lowmem-numba-")
     try:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--bits", str(args.bits),
-               "--threads", str(args.threads)]
+               "--threads", str(args.threads), "--rounding", args.rounding]
         k = harness.run_supervised(cmd, harness.Supervision.from_args(args), log, label="unit kernels",
                                    env=dict(os.environ, NUMBA_CACHE_DIR=cache), done=lambda r: "rows" in r)
     finally:
@@ -171,12 +207,13 @@ def main(argv=None):
     if k["status"] != "ok":
         print(f"kernel table: {k['status']}")
         return 1
-    print(f"fused kernels, {k['threads']} lowmem thread(s), {k['bits']}-bit; best of 3 rounds x 6 calls; "
+    print(f"fused kernels, {k['threads']} lowmem thread(s), {k['bits']}-bit, rounding {k['rounding']}; "
+          f"best of 3 rounds x 6 calls; "
           f"bytes moved per element as counted in kernel_cases; load 1m {k['load_before'][0]:.2f}, "
           f"others {k['other_cpus_during']:.2f} CPUs")
     print(kernel_table(k))
     for name, v in kernel_summary(k).items():
-        print(f"{name:<20} worst / exact twin {v['worst_ratio']:.2f} (target <= 1.3: "
+        print(f"{name:<28} worst / exact twin {v['worst_ratio']:.2f} (target <= 1.3: "
               f"{'met' if v['worst_ratio'] <= 1.3 else 'MISSED'}); worst share of copy GB/s "
               f"{v['worst_of_copy']:.2f} (target >= 0.5: {'met' if v['worst_of_copy'] >= 0.5 else 'MISSED'})")
     print("vector registers in the compiled kernels (ymm = AVX2, zmm = AVX-512): " +

@@ -51,7 +51,10 @@ PRIVATE = {
     ("unbiased_draw_cost.py", "lowmem.units.unbiased_cpu", "_forward_rows"),
 } | {("unit_kernels.py", "lowmem.units.window_cpu", name) for name in (
     "_quantize_block", "_pack", "_unpack", "_decode_relu_block", "_decode_sums", "_decode_dx_block",
-    "_forward_exact", "_exact_sums", "_exact_dx_block", "_stats")}
+    "_forward_exact", "_exact_sums", "_exact_dx_block", "_stats")} | {
+    ("unit_kernels.py", "lowmem.units.unbiased_cpu", name) for name in (
+        "_forward_rows", "_range", "_draw_each", "_draw_dither", "_draw_systematic", "_decode_rows", "_conv_input",
+        "_backward_rows", "_sums", "_dx")}
 
 
 def private(name):
