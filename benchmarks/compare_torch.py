@@ -17,7 +17,8 @@ The networks users have (torchvision's, through ONNX):
   MobileNetV2 is built and exported with its classifier dropout at p = 0 on both sides (lowmem's
   head is the pool and the linear layer: it refuses a dropout between them). --size S: S x S
   RGB inputs (default 224), --classes (default 1000). Configurations (default): torch-exact,
-  lowmem-exact, lowmem-approx4, lowmem-approx2u (the 2-bit unbiased code, rounding="stochastic").
+  lowmem-exact, lowmem-approx4, lowmem-approx2u (the 2-bit unbiased code, rounding="stochastic");
+  lowmem-approx2d (its dithered draw, rounding="dither") on request.
   FILE.onnx: lowmem's configurations on that file (no PyTorch module to compare with), its own
   input size (fixed in the file) and classes.
 
@@ -39,6 +40,7 @@ Configurations:
   lowmem-exact     lowmem, x-hat saved in float32
   lowmem-approx8/4/2   the method, 8/4/2-bit codes (window code, nearest rounding)
   lowmem-approx4u/2u   the unbiased code (rounding="stochastic"), 4 and 2 bits
+  lowmem-approx2d      the unbiased code's dithered draw (rounding="dither"), 2 bits
   lowmem-naive4    the paper's baseline, 4-bit
   floor            the machine's floor for the approx-4 step (benchmarks/gemm_floor.py: exactly the
                    step's conv GEMMs as lowmem runs them, plus one pass over the bytes a step must
@@ -101,6 +103,7 @@ CONFIGS = {
     "lowmem-approx2": dict(impl="lowmem", mode="approx", bits=2),
     "lowmem-approx4u": dict(impl="lowmem", mode="approx", bits=4, rounding="stochastic"),   # the unbiased code
     "lowmem-approx2u": dict(impl="lowmem", mode="approx", bits=2, rounding="stochastic"),
+    "lowmem-approx2d": dict(impl="lowmem", mode="approx", bits=2, rounding="dither"),       # the dithered draw
     "lowmem-naive4": dict(impl="lowmem", mode="naive", bits=4),
     "floor": dict(impl="floor", mode="approx", bits=4),
 }
@@ -419,6 +422,7 @@ def imported_ratios(model):
              "<= 1.0" if named else None),
             ("step time   lowmem-approx2u / lowmem-exact", "step_median", "lowmem-approx2u", "lowmem-exact",
              "<= 1.05" if named else None),
+            ("step time   lowmem-approx2d / lowmem-exact", "step_median", "lowmem-approx2d", "lowmem-exact", None),
             ("step time   lowmem-exact / torch-exact", "step_median", "lowmem-exact", "torch-exact",
              "<= 1.0" if named else None),
             ("peak RSS    lowmem-approx4 / torch-exact", "peak_above_base", "lowmem-approx4", "torch-exact", None)]
