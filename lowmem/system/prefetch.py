@@ -1,6 +1,7 @@
-"""prefetch(arr, i): ask the core to bring arr[i]'s cache line into L1 (needs numba).
+"""prefetch(arr, i): ask the core to bring arr[i]'s cache line into L2 (needs numba).
 
-LLVM's llvm.prefetch (read, high locality) on the element's address, inside numba kernels. A
+LLVM's llvm.prefetch (a read, locality 2: prefetcht1 on x86) on the element's address, inside
+numba kernels. Into L2, not L1: the walk it overlaps still works on the current block in L1. A
 kernel that walks a block twice (once for its range, once for its codes) stalls on memory in
 the first walk and computes in the second: prefetching the next block during the second walk
 overlaps the two. A hint only: no fault, no effect on any value; i must lie within arr.
