@@ -63,7 +63,8 @@ def main(argv=None):
     times = alternate({k: step for k, (step, _) in built.items()}, args.rounds, args.warmup)
     r = ratios(times, "new", "old")
     out = {"commit": args.commit, "model": args.model, "depth": None if args.model else args.depth,
-           "batch": args.batch, "mode": args.mode, "bits": args.bits, "rounding": args.rounding, "plan_old": built["old"][1], "plan_new": built["new"][1],
+           "batch": args.batch, "mode": args.mode, "bits": args.bits, "rounding": args.rounding,
+           "plan_old": built["old"][1], "plan_new": built["new"][1],
            "median_old_s": float(numpy.median(times["old"])), "median_new_s": float(numpy.median(times["new"])),
            "ratio_median": float(numpy.median(r)), "ratio_min": min(r), "ratio_max": max(r),
            "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}

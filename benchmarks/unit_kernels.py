@@ -59,49 +59,38 @@ def kernel_cases(C, M, bits, rounding="nearest"):
     g, b = rng.standard_normal(C).astype(F), rng.standard_normal(C).astype(F)
     mean, var, rstd = (np.empty(C, F) for _ in range(3))
     fast.bn_stats(mean, var, rstd, x, 1e-5)
-    qp = window.quant_params(g, b, bits)
-    packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
     xhat = ((x - mean[:, None]) * rstd[:, None]).astype(F)
-    window.quantize_pack(packed, xhat, qp)
     out, buf = np.empty_like(x), x.copy()
     grad = rng.standard_normal(x.shape).astype(F)
     dr, dg, db = grad.copy(), np.zeros(C, F), np.zeros(C, F)
     fresh = lambda: np.copyto(dr, grad)                                        # noqa: E731
     copy = lambda: threads.parallel_for(lambda c0, c1: np.copyto(out[c0:c1], x[c0:c1]), C)  # noqa: E731
-    kb = bits / 8
-    if rounding != "nearest":
+    if rounding == "nearest":
+        qp = window.quant_params(g, b, bits)
+        packed = np.empty(packing.packed_nbytes(x.size, bits), np.uint8)
+        window.quantize_pack(packed, xhat, qp)
+        tag, kb = f"{bits}-bit", bits / 8
+        extra = [("bn_stats", None, 8, lambda: fast.bn_stats(mean, var, rstd, x, 1e-5), None)]
+        forward = lambda: fast.unit_forward_code(buf, packed, buf, mean, rstd, g, b, qp, False)   # noqa: E731
+        conv_input = lambda: fast.conv_input(out, None, packed, qp, g, b)                         # noqa: E731
+        backward = lambda: fast.unit_backward(dr, dg, db, dr, None, packed, qp, g, b, rstd, False)  # noqa: E731
+    else:
         from lowmem.units import unbiased, unbiased_cpu as ub
         dither = rounding == "dither"
         slot = np.zeros(unbiased.slot_nbytes(C, M, bits, dither), np.uint8)
-        kb = slot.size / x.size
         unbiased.quantize_pack(slot, xhat, g, b, bits, 7, dither=dither)     # the reference: no JIT before the timing
-        tag = f"{bits}-bit {rounding}"
-        return [
-            ("plain copy", None, 8, copy, None),
-            ("forward exact", None, 12, lambda: fast.unit_forward_exact(buf, xhat, buf, mean, rstd, g, b), None),
-            (f"forward {tag}", "forward exact", 8 + kb,
-             lambda: ub.unit_forward(buf, slot, buf, mean, rstd, g, b, bits, False, 7, dither=dither), None),
-            ("conv input exact", None, 8, lambda: fast.conv_input(out, xhat, None, None, g, b), None),
-            (f"conv input {tag}", "conv input exact", 4 + kb,
-             lambda: ub.decode(out, slot, g, b, bits, relu=True, dither=dither), None),
-            ("backward exact", None, 20,
-             lambda: fast.unit_backward(dr, dg, db, dr, xhat, None, None, g, b, rstd, False), fresh),
-            (f"backward {tag}", "backward exact", 12 + 2 * kb,
-             lambda: ub.unit_backward(dr, dg, db, dr, slot, g, b, rstd, bits, False, dither=dither), fresh),
-        ]
-    return [
-        ("plain copy", None, 8, copy, None),
-        ("bn_stats", None, 8, lambda: fast.bn_stats(mean, var, rstd, x, 1e-5), None),
+        tag, kb, extra = f"{bits}-bit {rounding}", slot.size / x.size, []
+        forward = lambda: ub.unit_forward(buf, slot, buf, mean, rstd, g, b, bits, False, 7, dither=dither)  # noqa: E731
+        conv_input = lambda: ub.decode(out, slot, g, b, bits, relu=True, dither=dither)                 # noqa: E731
+        backward = lambda: ub.unit_backward(dr, dg, db, dr, slot, g, b, rstd, bits, False, dither=dither)  # noqa: E731
+    return [("plain copy", None, 8, copy, None)] + extra + [
         ("forward exact", None, 12, lambda: fast.unit_forward_exact(buf, xhat, buf, mean, rstd, g, b), None),
-        (f"forward {bits}-bit", "forward exact", 8 + kb,
-         lambda: fast.unit_forward_code(buf, packed, buf, mean, rstd, g, b, qp, False), None),
+        (f"forward {tag}", "forward exact", 8 + kb, forward, None),
         ("conv input exact", None, 8, lambda: fast.conv_input(out, xhat, None, None, g, b), None),
-        (f"conv input {bits}-bit", "conv input exact", 4 + kb, lambda: fast.conv_input(out, None, packed, qp, g, b),
-         None),
+        (f"conv input {tag}", "conv input exact", 4 + kb, conv_input, None),
         ("backward exact", None, 20,
          lambda: fast.unit_backward(dr, dg, db, dr, xhat, None, None, g, b, rstd, False), fresh),
-        (f"backward {bits}-bit", "backward exact", 12 + 2 * kb,
-         lambda: fast.unit_backward(dr, dg, db, dr, None, packed, qp, g, b, rstd, False), fresh),
+        (f"backward {tag}", "backward exact", 12 + 2 * kb, backward, fresh),
     ]
 
 
@@ -145,8 +134,8 @@ def worker(args):
             asm[name] = f"n/a ({type(e).__name__})"
             continue
         asm[name] = {"ymm": len(re.findall(r"%ymm", text)), "zmm": len(re.findall(r"%zmm", text))}
-    res = dict(status="ok", threads=threads.threads(), bits=args.bits, rounding=args.rounding, rows=rows, first_call_s=first_call_s,
-               asm=asm, source_sha=harness.source_hash())
+    res = dict(status="ok", threads=threads.threads(), bits=args.bits, rounding=args.rounding, rows=rows,
+               first_call_s=first_call_s, asm=asm, source_sha=harness.source_hash())
     harness.result_line(res)
     return 0
 

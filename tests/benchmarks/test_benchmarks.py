@@ -234,4 +234,3 @@ def test_unbiased_draw_cost_rebuilds_its_variants_from_the_kernel_source():
         "4-bit, the code", "4-bit, no hash (prices it)", "4-bit, a hash per pair", "4-bit, 32-bit hash",
         "4-bit, systematic draws", "2-bit, the code"]
     assert all(row[-1] == "ms" and float(row[-2]) > 0 for row in rows)
-
