@@ -425,6 +425,12 @@ if AVAILABLE:
 
     # ---- whole (C, M) rows, block by block ----
 
+    @njit(inline="always")
+    def _block_counter(base, start, row, r, i0):
+        """The counter of element i0 of row r (stream.draw_bits' z for resolve()'s (base, start,
+        row)): the forward, the decodes and the backward all draw from it."""
+        return base + U64(r * row + start + i0 + 1) * GOLDEN
+
     @njit(**_opts)
     def _forward_rows(out, slot_codes, ends, x, mean, rstd, gamma, beta, W, w, L, naive, c_first,
                       base, start, row, bits, dith, box, bits_view):
@@ -443,7 +449,7 @@ if AVAILABLE:
                 i1 = min(M, i0 + BLOCK)
                 xg, cg, orow = xb[:i1 - i0], codes[:i1 - i0], out[c, i0:i1]
                 _normalise(xg, x[c, i0:i1], mean[c], rstd[c])
-                z0 = base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN
+                z0 = _block_counter(base, start, row, c_first + c, i0)
                 _block_ranges(ends, lv, xi[:i1 - i0], c, i0 // GROUP, s < 0, t_o, t_c, kc, L, box, bits_view)
                 if dith:
                     _draw_dither(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
@@ -471,7 +477,7 @@ if AVAILABLE:
                 i1 = min(M, i0 + BLOCK)
                 cg, orow = codes[:i1 - i0], out[c, i0:i1]
                 cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
-                z0 = base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN
+                z0 = _block_counter(base, start, row, c_first + c, i0)
                 if relu:
                     _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, beta[c], ag, t_o, dith, z0)
                 else:
@@ -500,7 +506,7 @@ if AVAILABLE:
                 i1 = min(M, i0 + BLOCK)
                 cg = codes[:i1 - i0]
                 cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
-                z0 = base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN
+                z0 = _block_counter(base, start, row, c_first + c, i0)
                 a1, a2 = _sums(dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, dith, z0)
                 sdy += a1
                 sdyx += a2
@@ -512,7 +518,7 @@ if AVAILABLE:
                 i1 = min(M, i0 + BLOCK)
                 cg = codes[:i1 - i0]
                 cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
-                z0 = base + U64((c_first + c) * row + start + i0 + 1) * GOLDEN
+                z0 = _block_counter(base, start, row, c_first + c, i0)
                 if accumulate or not inplace:
                     _dx(dx[c, i0:i1], dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, accumulate, dith, z0)
                 else:
