@@ -85,6 +85,7 @@ from lowmem.data.datasets import load_dataset                            # noqa:
 from lowmem.data.files import DataError                                  # noqa: E402
 from lowmem.data.transforms import normalize                             # noqa: E402
 from lowmem.models import MODELS                                  # noqa: E402
+from lowmem.core.engine import Engine                              # noqa: E402
 from lowmem.bits.allocate import allocate_bits                         # noqa: E402
 from lowmem.train.config import TrainConfig                           # noqa: E402
 from lowmem.bits.auto import training_batches                         # noqa: E402
@@ -339,16 +340,22 @@ def summarise(results, modes, seeds):
     return out
 
 
-def saved_bits(spec):
-    """Saved bits per element of a BN-ReLU unit's x̂ under `spec` (a group of GROUP whole):
-    32 exact, K for the window code, K + the group ends (two bf16 per group) for the unbiased
-    codes; the dithered slot adds 24 bytes per unit, not per element."""
+def saved_bits(spec, args):
+    """Saved bits per element of the study network's BN-ReLU units under `spec`, metadata
+    included: 32 exact, K for the window code; for the unbiased codes the plan's own figure
+    (Engine.bits_per_element: the group ends, the dithered code's stream), at the study's batch
+    and input."""
     if spec.mode == "exact":
         return "32"
     if spec.bits == "auto":
         return f"{spec.avg:g} on average"
-    extra = 32 / unbiased.GROUP if spec.rounding in ("stochastic", "dither") else 0
-    return f"{spec.bits + extra:g}" + (" + 24 B per unit" if spec.rounding == "dither" else "")
+    if spec.rounding not in ("stochastic", "dither"):
+        return f"{spec.bits:g}"
+    net = MODELS["preact-cifar"].build(args.depth, num_classes=args.num_classes,
+                                       in_channels=args.input_shape[0], seed=0)
+    eng = Engine(net, args.batch, args.input_shape, spec.mode, spec.bits, allocate=False,
+                 rounding=spec.rounding)
+    return f"{eng.bits_per_element():.5g}"
 
 
 def comparisons(modes):
@@ -609,7 +616,7 @@ def write_doc(path, results, args, modes, seeds, command, smoke, total_s, cifar_
     for name, r in s.items():
         diff, ci = pp(r) if "diff" in r else ("—", "—")
         sd = f"{100 * r['sd']:.2f}" if math.isfinite(r["sd"]) else "—"
-        L.append(f"| {name} | {saved_bits(specs[name])} | {len(r['seeds'])} | {100 * r['mean']:.2f}% | {sd} | "
+        L.append(f"| {name} | {saved_bits(specs[name], args)} | {len(r['seeds'])} | {100 * r['mean']:.2f}% | {sd} | "
                  f"{100 * min(r['acc']):.2f} – {100 * max(r['acc']):.2f} | {diff} | {ci} | "
                  + ", ".join(f"{seed}: {100 * a:.2f}" for seed, a in zip(r["seeds"], r["acc"])) + " |")
     pairs = [(a, b, paired(results, a, b, seeds)) for a, b in comparisons(modes)]
@@ -768,7 +775,7 @@ def write_headline(path, results, args, modes, seeds, command):
         r = s[name]
         diff, ci = pp(r)
         mean = statistics.mean(runs[f"{name}|{seed}"]["final_test_acc"] for seed in r["paired_seeds"])
-        L.append(f"| {name} | {saved_bits(specs[name])} | {len(r['paired_seeds'])} | {100 * mean:.2f}% "
+        L.append(f"| {name} | {saved_bits(specs[name], args)} | {len(r['paired_seeds'])} | {100 * mean:.2f}% "
                  f"| {diff} | {ci} |")
     for a, b in comparisons(modes):
         d = paired(results, a, b, seeds)
@@ -866,6 +873,7 @@ def main(argv=None):
     data = load_dataset(args.dataset, args.data_dir, download=False, pad_to=args.pad_to or None,
                         limit_train=args.limit_train, limit_test=args.limit_test)
     log(f"{data!r}; modes {[label(m) for m in modes]}; seeds {seeds}; {args.epochs} epochs of batch {args.batch}")
+    args.input_shape, args.num_classes = data.input_shape, data.num_classes      # (saved_bits)
     settings = {k: getattr(args, k) for k in ("dataset", "pad_to", "depth", "batch", "epochs", "lr",
                                               "limit_train", "limit_test", "noise_batches", "noise_seed",
                                               "checkpoints", "noise_modes")}

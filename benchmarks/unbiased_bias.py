@@ -52,7 +52,8 @@ def one_closed_level(xt, mask, xhat, gamma, beta, level):
     nearest bfloat16 ("mean"), or the threshold x-hat = -beta/gamma ("threshold"; the mean where
     gamma = 0, which has no threshold)."""
     C, M = xhat.shape
-    G, S = unbiased.groups(M), unbiased.GROUP
+    S = unbiased.GROUP
+    G = -(-M // S)                     # runs of S from the row's start (a shorter last one)
     pad = lambda a, v: numpy.concatenate([a, numpy.full((C, G * S - M), v, a.dtype)], 1).reshape(C, G, S)  # noqa: E731
     closed = ~pad(mask, True)
     n = closed.sum(2)

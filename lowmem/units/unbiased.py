@@ -4,8 +4,9 @@ Per channel c work on u = s·x̂ (s = sign(γ), +1 for γ = 0), so the exact ReL
 (x̂·γ) + β > 0 means "u above t = −β/|γ|". The K-bit codes (L = 2**K, K ≥ 2) split at k, the
 window code's split (window.quant_params, from γ and β alone) clipped to [2, L−2]: codes k..L−1
 are open (the mask is `code >= k`, as in units/window.py), 0..k−1 closed. A group is 256
-consecutive elements of a channel's row of N·H·W (`GROUP`); it stores its range [lo, hi] of u,
-rounded outward to bfloat16 (4 bytes). Its levels, evenly spaced on each side:
+consecutive elements of a channel's row of N·H·W (`GROUP`), except a row's last group, which
+also takes the M mod 256 elements after it (so it holds 256 to 511, or a whole row shorter than
+256: `groups`); it stores its range [lo, hi] of u, rounded outward to bfloat16 (4 bytes). Its levels, evenly spaced on each side:
 
     open   (L−k levels): from max(t, lo) up to hi
     closed (k levels):   from lo up to min(t, hi)
@@ -32,8 +33,9 @@ Every decision is the group's own or comes from γ and β, so a data-parallel sh
 are whole groups (n_local·H·W a multiple of 256) codes exactly what the whole batch codes there.
 
 The saved slot (one uint8 array, `slot_nbytes`): the packed codes (units/packing.py's layout,
-padded to 8 bytes), then (C, G, 2) uint16 group ends (hi, lo): at 2 bits 2 + 32/256 = 2.125
-bits per element when M is a multiple of 256. Scratch: (C, G) arrays of the group ends and
+padded to 8 bytes), then (C, G, 2) uint16 group ends (hi, lo): at 2 bits
+2 + 32·floor(M/256)/M bits per element, 2.125 when M is a multiple of 256 and below it for any
+other M >= 256 (a row shorter than 256 pays 32/M). Scratch: (C, G) arrays of the group ends and
 levels, and per packing.CHUNK-sized piece a few piece-sized temporaries.
 
 The dithered code (rounding="dither"; `dither=True` / draws="dither" below) keeps these levels
@@ -70,8 +72,20 @@ STREAM_NBYTES = 24      # the dithered code's slot: (mix64(key), start, row) as 
 
 
 def groups(M):
-    """Groups per channel row of M elements: ceil(M / GROUP)."""
-    return -(-int(M) // GROUP)
+    """Groups per channel row of M elements: floor(M / GROUP), at least 1 (the row's last group
+    takes the M mod GROUP elements after it; a row shorter than GROUP is one group)."""
+    return max(1, int(M) // GROUP)
+
+
+def group_start(col, M):
+    """The first column of the group that holds column `col` (an int or an integer array) of a
+    row of M elements."""
+    return numpy.minimum(col // GROUP, groups(M) - 1) * GROUP
+
+
+def group_end(col, M):
+    """One past the last column of the group that starts at column `col` (a multiple of GROUP)."""
+    return M if col // GROUP >= groups(M) - 1 else col + GROUP
 
 
 def _code_bytes(C, M, bits):
@@ -205,14 +219,15 @@ class Levels:
         """Per element of rows r0:r1, columns c0:c1: (base_o, step_o, base_c, step_c) gathered
         from their groups, each (r1−r0, c1−c0)."""
         xp = array_module(self.base_o)
-        g = xp.arange(c0, c1) // GROUP
+        g = xp.minimum(xp.arange(c0, c1) // GROUP, self.base_o.shape[1] - 1)
         return tuple(a[r0:r1][:, g] for a in (self.base_o, self.step_o, self.base_c, self.step_c))
 
 
 # ---- the metadata pass -------------------------------------------------------
 
 def _blocks(C, M):
-    """(r0, r1, c0, c1) blocks of whole groups covering (C, M), about packing.CHUNK elements each."""
+    """(r0, r1, c0, c1) blocks of whole groups covering (C, M), about packing.CHUNK elements each
+    (a row's last block also takes a remainder shorter than a group: its last group's)."""
     step = packing.chunk_size()
     if M <= step:
         rows = max(1, step // M)
@@ -220,9 +235,12 @@ def _blocks(C, M):
             yield r0, min(C, r0 + rows), 0, M
     else:
         cols = max(GROUP, step // GROUP * GROUP)
+        starts = list(range(0, M, cols))
+        if M - starts[-1] < GROUP:
+            starts.pop()
         for r in range(C):
-            for c0 in range(0, M, cols):
-                yield r, r + 1, c0, min(M, c0 + cols)
+            for i, c0 in enumerate(starts):
+                yield r, r + 1, c0, starts[i + 1] if i + 1 < len(starts) else M
 
 
 def metadata(ends_out, xhat, gamma, variant="group"):
@@ -285,7 +303,8 @@ def _encode_piece(xhat, lv, r0, r1, c0, c1, stream, draws=None, lanes=None):
     draws: None (the packed code's, default_draws), "systematic", "independent" or "dither"."""
     M = xhat.shape[1]
     draws = default_draws(lv.bits) if draws is None else draws
-    a0, a1 = c0 // GROUP * GROUP, min(M, -(-c1 // GROUP) * GROUP)
+    a0 = int(group_start(c0, M))
+    a1 = group_end(int(group_start(c1 - 1, M)), M)
     out = array_module(xhat).empty((r1 - r0, a1 - a0), xhat.dtype)
     for s0, s1, code in _encode_segments(xhat, lv, r0, r1, a0, a1, stream, draws, lanes):
         out[:, s0 - a0:s1 - a0] = code
@@ -337,14 +356,16 @@ def quantize_simulated(xhat, gamma, beta, bits, key, variant="group", draws=None
     stream = resolve(key, M, what="stochastic")
     code = _encode_piece(xhat, lv, 0, C, 0, M, stream, draws, lanes)
     mask = (xhat * gamma[:, None]) + beta[:, None] > 0
-    d = dither_piece(stream, 0, C, 0, M, xhat.dtype, xp) if draws == "dither" else None
+    d = dither_piece(stream, 0, C, 0, M, M, xhat.dtype, xp) if draws == "dither" else None
     return _decode_piece(code, lv, 0, C, 0, M, relu=False, d=d), mask
 
 
 def _segments(r0, r1, c0, c1, M):
     """A block of whole groups (c0 a multiple of GROUP) as (c0, c1, size) runs of equal groups:
-    the full groups, then the row's shorter last group if the block ends there."""
-    full = (c1 - c0) // GROUP * GROUP
+    the groups of GROUP, then the row's last group if the block ends there and it is not of
+    GROUP (GROUP + M mod GROUP elements, or a row shorter than GROUP)."""
+    n = c1 - c0
+    full = n if n % GROUP == 0 or c1 != M else (max(1, n // GROUP) - 1) * GROUP
     out = [(c0, c0 + full, GROUP)] if full else []
     if c0 + full < c1:
         out.append((c0 + full, c1, c1 - c0 - full))
@@ -452,13 +473,14 @@ def dither_offsets(u0, size, dtype):
     return d
 
 
-def dither_piece(stream, r0, r1, c0, c1, dtype, xp=numpy):
-    """dither_offsets of every element of rows r0:r1, columns c0:c1 (any piece: each element's
-    group draw and index in its group gathered), resolve()'s stream."""
-    a0 = c0 // GROUP * GROUP
+def dither_piece(stream, r0, r1, c0, c1, M, dtype, xp=numpy):
+    """dither_offsets of every element of rows r0:r1, columns c0:c1 of rows of M elements (any
+    piece: each element's group draw and index in its group gathered), resolve()'s stream."""
+    a0 = int(group_start(c0, M))
     u0 = group_bits(stream, r0, r1, a0, c1, GROUP, xp).astype(numpy.int64)       # (R, groups)
     col = xp.arange(c0, c1, dtype=numpy.int64)
-    R = (u0[:, (col - a0) // GROUP] + (col % GROUP) * WEYL) & MASK24
+    first = group_start(col, M)
+    R = (u0[:, (first - a0) // GROUP] + (col - first) * WEYL) & MASK24
     d = ((1 << (OFFSET_BITS - 1)) - R).astype(dtype)
     d *= 2.0 ** -OFFSET_BITS
     return d
@@ -551,7 +573,7 @@ def decode_each_chunk(out, slot, gamma, beta, bits, relu=False, extra=None, dith
                 val = xp.take_along_axis(table[r0:r1, gs], codes3.astype(numpy.intp), axis=2)
             else:
                 d = None if stream is None else \
-                    dither_offsets(group_bits(stream, r0, r1, s0, s1, GROUP, xp), size, out.dtype)
+                    dither_offsets(group_bits(stream, r0, r1, s0, s1, GROUP, xp)[:, :shape[1]], size, out.dtype)
                 val = _decode_levels(codes3.astype(out.dtype), lv, slice(r0, r1),
                                      _grouped(lv, r0, r1, s0, s1, size), relu, d)[0]
             out[r0:r1, s0:s1] = val.reshape(r1 - r0, s1 - s0)
@@ -571,7 +593,7 @@ def _decode_pieces(out, codes, lv, bits, relu, extra, stream=None):
         for r0, r1, c0, c1, off in pieces:
             cb = buf[off:off + (r1 - r0) * (c1 - c0)].reshape(r1 - r0, c1 - c0).astype(out.dtype)
             ob = out[r0:r1, c0:c1]
-            d = None if stream is None else dither_piece(stream, r0, r1, c0, c1, out.dtype, xp)
+            d = None if stream is None else dither_piece(stream, r0, r1, c0, c1, M, out.dtype, xp)
             ob[...] = _decode_piece(cb, lv, r0, r1, c0, c1, relu, d)
             if extra is not None:
                 extra(ob, cb >= lv.k[r0:r1, None], r0, r1, c0, c1)

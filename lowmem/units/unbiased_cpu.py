@@ -44,11 +44,13 @@ if AVAILABLE:
     HALF_F = F32(HALF)
     # the dithered code's t*WEYL mod 2**24 of a group's element t (unbiased.weyl_bits from 0),
     # that less 2**24 and its negation, as float32 (exact: at most 2**24 in magnitude)
-    WEYL_F = unbiased.weyl_bits(numpy.zeros(1, numpy.int64), unbiased.GROUP)[0].astype(F32)
+    # (a row's last group holds up to 2*GROUP - 1 elements)
+    WEYL_F = unbiased.weyl_bits(numpy.zeros(1, numpy.int64), 2 * unbiased.GROUP)[0].astype(F32)
     WEYL_WRAP = WEYL_F - R_UNIT
     WEYL_NEG = -WEYL_WRAP
     GROUP, LANES, SYSTEMATIC_BITS = unbiased.GROUP, unbiased.LANES, unbiased.SYSTEMATIC_BITS
     BLOCK = cpu_base.BLOCK             # a multiple of GROUP: blocks are whole groups
+    SPAN = BLOCK + GROUP               # a row's last block also takes its last group's remainder
     _opts = dict(cache=True, nogil=True, error_model="numpy")
     _reduce = dict(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"})
 
@@ -96,6 +98,25 @@ if AVAILABLE:
             lv[gi, 0], lv[gi, 1], lv[gi, 2], lv[gi, 3] = bo, so, bc, sc
 
     # ---- one block of a row (BLOCK elements, whole groups) ----
+    # A row's blocks: BLOCK elements each, the last one to the row's end (_block_end: it also
+    # takes a remainder shorter than a group); the groups of a block: GROUP elements each but
+    # the row's last group, which runs to the row's end (unbiased.groups).
+
+    @njit(inline="always")
+    def _block_end(i0, M):
+        i1 = i0 + BLOCK
+        return M if M - i1 < GROUP else i1
+
+    @njit(inline="always")
+    def _groups(n):
+        """Groups in a block of n elements (whole groups, or the row's last block)."""
+        return max(1, n // GROUP)
+
+    @njit(inline="always")
+    def _group(q, nq, n):
+        """(q0, q1): group q's elements within a block of n elements and nq groups."""
+        q0 = q * GROUP
+        return q0, (n if q == nq - 1 else q0 + GROUP)
     # Per group q of the block its constants are read before a loop over its elements: indexed
     # unsigned (a signed index that does not start at 0 keeps numba's negative-index wraparound,
     # which stops LLVM vectorising), or over the group's slices where the loop writes a float
@@ -162,8 +183,10 @@ if AVAILABLE:
         """Per group of the block (the first one gi0 of row c; xi: x-hat's bits): its range of
         u = x-hat*s, stored as bf16 ends (outward), and its levels (into lv)."""
         n = xi.size
-        for q in range((n + GROUP - 1) // GROUP):
-            hb, lb = _range(xi, U64(q * GROUP), U64(min(n, q * GROUP + GROUP)), neg)
+        nq = _groups(n)
+        for q in range(nq):
+            q0, q1 = _group(q, nq, n)
+            hb, lb = _range(xi, U64(q0), U64(q1), neg)
             bh, bl = _bf16_bits(hb, True), _bf16_bits(lb, False)
             ends[c, gi0 + q, 0] = bh
             ends[c, gi0 + q, 1] = bl
@@ -195,9 +218,10 @@ if AVAILABLE:
         orow <- relu(y), y = x-hat*g + b."""
         n = xb.size
         n_open = F32(L) - kf
-        for q in range((n + GROUP - 1) // GROUP):
+        nq = _groups(n)
+        for q in range(nq):
             bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
-            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            q0, q1 = _group(q, nq, n)
             xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
             zq = z0 + U64(q0) * GOLDEN
             for t in range(xq.size):
@@ -214,9 +238,10 @@ if AVAILABLE:
         y = x-hat*g + b."""
         n = xb.size
         n_open = F32(L) - kf
-        for q in range((n + GROUP - 1) // GROUP):
+        nq = _groups(n)
+        for q in range(nq):
             bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
-            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            q0, q1 = _group(q, nq, n)
             xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
             u0 = F32(cpu_base._counter_bits(z0 + U64(q0) * GOLDEN))                  # < 2**24: exact
             for t in range(xq.size):
@@ -254,7 +279,7 @@ if AVAILABLE:
         """codes <- the block's codes at 2 bits (unbiased._encode_block, from its groups' levels
         lv; each group's draw from counter z0 + (its first element)*GOLDEN, then unbiased's
         systematic sampling along each lane of each side); orow <- relu(y), y = x-hat*g + b.
-        Scratch of GROUP elements: pb float32 (p), fl uint8 (the mask), a int64 (q, shifted 32
+        Scratch of 2*GROUP elements: pb float32 (p), fl uint8 (the mask), a int64 (q, shifted 32
         bits up on the closed side), e int64 (R so far in each lane: the open side's in the low
         32 bits, the closed side's in the high). Per group three loops: p and q (vectorised);
         the lanes' running sums, four accumulators held in registers (not a recurrence through
@@ -262,9 +287,10 @@ if AVAILABLE:
         codes (vectorised). The variants measured against it: docs/performance.md."""
         n = xb.size
         n_open = F32(L) - kf
-        for q in range((n + GROUP - 1) // GROUP):
+        nq = _groups(n)
+        for q in range(nq):
             bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
-            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            q0, q1 = _group(q, nq, n)
             xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
             m = xq.size
             for t in range(m):
@@ -287,7 +313,7 @@ if AVAILABLE:
             e0, e1 = _lane_start(start, 0), _lane_start(start, 1)     # unbiased.lane_starts
             e2, e3 = _lane_start(start, 2), _lane_start(start, 3)
             m4 = m - m % LANES
-            for t in range(0, m4, LANES):       # a lane's sums stay < 2**31: no carry
+            for t in range(0, m4, LANES):       # a lane's sums stay < 2**32: no carry
                 e[t], e[t + 1], e[t + 2], e[t + 3] = e0, e1, e2, e3
                 e0, e1 = e0 + a[t], e1 + a[t + 1]
                 e2, e3 = e2 + a[t + 2], e3 + a[t + 3]
@@ -307,9 +333,10 @@ if AVAILABLE:
         """orow <- x-tilde = s*(base + j*step) of each code's side (dith: j + d, d of the groups'
         draws from counter z0, _dither)."""
         n = orow.size
-        for q in range((n + GROUP - 1) // GROUP):
+        nq = _groups(n)
+        for q in range(nq):
             bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
-            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            q0, q1 = _group(q, nq, n)
             oq, cq = orow[q0:q1], codes[q0:q1]
             if dith:
                 a = _dither_a(z0, q0)
@@ -332,9 +359,10 @@ if AVAILABLE:
             for t in range(n):
                 orow[t] = val if F32(codes[t]) >= kf else F0
             return
-        for q in range((n + GROUP - 1) // GROUP):
+        nq = _groups(n)
+        for q in range(nq):
             d, so = lv[gi0 + q, 0] - t_o, lv[gi0 + q, 1]
-            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            q0, q1 = _group(q, nq, n)
             oq, cq = orow[q0:q1], codes[q0:q1]
             if dith:
                 a = _dither_a(z0, q0)
@@ -362,9 +390,10 @@ if AVAILABLE:
         n = drow.size
         sdy = F0
         sdyx = F0
-        for q in range((n + GROUP - 1) // GROUP):
+        nq = _groups(n)
+        for q in range(nq):
             bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
-            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            q0, q1 = _group(q, nq, n)
             rq, cq = drow[q0:q1], codes[q0:q1]
             if dith:
                 a = _dither_a(z0, q0)
@@ -390,9 +419,10 @@ if AVAILABLE:
         block, x-tilde decoded inline (dith: j + d, _dither from counter z0). dxr must not alias
         drow (see window_cpu._quantize_block)."""
         n = drow.size
-        for q in range((n + GROUP - 1) // GROUP):
+        nq = _groups(n)
+        for q in range(nq):
             bo, so, bc, sc = lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3]
-            q0, q1 = q * GROUP, min(n, q * GROUP + GROUP)
+            q0, q1 = _group(q, nq, n)
             dq, rq, cq = dxr[q0:q1], drow[q0:q1], codes[q0:q1]
             if dith:
                 da = _dither_a(z0, q0)
@@ -436,17 +466,18 @@ if AVAILABLE:
                       base, start, row, bits, dith, box, bits_view):
         C, M = x.shape
         per = 8 // bits
-        codes = numpy.empty(BLOCK, numpy.uint8)
-        xb = numpy.empty(BLOCK, numpy.float32)
+        codes = numpy.empty(SPAN, numpy.uint8)
+        xb = numpy.empty(SPAN, numpy.float32)
         xi = xb.view(numpy.int32)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
-        pb, fl = numpy.empty(GROUP, numpy.float32), numpy.empty(GROUP, numpy.uint8)
-        a, e = numpy.empty(GROUP, numpy.int64), numpy.empty(GROUP, numpy.int64)
+        pb, fl = numpy.empty(2 * GROUP, numpy.float32), numpy.empty(2 * GROUP, numpy.uint8)
+        a, e = numpy.empty(2 * GROUP, numpy.int64), numpy.empty(2 * GROUP, numpy.int64)
         for c in range(C):
             g, b = gamma[c], beta[c]
             s, zero, ag, t_o, t_c, kc, kf = _channel(g, b, L, W, w)
-            for i0 in range(0, M, BLOCK):
-                i1 = min(M, i0 + BLOCK)
+            i0, i1 = 0, 0
+            while i1 < M:
+                i0, i1 = i1, _block_end(i1, M)
                 xg, cg, orow = xb[:i1 - i0], codes[:i1 - i0], out[c, i0:i1]
                 _normalise(xg, x[c, i0:i1], mean[c], rstd[c])
                 z0 = _block_counter(base, start, row, c_first + c, i0)
@@ -468,13 +499,14 @@ if AVAILABLE:
         dith: the dithered code, its offsets from the stream (base, start, row; rows from c_first)."""
         C, M = out.shape
         per = 8 // bits
-        codes = numpy.empty(BLOCK, numpy.uint8)
+        codes = numpy.empty(SPAN, numpy.uint8)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         for c in range(C):
             s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
             _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
-            for i0 in range(0, M, BLOCK):
-                i1 = min(M, i0 + BLOCK)
+            i0, i1 = 0, 0
+            while i1 < M:
+                i0, i1 = i1, _block_end(i1, M)
                 cg, orow = codes[:i1 - i0], out[c, i0:i1]
                 cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
                 z0 = _block_counter(base, start, row, c_first + c, i0)
@@ -494,16 +526,17 @@ if AVAILABLE:
         window_cpu._quantize_block)."""
         C, M = dr.shape
         per = 8 // bits
-        codes = numpy.empty(BLOCK, numpy.uint8)
-        tmp = numpy.empty(BLOCK, numpy.float32)
+        codes = numpy.empty(SPAN, numpy.uint8)
+        tmp = numpy.empty(SPAN, numpy.float32)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         for c in range(C):
             s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
             _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
             sdy = 0.0
             sdyx = 0.0
-            for i0 in range(0, M, BLOCK):
-                i1 = min(M, i0 + BLOCK)
+            i0, i1 = 0, 0
+            while i1 < M:
+                i0, i1 = i1, _block_end(i1, M)
                 cg = codes[:i1 - i0]
                 cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
                 z0 = _block_counter(base, start, row, c_first + c, i0)
@@ -514,8 +547,9 @@ if AVAILABLE:
             dbeta[c] += sdy
             a = F32(gamma[c] * rstd[c])
             mdy, mdyx = F32(sdy / M), F32(sdyx / M)
-            for i0 in range(0, M, BLOCK):
-                i1 = min(M, i0 + BLOCK)
+            i0, i1 = 0, 0
+            while i1 < M:
+                i0, i1 = i1, _block_end(i1, M)
                 cg = codes[:i1 - i0]
                 cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
                 z0 = _block_counter(base, start, row, c_first + c, i0)

@@ -1,6 +1,6 @@
 """CUDA kernels of the unbiased group-range code (units/unbiased.py), program "unbiased".
 
-    unbiased_forward   one thread per (group, channel): normalise the group's 256 elements, find
+    unbiased_forward   one thread per (group, channel): normalise the group's elements, find
                        their range, round it outward to bf16, then draw (at 2 bits one counter per
                        group, systematic sampling along each lane of each side; wider, one
                        per element), pack and write relu(y)
@@ -151,7 +151,7 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
                                             unsigned long long* stream)
 {
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
-    const long long G = (M + UB_GROUP - 1) / UB_GROUP;
+    const long long G = M >= UB_GROUP ? M / UB_GROUP : 1;     // unbiased.groups
     const long long gi = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (gi >= G) return;
     if (dither && c == 0 && gi == 0) {              // the stream the decoders regenerate d from
@@ -159,7 +159,7 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
         stream[1] = (unsigned long long)start;
         stream[2] = (unsigned long long)row;
     }
-    const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
+    const long long g0 = gi * UB_GROUP, g1 = gi == G - 1 ? M : g0 + UB_GROUP;
     const real m = mean[c], r = rstd[c], g = gamma[c], b = beta[c];
     const UbChannel h = ub_channel(g, b, k[c]);
     const real s = h.s, kf = h.kf;
@@ -225,10 +225,10 @@ extern "C" __global__ void unbiased_decode(real* out, real* dr, const unsigned c
                                            int relu, int mask_dr, int dither, const unsigned long long* stream)
 {
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
-    const long long G = (M + UB_GROUP - 1) / UB_GROUP;
+    const long long G = M >= UB_GROUP ? M / UB_GROUP : 1;     // unbiased.groups
     const long long gi = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (gi >= G) return;
-    const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
+    const long long g0 = gi * UB_GROUP, g1 = gi == G - 1 ? M : g0 + UB_GROUP;
     const real b = beta[c];
     const UbChannel h = ub_channel(gamma[c], b, k[c]);
     const UbLevels v = ub_stored_levels(ends, c, G, gi, h, L);
@@ -255,14 +255,14 @@ extern "C" __global__ void unbiased_backward_partial(double* part, const real* d
 {
     __shared__ double sa[BLOCK], sb[BLOCK];
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
-    const long long G = (M + UB_GROUP - 1) / UB_GROUP;
+    const long long G = M >= UB_GROUP ? M / UB_GROUP : 1;     // unbiased.groups
     const UbChannel h = ub_channel(gamma[c], beta[c], k[c]);
     long long lo, hi;
     segment(G, &lo, &hi);
     double a = 0, s2 = 0;
     for (long long gi = lo + threadIdx.x; gi < hi; gi += blockDim.x) {
         const UbLevels v = ub_stored_levels(ends, c, G, gi, h, L);
-        const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
+        const long long g0 = gi * UB_GROUP, g1 = gi == G - 1 ? M : g0 + UB_GROUP;
         const unsigned int u0 = dither ? ub_group_draw(stream, c, g0) : 0u;
         for (long long i = g0; i < g1; ++i) {
             const real code = ub_code(packed, c, M, bits, per, i);
@@ -292,10 +292,10 @@ extern "C" __global__ void unbiased_backward_apply(real* dx, const real* dr, con
                                                    const unsigned long long* stream)
 {
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
-    const long long G = (M + UB_GROUP - 1) / UB_GROUP;
+    const long long G = M >= UB_GROUP ? M / UB_GROUP : 1;     // unbiased.groups
     const long long gi = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (gi >= G) return;
-    const long long g0 = gi * UB_GROUP, g1 = (g0 + UB_GROUP < M) ? g0 + UB_GROUP : M;
+    const long long g0 = gi * UB_GROUP, g1 = gi == G - 1 ? M : g0 + UB_GROUP;
     const UbChannel h = ub_channel(gamma[c], beta[c], k[c]);
     const UbLevels v = ub_stored_levels(ends, c, G, gi, h, L);
     const real a = (real)coef[c * 3], mdy = (real)coef[c * 3 + 1], mdyx = (real)coef[c * 3 + 2];

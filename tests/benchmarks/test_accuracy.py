@@ -92,7 +92,7 @@ def test_the_report_pairs_what_has_finished_and_the_headline_waits_for_three_see
             "--doc", str(page), "--section", "full", "--headline", str(head)]
     assert accuracy.main(argv + ["--seeds", "0,1"]) == 0
     text = page.read_text()
-    assert "| approx 2-bit unbiased | 2.125 | 2 | 90.85% |" in text and "| −0.65 ± 0.15 pp |" not in text
+    assert "| approx 2-bit unbiased | 2.1241 | 2 | 90.85% |" in text and "| −0.65 ± 0.15 pp |" not in text
     assert "| -0.65 ± 0.15 pp | [-2.56, +1.26] | 0: 90.50, 1: 91.20 |" in text       # (−0.5, −0.8) pp
     assert "| approx 2-bit dithered − approx 2-bit unbiased | 2 | +0.25 ± 0.05 pp | [-0.39, +0.89] |" in text
     assert head.read_text() == head_text                                        # 2 seeds: not yet
@@ -104,7 +104,7 @@ def test_the_report_pairs_what_has_finished_and_the_headline_waits_for_three_see
     assert (tmp_path / "r" / "results.json").read_bytes() == stored                # --report-only writes no run
     assert sorted(os.walk(tmp_path / "r")) == files
     text = page.read_text()
-    assert "| approx 2-bit dithered | 2.125 + 24 B per unit | 1 | 90.70% | — |" in text
+    assert "| approx 2-bit dithered | 2.1249 | 1 | 90.70% | — |" in text
     assert "| -0.30 pp (one seed) | — | 0: 90.70 |" in text
     assert "stretch (at least −0.3 pp and the interval's lower end at least −0.8): not resolved (one seed)" in text
     assert "nan" not in text
@@ -113,8 +113,8 @@ def test_the_report_pairs_what_has_finished_and_the_headline_waits_for_three_see
     got = head.read_text()
     assert got.startswith("# Results\n\n## Accuracy\n\n<!-- benchmarks/accuracy.py section full-headline: begin")
     assert got.endswith("full-headline: end -->\n\nthe older study\n\n## Memory\n\nx\n")
-    assert "| approx 2-bit unbiased | 2.125 | 3 | 90.87% | -0.63 ± 0.09 pp | [-1.01, -0.25] |" in got
-    assert "| approx 2-bit dithered | 2.125 + 24 B per unit | 3 | 91.07% | -0.43 ± 0.07 pp | [-0.72, -0.15] |" in got
+    assert "| approx 2-bit unbiased | 2.1241 | 3 | 90.87% | -0.63 ± 0.09 pp | [-1.01, -0.25] |" in got
+    assert "| approx 2-bit dithered | 2.1249 | 3 | 91.07% | -0.43 ± 0.07 pp | [-0.72, -0.15] |" in got
     assert "| exact | 32 | 3 | 91.50% | — | — |" in got
     assert "32 test images" in got and "whole test split" not in got and "([page.md](page.md) has" in got
     assert "dithered − approx 2-bit unbiased per seed: +0.20 ± 0.06 pp, 95% interval [-0.05, +0.45] (3 seeds)" in got

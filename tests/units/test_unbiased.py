@@ -222,7 +222,7 @@ def _levels_and_p(x, gamma, beta, bits):
     return lv, p, mask
 
 
-@pytest.mark.parametrize("M", [1000, 768])            # a short last group, or none
+@pytest.mark.parametrize("M", [1000, 768])            # a longer last group (488), or none
 def test_systematic_draws_keep_each_lane_and_sides_count(M):
     """Along each lane (a group's elements l, l + 4, l + 8, ...) of each side the number of
     elements rounded up stays within one of Σ f, f the fractions of p: on every draw, for any
@@ -240,9 +240,10 @@ def test_systematic_draws_keep_each_lane_and_sides_count(M):
             up = code - np.where(mask, lv.k[:, None], 0) - np.floor(p)
             assert set(np.unique(up)) <= {0.0, 1.0}
             f = p - np.floor(p)
-            for g0 in range(0, M, unbiased.GROUP):
+            for gi in range(unbiased.groups(M)):
+                g0 = gi * unbiased.GROUP
                 for lane in range(unbiased.LANES):
-                    cols = np.arange(g0 + lane, min(M, g0 + unbiased.GROUP), unbiased.LANES)
+                    cols = np.arange(g0 + lane, unbiased.group_end(g0, M), unbiased.LANES)
                     for side in (True, False):
                         sel = mask[:, cols] == side
                         gap = np.abs((up[:, cols] * sel).sum(axis=1) - (f[:, cols] * sel).sum(axis=1))
@@ -290,6 +291,33 @@ def test_systematic_draws_cancel_the_group_sums_error():
         unbiased.quantize_simulated(x, gamma, beta, 2, 0, draws="antithetic")
 
 
+@pytest.mark.parametrize("M", [64, 256, 600, 6272, 25088])
+def test_a_rows_last_group_takes_the_remainder(M):
+    """floor(M/256) groups a row (at least 1), the last running to the row's end: its ends hold
+    the remainder's elements too, and the group ends cost at most 32 bits per 256 elements in a
+    row of 256 or more (6,272, a 7x7 map at batch 128: 24 groups, 2.1224 bits per element at 2
+    bits where 25 groups of at most 256 would be 2.1276)."""
+    G = unbiased.groups(M)
+    assert G == max(1, M // 256)
+    assert unbiased.group_end((G - 1) * 256, M) == M and unbiased.group_start(M - 1, M) == (G - 1) * 256
+    C = 3
+    ends_bits = (unbiased.slot_nbytes(C, M, 2) - unbiased._code_bytes(C, M, 2)) * 8 / (C * M)
+    assert ends_bits == 32 * G / M
+    if M >= 256:
+        assert ends_bits <= 32 / 256
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((C, M))
+    x[:, -1] = 40.0                                 # the row's last element: in the last group
+    gamma, beta = np.array([1.0, -1.0, 0.5]), np.array([0.2, 0.1, -0.3])
+    xt, mask = unbiased.quantize_simulated(x, gamma, beta, 2, 5, draws="dither")
+    ends = np.empty((C, G, 2), np.uint16)
+    unbiased.metadata(ends, x, gamma)
+    hi = unbiased.bf16_value(ends[:, -1, 0], np.float64) * np.where(gamma < 0, -1, 1)
+    lo = unbiased.bf16_value(ends[:, -1, 1], np.float64) * np.where(gamma < 0, -1, 1)
+    np.testing.assert_array_equal(np.maximum(np.abs(hi), np.abs(lo)) >= 40.0, True)
+    assert np.abs(xt[:, -1] - 40.0).max() < 40.0                  # coded within its group's range
+
+
 def test_group_ends_are_bf16_rounded_outward():
     rng = np.random.default_rng(8)
     for dtype in (np.float32, np.float64):
@@ -299,14 +327,13 @@ def test_group_ends_are_bf16_rounded_outward():
         assert (up - down <= np.abs(v) * 2 ** -7 + 1e-38).all()          # one bf16 step at most
         exact = unbiased.bf16_value(unbiased.bf16_up(up), dtype)          # bf16 values stay put
         np.testing.assert_array_equal(exact, up)
-    C, M = 2, 600
+    C, M = 2, 600                     # groups [0, 256) and [256, 600): the last takes the rest
     x = rng.standard_normal((C, M)).astype(np.float32)
     gamma, beta = np.array([1.0, -1.0], np.float32), np.array([0.2, 0.1], np.float32)
-    ends = np.empty((C, 3, 2), np.uint16)
+    ends = np.empty((C, 2, 2), np.uint16)
     unbiased.metadata(ends, x, gamma)
     u = x * np.where(gamma < 0, -1, 1)[:, None]
-    for g in range(3):
-        sl = slice(256 * g, min(M, 256 * (g + 1)))
+    for g, sl in enumerate((slice(0, 256), slice(256, M))):
         hi, lo = (unbiased.bf16_value(ends[:, g, i], np.float32) for i in (0, 1))
         assert (hi >= u[:, sl].max(axis=1)).all() and (lo <= u[:, sl].min(axis=1)).all()
         assert (hi - u[:, sl].max(axis=1) <= np.abs(hi) * 2 ** -7).all()     # within one bf16 step
@@ -477,21 +504,22 @@ def test_the_allocator_prices_bias_and_variance_apart():
     assert a.total_bytes <= a.uniform_bytes[2] == a.budget
 
 
-@pytest.mark.parametrize("M", [776, 4872])
+@pytest.mark.parametrize("M", [776, 4872, 4196, 200])
 @pytest.mark.parametrize("naive", [False, True])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dither", [False, True])
 def test_numba_forward_writes_the_reference_slot(bits, naive, M, dither):
     """units/unbiased_cpu.py: the same slot bytes as unbiased.quantize_pack (float32, shards keyed
     by their global place, γ of both signs and 0, t outside the data, a constant channel, a
-    short last group; rows of one block and of two, window_cpu.BLOCK = 4096), and out = relu(y) as the
+    row's last group longer than the others; rows of one block and of two, window_cpu.BLOCK = 4096,
+    one whose last block takes the 100 elements after 4096, one shorter than a group), and out = relu(y) as the
     exact forward, or naive's decoded conv input."""
     from lowmem.units import unbiased_cpu
     from lowmem.ops import bn_normalize
     if not unbiased_cpu.AVAILABLE:
         pytest.skip("numba not installed")
     rng = np.random.default_rng(12)
-    C = 6                                           # groups of 256 ..., 256, 8
+    C = 6                                           # groups of 256 ..., 256, 264 (M = 776)
     x = (rng.standard_normal((C, M)) * 2 + 0.3).astype(np.float32)
     x[5] = 1.5
     gamma = np.array([1.2, -0.7, 0.0, 0.9, -1.1, 1.0], np.float32)
@@ -527,7 +555,7 @@ def test_plan_prints_bits_per_element_with_the_group_ends(capsys):
     assert "bits/elem" not in capsys.readouterr().out              # the window code: K bits exactly
 
 
-@pytest.mark.parametrize("M", [776, 4872])
+@pytest.mark.parametrize("M", [776, 4872, 4196, 200])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dither", [False, True])
 def test_numba_decode_is_the_reference_decode(bits, M, dither):
@@ -541,7 +569,7 @@ def test_numba_decode_is_the_reference_decode(bits, M, dither):
     gamma = np.array([1.2, -0.7, 0.0, 0.9, -1.1, 1.0], np.float32)
     beta = np.array([0.1, 0.3, -0.4, 9.0, -8.0, 0.2], np.float32)
     slot = np.zeros(unbiased.slot_nbytes(C, M, bits, dither), np.uint8)
-    unbiased.quantize_pack(slot, x, gamma, beta, bits, Stream(77, 512, 2 * M), dither)
+    unbiased.quantize_pack(slot, x, gamma, beta, bits, Stream(77, 512, max(2 * M, M + 512)), dither)
     mask = (x * gamma[:, None]) + beta[:, None] > 0
     for relu in (False, True):
         want, got = np.empty_like(x), np.empty_like(x)

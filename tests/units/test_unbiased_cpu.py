@@ -23,7 +23,8 @@ TOL = 1e-5
 
 
 def case(bits, seed=21, M=776, dither=False):
-    """A unit (C=6; M=776: groups 256, 256, 256, 8; M=4872: a block of 4096, then those) with γ
+    """A unit (C=6; M=776: groups 256, 256, 264, the row's last taking the rest; M=4872: a block
+    of 4096, then those; M=4196: one block, its last group 356; M=200: one group) with γ
     of both signs and 0, t outside the data on both sides, a constant channel; its slot drawn
     by the reference set's forward."""
     rng = np.random.default_rng(seed)
@@ -52,7 +53,7 @@ def reference_backward(bits, x, rstd, gamma, beta, slot, dr, dx0, accumulate, di
     return dx, dg, db
 
 
-@pytest.mark.parametrize("bits,M", [(2, 776), (4, 776), (8, 776), (2, 4872)])
+@pytest.mark.parametrize("bits,M", [(2, 776), (4, 776), (8, 776), (2, 4872), (2, 4196), (4, 200)])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("dither", [False, True])
@@ -74,7 +75,7 @@ def test_fused_backward_is_the_reference_backward(bits, M, accumulate, inplace, 
     close(dx, want[0], np.abs(want[0]).max())
 
 
-@pytest.mark.parametrize("bits,M", [(2, 776), (4, 4872)])
+@pytest.mark.parametrize("bits,M", [(2, 776), (4, 4872), (2, 4196), (2, 200)])
 @pytest.mark.parametrize("dither", [False, True])
 def test_fused_backward_is_the_formula_in_float64(bits, M, dither):
     """dy = dr·mask (mask: the forward's exact (x̂·γ) + β > 0), sums and dx written out in float64

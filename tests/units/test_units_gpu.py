@@ -680,15 +680,17 @@ def test_batch_norm_add_relu_kernel_is_the_three_ops(dev, dtype, where):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("naive", [False, True])
 @pytest.mark.parametrize("dither", [False, True])
-def test_unbiased_forward_and_decode_are_the_reference(dev, dtype, bits, naive, dither):
+@pytest.mark.parametrize("M", [776, 200])
+def test_unbiased_forward_and_decode_are_the_reference(dev, dtype, bits, naive, dither, M):
     """The CUDA unbiased code (and its dithered draw): the slot byte for byte
     unbiased.quantize_pack's (a shard keyed by its global place; γ of both signs and 0, t outside
-    the data, a short last group), relu(y) or naive's conv input as the reference, and the
-    decodes (x-tilde, conv input, masked gradient) bit for bit unbiased.decode_each_chunk's."""
-    x, g, b = unit(dtype, C=7, M=776, seed=bits)
+    the data, a row's last group taking the rest (M = 776: 256, 256, 264), a row shorter than a
+    group), relu(y) or naive's conv input as the reference, and the decodes (x-tilde, conv
+    input, masked gradient) bit for bit unbiased.decode_each_chunk's."""
+    x, g, b = unit(dtype, C=7, M=M, seed=bits)
     g[2], b[3], b[4] = 0, 9.0, -9.0
     xhat, mean, _, rstd = host_stats(x)
-    key = Stream(stream.stream_key(2, 3, 4), start=776, row=3 * 776)
+    key = Stream(stream.stream_key(2, 3, 4), start=M, row=3 * M)
     C, M = x.shape
     want = np.zeros(unbiased.slot_nbytes(C, M, bits, dither), np.uint8)
     unbiased.quantize_pack(want, xhat, g, b, bits, key, dither)

@@ -84,7 +84,7 @@ def run(args):
     print(describe(net, args.batch, shape, args.dtype, "mode " + mode_label(args.mode, unit_widths(eng, args.bits))))
     if eng.bits_per_element() is not None and any(code_for(args.rounding, K).unbiased
                                                   for K in eng.unit_bits.values() if K is not None):
-        print(f"saved codes: {eng.bits_per_element():.4g} bits/elem, metadata included "
+        print(f"saved codes: {eng.bits_per_element():.5g} bits/elem, metadata included "
               f"(rounding {args.rounding})")
     if not args.no_schedule:
         print(f"\nschedule ({len(eng.schedule)} steps):")
