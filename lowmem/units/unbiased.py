@@ -6,7 +6,8 @@ window code's split (window.quant_params, from γ and β alone) clipped to [2, L
 are open (the mask is `code >= k`, as in units/window.py), 0..k−1 closed. A group is 256
 consecutive elements of a channel's row of N·H·W (`GROUP`), except a row's last group, which
 also takes the M mod 256 elements after it (so it holds 256 to 511, or a whole row shorter than
-256: `groups`); it stores its range [lo, hi] of u, rounded outward to bfloat16 (4 bytes). Its levels, evenly spaced on each side:
+256: `groups`); it stores its range [lo, hi] of u, rounded outward to bfloat16 (4 bytes). Its
+levels, evenly spaced on each side:
 
     open   (L−k levels): from max(t, lo) up to hi
     closed (k levels):   from lo up to min(t, hi)
@@ -80,7 +81,10 @@ def groups(M):
 def group_start(col, M):
     """The first column of the group that holds column `col` (an int or an integer array) of a
     row of M elements."""
-    return numpy.minimum(col // GROUP, groups(M) - 1) * GROUP
+    last = groups(M) - 1
+    if isinstance(col, (int, numpy.integer)):
+        return min(int(col) // GROUP, last) * GROUP
+    return array_module(col).minimum(col // GROUP, last) * GROUP
 
 
 def group_end(col, M):
@@ -303,8 +307,8 @@ def _encode_piece(xhat, lv, r0, r1, c0, c1, stream, draws=None, lanes=None):
     draws: None (the packed code's, default_draws), "systematic", "independent" or "dither"."""
     M = xhat.shape[1]
     draws = default_draws(lv.bits) if draws is None else draws
-    a0 = int(group_start(c0, M))
-    a1 = group_end(int(group_start(c1 - 1, M)), M)
+    a0 = group_start(c0, M)
+    a1 = group_end(group_start(c1 - 1, M), M)
     out = array_module(xhat).empty((r1 - r0, a1 - a0), xhat.dtype)
     for s0, s1, code in _encode_segments(xhat, lv, r0, r1, a0, a1, stream, draws, lanes):
         out[:, s0 - a0:s1 - a0] = code
@@ -476,7 +480,7 @@ def dither_offsets(u0, size, dtype):
 def dither_piece(stream, r0, r1, c0, c1, M, dtype, xp=numpy):
     """dither_offsets of every element of rows r0:r1, columns c0:c1 of rows of M elements (any
     piece: each element's group draw and index in its group gathered), resolve()'s stream."""
-    a0 = int(group_start(c0, M))
+    a0 = group_start(c0, M)
     u0 = group_bits(stream, r0, r1, a0, c1, GROUP, xp).astype(numpy.int64)       # (R, groups)
     col = xp.arange(c0, c1, dtype=numpy.int64)
     first = group_start(col, M)
@@ -572,8 +576,8 @@ def decode_each_chunk(out, slot, gamma, beta, bits, relu=False, extra=None, dith
             if table is not None:           # one lookup per element
                 val = xp.take_along_axis(table[r0:r1, gs], codes3.astype(numpy.intp), axis=2)
             else:
-                d = None if stream is None else \
-                    dither_offsets(group_bits(stream, r0, r1, s0, s1, GROUP, xp)[:, :shape[1]], size, out.dtype)
+                u0 = None if stream is None else group_bits(stream, r0, r1, s0, s1, GROUP, xp)[:, :shape[1]]
+                d = None if u0 is None else dither_offsets(u0, size, out.dtype)
                 val = _decode_levels(codes3.astype(out.dtype), lv, slice(r0, r1),
                                      _grouped(lv, r0, r1, s0, s1, size), relu, d)[0]
             out[r0:r1, s0:s1] = val.reshape(r1 - r0, s1 - s0)

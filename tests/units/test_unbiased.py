@@ -512,8 +512,8 @@ def test_numba_forward_writes_the_reference_slot(bits, naive, M, dither):
     """units/unbiased_cpu.py: the same slot bytes as unbiased.quantize_pack (float32, shards keyed
     by their global place, γ of both signs and 0, t outside the data, a constant channel, a
     row's last group longer than the others; rows of one block and of two, window_cpu.BLOCK = 4096,
-    one whose last block takes the 100 elements after 4096, one shorter than a group), and out = relu(y) as the
-    exact forward, or naive's decoded conv input."""
+    one whose last block takes the 100 elements after 4096, one shorter than a group), and
+    out = relu(y) as the exact forward, or naive's decoded conv input."""
     from lowmem.units import unbiased_cpu
     from lowmem.ops import bn_normalize
     if not unbiased_cpu.AVAILABLE:
