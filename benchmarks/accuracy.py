@@ -64,6 +64,7 @@ or --data-dir; CIFAR-10/100 only where the archive is already present (never dow
 """
 import argparse
 import copy
+import functools
 import json
 import math
 import os
@@ -351,10 +352,16 @@ def saved_bits(spec, args):
         return f"{spec.avg:g} on average"
     if spec.rounding not in ("stochastic", "dither"):
         return f"{spec.bits:g}"
-    net = MODELS["preact-cifar"].build(args.depth, num_classes=args.num_classes,
-                                       in_channels=args.input_shape[0], seed=0)
-    eng = Engine(net, args.batch, args.input_shape, spec.mode, spec.bits, allocate=False,
-                 rounding=spec.rounding)
+    return plan_bits(spec.mode, spec.bits, spec.rounding, args.depth, args.batch,
+                     tuple(args.input_shape), args.num_classes)
+
+
+@functools.lru_cache(maxsize=None)
+def plan_bits(mode, bits, rounding, depth, batch, input_shape, num_classes):
+    """Engine.bits_per_element of the study's network as a string (once per code: the page's
+    table and the headline's both ask)."""
+    net = MODELS["preact-cifar"].build(depth, num_classes=num_classes, in_channels=input_shape[0], seed=0)
+    eng = Engine(net, batch, input_shape, mode, bits, allocate=False, rounding=rounding)
     return f"{eng.bits_per_element():.5g}"
 
 

@@ -44,6 +44,14 @@ __device__ __forceinline__ double ub_floor(double a) { return floor(a); }
 __device__ __forceinline__ real ub_max(real a, real b) { return a >= b ? a : b; }
 __device__ __forceinline__ real ub_min(real a, real b) { return a <= b ? a : b; }
 
+// a row's groups (unbiased.groups: floor(M/256), at least 1) and where group gi of G ends
+// (the last one takes the rest of the row)
+__device__ __forceinline__ long long ub_groups(long long M) { return M >= UB_GROUP ? M / UB_GROUP : 1; }
+__device__ __forceinline__ long long ub_group_end(long long gi, long long G, long long M)
+{
+    return gi == G - 1 ? M : (gi + 1) * UB_GROUP;
+}
+
 // the bf16 value next to v, outward (unbiased._bf16: first outward to float32), and its bits
 __device__ real ub_bf16(real v, int up, unsigned short* out)
 {
@@ -151,7 +159,7 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
                                             unsigned long long* stream)
 {
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
-    const long long G = M >= UB_GROUP ? M / UB_GROUP : 1;     // unbiased.groups
+    const long long G = ub_groups(M);
     const long long gi = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (gi >= G) return;
     if (dither && c == 0 && gi == 0) {              // the stream the decoders regenerate d from
@@ -159,7 +167,7 @@ extern "C" __global__ void unbiased_forward(real* out, unsigned char* packed, un
         stream[1] = (unsigned long long)start;
         stream[2] = (unsigned long long)row;
     }
-    const long long g0 = gi * UB_GROUP, g1 = gi == G - 1 ? M : g0 + UB_GROUP;
+    const long long g0 = gi * UB_GROUP, g1 = ub_group_end(gi, G, M);
     const real m = mean[c], r = rstd[c], g = gamma[c], b = beta[c];
     const UbChannel h = ub_channel(g, b, k[c]);
     const real s = h.s, kf = h.kf;
@@ -225,10 +233,10 @@ extern "C" __global__ void unbiased_decode(real* out, real* dr, const unsigned c
                                            int relu, int mask_dr, int dither, const unsigned long long* stream)
 {
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
-    const long long G = M >= UB_GROUP ? M / UB_GROUP : 1;     // unbiased.groups
+    const long long G = ub_groups(M);
     const long long gi = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (gi >= G) return;
-    const long long g0 = gi * UB_GROUP, g1 = gi == G - 1 ? M : g0 + UB_GROUP;
+    const long long g0 = gi * UB_GROUP, g1 = ub_group_end(gi, G, M);
     const real b = beta[c];
     const UbChannel h = ub_channel(gamma[c], b, k[c]);
     const UbLevels v = ub_stored_levels(ends, c, G, gi, h, L);
@@ -255,14 +263,14 @@ extern "C" __global__ void unbiased_backward_partial(double* part, const real* d
 {
     __shared__ double sa[BLOCK], sb[BLOCK];
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
-    const long long G = M >= UB_GROUP ? M / UB_GROUP : 1;     // unbiased.groups
+    const long long G = ub_groups(M);
     const UbChannel h = ub_channel(gamma[c], beta[c], k[c]);
     long long lo, hi;
     segment(G, &lo, &hi);
     double a = 0, s2 = 0;
     for (long long gi = lo + threadIdx.x; gi < hi; gi += blockDim.x) {
         const UbLevels v = ub_stored_levels(ends, c, G, gi, h, L);
-        const long long g0 = gi * UB_GROUP, g1 = gi == G - 1 ? M : g0 + UB_GROUP;
+        const long long g0 = gi * UB_GROUP, g1 = ub_group_end(gi, G, M);
         const unsigned int u0 = dither ? ub_group_draw(stream, c, g0) : 0u;
         for (long long i = g0; i < g1; ++i) {
             const real code = ub_code(packed, c, M, bits, per, i);
@@ -292,10 +300,10 @@ extern "C" __global__ void unbiased_backward_apply(real* dx, const real* dr, con
                                                    const unsigned long long* stream)
 {
     const int c = blockIdx.y, per = 8 / bits, L = 1 << bits;
-    const long long G = M >= UB_GROUP ? M / UB_GROUP : 1;     // unbiased.groups
+    const long long G = ub_groups(M);
     const long long gi = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (gi >= G) return;
-    const long long g0 = gi * UB_GROUP, g1 = gi == G - 1 ? M : g0 + UB_GROUP;
+    const long long g0 = gi * UB_GROUP, g1 = ub_group_end(gi, G, M);
     const UbChannel h = ub_channel(gamma[c], beta[c], k[c]);
     const UbLevels v = ub_stored_levels(ends, c, G, gi, h, L);
     const real a = (real)coef[c * 3], mdy = (real)coef[c * 3 + 1], mdyx = (real)coef[c * 3 + 2];

@@ -105,7 +105,8 @@ def add_arguments(parser):
     opt("rounding", "how x-hat becomes a code: nearest (the fixed window), stochastic (unbiased "
         "everywhere: group ends stored, at most 2.125 bits/elem at --bits 2), dither (the same code, "
         "its decoder subtracting each element's draw: about half the draw variance), or "
-        "stochastic-window (stochastic inside the fixed window only); the ReLU mask is exact and the draws follow --seed and the iteration",
+        "stochastic-window (stochastic inside the fixed window only); the ReLU mask is exact and "
+        "the draws follow --seed and the iteration",
         choices=ROUNDINGS)
     opt("dtype", "float32 | float64", choices=DTYPES)
     opt("batch", "batch size (also the planned batch of the engine)", type=argtypes.positive)
