@@ -6,6 +6,7 @@ units/cpu_base.py, the range code, ReLU's, ReLU6's and dropout's masks, max-pool
     pack_bytes(prow, codes, bits)     codes (n,) -> prow (n*bits/8,), n a multiple of 8/bits
     unpack_bytes(codes, prow, bits)   the inverse
     pack_any, unpack_any              any n: whole bytes, then a last partial byte (high bits 0)
+    decode_group, decode_span         an affine code's values (q - z) * s, the range code's decode
 
 The kernels call them on blocks of a few thousand codes held one per byte in an L1 scratch: a
 float loop writes that scratch element by element and one of these loops packs it (written the
@@ -86,6 +87,33 @@ if AVAILABLE:
         unpack_bytes(codes[:full * per], prow[:full], bits)
         for q in range(codes.size - full * per):
             codes[full * per + q] = (prow[full] >> (q * bits)) & top
+
+    # ---- an affine code's decode, group by group (the range code's: units/rangecode.py) ----
+
+    @njit(**_opts)
+    def decode_group(out, codes, z, s):
+        """out <- (codes - z) * s, z and s of out's dtype: one group of an affine code."""
+        for i in range(out.size):
+            out[i] = (codes[i] - z) * s
+
+    @njit(**_opts)
+    def decode_span(out, codes, packed, scale, zero, bits, group, i0, f):
+        """out (n,) <- the decode (q - zero[g]) * scale[g] of the flat codes i0 .. i0 + n - 1 of an
+        affine code in groups of `group` elements (g = i // group), over any span: what a consumer
+        decoding block by block into its own scratch calls (ops/depthwise_cpu.py). codes: scratch
+        of at least n + 7 bytes; f: two of out's dtype."""
+        n = out.size
+        lead = i0 % (8 // bits)                         # codes before i0 in its first byte
+        a = i0 - lead
+        unpack_any(codes[:n + lead], packed[a * bits // 8:((i0 + n) * bits + 7) // 8], bits)
+        t0 = 0
+        while t0 < n:
+            g = (i0 + t0) // group
+            t1 = min(n, (g + 1) * group - i0)
+            f[0] = zero[g]                              # exact small integers in out's dtype
+            f[1] = scale[g]
+            decode_group(out[t0:t1], codes[lead + t0:lead + t1], f[0], f[1])
+            t0 = t1
 
 
 BLOCK = 4096            # codes per block of the elementwise code kernels: a multiple of 8, its codes in L1

@@ -31,7 +31,10 @@ Memory: per call and thread two blocks of padded planes (each at most max(BLOCK_
 padded plane) elements, s*s*ceil((H + 2*pad)/s)*ceil((W + 2*pad)/s) a plane, (H + k - 1)*(W + k - 1)
 for the input gradient), allocated zeroed: the junk outputs read a few elements past the last
 plane, and in the weight gradient such a read meets a zero of dout (0 * NaN would be NaN); no
-workspace.
+workspace. backward_weight_coded (x kept as a range code) adds one block of decoded planes and
+its codes (one byte each): each block's planes are decoded there (bitpack_cpu.decode_span, the
+range code's values bit for bit) and read from L1 by the padding pass, so no decoded copy of
+the whole input is written to memory and read back.
 Threads split the input channels, so every result is the same bit for bit for any thread count.
 
 Indexing: the loops index flat arrays with offsets cast to uint64: numba then adds no
@@ -51,6 +54,7 @@ BLOCK_ELEMS = 4096    # scratch elements a block of samples' stacked planes aims
 
 if AVAILABLE:
     from numba import njit, uint64 as U
+    from .bitpack_cpu import decode_span
     _opts = dict(cache=True, nogil=True)          # no fastmath: every operation rounds as NumPy's
     _reduce = dict(cache=True, nogil=True, fastmath={"reassoc", "nsz"})   # the weight gradient's sums
 
@@ -249,16 +253,21 @@ if AVAILABLE:
         return v
 
     @njit(**_opts)
-    def _backward_weight(dwf, xf, gf, m, N, H, W, Ho, Wo, k, s, pad, zero, c0, c1):
+    def _backward_weight(dwf, xf, gf, m, N, H, W, Ho, Wo, k, s, pad, zero, c0, c1, packed, scale, zeros, bits,
+                         group):
         """dw[o] += the correlation of dout[o] with x[o // m], for the output channels of input
         channels c0 .. c1 - 1: per tap and block of samples (stacked as the forward's, dout's
         junk rows and columns 0) a sum (3x3: in the data's dtype, over vector lanes), the blocks'
-        sums added in float64."""
+        sums added in float64. bits > 0: x is not there (xf unread) but kept as an affine code
+        (packed, scale, zeros in groups of `group`: the range code), each block's planes decoded
+        into an L1 scratch first (bitpack_cpu.decode_span), the same values as a decoded x."""
         Hq, Wq = (H + 2 * pad + s - 1) // s, (W + 2 * pad + s - 1) // s
         nb = _per_block(N, s * s * Hq * Wq)
         T = nb * Hq
-        Q, R = numpy.zeros(s * s * T * Wq + Wq + k, xf.dtype), numpy.zeros(s * Wq, xf.dtype)
-        G = numpy.zeros(T * Wq, xf.dtype)
+        Q, R = numpy.zeros(s * s * T * Wq + Wq + k, gf.dtype), numpy.zeros(s * Wq, gf.dtype)
+        G = numpy.zeros(T * Wq, gf.dtype)
+        span = nb * H * W if bits else 0
+        X, codes, f = numpy.empty(span, gf.dtype), numpy.empty(span + 8, numpy.uint8), numpy.empty(2, gf.dtype)
         off = _taps(k, s, T, Wq)
         tot = numpy.zeros(k * k)
         for c in range(c0, c1):
@@ -266,8 +275,14 @@ if AVAILABLE:
                 tot[:] = 0.0
                 for n0 in range(0, N, nb):
                     n1 = min(N, n0 + nb)
+                    if bits:                       # the block's planes, decoded
+                        decode_span(X[:(n1 - n0) * H * W], codes, packed, scale, zeros, bits, group,
+                                    (c * N + n0) * H * W, f)
                     for n in range(n0, n1):
-                        _phases(Q, R, xf, (c * N + n) * H * W, H, W, pad, s, Hq, Wq, T, (n - n0) * Hq)
+                        if bits:
+                            _phases(Q, R, X, (n - n0) * H * W, H, W, pad, s, Hq, Wq, T, (n - n0) * Hq)
+                        else:
+                            _phases(Q, R, xf, (c * N + n) * H * W, H, W, pad, s, Hq, Wq, T, (n - n0) * Hq)
                         _rows_in(G[(n - n0) * Hq * Wq:], gf, (o * N + n) * Ho * Wo, Ho, Wo, Wq, zero)
                         for t in range(Ho * Wq, Hq * Wq):
                             G[U((n - n0) * Hq * Wq + t)] = zero
@@ -318,5 +333,26 @@ def backward_weight(dw, x, dout, stride, pad):
     """dw (Cout, 1, k, k) += dout (Cout, N, Ho, Wo) correlated with x (Cin, N, H, W)."""
     Cin, m, N, H, W, Ho, Wo, k = _sizes(x, dout, dw)
     dwf, xf, gf, zero = dw.reshape(-1), x.reshape(-1), dout.reshape(-1), x.dtype.type(0)
-    _split(lambda c0, c1: _backward_weight(dwf, xf, gf, m, N, H, W, Ho, Wo, k, stride, pad, zero, c0, c1),
+    none = numpy.empty(0, numpy.uint8)
+    _split(lambda c0, c1: _backward_weight(dwf, xf, gf, m, N, H, W, Ho, Wo, k, stride, pad, zero, c0, c1,
+                                           none, none.view(numpy.float32), none, 0, 1), Cin, m * N * Ho * Wo)
+
+
+def applies_coded(dout, w, code):
+    """Whether backward_weight_coded takes these: `applies` for dout and w, and the code's arrays
+    C-contiguous NumPy (packed and zero uint8, scale float32)."""
+    arrays = (code.packed, code.scale, code.zero)
+    return (applies(dout, dout, w) and all(type(a) is numpy.ndarray and a.flags.c_contiguous for a in arrays)
+            and code.packed.dtype == code.zero.dtype == numpy.uint8 and code.scale.dtype == numpy.float32)
+
+
+def backward_weight_coded(dw, code, x_shape, dout, stride, pad, group):
+    """backward_weight with x (x_shape) kept as an affine code (code: packed, scale, zero, bits; in
+    groups of `group` elements: the range code of units/rangecode.py), which each block of planes
+    decodes into the kernel's own scratch: the decoded x's result bit for bit, without x."""
+    Cin, N, H, W = x_shape
+    m, Ho, Wo, k = dw.shape[0] // Cin, dout.shape[2], dout.shape[3], dw.shape[2]
+    dwf, gf, zero = dw.reshape(-1), dout.reshape(-1), dout.dtype.type(0)
+    _split(lambda c0, c1: _backward_weight(dwf, gf[:0], gf, m, N, H, W, Ho, Wo, k, stride, pad, zero, c0, c1,
+                                           code.packed, code.scale, code.zero, code.bits, group),
            Cin, m * N * Ho * Wo)

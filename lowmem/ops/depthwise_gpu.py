@@ -14,6 +14,8 @@ dw: to tolerance, as the reference's blocked sums. Compiled through lowmem/syste
 (program "depthwise"); tested on the CPU emulation of this text and with nvcc
 (tests/units/test_units_gpu.py).
 """
+import numpy
+
 from ..system import cuda
 from ..system.cuda import i32, i64
 
@@ -74,28 +76,56 @@ extern "C" __global__ void depthwise_backward_input(real* dx, const real* dout, 
 
 // dw (Cout, 1, kh, kw) += dout correlated with x: one block per (offset k = i*kw + j, channel o) =
 // (blockIdx.x, blockIdx.y), float64 products summed over N*Ho*Wo, the block's total in tree order.
-extern "C" __global__ void depthwise_backward_weight(real* dw, const real* x, const real* dout, int m, int N,
-                                                     int H, int W, int Ho, int Wo, int kh, int kw, int stride,
-                                                     int pad)
+// x is read (bits 0) or decoded where it is read from an affine code in groups of `group`
+// elements (packed, scale, zero: the range code of units/rangecode.py, range_decode's values).
+__device__ void weight_gradient(real* dw, const real* x, const unsigned char* packed, const float* scale,
+                                const unsigned char* zero, int bits, int group, const real* dout, int m, int N,
+                                int H, int W, int Ho, int Wo, int kh, int kw, int stride, int pad)
 {
     __shared__ double sa[BLOCK], sb[BLOCK];
     const int k = blockIdx.x, o = blockIdx.y, i = k / kw, j = k % kw;
     const long long plane = (long long)Ho * Wo, count = N * plane;
+    const int per = bits ? 8 / bits : 1, top = (1 << bits) - 1;
     double a = 0.0;
     for (long long e = threadIdx.x; e < count; e += BLOCK) {
         const int ow = (int)(e % Wo), oh = (int)(e / Wo % Ho), n = (int)(e / plane);
         const int ih = oh * stride + i - pad, iw = ow * stride + j - pad;
         if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
-        a += (double)dout[((long long)o * N + n) * plane + e % plane]
-             * (double)x[(((long long)(o / m) * N + n) * H + ih) * W + iw];
+        const long long at = (((long long)(o / m) * N + n) * H + ih) * W + iw;
+        real v;
+        if (bits) {
+            const int code = (packed[at / per] >> ((int)(at % per) * bits)) & top;
+            const long long g = at / group;
+            v = rn_mul(rn_sub((real)code, (real)zero[g]), (real)scale[g]);
+        } else {
+            v = x[at];
+        }
+        a += (double)dout[((long long)o * N + n) * plane + e % plane] * (double)v;
     }
     block_sum2(a, 0.0, sa, sb);
     if (threadIdx.x == 0)
         dw[(long long)o * kh * kw + k] = rn_add(dw[(long long)o * kh * kw + k], (real)sa[0]);
 }
+
+extern "C" __global__ void depthwise_backward_weight(real* dw, const real* x, const real* dout, int m, int N,
+                                                     int H, int W, int Ho, int Wo, int kh, int kw, int stride,
+                                                     int pad)
+{
+    weight_gradient(dw, x, 0, 0, 0, 0, 1, dout, m, N, H, W, Ho, Wo, kh, kw, stride, pad);
+}
+
+extern "C" __global__ void depthwise_backward_weight_coded(real* dw, const unsigned char* packed,
+                                                           const float* scale, const unsigned char* zero,
+                                                           int bits, int group, const real* dout, int m, int N,
+                                                           int H, int W, int Ho, int Wo, int kh, int kw,
+                                                           int stride, int pad)
+{
+    weight_gradient(dw, 0, packed, scale, zero, bits, group, dout, m, N, H, W, Ho, Wo, kh, kw, stride, pad);
+}
 """
 
-PROGRAM = cuda.Program("depthwise", SOURCE, block_sync=("depthwise_backward_weight",))
+PROGRAM = cuda.Program("depthwise", SOURCE,
+                       block_sync=("depthwise_backward_weight", "depthwise_backward_weight_coded"))
 
 
 def applies(a, b, w):
@@ -128,3 +158,23 @@ def backward_weight(dw, x, dout, stride, pad):
     kh, kw = dw.shape[2:]
     PROGRAM.launch("depthwise_backward_weight", x.dtype, (kh * kw, dw.shape[0]),
                    (dw, x, dout) + _args(x, dout, dw, stride, pad))
+
+
+def applies_coded(dout, w, code):
+    """Whether backward_weight_coded takes these: `applies` for dout and w, the code's arrays
+    C-contiguous (packed and zero uint8, scale float32)."""
+    arrays = (code.packed, code.scale, code.zero)
+    return (applies(dout, dout, w) and all(a.flags.c_contiguous for a in arrays)
+            and code.packed.dtype == code.zero.dtype == numpy.uint8 and code.scale.dtype == numpy.float32)
+
+
+def backward_weight_coded(dw, code, x_shape, dout, stride, pad, group):
+    """backward_weight with x (x_shape) kept as an affine code (code: packed, scale, zero, bits; in
+    groups of `group` elements: the range code), decoded where each product reads it: the
+    decoded x's result bit for bit, without x."""
+    kh, kw = dw.shape[2:]
+    Cin, N, H, W = x_shape
+    PROGRAM.launch("depthwise_backward_weight_coded", dout.dtype, (kh * kw, dw.shape[0]),
+                   (dw, code.packed, code.scale, code.zero, i32(code.bits), i32(group), dout,
+                    i32(dw.shape[0] // Cin), i32(N), i32(H), i32(W), i32(dout.shape[2]), i32(dout.shape[3]),
+                    i32(kh), i32(kw), i32(stride), i32(pad)))

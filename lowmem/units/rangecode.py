@@ -25,7 +25,9 @@ batch holding either and a non-finite loss before backward ever decodes one.
 
 `keeper(bits, kernels)` is what the engine hands every conv that keeps its input: `ExactKeep`
 (float, exact mode or bits None) or `RangeKeep(K)`; their slots come from `entries`, `keep`
-fills them in forward, `restore` decodes into a buffer for backward. range_encode and
+fills them in forward, `restore` decodes into a buffer for backward (or `code` hands the code
+to a consumer that decodes it block by block itself: the depthwise weight gradient's kernels,
+ops/conv_groups.py). range_encode and
 range_decode here are the reference; `kernels` runs the same code in one pass per group
 (units/rangecode_cpu.py, numba; units/rangecode_gpu.py, CUDA; byte for byte the same codes),
 chosen once by the engine (units.keeper). Temporaries of the reference: one CHUNK
@@ -33,6 +35,7 @@ chosen once by the engine (units.keeper). Temporaries of the reference: one CHUN
 group of codes per thread.
 """
 import sys
+from typing import NamedTuple
 
 import numpy
 
@@ -154,8 +157,21 @@ class RangeKeep:
 
     def restore(self, out, slots):
         n = out.size
-        self._module(out).range_decode(out, slots[0][:packing.packed_nbytes(n, self.bits)], slots[1][:groups(n)],
-                                       slots[2][:groups(n)], self.bits)
+        self._module(out).range_decode(out, *self.code(slots, n)[:3], self.bits)
+
+    def code(self, slots, n):
+        """The kept code of an n-element input as a RangeCode (for a consumer that decodes it itself)."""
+        return RangeCode(slots[0][:packing.packed_nbytes(n, self.bits)], slots[1][:groups(n)], slots[2][:groups(n)],
+                         self.bits)
+
+
+class RangeCode(NamedTuple):
+    """A kept range code as its consumers read it: packed (packed_nbytes(n, bits),) uint8, scale
+    (groups(n),) float32, zero (groups(n),) uint8, bits; its decode is range_decode's."""
+    packed: object
+    scale: object
+    zero: object
+    bits: int
 
 
 def keeper(bits, kernels=None):

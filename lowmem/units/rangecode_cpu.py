@@ -38,7 +38,7 @@ UINTS = {4: numpy.uint32, 8: numpy.uint64}
 if AVAILABLE:
     from numba import njit
     from .cpu_base import _opts
-    from ..ops.bitpack_cpu import pack_any as _pack_any, unpack_any as _unpack_any
+    from ..ops.bitpack_cpu import decode_group, pack_any as _pack_any, unpack_any as _unpack_any
     from ..system.prefetch import prefetch
 
     LINE = 16                   # float32 elements per 64-byte cache line (float64: every other line)
@@ -67,11 +67,6 @@ if AVAILABLE:
             q = q_hi if q > q_hi else q
             q = q if q == q else nil
             cb[i] = numpy.uint8(numpy.int32(q))
-
-    @njit(**_opts)
-    def _decode_group(orow, cb, z, s):
-        for i in range(orow.size):
-            orow[i] = (cb[i] - z) * s
 
     @njit(**_opts)
     def _encode(packed, scale, zero, x, xi, xu, ends, bits, g0, g1, lev, fmax, big, nil_i, sign, inf_i, inf_u):
@@ -148,7 +143,7 @@ if AVAILABLE:
                 b = min(n, a + GROUP)
                 f[0] = zero[g]                          # exact small integers in out's dtype
                 f[1] = scale[g]
-                _decode_group(out[a:b], codes[a - a0:b - a0], f[0], f[1])
+                decode_group(out[a:b], codes[a - a0:b - a0], f[0], f[1])
 
 
 def supports(*arrays):

@@ -54,3 +54,34 @@ def test_a_step_is_bit_identical_on_the_code_kernels(which, dtype, bits, roundin
     assert loss == ref_loss and np.array_equal(logits, ref_logits)
     for name, g in ref_grads.items():
         assert np.array_equal(grads[name], g), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("bits,rounding", [(4, "nearest"), (2, "stochastic")])
+def test_the_depthwise_weight_gradient_reads_the_kept_code_itself(monkeypatch, dtype, bits, rounding):
+    """A depthwise conv whose input is kept as a range code (the inverted residual's 3x3 reads a
+    ReLU6's output) gets its weight gradient from the code (ops/depthwise_cpu.py decodes it block
+    by block), no buffer decoded first: the step bit for bit the one that decodes first."""
+    from lowmem.core.optable import conv as conv_op
+    from lowmem.ops import depthwise_cpu
+    rng = np.random.default_rng(7)
+    net = network("inverted", rng)
+    x, y = batch(rng, net, 3, SHAPE, dtype)
+    calls = []
+    coded = depthwise_cpu.backward_weight_coded
+    monkeypatch.setattr(depthwise_cpu, "backward_weight_coded", lambda *a: (calls.append(a[2]), coded(*a)))
+    steps = []
+    for decode_first in (False, True):
+        if decode_first:
+            monkeypatch.setattr(conv_op, "coded_input", lambda *a: None)
+        eng = Engine(network("inverted", np.random.default_rng(7)), 3, SHAPE, mode="approx", bits=bits,
+                     rounding=rounding, dtype=dtype)
+        steps.append(step(eng, x, y))
+        if not decode_first:
+            assert calls == [(12, 3, 8, 8)]                  # the depthwise conv, once
+            calls.clear()
+    assert not calls
+    (loss, logits, grads), (ref_loss, ref_logits, ref_grads) = steps
+    assert loss == ref_loss and np.array_equal(logits, ref_logits)
+    for name, g in ref_grads.items():
+        assert np.array_equal(grads[name], g), name

@@ -151,3 +151,33 @@ def test_no_result_reads_uninitialised_scratch(rng):
             dw = np.zeros_like(w)
             depthwise_cpu.backward_weight(dw, x, g, s, 1)
             np.testing.assert_allclose(dw, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+
+
+# the coded weight gradient: planes whose block spans start inside a byte (odd planes at 4 and 2
+# bits) and inside a group, blocks of several samples, a plane larger than a block, multipliers
+CODED_CASES = [(6, 1, 3, 8, 8, 3, 1, 1), (5, 1, 3, 7, 7, 3, 2, 1), (4, 1, 5, 5, 3, 3, 1, 1), (3, 2, 2, 7, 6, 3, 1, 1),
+               (2, 1, 2, 70, 66, 3, 2, 1), (3, 1, 2, 11, 9, 5, 2, 2)]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", CODED_CASES)
+def test_weight_gradient_from_the_range_code_is_the_decoded_inputs(rng, case, dtype, bits):
+    """backward_weight_coded (each block of planes decoded into the kernel's scratch) equals
+    range_decode into a buffer, then backward_weight, bit for bit, accumulating onto 0.25."""
+    from lowmem.units import rangecode, rangecode_cpu
+    C, m, N, H, W, k, stride, pad = case
+    x, w, g, _ = setup(rng, *case, dtype)
+    x = np.maximum(x, 0) * 3                        # a ReLU's output: zeros and a range
+    packed = np.zeros(-(-x.size * bits // 8), np.uint8)
+    scale, zero = np.zeros(rangecode.groups(x.size), np.float32), np.zeros(rangecode.groups(x.size), np.uint8)
+    rangecode_cpu.range_encode(packed, scale, zero, x.reshape(-1), bits)
+    xd = np.empty_like(x)
+    rangecode_cpu.range_decode(xd.reshape(-1), packed, scale, zero, bits)
+    want, got = np.full_like(w, 0.25), np.full_like(w, 0.25)
+    depthwise_cpu.backward_weight(want, xd, g, stride, pad)
+    code = rangecode.RangeCode(packed, scale, zero, bits)
+    assert depthwise_cpu.applies_coded(g, w, code)
+    depthwise_cpu.backward_weight_coded(got, code, x.shape, g, stride, pad, rangecode.GROUP)
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(want, np.full_like(w, 0.25))

@@ -40,7 +40,7 @@ from lowmem.system import cuda as cuda_helper
 from lowmem.train import optim, optim_gpu
 from lowmem.units import packing, stream, widths, window
 from lowmem.units import window_gpu as cuda
-from lowmem.units import gpu_base, rangecode_gpu, unbiased_gpu, unbiased
+from lowmem.units import gpu_base, rangecode, rangecode_gpu, unbiased_gpu, unbiased
 from lowmem.units.stream import Stream
 from lowmem.core.network import Parameter
 from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
@@ -606,6 +606,31 @@ def test_depthwise_kernels_match_the_reference(dev, case, dtype):
         else:
             np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max())
     np.testing.assert_allclose(got[3], want[3], rtol=tol, atol=tol * np.abs(want[3]).max())
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DEPTHWISE_CASES)
+def test_depthwise_weight_gradient_from_the_range_code(dev, case, dtype, bits):
+    """depthwise_backward_weight_coded (each product decoding its input from the range code)
+    equals range_decode into a buffer, then depthwise_backward_weight, bit for bit."""
+    C, m, N, H, W, k, stride, pad = case
+    rng = np.random.default_rng(C * 10 + m + bits)
+    Ho, Wo = conv_ops.conv_out_size(H, k, stride, pad), conv_ops.conv_out_size(W, k, stride, pad)
+    x = np.maximum(rng.standard_normal((C, N, H, W)), 0).astype(dtype)
+    w = rng.standard_normal((C * m, 1, k, k)).astype(dtype)
+    g = rng.standard_normal((C * m, N, Ho, Wo)).astype(dtype)
+    packed = np.zeros(-(-x.size * bits // 8), np.uint8)
+    scale, zero = np.zeros(rangecode.groups(x.size), np.float32), np.zeros(rangecode.groups(x.size), np.uint8)
+    rangecode.range_encode(packed, scale, zero, x.reshape(-1), bits)
+    code = rangecode.RangeCode(dev.put(packed), dev.put(scale), dev.put(zero), bits)
+    xd, wd, gd = dev.put(np.empty_like(x)), dev.put(w), dev.put(g)
+    rangecode_gpu.range_decode(xd, code.packed, code.scale, code.zero, bits)
+    want, got = dev.put(np.full_like(w, 0.25)), dev.put(np.full_like(w, 0.25))
+    depthwise_gpu.backward_weight(want, xd, gd, stride, pad)
+    assert depthwise_gpu.applies_coded(gd, wd, code)
+    depthwise_gpu.backward_weight_coded(got, code, x.shape, gd, stride, pad, rangecode.GROUP)
+    np.testing.assert_array_equal(dev.get(got), dev.get(want))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

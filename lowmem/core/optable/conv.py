@@ -8,13 +8,15 @@ the conv); any other tensor (a pool, an add, a ReLU alone, another conv), kept o
 saved slot named after the layer that made it ("<layer>.out", shared by every conv reading
 that tensor): exactly in float in exact mode, else as a K-bit range code with 0 an exact
 level (lowmem/units/rangecode.py, the engine's `keeper`), decoded into a free buffer for
-backward. Its input gradient needs only the weights. `keep_input` and `layer_input` say the
+backward, except where a depthwise conv's kernels decode the code themselves (`coded_input`).
+Its input gradient needs only the weights. `keep_input` and `layer_input` say the
 same for the linear layers (optable/dense.py)."""
 from ...ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, grouped_conv2d_forward,
                     grouped_conv2d_backward_input, grouped_conv2d_backward_weight, conv_bias_forward,
                     conv_bias_backward)
 from ...ops import conv_groups, winograd
 from ...ops.conv_groups import workspace_per_sample
+from ...units import rangecode
 from ...system import threads
 from ..network import NetworkError
 from .base import Op, channels, window_shape
@@ -55,6 +57,23 @@ def layer_input(run, step):
         run.keeper.restore(x.reshape(-1), [run.arrays[n] for n in step.saved])
         return x
     return run.act(step.saved[0] if step.saved else step.input_slot, step.in_shape)   # input, float copy
+
+
+def coded_input(run, step, dout, w):
+    """(kernels, code) where a depthwise conv's weight gradient reads its input's kept range code
+    itself (ops/depthwise_cpu.py, depthwise_gpu.py: decoded block by block into the kernel's own
+    scratch, or where each product reads it), so nothing decodes it into a buffer first; None
+    otherwise (the input is decoded, rebuilt or read where it sits: layer_input)."""
+    L = step.layer
+    code = getattr(run.keeper, "code", None)
+    if not step.scratch or step.unit or code is None or not (L.groups > 1 and L.groups == L.cin == L.cout):
+        return None
+    kernels = run.columns.depthwise if run.columns is not None else None
+    if kernels is None or not hasattr(kernels, "backward_weight_coded"):
+        return None
+    c, h, wd = step.in_shape
+    kept = code([run.arrays[n] for n in step.saved], c * run.n * h * wd)
+    return (kernels, kept) if kernels.applies_coded(dout, w, kept) else None
 
 
 class Conv(Op):
@@ -147,13 +166,18 @@ class Conv(Op):
         L, p = step.layer, run.params[step.params[0]]
         dout = run.act(step.dout, step.out_shape)
         ws = run.arrays["conv.cols"]
-        x = layer_input(run, step)
+        coded = coded_input(run, step, dout, p.data)
         if L.bias:
             conv_bias_backward(run.params[step.params[1]].grad, dout)
-        if L.groups == 1:
-            conv2d_backward_weight(p.grad, x, dout, L.stride, L.pad, ws, run.columns)
+        if coded is not None:                       # the kernel decodes the kept code itself
+            kernels, code = coded
+            kernels.backward_weight_coded(p.grad, code, (L.cin, run.n) + step.in_shape[1:], dout, L.stride, L.pad,
+                                          rangecode.GROUP)
+        elif L.groups == 1:
+            conv2d_backward_weight(p.grad, layer_input(run, step), dout, L.stride, L.pad, ws, run.columns)
         else:
-            grouped_conv2d_backward_weight(p.grad, x, dout, L.stride, L.pad, L.groups, ws, run.columns)
+            grouped_conv2d_backward_weight(p.grad, layer_input(run, step), dout, L.stride, L.pad, L.groups, ws,
+                                           run.columns)
         if step.dx and (run.input_grad or not step.optional):
             dx = run.act(step.dx, step.in_shape)
             if L.groups == 1:
