@@ -134,6 +134,7 @@ if AVAILABLE:
                      numpy.array([-numpy.inf, numpy.inf], numpy.float32).view(numpy.int32))
 
     SIGN = numpy.int32(-0x80000000)
+    I0 = numpy.int32(0)
 
     @njit(**_opts)
     def _key_bits(key):
@@ -264,6 +265,8 @@ if AVAILABLE:
         v = a - WEYL_F[t]
         return (v if v > -HALF_F else a - WEYL_WRAP[t]) * R_SCALE
 
+    if not numpy.little_endian:  # _draw_systematic reads an int64's halves as int32, low half first
+        raise RuntimeError("the numba 2-bit draw is written for little-endian hosts")
     if LANES != 4:              # _draw_systematic holds one accumulator per lane
         raise RuntimeError(f"the numba 2-bit draw is written for 4 lanes, unbiased.LANES is {LANES}")
 
@@ -275,16 +278,19 @@ if AVAILABLE:
         return r0 | (((r0 + HALF) & R_MASK) << 32)
 
     @njit(**_opts)
-    def _draw_systematic(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0, pb, fl, a, e):
+    def _draw_systematic(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0, pb, fl, a, e, a32, e32):
         """codes <- the block's codes at 2 bits (unbiased._encode_block, from its groups' levels
         lv; each group's draw from counter z0 + (its first element)*GOLDEN, then unbiased's
         systematic sampling along each lane of each side); orow <- relu(y), y = x-hat*g + b.
         Scratch of 2*GROUP elements: pb float32 (p), fl uint8 (the mask), a int64 (q, shifted 32
         bits up on the closed side), e int64 (R so far in each lane: the open side's in the low
-        32 bits, the closed side's in the high). Per group three loops: p and q (vectorised);
-        the lanes' running sums, four accumulators held in registers (not a recurrence through
-        memory, e[t] = e[t - 4] + a[t - 4], where each load waits on a store just made); the
-        codes (vectorised). The variants measured against it: docs/performance.md."""
+        32 bits, the closed side's in the high); a32 and e32 their int32 halves (little-endian:
+        the low half first). Per group three loops: p and q (vectorised, writing a's halves as
+        int32, so the loop runs 16 lanes wide, not int64's 8); the lanes' running sums, four
+        accumulators held in registers (not a recurrence through memory, e[t] = e[t - 4] +
+        a[t - 4], where each load waits on a store just made); the codes (vectorised, reading
+        both of e's halves and selecting: a load of only the side's half became a gather, 8x
+        slower). The variants measured against it: docs/performance.md."""
         n = xb.size
         n_open = F32(L) - kf
         nq = _groups(n)
@@ -307,7 +313,8 @@ if AVAILABLE:
                 v = numpy.int32(f * R_UNIT)
                 pb[t] = p
                 fl[t] = numpy.uint8(on)
-                a[t] = numpy.int64(v) << (0 if on else 32)
+                a32[2 * t] = v if on else I0            # a[t]'s halves: the side's q, 0
+                a32[2 * t + 1] = I0 if on else v
                 oq[t] = y if on else F0
             start = numpy.int64(cpu_base._counter_bits(z0 + U64(q0) * GOLDEN))       # < 2**24
             e0, e1 = _lane_start(start, 0), _lane_start(start, 1)     # unbiased.lane_starts
@@ -321,8 +328,9 @@ if AVAILABLE:
                 e[t] = e0 if t == m4 else (e1 if t == m4 + 1 else e2)
             for t in range(m):
                 on = fl[t] != 0
-                R = (e[t] if on else e[t] >> 32) & R_MASK
-                p = pb[t] + F32(numpy.int32(R)) * R_SCALE
+                lo, hi = e32[2 * t], e32[2 * t + 1]      # both loaded: a select, not a gather
+                R = (lo if on else hi) & R_MASK
+                p = pb[t] + F32(R) * R_SCALE
                 nn = n_open if on else kf
                 j = min(max(numpy.floor(p), F0), nn - F32(1))
                 code = kf + j if on else j
@@ -472,6 +480,7 @@ if AVAILABLE:
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
         pb, fl = numpy.empty(2 * GROUP, numpy.float32), numpy.empty(2 * GROUP, numpy.uint8)
         a, e = numpy.empty(2 * GROUP, numpy.int64), numpy.empty(2 * GROUP, numpy.int64)
+        a32, e32 = a.view(numpy.int32), e.view(numpy.int32)       # their halves (little-endian)
         for c in range(C):
             g, b = gamma[c], beta[c]
             s, zero, ag, t_o, t_c, kc, kf = _channel(g, b, L, W, w)
@@ -485,7 +494,7 @@ if AVAILABLE:
                 if dith:
                     _draw_dither(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
                 elif bits <= SYSTEMATIC_BITS:
-                    _draw_systematic(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0, pb, fl, a, e)
+                    _draw_systematic(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0, pb, fl, a, e, a32, e32)
                 else:
                     _draw_each(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
                 if naive:                       # continue from the decoded value
