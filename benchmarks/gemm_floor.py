@@ -58,39 +58,44 @@ def _batch_ranges(N, ws, per):
 
 
 def _winograd_correlate(x, U, ws):
-    """The GEMMs of winograd._correlate: per range and chunk, M (16, Co, T) = U @ V (16, Ci, T)."""
+    """The GEMMs of winograd._correlate: per range and chunk, M (P, Co, T) = U @ V (P, Ci, T),
+    P the planes of the conv's scheme (winograd.scheme: F(2x2) 16, F(4x4) 36)."""
     from lowmem.ops import winograd
     Co, Ci = U.shape[1:]
     N, H, W = x.shape[1:]
-    th, tw = winograd.tiles(H, W)
-    per = winograd.per_sample(Ci, Co, H, W)
+    s = winograd.scheme(H, W)
+    P = s.planes
+    th, tw = s.tiles(H, W)
+    per = s.per_sample(Ci, Co, H, W)
     ranges = []
     for a, b, wsp in _batch_ranges(N, ws, per):
         nc, gemms = winograd._chunk(wsp, per, b - a), []
         for n0 in range(a, b, nc):
             T = (min(b, n0 + nc) - n0) * th * tw
-            gemms.append((U, wsp[:16 * Ci * T].reshape(16, Ci, T), winograd._planes(wsp[16 * Ci * T:], Co, T)))
+            gemms.append((U, wsp[:P * Ci * T].reshape(P, Ci, T), winograd._planes(wsp[P * Ci * T:], Co, T, P)))
         ranges.append(gemms)
     return ranges
 
 
 def _winograd_weight(x, dw, ws):
     """The GEMMs of winograd.conv3x3_backward_weight: per range and chunk,
-    dU (16, Co, Ci) (+)= Mg (16, Co, T) @ V (16, Ci, T)^T, into the range's acc or term."""
+    dU (P, Co, Ci) (+)= Mg (P, Co, T) @ V (P, Ci, T)^T, into the range's acc or term."""
     from lowmem.ops import winograd
     Co, Ci = dw.shape[:2]
     N, H, W = x.shape[1:]
-    th, tw = winograd.tiles(H, W)
-    per, u = winograd.per_sample(Ci, Co, H, W), 16 * Co * Ci
+    s = winograd.scheme(H, W)
+    P = s.planes
+    th, tw = s.tiles(H, W)
+    per, u = s.per_sample(Ci, Co, H, W), P * Co * Ci
     ranges = []
     for a, b, wsp in _batch_ranges(N, ws, per + 2 * u):
-        acc, term = wsp[:u].reshape(16, Co, Ci), wsp[u:2 * u].reshape(16, Co, Ci)
+        acc, term = wsp[:u].reshape(P, Co, Ci), wsp[u:2 * u].reshape(P, Co, Ci)
         tiles_ws = wsp[2 * u:]
         nc, gemms = winograd._chunk(tiles_ws, per, b - a), []
         for n0 in range(a, b, nc):
             T = (min(b, n0 + nc) - n0) * th * tw
-            V = tiles_ws[:16 * Ci * T].reshape(16, Ci, T)
-            Mg = tiles_ws[16 * Ci * T:16 * (Ci + Co) * T].reshape(16, Co, T)
+            V = tiles_ws[:P * Ci * T].reshape(P, Ci, T)
+            Mg = tiles_ws[P * Ci * T:P * (Ci + Co) * T].reshape(P, Co, T)
             gemms.append((Mg, V.transpose(0, 2, 1), acc if n0 == a else term))
         ranges.append(gemms)
     return ranges
@@ -109,7 +114,7 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
     Cout, Cin, kh, kw = w.shape
     if product == "forward":
         if columns.winograd and winograd.applies(x, w, out, stride, pad, ws):
-            return "winograd", _winograd_correlate(x, winograd.filter_transform(w), ws)
+            return "winograd", _winograd_correlate(x, winograd.filter_transform(w, winograd.scheme(*x.shape[2:])), ws)
         N, (Ho, Wo) = x.shape[1], out.shape[2:]
         w2 = w.reshape(Cout, -1)
         if conv._is_pointwise(w, stride, pad) and x.flags.c_contiguous:
@@ -120,7 +125,8 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
         dout, dx = x, out
         if columns.winograd and winograd.applies(dout, w, dx, stride, pad, ws):
             wb = w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)
-            return "winograd", _winograd_correlate(dout, winograd.filter_transform(wb), ws)
+            return "winograd", _winograd_correlate(dout, winograd.filter_transform(wb, winograd.scheme(*dx.shape[2:])),
+                                                   ws)
         N, (Ho, Wo) = dx.shape[1], dout.shape[2:]
         w2t = w.reshape(Cout, -1).T
         if conv._is_pointwise(w, stride, pad) and not accumulate:

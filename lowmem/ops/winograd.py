@@ -40,9 +40,11 @@ else ops/conv.py's im2col path runs. ENABLED = False (or LOWMEM_WINOGRAD=0 in th
 turns it off.
 """
 import os
+from typing import Callable, NamedTuple
 
 import numpy
 
+from . import winograd4
 from .chunks import over_batch
 from ..system import threads
 from ..system.backend import numba_available
@@ -68,9 +70,35 @@ def per_sample(Cin, Cout, H, W):
     return 16 * (Cin + Cout) * th * tw
 
 
+class Scheme(NamedTuple):
+    """One tile size: its transforms (numba kernels, as this module's F(2x2) ones), which the
+    drivers below run. F2 here; F4, ops/winograd4.py's F(4x4, 3x3)."""
+    name: str
+    tile: int                       # output tile side
+    planes: int                     # transformed values per tile, (tile + 2)**2
+    filter_tiles: Callable          # (U, w, o0, o1): U (planes, Cout, Cin) = G g G^T
+    filter_gradient_add: Callable   # (dw, dU, o0, o1): dw += G^T dU G
+    input_tiles: Callable           # (V, x, n0): V (planes, C, T) = B^T d B
+    gradient_tiles: Callable        # (Mg, dout, n0): Mg (planes, Co, T) = A dy A^T
+    output_tiles: Callable          # (out, M, n0, accumulate): out (+)= A^T m A
+
+    def tiles(self, H, W):
+        return -(-H // self.tile), -(-W // self.tile)
+
+    def per_sample(self, Cin, Cout, H, W):
+        th, tw = self.tiles(H, W)
+        return self.planes * (Cin + Cout) * th * tw
+
+
+def scheme(H, W):
+    """The tile size a stride-1 3x3 conv on H x W planes runs: F(4x4, 3x3) where its tiles fill
+    the GEMMs (winograd4.takes), else F(2x2, 3x3)."""
+    return F4 if winograd4.takes(H, W) else F2
+
+
 def applies(x, w, out, stride, pad, ws, weight=False):
     """Whether the Winograd path runs this conv (see the module docstring); weight: for the
-    weight gradient, which also keeps two (16, Cout, Cin) sums in the workspace."""
+    weight gradient, which also keeps two (planes, Cout, Cin) sums in the workspace."""
     if not (ENABLED and AVAILABLE):
         return False
     Cout, Cin, kh, kw = w.shape
@@ -84,33 +112,39 @@ def applies(x, w, out, stride, pad, ws, weight=False):
     H, W = x.shape[2:]
     if out.shape[2:] != (H, W):
         return False
-    need = per_sample(Cin, Cout, H, W) + (32 * Cin * Cout if weight else 0)
+    s = scheme(H, W)
+    need = s.per_sample(Cin, Cout, H, W) + (2 * s.planes * Cin * Cout if weight else 0)
     return ws.size >= need                                 # the batch split gives each range at least this
 
 
 def temporary_bytes(convs, dtype):
     """Bound on the NumPy temporaries this path adds to a step (for the engine's plan):
-    convs, (k, stride, pad, Cin, Cout) per conv. The forward and input gradient allocate the
-    transformed filters U (16*Cout*Cin float32); the weight gradient works in the workspace."""
-    sizes = [ci * co for k, s, p, ci, co in convs
+    convs, (k, stride, pad, Cin, Cout[, H, W]) per conv. The forward and input gradient allocate
+    the transformed filters U (planes*Cout*Cin float32: 36 planes where F(4x4) may run, which
+    without H and W is assumed); the weight gradient works in the workspace."""
+    sizes = [ci * co * (36 if len(c) < 7 or winograd4.takes(*c[5:7]) else 16)
+             for c in convs for k, s, p, ci, co in [c[:5]]
              if (k, s, p) == (3, 1, 1) and min(ci, co) >= MIN_CHANNELS]
     if not (sizes and ENABLED and AVAILABLE and numpy.dtype(dtype) == numpy.float32):
         return 0
-    return 16 * max(sizes) * 4
+    return max(sizes) * 4
 
 
-def filter_transform(w):
-    """U (16, Cout, Cin) float32 = G g G^T per filter (w (Cout, Cin, 3, 3), any strides),
-    each computed in float64 and rounded once, threads splitting Cout; the only allocation is U."""
-    U = numpy.empty((16,) + w.shape[:2], numpy.float32)
-    threads.parallel_for(lambda o0, o1: _filter_tiles(U, w, o0, o1), w.shape[0], _filter_grain(w))
+def filter_transform(w, s=None):
+    """U (planes, Cout, Cin) float32 = G g G^T per filter (w (Cout, Cin, 3, 3), any strides) of
+    scheme s (default F(2x2)), each computed in float64 and rounded once, threads splitting Cout;
+    the only allocation is U."""
+    s = s or F2
+    U = numpy.empty((s.planes,) + w.shape[:2], numpy.float32)
+    threads.parallel_for(lambda o0, o1: s.filter_tiles(U, w, o0, o1), w.shape[0], _filter_grain(w))
     return U
 
 
-def filter_gradient_add(dw, dU):
-    """dw (Cout, Cin, 3, 3) += G^T dU G per filter, dU (16, Cout, Cin) the gradient of U, in
+def filter_gradient_add(dw, dU, s=None):
+    """dw (Cout, Cin, 3, 3) += G^T dU G per filter, dU (planes, Cout, Cin) the gradient of U, in
     float64 (the adjoint of filter_transform), threads splitting Cout."""
-    threads.parallel_for(lambda o0, o1: _filter_gradient_add(dw, dU, o0, o1), dw.shape[0], _filter_grain(dw))
+    s = s or F2
+    threads.parallel_for(lambda o0, o1: s.filter_gradient_add(dw, dU, o0, o1), dw.shape[0], _filter_grain(dw))
 
 
 def _filter_grain(w):
@@ -123,77 +157,82 @@ def _chunk(wsp, per, n):
     return max(1, min(n, wsp.size // per, CACHE_BYTES // (4 * per)))
 
 
-def _planes(wsp, rows, T):
-    """A (16, rows, T) array at the start of wsp whose planes lie an odd number of 64-byte lines
-    apart (PLANE_GAP elements more than rows*T when that is an even number of lines and wsp has
-    the room), else wsp's first 16*rows*T elements as they come. _output_tiles reads the 16
+def _planes(wsp, rows, T, planes=16):
+    """A (planes, rows, T) array at the start of wsp whose planes lie an odd number of 64-byte
+    lines apart (PLANE_GAP elements more than rows*T when that is an even number of lines and wsp
+    has the room), else wsp's first planes*rows*T elements as they come. _output_tiles reads the
     planes side by side: at a plane distance that is a multiple of 4 KiB (rows*T a multiple of
-    1024 float32, as at 64+ channels on 32x32 tiles) all 16 streams fall into the same L1 sets and
-    evict each other. Only where the planes lie changes, not what is computed."""
+    1024 float32, as at 64+ channels on 32x32 tiles) all the streams fall into the same L1 sets
+    and evict each other. Only where the planes lie changes, not what is computed."""
     n = rows * T
     step = n + PLANE_GAP if (n % PLANE_GAP == 0 and (n // PLANE_GAP) % 2 == 0
-                             and 16 * (n + PLANE_GAP) <= wsp.size) else n
-    planes = wsp[:16 * step].reshape(16, step)[:, :n]
-    planes.shape = (16, rows, T)                           # a view, never a copy (raises instead)
-    return planes
+                             and planes * (n + PLANE_GAP) <= wsp.size) else n
+    out = wsp[:planes * step].reshape(planes, step)[:, :n]
+    out.shape = (planes, rows, T)                          # a view, never a copy (raises instead)
+    return out
 
 
-def _correlate(out, x, U, ws, accumulate):
+def _correlate(out, x, U, ws, accumulate, s):
     """out (Co, N, H, W) (+)= the stride-1 pad-1 3x3 correlation of x (Ci, N, H, W) with the
-    filters whose transforms are U (16, Co, Ci)."""
+    filters whose transforms (scheme s) are U (planes, Co, Ci)."""
+    P = s.planes
     Co, Ci = U.shape[1:]
     N, H, W = x.shape[1:]
-    th, tw = tiles(H, W)
-    per = per_sample(Ci, Co, H, W)
+    th, tw = s.tiles(H, W)
+    per = s.per_sample(Ci, Co, H, W)
 
     def samples(a, b, wsp):
         nc = _chunk(wsp, per, b - a)
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)
             T = (n1 - n0) * th * tw
-            V = wsp[:16 * Ci * T].reshape(16, Ci, T)
-            M = _planes(wsp[16 * Ci * T:], Co, T)
-            _input_tiles(V, x, n0)
+            V = wsp[:P * Ci * T].reshape(P, Ci, T)
+            M = _planes(wsp[P * Ci * T:], Co, T, P)
+            s.input_tiles(V, x, n0)
             numpy.matmul(U, V, out=M)
-            _output_tiles(out, M, n0, accumulate)
+            s.output_tiles(out, M, n0, accumulate)
     over_batch(N, ws, per, samples)
 
 
 def conv3x3_forward(out, x, w, ws):
     """out (Cout, N, H, W) = conv(x (Cin, N, H, W), w (Cout, Cin, 3, 3)), stride 1, pad 1."""
-    _correlate(out, x, filter_transform(w), ws, False)
+    s = scheme(*x.shape[2:])
+    _correlate(out, x, filter_transform(w, s), ws, False, s)
 
 
 def conv3x3_backward_input(dx, dout, w, ws, accumulate=False):
     """dx (Cin, N, H, W) = (or += ) the input gradient: dout correlated with w turned 180 degrees,
     in and out channels swapped."""
+    s = scheme(*dx.shape[2:])
     wb = w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)
-    _correlate(dx, dout, filter_transform(wb), ws, accumulate)
+    _correlate(dx, dout, filter_transform(wb, s), ws, accumulate, s)
 
 
 def conv3x3_backward_weight(dw, x, dout, ws):
     """dw (Cout, Cin, 3, 3) += dout (Cout, N, H, W) correlated with x (Cin, N, H, W).
 
-    Each batch range keeps its running dU (16, Cout, Cin) and one chunk's GEMM result at the
+    Each batch range keeps its running dU (planes, Cout, Cin) and one chunk's GEMM result at the
     start of its own part of the workspace (so no temporaries); the ranges' sums are added
     in range order (deterministic for a given thread count), then dw += G^T dU G."""
     Co, Ci = dw.shape[:2]
     N, H, W = x.shape[1:]
-    th, tw = tiles(H, W)
-    per, u = per_sample(Ci, Co, H, W), 16 * Co * Ci
+    s = scheme(H, W)
+    P = s.planes
+    th, tw = s.tiles(H, W)
+    per, u = s.per_sample(Ci, Co, H, W), P * Co * Ci
     sums = {}
 
     def samples(a, b, wsp):
-        acc, term = wsp[:u].reshape(16, Co, Ci), wsp[u:2 * u].reshape(16, Co, Ci)
+        acc, term = wsp[:u].reshape(P, Co, Ci), wsp[u:2 * u].reshape(P, Co, Ci)
         tiles_ws = wsp[2 * u:]
         nc = _chunk(tiles_ws, per, b - a)
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)
             T = (n1 - n0) * th * tw
-            V = tiles_ws[:16 * Ci * T].reshape(16, Ci, T)
-            Mg = tiles_ws[16 * Ci * T:16 * (Ci + Co) * T].reshape(16, Co, T)
-            _input_tiles(V, x, n0)
-            _gradient_tiles(Mg, dout, n0)
+            V = tiles_ws[:P * Ci * T].reshape(P, Ci, T)
+            Mg = tiles_ws[P * Ci * T:P * (Ci + Co) * T].reshape(P, Co, T)
+            s.input_tiles(V, x, n0)
+            s.gradient_tiles(Mg, dout, n0)
             if n0 == a:
                 numpy.matmul(Mg, V.transpose(0, 2, 1), out=acc)
             else:
@@ -204,7 +243,7 @@ def conv3x3_backward_weight(dw, x, dout, ws):
     dU = sums[starts[0]]
     for start in starts[1:]:
         dU += sums[start]
-    filter_gradient_add(dw, dU)
+    filter_gradient_add(dw, dU, s)
 
 
 # ---- the filter and tile transforms in NumPy: the references the numba kernels below match bit
@@ -498,3 +537,8 @@ if AVAILABLE:
                             Mg[p + 1, c, o + b] = E[i, a, q] + E[i, a, q + 1]
                             Mg[p + 2, c, o + b] = E[i, a, q] - E[i, a, q + 1]
                             Mg[p + 3, c, o + b] = -E[i, a, q + 1]
+
+    F2 = Scheme("F(2x2, 3x3)", 2, 16, _filter_tiles, _filter_gradient_add, _input_tiles, _gradient_tiles,
+                _output_tiles)
+    F4 = Scheme("F(4x4, 3x3)", 4, 36, winograd4._filter_tiles, winograd4._filter_gradient_add,
+                winograd4._input_tiles, winograd4._gradient_tiles, winograd4._output_tiles)

@@ -14,6 +14,7 @@ import numpy
 import pytest
 
 import lowmem
+from lowmem.ops import winograd
 from lowmem.system import threads
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
@@ -73,8 +74,13 @@ def test_floor_gemms_are_the_steps_conv_gemms(n_threads, monkeypatch):
     if n_threads > 1:
         for path in paths:                                     # split over threads
             assert any(len(p["ranges"]) > 1 for p in products if p["path"] == path), path
-    for p in products:                                         # Winograd on even images: 2.25x fewer
-        if p["path"] == "winograd":
+    sides = {s.layer.name: s.out_shape[1] for s in convs}
+    wide = [p for p in products if p["path"] == "winograd" and winograd.scheme(sides[p["layer"]], sides[p["layer"]]) is winograd.F4]
+    assert bool(wide) == eng.run.columns.winograd              # 16x16 planes: F(4x4); 8x8: F(2x2)
+    for p in products:                                         # Winograd on even images: 4x or 2.25x fewer
+        if p["path"] == "winograd" and p in wide:
+            assert p["direct_flop"] == 4 * p["flop"], p["layer"]
+        elif p["path"] == "winograd":
             assert 4 * p["direct_flop"] == 9 * p["flop"], p["layer"]
         else:
             assert p["flop"] == p["direct_flop"], p["layer"]

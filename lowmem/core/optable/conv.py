@@ -116,7 +116,8 @@ class Conv(Op):
             return "a depthwise conv block", conv_groups.scratch_bytes(
                 L.cin, L.cout, L.groups, h, w, out_shape[1], out_shape[2], itemsize, threads.threads())
         g = L.groups
-        nbytes = winograd.temporary_bytes([(L.k, L.stride, L.pad, L.cin // g, L.cout // g)], f"f{itemsize}")
+        nbytes = winograd.temporary_bytes([(L.k, L.stride, L.pad, L.cin // g, L.cout // g) + tuple(out_shape[1:])],
+                                          f"f{itemsize}")
         return ("Winograd filter tiles", nbytes) if nbytes else None
 
     @staticmethod
