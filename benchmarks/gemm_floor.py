@@ -63,7 +63,7 @@ def _winograd_correlate(x, U, ws):
     from lowmem.ops import winograd
     Co, Ci = U.shape[1:]
     N, H, W = x.shape[1:]
-    s = winograd.scheme(H, W)
+    s = winograd.scheme(N, H, W)
     P = s.planes
     th, tw = s.tiles(H, W)
     per = s.per_sample(Ci, Co, H, W)
@@ -83,7 +83,7 @@ def _winograd_weight(x, dw, ws):
     from lowmem.ops import winograd
     Co, Ci = dw.shape[:2]
     N, H, W = x.shape[1:]
-    s = winograd.scheme(H, W)
+    s = winograd.scheme(N, H, W)
     P = s.planes
     th, tw = s.tiles(H, W)
     per, u = s.per_sample(Ci, Co, H, W), P * Co * Ci
@@ -114,7 +114,7 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
     Cout, Cin, kh, kw = w.shape
     if product == "forward":
         if columns.winograd and winograd.applies(x, w, out, stride, pad, ws):
-            return "winograd", _winograd_correlate(x, winograd.filter_transform(w, winograd.scheme(*x.shape[2:])), ws)
+            return "winograd", _winograd_correlate(x, winograd.filter_transform(w, winograd.scheme(*x.shape[1:])), ws)
         N, (Ho, Wo) = x.shape[1], out.shape[2:]
         w2 = w.reshape(Cout, -1)
         if conv._is_pointwise(w, stride, pad) and x.flags.c_contiguous:
@@ -125,7 +125,7 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
         dout, dx = x, out
         if columns.winograd and winograd.applies(dout, w, dx, stride, pad, ws):
             wb = w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)
-            return "winograd", _winograd_correlate(dout, winograd.filter_transform(wb, winograd.scheme(*dx.shape[2:])),
+            return "winograd", _winograd_correlate(dout, winograd.filter_transform(wb, winograd.scheme(*dx.shape[1:])),
                                                    ws)
         N, (Ho, Wo) = dx.shape[1], dout.shape[2:]
         w2t = w.reshape(Cout, -1).T

@@ -90,10 +90,10 @@ class Scheme(NamedTuple):
         return self.planes * (Cin + Cout) * th * tw
 
 
-def scheme(H, W):
-    """The tile size a stride-1 3x3 conv on H x W planes runs: F(4x4, 3x3) where its tiles fill
-    the GEMMs (winograd4.takes), else F(2x2, 3x3)."""
-    return F4 if winograd4.takes(H, W) else F2
+def scheme(N, H, W):
+    """The tile size a stride-1 3x3 conv on N planes of H x W runs: F(4x4, 3x3) where it has the
+    tiles to pay for its transforms (winograd4.takes), else F(2x2, 3x3)."""
+    return F4 if winograd4.takes(N, H, W) else F2
 
 
 def applies(x, w, out, stride, pad, ws, weight=False):
@@ -112,7 +112,7 @@ def applies(x, w, out, stride, pad, ws, weight=False):
     H, W = x.shape[2:]
     if out.shape[2:] != (H, W):
         return False
-    s = scheme(H, W)
+    s = scheme(x.shape[1], H, W)
     need = s.per_sample(Cin, Cout, H, W) + (2 * s.planes * Cin * Cout if weight else 0)
     return ws.size >= need                                 # the batch split gives each range at least this
 
@@ -122,7 +122,7 @@ def temporary_bytes(convs, dtype):
     convs, (k, stride, pad, Cin, Cout[, H, W]) per conv. The forward and input gradient allocate
     the transformed filters U (planes*Cout*Cin float32: 36 planes where F(4x4) may run, which
     without H and W is assumed); the weight gradient works in the workspace."""
-    sizes = [ci * co * (36 if len(c) < 7 or winograd4.takes(*c[5:7]) else 16)
+    sizes = [ci * co * (36 if len(c) < 7 or winograd4.may_take(*c[5:7]) else 16)
              for c in convs for k, s, p, ci, co in [c[:5]]
              if (k, s, p) == (3, 1, 1) and min(ci, co) >= MIN_CHANNELS]
     if not (sizes and ENABLED and AVAILABLE and numpy.dtype(dtype) == numpy.float32):
@@ -196,14 +196,14 @@ def _correlate(out, x, U, ws, accumulate, s):
 
 def conv3x3_forward(out, x, w, ws):
     """out (Cout, N, H, W) = conv(x (Cin, N, H, W), w (Cout, Cin, 3, 3)), stride 1, pad 1."""
-    s = scheme(*x.shape[2:])
+    s = scheme(*x.shape[1:])
     _correlate(out, x, filter_transform(w, s), ws, False, s)
 
 
 def conv3x3_backward_input(dx, dout, w, ws, accumulate=False):
     """dx (Cin, N, H, W) = (or += ) the input gradient: dout correlated with w turned 180 degrees,
     in and out channels swapped."""
-    s = scheme(*dx.shape[2:])
+    s = scheme(*dx.shape[1:])
     wb = w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)
     _correlate(dx, dout, filter_transform(wb, s), ws, accumulate, s)
 
@@ -216,7 +216,7 @@ def conv3x3_backward_weight(dw, x, dout, ws):
     in range order (deterministic for a given thread count), then dw += G^T dU G."""
     Co, Ci = dw.shape[:2]
     N, H, W = x.shape[1:]
-    s = scheme(H, W)
+    s = scheme(N, H, W)
     P = s.planes
     th, tw = s.tiles(H, W)
     per, u = s.per_sample(Ci, Co, H, W), P * Co * Ci

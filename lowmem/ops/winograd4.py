@@ -15,8 +15,11 @@ ops/winograd.py's drivers (`SCHEME`), with a 6x6 input patch d per 4x4 output ti
 36 products per 16 outputs against F(2x2)'s 16 per 4 and im2col's 9 per 1: 4x fewer
 multiplies than im2col, 1.78x fewer than F(2x2); the transformed tiles take 2.25x the input
 (F(2x2): 4x). The 36 GEMMs of a chunk, M[p] (Cout, T) = U[p] (Cout, Cin) @ V[p] (Cin, T), have
-a quarter of F(2x2)'s columns: on small planes they run below the GEMM's rate, so the engine
-takes this scheme only where H and W are at least MIN_SIDE (ops/conv.py; F(2x2) below).
+a quarter of F(2x2)'s columns, while the filter transforms (36 planes of float64 work per
+filter, once a call) do not shrink with the batch: where a conv has few tiles these cost more
+than the GEMMs save, so the engine takes this scheme only where H and W are at least MIN_SIDE
+and the batch's planes hold at least MIN_OUTPUTS outputs a channel (`takes`; F(2x2) elsewhere;
+measured in docs/performance.md).
 
 Accuracy: the constants 5, 1/6, 1/12, 1/24 round, and the points +-2 scale the products by up
 to 8, so float32 F(4x4) is less accurate than F(2x2) (tests/ops/test_winograd.py measures
@@ -38,7 +41,8 @@ AVAILABLE = numba_available()
 TILE = 4                    # output tile side
 PATCH = 6                   # input patch side: TILE + 2
 PLANES = 36                 # PATCH * PATCH transformed values per tile
-MIN_SIDE = 16               # planes smaller than this take F(2x2): measured below (docs/performance.md)
+MIN_SIDE = 8                # planes smaller than this take F(2x2)
+MIN_OUTPUTS = 4096          # nor do batches of fewer outputs a channel (N*H*W): see `takes`
 
 G = numpy.array([[1 / 4, 0.0, 0.0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
                  [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0.0, 0.0, 1.0]])      # float64
@@ -55,8 +59,16 @@ def per_sample(Cin, Cout, H, W):
     return PLANES * (Cin + Cout) * th * tw
 
 
-def takes(H, W):
-    """Whether planes of H x W take this scheme rather than F(2x2)."""
+def takes(N, H, W):
+    """Whether a conv on N planes of H x W takes this scheme rather than F(2x2). One thread,
+    forward + input gradient + weight gradient, F(4x4) / F(2x2): 0.56-0.88 at N*H*W of 4,096 and
+    more (0.97 for 256 channels on 8x8), 1.13-1.35 below (256 channels on 8x8 or 14x14 or
+    16x16 at N*H*W of 2,048-3,136; 512 on 4x4)."""
+    return ENABLED and AVAILABLE and min(H, W) >= MIN_SIDE and N * H * W >= MIN_OUTPUTS
+
+
+def may_take(H, W):
+    """Whether some batch of H x W planes could take this scheme (the plan's bound)."""
     return ENABLED and AVAILABLE and min(H, W) >= MIN_SIDE
 
 

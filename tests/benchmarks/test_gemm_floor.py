@@ -75,8 +75,9 @@ def test_floor_gemms_are_the_steps_conv_gemms(n_threads, monkeypatch):
         for path in paths:                                     # split over threads
             assert any(len(p["ranges"]) > 1 for p in products if p["path"] == path), path
     sides = {s.layer.name: s.out_shape[1] for s in convs}
-    wide = [p for p in products if p["path"] == "winograd" and winograd.scheme(sides[p["layer"]], sides[p["layer"]]) is winograd.F4]
-    assert bool(wide) == eng.run.columns.winograd              # 16x16 planes: F(4x4); 8x8: F(2x2)
+    wide = [p for p in products if p["path"] == "winograd"
+            and winograd.scheme(32, sides[p["layer"]], sides[p["layer"]]) is winograd.F4]
+    assert bool(wide) == eng.run.columns.winograd              # 16x16 planes: F(4x4); 8x8 at batch 32: F(2x2)
     for p in products:                                         # Winograd on even images: 4x or 2.25x fewer
         if p["path"] == "winograd" and p in wide:
             assert p["direct_flop"] == 4 * p["flop"], p["layer"]

@@ -47,7 +47,8 @@ def setup(rng, Cin, Cout, H, k, stride, pad, N):
 # (Cin, Cout, H, k, stride, pad, N): ResNet-164's 3x3 convs (three stages, stride 1; the two
 # stride-2 transitions), and the ImageNet stem (7x7 stride 2 on 224x224, one sample)
 SHAPES = [(16, 16, 32, 3, 1, 1, 4), (32, 32, 16, 3, 1, 1, 8), (64, 64, 8, 3, 1, 1, 16),
-          (32, 32, 32, 3, 2, 1, 2), (64, 64, 16, 3, 2, 1, 4), (3, 64, 224, 7, 2, 3, 1)]
+          (32, 32, 32, 3, 2, 1, 2), (64, 64, 16, 3, 2, 1, 4), (3, 64, 224, 7, 2, 3, 1),
+          (32, 32, 16, 3, 1, 1, 16), (64, 64, 8, 3, 1, 1, 64)]     # the last two: batches F(4x4) takes
 
 
 # each scheme's bound, (its error below this, at most this many times im2col's), from the
@@ -71,8 +72,8 @@ def test_float32_error_against_float64(monkeypatch, Cin, Cout, H, k, stride, pad
     monkeypatch.setattr(winograd, "ENABLED", True)
     takes = winograd.applies(x32, w32, g32, stride, pad, ws)
     assert takes == (k == 3 and stride == 1)
-    scheme = winograd.scheme(H, H)
-    assert (scheme is winograd.F4) == (wide and H >= winograd4.MIN_SIDE)
+    scheme = winograd.scheme(N, H, H)
+    assert (scheme is winograd.F4) == (wide and H >= winograd4.MIN_SIDE and N * H * H >= winograd4.MIN_OUTPUTS)
     wino = [rel(a, r) for a, r in zip(products(x32, w32, g32, stride, pad, ws), ref)]
     below, times = BOUNDS[scheme.name]
     for name, e_w, e_i in zip(("forward", "input gradient", "weight gradient"), wino, im2col):

@@ -1,7 +1,7 @@
 """ops/winograd4.py (Winograd F(4x4, 3x3)): its numba transforms against their NumPy references
 bit for bit, the references against the textbook matrices in float64, the conv products through
 ops/conv.py against the im2col path on planes with partial tiles, and where it runs (H and W at
-least MIN_SIDE; the switch). Its accuracy against float64: tests/ops/test_winograd.py."""
+least MIN_SIDE, batches of at least MIN_OUTPUTS outputs a channel; the switch). Its accuracy against float64: tests/ops/test_winograd.py."""
 import numpy as np
 import pytest
 
@@ -120,17 +120,17 @@ def test_references_against_the_float64_definitions():
     np.testing.assert_allclose(out, Y[:, :, :H, :W], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("H,W", [(16, 16), (17, 19), (18, 32)])
+@pytest.mark.parametrize("H,W", [(16, 16), (17, 19), (18, 32), (8, 9)])
 def test_convs_on_partial_tiles_accumulate_and_chunks_match_im2col(monkeypatch, H, W):
     """The three products through ops/conv.py on F(4x4) (one sample a chunk; dx accumulating,
     dw onto ones) against the im2col path, to F(4x4)'s float32 rounding."""
     rng = np.random.default_rng(H * 10 + W)
-    Cin, Cout, N = 16, 24, 3
+    Cin, Cout, N = 16, 24, -(-W4.MIN_OUTPUTS // (H * W))
     x = rng.standard_normal((Cin, N, H, W)).astype(np.float32)
     w = (rng.standard_normal((Cout, Cin, 3, 3)) * 0.1).astype(np.float32)
     g = rng.standard_normal((Cout, N, H, W)).astype(np.float32)
     base = rng.standard_normal(x.shape).astype(np.float32)
-    assert winograd.scheme(H, W) is winograd.F4
+    assert winograd.scheme(N, H, W) is winograd.F4
     res = {}
     for on in (False, True):
         monkeypatch.setattr(winograd, "ENABLED", on)
@@ -149,11 +149,14 @@ def test_convs_on_partial_tiles_accumulate_and_chunks_match_im2col(monkeypatch, 
 
 
 def test_where_it_runs(monkeypatch):
-    """F(4x4) on planes of at least MIN_SIDE each way, F(2x2) on smaller ones and everywhere with
-    the switch off (LOWMEM_WINOGRAD4=0); applies() asks the scheme's own room."""
-    assert winograd.scheme(16, 16) is winograd.F4 and winograd.scheme(32, 17) is winograd.F4
-    assert winograd.scheme(15, 32) is winograd.F2 and winograd.scheme(8, 8) is winograd.F2
-    x = np.zeros((16, 2, 16, 16), np.float32)
+    """F(4x4) on planes of at least MIN_SIDE each way whose batch holds MIN_OUTPUTS outputs a
+    channel, F(2x2) elsewhere and everywhere with the switch off (LOWMEM_WINOGRAD4=0); applies()
+    asks the scheme's own room."""
+    assert winograd.scheme(16, 16, 16) is winograd.F4 and winograd.scheme(64, 8, 8) is winograd.F4
+    assert winograd.scheme(8, 32, 17) is winograd.F4 and winograd.scheme(63, 8, 8) is winograd.F2
+    assert winograd.scheme(256, 7, 32) is winograd.F2 and winograd.scheme(15, 16, 16) is winograd.F2
+    assert W4.may_take(8, 8) and not W4.may_take(7, 64)
+    x = np.zeros((16, 16, 16, 16), np.float32)
     w = np.zeros((16, 16, 3, 3), np.float32)
     need = W4.per_sample(16, 16, 16, 16)
     assert need == 36 * 32 * 16 and winograd.per_sample(16, 16, 16, 16) == 16 * 32 * 64
@@ -162,5 +165,5 @@ def test_where_it_runs(monkeypatch):
     assert winograd.applies(x, w, x, 1, 1, np.zeros(need + 72 * 256, np.float32), weight=True)
     assert not winograd.applies(x, w, x, 1, 1, np.zeros(need + 72 * 256 - 1, np.float32), weight=True)
     monkeypatch.setattr(W4, "ENABLED", False)
-    assert winograd.scheme(64, 64) is winograd.F2
+    assert winograd.scheme(16, 64, 64) is winograd.F2
     assert not winograd.applies(x, w, x, 1, 1, np.zeros(need, np.float32))     # F(2x2) needs more room here
