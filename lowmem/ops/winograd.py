@@ -1,4 +1,6 @@
-"""Winograd F(2x2, 3x3): the stride-1, pad-1 3x3 convolutions without im2col (CPU, numba).
+"""Winograd F(2x2, 3x3): the stride-1, pad-1 3x3 convolutions without im2col (CPU, numba);
+and the drivers that run it or F(4x4, 3x3) (ops/winograd4.py's transforms), whichever
+`scheme(N, H, W)` picks for the conv (a `Scheme`: tile size, planes, transforms).
 
 Dimensions as in ops/conv.py:  x (Cin, N, H, W), w (Cout, Cin, 3, 3), out (Cout, N, H, W).
 Tiles: the output is cut into 2x2 tiles, th = ceil(H/2) by tw = ceil(W/2) per sample; tile t
