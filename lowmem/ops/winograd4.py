@@ -180,10 +180,11 @@ if AVAILABLE:
 
     @njit(inline="always")
     def _g6(a, b, c):
-        """The six rows of G applied to (a, b, c), float64: G[i,0]*a + G[i,1]*b + G[i,2]*c."""
-        return (G_ROWS[0, 0] * a + G_ROWS[0, 1] * b + G_ROWS[0, 2] * c, G_ROWS[1, 0] * a + G_ROWS[1, 1] * b + G_ROWS[1, 2] * c,
-                G_ROWS[2, 0] * a + G_ROWS[2, 1] * b + G_ROWS[2, 2] * c, G_ROWS[3, 0] * a + G_ROWS[3, 1] * b + G_ROWS[3, 2] * c,
-                G_ROWS[4, 0] * a + G_ROWS[4, 1] * b + G_ROWS[4, 2] * c, G_ROWS[5, 0] * a + G_ROWS[5, 1] * b + G_ROWS[5, 2] * c)
+        """The six rows of G applied to (a, b, c), float64: G[i,0]*a + G[i,1]*b + G[i,2]*c, the
+        zero products kept (no fastmath): filter_tiles_reference's operations, constants inline."""
+        return (0.25 * a + 0.0 * b + 0.0 * c, -1 / 6 * a + -1 / 6 * b + -1 / 6 * c,
+                -1 / 6 * a + 1 / 6 * b + -1 / 6 * c, 1 / 24 * a + 1 / 12 * b + 1 / 6 * c,
+                1 / 24 * a + -1 / 12 * b + 1 / 6 * c, 0.0 * a + 0.0 * b + 1.0 * c)
 
     @njit(**_opts)
     def _filter_tiles(U, w, o0, o1):
@@ -204,9 +205,9 @@ if AVAILABLE:
                     r1 = _g6(g[1, k], g[4, k], g[7, k])
                     r2 = _g6(g[2, k], g[5, k], g[8, k])
                     for i in range(PATCH):                      # row i of G g, times G^T
-                        v = _g6(r0[i], r1[i], r2[i])
-                        for j in range(PATCH):
-                            u[PATCH * i + j, k] = v[j]
+                        v0, v1, v2, v3, v4, v5 = _g6(r0[i], r1[i], r2[i])
+                        p = PATCH * i
+                        u[p, k], u[p + 1, k], u[p + 2, k], u[p + 3, k], u[p + 4, k], u[p + 5, k] = v0, v1, v2, v3, v4, v5
                 for p in range(PLANES):
                     for k in range(n):
                         U[p, o, c0 + k] = u[p, k]
