@@ -207,7 +207,8 @@ if AVAILABLE:
                     for i in range(PATCH):                      # row i of G g, times G^T
                         v0, v1, v2, v3, v4, v5 = _g6(r0[i], r1[i], r2[i])
                         p = PATCH * i
-                        u[p, k], u[p + 1, k], u[p + 2, k], u[p + 3, k], u[p + 4, k], u[p + 5, k] = v0, v1, v2, v3, v4, v5
+                        u[p, k], u[p + 1, k], u[p + 2, k] = v0, v1, v2
+                        u[p + 3, k], u[p + 4, k], u[p + 5, k] = v3, v4, v5
                 for p in range(PLANES):
                     for k in range(n):
                         U[p, o, c0 + k] = u[p, k]

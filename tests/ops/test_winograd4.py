@@ -1,7 +1,8 @@
 """ops/winograd4.py (Winograd F(4x4, 3x3)): its numba transforms against their NumPy references
 bit for bit, the references against the textbook matrices in float64, the conv products through
 ops/conv.py against the im2col path on planes with partial tiles, and where it runs (H and W at
-least MIN_SIDE, batches of at least MIN_OUTPUTS outputs a channel; the switch). Its accuracy against float64: tests/ops/test_winograd.py."""
+least MIN_SIDE, batches of at least MIN_OUTPUTS outputs a channel; the switch). Its accuracy
+against float64: tests/ops/test_winograd.py."""
 import numpy as np
 import pytest
 
@@ -46,7 +47,8 @@ def test_tile_kernels_match_their_numpy_references_bit_for_bit(C, H, W, special)
         Mg = np.full((36, C, ns * th * tw), np.nan, np.float32)
         W4._gradient_tiles(Mg, x, n0)
         _same_bits(Mg, W4.gradient_tiles_reference(x, n0, ns))
-        M = _specials(rng, (36, C, ns * th * tw)) if special else rng.standard_normal((36, C, ns * th * tw)).astype(np.float32)
+        shape = (36, C, ns * th * tw)
+        M = _specials(rng, shape) if special else rng.standard_normal(shape).astype(np.float32)
         for accumulate in (False, True):
             base = rng.standard_normal((C, N, H, W)).astype(np.float32)
             got, want = base.copy(), base.copy()
@@ -91,7 +93,8 @@ def test_references_against_the_float64_definitions():
     W4.filter_gradient_reference(dw, dU)
     for o in range(4):
         for c in range(3):
-            np.testing.assert_allclose(U[:, o, c], (W4.G @ w[o, c].astype(float) @ W4.G.T).ravel(), rtol=1e-6, atol=1e-7)
+            want = W4.G @ w[o, c].astype(float) @ W4.G.T
+            np.testing.assert_allclose(U[:, o, c], want.ravel(), rtol=1e-6, atol=1e-7)
             np.testing.assert_allclose(dw[o, c], W4.G.T @ dU[:, o, c].reshape(6, 6).astype(float) @ W4.G,
                                        rtol=1e-6, atol=1e-6)
     assert np.isclose(float(np.sum(U.astype(float) * dU)), float(np.sum(w.astype(float) * dw)), rtol=1e-5)
