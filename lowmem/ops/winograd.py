@@ -76,20 +76,14 @@ class Scheme(NamedTuple):
     """One tile size: its transforms (numba kernels, as this module's F(2x2) ones), which the
     drivers below run. F2 here; F4, ops/winograd4.py's F(4x4, 3x3)."""
     name: str
-    tile: int                       # output tile side
-    planes: int                     # transformed values per tile, (tile + 2)**2
+    planes: int                     # transformed values per tile, (output tile side + 2)**2
     filter_tiles: Callable          # (U, w, o0, o1): U (planes, Cout, Cin) = G g G^T
     filter_gradient_add: Callable   # (dw, dU, o0, o1): dw += G^T dU G
     input_tiles: Callable           # (V, x, n0): V (planes, C, T) = B^T d B
     gradient_tiles: Callable        # (Mg, dout, n0): Mg (planes, Co, T) = A dy A^T
     output_tiles: Callable          # (out, M, n0, accumulate): out (+)= A^T m A
-
-    def tiles(self, H, W):
-        return -(-H // self.tile), -(-W // self.tile)
-
-    def per_sample(self, Cin, Cout, H, W):
-        th, tw = self.tiles(H, W)
-        return self.planes * (Cin + Cout) * th * tw
+    tiles: Callable                 # (H, W): output tiles per sample, (th, tw)
+    per_sample: Callable            # (Cin, Cout, H, W): workspace elements of one sample
 
 
 def scheme(N, H, W):
@@ -121,12 +115,11 @@ def applies(x, w, out, stride, pad, ws, weight=False):
 
 def temporary_bytes(convs, dtype):
     """Bound on the NumPy temporaries this path adds to a step (for the engine's plan):
-    convs, (k, stride, pad, Cin, Cout[, H, W]) per conv. The forward and input gradient allocate
-    the transformed filters U (planes*Cout*Cin float32: 36 planes where F(4x4) may run, which
-    without H and W is assumed); the weight gradient works in the workspace."""
-    sizes = [ci * co * (36 if len(c) < 7 or winograd4.may_take(*c[5:7]) else 16)
-             for c in convs for k, s, p, ci, co in [c[:5]]
-             if (k, s, p) == (3, 1, 1) and min(ci, co) >= MIN_CHANNELS]
+    convs, (k, stride, pad, Cin, Cout, H, W) per conv. The forward and input gradient allocate
+    the transformed filters U (planes*Cout*Cin float32: 36 planes where F(4x4) may run, whatever
+    the batch); the weight gradient works in the workspace."""
+    sizes = [ci * co * (winograd4.PLANES if winograd4.may_take(h, w) else 16)
+             for k, s, p, ci, co, h, w in convs if (k, s, p) == (3, 1, 1) and min(ci, co) >= MIN_CHANNELS]
     if not (sizes and ENABLED and AVAILABLE and numpy.dtype(dtype) == numpy.float32):
         return 0
     return max(sizes) * 4
@@ -540,7 +533,8 @@ if AVAILABLE:
                             Mg[p + 2, c, o + b] = E[i, a, q] - E[i, a, q + 1]
                             Mg[p + 3, c, o + b] = -E[i, a, q + 1]
 
-    F2 = Scheme("F(2x2, 3x3)", 2, 16, _filter_tiles, _filter_gradient_add, _input_tiles, _gradient_tiles,
-                _output_tiles)
-    F4 = Scheme("F(4x4, 3x3)", 4, 36, winograd4._filter_tiles, winograd4._filter_gradient_add,
-                winograd4._input_tiles, winograd4._gradient_tiles, winograd4._output_tiles)
+    F2 = Scheme("F(2x2, 3x3)", 16, _filter_tiles, _filter_gradient_add, _input_tiles, _gradient_tiles,
+                _output_tiles, tiles, per_sample)
+    F4 = Scheme("F(4x4, 3x3)", winograd4.PLANES, winograd4._filter_tiles,
+                winograd4._filter_gradient_add, winograd4._input_tiles, winograd4._gradient_tiles,
+                winograd4._output_tiles, winograd4.tiles, winograd4.per_sample)

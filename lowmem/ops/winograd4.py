@@ -1,7 +1,7 @@
 """Winograd F(4x4, 3x3): ops/winograd.py's F(2x2, 3x3) with 4x4 output tiles (CPU, numba).
 
 The same algorithm (Lavin & Gray 2016) and the same three products of training, run by
-ops/winograd.py's drivers (`SCHEME`), with a 6x6 input patch d per 4x4 output tile:
+ops/winograd.py's drivers (its `F4` scheme), with a 6x6 input patch d per 4x4 output tile:
 
     y (4x4) = A^T [ (G g G^T) * (B^T d B) ] A          (* element-wise, 36 products)
 
@@ -61,9 +61,10 @@ def per_sample(Cin, Cout, H, W):
 
 def takes(N, H, W):
     """Whether a conv on N planes of H x W takes this scheme rather than F(2x2). One thread,
-    forward + input gradient + weight gradient, F(4x4) / F(2x2): 0.56-0.88 at N*H*W of 4,096 and
-    more (0.97 for 256 channels on 8x8), 1.13-1.35 below (256 channels on 8x8 or 14x14 or
-    16x16 at N*H*W of 2,048-3,136; 512 on 4x4)."""
+    forward + input gradient + weight gradient, F(4x4) / F(2x2): 0.56-0.97 at N*H*W of 4,096 and
+    more; below, 1.04-1.45 for 256-512 channels (8x8, 14x14 and 16x16 at N*H*W of 2,048-3,136;
+    4x4) but 0.80-0.92 for 64-128 channels at 8x8, batch 32, which this rule on outputs alone
+    also leaves on F(2x2)."""
     return ENABLED and AVAILABLE and min(H, W) >= MIN_SIDE and N * H * W >= MIN_OUTPUTS
 
 
@@ -174,7 +175,6 @@ if AVAILABLE:
     from numba import njit
     _opts = dict(cache=True, nogil=True)
     _bt_nb, _at_nb, _a_nb = (njit(inline="always")(f) for f in (_bt, _at, _a))
-    G_ROWS = G.copy()
 
     FILTER_BLOCK = 64       # filters (input channels) the filter transforms vectorise over, as F(2x2)'s
 
@@ -232,14 +232,14 @@ if AVAILABLE:
                         for k in range(n):
                             acc = 0.0
                             for i in range(PATCH):
-                                acc = acc + G_ROWS[i, p] * d[PATCH * i + j, k]
+                                acc = acc + G[i, p] * d[PATCH * i + j, k]
                             t[p, j, k] = acc
                 for p in range(3):                              # t G
                     for q in range(3):
                         for k in range(n):
-                            acc = t[p, 0, k] * G_ROWS[0, q]
+                            acc = t[p, 0, k] * G[0, q]
                             for j in range(1, PATCH):
-                                acc = acc + t[p, j, k] * G_ROWS[j, q]
+                                acc = acc + t[p, j, k] * G[j, q]
                             g[3 * p + q, k] = acc
                 for k in range(n):
                     for m in range(9):

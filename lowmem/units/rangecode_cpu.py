@@ -38,7 +38,7 @@ UINTS = {4: numpy.uint32, 8: numpy.uint64}
 if AVAILABLE:
     from numba import njit
     from .cpu_base import _opts
-    from ..ops.bitpack_cpu import decode_group, pack_any as _pack_any, unpack_any as _unpack_any
+    from ..ops.bitpack_cpu import decode_span, pack_any as _pack_any
     from ..system.prefetch import prefetch
 
     LINE = 16                   # float32 elements per 64-byte cache line (float64: every other line)
@@ -131,19 +131,12 @@ if AVAILABLE:
     @njit(**_opts)
     def _decode(out, packed, scale, zero, bits, g0, g1):
         """out[groups g0 .. g1-1] <- (q - z) * s, in out's dtype. Reference: rangecode.range_decode."""
-        n = out.size
-        codes = numpy.empty(BLOCK, numpy.uint8)       # a block's codes, unpacked at its start
+        codes = numpy.empty(BLOCK + 8, numpy.uint8)   # a block's codes, one per byte
         f = numpy.empty(2, out.dtype)
-        end = min(n, g1 * GROUP)
+        end = min(out.size, g1 * GROUP)
         for a0 in range(g0 * GROUP, end, BLOCK):
             a1 = min(end, a0 + BLOCK)
-            _unpack_any(codes[:a1 - a0], packed[a0 * bits // 8:(a1 * bits + 7) // 8], bits)
-            for a in range(a0, a1, GROUP):
-                g = a // GROUP
-                b = min(n, a + GROUP)
-                f[0] = zero[g]                          # exact small integers in out's dtype
-                f[1] = scale[g]
-                decode_group(out[a:b], codes[a - a0:b - a0], f[0], f[1])
+            decode_span(out[a0:a1], codes, packed, scale, zero, bits, GROUP, a0, f)
 
 
 def supports(*arrays):
