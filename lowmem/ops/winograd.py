@@ -32,7 +32,11 @@ workspace (the weight gradient also keeps two 16*Cout*Cin sums per range there) 
 V and M stay in the core's cache between the transform and the GEMM. Where the room is there,
 M's planes lie PLANE_GAP elements further apart (16 more per plane; `_planes`), so that the 16
 streams _output_tiles reads are not a multiple of 4 KiB apart. Threads as in
-ops/conv.py (ops/chunks.py): batch ranges, each with its own part of the workspace.
+ops/conv.py (ops/chunks.py): batch ranges, each with its own part of the workspace; except
+where a range's GEMMs would be too thin (wide channels on few tiles, `_split_planes`) or the
+workspace holds fewer weight-gradient ranges than threads (each keeps its own dU,
+`_weight_planes`): there the threads cut the tile transforms by channel rows and the GEMMs
+by plane, over the batch's tiles at once (or in chunks the workspace holds).
 
 Accuracy: the transforms' constants are 0, +-1 and +-1/2, so float32 Winograd stays close to
 im2col; tests/ops/test_winograd.py checks every 3x3 conv shape of ResNet-164 against float64.
@@ -58,6 +62,9 @@ CACHE_BYTES = 1 << 20       # bytes of transformed tiles (V and M) per chunk
 FILTER_GRAIN = 1 << 12      # filters per thread below which a filter transform is not split
 FILTER_BLOCK = 64           # filters (input channels) the filter transforms vectorise over
 PLANE_GAP = 16              # float32 elements (one 64-byte line) between M's planes where they would alias
+PLANE_TILES = 512           # tiles per thread below which a wide conv splits its planes between threads, not its batch
+PLANE_CHANNELS = 1 << 18    # and Cin*Cout from which it does (512 x 512)
+ROW_GRAIN = 8               # channel rows per thread below which a tile transform is not split
 
 
 
@@ -167,6 +174,21 @@ def _planes(wsp, rows, T, planes=16):
     return out
 
 
+def _split_planes(N, tiles_per_sample, channels, ws, need):
+    """Whether a forward or input-gradient conv of N samples cuts its GEMMs' planes between the
+    threads rather than its batch: at PLANE_CHANNELS (Cin*Cout) and more, where a batch range
+    would hold fewer than PLANE_TILES tiles (its GEMMs too thin for BLAS's speed: ResNet-18's
+    and -50's 512-channel 4x4 layers), and the workspace holds `need` elements (one sample)."""
+    T = threads.threads()
+    return (T > 1 and channels >= PLANE_CHANNELS and N * tiles_per_sample < PLANE_TILES * T
+            and ws.size >= need)
+
+
+def _rows(fn, n, grain=ROW_GRAIN):
+    """fn(r0, r1) over the n channel rows of a transform, split between the threads."""
+    threads.parallel_for(fn, n, grain)
+
+
 def _correlate(out, x, U, ws, accumulate, s):
     """out (Co, N, H, W) (+)= the stride-1 pad-1 3x3 correlation of x (Ci, N, H, W) with the
     filters whose transforms (scheme s) are U (planes, Co, Ci)."""
@@ -175,6 +197,17 @@ def _correlate(out, x, U, ws, accumulate, s):
     N, H, W = x.shape[1:]
     th, tw = s.tiles(H, W)
     per = s.per_sample(Ci, Co, H, W)
+    if _split_planes(N, th * tw, Ci * Co, ws, per):
+        nc = min(N, ws.size // per)
+        for n0 in range(0, N, nc):                         # the whole batch at once where it fits
+            n1 = min(N, n0 + nc)
+            T = (n1 - n0) * th * tw
+            V = ws[:P * Ci * T].reshape(P, Ci, T)
+            M = _planes(ws[P * Ci * T:], Co, T, P)
+            _rows(lambda c0, c1: s.input_tiles(V[:, c0:c1], x[c0:c1], n0), Ci)
+            threads.parallel_for(lambda p0, p1: numpy.matmul(U[p0:p1], V[p0:p1], out=M[p0:p1]), P)
+            _rows(lambda c0, c1: s.output_tiles(out[c0:c1], M[:, c0:c1], n0, accumulate), Co)
+        return
 
     def samples(a, b, wsp):
         nc = _chunk(wsp, per, b - a)
@@ -215,6 +248,9 @@ def conv3x3_backward_weight(dw, x, dout, ws):
     P = s.planes
     th, tw = s.tiles(H, W)
     per, u = s.per_sample(Ci, Co, H, W), P * Co * Ci
+    if _weight_planes(N, th * tw, Ci * Co, ws, per, u):
+        _weight_by_planes(dw, x, dout, ws, s)
+        return
     sums = {}
 
     def samples(a, b, wsp):
@@ -238,6 +274,48 @@ def conv3x3_backward_weight(dw, x, dout, ws):
     dU = sums[starts[0]]
     for start in starts[1:]:
         dU += sums[start]
+    filter_gradient_add(dw, dU, s)
+
+
+def _weight_planes(N, tiles_per_sample, channels, ws, per, u):
+    """Whether a weight gradient cuts its GEMMs' planes between the threads: where the batch
+    split would run fewer ranges than there are threads (each range keeps its own dU and a
+    term, 2u elements: 256 channels' take half of the default 16 MiB workspace), or where
+    _split_planes would cut a forward's; and the workspace holds dU, a term and one sample's tiles."""
+    T = threads.threads()
+    ranges = min(T, N, ws.size // (per + 2 * u))
+    return T > 1 and ws.size >= 2 * u + per and (ranges < T or _split_planes(N, tiles_per_sample, channels, ws, per))
+
+
+def _weight_by_planes(dw, x, dout, ws, s):
+    """conv3x3_backward_weight with the planes split between the threads: the batch's tiles
+    in chunks as large as the workspace holds (transforms split by channel rows), each chunk's
+    GEMMs Mg[p] @ V[p]^T split by plane into one dU (a chunk's term beside it after the first),
+    then dw += G^T dU G."""
+    Co, Ci = dw.shape[:2]
+    N, H, W = x.shape[1:]
+    P = s.planes
+    th, tw = s.tiles(H, W)
+    per, u = s.per_sample(Ci, Co, H, W), P * Co * Ci
+    one = N * per + u <= ws.size                           # the whole batch at once: no term
+    dU = ws[:u].reshape(P, Co, Ci)
+    term = None if one else ws[u:2 * u].reshape(P, Co, Ci)
+    tiles_ws = ws[u:] if one else ws[2 * u:]
+    nc = min(N, tiles_ws.size // per)
+    for n0 in range(0, N, nc):
+        n1 = min(N, n0 + nc)
+        T = (n1 - n0) * th * tw
+        V = tiles_ws[:P * Ci * T].reshape(P, Ci, T)
+        Mg = tiles_ws[P * Ci * T:P * (Ci + Co) * T].reshape(P, Co, T)
+        _rows(lambda c0, c1: s.input_tiles(V[:, c0:c1], x[c0:c1], n0), Ci)
+        _rows(lambda c0, c1: s.gradient_tiles(Mg[:, c0:c1], dout[c0:c1], n0), Co)
+
+        def planes(p0, p1, first=n0 == 0):
+            if first:
+                numpy.matmul(Mg[p0:p1], V[p0:p1].transpose(0, 2, 1), out=dU[p0:p1])
+            else:
+                dU[p0:p1] += numpy.matmul(Mg[p0:p1], V[p0:p1].transpose(0, 2, 1), out=term[p0:p1])
+        threads.parallel_for(planes, P)
     filter_gradient_add(dw, dU, s)
 
 

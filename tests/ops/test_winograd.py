@@ -132,6 +132,44 @@ def test_two_threads_match_one(monkeypatch):
         np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-5 * np.abs(one).max())
 
 
+@pytest.mark.parametrize("N,H,chunked", [(6, 8, False), (6, 8, True), (16, 16, False), (5, 7, True)])
+def test_planes_split_between_threads_match_one_thread(monkeypatch, N, H, chunked):
+    """The plane split (each thread a share of the GEMMs' planes, the tile transforms cut by
+    channel rows, the batch's tiles in chunks as the workspace allows; the weight gradient's
+    dU summed over chunks through its term): the three products on 2 threads equal the batch
+    split's on 1 thread to float32 rounding, with F(2x2) and F(4x4) (16x16, batch 16), and odd
+    sizes. It must run: the transforms' row splits are counted."""
+    rng = np.random.default_rng(N * 100 + H)
+    Cin, Cout = 24, 40
+    x = rng.standard_normal((Cin, N, H, H)).astype(np.float32)
+    w = rng.standard_normal((Cout, Cin, 3, 3)).astype(np.float32)
+    g = rng.standard_normal((Cout, N, H, H)).astype(np.float32)
+    s = winograd.scheme(N, H, H)
+    assert (s is winograd.F4) == (H == 16)
+    per, u = s.per_sample(Cin, Cout, H, H), s.planes * Cin * Cout
+    size = 2 * u + 2 * per if chunked else u + N * per      # chunks of 2 samples, or the batch at once
+    ws = np.full(size, np.nan, np.float32)
+    assert winograd.applies(x, w, g, 1, 1, ws, weight=True)
+    res, rows = [], []
+    try:
+        threads.configure(1)
+        res.append(products(x, w, g, 1, 1, ws))
+        threads.configure(2)
+        monkeypatch.setattr(winograd, "PLANE_CHANNELS", 1)
+        monkeypatch.setattr(winograd, "ROW_GRAIN", 1)
+        split = winograd._rows
+        monkeypatch.setattr(winograd, "_rows", lambda fn, n, grain=1: (rows.append(n), split(fn, n, 1)))
+        assert winograd._split_planes(N, s.tiles(H, H)[0] ** 2, Cin * Cout, ws, per)
+        assert winograd._weight_planes(N, s.tiles(H, H)[0] ** 2, Cin * Cout, ws, per, u)
+        res.append(products(x, w, g, 1, 1, ws))
+    finally:
+        threads.configure(1)
+    chunks_ = 1 if not chunked else -(-N // 2)
+    assert rows.count(Cin) >= 2 * chunks_ and rows.count(Cout) >= 2 * chunks_     # each product's transforms
+    for one, two in zip(*res):
+        np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-5 * np.abs(one).max())
+
+
 def test_not_taken_when_it_does_not_apply():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 2, 8, 8)).astype(np.float32)
