@@ -422,56 +422,51 @@ if AVAILABLE:
     @njit(**_opts)
     def _filter_tiles(U, w, o0, o1):
         """U[4i+j, o, c] = (G g G^T)[i, j] for each filter g = w[o, c] (3x3) of o0 <= o < o1, in
-        float64, bit for bit filter_tiles_reference. FILTER_BLOCK filters at a time: their 9
-        values gathered into g (float64), the transform vectorised over the block into u, u's 16
-        rows copied out (U's planes are Cout*Cin apart: 16 scattered writes per filter thrash the
-        cache when that is a power of two)."""
+        float64, bit for bit filter_tiles_reference. FILTER_BLOCK filters (input channels) at a
+        time: their 9 values gathered into g (float64), then each step of the transform one loop
+        over the block (t = G g: t[3i+l] row i, column l; then t G^T written to U's planes, one
+        contiguous run of the block per plane), so that the compiler vectorises it across filters."""
         Ci = w.shape[1]
         g = numpy.empty((9, FILTER_BLOCK))
-        u = numpy.empty((16, FILTER_BLOCK), numpy.float32)
+        t = numpy.empty((12, FILTER_BLOCK))
         for o in range(o0, o1):
             for c0 in range(0, Ci, FILTER_BLOCK):
                 n = min(FILTER_BLOCK, Ci - c0)
                 for k in range(n):
                     for m in range(9):
                         g[m, k] = w[o, c0 + k, m // 3, m % 3]
-                for k in range(n):
-                    r0 = _g_rows(g[0, k], g[3, k], g[6, k])     # column l of G g is r_l
-                    r1 = _g_rows(g[1, k], g[4, k], g[7, k])
-                    r2 = _g_rows(g[2, k], g[5, k], g[8, k])
-                    for i in range(4):                          # row i of G g, times G^T
-                        v = _g_rows(r0[i], r1[i], r2[i])
-                        u[4 * i, k] = v[0]
-                        u[4 * i + 1, k] = v[1]
-                        u[4 * i + 2, k] = v[2]
-                        u[4 * i + 3, k] = v[3]
-                for p in range(16):
+                for l in range(3):                              # G g: column l from g's column l
                     for k in range(n):
-                        U[p, o, c0 + k] = u[p, k]
+                        r = _g_rows(g[l, k], g[3 + l, k], g[6 + l, k])
+                        t[l, k], t[3 + l, k], t[6 + l, k], t[9 + l, k] = r
+                for i in range(4):                              # row i of G g, times G^T
+                    for k in range(n):
+                        v = _g_rows(t[3 * i, k], t[3 * i + 1, k], t[3 * i + 2, k])
+                        U[4 * i, o, c0 + k] = v[0]
+                        U[4 * i + 1, o, c0 + k] = v[1]
+                        U[4 * i + 2, o, c0 + k] = v[2]
+                        U[4 * i + 3, o, c0 + k] = v[3]
 
     @njit(**_opts)
     def _filter_gradient_add(dw, dU, o0, o1):
         """dw[o, c] += G^T dU G, dU[4i+j, o, c] the gradient of U, for o0 <= o < o1, in float64
-        (the adjoint of _filter_tiles), bit for bit filter_gradient_reference; blocked as it is."""
+        (the adjoint of _filter_tiles), bit for bit filter_gradient_reference; blocked and
+        vectorised across filters as it is (t[4p+j] = (G^T dU)[p, j])."""
         Ci = dw.shape[1]
-        d = numpy.empty((16, FILTER_BLOCK))
+        t = numpy.empty((12, FILTER_BLOCK))
         g = numpy.empty((9, FILTER_BLOCK))
         for o in range(o0, o1):
             for c0 in range(0, Ci, FILTER_BLOCK):
                 n = min(FILTER_BLOCK, Ci - c0)
-                for p in range(16):
+                for j in range(4):                              # column j of G^T dU
                     for k in range(n):
-                        d[p, k] = dU[p, o, c0 + k]
-                for k in range(n):
-                    t0 = _gt_cols0(d[0, k], d[4, k], d[8, k], d[12, k])     # column j of G^T dU is t_j
-                    t1 = _gt_cols0(d[1, k], d[5, k], d[9, k], d[13, k])
-                    t2 = _gt_cols0(d[2, k], d[6, k], d[10, k], d[14, k])
-                    t3 = _gt_cols0(d[3, k], d[7, k], d[11, k], d[15, k])
-                    for p in range(3):                          # row p of G^T dU, times G
-                        v = _gt_cols(t0[p], t1[p], t2[p], t3[p])
-                        g[3 * p, k] = v[0]
-                        g[3 * p + 1, k] = v[1]
-                        g[3 * p + 2, k] = v[2]
+                        r = _gt_cols0(numpy.float64(dU[j, o, c0 + k]), numpy.float64(dU[4 + j, o, c0 + k]),
+                                      numpy.float64(dU[8 + j, o, c0 + k]), numpy.float64(dU[12 + j, o, c0 + k]))
+                        t[j, k], t[4 + j, k], t[8 + j, k] = r
+                for p in range(3):                              # row p of G^T dU, times G
+                    for k in range(n):
+                        v = _gt_cols(t[4 * p, k], t[4 * p + 1, k], t[4 * p + 2, k], t[4 * p + 3, k])
+                        g[3 * p, k], g[3 * p + 1, k], g[3 * p + 2, k] = v
                 for k in range(n):
                     for m in range(9):
                         dw[o, c0 + k, m // 3, m % 3] += g[m, k]
