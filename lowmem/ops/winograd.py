@@ -28,7 +28,9 @@ tiles take 4x the input instead of 9x. The three products of training:
                      dU[p] = Mg[p] @ V[p]^T (summed over tiles),  dw = G^T dU G
 
 Memory: V and M for `n` samples take 16*(Cin + Cout)*th*tw*n elements of the conv
-workspace (the weight gradient also keeps two 16*Cout*Cin sums per range there) (under im2col's 9*Cin*H*W*n when Cin = Cout); chunks are capped at CACHE_BYTES so
+workspace (the weight gradient also keeps two 16*Cout*Cin sums per range there, or where
+those do not fit, the whole batch's V and dU's rows in blocks of output channels) (under
+im2col's 9*Cin*H*W*n when Cin = Cout); chunks are capped at CACHE_BYTES so
 V and M stay in the core's cache between the transform and the GEMM. Where the room is there,
 M's planes lie PLANE_GAP elements further apart (16 more per plane; `_planes`), so that the 16
 streams _output_tiles reads are not a multiple of 4 KiB apart. Threads as in
@@ -64,6 +66,7 @@ FILTER_BLOCK = 64           # filters (input channels) the filter transforms vec
 PLANE_GAP = 16              # float32 elements (one 64-byte line) between M's planes where they would alias
 PLANE_TILES = 512           # tiles per thread below which a wide conv splits its planes between threads, not its batch
 PLANE_CHANNELS = 1 << 18    # and Cin*Cout from which it does (512 x 512)
+MIN_BLOCK = 64              # output channels per block, at least, where a weight gradient's dU is cut in blocks
 ROW_GRAIN = 8               # channel rows per thread below which a tile transform is not split
 
 
@@ -101,7 +104,8 @@ def scheme(N, H, W):
 
 def applies(x, w, out, stride, pad, ws, weight=False):
     """Whether the Winograd path runs this conv (see the module docstring); weight: for the
-    weight gradient, which also keeps two (planes, Cout, Cin) sums in the workspace."""
+    weight gradient, which also keeps two (planes, Cout, Cin) sums in the workspace, or else
+    the whole batch's input tiles and dU for blocks of at least MIN_BLOCK output channels."""
     if not (ENABLED and AVAILABLE):
         return False
     Cout, Cin, kh, kw = w.shape
@@ -115,9 +119,12 @@ def applies(x, w, out, stride, pad, ws, weight=False):
     H, W = x.shape[2:]
     if out.shape[2:] != (H, W):
         return False
-    s = scheme(x.shape[1], H, W)
-    need = s.per_sample(Cin, Cout, H, W) + (2 * s.planes * Cin * Cout if weight else 0)
-    return ws.size >= need                                 # the batch split gives each range at least this
+    N = x.shape[1]
+    s = scheme(N, H, W)
+    per = s.per_sample(Cin, Cout, H, W)
+    if weight and ws.size < per + 2 * s.planes * Cin * Cout:        # no room for a whole dU and its term:
+        return _weight_block(N, Cin, Cout, H, W, s, ws) >= min(Cout, MIN_BLOCK)   # blocks of dU's rows
+    return ws.size >= per                                  # the batch split gives each range at least this
 
 
 def temporary_bytes(convs, dtype):
@@ -251,6 +258,9 @@ def conv3x3_backward_weight(dw, x, dout, ws):
     if _weight_planes(N, th * tw, Ci * Co, ws, per, u):
         _weight_by_planes(dw, x, dout, ws, s)
         return
+    if ws.size < per + 2 * u:                              # applies() found room for blocks of dU
+        _weight_by_blocks(dw, x, dout, ws, s)
+        return
     sums = {}
 
     def samples(a, b, wsp):
@@ -317,6 +327,42 @@ def _weight_by_planes(dw, x, dout, ws, s):
                 dU[p0:p1] += numpy.matmul(Mg[p0:p1], V[p0:p1].transpose(0, 2, 1), out=term[p0:p1])
         threads.parallel_for(planes, P)
     filter_gradient_add(dw, dU, s)
+
+
+def _weight_block(N, Ci, Co, H, W, s, ws):
+    """Output channels per block where the weight gradient takes dU in blocks of rows: as many
+    as fit in the workspace beside the whole batch's input tiles (each block: its gradient tiles
+    and its rows of dU); 0 where not even the input tiles fit."""
+    th, tw = s.tiles(H, W)
+    T = N * th * tw
+    room = ws.size - s.planes * Ci * T
+    return max(0, min(Co, room // (s.planes * (T + Ci))))
+
+
+def _weight_by_blocks(dw, x, dout, ws, s):
+    """conv3x3_backward_weight where a whole dU (planes, Cout, Cin) and its term do not fit the
+    workspace (512 channels take 16 MiB): the batch's input tiles V once (transforms split by
+    channel rows), then per block of output channels its gradient tiles Mg, its rows of dU
+    (Mg[p] @ V[p]^T, the planes split between the threads) and dw[block] += G^T dU G. Each
+    filter's dw is what one whole dU gives, per element the same sums."""
+    Co, Ci = dw.shape[:2]
+    N, H, W = x.shape[1:]
+    P = s.planes
+    th, tw = s.tiles(H, W)
+    T = N * th * tw
+    ob = _weight_block(N, Ci, Co, H, W, s, ws)
+    V = ws[:P * Ci * T].reshape(P, Ci, T)
+    _rows(lambda c0, c1: s.input_tiles(V[:, c0:c1], x[c0:c1], 0), Ci)
+    rest = ws[P * Ci * T:]
+    for o0 in range(0, Co, ob):
+        o1 = min(Co, o0 + ob)
+        b = o1 - o0
+        Mg = rest[:P * b * T].reshape(P, b, T)
+        dU = rest[P * b * T:P * b * (T + Ci)].reshape(P, b, Ci)
+        _rows(lambda c0, c1: s.gradient_tiles(Mg[:, c0:c1], dout[o0 + c0:o0 + c1], 0), b)
+        threads.parallel_for(lambda p0, p1: numpy.matmul(Mg[p0:p1], V[p0:p1].transpose(0, 2, 1),
+                                                         out=dU[p0:p1]), P)
+        filter_gradient_add(dw[o0:o1], dU, s)
 
 
 # ---- the filter and tile transforms in NumPy: the references the numba kernels below match bit

@@ -170,6 +170,44 @@ def test_planes_split_between_threads_match_one_thread(monkeypatch, N, H, chunke
         np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-5 * np.abs(one).max())
 
 
+@pytest.mark.parametrize("threads_", [1, 2])
+@pytest.mark.parametrize("N,H,Cin,Cout", [(3, 8, 24, 40), (2, 7, 24, 40), (16, 16, 64, 168)])
+def test_weight_gradient_in_blocks_of_output_channels_matches_im2col(monkeypatch, threads_, N, H, Cin, Cout):
+    """Where a whole dU and its term do not fit the workspace: the batch's input tiles once, dU
+    in blocks of output channels (here 16 each, the last 8), dw += G^T dU G per block, against
+    the im2col path to float32 rounding (Winograd's), on 1 and 2 threads, with F(2x2), odd
+    sizes, and F(4x4) (16x16, batch 16); dw accumulates (+=) into what it held."""
+    rng = np.random.default_rng(N * 10 + H)
+    x = rng.standard_normal((Cin, N, H, H)).astype(np.float32)
+    g = rng.standard_normal((Cout, N, H, H)).astype(np.float32)
+    base = rng.standard_normal((Cout, Cin, 3, 3)).astype(np.float32)
+    s = winograd.scheme(N, H, H)
+    th, tw = s.tiles(H, H)
+    T = N * th * tw
+    monkeypatch.setattr(winograd, "MIN_BLOCK", 8)
+    ws = np.full(s.planes * Cin * T + 16 * s.planes * (T + Cin) + 7, np.nan, np.float32)
+    assert ws.size < s.per_sample(Cin, Cout, H, H) + 2 * s.planes * Cin * Cout
+    assert winograd._weight_block(N, Cin, Cout, H, H, s, ws) == 16
+    assert winograd.applies(x, base, g, 1, 1, ws, weight=True)
+    blocks = []
+    grad = winograd.filter_gradient_add
+    monkeypatch.setattr(winograd, "filter_gradient_add", lambda dw, dU, s_: (blocks.append(dw.shape[0]), grad(dw, dU, s_)))
+    try:
+        threads.configure(threads_)
+        dw = base.copy()
+        conv.conv2d_backward_weight(dw, x, g, 1, 1, ws)
+    finally:
+        threads.configure(1)
+    assert blocks == [16] * (Cout // 16) + [8]
+    monkeypatch.setattr(winograd, "ENABLED", False)
+    want = base.copy()
+    conv.conv2d_backward_weight(want, x, g, 1, 1, np.empty(1 << 20, np.float32))
+    np.testing.assert_allclose(dw, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    monkeypatch.setattr(winograd, "ENABLED", True)
+    small = ws[:s.planes * Cin * T + 7 * s.planes * (T + Cin)]      # room for blocks of 7 < 8: im2col
+    assert not winograd.applies(x, base, g, 1, 1, small, weight=True)
+
+
 def test_not_taken_when_it_does_not_apply():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 2, 8, 8)).astype(np.float32)
