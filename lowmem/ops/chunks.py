@@ -25,11 +25,14 @@ def chunk_size(ws, per_sample, n):
     return nc
 
 
-def over_batch(N, ws, per_sample, body):
-    """body(n0, n1, ws_part) over contiguous batch ranges, one per lowmem thread, each range
-    with its own slice of the workspace (at least one sample's columns); returns how many ranges."""
+def over_batch(N, ws, per_sample, body, most=None):
+    """body(n0, n1, ws_part) over contiguous batch ranges, one per lowmem thread (at most `most`
+    where given: the caller's own grain of work), each range with its own slice of the workspace
+    (at least one sample's columns); returns how many ranges."""
     chunk_size(ws, per_sample, N)                          # the clear error when even one sample does not fit
     host = 1 if array_module(ws).__name__ == "cupy" else threads.threads()   # the GPU: one stream
+    if most is not None:
+        host = min(host, most)
     parts = max(1, min(host, N, ws.size // per_sample, N * per_sample // COLS_GRAIN))
     cut, size = threads.bounds(N, parts), ws.size // parts
 

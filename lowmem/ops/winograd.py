@@ -68,6 +68,7 @@ PLANE_TILES = 512           # tiles per thread below which a wide conv splits it
 PLANE_CHANNELS = 1 << 18    # and Cin*Cout from which it does (512 x 512)
 MIN_BLOCK = 64              # output channels per block, at least, where a weight gradient's dU is cut in blocks
 ROW_GRAIN = 8               # channel rows per thread below which a tile transform is not split
+WORK_GRAIN = 1 << 22        # GEMM multiply-adds per thread below which a conv's batch is not split
 
 
 
@@ -191,6 +192,11 @@ def _split_planes(N, tiles_per_sample, channels, ws, need):
             and ws.size >= need)
 
 
+def _most(work):
+    """Batch ranges a conv of `work` GEMM multiply-adds is worth: one per WORK_GRAIN."""
+    return max(1, work // WORK_GRAIN)
+
+
 def _rows(fn, n, grain=ROW_GRAIN):
     """fn(r0, r1) over the n channel rows of a transform, split between the threads."""
     threads.parallel_for(fn, n, grain)
@@ -226,7 +232,7 @@ def _correlate(out, x, U, ws, accumulate, s):
             s.input_tiles(V, x, n0)
             numpy.matmul(U, V, out=M)
             s.output_tiles(out, M, n0, accumulate)
-    over_batch(N, ws, per, samples)
+    over_batch(N, ws, per, samples, _most(P * Ci * Co * N * th * tw))
 
 
 def conv3x3_forward(out, x, w, ws):
@@ -279,7 +285,7 @@ def conv3x3_backward_weight(dw, x, dout, ws):
             else:
                 acc += numpy.matmul(Mg, V.transpose(0, 2, 1), out=term)
         sums[a] = acc
-    over_batch(N, ws, per + 2 * u, samples)        # each range: one sample's tiles + dU + a term
+    over_batch(N, ws, per + 2 * u, samples, _most(u * N * th * tw))   # a range: one sample's tiles, dU, a term
     starts = sorted(sums)
     dU = sums[starts[0]]
     for start in starts[1:]:

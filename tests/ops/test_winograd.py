@@ -120,6 +120,7 @@ def test_two_threads_match_one(monkeypatch):
     g = rng.standard_normal((16, 6, 8, 8)).astype(np.float32)
     ws = np.full(1 << 18, np.nan, np.float32)
     monkeypatch.setattr(chunks, "COLS_GRAIN", 1)
+    monkeypatch.setattr(winograd, "WORK_GRAIN", 1)        # split even this small conv
     res = []
     try:
         for t in (1, 2):
@@ -206,6 +207,32 @@ def test_weight_gradient_in_blocks_of_output_channels_matches_im2col(monkeypatch
     monkeypatch.setattr(winograd, "ENABLED", True)
     small = ws[:s.planes * Cin * T + 7 * s.planes * (T + Cin)]      # room for blocks of 7 < 8: im2col
     assert not winograd.applies(x, base, g, 1, 1, small, weight=True)
+
+
+def test_batch_split_only_where_each_range_has_the_work(monkeypatch):
+    """A conv whose GEMMs hold fewer than 2 * WORK_GRAIN multiply-adds runs its batch as one
+    range on 2 threads (a hand-over costs more than the half it saves: DenseNet-121's 4x4 and 2x2
+    convs); with the grain lowered, as two ranges. Forward, input gradient, weight gradient."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((32, 8, 4, 4)).astype(np.float32)
+    w = rng.standard_normal((16, 32, 3, 3)).astype(np.float32)
+    g = rng.standard_normal((16, 8, 4, 4)).astype(np.float32)
+    ws = np.full(1 << 18, np.nan, np.float32)
+    ranges = []
+    split = winograd.over_batch
+    monkeypatch.setattr(winograd, "over_batch", lambda *a: ranges.append(split(*a)))
+    monkeypatch.setattr(chunks, "COLS_GRAIN", 1)
+    work = 16 * 32 * 16 * 8 * 4                            # planes * Cin * Cout * tiles
+    try:
+        threads.configure(2)
+        assert work < 2 * winograd.WORK_GRAIN
+        products(x, w, g, 1, 1, ws)
+        assert ranges == [1, 1, 1]
+        monkeypatch.setattr(winograd, "WORK_GRAIN", work // 2)
+        products(x, w, g, 1, 1, ws)
+        assert ranges[3:] == [2, 2, 2]
+    finally:
+        threads.configure(1)
 
 
 def test_not_taken_when_it_does_not_apply():
