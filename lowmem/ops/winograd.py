@@ -167,19 +167,29 @@ def _chunk(wsp, per, n):
     return max(1, min(n, wsp.size // per, CACHE_BYTES // (4 * per)))
 
 
-def _planes(wsp, rows, T, planes=16):
+def _planes(wsp, rows, T, planes=16, room=0):
     """A (planes, rows, T) array at the start of wsp whose planes lie an odd number of 64-byte
     lines apart (PLANE_GAP elements more than rows*T when that is an even number of lines and wsp
-    has the room), else wsp's first planes*rows*T elements as they come. _output_tiles reads the
-    planes side by side: at a plane distance that is a multiple of 4 KiB (rows*T a multiple of
-    1024 float32, as at 64+ channels on 32x32 tiles) all the streams fall into the same L1 sets
-    and evict each other. Only where the planes lie changes, not what is computed."""
+    has the room, `room` more elements left after them), else wsp's first planes*rows*T elements
+    as they come. The tile transforms write the planes side by side, _output_tiles reads them so:
+    at a plane distance that is a multiple of 4 KiB (rows*T a multiple of 1024 float32, as at 64+
+    channels on 32x32 tiles, or 128 channels on 8 samples of 8x8) all the streams fall into the
+    same L1 sets and evict each other. Only where the planes lie changes, not what is computed."""
     n = rows * T
     step = n + PLANE_GAP if (n % PLANE_GAP == 0 and (n // PLANE_GAP) % 2 == 0
-                             and planes * (n + PLANE_GAP) <= wsp.size) else n
+                             and planes * (n + PLANE_GAP) + room <= wsp.size) else n
     out = wsp[:planes * step].reshape(planes, step)[:, :n]
     out.shape = (planes, rows, T)                          # a view, never a copy (raises instead)
     return out
+
+
+def _pair(wsp, rows1, rows2, T, planes):
+    """Two plane stacks (planes, rows1, T) and (planes, rows2, T) from the start of wsp, the
+    second after the first, each spaced as _planes spaces them (the first where the second
+    keeps its planes*rows2*T elements)."""
+    a = _planes(wsp, rows1, T, planes, room=planes * rows2 * T)
+    end = planes * (a.strides[0] // a.itemsize)
+    return a, _planes(wsp[end:], rows2, T, planes)
 
 
 def _split_planes(N, tiles_per_sample, channels, ws, need):
@@ -215,8 +225,7 @@ def _correlate(out, x, U, ws, accumulate, s):
         for n0 in range(0, N, nc):                         # the whole batch at once where it fits
             n1 = min(N, n0 + nc)
             T = (n1 - n0) * th * tw
-            V = ws[:P * Ci * T].reshape(P, Ci, T)
-            M = _planes(ws[P * Ci * T:], Co, T, P)
+            V, M = _pair(ws, Ci, Co, T, P)
             _rows(lambda c0, c1: s.input_tiles(V[:, c0:c1], x[c0:c1], n0), Ci)
             threads.parallel_for(lambda p0, p1: numpy.matmul(U[p0:p1], V[p0:p1], out=M[p0:p1]), P)
             _rows(lambda c0, c1: s.output_tiles(out[c0:c1], M[:, c0:c1], n0, accumulate), Co)
@@ -227,8 +236,7 @@ def _correlate(out, x, U, ws, accumulate, s):
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)
             T = (n1 - n0) * th * tw
-            V = wsp[:P * Ci * T].reshape(P, Ci, T)
-            M = _planes(wsp[P * Ci * T:], Co, T, P)
+            V, M = _pair(wsp, Ci, Co, T, P)
             s.input_tiles(V, x, n0)
             numpy.matmul(U, V, out=M)
             s.output_tiles(out, M, n0, accumulate)
@@ -276,8 +284,7 @@ def conv3x3_backward_weight(dw, x, dout, ws):
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)
             T = (n1 - n0) * th * tw
-            V = tiles_ws[:P * Ci * T].reshape(P, Ci, T)
-            Mg = tiles_ws[P * Ci * T:P * (Ci + Co) * T].reshape(P, Co, T)
+            V, Mg = _pair(tiles_ws, Ci, Co, T, P)
             s.input_tiles(V, x, n0)
             s.gradient_tiles(Mg, dout, n0)
             if n0 == a:
@@ -321,8 +328,7 @@ def _weight_by_planes(dw, x, dout, ws, s):
     for n0 in range(0, N, nc):
         n1 = min(N, n0 + nc)
         T = (n1 - n0) * th * tw
-        V = tiles_ws[:P * Ci * T].reshape(P, Ci, T)
-        Mg = tiles_ws[P * Ci * T:P * (Ci + Co) * T].reshape(P, Co, T)
+        V, Mg = _pair(tiles_ws, Ci, Co, T, P)
         _rows(lambda c0, c1: s.input_tiles(V[:, c0:c1], x[c0:c1], n0), Ci)
         _rows(lambda c0, c1: s.gradient_tiles(Mg[:, c0:c1], dout[c0:c1], n0), Co)
 

@@ -348,6 +348,35 @@ def test_output_planes_apart_by_an_odd_number_of_lines(monkeypatch):
         _same_bits(have, want)
 
 
+def test_input_and_gradient_tiles_spaced_as_the_products(monkeypatch):
+    """_pair spaces both stacks a chunk writes side by side (V and M, or V and Mg) as _planes
+    does, the second after the first, inside the workspace; the tile transforms write into the
+    spaced planes what their references give, and the weight gradient through them equals the
+    unspaced one bit for bit."""
+    n = 128 * 32                                           # 128 channels on 32 tiles: 16 KiB apart
+    ws = np.zeros(16 * (n + winograd.PLANE_GAP) * 2, np.float32)
+    V, M = winograd._pair(ws, 128, 128, 32, 16)
+    for a in (V, M):
+        assert np.shares_memory(a, ws) and a.strides[0] % 64 == 0 and (a.strides[0] // 64) % 2 == 1
+    assert M.__array_interface__["data"][0] >= V[-1, -1, -1:].__array_interface__["data"][0] + 4
+    a, b = winograd._pair(ws[:16 * n * 2], 128, 128, 32, 16)                   # no room: as they come
+    assert a.flags.c_contiguous and b.flags.c_contiguous
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((128, 8, 8, 8)).astype(np.float32)
+    winograd._input_tiles(V, x, 0)
+    winograd._gradient_tiles(M, x, 0)
+    np.testing.assert_array_equal(V, winograd.input_tiles_reference(x, 0, 2))        # 2 samples of 16 tiles
+    np.testing.assert_array_equal(M, winograd.gradient_tiles_reference(x, 0, 2))
+    g = rng.standard_normal((128, 8, 8, 8)).astype(np.float32)
+    got = []
+    for gap in (1 << 40, winograd.PLANE_GAP):
+        monkeypatch.setattr(winograd, "PLANE_GAP", gap)
+        dw = np.zeros((128, 128, 3, 3), np.float32)
+        winograd.conv3x3_backward_weight(dw, x, g, np.empty(1 << 22, np.float32))
+        got.append(dw)
+    _same_bits(*got)
+
+
 def _specials(rng, shape, zeros=False):
     """float32 values over many magnitudes, with signed zeros, infinities and NaNs mixed in;
     zeros: mostly signed zeros (where the order of a sum decides a zero's sign)."""
