@@ -1,7 +1,7 @@
 """Max-pool's numba kernels (lowmem/ops/pool_cpu.py) against the NumPy reference
 (lowmem/ops/pool.py, its uint8 indices packed by ops/bitpack.py): the packed 4-bit indices byte
 for byte, the output and the input gradient bit for bit, float32 and float64, the ImageNet stem's
-3x3/2 pad 1, 2x2/2, 3x3/1, odd planes (indices crossing bytes between planes), N = 1, one
+3x3/2 pad 1, 2x2/2, 3x3/1, 3x3/2 pad 0, 4x4/3 pad 2, odd planes (indices crossing bytes between planes), N = 1, one
 channel, ties, -0, NaN and -inf windows, over 1 or 2 threads; in eval no index is written."""
 import numpy as np
 import pytest
@@ -14,7 +14,7 @@ from lowmem.system import threads
 pytestmark = pytest.mark.skipif(not fast.AVAILABLE, reason="numba not installed")
 
 SHAPES = [(1, 1, 5, 5), (3, 2, 7, 9), (2, 1, 8, 8), (4, 3, 13, 11), (2, 3, 9, 9)]
-WINDOWS = [(3, 2, 1), (2, 2, 0), (3, 1, 1)]
+WINDOWS = [(3, 2, 1), (2, 2, 0), (3, 1, 1), (3, 2, 0), (4, 3, 2)]   # the last two: other phases of a row
 
 
 def data(rng, shape, dtype):
