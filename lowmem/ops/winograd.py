@@ -64,6 +64,7 @@ CACHE_BYTES = 1 << 20       # bytes of transformed tiles (V and M) per chunk
 FILTER_GRAIN = 1 << 12      # filters per thread below which a filter transform is not split
 FILTER_BLOCK = 64           # filters (input channels) the filter transforms vectorise over
 PLANE_GAP = 16              # float32 elements (one 64-byte line) between M's planes where they would alias
+SPLIT_PLANES = True         # off: batch ranges only, whatever the shape (benchmarks/conv_paths.py)
 PLANE_TILES = 512           # tiles per thread below which a wide conv splits its planes between threads, not its batch
 PLANE_CHANNELS = 1 << 18    # and Cin*Cout from which it does (512 x 512)
 MIN_BLOCK = 64              # output channels per block, at least, where a weight gradient's dU is cut in blocks
@@ -198,7 +199,7 @@ def _split_planes(N, tiles_per_sample, channels, ws, need):
     would hold fewer than PLANE_TILES tiles (its GEMMs too thin for BLAS's speed: ResNet-18's
     and -50's 512-channel 4x4 layers), and the workspace holds `need` elements (one sample)."""
     T = threads.threads()
-    return (T > 1 and channels >= PLANE_CHANNELS and N * tiles_per_sample < PLANE_TILES * T
+    return (SPLIT_PLANES and T > 1 and channels >= PLANE_CHANNELS and N * tiles_per_sample < PLANE_TILES * T
             and ws.size >= need)
 
 
@@ -307,7 +308,8 @@ def _weight_planes(N, tiles_per_sample, channels, ws, per, u):
     _split_planes would cut a forward's; and the workspace holds dU, a term and one sample's tiles."""
     T = threads.threads()
     ranges = min(T, N, ws.size // (per + 2 * u))
-    return T > 1 and ws.size >= 2 * u + per and (ranges < T or _split_planes(N, tiles_per_sample, channels, ws, per))
+    return (SPLIT_PLANES and T > 1 and ws.size >= 2 * u + per
+            and (ranges < T or _split_planes(N, tiles_per_sample, channels, ws, per)))
 
 
 def _weight_by_planes(dw, x, dout, ws, s):

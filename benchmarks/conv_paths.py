@@ -1,0 +1,119 @@
+"""One 3x3 stride-1 convolution's three products (forward, input gradient, weight gradient)
+through ops/conv.py under several paths, alternated call by call in one process, at the
+engine's default conv workspace (16 MiB): is the rule the engine applies the fastest here?
+
+    python benchmarks/conv_paths.py --shape 256,256,8,16 --shape 128,32,4,16 --threads 2
+
+A shape is Cin,Cout,H,N (H = W). Paths (--paths, default: all):
+  engine       what the engine runs (Winograd where it applies, its scheme and thread split)
+  batch-split  Winograd with batch ranges only (no plane split; a weight gradient whose dU
+               and term do not fit takes im2col, as before blocks of output channels)
+  split-all    Winograd with every batch split between the threads (no work grain)
+  f2           Winograd F(2x2) everywhere (no F(4x4))
+  f4           Winograd F(4x4) wherever a plane is 4x4 or more
+  im2col       the im2col path (Winograd off)
+Printed per shape and path: the median milliseconds of each product over --rounds rounds
+(the first two not counted), their sum, and the sum against the first path's. Wall-clock on
+whatever machine runs it: say which, and time nothing else at once.
+"""
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lowmem.core.engine import DEFAULT_WORKSPACE_BYTES  # noqa: E402
+from lowmem.ops import conv, winograd, winograd4  # noqa: E402
+from lowmem.system import threads  # noqa: E402
+
+PATHS = {
+    "engine": {},
+    "batch-split": {(winograd, "SPLIT_PLANES"): False, (winograd, "MIN_BLOCK"): 1 << 40},
+    "split-all": {(winograd, "WORK_GRAIN"): 1},
+    "f2": {(winograd4, "ENABLED"): False},
+    "f4": {(winograd4, "MIN_OUTPUTS"): 0, (winograd4, "MIN_SIDE"): 4},
+    "im2col": {(winograd, "ENABLED"): False},
+}
+
+
+@contextlib.contextmanager
+def path(name):
+    """The module settings of path `name`, restored after."""
+    old = {key: getattr(*key) for key in PATHS[name]}
+    for (mod, attr), value in PATHS[name].items():
+        setattr(mod, attr, value)
+    try:
+        yield
+    finally:
+        for (mod, attr), value in old.items():
+            setattr(mod, attr, value)
+
+
+def shape_arg(text):
+    try:
+        ci, co, h, n = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is Cin,Cout,H,N (four integers), got {text!r}")
+    if min(ci, co, h, n) < 1:
+        raise argparse.ArgumentTypeError(f"a shape's sizes must be positive, got {text!r}")
+    return ci, co, h, n
+
+
+def products(ci, co, h, n, ws, rng):
+    """The three products of one conv, as closures over fresh arrays."""
+    x = rng.standard_normal((ci, n, h, h), dtype=np.float32)
+    w = (rng.standard_normal((co, ci, 3, 3)) * np.sqrt(2 / (9 * ci))).astype(np.float32)
+    g = rng.standard_normal((co, n, h, h), dtype=np.float32)
+    out, dx, dw = np.empty_like(g), np.empty_like(x), np.zeros_like(w)
+    return (lambda: conv.conv2d_forward(out, x, w, 1, 1, ws, conv.NUMBA),
+            lambda: conv.conv2d_backward_input(dx, g, w, 1, 1, ws, columns=conv.NUMBA),
+            lambda: conv.conv2d_backward_weight(dw, x, g, 1, 1, ws, conv.NUMBA))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", type=shape_arg, action="append", required=True, help="Cin,Cout,H,N")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of: " + ", ".join(PATHS))
+    p.add_argument("--threads", type=int, default=None, help="lowmem threads (default: all cores)")
+    p.add_argument("--rounds", type=int, default=15)
+    args = p.parse_args(argv)
+    names = args.paths.split(",")
+    unknown = [n for n in names if n not in PATHS]
+    if unknown:
+        p.error(f"unknown path(s) {', '.join(unknown)}: expected some of {', '.join(PATHS)}")
+    if args.rounds < 3:
+        p.error("--rounds: at least 3 (the first two are not counted)")
+    if not (winograd.AVAILABLE and conv.columns_cpu.AVAILABLE):
+        sys.exit("conv_paths.py times the numba paths: install lowmem[fast] (numba)")
+    threads.configure(args.threads)
+    from threadpoolctl import threadpool_limits
+    print(f"lowmem threads {threads.threads()}, workspace {DEFAULT_WORKSPACE_BYTES >> 20} MiB, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    ws = np.empty(DEFAULT_WORKSPACE_BYTES // 4, np.float32)
+    rng = np.random.default_rng(0)
+    for ci, co, h, n in args.shape:
+        calls = products(ci, co, h, n, ws, rng)
+        times = {name: [[], [], []] for name in names}
+        with threadpool_limits(1):
+            for r in range(args.rounds):
+                for name in (names if r % 2 == 0 else names[::-1]):
+                    with path(name):
+                        for i, f in enumerate(calls):
+                            t0 = time.perf_counter()
+                            f()
+                            times[name][i].append(time.perf_counter() - t0)
+        med = {name: [1e3 * float(np.median(t[2:])) for t in times[name]] for name in names}
+        first = sum(med[names[0]])
+        print(f"Cin {ci}, Cout {co}, {h}x{h}, batch {n} (ms: forward, input gradient, weight gradient = sum; "
+              f"against {names[0]})")
+        for name in names:
+            f, d, w = med[name]
+            print(f"  {name:12s} {f:8.3f} {d:8.3f} {w:8.3f} = {f + d + w:8.3f}   {(f + d + w) / first:.2f}")
+
+
+if __name__ == "__main__":
+    main()
