@@ -6,6 +6,14 @@ The networks users have (torchvision's, through ONNX):
     python benchmarks/compare_torch.py --model resnet18 --size 128 --batch 32 --kernels
     python benchmarks/compare_torch.py --model mobilenet_v2 --size 128 --batch 32 --rounds 5
     python benchmarks/compare_torch.py --model my_cnn.onnx --batch 16       # lowmem's configs only
+    python benchmarks/compare_torch.py --model resnet50 --size 128 --batch 16 --rounds 0 --alternate 8
+
+  --alternate N: the step-time ratios again with every configuration in its own persistent
+  process, all built first, then N rounds each running --steps steps of every configuration in
+  turn (the order rotated each round, PAUSE_S apart): a drift in the host's speed hits all
+  configurations alike, where fresh processes run minutes apart (their rounds moved 10-15% on a
+  shared 2-core host). Per ratio the median over rounds of the round's ratio, and its range.
+  Memory is not measured there (fresh processes, above; --rounds 0 skips them).
 
   --model resnet18 | resnet50 | densenet121 | mobilenet_v2: PyTorch trains torchvision's module
   (tests/torchvision_layout.py: torchvision's model code written again, the same modules and
@@ -84,6 +92,7 @@ import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -279,6 +288,8 @@ def worker(args):
     t0 = time.perf_counter()
     step, extra = torch_step_fn(args, torch) if cfg["impl"] == "torch" else lowmem_step_fn(args, cfg)
     build_s = time.perf_counter() - t0
+    if args.serve:
+        return serve(step, args.warmup)
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         t = time.perf_counter()
@@ -320,6 +331,25 @@ def worker(args):
     if limits is not None:
         limits.restore_original_limits()
     harness.result_line(res)
+    return 0
+
+
+def serve(step, warmup):
+    """A persistent worker (--alternate): warm up, say READY, then per line "STEP n" on stdin run n
+    steps and print their seconds ("TIMES [...]"), until "END" or the end of stdin."""
+    for _ in range(warmup):
+        step()
+    print("READY", flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if not words or words[0] == "END":
+            break
+        times = []
+        for _ in range(int(words[1])):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        print("TIMES " + json.dumps(times), flush=True)
     return 0
 
 
@@ -411,6 +441,77 @@ PREACT_RATIOS = [
     ("peak RSS    lowmem-approx4 / torch-exact", "peak_above_base", "lowmem-approx4", "torch-exact", "<= 0.125"),
     ("peak RSS    lowmem-approx4 / torch-ckpt", "peak_above_base", "lowmem-approx4", "torch-ckpt", "< 0.25"),
     ("step time   lowmem-approx4 / floor", "step_median", "lowmem-approx4", "floor", "<= 1.6")]
+
+
+PAUSE_S = 0.5     # between two configurations' turns: a PyTorch step's OpenMP threads spin a while after it
+
+
+def _reply(proc, prefix, config):
+    """The worker's next line starting with `prefix` (its other output skipped); a clear error
+    when it ends first."""
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line[len(prefix):]
+    raise RuntimeError(f"--alternate: the {config} worker ended (exit code {proc.wait()}) before {prefix.strip()}")
+
+
+def alternate_section(args, configs, rounds, log):
+    """Every config's worker started and warmed up first, then `rounds` rounds of --steps steps of
+    each in turn (harness.rotated order). Returns {config: [round medians]} (seconds)."""
+    procs = {}
+    per = {c: [] for c in configs}
+    try:
+        for c in configs:
+            log(f"alternated: building {c} (batch {args.batch}) ...")
+            cmd = worker_command(args, c, args.batch, 0, args.warmup) + ["--serve"]
+            procs[c] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            _reply(procs[c], "READY", c)
+        for r in range(rounds):
+            for c in harness.rotated(configs, r):
+                time.sleep(PAUSE_S)
+                procs[c].stdin.write(f"STEP {args.steps}\n")
+                procs[c].stdin.flush()
+                per[c].append(statistics.median(json.loads(_reply(procs[c], "TIMES ", c))))
+            log(f"alternated: round {r + 1}/{rounds}: " + ", ".join(f"{c} {per[c][-1]:.3f} s" for c in configs))
+    finally:
+        for proc in procs.values():
+            try:
+                proc.stdin.write("END\n")
+                proc.stdin.close()
+            except OSError:
+                pass
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return per
+
+
+def alternate_ratios(per, spec):
+    """Per step-time ratio of `spec` (imported_ratios' rows) whose configs ran: the median over
+    rounds of the round's ratio, its range, and the target's verdict on the median."""
+    out = {}
+    for label, key, a, b, target in spec:
+        if key != "step_median" or not (per.get(a) and per.get(b)):
+            continue
+        rs = sorted(x / y for x, y in zip(per[a], per[b]))
+        r = statistics.median(rs)
+        met = None if not target else r <= float(target.split()[-1])
+        out[label] = dict(ratio=r, low=rs[0], high=rs[-1], target=target, met=met)
+    return out
+
+
+def alternate_report(per, ratios_, rounds, args):
+    lines = [f"alternated in persistent processes: {rounds} rounds of {args.steps} steps each, after "
+             f"{args.warmup} warm-up; a config's step = the median over rounds of its round medians",
+             f"{'config':16s} {'median s':>9s} {'min s':>8s} {'max s':>8s}"]
+    for c, ts in per.items():
+        lines.append(f"{c:16s} {statistics.median(ts):9.3f} {min(ts):8.3f} {max(ts):8.3f}")
+    for label, r in ratios_.items():
+        verdict = f"  (target {r['target']}: {'met' if r['met'] else 'MISSED'})" if r["target"] else ""
+        lines.append(f"{label}: {r['ratio']:.3f} (rounds {r['low']:.3f}-{r['high']:.3f}){verdict}")
+    return "\n".join(lines)
 
 
 def imported_ratios(model):
@@ -705,6 +806,10 @@ def parser():
                          "filled: first-step overhead cold and warm")
     ap.add_argument("--block", choices=("auto", "basic", "bottleneck"), default="auto",
                     help="residual block; auto: lowmem's rule (bottleneck for 9n+2 depths >= 164 or not 6n+2)")
+    ap.add_argument("--alternate", type=int, default=0, metavar="N",
+                    help="then N rounds with the configs alternated in persistent processes (the step-time "
+                         "ratios with the host's drift shared; see above)")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)   # a persistent --alternate worker
     ap.add_argument("--worker", choices=list(CONFIGS) + ["export"], help=argparse.SUPPRESS)
     ap.add_argument("--kind-profile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)          # C,H,W, resolved by the parent
@@ -746,9 +851,13 @@ def compare(args, ap, log, folder):
         if excluded:
             ap.error(f"config(s) {excluded} do not run on --model {args.model} (torch-ckpt and floor: the "
                      f"pre-activation ResNet only; torch-*: a torchvision model, not a file)")
-    rounds = args.rounds or (3 if args.model else 1)
-    if rounds < 1:
-        ap.error("--rounds must be at least 1")
+    rounds = (3 if args.model else 1) if args.rounds is None else args.rounds
+    if rounds < 1 and not (rounds == 0 and args.alternate > 0):
+        ap.error("--rounds must be at least 1 (0 only with --alternate)")
+    if args.alternate < 0:
+        ap.error("--alternate must be at least 0")
+    if args.alternate and len(configs) < 2:
+        ap.error("--alternate needs two configs or more to compare")
     if args.model in TORCHVISION:
         export_model(args, ap, log, folder)
 
@@ -762,7 +871,7 @@ def compare(args, ap, log, folder):
             per_config[c].append(res)
             log(f"  {res['status']}" + (f": median {res['step_median']:.2f} s, peak "
                                         f"{fmt_mib(res['peak_above_base'])} MiB" if res["status"] == "ok" else ""))
-    runs = [merge_rounds(per_config[c]) for c in configs]
+    runs = [merge_rounds(per_config[c]) for c in configs] if rounds else []
     model = args.model or "preact"
     if args.update and args.json and os.path.exists(args.json):
         key = (model, args.depth, args.block, args.size, args.batch)
@@ -797,6 +906,13 @@ def compare(args, ap, log, folder):
             if first.get("profile"):
                 print(f"\ncProfile of one {c} step ({first['profiled_step_s']:.2f} s under the profiler):")
                 print(first["profile"])
+    if args.alternate:
+        per = alternate_section(args, configs, args.alternate, log)
+        alt = alternate_ratios(per, imported_ratios(args.model) if args.model else PREACT_RATIOS)
+        result["alternated"] = {"rounds": args.alternate, "steps": args.steps, "round_medians_s": per,
+                                "ratios": alt}
+        print()
+        print(alternate_report(per, alt, args.alternate, args), flush=True)
     if args.kernels:
         result["kinds"] = kinds_section(args, configs, log)
         print()

@@ -101,6 +101,30 @@ def test_the_pre_activation_resnet_in_rounds_with_its_floor(tmp_path):
     assert order == ["torch-exact", "lowmem-approx4", "floor", "lowmem-approx4", "floor", "torch-exact"]  # rotated
 
 
+def test_alternated_in_persistent_processes(tmp_path):
+    """--alternate with --rounds 0: no fresh-process rows, every config built once in its own process,
+    then the rounds of each in turn; the round medians and the per-round ratios in the JSON."""
+    pytest.importorskip("torch")
+    out = tmp_path / "alt.json"
+    r = run("--depth", 11, "--size", 16, "--batch", 2, "--rounds", 0, "--alternate", 3,
+            "--configs", "torch-exact,lowmem-exact,lowmem-approx4", "--json", out, *SHARED)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not rows(r.stdout, compare_torch.CONFIGS)                     # no fresh-process table
+    assert "alternated in persistent processes: 3 rounds of 1 steps" in r.stdout
+    res = json.loads(out.read_text())["alternated"]
+    per = res["round_medians_s"]
+    assert set(per) == {"torch-exact", "lowmem-exact", "lowmem-approx4"} and all(len(v) == 3 for v in per.values())
+    got = res["ratios"]["step time   lowmem-approx4 / torch-exact"]
+    want = sorted(a / b for a, b in zip(per["lowmem-approx4"], per["torch-exact"]))
+    assert got["ratio"] == pytest.approx(want[1]) and (got["low"], got["high"]) == pytest.approx((want[0], want[2]))
+    assert f"lowmem-approx4 / torch-exact: {got['ratio']:.3f} (rounds " in r.stdout
+    assert r.stderr.count("alternated: building ") == 3 and r.stderr.count("alternated: round ") == 3
+    bad = run("--depth", 11, "--rounds", 0, *SHARED)
+    assert bad.returncode == 2 and "0 only with --alternate" in bad.stderr
+    bad = run("--depth", 11, "--alternate", 2, "--configs", "lowmem-exact", *SHARED)
+    assert bad.returncode == 2 and "two configs or more" in bad.stderr
+
+
 def test_an_onnx_file_alone(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("onnx")
