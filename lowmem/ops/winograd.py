@@ -485,7 +485,8 @@ if AVAILABLE:
         float64, bit for bit filter_tiles_reference. FILTER_BLOCK filters (input channels) at a
         time: their 9 values gathered into g (float64), then each step of the transform one loop
         over the block (t = G g: t[3i+l] row i, column l; then t G^T written to U's planes, one
-        contiguous run of the block per plane), so that the compiler vectorises it across filters."""
+        contiguous run of the block per plane), which LLVM vectorises in part (13 -> 10.6 ns a
+        filter at 32 x 128 against a loop over the filters outside, one thread)."""
         Ci = w.shape[1]
         g = numpy.empty((9, FILTER_BLOCK))
         t = numpy.empty((12, FILTER_BLOCK))
@@ -510,8 +511,8 @@ if AVAILABLE:
     @njit(**_opts)
     def _filter_gradient_add(dw, dU, o0, o1):
         """dw[o, c] += G^T dU G, dU[4i+j, o, c] the gradient of U, for o0 <= o < o1, in float64
-        (the adjoint of _filter_tiles), bit for bit filter_gradient_reference; blocked and
-        vectorised across filters as it is (t[4p+j] = (G^T dU)[p, j])."""
+        (the adjoint of _filter_tiles), bit for bit filter_gradient_reference; blocked and looped
+        over the block as it is (t[4p+j] = (G^T dU)[p, j])."""
         Ci = dw.shape[1]
         t = numpy.empty((12, FILTER_BLOCK))
         g = numpy.empty((9, FILTER_BLOCK))
