@@ -34,8 +34,9 @@ im2col's 9*Cin*H*W*n when Cin = Cout); chunks are capped at CACHE_BYTES so
 V and M stay in the core's cache between the transform and the GEMM. Where the room is there,
 M's planes lie PLANE_GAP elements further apart (16 more per plane; `_planes`), so that the 16
 streams _output_tiles reads are not a multiple of 4 KiB apart. Threads as in
-ops/conv.py (ops/chunks.py): batch ranges, each with its own part of the workspace; except
-where a range's GEMMs would be too thin (wide channels on few tiles, `_split_planes`) or the
+ops/conv.py (ops/chunks.py): batch ranges, each with its own part of the workspace and at
+least WORK_GRAIN GEMM multiply-adds (a smaller conv runs on one thread); except where a
+range's GEMMs would be too thin (wide channels on few tiles, `_split_planes`) or the
 workspace holds fewer weight-gradient ranges than threads (each keeps its own dU,
 `_weight_planes`): there the threads cut the tile transforms by channel rows and the GEMMs
 by plane, over the batch's tiles at once (or in chunks the workspace holds).
