@@ -366,6 +366,10 @@ def _weight_by_blocks(dw, x, dout, ws, s):
     th, tw = s.tiles(H, W)
     T = N * th * tw
     ob = _weight_block(N, Ci, Co, H, W, s, ws)
+    if ob < 1:
+        raise ValueError(f"conv workspace too small for a Winograd weight gradient: {ws.size} elements, "
+                         f"the batch's input tiles and one output channel's need "
+                         f"{P * Ci * T + P * (T + Ci)} (applies() says where it runs)")
     V = ws[:P * Ci * T].reshape(P, Ci, T)
     _rows(lambda c0, c1: s.input_tiles(V[:, c0:c1], x[c0:c1], 0), Ci)
     rest = ws[P * Ci * T:]

@@ -207,6 +207,8 @@ def test_weight_gradient_in_blocks_of_output_channels_matches_im2col(monkeypatch
     monkeypatch.setattr(winograd, "ENABLED", True)
     small = ws[:s.planes * Cin * T + 7 * s.planes * (T + Cin)]      # room for blocks of 7 < 8: im2col
     assert not winograd.applies(x, base, g, 1, 1, small, weight=True)
+    with pytest.raises(ValueError, match="workspace too small for a Winograd weight gradient"):
+        winograd.conv3x3_backward_weight(dw, x, g, ws[:s.planes * Cin * T])    # called past applies()
 
 
 def test_batch_split_only_where_each_range_has_the_work(monkeypatch):
