@@ -8,7 +8,8 @@ tests/benchmarks/test_gemm_floor.py runs a real step with numpy.matmul recorded 
 the list is the step's. measure(eng, ...) times them (run_gemms) and adds the memory traffic at
 the copy bandwidth measured in the same process; benchmarks/compare_torch.py's "floor"
 configuration runs it in a fresh process. It reads conv's and winograd's private functions
-(conv._flat, conv._is_pointwise, winograd._chunk, winograd._planes): a model of their decisions, pinned by that test.
+(conv._flat, conv._is_pointwise, winograd._chunk, _pair, _most, _split_planes, _weight_planes,
+_weight_block): a model of their decisions, pinned by that test.
 """
 import math
 import re
@@ -47,19 +48,32 @@ def _column_ranges(M, grain):
     return list(zip(cut[:-1], cut[1:]))
 
 
-def _batch_ranges(N, ws, per):
+def _batch_ranges(N, ws, per, most=None):
     """[(n0, n1, workspace part)]: the batch ranges ops/chunks.py's over_batch cuts (one per
-    lowmem thread, each with its own slice of the workspace)."""
+    lowmem thread, at most `most`, each with its own slice of the workspace)."""
     from lowmem.system import threads
     from lowmem.ops import chunks
-    parts = max(1, min(threads.threads(), N, ws.size // per, N * per // chunks.COLS_GRAIN))
+    host = threads.threads() if most is None else min(threads.threads(), most)
+    parts = max(1, min(host, N, ws.size // per, N * per // chunks.COLS_GRAIN))
     cut, size = threads.bounds(N, parts), ws.size // parts
     return [(cut[t], cut[t + 1], ws[t * size:(t + 1) * size]) for t in range(parts)]
 
 
+def _plane_ranges(P):
+    """The plane ranges threads.parallel_for(body, P) cuts (a plane-split chunk's GEMMs)."""
+    return _column_ranges(P, 1)
+
+
+def _by_planes(chunks_, ranges):
+    """One list of GEMMs per thread from per-chunk [(a, b, out)] whole-plane-stack operands, each
+    cut by plane into that thread's range (ranges: _plane_ranges)."""
+    return [[(a[p0:p1], b[p0:p1], o[p0:p1]) for a, b, o in chunks_] for p0, p1 in ranges]
+
+
 def _winograd_correlate(x, U, ws):
-    """The GEMMs of winograd._correlate: per range and chunk, M (P, Co, T) = U @ V (P, Ci, T),
-    P the planes of the conv's scheme (winograd.scheme: F(2x2) 16, F(4x4) 36)."""
+    """The GEMMs of winograd._correlate: M (P, Co, T) = U @ V (P, Ci, T), P the planes of the
+    conv's scheme (winograd.scheme: F(2x2) 16, F(4x4) 36): per batch range and chunk, or where
+    winograd._split_planes cuts the planes, per chunk of the batch and plane range."""
     from lowmem.ops import winograd
     Co, Ci = U.shape[1:]
     N, H, W = x.shape[1:]
@@ -67,19 +81,29 @@ def _winograd_correlate(x, U, ws):
     P = s.planes
     th, tw = s.tiles(H, W)
     per = s.per_sample(Ci, Co, H, W)
+    if winograd._split_planes(N, th * tw, Ci * Co, ws, per):
+        nc, gemms = min(N, ws.size // per), []
+        for n0 in range(0, N, nc):
+            T = (min(N, n0 + nc) - n0) * th * tw
+            V, M = winograd._pair(ws, Ci, Co, T, P)
+            gemms.append((U, V, M))
+        return _by_planes(gemms, _plane_ranges(P))
     ranges = []
-    for a, b, wsp in _batch_ranges(N, ws, per):
+    for a, b, wsp in _batch_ranges(N, ws, per, winograd._most(P * Ci * Co * N * th * tw)):
         nc, gemms = winograd._chunk(wsp, per, b - a), []
         for n0 in range(a, b, nc):
             T = (min(b, n0 + nc) - n0) * th * tw
-            gemms.append((U, wsp[:P * Ci * T].reshape(P, Ci, T), winograd._planes(wsp[P * Ci * T:], Co, T, P)))
+            V, M = winograd._pair(wsp, Ci, Co, T, P)
+            gemms.append((U, V, M))
         ranges.append(gemms)
     return ranges
 
 
 def _winograd_weight(x, dw, ws):
-    """The GEMMs of winograd.conv3x3_backward_weight: per range and chunk,
-    dU (P, Co, Ci) (+)= Mg (P, Co, T) @ V (P, Ci, T)^T, into the range's acc or term."""
+    """The GEMMs of winograd.conv3x3_backward_weight: dU (P, Co, Ci) (+)= Mg (P, Co, T) @
+    V (P, Ci, T)^T, per batch range and chunk into the range's acc or term; or cut by plane
+    (winograd._weight_planes: per chunk into dU, or its term after the first); or, where a
+    whole dU does not fit, per block of output channels, cut by plane."""
     from lowmem.ops import winograd
     Co, Ci = dw.shape[:2]
     N, H, W = x.shape[1:]
@@ -87,15 +111,36 @@ def _winograd_weight(x, dw, ws):
     P = s.planes
     th, tw = s.tiles(H, W)
     per, u = s.per_sample(Ci, Co, H, W), P * Co * Ci
+    if winograd._weight_planes(N, th * tw, Ci * Co, ws, per, u):
+        one = N * per + u <= ws.size
+        dU = ws[:u].reshape(P, Co, Ci)
+        term = None if one else ws[u:2 * u].reshape(P, Co, Ci)
+        tiles_ws = ws[u:] if one else ws[2 * u:]
+        nc, gemms = min(N, tiles_ws.size // per), []
+        for n0 in range(0, N, nc):
+            T = (min(N, n0 + nc) - n0) * th * tw
+            V, Mg = winograd._pair(tiles_ws, Ci, Co, T, P)
+            gemms.append((Mg, V.transpose(0, 2, 1), dU if n0 == 0 else term))
+        return _by_planes(gemms, _plane_ranges(P))
+    if ws.size < per + 2 * u:                              # blocks of output channels
+        T = N * th * tw
+        ob = winograd._weight_block(N, Ci, Co, H, W, s, ws)
+        V = ws[:P * Ci * T].reshape(P, Ci, T)
+        rest, gemms = ws[P * Ci * T:], []
+        for o0 in range(0, Co, ob):
+            b = min(Co, o0 + ob) - o0
+            Mg = rest[:P * b * T].reshape(P, b, T)
+            dU = rest[P * b * T:P * b * (T + Ci)].reshape(P, b, Ci)
+            gemms.append((Mg, V.transpose(0, 2, 1), dU))
+        return _by_planes(gemms, _plane_ranges(P))
     ranges = []
-    for a, b, wsp in _batch_ranges(N, ws, per + 2 * u):
+    for a, b, wsp in _batch_ranges(N, ws, per + 2 * u, winograd._most(u * N * th * tw)):
         acc, term = wsp[:u].reshape(P, Co, Ci), wsp[u:2 * u].reshape(P, Co, Ci)
         tiles_ws = wsp[2 * u:]
         nc, gemms = winograd._chunk(tiles_ws, per, b - a), []
         for n0 in range(a, b, nc):
             T = (min(b, n0 + nc) - n0) * th * tw
-            V = tiles_ws[:P * Ci * T].reshape(P, Ci, T)
-            Mg = tiles_ws[P * Ci * T:P * (Ci + Co) * T].reshape(P, Co, T)
+            V, Mg = winograd._pair(tiles_ws, Ci, Co, T, P)
             gemms.append((Mg, V.transpose(0, 2, 1), acc if n0 == a else term))
         ranges.append(gemms)
     return ranges

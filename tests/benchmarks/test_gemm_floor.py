@@ -43,7 +43,9 @@ def test_floor_gemms_are_the_steps_conv_gemms(n_threads, monkeypatch):
     # convs (plain GEMMs; im2col where the input gradient accumulates), stride-1 3x3 convs with
     # 16+ channels (Winograd where numba is there); a workspace of three samples of the
     # largest im2col (16*9 x 16*16 floats) gives several chunks per range; batch 32 makes the
-    # 1x1 GEMMs wide enough (32*16*16 columns) to be split over two threads
+    # 1x1 GEMMs wide enough (32*16*16 columns) to be split over two threads; the Winograd convs
+    # split too (their work grain lowered: at these sizes a conv keeps its batch on one thread)
+    monkeypatch.setattr(winograd, "WORK_GRAIN", 1)
     net = lowmem.models.preact_resnet_cifar(11, num_classes=10, block="bottleneck")
     eng = lowmem.Engine(net, 32, (3, 16, 16), "approx", 4, "float32", workspace_bytes=3 * 16 * 9 * 256 * 4)
     products = gemm_floor.step_gemms(eng)
@@ -92,3 +94,51 @@ def test_conv_product_gemms_rejects_an_unknown_product():
     x = numpy.zeros((4, 2, 3, 3), numpy.float32)
     with pytest.raises(ValueError, match="product must be"):
         gemm_floor.conv_product_gemms("backward", None, x, w, x, 1, 0, numpy.zeros(64, numpy.float32))
+
+
+@pytest.mark.parametrize("case", ["planes", "weight chunks", "blocks"])
+def test_floor_gemms_follow_the_plane_split_and_the_blocks(n_threads, monkeypatch, case):
+    """The floor's model of a Winograd conv where the threads cut its planes (forward, input
+    gradient, weight gradient into one dU, or over chunks through its term) and where dU goes in
+    blocks of output channels: the GEMMs equal the ones ops/conv.py runs, operand by operand."""
+    if not winograd.AVAILABLE:
+        pytest.skip("Winograd runs with numba only")
+    from lowmem.ops import conv
+    Cin, Cout, H, N = 24, 40, 8, 6
+    rng = numpy.random.default_rng(1)
+    x = rng.standard_normal((Cin, N, H, H)).astype(numpy.float32)
+    w = rng.standard_normal((Cout, Cin, 3, 3)).astype(numpy.float32)
+    g = rng.standard_normal((Cout, N, H, H)).astype(numpy.float32)
+    s = winograd.scheme(N, H, H)
+    per, u, T = s.per_sample(Cin, Cout, H, H), s.planes * Cin * Cout, N * s.tiles(H, H)[0] ** 2
+    monkeypatch.setattr(winograd, "PLANE_CHANNELS", 1)
+    if case == "blocks":
+        monkeypatch.setattr(winograd, "MIN_BLOCK", 8)
+        ws = numpy.zeros(s.planes * Cin * T + 16 * s.planes * (T + Cin), numpy.float32)
+    else:
+        ws = numpy.zeros(2 * u + (2 if case == "weight chunks" else N) * per, numpy.float32)
+    products = [("weight", x, g, numpy.zeros_like(w))]
+    if case == "planes":
+        products += [("forward", x, numpy.empty_like(g), w), ("input", g, numpy.empty_like(x), w)]
+    real, seen = numpy.matmul, []
+
+    def recording(a, b, *args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__") in CONV_MODULES:
+            seen.append(signature(a, b, kwargs.get("out", args[0] if args else None)))
+        return real(a, b, *args, **kwargs)
+    for product, a, b, ww in products:
+        path, ranges = gemm_floor.conv_product_gemms(product, conv.NUMBA, a, ww, b, 1, 1, ws)
+        assert path == "winograd"
+        expected = collections.Counter(signature(p, q, o) for r in ranges for p, q, o in r)
+        if n_threads > 1 or case == "blocks":
+            assert len(ranges) == n_threads                 # one list per thread's planes
+        seen.clear()
+        monkeypatch.setattr(numpy, "matmul", recording)
+        if product == "forward":
+            conv.conv2d_forward(b, a, ww, 1, 1, ws, conv.NUMBA)
+        elif product == "input":
+            conv.conv2d_backward_input(b, a, ww, 1, 1, ws, columns=conv.NUMBA)
+        else:
+            conv.conv2d_backward_weight(ww, a, b, 1, 1, ws, conv.NUMBA)
+        monkeypatch.setattr(numpy, "matmul", real)
+        assert collections.Counter(seen) == expected, (case, product)
