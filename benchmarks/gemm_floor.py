@@ -48,17 +48,6 @@ def _column_ranges(M, grain):
     return list(zip(cut[:-1], cut[1:]))
 
 
-def _batch_ranges(N, ws, per, most=None):
-    """[(n0, n1, workspace part)]: the batch ranges ops/chunks.py's over_batch cuts (one per
-    lowmem thread, at most `most`, each with its own slice of the workspace)."""
-    from lowmem.system import threads
-    from lowmem.ops import chunks
-    host = threads.threads() if most is None else min(threads.threads(), most)
-    parts = max(1, min(host, N, ws.size // per, N * per // chunks.COLS_GRAIN))
-    cut, size = threads.bounds(N, parts), ws.size // parts
-    return [(cut[t], cut[t + 1], ws[t * size:(t + 1) * size]) for t in range(parts)]
-
-
 def _plane_ranges(P):
     """The plane ranges threads.parallel_for(body, P) cuts (a plane-split chunk's GEMMs)."""
     return _column_ranges(P, 1)
@@ -74,7 +63,7 @@ def _winograd_correlate(x, U, ws):
     """The GEMMs of winograd._correlate: M (P, Co, T) = U @ V (P, Ci, T), P the planes of the
     conv's scheme (winograd.scheme: F(2x2) 16, F(4x4) 36): per batch range and chunk, or where
     winograd._split_planes cuts the planes, per chunk of the batch and plane range."""
-    from lowmem.ops import winograd
+    from lowmem.ops import chunks, winograd
     Co, Ci = U.shape[1:]
     N, H, W = x.shape[1:]
     s = winograd.scheme(N, H, W)
@@ -89,7 +78,7 @@ def _winograd_correlate(x, U, ws):
             gemms.append((U, V, M))
         return _by_planes(gemms, _plane_ranges(P))
     ranges = []
-    for a, b, wsp in _batch_ranges(N, ws, per, winograd._most(P * Ci * Co * N * th * tw)):
+    for a, b, wsp in chunks.batch_ranges(N, ws, per, winograd._most(P * Ci * Co * N * th * tw)):
         nc, gemms = winograd._chunk(wsp, per, b - a), []
         for n0 in range(a, b, nc):
             T = (min(b, n0 + nc) - n0) * th * tw
@@ -104,7 +93,7 @@ def _winograd_weight(x, dw, ws):
     V (P, Ci, T)^T, per batch range and chunk into the range's acc or term; or cut by plane
     (winograd._weight_planes: per chunk into dU, or its term after the first); or, where a
     whole dU does not fit, per block of output channels, cut by plane."""
-    from lowmem.ops import winograd
+    from lowmem.ops import chunks, winograd
     Co, Ci = dw.shape[:2]
     N, H, W = x.shape[1:]
     s = winograd.scheme(N, H, W)
@@ -134,7 +123,7 @@ def _winograd_weight(x, dw, ws):
             gemms.append((Mg, V.transpose(0, 2, 1), dU))
         return _by_planes(gemms, _plane_ranges(P))
     ranges = []
-    for a, b, wsp in _batch_ranges(N, ws, per + 2 * u, winograd._most(u * N * th * tw)):
+    for a, b, wsp in chunks.batch_ranges(N, ws, per + 2 * u, winograd._most(u * N * th * tw)):
         acc, term = wsp[:u].reshape(P, Co, Ci), wsp[u:2 * u].reshape(P, Co, Ci)
         tiles_ws = wsp[2 * u:]
         nc, gemms = winograd._chunk(tiles_ws, per, b - a), []
@@ -191,7 +180,7 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
         raise ValueError(f"product must be forward, input or weight, got {product!r}")
     K = Cin * kh * kw                                      # im2col: one GEMM per chunk of samples
     ranges = []
-    for a, b, wsp in _batch_ranges(N, ws, K * Ho * Wo):
+    for a, b, wsp in chunks.batch_ranges(N, ws, K * Ho * Wo):
         nc, gemms = chunks.chunk_size(wsp, K * Ho * Wo, b - a), []
         for n0 in range(a, b, nc):
             n1 = min(b, n0 + nc)

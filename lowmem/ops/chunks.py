@@ -25,22 +25,29 @@ def chunk_size(ws, per_sample, n):
     return nc
 
 
-def over_batch(N, ws, per_sample, body, most=None):
-    """body(n0, n1, ws_part) over contiguous batch ranges, one per lowmem thread (at most `most`
-    where given: the caller's own grain of work), each range with its own slice of the workspace
-    (at least one sample's columns); returns how many ranges."""
+def batch_ranges(N, ws, per_sample, most=None):
+    """[(n0, n1, ws_part)]: the contiguous batch ranges over_batch cuts, one per lowmem thread (at
+    most `most` where given: the caller's own grain of work), each with its own slice of the
+    workspace (at least one sample's columns)."""
     chunk_size(ws, per_sample, N)                          # the clear error when even one sample does not fit
     host = 1 if array_module(ws).__name__ == "cupy" else threads.threads()   # the GPU: one stream
     if most is not None:
         host = min(host, most)
     parts = max(1, min(host, N, ws.size // per_sample, N * per_sample // COLS_GRAIN))
     cut, size = threads.bounds(N, parts), ws.size // parts
+    return [(cut[t], cut[t + 1], ws[t * size:(t + 1) * size]) for t in range(parts)]
+
+
+def over_batch(N, ws, per_sample, body, most=None):
+    """body(n0, n1, ws_part) over batch_ranges(N, ws, per_sample, most), one range per lowmem
+    thread; returns how many ranges."""
+    parts = batch_ranges(N, ws, per_sample, most)
 
     def ranges(t0, t1):
         for t in range(t0, t1):
-            body(cut[t], cut[t + 1], ws[t * size:(t + 1) * size])
-    threads.parallel_for(ranges, parts)
-    return parts
+            body(*parts[t])
+    threads.parallel_for(ranges, len(parts))
+    return len(parts)
 
 
 def gemm_grain(per_column):
