@@ -497,8 +497,7 @@ def alternate_ratios(per, spec):
             continue
         rs = sorted(x / y for x, y in zip(per[a], per[b]))
         r = statistics.median(rs)
-        met = None if not target else r <= float(target.split()[-1])
-        out[label] = dict(ratio=r, low=rs[0], high=rs[-1], target=target, met=met)
+        out[label] = dict(ratio=r, low=rs[0], high=rs[-1], target=target, met=met(r, target))
     return out
 
 
@@ -509,8 +508,7 @@ def alternate_report(per, ratios_, rounds, args):
     for c, ts in per.items():
         lines.append(f"{c:16s} {statistics.median(ts):9.3f} {min(ts):8.3f} {max(ts):8.3f}")
     for label, r in ratios_.items():
-        verdict = f"  (target {r['target']}: {'met' if r['met'] else 'MISSED'})" if r["target"] else ""
-        lines.append(f"{label}: {r['ratio']:.3f} (rounds {r['low']:.3f}-{r['high']:.3f}){verdict}")
+        lines.append(f"{label}: {r['ratio']:.3f} (rounds {r['low']:.3f}-{r['high']:.3f}){verdict(r)}")
     return "\n".join(lines)
 
 
@@ -529,17 +527,26 @@ def imported_ratios(model):
             ("peak RSS    lowmem-approx4 / torch-exact", "peak_above_base", "lowmem-approx4", "torch-exact", None)]
 
 
+def met(r, target):
+    """Whether ratio r meets a target such as "<= 0.8" or "< 1" (None: no target)."""
+    if not target:
+        return None
+    bound = float(target.split()[-1])
+    return r <= bound if target.startswith("<=") else r < bound
+
+
+def verdict(r):
+    """The printed verdict of a ratio entry (ratios' or alternate_ratios'): "" without a target."""
+    return f"  (target {r['target']}: {'met' if r['met'] else 'MISSED'})" if r["target"] else ""
+
+
 def ratios(runs, spec):
     by = {r["config"]: r for r in runs if r["status"] == "ok"}
     out = {}
     for label, key, a, b, target in spec:
         if a in by and b in by and by[a].get(key) is not None and by[b].get(key):
             r = by[a][key] / by[b][key]
-            met = None
-            if target:
-                bound = float(target.split()[-1])
-                met = r <= bound if target.startswith("<=") else r < bound
-            out[label] = dict(ratio=r, target=target, met=met)
+            out[label] = dict(ratio=r, target=target, met=met(r, target))
     return out
 
 
@@ -891,8 +898,7 @@ def compare(args, ap, log, folder):
               f"during the run (0 = a quiet machine; the worst over rounds)")
         print(table(runs))
         for label, r in result["ratios"].items():
-            verdict = f"  (target {r['target']}: {'met' if r['met'] else 'MISSED'})" if r["target"] else ""
-            print(f"{label}: {r['ratio']:.3f}{verdict}")
+            print(f"{label}: {r['ratio']:.3f}{verdict(r)}")
         for r in runs:
             if r["config"] == "floor" and r["status"] == "ok":
                 import gemm_floor
