@@ -27,6 +27,16 @@ def signature(a, b, out):
     return (a.shape, a.strides, b.shape, b.strides, None if out is None else (out.shape, out.strides))
 
 
+def recorder(real, seen):
+    """numpy.matmul that appends the signature of each call made from ops/conv.py or ops/winograd.py
+    to `seen`, then runs `real`."""
+    def recording(a, b, *args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__") in CONV_MODULES:
+            seen.append(signature(a, b, kwargs.get("out", args[0] if args else None)))
+        return real(a, b, *args, **kwargs)
+    return recording
+
+
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def n_threads(request):
     before = threads.threads()
@@ -52,12 +62,7 @@ def test_floor_gemms_are_the_steps_conv_gemms(n_threads, monkeypatch):
     expected = collections.Counter(signature(a, b, c) for p in products for r in p["ranges"] for a, b, c in r)
 
     real, seen = numpy.matmul, []
-
-    def recording(a, b, *args, **kwargs):
-        if sys._getframe(1).f_globals.get("__name__") in CONV_MODULES:
-            seen.append(signature(a, b, kwargs.get("out", args[0] if args else None)))
-        return real(a, b, *args, **kwargs)
-    monkeypatch.setattr(numpy, "matmul", recording)
+    monkeypatch.setattr(numpy, "matmul", recorder(real, seen))
     rng = numpy.random.default_rng(0)
     x = rng.standard_normal((32, 3, 16, 16)).astype(numpy.float32)
     eng.train_step(x, rng.integers(0, 10, 32), lowmem.SGD(net.parameters(), lr=0.01))
@@ -121,11 +126,7 @@ def test_floor_gemms_follow_the_plane_split_and_the_blocks(n_threads, monkeypatc
     if case == "planes":
         products += [("forward", x, numpy.empty_like(g), w), ("input", g, numpy.empty_like(x), w)]
     real, seen = numpy.matmul, []
-
-    def recording(a, b, *args, **kwargs):
-        if sys._getframe(1).f_globals.get("__name__") in CONV_MODULES:
-            seen.append(signature(a, b, kwargs.get("out", args[0] if args else None)))
-        return real(a, b, *args, **kwargs)
+    recording = recorder(real, seen)
     for product, a, b, ww in products:
         path, ranges = gemm_floor.conv_product_gemms(product, conv.NUMBA, a, ww, b, 1, 1, ws)
         assert path == "winograd"
