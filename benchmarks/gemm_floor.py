@@ -175,7 +175,7 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
         if conv._is_pointwise(w, stride, pad) and x.flags.c_contiguous:
             x2, g2 = conv._flat(x, Cin), conv._flat(dout, Cout)
             cuts = _column_ranges(x2.shape[1], chunks.gemm_grain(Cout * Cin))
-            return "1x1", [[(g2[:, a:b], x2[:, a:b].T, None)] for a, b in cuts]
+            return "1x1", [[conv.weight_operands(conv.array_module(x), g2[:, a:b], x2[:, a:b])[:2] + (None,)] for a, b in cuts]
     else:
         raise ValueError(f"product must be forward, input or weight, got {product!r}")
     K = Cin * kh * kw                                      # im2col: one GEMM per chunk of samples
@@ -190,7 +190,7 @@ def conv_product_gemms(product, columns, x, w, out, stride, pad, ws, accumulate=
             elif product == "input":
                 gemms.append((w2t, conv._flat(dout[:, n0:n1], Cout), cols))
             else:
-                gemms.append((conv._flat(dout[:, n0:n1], Cout), cols.T, None))
+                gemms.append(conv.weight_operands(conv.array_module(x), conv._flat(dout[:, n0:n1], Cout), cols)[:2] + (None,))
         ranges.append(gemms)
     return "im2col", ranges
 

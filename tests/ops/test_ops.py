@@ -169,6 +169,38 @@ def test_a_1x1_gemm_splits_by_its_work(monkeypatch):
     assert seen == [chunks.GEMM_MIN_COLUMNS, chunks.GEMM_GRAIN]     # 128 x 256: GEMM_WORK in 32 columns, raised
 
 
+@pytest.mark.parametrize("k,stride,pad,Cin,Cout", [(1, 1, 0, 12, 5), (1, 1, 0, 5, 12), (3, 2, 1, 3, 5), (3, 2, 1, 2, 40)])
+def test_weight_gradient_gemm_has_its_larger_side_as_rows(rng, monkeypatch, k, stride, pad, Cin, Cout):
+    """On NumPy the weight gradient's GEMM dout (Cout, M) x cols (K, M)^T of at least FLIP_COLUMNS
+    columns runs with the larger of Cout and K (= Cin*k*k) as its rows, (cols @ dout^T)^T where
+    K > Cout (OpenBLAS's faster side), and its float32 result is the float64 reference's to
+    rounding either way round; a narrower GEMM keeps dout as its rows."""
+    from lowmem.ops import conv
+    monkeypatch.setattr(conv, "FLIP_COLUMNS", 1)                 # these GEMMs are narrow
+    x, w, Ho, Wo = conv_setup(rng, k, stride, pad, 9, 8, Cin=Cin, Cout=Cout, N=4)
+    G = rng.standard_normal((Cout, 4, Ho, Wo))
+    want = np.zeros_like(w)
+    conv2d_backward_weight(want, x, G, stride, pad, ws_for(Cin, k, Ho, Wo, 4))      # float64
+    rows, real = [], np.matmul
+
+    def recording(a, b, *args, **kw):
+        rows.append(a.shape[0])
+        return real(a, b, *args, **kw)
+    monkeypatch.setattr(np, "matmul", recording)
+    dw = np.zeros(w.shape, np.float32)
+    conv2d_backward_weight(dw, x.astype(np.float32), G.astype(np.float32), stride, pad,
+                           ws_for(Cin, k, Ho, Wo, 4).astype(np.float32), conv.SLICES)
+    monkeypatch.setattr(np, "matmul", real)
+    assert rows and set(rows) == {max(Cout, Cin * k * k)}
+    np.testing.assert_allclose(dw, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    monkeypatch.setattr(conv, "FLIP_COLUMNS", 10 ** 9)             # narrower than the rule: not flipped
+    monkeypatch.setattr(np, "matmul", recording)
+    rows.clear()
+    conv2d_backward_weight(np.zeros(w.shape), x, G, stride, pad, ws_for(Cin, k, Ho, Wo, 4), conv.SLICES)
+    monkeypatch.setattr(np, "matmul", real)
+    assert set(rows) == {Cout}
+
+
 def test_conv_workspace_too_small_raises(rng):
     x, w, Ho, Wo = conv_setup(rng, 3, 1, 1, 5, 5)
     with pytest.raises(ValueError, match="workspace too small"):
