@@ -214,10 +214,10 @@ def weight_term(xp, g, c):
     OpenBLAS runs that orientation faster (one thread of a Zen 4 EPYC, 64 x 147 (a 7x7 stem)
     69 -> 80-83 GFLOPS, 128 x 512 86 -> 97, 128 x 1024 81 -> 99; the other way round, 256 x 64
     87 against 71: the rule keeps each on its faster side). The result is then a transposed
-    view, which the caller adds into dw across its layout: 0.4-3.9 ns an element at 256 x 1024
-    to 512 x 2048, against the GEMM's 10% of 0.022 ns an element and column, so only wide GEMMs
-    flip. The sums differ from g @ c.T's in the last bits only (BLAS adds the M terms in another
-    order)."""
+    view, which the caller adds into dw across its layout: 1.3-3.7 ns a weight element (256 x
+    1024 to 512 x 2048), where the flip saves about a tenth of the GEMM's 0.022 ns a weight
+    element and column, so only wide GEMMs flip. The sums differ from g @ c.T's in the last
+    bits only (BLAS adds the M terms in another order)."""
     a, b, flipped = weight_operands(xp, g, c)
     t = xp.matmul(a, b)
     return t.T if flipped else t
