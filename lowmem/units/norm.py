@@ -16,7 +16,10 @@ The sets:
                                  statistics by the units' kernels (window_cpu / gpu_base), x-hat,
                                  its float slot and out in one pass; the backward's sums and dx in two;
                                  and forward_add_relu: a batch norm, an add and a ReLU (a ResNet
-                                 block's end) in one pass (core/optable's forward_groups)
+                                 block's end) in one pass (core/optable's forward_groups). With the
+                                 keeper's numba range code (units/rangecode_cpu.py) the numba passes
+                                 make x-hat's code and read it themselves (norm_cpu's *_coded): no
+                                 separate normalize, encode, decode or scratch buffer
 
 Both compute the same x-hat and out for the same statistics, bit for bit (so an engine's exact
 and approx forwards stay equal); the fused statistics and sums are reductions in another order
@@ -26,7 +29,7 @@ import numpy
 
 from ..ops import bn_apply_forward, bn_backward, bn_normalize, bn_stats
 from ..ops.batchnorm import BN_EPS
-from . import gpu_base, norm_cpu, norm_gpu, window_cpu
+from . import gpu_base, norm_cpu, norm_gpu, rangecode_cpu, window_cpu
 
 
 def _xhat(slots, C, M):
@@ -79,10 +82,22 @@ class FusedNormKernels(NormKernels):
     def stats(self, mean, var, rstd, x):
         self.units.bn_stats(mean, var, rstd, x, BN_EPS, **self._extra)
 
+    def _code(self, slots, n, *arrays):
+        """x-hat's range code (a rangecode.RangeCode) where the numba kernels make and read it in
+        their own passes (the keeper's numba range code, arrays the kernels take), else None."""
+        if self.module is norm_cpu and getattr(self.keeper, "kernels", None) is rangecode_cpu and \
+                norm_cpu.supports(*arrays) and rangecode_cpu.supports(*arrays):
+            return self.keeper.code(slots, n)
+        return None
+
     def forward(self, out, slots, x, mean, rstd, gamma, beta):
         C, M = x.shape
         if not self.keeper.decodes:                      # the float slot: x-hat and out in one pass
             self.module.forward(out, _xhat(slots, C, M), x, mean, rstd, gamma, beta)
+            return
+        code = self._code(slots, C * M, out, x)
+        if code is not None:                             # x-hat, its code and out in one pass
+            norm_cpu.forward_coded(out, code, x, mean, rstd, gamma, beta)
             return
         self.module.normalize(out, x, mean, rstd)
         self.keeper.keep(slots, out.reshape(-1))
@@ -99,12 +114,20 @@ class FusedNormKernels(NormKernels):
         if not self.keeper.decodes:
             self.module.forward_add_relu(out, mask, _xhat(slots, C, M), x, other, mean, rstd, gamma, beta)
             return
+        code = self._code(slots, C * M, out, x, other)
+        if code is not None:                             # x-hat coded in the same pass
+            norm_cpu.forward_add_relu_coded(out, mask, code, x, other, mean, rstd, gamma, beta)
+            return
         self.module.normalize(scratch, x, mean, rstd)
         self.keeper.keep(slots, scratch.reshape(-1))
         self.module.forward_add_relu(out, mask, None, scratch, other, mean, rstd, gamma, beta)
 
     def backward(self, dx, dgamma, dbeta, dy, slots, rstd, gamma, accumulate, scratch):
         # saved: x-hat, exact (float) or approximate (its range code), and rstd exact
+        code = self._code(slots, dy.size, dx, dy) if self.keeper.decodes else None
+        if code is not None:                             # decoded block by block in the kernel
+            norm_cpu.backward_coded(dx, dgamma, dbeta, dy, code, gamma, rstd, accumulate)
+            return
         self.module.backward(dx, dgamma, dbeta, dy, self.restore(slots, dy.shape, scratch), gamma, rstd,
                              accumulate, **self._extra)
 

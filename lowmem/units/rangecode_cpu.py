@@ -76,11 +76,19 @@ if AVAILABLE:
         +inf), in x's dtype; nil_i: 0 as xi's integer; sign: the sign bit alone (-0); inf_i, inf_u:
         +inf's and -inf's bits.
         Reference: rangecode._encode."""
-        n = x.size
         codes = numpy.empty(BLOCK, numpy.uint8)       # a block's codes, one per byte, packed at its end
-        f = numpy.zeros(4, x.dtype)                     # conversions into x's dtype (as astype)
-        e = ends.view(x.dtype)
+        f = numpy.zeros(4, x.dtype)                     # conversions into x's dtype (as astype); f[3] stays 0
         par = numpy.empty((BLOCK // GROUP, 4), x.dtype)   # per group of a block: safe, z, q_lo, q_hi
+        _encode_in(packed, scale, zero, x, xi, xu, ends, bits, g0, g1, lev, fmax, big, nil_i, sign, inf_i, inf_u,
+                   codes, f, par)
+
+    @njit(**_opts)
+    def _encode_in(packed, scale, zero, x, xi, xu, ends, bits, g0, g1, lev, fmax, big, nil_i, sign, inf_i, inf_u,
+                   codes, f, par):
+        """_encode in the caller's scratch: codes (BLOCK,) uint8, f (4,) of x's dtype with f[3] == 0,
+        par (BLOCK // GROUP, 4) of x's dtype."""
+        n = x.size
+        e = ends.view(x.dtype)
         nil = f[3]
         nan = (big + big) - (big + big)
         end = min(n, g1 * GROUP)
@@ -129,6 +137,18 @@ if AVAILABLE:
             _pack_any(packed[a0 * bits // 8:(a1 * bits + 7) // 8], codes[:a1 - a0], bits)
 
     @njit(**_opts)
+    def encode_block(packed, scale, zero, h, hi, hu, ends, codes, f, par, a, bits, lev, fmax, big, nil_i, sign,
+                     inf_i, inf_u):
+        """The range code of flat elements a .. a + h.size - 1 of a tensor, held in h (at most BLOCK
+        elements; hi, hu: h's bits as signed and unsigned integers), into the tensor's packed,
+        scale and zero (whole arrays): the bytes range_encode writes for them. a: a multiple of
+        GROUP (so of a byte's codes at any width); h runs to the tensor's end or to a group's.
+        ends, codes, f, par: block_scratch's (nothing is allocated per block)."""
+        n = h.size
+        _encode_in(packed[a * bits // 8:], scale[a // GROUP:], zero[a // GROUP:], h, hi[:n], hu[:n], ends, bits, 0,
+                   (n + GROUP - 1) // GROUP, lev, fmax, big, nil_i, sign, inf_i, inf_u, codes, f, par)
+
+    @njit(**_opts)
     def _decode(out, packed, scale, zero, bits, g0, g1):
         """out[groups g0 .. g1-1] <- (q - z) * s, in out's dtype. Reference: rangecode.range_decode."""
         codes = numpy.empty(BLOCK + 8, numpy.uint8)   # a block's codes, one per byte
@@ -151,20 +171,36 @@ def _groups(fn, n):
     threads.parallel_for(fn, G, grain=max(1, GRAIN // GROUP))
 
 
+def encode_constants(dtype, bits):
+    """What _encode takes besides the arrays, for data of `dtype` at `bits`: (lev, fmax, big, nil_i,
+    sign, inf_i, inf_u) (its docstring)."""
+    dtype = numpy.dtype(dtype)
+    dt, si, ui = dtype.type, INTS[dtype.itemsize], UINTS[dtype.itemsize]
+    inf_u, ninf_u = numpy.array([numpy.inf, -numpy.inf], dtype).view(ui)
+    return (dt((1 << bits) - 1), dt(F32_MAX), dt(numpy.finfo(dtype).max), si(0), ui(1 << (8 * dtype.itemsize - 1)),
+            si(inf_u), ninf_u)
+
+
+def block_scratch(dtype):
+    """A thread's scratch for encoding a block where it is made (units/norm_cpu.py's coded passes):
+    (h, h as signed integers, h as unsigned integers, ends, codes, f, par), h BLOCK elements of
+    `dtype`, the rest encode_block's."""
+    dtype = numpy.dtype(dtype)
+    h = numpy.empty(BLOCK, dtype)
+    return (h, h.view(INTS[dtype.itemsize]), h.view(UINTS[dtype.itemsize]), numpy.empty(2, UINTS[dtype.itemsize]),
+            numpy.empty(BLOCK, numpy.uint8), numpy.zeros(4, dtype), numpy.empty((BLOCK // GROUP, 4), dtype))
+
+
 def range_encode(packed, scale, zero, x, bits):
     """rangecode.range_encode's bytes: packed (packed_nbytes(n, bits),) uint8, scale (groups(n),)
     float32, zero (groups(n),) uint8 <- the range code of x (n,) float32 or float64."""
     x = x.reshape(-1)
-    dt, si, ui = x.dtype.type, INTS[x.dtype.itemsize], UINTS[x.dtype.itemsize]
-    lev, fmax, big = dt((1 << bits) - 1), dt(F32_MAX), dt(numpy.finfo(x.dtype).max)
-    sign = ui(1 << (8 * x.dtype.itemsize - 1))
-    inf_u, ninf_u = numpy.array([numpy.inf, -numpy.inf], x.dtype).view(ui)
-    xi, xu = x.view(si), x.view(ui)
+    consts = encode_constants(x.dtype, bits)
+    xi, xu = x.view(INTS[x.dtype.itemsize]), x.view(UINTS[x.dtype.itemsize])
 
     def groups(g0, g1):
-        ends = numpy.empty(2, ui)                                           # one per thread
-        _encode(packed, scale, zero, x, xi, xu, ends, bits, g0, g1, lev, fmax, big, si(0), sign, si(inf_u),
-                ninf_u)
+        ends = numpy.empty(2, UINTS[x.dtype.itemsize])                     # one per thread
+        _encode(packed, scale, zero, x, xi, xu, ends, bits, g0, g1, *consts)
     _groups(groups, x.size)
 
 

@@ -175,3 +175,111 @@ def test_forward_add_relu_is_the_three_ops(rng, dtype, C, M, where):
     np.testing.assert_array_equal(out, want)
     assert np.array_equal(np.signbit(out), np.signbit(want))
     np.testing.assert_array_equal(mask, want_mask)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bits", [4, 2, 8])
+@pytest.mark.parametrize("C,M", [(3, 5), (5, 4096 + 200), (7, 300)])     # groups crossing rows; blocks
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_coded_passes_are_the_separate_passes(rng, dtype, bits, C, M, n_threads):
+    """With x-hat kept as its range code, the passes that make the code where x-hat is made
+    (forward_coded, forward_add_relu_coded) and read it where it is used (backward_coded) leave
+    what normalize, rangecode_cpu.range_encode and apply (or forward_add_relu), and backward on
+    range_decode's x-hat leave: the code's bytes, out, the mask and the gradients, bit for bit."""
+    from lowmem.system import threads
+    from lowmem.units import rangecode_cpu
+    x, g, b, mean, _, rstd = case(rng, dtype, C, M)
+    other = rng.standard_normal((C, M)).astype(dtype)
+    n = C * M
+
+    def fresh():
+        return rangecode.RangeCode(np.full(rangecode.packing.packed_nbytes(n, bits), 0xAA, np.uint8),
+                                   np.full(rangecode.groups(n), np.nan, np.float32),
+                                   np.full(rangecode.groups(n), 7, np.uint8), bits)
+
+    def same(c1, c2):
+        for a, w in zip(c1[:3], c2[:3]):
+            np.testing.assert_array_equal(a, w)
+
+    before = threads.threads()
+    threads.configure(n_threads)
+    try:
+        h, want_code = np.empty_like(x), fresh()                   # the separate passes
+        norm_cpu.normalize(h, x, mean, rstd)
+        rangecode_cpu.range_encode(*want_code[:3], h.reshape(-1), bits)
+        want = h.copy()
+        norm_cpu.apply(want, g, b)
+        out, code = x.copy(), fresh()
+        norm_cpu.forward_coded(out, code, out, mean, rstd, g, b)  # in place, as the engine runs it
+        np.testing.assert_array_equal(out, want)
+        same(code, want_code)
+
+        want_out, want_mask = np.empty_like(x), np.zeros((n + 7) // 8, np.uint8)
+        norm_cpu.forward_add_relu(want_out, want_mask, None, h, other, mean, rstd, g, b)
+        out, mask, code = other.copy(), np.full_like(want_mask, 0x55), fresh()
+        norm_cpu.forward_add_relu_coded(out, mask, code, x, out, mean, rstd, g, b)   # over the identity
+        np.testing.assert_array_equal(out, want_out)
+        np.testing.assert_array_equal(mask, want_mask)
+        same(code, want_code)
+
+        xhat = np.empty_like(x)
+        rangecode_cpu.range_decode(xhat.reshape(-1), *want_code[:3], bits)
+        dy = rng.standard_normal((C, M)).astype(dtype)
+        for accumulate, inplace in ((False, False), (False, True), (True, False)):
+            got = []
+            for kernel in ("separate", "coded"):
+                dx = dy.copy() if inplace else rng.standard_normal((C, M)).astype(dtype) * 0 + 1
+                dg, db = np.ones(C, dtype), np.ones(C, dtype)
+                src = dx if inplace else dy
+                if kernel == "separate":
+                    norm_cpu.backward(dx, dg, db, src, xhat, g, rstd, accumulate)
+                else:
+                    norm_cpu.backward_coded(dx, dg, db, src, want_code, g, rstd, accumulate)
+                got.append((dx, dg, db))
+            for a, w in zip(*got):
+                np.testing.assert_array_equal(a, w)
+    finally:
+        threads.configure(before)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_the_numba_range_code_takes_the_coded_passes(rng, monkeypatch, bits):
+    """FusedNormKernels with the engine's numba range code runs the coded passes (no separate
+    normalize, keep or restore) and leaves the reference set's slots and out, bit for bit, its
+    gradients to rounding."""
+    from lowmem.units import rangecode_cpu
+    x, g, b, mean, _, rstd = case(rng, np.float32, M=4096 + 200)
+    C, M = x.shape
+    other = rng.standard_normal((C, M)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    results = []
+    for fused in (False, True):
+        keeper = rangecode.keeper(bits, rangecode_cpu if fused else None)
+        kernels = norm.select_norms(np, True, keeper) if fused else norm.NormKernels(keeper)
+        if fused:
+            for name in ("normalize", "apply", "forward_add_relu"):
+                monkeypatch.setattr(norm_cpu, name, None)          # a call would fail: not taken
+            monkeypatch.setattr(keeper, "keep", None)
+            monkeypatch.setattr(keeper, "restore", None)
+        entries = keeper.entries("bn.xhat", C * M, np.float32)
+        slots = [np.zeros(shape, dtype) for _, _, shape, dtype in entries]
+        out = x.copy()
+        kernels.forward(out, slots, out, mean, rstd, g, b)
+        dx, dg, db = dy.copy(), np.zeros(C, np.float32), np.zeros(C, np.float32)
+        kernels.backward(dx, dg, db, dx, slots, rstd, g, False, np.empty_like(x))
+        slots2 = [np.zeros(shape, dtype) for _, _, shape, dtype in entries]
+        out2, mask = other.copy(), np.zeros((C * M + 7) // 8, np.uint8)
+        if fused:
+            kernels.forward_add_relu(out2, mask, slots2, x, out2, mean, rstd, g, b, np.empty_like(x))
+        else:                                                        # the reference: the three ops
+            from lowmem.ops import add_forward, relu_forward
+            h = np.empty_like(x)
+            kernels.forward(h, slots2, x, mean, rstd, g, b)
+            add_forward(out2, h)
+            relu_forward(out2, mask, out2)
+        results.append((out, slots, out2, slots2, mask, (dx, dg, db)))
+    (o1, s1, p1, t1, m1, g1), (o2, s2, p2, t2, m2, g2) = results
+    for a, w in [(o1, o2), (p1, p2), (m1, m2)] + list(zip(s1, s2)) + list(zip(t1, t2)):
+        np.testing.assert_array_equal(a, w)
+    for a, w in zip(g1, g2):
+        np.testing.assert_allclose(a, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
