@@ -102,36 +102,18 @@ if AVAILABLE:
                 dxr[t] = (dyr[t] - (hr[t] * mdyx + mdy)) * a
 
     @njit(**_opts)
-    def _xhat_block(h, codes, fd, xhat, packed, scale, zero, bits, base, c, i0, i1, coded):
-        """x-hat over [i0, i1) of row c: xhat's, or (coded) decoded from the code into h (flat
-        elements base + i0 ..; ops/bitpack_cpu.decode_span: range_decode's values)."""
-        if coded:
-            hb = h[:i1 - i0]
-            decode_span(hb, codes, packed, scale, zero, bits, GROUP, base + i0, fd)
-            return hb
-        return xhat[c, i0:i1]
-
-    @njit(**_opts)
-    def _backward(dx, dgamma, dbeta, dy, xhat, packed, scale, zero, bits, c0, gamma, rstd, accumulate, inplace,
-                  zero_f, coded):
-        """Two passes per row: the sums, then dx (through L1 scratch when dx overlaps dy). x-hat:
-        xhat's rows, or (coded) decoded block by block from its range code in each pass (rows c0 ..
-        of the whole tensor's code) where it was decoded into a buffer and read back."""
+    def _backward(dx, dgamma, dbeta, dy, xhat, gamma, rstd, accumulate, inplace, zero):
+        """Two passes per row: the sums, then dx (through L1 scratch when dx overlaps dy)."""
         C, M = dy.shape
         tmp = numpy.empty(BLOCK, dy.dtype)
-        h = numpy.empty(BLOCK, dy.dtype)
-        codes = numpy.empty(BLOCK + 8, numpy.uint8)
-        fd = numpy.empty(2, dy.dtype)
         f = numpy.empty(3, dy.dtype)                        # conversions into the data's dtype
         f[2] = M
         for c in range(C):
             s1 = 0.0
             s2 = 0.0
-            base = (c0 + c) * M
             for i0 in range(0, M, BLOCK):
                 i1 = min(M, i0 + BLOCK)
-                hb = _xhat_block(h, codes, fd, xhat, packed, scale, zero, bits, base, c, i0, i1, coded)
-                a1, a2 = _sums(dy[c, i0:i1], hb, zero_f)
+                a1, a2 = _sums(dy[c, i0:i1], xhat[c, i0:i1], zero)
                 s1 += a1
                 s2 += a2
             f[0], f[1] = s1, s2                               # the sums in the data's dtype, as the reference's
@@ -142,13 +124,13 @@ if AVAILABLE:
             mdy, mdyx = sum_dy / f[2], sum_dyx / f[2]
             for i0 in range(0, M, BLOCK):
                 i1 = min(M, i0 + BLOCK)
-                hb = _xhat_block(h, codes, fd, xhat, packed, scale, zero, bits, base, c, i0, i1, coded)
                 if accumulate or not inplace:
-                    _dx_block(dx[c, i0:i1], dy[c, i0:i1], hb, a, mdy, mdyx, accumulate)
+                    _dx_block(dx[c, i0:i1], dy[c, i0:i1], xhat[c, i0:i1], a, mdy, mdyx, accumulate)
                 else:
                     tb = tmp[:i1 - i0]
-                    _dx_block(tb, dy[c, i0:i1], hb, a, mdy, mdyx, False)
+                    _dx_block(tb, dy[c, i0:i1], xhat[c, i0:i1], a, mdy, mdyx, False)
                     _copy(dx[c, i0:i1], tb)
+
 
     @njit(**_opts)
     def _add_relu_block(rb, cb, hb, src, other, mean, rstd, gamma, beta, M, a, b, normalized, zero):
@@ -245,6 +227,47 @@ if AVAILABLE:
                 _apply_block(out[e:e1], h[e - a:e1 - a], gamma[c], beta[c])
                 e = e1
 
+    @njit(**_opts)
+    def _backward_coded(dx, dgamma, dbeta, dy, packed, scale, zero, bits, c0, gamma, rstd, accumulate, inplace,
+                        zero_f):
+        """_backward with x-hat decoded block by block from its range code into L1 scratch (rows c0 ..
+        of the whole tensor's code; ops/bitpack_cpu.decode_span, range_decode's values), in each of
+        the two passes, where it was decoded into a buffer and read back."""
+        C, M = dy.shape
+        tmp = numpy.empty(BLOCK, dy.dtype)
+        h = numpy.empty(BLOCK, dy.dtype)
+        codes = numpy.empty(BLOCK + 8, numpy.uint8)
+        fd = numpy.empty(2, dy.dtype)
+        f = numpy.empty(3, dy.dtype)
+        f[2] = M
+        for c in range(C):
+            s1 = 0.0
+            s2 = 0.0
+            base = (c0 + c) * M
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                hb = h[:i1 - i0]
+                decode_span(hb, codes, packed, scale, zero, bits, GROUP, base + i0, fd)
+                a1, a2 = _sums(dy[c, i0:i1], hb, zero_f)
+                s1 += a1
+                s2 += a2
+            f[0], f[1] = s1, s2
+            sum_dy, sum_dyx = f[0], f[1]
+            dgamma[c] += sum_dyx
+            dbeta[c] += sum_dy
+            a = gamma[c] * rstd[c]
+            mdy, mdyx = sum_dy / f[2], sum_dyx / f[2]
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                hb = h[:i1 - i0]
+                decode_span(hb, codes, packed, scale, zero, bits, GROUP, base + i0, fd)
+                if accumulate or not inplace:
+                    _dx_block(dx[c, i0:i1], dy[c, i0:i1], hb, a, mdy, mdyx, accumulate)
+                else:
+                    tb = tmp[:i1 - i0]
+                    _dx_block(tb, dy[c, i0:i1], hb, a, mdy, mdyx, False)
+                    _copy(dx[c, i0:i1], tb)
+
 
 def supports(*arrays):
     """Whether the kernels take these arrays: numba present, C-contiguous NumPy float32 or float64
@@ -281,22 +304,10 @@ def apply(out, gamma, beta):
 def backward(dx, dgamma, dbeta, dy, xhat, gamma, rstd, accumulate=False):
     """ops.bn_backward: dgamma += sum(dy*xhat), dbeta += sum(dy), dx = (or += with accumulate)
     gamma*rstd*(dy - mean(dy) - xhat*mean(dy*xhat)). dy is read only; dx may alias dy."""
-    _backward_rows(dx, dgamma, dbeta, dy, xhat, None, gamma, rstd, accumulate)
-
-
-_NO_CODE = numpy.empty(0, numpy.uint8)
-
-
-def _backward_rows(dx, dgamma, dbeta, dy, xhat, code, gamma, rstd, accumulate):
-    """backward (code None) or backward_coded (xhat None), rows split over the threads."""
     C, M = dy.shape
     inplace, zero = _overlap(dx, dy), dy.dtype.type(0)
-    coded = code is not None
-    packed, scale, zc, bits = code if coded else (_NO_CODE, _NO_CODE.view(numpy.float32)[:0], _NO_CODE, 0)
-    xh = dy if xhat is None else xhat                   # not read when coded
-    _split(lambda c0, c1: _backward(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dy[c0:c1], xh[c0:c1], packed, scale, zc,
-                                    bits, c0, gamma[c0:c1], rstd[c0:c1], bool(accumulate), inplace, zero, coded),
-           C, M)
+    _split(lambda c0, c1: _backward(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dy[c0:c1], xhat[c0:c1], gamma[c0:c1],
+                                    rstd[c0:c1], bool(accumulate), inplace, zero), C, M)
 
 
 def forward_add_relu(out, mask, xhat, src, other, mean, rstd, gamma, beta):
@@ -350,4 +361,8 @@ def backward_coded(dx, dgamma, dbeta, dy, code, gamma, rstd, accumulate=False):
     """backward with x-hat read from its range code (a rangecode.RangeCode of the C*M elements),
     decoded block by block in the kernel: the same results as backward on range_decode's x-hat,
     bit for bit. dy is read only; dx may alias dy."""
-    _backward_rows(dx, dgamma, dbeta, dy, None, code, gamma, rstd, accumulate)
+    C, M = dy.shape
+    inplace, zero = _overlap(dx, dy), dy.dtype.type(0)
+    _split(lambda c0, c1: _backward_coded(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dy[c0:c1], code.packed,
+                                          code.scale, code.zero, code.bits, c0, gamma[c0:c1], rstd[c0:c1],
+                                          bool(accumulate), inplace, zero), C, M)
