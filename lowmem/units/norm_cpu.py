@@ -24,9 +24,7 @@ Passes: the forward reads x once and writes x-hat and out in the same loop over 
 scratch between them, so out may alias x); the backward reads dy and x-hat twice (sums, then dx).
 The coded passes write or read the code instead of x-hat: the same bytes as range_encode of
 normalize's x-hat, the same values as range_decode's, bit for bit (tests/units/test_norm_cpu.py).
-Measured beyond the L3 (512 channels x 65,536, float32, 4 bits, a Zen 4 EPYC), coded against
-the separate passes: two threads 0.76 (BN -> add -> ReLU), 0.81 (forward), 0.80 (backward); one
-thread 0.82, 1.04, 1.13 (the backward decodes each block twice, once per pass).
+benchmarks/norm_coded.py times them against the separate passes (figures: docs/performance.md).
 Cores: channels split over lowmem's threads (units/cpu_base.py).
 """
 import numpy
