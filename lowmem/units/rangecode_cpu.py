@@ -5,6 +5,9 @@ NumPy reference and of units/rangecode_gpu.py.
                                                  range (min, max), step and zero point, every
                                                  code, packed; nothing else is written
     range_decode(out, packed, scale, zero, bits) out = (q - z) * s, unpacked inline
+    encode_block(...)                            (numba) one block's code from a kernel's own
+                                                 L1 scratch, where another pass makes the values
+                                                 (units/norm_cpu.py's coded batch norm passes)
 
 Why: the reference walks each chunk a dozen times (min, max, divide, rint, clip, nan_to_num,
 the pack's shifts) and decodes through an index array (arange // GROUP). Here a group's 256
