@@ -18,6 +18,11 @@ its step / the first config's step of the same round. Wall-clock on whatever mac
 timed), and per config the seconds per step of the N functions with the most own time (the
 --json file keeps every function of 1 ms or more). cProfile sees the calling thread only: run
 with LOWMEM_THREADS=1 for a step's whole work.
+
+--ops: then `--rounds` more rounds with every op's forward and backward handler timed on the
+wall clock (all threads' work inside it: run at the thread count you study), and per op kind
+(a fused forward group counts as one, e.g. bn+add+relu) its milliseconds per step for each
+config and the difference to the first config: which ops an approximate mode's extra sits in.
 """
 import argparse
 import collections
@@ -77,7 +82,11 @@ def make_step(L, depth, mode, bits, rounding, x, y, model=None):
     kw = {} if rounding == "nearest" else {"rounding": rounding}
     eng = L.Engine(net, len(x), x.shape[1:], mode, bits, "float32", **kw)
     opt = L.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    return (lambda: eng.train_step(x, y, opt)), eng.plan.total_bytes
+
+    def step():
+        return eng.train_step(x, y, opt)
+    step.engine = eng                                  # for op_times
+    return step, eng.plan.total_bytes
 
 
 def alternate(steps, rounds, warmup):
@@ -112,6 +121,47 @@ def own_times(steps, rounds):
     return own
 
 
+def op_times(steps, rounds):
+    """{name: Counter(op kind -> wall seconds per step)}: `rounds` rounds as `alternate`'s, with
+    each engine's forward handlers (a fused group as one kind, its ops joined by '+') and
+    backward handlers timed; the engines are put back afterwards."""
+    from lowmem.core.optable import OPS
+    names = list(steps)
+    walls = {n: collections.Counter() for n in names}
+
+    def instrument(eng, wall):
+        def timed(kind, fn):
+            def run(*a):
+                t = time.perf_counter()
+                fn(*a)
+                wall[kind] += (time.perf_counter() - t) / rounds
+            return run
+        eng._forward_groups = [(timed("fwd " + "+".join(s.op for s in st), h), st) for h, st in eng._forward_groups]
+        sweep = eng._sweep
+
+        def backward_sweep(phase, before=None):
+            if phase == "fwd":
+                return sweep(phase, before)
+            for step in eng.schedule:
+                if step.phase == phase:
+                    if before is not None:
+                        before(step)
+                    timed("bwd " + step.op, OPS[step.op].backward)(eng.run, step)
+        eng._sweep = backward_sweep
+
+    saved = {n: steps[n].engine._forward_groups for n in names}
+    for n in names:
+        instrument(steps[n].engine, walls[n])
+    try:
+        alternate(steps, rounds, 0)
+    finally:
+        for n in names:
+            eng = steps[n].engine
+            eng._forward_groups = saved[n]
+            del eng._sweep                                 # the class's method again
+    return walls
+
+
 def ratios(times, name, first):
     """Each round's step of `name` over the step of `first` in the same round."""
     return [a / b for a, b in zip(times[name], times[first])]
@@ -128,6 +178,8 @@ def main(argv=None):
     p.add_argument("--json", help="also write the result here")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="then profile as many rounds and print the N functions with the most own time")
+    p.add_argument("--ops", action="store_true",
+                   help="then time every op's handlers for as many rounds: ms per step by op kind")
     args = p.parse_args(argv)
     configs = args.configs.split(",")
     x, y = batch_for(p, args)
@@ -155,6 +207,16 @@ def main(argv=None):
             print(" ".join(f"{own[c][f]:9.3f}" for c in configs), "", f)
         kept = [f for f in set().union(*own.values()) if max(own[c][f] for c in configs) >= 1e-3]
         out["own_seconds_per_step"] = {c: {f: round(own[c][f], 4) for f in sorted(kept)} for c in configs}
+    if args.ops:
+        walls = op_times(steps, args.rounds)
+        kinds = sorted(set().union(*walls.values()), key=lambda k: -max(walls[c][k] for c in configs))
+        print(f"wall ms per step by op kind (handlers timed, {args.rounds} rounds; "
+              f"LOWMEM_THREADS={os.environ.get('LOWMEM_THREADS', 'unset')}):")
+        print(" ".join(f"{c:>9s}" for c in configs), " ".join(f"{c + '-' + first:>12s}" for c in configs[1:]), " op")
+        for k in kinds:
+            print(" ".join(f"{walls[c][k] * 1e3:9.2f}" for c in configs),
+                  " ".join(f"{(walls[c][k] - walls[first][k]) * 1e3:+12.2f}" for c in configs[1:]), "", k)
+        out["op_ms_per_step"] = {c: {k: round(walls[c][k] * 1e3, 3) for k in kinds} for c in configs}
     if args.json:
         from lowmem.system.atomic import atomic_write
         atomic_write(args.json, json.dumps(out, indent=1))

@@ -39,3 +39,34 @@ def test_an_onnx_file_alternated(tmp_path):
 def test_a_file_it_cannot_read(tmp_path):
     r = run("--model", tmp_path / "missing.onnx", "--rounds", 1)
     assert r.returncode == 2 and "--model:" in r.stderr and "missing.onnx" in r.stderr
+
+
+def test_ops_times_every_op_kind_and_puts_the_engines_back():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("step_alternated", SCRIPT)
+    sa = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sa)
+    import lowmem
+    x, y = sa.random_batch(4, (3, 8, 8))
+    steps = {c: sa.make_step(lowmem, 8, *sa.parse(c), x, y)[0] for c in ("exact", "approx4")}
+    engines = {c: s.engine for c, s in steps.items()}
+    groups = {c: list(e._forward_groups) for c, e in engines.items()}
+    walls = sa.op_times(steps, 2)
+    for c, eng in engines.items():
+        kinds = set(walls[c])
+        ops = {s.op for s in eng.schedule}
+        assert {"bwd " + op for op in ops if any(s.op == op and s.phase == "bwd" for s in eng.schedule)} <= kinds
+        assert any(k.startswith("fwd ") for k in kinds) and all(v > 0 for v in walls[c].values())
+        assert eng._forward_groups == groups[c] and "_sweep" not in vars(eng)     # put back
+    steps["exact"]()                                                                  # and still trains
+
+
+def test_ops_prints_a_table(tmp_path):
+    out = tmp_path / "r.json"
+    r = run("--depth", 8, "--batch", 4, "--configs", "exact,approx4", "--rounds", 2, "--warmup", 0, "--ops",
+            "--json", out)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    table = res["op_ms_per_step"]
+    assert set(table) == {"exact", "approx4"} and "bwd conv" in table["exact"]
+    assert "wall ms per step by op kind" in r.stdout and "approx4-exact" in r.stdout
