@@ -124,7 +124,7 @@ class FusedNormKernels(NormKernels):
 
     def backward(self, dx, dgamma, dbeta, dy, slots, rstd, gamma, accumulate, scratch):
         # saved: x-hat, exact (float) or approximate (its range code), and rstd exact
-        code = self._code(slots, dy.size, dx, dy) if self.keeper.decodes else None
+        code = self._code(slots, dy.size, dx, dy)
         if code is not None:                             # decoded block by block in the kernel
             norm_cpu.backward_coded(dx, dgamma, dbeta, dy, code, gamma, rstd, accumulate)
             return

@@ -35,8 +35,8 @@ from .cpu_base import AVAILABLE, BLOCK, GRAIN, _over_channels, _overlap
 
 if AVAILABLE:
     from numba import njit
-    from ..ops.bitpack_cpu import decode_span
-    from .cpu_base import _copy, _opts, _pack, _reduce
+    from ..ops.bitpack_cpu import decode_span, pack_any
+    from .cpu_base import _copy, _opts, _reduce
     from .rangecode import GROUP
     from .rangecode_cpu import encode_block
 
@@ -169,18 +169,7 @@ if AVAILABLE:
             if keep:
                 _copy(xhat[a:b], hb[:b - a])
             _copy(out[a:b], rb[:b - a])
-            _mask_bytes(mask, cb, a, b)
-
-    @njit(**_opts)
-    def _mask_bytes(mask, cb, a, b):
-        """The mask's bytes of flat elements [a, b) (a a multiple of 8) from their bits cb, one per byte."""
-        full = (b - a) // 8
-        _pack(mask[a // 8:a // 8 + full], cb[:full * 8], 1)
-        if full * 8 < b - a:                             # the tensor's last, partial byte
-            byte = 0
-            for q in range(b - a - full * 8):
-                byte |= cb[full * 8 + q] << q
-            mask[a // 8 + full] = byte
+            pack_any(mask[a // 8:(b + 7) // 8], cb[:b - a], 1)   # a: a multiple of 8
 
     # ---- with x-hat kept as its range code (approx mode): the code made in the same pass ----
 
@@ -200,7 +189,7 @@ if AVAILABLE:
             encode_block(packed, scale, zero, h[:b - a], hi, hu, ends, codes, f, par, a, bits, lev, fmax, big, nil_i,
                          sign, inf_i, inf_u)
             _copy(out[a:b], rb[:b - a])
-            _mask_bytes(mask, cb, a, b)
+            pack_any(mask[a // 8:(b + 7) // 8], cb[:b - a], 1)   # a: a multiple of 8
 
     @njit(**_opts)
     def _forward_coded(out, packed, scale, zero, x, mean, rstd, gamma, beta, M, b0, b1, h, hi, hu, ends, codes, f,
