@@ -12,6 +12,8 @@ A shape is Cin,Cout,H,N (H = W). Paths (--paths, default: all):
   f2           Winograd F(2x2) everywhere (no F(4x4))
   f4           Winograd F(4x4) wherever a plane is 4x4 or more
   im2col       the im2col path (Winograd off)
+  im2col-unflipped  im2col with every weight-gradient GEMM as dout @ cols^T (ops/conv.weight_term
+               never flipped: conv.FLIP_COLUMNS out of reach), against im2col's rule
 Printed per shape and path: the median milliseconds of each product over --rounds rounds
 (the first two not counted), their sum, and the sum against the first path's. Wall-clock on
 whatever machine runs it: say which, and time nothing else at once.
@@ -37,6 +39,7 @@ PATHS = {
     "f2": {(winograd4, "ENABLED"): False},
     "f4": {(winograd4, "MIN_OUTPUTS"): 0, (winograd4, "MIN_SIDE"): 4},
     "im2col": {(winograd, "ENABLED"): False},
+    "im2col-unflipped": {(winograd, "ENABLED"): False, (conv, "FLIP_COLUMNS"): 1 << 62},
 }
 
 

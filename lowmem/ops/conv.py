@@ -210,14 +210,12 @@ FLIP_COLUMNS = 2048      # GEMM columns from which a weight gradient's GEMM may 
 
 def weight_term(xp, g, c):
     """A weight gradient's GEMM, g (Cout, M) @ c (K, M).T, as a (Cout, K) array. On NumPy where
-    K > Cout and M >= FLIP_COLUMNS it runs as (c @ g.T).T, its larger side as the GEMM's rows:
-    OpenBLAS runs that orientation faster (one thread of a Zen 4 EPYC, 64 x 147 (a 7x7 stem)
-    69 -> 80-83 GFLOPS, 128 x 512 86 -> 97, 128 x 1024 81 -> 99; the other way round, 256 x 64
-    87 against 71: the rule keeps each on its faster side). The result is then a transposed
-    view, which the caller adds into dw across its layout: 1.3-3.7 ns a weight element (256 x
-    1024 to 512 x 2048), where the flip saves about a tenth of the GEMM's 0.022 ns a weight
-    element and column, so only wide GEMMs flip. The sums differ from g @ c.T's in the last
-    bits only (BLAS adds the M terms in another order)."""
+    K > Cout and M >= FLIP_COLUMNS it runs as (c @ g.T).T, its larger side as the GEMM's rows,
+    the orientation OpenBLAS runs faster there (benchmarks/conv_paths.py's im2col-unflipped path
+    against im2col; figures in docs/performance.md). The result is then a transposed view, which
+    the caller adds into dw across its layout, a cost the flip does not repay on narrow GEMMs:
+    only wide ones flip. The sums differ from g @ c.T's in the last bits only (BLAS adds the M
+    terms in another order)."""
     a, b, flipped = weight_operands(xp, g, c)
     t = xp.matmul(a, b)
     return t.T if flipped else t

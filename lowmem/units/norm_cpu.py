@@ -221,7 +221,7 @@ if AVAILABLE:
         of the whole tensor's code; ops/bitpack_cpu.decode_span, range_decode's values), in each of
         the two passes, where it was decoded into a buffer and read back. A twin of _backward's
         loops: one kernel with a helper returning either x-hat's row or the scratch made the
-        plain backward 10% slower (256 x 16,384, one thread, median 2.3-2.4 -> 2.5-2.7 ms)."""
+        plain backward measurably slower (one thread), so each keeps its own loops."""
         C, M = dy.shape
         tmp = numpy.empty(BLOCK, dy.dtype)
         h = numpy.empty(BLOCK, dy.dtype)

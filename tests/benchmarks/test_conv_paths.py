@@ -3,6 +3,7 @@ every path of every shape; bad input is the parser's error. Nothing is timed."""
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from lowmem.ops import winograd, winograd4
@@ -22,6 +23,13 @@ def test_each_path_sets_its_switches_and_restores_them():
         assert not winograd._split_planes(16, 4, 512 * 512, winograd.numpy.empty(1 << 20), 1)
     with conv_paths.path("im2col"):
         assert winograd.ENABLED is False
+    from lowmem.ops import conv
+    flip = conv.FLIP_COLUMNS
+    with conv_paths.path("im2col-unflipped"):
+        assert winograd.ENABLED is False and conv.FLIP_COLUMNS > 1 << 40
+        g, c = np.zeros((4, 1 << 12), np.float32), np.zeros((64, 1 << 12), np.float32)
+        assert conv.weight_operands(np, g, c)[2] is False
+    assert conv.FLIP_COLUMNS == flip and conv.weight_operands(np, g, c)[2] is True
     with conv_paths.path("f4"):
         assert winograd.scheme(1, 4, 4) is winograd.F4
     with conv_paths.path("f2"):
