@@ -8,6 +8,11 @@
     (is lowmem's call at the BLAS rate?), with GFLOP/s.
 
     python benchmarks/conv_parts.py [--batch 128] [--repeat 5]
+    python benchmarks/conv_parts.py --parts tiles --stage 128,4,16 --stage 128,2,16 --repeat 21
+
+--stage C,H[,N] times the parts at C channels on H x H planes instead of ResNet-164's stages
+(repeatable; N: the tile kernels' samples, default the chunk a C -> C conv's step takes, at
+most --batch); --parts picks which of tiles, 3x3, 1x1 run (default all three).
 
 Best of --repeat; the machine's load average is printed first: on a shared machine read
 the ratios, not the times.
@@ -25,26 +30,26 @@ STAGES = [(16, 32), (32, 16), (64, 8)]          # ResNet-164's 3x3 convs: channe
 IM2COL = conv.NUMBA._replace(name="im2col + numba col2im", winograd=False)
 
 
-def tile_kernels(repeat):
+def tile_kernels(stages, batch, repeat):
     print("Winograd tile kernels, one chunk (us per call): input | output-gradient | output")
-    for C, H in STAGES:
+    for C, H, *n in stages:
         th, tw = winograd.tiles(H, H)
-        ns = max(1, winograd.CACHE_BYTES // (4 * winograd.per_sample(C, C, H, H)))
+        ns = n[0] if n else max(1, min(batch, winograd.CACHE_BYTES // (4 * winograd.per_sample(C, C, H, H))))
         x = np.random.default_rng(0).standard_normal((C, ns, H, H)).astype(np.float32)
-        V = np.empty((16, C, ns * th * tw), np.float32)
-        M = winograd._planes(np.zeros(16 * (C * ns * th * tw + winograd.PLANE_GAP), np.float32), C, ns * th * tw)
-        out = np.empty_like(x)                          # M: the product's planes, laid as the conv lays them
+        V, M = (winograd._planes(np.zeros(16 * (C * ns * th * tw + winograd.PLANE_GAP), np.float32), C, ns * th * tw)
+                for _ in range(2))
+        out = np.empty_like(x)                          # the planes laid as the conv lays them (_planes)
         t = [best(lambda: winograd._input_tiles(V, x, 0), repeat),
              best(lambda: winograd._gradient_tiles(V, x, 0), repeat),
              best(lambda: winograd._output_tiles(out, M, 0, False), repeat)]
         print(f"  C {C:3d}, {H:2d}x{H:<2d} ({ns} samples): " + " | ".join(f"{s * 1e6:7.1f}" for s in t))
 
 
-def conv3x3(N, repeat):
+def conv3x3(stages, N, repeat):
     print(f"3x3 convs, batch {N} (ms): forward | input gradient | weight gradient, Winograd / im2col")
     ws = np.empty(1 << 22, np.float32)                  # 16 MiB, the default conv workspace
     rng = np.random.default_rng(0)
-    for C, H in STAGES:
+    for C, H, *_ in stages:
         x = rng.standard_normal((C, N, H, H)).astype(np.float32)
         w = rng.standard_normal((C, C, 3, 3)).astype(np.float32)
         g = rng.standard_normal((C, N, H, H)).astype(np.float32)
@@ -59,11 +64,11 @@ def conv3x3(N, repeat):
         print(f"  C {C:3d}, {H:2d}x{H:<2d}: " + " | ".join(row))
 
 
-def conv1x1(N, repeat):
+def conv1x1(stages, N, repeat):
     print(f"1x1 convs, batch {N} (ms, GFLOP/s): ops/conv.py / bare numpy.matmul")
     rng = np.random.default_rng(0)
     ws = np.empty(16, np.float32)
-    for C, H in STAGES:
+    for C, H, *_ in stages:
         for ci, co in ((4 * C, C), (C, 4 * C)):
             M = N * H * H
             x = rng.standard_normal((ci, N, H, H)).astype(np.float32)
@@ -85,16 +90,37 @@ def conv1x1(N, repeat):
             print(f"  {ci:3d} -> {co:3d}, {H:2d}x{H:<2d}: " + " | ".join(row))
 
 
+PARTS = {"tiles": tile_kernels, "3x3": conv3x3, "1x1": conv1x1}
+
+
+def stage(text):
+    """--stage C,H[,N]: positive integers."""
+    try:
+        v = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        v = ()
+    if len(v) not in (2, 3) or min(v) < 1:
+        raise argparse.ArgumentTypeError(f"want C,H or C,H,N (positive integers), got {text!r}")
+    return v
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--stage", action="append", type=stage, metavar="C,H[,N]",
+                    help="channels and plane side (and the tile kernels' samples) instead of ResNet-164's stages")
+    ap.add_argument("--parts", default="tiles,3x3,1x1", help="which parts run: tiles, 3x3, 1x1 (comma-separated)")
     args = ap.parse_args()
+    parts = args.parts.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        ap.error(f"--parts: unknown {', '.join(unknown)} (choose from {', '.join(PARTS)})")
+    stages = args.stage or STAGES
     threads.configure(1)
     print(f"load average before: {os.getloadavg()[0]:.2f}; one lowmem thread, BLAS at one thread")
-    tile_kernels(args.repeat)
-    conv3x3(args.batch, args.repeat)
-    conv1x1(args.batch, args.repeat)
+    for name in parts:
+        PARTS[name](stages, args.batch, args.repeat)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
