@@ -32,8 +32,9 @@ workspace (the weight gradient also keeps two 16*Cout*Cin sums per range there, 
 those do not fit, the whole batch's V and dU's rows in blocks of output channels) (under
 im2col's 9*Cin*H*W*n when Cin = Cout); chunks are capped at CACHE_BYTES so
 V and M stay in the core's cache between the transform and the GEMM. Where the room is there,
-M's planes lie PLANE_GAP elements further apart (16 more per plane; `_planes`), so that the 16
-streams _output_tiles reads are not a multiple of 4 KiB apart. Threads as in
+the planes of V, M and Mg lie PLANE_GAP elements further apart (16 more per plane; `_planes`),
+so that the 16 streams _output_tiles reads, and the 16 planes a tile transform writes at
+once, are not a multiple of 4 KiB apart. Threads as in
 ops/conv.py (ops/chunks.py): batch ranges, each with its own part of the workspace and at
 least WORK_GRAIN GEMM multiply-adds (a smaller conv runs on one thread); except where a
 range's GEMMs would be too thin (wide channels on few tiles, `_split_planes`) or the
@@ -370,14 +371,15 @@ def _weight_by_blocks(dw, x, dout, ws, s):
         raise ValueError(f"conv workspace too small for a Winograd weight gradient: {ws.size} elements, "
                          f"the batch's input tiles and one output channel's need "
                          f"{P * Ci * T + P * (T + Ci)} (applies() says where it runs)")
-    V = ws[:P * Ci * T].reshape(P, Ci, T)
+    V = _planes(ws, Ci, T, P, room=P * ob * (T + Ci))      # spaced where the blocks leave the room
     _rows(lambda c0, c1: s.input_tiles(V[:, c0:c1], x[c0:c1], 0), Ci)
-    rest = ws[P * Ci * T:]
+    rest = ws[P * (V.strides[0] // V.itemsize):]
     for o0 in range(0, Co, ob):
         o1 = min(Co, o0 + ob)
         b = o1 - o0
-        Mg = rest[:P * b * T].reshape(P, b, T)
-        dU = rest[P * b * T:P * b * (T + Ci)].reshape(P, b, Ci)
+        Mg = _planes(rest, b, T, P, room=P * b * Ci)
+        end = P * (Mg.strides[0] // Mg.itemsize)
+        dU = rest[end:end + P * b * Ci].reshape(P, b, Ci)
         _rows(lambda c0, c1: s.gradient_tiles(Mg[:, c0:c1], dout[o0 + c0:o0 + c1], 0), b)
         threads.parallel_for(lambda p0, p1: numpy.matmul(Mg[p0:p1], V[p0:p1].transpose(0, 2, 1),
                                                          out=dU[p0:p1]), P)
@@ -537,56 +539,81 @@ if AVAILABLE:
                     for m in range(9):
                         dw[o, c0 + k, m // 3, m % 3] += g[m, k]
 
+    @njit(inline="always")
+    def _bt_row(i, d0, d1, d2, d3):
+        """Row i of B^T applied to a patch column (d0, d1, d2, d3): d0 - d2, d1 + d2, d2 - d1, d1 - d3."""
+        if i == 0:
+            return d0 - d2
+        if i == 1:
+            return d1 + d2
+        if i == 2:
+            return d2 - d1
+        return d1 - d3
+
     @njit(**_opts)
     def _input_tiles(V, x, n0):
         """V (16, C, T) <- B^T d B of every 4x4 input patch of samples n0.. of x (C, N, H, W),
         zero outside the image (pad 1; a zero column/row more when H or W is odd).
         Bit for bit input_tiles_reference.
 
-        Per (channel, sample): first B^T d for every tile row (E (4, th, 2tw+2): column k
-        holds padded column k, its zero columns never written), then (.) B for every tile,
-        each plane of V written as one run of th*tw. Every array is indexed directly: a
-        numba view (a row, a slice) costs a reference-count update, which dominated the
-        per-row work on the small images (8x8, 16x16)."""
+        Per (channel, sample): the plane is copied into P, a zero-bordered scratch of the
+        reference's padded size (its border never written), then each tile's 16 values come
+        from its 4x4 patch in straight-line code: B^T d per patch column (rows 0-2, 1+2, 2-1,
+        1-3), then (.) B along each row, the reference's operations in its order. Every tile
+        recomputes the two columns it shares with its neighbour, yet this beats a first pass of
+        B^T d over whole tile rows: on small planes (DenseNet's and the ResNets' 2x2 to 8x8)
+        that pass's loops run a few iterations each and cost more than the arithmetic
+        (benchmarks/conv_parts.py --stage; figures in docs/performance.md).
+        A tile writes all 16 planes at once, which needs them apart by an odd number of cache
+        lines (_planes lays them so); planes a multiple of 4 KiB apart would share one L1 set
+        and evict each other, so there the tiles are walked once per row of B^T d, 4 planes at a time."""
         C, N, H, W = x.shape
         th, tw = (H + 1) // 2, (W + 1) // 2
-        ns = V.shape[2] // (th * tw)
-        E = numpy.zeros((4, th, 2 * tw + 2), numpy.float32)
-        zero = numpy.float32(0)
+        tt = th * tw
+        ns = V.shape[2] // tt
+        spread = V.strides[0] % 4096 != 0                          # the planes in different L1 sets
+        P = numpy.zeros((2 * th + 2, 2 * tw + 2), numpy.float32)   # row/column k + 1: the image's k
         for c in range(C):
             for s in range(ns):
                 n = n0 + s
-                for a in range(th):                         # B^T d: rows 0-2, 1+2, 2-1, 1-3
-                    r = 2 * a - 1                           # the patch's first row in the image
-                    if r >= 0 and r + 3 < H:                # all four rows inside
-                        for k in range(W):
-                            d0, d1 = x[c, n, r, k], x[c, n, r + 1, k]
-                            d2, d3 = x[c, n, r + 2, k], x[c, n, r + 3, k]
-                            E[0, a, k + 1] = d0 - d2
-                            E[1, a, k + 1] = d1 + d2
-                            E[2, a, k + 1] = d2 - d1
-                            E[3, a, k + 1] = d1 - d3
-                    else:                                   # the first and last tile rows
-                        for k in range(W):
-                            d0 = x[c, n, r, k] if r >= 0 else zero
-                            d1 = x[c, n, r + 1, k]
-                            d2 = x[c, n, r + 2, k] if r + 2 < H else zero
-                            d3 = x[c, n, r + 3, k] if r + 3 < H else zero
-                            E[0, a, k + 1] = d0 - d2
-                            E[1, a, k + 1] = d1 + d2
-                            E[2, a, k + 1] = d2 - d1
-                            E[3, a, k + 1] = d1 - d3
-                t0 = s * th * tw
-                for i in range(4):                          # (.) B: the same along each row
-                    p = 4 * i
-                    for a in range(th):
-                        o = t0 + a * tw
-                        for b in range(tw):
-                            q = 2 * b
-                            V[p, c, o + b] = E[i, a, q] - E[i, a, q + 2]
-                            V[p + 1, c, o + b] = E[i, a, q + 1] + E[i, a, q + 2]
-                            V[p + 2, c, o + b] = E[i, a, q + 2] - E[i, a, q + 1]
-                            V[p + 3, c, o + b] = E[i, a, q + 1] - E[i, a, q + 3]
+                for h in range(H):
+                    for k in range(W):
+                        P[h + 1, k + 1] = x[c, n, h, k]
+                t0 = s * tt
+                if not spread:
+                    for i in range(4):
+                        p = 4 * i
+                        for a in range(th):
+                            r = 2 * a
+                            for b in range(tw):
+                                q = 2 * b
+                                t = t0 + a * tw + b
+                                e0 = _bt_row(i, P[r, q], P[r + 1, q], P[r + 2, q], P[r + 3, q])
+                                e1 = _bt_row(i, P[r, q + 1], P[r + 1, q + 1], P[r + 2, q + 1], P[r + 3, q + 1])
+                                e2 = _bt_row(i, P[r, q + 2], P[r + 1, q + 2], P[r + 2, q + 2], P[r + 3, q + 2])
+                                e3 = _bt_row(i, P[r, q + 3], P[r + 1, q + 3], P[r + 2, q + 3], P[r + 3, q + 3])
+                                V[p, c, t], V[p + 1, c, t], V[p + 2, c, t], V[p + 3, c, t] = (e0 - e2, e1 + e2,
+                                                                                              e2 - e1, e1 - e3)
+                    continue
+                for a in range(th):
+                    r = 2 * a
+                    for b in range(tw):
+                        q = 2 * b
+                        t = t0 + a * tw + b
+                        # B^T d, column j of the patch: e0j = d0 - d2, e1j = d1 + d2, e2j = d2 - d1, e3j = d1 - d3
+                        e00, e01 = P[r, q] - P[r + 2, q], P[r, q + 1] - P[r + 2, q + 1]
+                        e02, e03 = P[r, q + 2] - P[r + 2, q + 2], P[r, q + 3] - P[r + 2, q + 3]
+                        e10, e11 = P[r + 1, q] + P[r + 2, q], P[r + 1, q + 1] + P[r + 2, q + 1]
+                        e12, e13 = P[r + 1, q + 2] + P[r + 2, q + 2], P[r + 1, q + 3] + P[r + 2, q + 3]
+                        e20, e21 = P[r + 2, q] - P[r + 1, q], P[r + 2, q + 1] - P[r + 1, q + 1]
+                        e22, e23 = P[r + 2, q + 2] - P[r + 1, q + 2], P[r + 2, q + 3] - P[r + 1, q + 3]
+                        e30, e31 = P[r + 1, q] - P[r + 3, q], P[r + 1, q + 1] - P[r + 3, q + 1]
+                        e32, e33 = P[r + 1, q + 2] - P[r + 3, q + 2], P[r + 1, q + 3] - P[r + 3, q + 3]
+                        # (.) B along row i: planes 4i .. 4i + 3
+                        V[0, c, t], V[1, c, t], V[2, c, t], V[3, c, t] = e00 - e02, e01 + e02, e02 - e01, e01 - e03
+                        V[4, c, t], V[5, c, t], V[6, c, t], V[7, c, t] = e10 - e12, e11 + e12, e12 - e11, e11 - e13
+                        V[8, c, t], V[9, c, t], V[10, c, t], V[11, c, t] = e20 - e22, e21 + e22, e22 - e21, e21 - e23
+                        V[12, c, t], V[13, c, t], V[14, c, t], V[15, c, t] = e30 - e32, e31 + e32, e32 - e31, e31 - e33
 
     @njit(**_opts)
     def _output_tiles(out, M, n0, accumulate):
@@ -631,46 +658,64 @@ if AVAILABLE:
                                 if q + 1 < W:
                                     o[r + 1, q + 1] += y11
 
+    @njit(inline="always")
+    def _a_row(i, g0, g1):
+        """Row i of A applied to a tile column (g0, g1): g0, g0 + g1, g0 - g1, -g1."""
+        if i == 0:
+            return g0
+        if i == 1:
+            return g0 + g1
+        if i == 2:
+            return g0 - g1
+        return -g1
+
     @njit(**_opts)
     def _gradient_tiles(Mg, dout, n0):
         """Mg (16, Co, T) <- A dy A^T of every 2x2 tile of dout (Co, N, H, W), samples n0..
         (zero beyond the image when H or W is odd). A = [[1,0],[1,1],[1,-1],[0,-1]].
-        Bit for bit gradient_tiles_reference. Organised as _input_tiles: A dy for every tile
-        row of a sample (E (4, th, 2tw), column W stays zero), then (.) A^T per plane."""
+        Bit for bit gradient_tiles_reference (signed zeros included). Organised as _input_tiles:
+        the plane copied into P (its odd row and column zero), then per tile A dy per column
+        and (.) A^T along each row in straight-line code (4 planes at a time where Mg's planes
+        are a multiple of 4 KiB apart)."""
         Co, N, H, W = dout.shape
         th, tw = (H + 1) // 2, (W + 1) // 2
-        ns = Mg.shape[2] // (th * tw)
-        E = numpy.zeros((4, th, 2 * tw), numpy.float32)
-        zero = numpy.float32(0)
+        tt = th * tw
+        ns = Mg.shape[2] // tt
+        spread = Mg.strides[0] % 4096 != 0
+        P = numpy.zeros((2 * th, 2 * tw), numpy.float32)           # the reference's padded plane
         for c in range(Co):
             for s in range(ns):
                 n = n0 + s
-                for a in range(th):                         # A dy: rows g0, g0+g1, g0-g1, -g1
-                    if 2 * a + 1 < H:
-                        for k in range(W):
-                            g0, g1 = dout[c, n, 2 * a, k], dout[c, n, 2 * a + 1, k]
-                            E[0, a, k] = g0
-                            E[1, a, k] = g0 + g1
-                            E[2, a, k] = g0 - g1
-                            E[3, a, k] = -g1
-                    else:                                   # H odd: the last row's partner is zero
-                        for k in range(W):
-                            g0 = dout[c, n, 2 * a, k]
-                            E[0, a, k] = g0
-                            E[1, a, k] = g0 + zero
-                            E[2, a, k] = g0 - zero
-                            E[3, a, k] = -zero
-                t0 = s * th * tw
-                for i in range(4):                          # (.) A^T: the same along each row
-                    p = 4 * i
-                    for a in range(th):
-                        o = t0 + a * tw
-                        for b in range(tw):
-                            q = 2 * b
-                            Mg[p, c, o + b] = E[i, a, q]
-                            Mg[p + 1, c, o + b] = E[i, a, q] + E[i, a, q + 1]
-                            Mg[p + 2, c, o + b] = E[i, a, q] - E[i, a, q + 1]
-                            Mg[p + 3, c, o + b] = -E[i, a, q + 1]
+                for h in range(H):
+                    for k in range(W):
+                        P[h, k] = dout[c, n, h, k]
+                t0 = s * tt
+                if not spread:
+                    for i in range(4):
+                        p = 4 * i
+                        for a in range(th):
+                            r = 2 * a
+                            for b in range(tw):
+                                q = 2 * b
+                                t = t0 + a * tw + b
+                                e0 = _a_row(i, P[r, q], P[r + 1, q])
+                                e1 = _a_row(i, P[r, q + 1], P[r + 1, q + 1])
+                                Mg[p, c, t], Mg[p + 1, c, t], Mg[p + 2, c, t], Mg[p + 3, c, t] = (e0, e0 + e1,
+                                                                                                  e0 - e1, -e1)
+                    continue
+                for a in range(th):
+                    r = 2 * a
+                    for b in range(tw):
+                        q = 2 * b
+                        t = t0 + a * tw + b
+                        g00, g01, g10, g11 = P[r, q], P[r, q + 1], P[r + 1, q], P[r + 1, q + 1]
+                        e10, e11 = g00 + g10, g01 + g11                      # A dy: rows g0, g0+g1,
+                        e20, e21 = g00 - g10, g01 - g11                      # g0-g1, -g1
+                        e30, e31 = -g10, -g11
+                        Mg[0, c, t], Mg[1, c, t], Mg[2, c, t], Mg[3, c, t] = g00, g00 + g01, g00 - g01, -g01
+                        Mg[4, c, t], Mg[5, c, t], Mg[6, c, t], Mg[7, c, t] = e10, e10 + e11, e10 - e11, -e11
+                        Mg[8, c, t], Mg[9, c, t], Mg[10, c, t], Mg[11, c, t] = e20, e20 + e21, e20 - e21, -e21
+                        Mg[12, c, t], Mg[13, c, t], Mg[14, c, t], Mg[15, c, t] = e30, e30 + e31, e30 - e31, -e31
 
     F2 = Scheme("F(2x2, 3x3)", 16, _filter_tiles, _filter_gradient_add, _input_tiles, _gradient_tiles,
                 _output_tiles, tiles, per_sample)

@@ -285,20 +285,29 @@ def test_only_the_fast_columns_take_it(monkeypatch):
     np.testing.assert_array_equal(np.concatenate([p.grad.ravel() for p in net.parameters()]), grads[False])
 
 
-@pytest.mark.parametrize("C,H,W", [(16, 32, 32), (64, 8, 8), (3, 7, 5), (2, 1, 1), (2, 2, 3), (5, 6, 9)])
+def _same_bits(a, b):
+    """Equal bit for bit: -0 is not +0 (assert_array_equal takes them as equal)."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("C,H,W", [(16, 32, 32), (64, 8, 8), (3, 7, 5), (2, 1, 1), (2, 2, 3), (5, 6, 9),
+                                   (4, 2, 2), (4, 4, 4), (3, 3, 3)])
 def test_tile_kernels_match_their_numpy_references_bit_for_bit(C, H, W):
     """The numba tile transforms against winograd.*_reference (the same float32 operations in
-    the same order): equal bit for bit (zeros up to sign in the padding), for odd sizes and samples n0.. of a larger batch."""
+    the same order): equal bit for bit, signed zeros included (the gradient tiles' padding row
+    and column of an odd H or W give -0 where the reference negates a zero), for odd sizes,
+    the small planes of DenseNet's last blocks and samples n0.. of a larger batch."""
     rng = np.random.default_rng(C * 100 + H * 10 + W)
     N, n0, ns = 5, 2, 3
     th, tw = winograd.tiles(H, W)
     x = rng.standard_normal((C, N, H, W)).astype(np.float32)
     V = np.full((16, C, ns * th * tw), np.nan, np.float32)
     winograd._input_tiles(V, x, n0)
-    np.testing.assert_array_equal(V, winograd.input_tiles_reference(x, n0, ns))
+    _same_bits(V, winograd.input_tiles_reference(x, n0, ns))
     Mg = np.full((16, C, ns * th * tw), np.nan, np.float32)
     winograd._gradient_tiles(Mg, x, n0)
-    np.testing.assert_array_equal(Mg, winograd.gradient_tiles_reference(x, n0, ns))
+    _same_bits(Mg, winograd.gradient_tiles_reference(x, n0, ns))
     M = rng.standard_normal((16, C, ns * th * tw)).astype(np.float32)
     for accumulate in (False, True):
         base = rng.standard_normal((C, N, H, W)).astype(np.float32)
@@ -348,6 +357,30 @@ def test_output_planes_apart_by_an_odd_number_of_lines(monkeypatch):
         winograd._output_tiles(have, M, 1, accumulate)
         winograd.output_tiles_reference(want, np.ascontiguousarray(M), 1, accumulate)
         _same_bits(have, want)
+
+
+@pytest.mark.parametrize("C,H,W", [(8, 4, 4), (4, 7, 5), (16, 2, 2)])
+def test_tile_kernels_in_either_plane_layout(C, H, W):
+    """_input_tiles and _gradient_tiles write a tile's 16 planes at once where the planes lie an
+    odd number of cache lines apart, and 4 at a time where they lie a multiple of 4 KiB apart
+    (one L1 set): either way the reference's bits, and nothing between the planes is written."""
+    rng = np.random.default_rng(C + H + W)
+    N, n0, ns = 4, 1, 3
+    th, tw = winograd.tiles(H, W)
+    n = C * ns * th * tw
+    x = rng.standard_normal((C, N, H, W)).astype(np.float32)
+    want = {winograd._input_tiles: winograd.input_tiles_reference(x, n0, ns),
+            winograd._gradient_tiles: winograd.gradient_tiles_reference(x, n0, ns)}
+    apart = -(-n // 1024) * 1024                                  # a multiple of 4 KiB
+    odd = (-(-n // 16) | 1) * 16                                  # an odd number of 64-byte lines
+    for stride in (apart, odd):
+        for kernel, ref in want.items():
+            buf = np.full(16 * stride, np.nan, np.float32)
+            V = buf.reshape(16, stride)[:, :n].reshape(16, C, ns * th * tw)
+            assert (V.strides[0] % 4096 == 0) == (stride == apart)
+            kernel(V, x, n0)
+            _same_bits(np.ascontiguousarray(V), ref)
+            assert np.isnan(buf.reshape(16, stride)[:, n:]).all()
 
 
 def test_input_and_gradient_tiles_spaced_as_the_products(monkeypatch):
