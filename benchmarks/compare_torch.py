@@ -73,7 +73,11 @@ transforms, depthwise conv, range code, masks and packing, the BN-ReLU unit, sta
 pools, add/concat, linear/loss, SGD, other): per lowmem configuration a fresh process on
 --kernel-threads lowmem threads (default 1: cProfile sees the calling thread only, so one thread
 shows the whole step's work), one warm-up step, then --kernel-steps profiled steps; seconds per
-step and the share of the profiled step.
+step and the share of the profiled step. With torch-exact among the configurations, PyTorch's
+step too (benchmarks/torch_profile.py: torch.profiler's self CPU time of each op, charged to the
+outermost op kind above it, on --kernel-threads threads), and every configuration side by side in
+the kinds both libraries can name (op_profile.COARSE: lowmem's BN-ReLU units, batch norms and
+masks are one row, as PyTorch's batch norms and ReLUs).
 
 The machine is named in the header (CPU model, AVX2 / AVX-512, cores and CPUs). Supervision
 (harness.py): before each worker the parent waits (up to --max-wait s) until the CPUs are quiet,
@@ -242,6 +246,31 @@ def kinds_worker(args, cfg):
     return 0
 
 
+def torch_kinds_worker(args):
+    """kinds_worker for PyTorch: one warm-up step, then args.kernel_steps steps under torch.profiler
+    on args.kernel_threads threads (torch's and BLAS's): self CPU time by op kind in op_profile's
+    coarse kinds (benchmarks/torch_profile.py) and each kind's largest ops."""
+    import torch
+    import torch_profile
+    torch.set_num_threads(args.kernel_threads)
+    try:
+        import threadpoolctl
+        threadpoolctl.threadpool_limits(args.kernel_threads, user_api="blas")
+    except ImportError:
+        pass
+    step, _extra = torch_step_fn(args, torch)
+    step()
+    t = time.perf_counter()
+    events = torch_profile.profile(step, args.kernel_steps)
+    wall = time.perf_counter() - t
+    kinds, functions = torch_profile.by_kind(events)
+    top = {k: dict(sorted(f.items(), key=lambda kv: -kv[1])[:8]) for k, f in functions.items()}
+    harness.result_line(dict(config=args.worker, kinds=kinds, functions=top, steps=args.kernel_steps,
+                             torch_threads=torch.get_num_threads(), profiled_wall_s=wall,
+                             own_total_s=torch_profile.total_seconds(events), source_sha=harness.source_hash()))
+    return 0
+
+
 def gemm_counter(numpy):
     """Wrap numpy.matmul (what ops/conv.py and ops/winograd.py call, through the module
     attribute) with a counter of seconds spent inside it, summed over threads; returns
@@ -267,7 +296,7 @@ def worker(args):
         return floor_worker(args)
     cfg = CONFIGS[args.worker]
     if args.kind_profile:
-        return kinds_worker(args, cfg)
+        return torch_kinds_worker(args) if cfg["impl"] == "torch" else kinds_worker(args, cfg)
     import numpy  # noqa: F401
     limits = None
     if cfg["impl"] == "torch":
@@ -691,25 +720,33 @@ def jit_table(rows):
 
 
 def kinds_section(args, configs, log):
-    """{config: the kinds worker's result} for each lowmem configuration (--kernels)."""
+    """{config: the kinds worker's result} for each lowmem and PyTorch configuration (--kernels)."""
     out = {}
     for c in configs:
-        if CONFIGS[c]["impl"] != "lowmem":
+        if CONFIGS[c]["impl"] not in ("lowmem", "torch") or CONFIGS[c].get("ckpt"):
             continue
-        log(f"profiling {c} by op kind ({args.kernel_threads} lowmem thread(s), {args.kernel_steps} steps) ...")
+        log(f"profiling {c} by op kind ({args.kernel_threads} thread(s), {args.kernel_steps} steps) ...")
         out[c] = run_worker(args, c, args.batch, 0, 0, log, kind_profile=True)
     return out
 
 
 def kinds_report(kinds, args):
+    """lowmem's kinds (op_profile's table); with a PyTorch configuration there too, every
+    configuration side by side in the coarse kinds both can name."""
     import op_profile
     ok = {c: k for c, k in kinds.items() if k["status"] == "ok"}
+    mine = {c: k for c, k in ok.items() if CONFIGS[c]["impl"] == "lowmem"}
     lines = [f"own time per step by op kind (cProfile, {args.kernel_threads} lowmem thread(s), "
              f"{args.kernel_steps} profiled steps after one warm-up; benchmarks/op_profile.py; "
              f"the profiler's overhead is in it: read the shares)"]
-    if ok:
-        lines.append(op_profile.kind_table({c: k["kinds"] for c, k in ok.items()}, args.kernel_steps,
-                                           {c: k["functions"] for c, k in ok.items()}))
+    if mine:
+        lines.append(op_profile.kind_table({c: k["kinds"] for c, k in mine.items()}, args.kernel_steps,
+                                           {c: k["functions"] for c, k in mine.items()}))
+    if len(mine) < len(ok):
+        side = {c: (op_profile.coarse(k["kinds"]) if c in mine else k["kinds"]) for c, k in ok.items()}
+        lines += ["", f"side by side with PyTorch (its self CPU time per op from torch.profiler, on {args.kernel_threads} "
+                      f"thread(s); benchmarks/torch_profile.py), lowmem's kinds folded as op_profile.COARSE_OF folds them:",
+                  op_profile.coarse_table(side, args.kernel_steps)]
     lines += [f"{c}: {k['status']}" for c, k in kinds.items() if k["status"] != "ok"]
     return "\n".join(lines)
 
@@ -799,9 +836,11 @@ def parser():
                     help="cProfile one extra (untimed) step of each config in the first round; print the top N "
                          "by tottime")
     ap.add_argument("--kernels", action="store_true",
-                    help="also the own time per step by op kind of each lowmem config (cProfile, a fresh process)")
+                    help="also the own time per step by op kind of each lowmem config (cProfile, a fresh process), "
+                         "and of torch-exact (torch.profiler) side by side")
     ap.add_argument("--kernel-threads", type=int, default=1,
-                    help="lowmem threads of the --kernels workers (default: 1, where cProfile sees the whole step)")
+                    help="threads of the --kernels workers, lowmem's or PyTorch's (default: 1, where the profilers "
+                         "see the whole step)")
     ap.add_argument("--kernel-steps", type=int, default=2, help="profiled steps of a --kernels worker (default: 2)")
     ap.add_argument("--gemm-share", action="store_true",
                     help="lowmem configs: one extra (untimed) step with numpy.matmul wrapped by a timer: the "

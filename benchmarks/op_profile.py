@@ -54,6 +54,15 @@ MODULE_KINDS = ((r"units/rangecode", "range code, kept inputs"),
                 (r"ops/conv_groups|ops/depthwise|ops/grouped", "depthwise/grouped conv"),
                 (r"ops/pool", "pools"),
                 (r"train/optim", "SGD update"))
+# the kinds both sides of compare_torch.py can name (benchmarks/torch_profile.py: PyTorch's), and
+# lowmem's kinds folded into them: PyTorch runs batch norm and ReLU as two ops where lowmem fuses
+# them, and has no range code (it keeps its activations by reference)
+COARSE = ("dense convolutions", "depthwise/grouped conv", "batch norm, ReLU (units, masks)",
+          "range code, kept inputs", "pools", "add, concat", "linear, loss", "SGD update", "other")
+COARSE_OF = {"conv GEMMs": COARSE[0], "conv columns, transforms": COARSE[0], "depthwise/grouped conv": COARSE[1],
+             "range code, kept inputs": COARSE[3], "ReLU/ReLU6/dropout, masks, packing": COARSE[2],
+             "BN-ReLU unit": COARSE[2], "standalone BN": COARSE[2], "pools": COARSE[4], "add, concat": COARSE[5],
+             "linear, loss": COARSE[6], "SGD update": COARSE[7], "other": COARSE[8]}
 DENSE_CONV = r"ops/(conv|winograd|columns)"          # "conv GEMMs" below numpy.matmul, else "conv columns, transforms"
 # op handlers in lowmem/core/optable/, by the class their method belongs to
 OP_KINDS = {"BNReLU": "BN-ReLU unit", "BN": "standalone BN",
@@ -242,4 +251,28 @@ def kind_table(per_config, steps, top=None):
     for c in configs if top else ():
         other = sorted(top[c]["other"].items(), key=lambda kv: -kv[1])[:3]
         lines.append(f"  {c}, largest in other: " + ", ".join(f"{f} {s / steps:.3f} s" for f, s in other))
+    return "\n".join(lines)
+
+
+def coarse(kinds):
+    """{coarse kind: seconds} of by_kind's {kind: seconds} (COARSE_OF)."""
+    out = dict.fromkeys(COARSE, 0.0)
+    for kind, seconds in kinds.items():
+        out[COARSE_OF[kind]] += seconds
+    return out
+
+
+def coarse_table(per_config, steps):
+    """kind_table in COARSE's kinds, one column per configuration ({config: {coarse kind:
+    seconds over `steps` steps}}: lowmem's folded by coarse(), PyTorch's from torch_profile)."""
+    configs = list(per_config)
+    totals = {c: sum(per_config[c].values()) for c in configs}
+    head = f"{'op kind (own time per step)':<36}" + "".join(f"{c:>24}" for c in configs)
+    lines = [head, "-" * len(head)]
+    for kind in COARSE + ("profiled step",):
+        cells = "".join(
+            f"{(totals[c] if kind == 'profiled step' else per_config[c][kind]) / steps:>13.3f} s "
+            f"{(1 if kind == 'profiled step' else per_config[c][kind] / max(totals[c], 1e-12)):>7.1%}"
+            for c in configs)
+        lines.append(f"{kind:<36}{cells}")
     return "\n".join(lines)

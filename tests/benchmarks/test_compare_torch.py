@@ -65,6 +65,11 @@ def test_torchvision_resnet18_against_its_onnx_export(tmp_path):
         line = next(ln for ln in kinds if ln.startswith(kind + " "))
         cells = line[36:].split()
         assert len(cells) == 9 and cells[1::3] == ["s"] * 3 and all(c.endswith("%") for c in cells[2::3])
+    side = r.stdout[r.stdout.index("side by side with PyTorch"):].splitlines()        # PyTorch's kinds beside
+    assert side[1].split() == ["op", "kind", "(own", "time", "per", "step)"] + configs
+    for kind in op_profile.COARSE + ("profiled step",):
+        cells = next(ln for ln in side if ln.startswith(kind + " "))[36:].split()
+        assert len(cells) == 12 and cells[1::3] == ["s"] * 4
 
     res = json.loads(out.read_text())
     assert res["machine"]["isa"] and res["rounds"] == 1
@@ -79,6 +84,11 @@ def test_torchvision_resnet18_against_its_onnx_export(tmp_path):
         assert k["status"] == "ok" and k["lowmem_threads"] == 1
         assert sum(k["kinds"].values()) == pytest.approx(k["own_total_s"], rel=1e-6)
         assert k["kinds"]["conv GEMMs"] > 0 and k["kinds"]["BN-ReLU unit"] > 0
+    t = res["kinds"]["torch-exact"]
+    assert t["status"] == "ok" and t["torch_threads"] == 1
+    assert sum(t["kinds"].values()) == pytest.approx(t["own_total_s"], rel=1e-6)
+    assert t["kinds"]["dense convolutions"] > 0 and t["kinds"]["batch norm, ReLU (units, masks)"] > 0
+    assert t["kinds"]["range code, kept inputs"] == 0
 
 
 def test_the_pre_activation_resnet_in_rounds_with_its_floor(tmp_path):
