@@ -9,6 +9,8 @@ A shape is Cin,Cout,H,N (H = W). Paths (--paths, default: all):
   batch-split  Winograd with batch ranges only (no plane split; a weight gradient whose dU
                and term do not fit takes im2col, as before blocks of output channels)
   split-all    Winograd with every batch split between the threads (no work grain)
+  split-planes Winograd with the planes split between the threads wherever a batch range would
+               hold fewer than PLANE_TILES tiles, whatever the channels (no PLANE_CHANNELS)
   f2           Winograd F(2x2) everywhere (no F(4x4))
   f4           Winograd F(4x4) wherever a plane is 4x4 or more
   im2col       the im2col path (Winograd off)
@@ -36,6 +38,7 @@ PATHS = {
     "engine": {},
     "batch-split": {(winograd, "SPLIT_PLANES"): False, (winograd, "MIN_BLOCK"): 1 << 40},
     "split-all": {(winograd, "WORK_GRAIN"): 1},
+    "split-planes": {(winograd, "PLANE_CHANNELS"): 1},
     "f2": {(winograd4, "ENABLED"): False},
     "f4": {(winograd4, "MIN_OUTPUTS"): 0, (winograd4, "MIN_SIDE"): 4},
     "im2col": {(winograd, "ENABLED"): False},

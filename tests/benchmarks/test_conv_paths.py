@@ -16,11 +16,13 @@ pytestmark = pytest.mark.skipif(not winograd.AVAILABLE, reason="the paths are nu
 
 def test_each_path_sets_its_switches_and_restores_them():
     import conv_paths
-    before = (winograd.ENABLED, winograd.SPLIT_PLANES, winograd.MIN_BLOCK, winograd.WORK_GRAIN,
+    before = (winograd.ENABLED, winograd.SPLIT_PLANES, winograd.MIN_BLOCK, winograd.WORK_GRAIN, winograd.PLANE_CHANNELS,
               winograd4.ENABLED, winograd4.MIN_OUTPUTS, winograd4.MIN_SIDE)
     with conv_paths.path("batch-split"):
         assert winograd.SPLIT_PLANES is False and winograd.MIN_BLOCK > 1 << 30
         assert not winograd._split_planes(16, 4, 512 * 512, winograd.numpy.empty(1 << 20), 1)
+    with conv_paths.path("split-planes"):
+        assert winograd.PLANE_CHANNELS == 1                 # any channels: DenseNet's 128 -> 32 convs too
     with conv_paths.path("im2col"):
         assert winograd.ENABLED is False
     from lowmem.ops import conv
@@ -34,7 +36,7 @@ def test_each_path_sets_its_switches_and_restores_them():
         assert winograd.scheme(1, 4, 4) is winograd.F4
     with conv_paths.path("f2"):
         assert winograd.scheme(64, 64, 64) is winograd.F2
-    assert (winograd.ENABLED, winograd.SPLIT_PLANES, winograd.MIN_BLOCK, winograd.WORK_GRAIN,
+    assert (winograd.ENABLED, winograd.SPLIT_PLANES, winograd.MIN_BLOCK, winograd.WORK_GRAIN, winograd.PLANE_CHANNELS,
             winograd4.ENABLED, winograd4.MIN_OUTPUTS, winograd4.MIN_SIDE) == before
 
 
