@@ -234,22 +234,12 @@ def kinds_worker(args, cfg):
     from lowmem.system import threads
     threads.configure(args.kernel_threads)
     step, _extra = lowmem_step_fn(args, cfg)
-    step()
-    t = time.perf_counter()
-    stats = op_profile.profile(step, args.kernel_steps)
-    wall = time.perf_counter() - t
-    kinds, functions = op_profile.by_kind(stats)
-    top = {k: dict(sorted(f.items(), key=lambda kv: -kv[1])[:8]) for k, f in functions.items()}
-    harness.result_line(dict(config=args.worker, kinds=kinds, functions=top, steps=args.kernel_steps,
-                             lowmem_threads=threads.threads(), profiled_wall_s=wall,
-                             own_total_s=op_profile.total_seconds(stats), source_sha=harness.source_hash()))
-    return 0
+    return kinds_result(args, step, op_profile, lowmem_threads=threads.threads())
 
 
 def torch_kinds_worker(args):
-    """kinds_worker for PyTorch: one warm-up step, then args.kernel_steps steps under torch.profiler
-    on args.kernel_threads threads (torch's and BLAS's): self CPU time by op kind in op_profile's
-    coarse kinds (benchmarks/torch_profile.py) and each kind's largest ops."""
+    """kinds_worker for PyTorch: torch.profiler on args.kernel_threads threads (torch's and BLAS's),
+    self CPU time by op kind in op_profile's coarse kinds (benchmarks/torch_profile.py)."""
     import torch
     import torch_profile
     torch.set_num_threads(args.kernel_threads)
@@ -259,15 +249,22 @@ def torch_kinds_worker(args):
     except ImportError:
         pass
     step, _extra = torch_step_fn(args, torch)
+    return kinds_result(args, step, torch_profile, torch_threads=torch.get_num_threads())
+
+
+def kinds_result(args, step, profiler, **extra):
+    """One warm-up step, then args.kernel_steps steps of `step` under `profiler` (op_profile or
+    torch_profile: profile, by_kind, total_seconds); prints the kinds and each kind's largest
+    functions (or ops) as the worker's RESULT line."""
     step()
     t = time.perf_counter()
-    events = torch_profile.profile(step, args.kernel_steps)
+    record = profiler.profile(step, args.kernel_steps)
     wall = time.perf_counter() - t
-    kinds, functions = torch_profile.by_kind(events)
+    kinds, functions = profiler.by_kind(record)
     top = {k: dict(sorted(f.items(), key=lambda kv: -kv[1])[:8]) for k, f in functions.items()}
     harness.result_line(dict(config=args.worker, kinds=kinds, functions=top, steps=args.kernel_steps,
-                             torch_threads=torch.get_num_threads(), profiled_wall_s=wall,
-                             own_total_s=torch_profile.total_seconds(events), source_sha=harness.source_hash()))
+                             profiled_wall_s=wall, own_total_s=profiler.total_seconds(record),
+                             source_sha=harness.source_hash(), **extra))
     return 0
 
 

@@ -540,6 +540,14 @@ if AVAILABLE:
                         dw[o, c0 + k, m // 3, m % 3] += g[m, k]
 
     @njit(inline="always")
+    def _plane_into(P, at, a, c, n):
+        """P[at + h, at + k] <- a[c, n, h, k]: one plane into a tile kernel's zero-bordered scratch."""
+        H, W = a.shape[2], a.shape[3]
+        for h in range(H):
+            for k in range(W):
+                P[at + h, at + k] = a[c, n, h, k]
+
+    @njit(inline="always")
     def _bt_row(i, d0, d1, d2, d3):
         """Row i of B^T applied to a patch column (d0, d1, d2, d3): d0 - d2, d1 + d2, d2 - d1, d1 - d3."""
         if i == 0:
@@ -575,10 +583,7 @@ if AVAILABLE:
         P = numpy.zeros((2 * th + 2, 2 * tw + 2), numpy.float32)   # row/column k + 1: the image's k
         for c in range(C):
             for s in range(ns):
-                n = n0 + s
-                for h in range(H):
-                    for k in range(W):
-                        P[h + 1, k + 1] = x[c, n, h, k]
+                _plane_into(P, 1, x, c, n0 + s)
                 t0 = s * tt
                 if not spread:
                     for i in range(4):
@@ -685,10 +690,7 @@ if AVAILABLE:
         P = numpy.zeros((2 * th, 2 * tw), numpy.float32)           # the reference's padded plane
         for c in range(Co):
             for s in range(ns):
-                n = n0 + s
-                for h in range(H):
-                    for k in range(W):
-                        P[h, k] = dout[c, n, h, k]
+                _plane_into(P, 0, dout, c, n0 + s)
                 t0 = s * tt
                 if not spread:
                     for i in range(4):
