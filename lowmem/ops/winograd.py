@@ -66,6 +66,8 @@ CACHE_BYTES = 1 << 20       # bytes of transformed tiles (V and M) per chunk
 FILTER_GRAIN = 1 << 12      # filters per thread below which a filter transform is not split
 FILTER_BLOCK = 64           # filters (input channels) the filter transforms vectorise over
 PLANE_GAP = 16              # float32 elements (one 64-byte line) between M's planes where they would alias
+SET_BYTES = 2048            # planes this many bytes apart (or a multiple) share L1 sets 8 or 16 to a set
+                            # (64 sets of 8 lines): the F(2x2) tile kernels then write 4 planes at a time
 SPLIT_PLANES = True         # off: batch ranges only, whatever the shape (benchmarks/conv_paths.py)
 PLANE_TILES = 512           # tiles per thread below which a wide conv splits its planes between threads, not its batch
 PLANE_CHANNELS = 1 << 18    # and Cin*Cout from which it does (512 x 512)
@@ -572,14 +574,15 @@ if AVAILABLE:
         B^T d over whole tile rows: on small planes (DenseNet's and the ResNets' 2x2 to 8x8)
         that pass's loops run a few iterations each and cost more than the arithmetic
         (benchmarks/conv_parts.py --stage; figures in docs/performance.md).
-        A tile writes all 16 planes at once, which needs them apart by an odd number of cache
-        lines (_planes lays them so); planes a multiple of 4 KiB apart would share one L1 set
-        and evict each other, so there the tiles are walked once per row of B^T d, 4 planes at a time."""
+        A tile writes all 16 planes at once, which needs them in different L1 sets (_planes lays
+        them an odd number of cache lines apart); planes a multiple of 2 KiB apart would put 8 or
+        16 of them in one set (8 ways) to evict each other, so there the tiles are walked once per
+        row of B^T d, 4 planes at a time."""
         C, N, H, W = x.shape
         th, tw = (H + 1) // 2, (W + 1) // 2
         tt = th * tw
         ns = V.shape[2] // tt
-        spread = V.strides[0] % 4096 != 0                          # the planes in different L1 sets
+        spread = V.strides[0] % SET_BYTES != 0                     # at most 4 planes to an L1 set
         P = numpy.zeros((2 * th + 2, 2 * tw + 2), numpy.float32)   # row/column k + 1: the image's k
         for c in range(C):
             for s in range(ns):
@@ -681,12 +684,12 @@ if AVAILABLE:
         Bit for bit gradient_tiles_reference (signed zeros included). Organised as _input_tiles:
         the plane copied into P (its odd row and column zero), then per tile A dy per column
         and (.) A^T along each row in straight-line code (4 planes at a time where Mg's planes
-        are a multiple of 4 KiB apart)."""
+        are a multiple of 2 KiB apart)."""
         Co, N, H, W = dout.shape
         th, tw = (H + 1) // 2, (W + 1) // 2
         tt = th * tw
         ns = Mg.shape[2] // tt
-        spread = Mg.strides[0] % 4096 != 0
+        spread = Mg.strides[0] % SET_BYTES != 0
         P = numpy.zeros((2 * th, 2 * tw), numpy.float32)           # the reference's padded plane
         for c in range(Co):
             for s in range(ns):

@@ -362,8 +362,9 @@ def test_output_planes_apart_by_an_odd_number_of_lines(monkeypatch):
 @pytest.mark.parametrize("C,H,W", [(8, 4, 4), (4, 7, 5), (16, 2, 2)])
 def test_tile_kernels_in_either_plane_layout(C, H, W):
     """_input_tiles and _gradient_tiles write a tile's 16 planes at once where the planes lie an
-    odd number of cache lines apart, and 4 at a time where they lie a multiple of 4 KiB apart
-    (one L1 set): either way the reference's bits, and nothing between the planes is written."""
+    odd number of cache lines apart, and 4 at a time where they lie a multiple of 2 KiB apart
+    (winograd.SET_BYTES: 8 or 16 planes to an L1 set): either way the reference's bits, and
+    nothing between the planes is written."""
     rng = np.random.default_rng(C + H + W)
     N, n0, ns = 4, 1, 3
     th, tw = winograd.tiles(H, W)
@@ -371,13 +372,13 @@ def test_tile_kernels_in_either_plane_layout(C, H, W):
     x = rng.standard_normal((C, N, H, W)).astype(np.float32)
     want = {winograd._input_tiles: winograd.input_tiles_reference(x, n0, ns),
             winograd._gradient_tiles: winograd.gradient_tiles_reference(x, n0, ns)}
-    apart = -(-n // 1024) * 1024                                  # a multiple of 4 KiB
+    apart = -(-n // 512) * 512 + 512                              # a multiple of 2 KiB, of 4 KiB or not
     odd = (-(-n // 16) | 1) * 16                                  # an odd number of 64-byte lines
-    for stride in (apart, odd):
+    for stride in (apart, apart + 512, odd):
         for kernel, ref in want.items():
             buf = np.full(16 * stride, np.nan, np.float32)
             V = buf.reshape(16, stride)[:, :n].reshape(16, C, ns * th * tw)
-            assert (V.strides[0] % 4096 == 0) == (stride == apart)
+            assert (V.strides[0] % winograd.SET_BYTES == 0) == (stride != odd)
             kernel(V, x, n0)
             _same_bits(np.ascontiguousarray(V), ref)
             assert np.isnan(buf.reshape(16, stride)[:, n:]).all()
