@@ -248,9 +248,12 @@ if AVAILABLE:
     @njit(**_opts)
     def _input_tiles(V, x, n0):
         """V (36, C, T) <- B^T d B of every 6x6 input patch of samples n0.. of x (C, N, H, W), zero
-        outside the image (pad 1). Bit for bit input_tiles_reference. As F(2x2)'s: per (channel,
-        sample) first B^T d for every tile row (E (6, th, 4tw+2), padded column k+1 holding image
-        column k, the others zero), then (.) B for every tile, each plane a run of th*tw."""
+        outside the image (pad 1). Bit for bit input_tiles_reference. Per (channel, sample) first
+        B^T d for every tile row (E (6, th, 4tw+2), padded column k+1 holding image column k, the
+        others zero), then (.) B for every tile, each plane a run of th*tw. (F(2x2)'s kernels go
+        tile by tile from a padded copy of the plane instead; on 6x6 patches each tile would
+        recompute half again of its neighbours' row transforms, and that ran slower from 16x16 up:
+        docs/performance.md.)"""
         C, N, H, W = x.shape
         th, tw = (H + TILE - 1) // TILE, (W + TILE - 1) // TILE
         ns = V.shape[2] // (th * tw)
@@ -338,8 +341,8 @@ if AVAILABLE:
     @njit(**_opts)
     def _gradient_tiles(Mg, dout, n0):
         """Mg (36, Co, T) <- A dy A^T of every 4x4 tile of dout (Co, N, H, W), samples n0.. (zero
-        beyond the image). Bit for bit gradient_tiles_reference. As _input_tiles: A dy for every
-        tile row (E (6, th, 4tw), columns from W on zero), then (.) A^T per plane."""
+        beyond the image). Bit for bit gradient_tiles_reference. As _input_tiles above: A dy for
+        every tile row (E (6, th, 4tw), columns from W on zero), then (.) A^T per plane."""
         Co, N, H, W = dout.shape
         th, tw = (H + TILE - 1) // TILE, (W + TILE - 1) // TILE
         ns = Mg.shape[2] // (th * tw)
