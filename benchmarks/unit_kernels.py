@@ -4,6 +4,10 @@ exact twin, the share of the copy bandwidth; the vector registers in their compi
 (ymm: AVX2, zmm: AVX-512) and each kernel's first call (its JIT compile).
 
     python benchmarks/unit_kernels.py [--bits 4] [--threads 2] [--rounding nearest|stochastic|dither]
+    python benchmarks/unit_kernels.py --shape 1024,64 --shape 512,256 --shape 128,4096   # DenseNet-121's
+
+--shape C,M (repeatable) times the kernels on units of C channels of M = N*H*W elements instead
+of ResNet-164's (M*bits a multiple of 8, as the kernels take).
 
 --rounding nearest (the default) times the window code's kernels (units/window_cpu.py);
 stochastic and dither the unbiased code's (units/unbiased_cpu.py, the stochastic or the dithered
@@ -95,8 +99,9 @@ def kernel_cases(C, M, bits, rounding="nearest"):
 
 
 def worker(args):
-    """Time every fused kernel on ResNet-164's unit shapes (this process, args.threads lowmem
-    threads); count the vector registers in their compiled code. Prints RESULT json."""
+    """Time every fused kernel on ResNet-164's unit shapes, or --shape's (this process,
+    args.threads lowmem threads); count the vector registers in their compiled code. Prints
+    RESULT json."""
     from lowmem.system import threads  # the parent gave this process an empty NUMBA_CACHE_DIR:
     from lowmem.units import window_cpu as fast          # first calls time the JIT, and inspect_asm works
     threads.configure(args.threads)
@@ -104,7 +109,7 @@ def worker(args):
         harness.result_line({"status": "numba not installed"})
         return 0
     rows, first_call_s = [], {}
-    for C, M in KERNEL_SHAPES:
+    for C, M in args.shape or KERNEL_SHAPES:
         cases = kernel_cases(C, M, args.bits, args.rounding)
         for name, _twin, _bpe, fn, setup in cases:           # first calls: JIT compile or cache load
             if name not in first_call_s:
@@ -165,6 +170,17 @@ def kernel_summary(res):
 
 
 
+def unit_shape(text):
+    """--shape C,M: two positive integers."""
+    try:
+        C, M = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a unit shape is C,M (two integers), got {text!r}") from None
+    if min(C, M) < 1:
+        raise argparse.ArgumentTypeError(f"a unit shape's sizes must be positive, got {text!r}")
+    return C, M
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bits", type=int, default=4, choices=(8, 4, 2, 1), help="bit width (default: %(default)s)")
@@ -172,10 +188,15 @@ def main(argv=None):
                     help="the window code's kernels (nearest) or the unbiased code's (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="lowmem threads (default: os.cpu_count() = %(default)s)")
+    ap.add_argument("--shape", action="append", type=unit_shape, metavar="C,M",
+                    help="a unit of C channels of M = N*H*W elements (repeatable; default: ResNet-164's at batch 128)")
     ap.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     harness.add_arguments(ap)
     args = ap.parse_args(argv)
+    for C, M in args.shape or ():
+        if M * args.bits % 8:
+            ap.error(f"--shape {C},{M}: M*bits must be a multiple of 8 (the kernels' byte-aligned rows)")
     if args.worker:
         sys.path.insert(0, harness.ROOT)
         return worker(args)
@@ -189,6 +210,8 @@ def main(argv=None):
     try:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--bits", str(args.bits),
                "--threads", str(args.threads), "--rounding", args.rounding]
+        for C, M in args.shape or ():
+            cmd += ["--shape", f"{C},{M}"]
         k = harness.run_supervised(cmd, harness.Supervision.from_args(args), log, label="unit kernels",
                                    env=dict(os.environ, NUMBA_CACHE_DIR=cache), done=lambda r: "rows" in r)
     finally:

@@ -1,0 +1,39 @@
+"""benchmarks/unit_kernels.py: --shape picks the units timed (handed to the worker as given, the
+default ResNet-164's without it); a shape the kernels cannot take is the parser's error.
+Nothing is timed: the supervised worker is replaced by a recorder."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import unit_kernels  # noqa: E402
+
+
+@pytest.fixture
+def commands(monkeypatch):
+    seen = []
+
+    def run_supervised(cmd, *args, **kwargs):
+        seen.append(cmd)
+        return {"status": "recorded"}
+    monkeypatch.setattr(unit_kernels.harness, "run_supervised", run_supervised)
+    return seen
+
+
+def test_shapes_reach_the_worker(commands, capsys):
+    assert unit_kernels.main(["--shape", "1024,64", "--shape", "128,4096", "--threads", "1"]) == 1   # no table
+    cmd = commands[-1]
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--shape"] == ["1024,64", "128,4096"]
+    unit_kernels.main(["--threads", "1"])
+    assert "--shape" not in commands[-1]                                   # ResNet-164's shapes
+    assert "kernel table: recorded" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [(["--shape", "64"], "a unit shape is C,M"),
+                                          (["--shape", "0,64"], "must be positive"),
+                                          (["--shape", "8,3", "--bits", "4"], "M*bits must be a multiple of 8")])
+def test_bad_shapes_are_the_parsers_error(commands, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        unit_kernels.main(argv)
+    assert message in capsys.readouterr().err and not commands
