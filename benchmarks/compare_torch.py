@@ -743,7 +743,7 @@ def kinds_report(kinds, args):
         side = {c: (op_profile.coarse(k["kinds"]) if c in mine else k["kinds"]) for c, k in ok.items()}
         lines += ["", f"side by side with PyTorch (its self CPU time per op from torch.profiler, on {args.kernel_threads} "
                       f"thread(s); benchmarks/torch_profile.py), lowmem's kinds folded as op_profile.COARSE_OF folds them:",
-                  op_profile.coarse_table(side, args.kernel_steps)]
+                  op_profile.kind_table(side, args.kernel_steps, kinds=op_profile.COARSE)]
     lines += [f"{c}: {k['status']}" for c, k in kinds.items() if k["status"] != "ok"]
     return "\n".join(lines)
 

@@ -235,15 +235,16 @@ def total_seconds(stats):
     return sum(row[2] for row in stats.stats.values())
 
 
-def kind_table(per_config, steps, top=None):
+def kind_table(per_config, steps, top=None, kinds=KINDS):
     """A table of seconds per step and share of the profiled step, one column per configuration
-    ({config: {kind: seconds over `steps` steps}}); `top` {config: {kind: {function: s}}} adds,
-    under the table, each configuration's three largest functions of "other"."""
+    ({config: {kind: seconds over `steps` steps}}), a row per kind of `kinds` (KINDS, or COARSE
+    for lowmem's folded by coarse() beside PyTorch's from torch_profile); `top` {config: {kind:
+    {function: s}}} adds, under the table, each configuration's three largest functions of "other"."""
     configs = list(per_config)
     totals = {c: sum(per_config[c].values()) for c in configs}
     head = f"{'op kind (own time per step)':<36}" + "".join(f"{c:>24}" for c in configs)
     lines = [head, "-" * len(head)]
-    for kind in KINDS:
+    for kind in kinds:
         cells = "".join(f"{per_config[c][kind] / steps:>13.3f} s {per_config[c][kind] / max(totals[c], 1e-12):>7.1%}"
                         for c in configs)
         lines.append(f"{kind:<36}{cells}")
@@ -260,19 +261,3 @@ def coarse(kinds):
     for kind, seconds in kinds.items():
         out[COARSE_OF[kind]] += seconds
     return out
-
-
-def coarse_table(per_config, steps):
-    """kind_table in COARSE's kinds, one column per configuration ({config: {coarse kind:
-    seconds over `steps` steps}}: lowmem's folded by coarse(), PyTorch's from torch_profile)."""
-    configs = list(per_config)
-    totals = {c: sum(per_config[c].values()) for c in configs}
-    head = f"{'op kind (own time per step)':<36}" + "".join(f"{c:>24}" for c in configs)
-    lines = [head, "-" * len(head)]
-    for kind in COARSE + ("profiled step",):
-        cells = "".join(
-            f"{(totals[c] if kind == 'profiled step' else per_config[c][kind]) / steps:>13.3f} s "
-            f"{(1 if kind == 'profiled step' else per_config[c][kind] / max(totals[c], 1e-12)):>7.1%}"
-            for c in configs)
-        lines.append(f"{kind:<36}{cells}")
-    return "\n".join(lines)

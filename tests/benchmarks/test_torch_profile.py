@@ -98,7 +98,8 @@ def test_lowmems_kinds_fold_into_the_coarse_ones():
     assert folded["dense convolutions"] == kinds["conv GEMMs"] + kinds["conv columns, transforms"]
     assert folded["batch norm, ReLU (units, masks)"] == (kinds["BN-ReLU unit"] + kinds["standalone BN"]
                                                         + kinds["ReLU/ReLU6/dropout, masks, packing"])
-    table = op_profile.coarse_table({"lowmem-approx4": folded, "torch-exact": dict.fromkeys(op_profile.COARSE, 1.0)}, 2)
+    table = op_profile.kind_table({"lowmem-approx4": folded, "torch-exact": dict.fromkeys(op_profile.COARSE, 1.0)}, 2,
+                                  kinds=op_profile.COARSE)
     lines = table.splitlines()
     assert "lowmem-approx4" in lines[0] and "torch-exact" in lines[0]
     assert [ln[:36].strip() for ln in lines[2:]] == list(op_profile.COARSE) + ["profiled step"]
