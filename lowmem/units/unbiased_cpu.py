@@ -196,21 +196,33 @@ if AVAILABLE:
             lv[gi0 + q, 0], lv[gi0 + q, 1], lv[gi0 + q, 2], lv[gi0 + q, 3] = bo, so, bc, sc
 
     @njit(inline="always")
-    def _drawn(xh, g, b, s, bo, so, bc, sc, n_open, kf, rf):
-        """(code, relu(y)) of one element (unbiased._encode_block) from its x-hat, its group's
-        levels and its draw R < 2**24 as a float32 rf (exact), y = x-hat*g + b."""
+    def _position(xh, g, b, s, bo, so, bc, sc):
+        """(p, on, y) of one element (unbiased._encode_block) from its x-hat and its group's
+        levels: y = x-hat*g + b, on = y > 0, p = (u − base)/step of its side (0 where the side's
+        step is 0), u = x-hat*s."""
         y = xh * g + b
         on = y > 0
         u = xh * s
         bb = bo if on else bc
         st = so if on else sc
-        nn = n_open if on else kf
         p = (u - bb) / st
-        p = p if st > 0 else F0
+        return (p if st > 0 else F0), on, y
+
+    @njit(inline="always")
+    def _code(p, rf, on, n_open, kf):
+        """The code of an element at position p on its side (on: open) with its draw R < 2**24
+        as a float32 rf (exact): floor(p + R*2**−24) clamped to the side's levels."""
         p = p + rf * R_SCALE
+        nn = n_open if on else kf
         j = min(max(numpy.floor(p), F0), nn - F32(1))
         code = kf + j if on else j
-        return numpy.uint8(numpy.int32(code)), (y if on else F0)
+        return numpy.uint8(numpy.int32(code))
+
+    @njit(inline="always")
+    def _drawn(xh, g, b, s, bo, so, bc, sc, n_open, kf, rf):
+        """(code, relu(y)) of one element from its x-hat, its group's levels and its draw rf."""
+        p, on, y = _position(xh, g, b, s, bo, so, bc, sc)
+        return _code(p, rf, on, n_open, kf), (y if on else F0)
 
     @njit(**_opts)
     def _draw_each(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0):
@@ -265,32 +277,33 @@ if AVAILABLE:
         v = a - WEYL_F[t]
         return (v if v > -HALF_F else a - WEYL_WRAP[t]) * R_SCALE
 
-    if not numpy.little_endian:  # _draw_systematic reads an int64's halves as int32, low half first
-        raise RuntimeError("the numba 2-bit draw is written for little-endian hosts")
-    if LANES != 4:              # _draw_systematic holds one accumulator per lane
+    if LANES != 4:              # _draw_systematic's sums reach four rows of four lanes back
         raise RuntimeError(f"the numba 2-bit draw is written for 4 lanes, unbiased.LANES is {LANES}")
-
-    @njit(inline="always")
-    def _lane_start(start, l):
-        """Lane l's R before its first element, both sides in one int64 (the open side's in the
-        low 32 bits, the closed side's half a turn on in the high)."""
-        r0 = (start + l * WEYL) & R_MASK
-        return r0 | (((r0 + HALF) & R_MASK) << 32)
+    AHEAD = 4 * LANES           # the sums' reach: R of element t from R of element t − AHEAD
+    A1, A2, A3, A4 = U64(LANES), U64(2 * LANES), U64(3 * LANES), U64(AHEAD)
 
     @njit(**_opts)
-    def _draw_systematic(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0, pb, fl, a, e, a32, e32):
+    def _draw_systematic(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0, pb, qs, eo, ec):
         """codes <- the block's codes at 2 bits (unbiased._encode_block, from its groups' levels
         lv; each group's draw from counter z0 + (its first element)*GOLDEN, then unbiased's
         systematic sampling along each lane of each side); orow <- relu(y), y = x-hat*g + b.
-        Scratch of 2*GROUP elements: pb float32 (p), fl uint8 (the mask), a int64 (q, shifted 32
-        bits up on the closed side), e int64 (R so far in each lane: the open side's in the low
-        32 bits, the closed side's in the high); a32 and e32 their int32 halves (little-endian:
-        the low half first). Per group three loops: p and q (vectorised, writing a's halves as
-        int32, so the loop runs 16 lanes wide, not int64's 8); the lanes' running sums, four
-        accumulators held in registers (not a recurrence through memory, e[t] = e[t - 4] +
-        a[t - 4], where each load waits on a store just made); the codes (vectorised, reading
-        both of e's halves and selecting: a load of only the side's half became a gather, 8x
-        slower). The variants measured against it: docs/performance.md."""
+        Scratch: pb float32 (2*GROUP: p), qs, eo, ec int32 (2*GROUP + AHEAD).
+
+        Per group two loops, both vectorised. The first: p, y and q = floor(f*2**24) of each
+        element, q stored as q on the open side and ~q (negative) on the closed one, so one
+        array carries both sides and the side. The second: each element's R on both sides,
+        from the element AHEAD = 4 lanes' rows back,
+
+            R_o[t] = R_o[t − 16] + q_o[t − 16] + q_o[t − 12] + q_o[t − 8] + q_o[t − 4]
+
+        (and R_c from q_c): lane l's running sum, as unbiased.systematic_uniforms's, since t and
+        t − 16 share a lane and the four terms are that lane's elements between them; then the
+        code. A reach of 16 lets LLVM run the loop 16 int32 wide with R in registers (a reach of
+        4, e[t] = e[t − 4] + q[t − 4], limits it to 4). The first 16 entries of eo, ec hold each
+        lane's start (the sums from there on are its start) and of qs zeros, so the loop starts
+        at the group's first element. The sums wrap at 2**32; R takes their low 24 bits (2**24
+        divides 2**32). Indices are unsigned (see _group's note). The variants measured against
+        it: docs/performance.md."""
         n = xb.size
         n_open = F32(L) - kf
         nq = _groups(n)
@@ -299,42 +312,29 @@ if AVAILABLE:
             q0, q1 = _group(q, nq, n)
             xq, cq, oq = xb[q0:q1], codes[q0:q1], orow[q0:q1]
             m = xq.size
+            sq = qs[AHEAD:AHEAD + m]
             for t in range(m):
-                xh = xq[t]
-                y = xh * g + b
-                on = y > 0
-                u = xh * s
-                bb = bo if on else bc
-                st = so if on else sc
-                p = (u - bb) / st
-                p = p if st > 0 else F0
+                p, on, y = _position(xq[t], g, b, s, bo, so, bc, sc)
                 f = p - numpy.floor(p)
                 f = f if (f >= F0) & (f < F32(1)) else F0
                 v = numpy.int32(f * R_UNIT)
                 pb[t] = p
-                fl[t] = numpy.uint8(on)
-                a32[2 * t] = v if on else I0            # a[t]'s halves: the side's q, 0
-                a32[2 * t + 1] = I0 if on else v
+                sq[t] = v if on else ~v
                 oq[t] = y if on else F0
             start = numpy.int64(cpu_base._counter_bits(z0 + U64(q0) * GOLDEN))       # < 2**24
-            e0, e1 = _lane_start(start, 0), _lane_start(start, 1)     # unbiased.lane_starts
-            e2, e3 = _lane_start(start, 2), _lane_start(start, 3)
-            m4 = m - m % LANES
-            for t in range(0, m4, LANES):       # a lane's sums stay < 2**32: no carry
-                e[t], e[t + 1], e[t + 2], e[t + 3] = e0, e1, e2, e3
-                e0, e1 = e0 + a[t], e1 + a[t + 1]
-                e2, e3 = e2 + a[t + 2], e3 + a[t + 3]
-            for t in range(m4, m):              # a short last group: lanes 0, 1, 2 only
-                e[t] = e0 if t == m4 else (e1 if t == m4 + 1 else e2)
-            for t in range(m):
-                on = fl[t] != 0
-                lo, hi = e32[2 * t], e32[2 * t + 1]      # both loaded: a select, not a gather
-                R = (lo if on else hi) & R_MASK
-                p = pb[t] + F32(R) * R_SCALE
-                nn = n_open if on else kf
-                j = min(max(numpy.floor(p), F0), nn - F32(1))
-                code = kf + j if on else j
-                cq[t] = numpy.uint8(numpy.int32(code))
+            for l in range(LANES):                                  # unbiased.lane_starts
+                ro = numpy.int32((start + l * WEYL) & R_MASK)
+                rc = numpy.int32((ro + HALF) & R_MASK)
+                for i in range(l, AHEAD, LANES):
+                    eo[i], ec[i], qs[i] = ro, rc, I0
+            for t in range(A4, U64(m) + A4):
+                s4, s3, s2, s1 = qs[t - A4], qs[t - A3], qs[t - A2], qs[t - A1]
+                ro = numpy.int32(eo[t - A4] + ((max(s4, I0) + max(s3, I0)) + (max(s2, I0) + max(s1, I0))))
+                rc = numpy.int32(ec[t - A4] + ((max(~s4, I0) + max(~s3, I0)) + (max(~s2, I0) + max(~s1, I0))))
+                eo[t] = ro
+                ec[t] = rc
+                on = qs[t] >= I0
+                cq[t - A4] = _code(pb[t - A4], F32((ro if on else rc) & R_MASK), on, n_open, kf)
 
     @njit(**_opts)
     def _xtilde(orow, codes, lv, gi0, kf, s, dith, z0):
@@ -478,9 +478,9 @@ if AVAILABLE:
         xb = numpy.empty(SPAN, numpy.float32)
         xi = xb.view(numpy.int32)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
-        pb, fl = numpy.empty(2 * GROUP, numpy.float32), numpy.empty(2 * GROUP, numpy.uint8)
-        a, e = numpy.empty(2 * GROUP, numpy.int64), numpy.empty(2 * GROUP, numpy.int64)
-        a32, e32 = a.view(numpy.int32), e.view(numpy.int32)       # their halves (little-endian)
+        pb = numpy.empty(2 * GROUP, numpy.float32)
+        qs, eo = numpy.empty(2 * GROUP + AHEAD, numpy.int32), numpy.empty(2 * GROUP + AHEAD, numpy.int32)
+        ec = numpy.empty(2 * GROUP + AHEAD, numpy.int32)
         for c in range(C):
             g, b = gamma[c], beta[c]
             s, zero, ag, t_o, t_c, kc, kf = _channel(g, b, L, W, w)
@@ -494,7 +494,7 @@ if AVAILABLE:
                 if dith:
                     _draw_dither(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
                 elif bits <= SYSTEMATIC_BITS:
-                    _draw_systematic(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0, pb, fl, a, e, a32, e32)
+                    _draw_systematic(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0, pb, qs, eo, ec)
                 else:
                     _draw_each(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
                 if naive:                       # continue from the decoded value

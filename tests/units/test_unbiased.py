@@ -504,7 +504,7 @@ def test_the_allocator_prices_bias_and_variance_apart():
     assert a.total_bytes <= a.uniform_bytes[2] == a.budget
 
 
-@pytest.mark.parametrize("M", [776, 4872, 4196, 200])
+@pytest.mark.parametrize("M", [776, 4872, 4196, 200, 12])
 @pytest.mark.parametrize("naive", [False, True])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dither", [False, True])
@@ -512,7 +512,8 @@ def test_numba_forward_writes_the_reference_slot(bits, naive, M, dither):
     """units/unbiased_cpu.py: the same slot bytes as unbiased.quantize_pack (float32, shards keyed
     by their global place, γ of both signs and 0, t outside the data, a constant channel, a
     row's last group longer than the others; rows of one block and of two, window_cpu.BLOCK = 4096,
-    one whose last block takes the 100 elements after 4096, one shorter than a group), and
+    one whose last block takes the 100 elements after 4096, one shorter than a group, one shorter
+    than the 2-bit draw's 16-element reach), and
     out = relu(y) as the exact forward, or naive's decoded conv input."""
     from lowmem.units import unbiased_cpu
     from lowmem.ops import bn_normalize
