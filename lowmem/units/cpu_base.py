@@ -20,7 +20,9 @@ if AVAILABLE:
     OFF_MID, OFF_SCALE = F32(1 << (stream.OFFSET_BITS - 1)), F32(2.0 ** -stream.OFFSET_BITS)
 
 BLOCK = 4096          # elements per block: codes scratch 4 KiB, a multiple of 8 (byte-aligned for any K)
-GRAIN = 1 << 15       # elements per thread below which a kernel call is not split
+GRAIN = 1 << 15       # elements per thread below which a call of the other kernels (norm_cpu, rangecode_cpu) is not split
+SPLIT_WORK = 1 << 18  # a thread's share of a unit kernel call, in elements of a plain copy, below which
+                      # the call is not split: each kernel states its cost per element in copies
 
 
 def supports(xp, dtype, M, bits):
@@ -70,9 +72,13 @@ if AVAILABLE:
             dst[t] = src[t]
 
 
-def _over_channels(fn, C, M):
-    """fn(c0, c1) over channel ranges, split over lowmem's threads when the rows are big enough."""
-    threads.parallel_for(fn, C, grain=max(1, -(-GRAIN // max(M, 1))))
+def _over_channels(fn, C, M, cost):
+    """fn(c0, c1) over channel ranges, split over lowmem's threads where each range gets at least
+    SPLIT_WORK copies' worth of work: `cost` is the kernel's time per element over a plain
+    copy's (one core, benchmarks/unit_kernels.py). A split costs a hand-over (tens of
+    microseconds, benchmarks/pool_handover.py): a cheap kernel needs more rows to repay it than
+    a dear one (the break-evens measured: docs/performance.md, "Cores")."""
+    threads.parallel_for(fn, C, grain=max(1, -(-int(SPLIT_WORK / cost) // max(M, 1))))
 
 
 def _overlap(a, b):

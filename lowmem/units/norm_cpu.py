@@ -266,28 +266,34 @@ def supports(*arrays):
             and all(a.dtype == arrays[0].dtype for a in arrays))
 
 
-def _split(fn, C, M):
-    _over_channels(fn, C, M)
+# Each kernel's time per element over a plain copy's, one core (the BN-ReLU unit's kernels of
+# the same kind, benchmarks/unit_kernels.py): how many rows a thread must get before a call is
+# split (cpu_base._over_channels).
+COST = {"forward": 1.5, "normalize": 1, "apply": 1, "backward": 3, "backward coded": 5}
+
+
+def _split(fn, C, M, kind):
+    _over_channels(fn, C, M, COST[kind])
 
 
 def forward(out, xhat, x, mean, rstd, gamma, beta):
     """xhat (C, M) <- (x - mean)*rstd, out (C, M) = xhat*gamma + beta; out may alias x."""
     C, M = x.shape
     _split(lambda c0, c1: _forward(out[c0:c1], xhat[c0:c1], x[c0:c1], mean[c0:c1], rstd[c0:c1], gamma[c0:c1],
-                                   beta[c0:c1], True, True), C, M)
+                                   beta[c0:c1], True, True), C, M, "forward")
 
 
 def normalize(out, x, mean, rstd):
     """out (C, M) = (x - mean)*rstd; out may alias x."""
     C, M = x.shape
     _split(lambda c0, c1: _forward(out[c0:c1], out[c0:c1], x[c0:c1], mean[c0:c1], rstd[c0:c1], mean[c0:c1],
-                                   mean[c0:c1], False, False), C, M)
+                                   mean[c0:c1], False, False), C, M, "normalize")
 
 
 def apply(out, gamma, beta):
     """out (C, M) = out*gamma + beta, in place."""
     C, M = out.shape
-    _split(lambda c0, c1: _apply(out[c0:c1], gamma[c0:c1], beta[c0:c1]), C, M)
+    _split(lambda c0, c1: _apply(out[c0:c1], gamma[c0:c1], beta[c0:c1]), C, M, "apply")
 
 
 def backward(dx, dgamma, dbeta, dy, xhat, gamma, rstd, accumulate=False):
@@ -296,7 +302,7 @@ def backward(dx, dgamma, dbeta, dy, xhat, gamma, rstd, accumulate=False):
     C, M = dy.shape
     inplace, zero = _overlap(dx, dy), dy.dtype.type(0)
     _split(lambda c0, c1: _backward(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dy[c0:c1], xhat[c0:c1], gamma[c0:c1],
-                                    rstd[c0:c1], bool(accumulate), inplace, zero), C, M)
+                                    rstd[c0:c1], bool(accumulate), inplace, zero), C, M, "backward")
 
 
 def forward_add_relu(out, mask, xhat, src, other, mean, rstd, gamma, beta):
@@ -354,4 +360,4 @@ def backward_coded(dx, dgamma, dbeta, dy, code, gamma, rstd, accumulate=False):
     inplace, zero = _overlap(dx, dy), dy.dtype.type(0)
     _split(lambda c0, c1: _backward_coded(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dy[c0:c1], code.packed,
                                           code.scale, code.zero, code.bits, c0, gamma[c0:c1], rstd[c0:c1],
-                                          bool(accumulate), inplace, zero), C, M)
+                                          bool(accumulate), inplace, zero), C, M, "backward coded")

@@ -570,6 +570,13 @@ if AVAILABLE:
                     cpu_base._copy(dx[c, i0:i1], tb)
 
 
+# Each kernel's time per element over a plain copy's, one core (benchmarks/unit_kernels.py
+# --rounding stochastic or dither, --threads 1, units of 256 x 1024 and 1024 x 256; AMD EPYC Zen 4):
+# the forward by its draws (unbiased.default_draws, or the dithered code's), the decodes, the
+# backward. How many rows a thread must get before a call is split (cpu_base._over_channels).
+COST = {"systematic": 12, "independent": 10, "dither": 7, "decode": 3, "backward": 6}
+
+
 def _box():
     """A 1-element float32 box and its uint32 view (per thread: the bf16 conversions)."""
     b = numpy.empty(1, numpy.float32)
@@ -615,7 +622,7 @@ def decode(out, slot, gamma, beta, bits, relu=False, dr=None, dither=False):
         _decode_rows(out[c0:c1], drr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1],
                      gamma[c0:c1], beta[c0:c1], W, w, 1 << bits, bool(relu), mask_dr, bits, bool(dither),
                      c0, base, start, row, *_box())
-    cpu_base._over_channels(rows, C, M)
+    cpu_base._over_channels(rows, C, M, COST["decode"])
 
 
 def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key, dither=False):
@@ -636,7 +643,7 @@ def unit_forward(out, slot, x, mean, rstd, gamma, beta, bits, naive, key, dither
         _forward_rows(out[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8], ends[c0:c1], x[c0:c1],
                       mean[c0:c1], rstd[c0:c1], gamma[c0:c1], beta[c0:c1], W, w, 1 << bits, bool(naive),
                       c0, U64(base), start, row, bits, bool(dither), *_box())
-    cpu_base._over_channels(rows, C, M)
+    cpu_base._over_channels(rows, C, M, COST[unbiased.default_draws(bits) if not dither else "dither"])
 
 
 def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumulate, dither=False):
@@ -663,4 +670,4 @@ def unit_backward(dx, dgamma, dbeta, dr, slot, gamma, beta, rstd, bits, accumula
         _backward_rows(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], codes[c0 * M * bits // 8:c1 * M * bits // 8],
                        ends[c0:c1], gamma[c0:c1], beta[c0:c1], rstd[c0:c1], W, w, 1 << bits, bits,
                        bool(accumulate), inplace, bool(dither), c0, base, start, row, *_box())
-    cpu_base._over_channels(rows, C, M)
+    cpu_base._over_channels(rows, C, M, COST["backward"])

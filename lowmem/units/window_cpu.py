@@ -350,6 +350,13 @@ def quant_params(gamma, beta, bits):
     return window.QuantParams(bits, s, lo, k, gamma.copy(), beta.copy())
 
 
+# Each kernel's time per element over a plain copy's, one core (benchmarks/unit_kernels.py,
+# --threads 1, units of 256 x 1024 and 1024 x 256; AMD EPYC Zen 4): how many rows a thread must
+# get before a call is split (cpu_base._over_channels).
+COST = {"stats": 2, "forward exact": 1.5, "forward code": 3, "forward code, stochastic": 6,
+        "conv input exact": 1, "conv input code": 2, "backward exact": 3, "backward code": 4}
+
+
 def _w(qp):
     return numpy.dtype(qp.dtype).type(qp.w)
 
@@ -361,7 +368,7 @@ def _code_rows(packed, c0, c1, M, bits):
 def bn_stats(mean, var, rstd, x, eps):
     """mean, var (biased), rstd (C,) of x (C, M)."""
     C, M = x.shape
-    _over_channels(lambda c0, c1: _stats(x[c0:c1], mean[c0:c1], var[c0:c1]), C, M)
+    _over_channels(lambda c0, c1: _stats(x[c0:c1], mean[c0:c1], var[c0:c1]), C, M, COST["stats"])
     numpy.add(var, eps, out=rstd)
     numpy.sqrt(rstd, out=rstd)
     numpy.reciprocal(rstd, out=rstd)
@@ -370,7 +377,7 @@ def bn_stats(mean, var, rstd, x, eps):
 def unit_forward_exact(out, xhat, x, mean, rstd, gamma, beta):
     C, M = x.shape
     _over_channels(lambda c0, c1: _forward_exact(out[c0:c1], xhat[c0:c1], x[c0:c1], mean[c0:c1],
-                                                 rstd[c0:c1], gamma[c0:c1], beta[c0:c1]), C, M)
+                                                 rstd[c0:c1], gamma[c0:c1], beta[c0:c1]), C, M, COST["forward exact"])
 
 
 def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive, rounding="nearest", key=None):
@@ -387,7 +394,7 @@ def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive, roundi
         _forward_code(out[c0:c1], _code_rows(packed, c0, c1, M, bits), x[c0:c1], mean[c0:c1], rstd[c0:c1],
                       gamma[c0:c1], beta[c0:c1], qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, top, bits, naive,
                       inplace, stochastic, base, c0, row, start)
-    _over_channels(rows, C, M)
+    _over_channels(rows, C, M, COST["forward code, stochastic" if stochastic else "forward code"])
 
 
 def conv_input(u, xhat, packed, qp, gamma, beta):
@@ -395,12 +402,12 @@ def conv_input(u, xhat, packed, qp, gamma, beta):
     C, M = u.shape
     if packed is None:
         _over_channels(lambda c0, c1: _conv_input_exact(u[c0:c1], xhat[c0:c1], gamma[c0:c1], beta[c0:c1]),
-                       C, M)
+                       C, M, COST["conv input exact"])
         return
     w, bits = _w(qp), qp.bits
     _over_channels(lambda c0, c1: _conv_input_code(u[c0:c1], _code_rows(packed, c0, c1, M, bits), qp.s[c0:c1],
                                                    qp.lo[c0:c1], qp.k[c0:c1], w, gamma[c0:c1], beta[c0:c1],
-                                                   bits), C, M)
+                                                   bits), C, M, COST["conv input code"])
 
 
 def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, accumulate):
@@ -417,4 +424,4 @@ def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, ac
             _backward_code(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], _code_rows(packed, c0, c1, M, bits),
                            qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, gamma[c0:c1], rstd[c0:c1], bits,
                            accumulate, inplace)
-    _over_channels(rows, C, M)
+    _over_channels(rows, C, M, COST["backward code" if packed is not None else "backward exact"])

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from lowmem.units import packing, stream, widths, window
+from lowmem.units import cpu_base, packing, stream, widths, window
 from lowmem.system import threads
 from lowmem.units import window_cpu as fast
 from lowmem.ops import bn_relu_apply_forward, bn_relu_backward
@@ -150,11 +150,11 @@ def test_supports():
 
 @pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
 def long_rows(request, monkeypatch):
-    """Rows of 2.5 blocks (partial last block), split over 1 or 2 lowmem threads (GRAIN lowered
-    so these small arrays are split too); the thread setting is restored afterwards."""
+    """Rows of 2.5 blocks (partial last block), split over 1 or 2 lowmem threads (SPLIT_WORK
+    lowered so these small arrays are split too); the thread setting is restored afterwards."""
     before = threads.threads()
     threads.configure(request.param)
-    monkeypatch.setattr(fast, "GRAIN", 64)
+    monkeypatch.setattr(cpu_base, "SPLIT_WORK", 64)
     yield 5 * fast.BLOCK // 2 + 8
     threads.configure(before)
 
@@ -308,3 +308,28 @@ def test_the_code_sets_round_stochastically_alike():
         assert np.array_equal(a, c)
     with pytest.raises(ValueError, match="rounding must be"):
         CodeUnits(4, rounding="floor")
+
+
+def test_a_unit_kernel_call_splits_by_its_cost(monkeypatch):
+    """cpu_base._over_channels gives each thread at least SPLIT_WORK copies' worth of work: a
+    kernel of cost k splits C rows of M elements only where C*M*k holds 2*SPLIT_WORK, and the
+    ranges cover the rows once, in order; and the long_rows fixture's 2-thread case does split."""
+    before = threads.threads()
+    threads.configure(2)
+    try:
+        def ranges(C, M, cost):
+            got = []
+            cpu_base._over_channels(lambda c0, c1: got.append((c0, c1)), C, M, cost)
+            return sorted(got)
+        work = cpu_base.SPLIT_WORK
+        assert ranges(8, work // 8, 1) == [(0, 8)]                  # one thread's worth: not split
+        assert ranges(16, work // 8, 1) == [(0, 8), (8, 16)]        # two threads' worth
+        assert ranges(16, work // 8, 0.5) == [(0, 16)]              # a cheaper kernel: not yet
+        assert ranges(8, work // 8, 2) == [(0, 4), (4, 8)]          # a dearer one: already
+        monkeypatch.setattr(cpu_base, "SPLIT_WORK", 64)
+        assert ranges(5, 5 * fast.BLOCK // 2 + 8, COST_LEAST) == [(0, 2), (2, 5)]
+    finally:
+        threads.configure(before)
+
+
+COST_LEAST = min(fast.COST.values())
