@@ -10,7 +10,7 @@ Gradient semantics, written once for every op here:
     takes `accumulate=True` (residual adds, a tensor with two consumers);
   * parameter gradients (dw, dgamma, dbeta, db) ACCUMULATE (+=).
 """
-from .conv import conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size
+from .conv import conv2d_forward, conv2d_backward, conv2d_backward_input, conv2d_backward_weight, conv_out_size
 from .batchnorm import (bn_stats, bn_normalize, bn_relu_apply_forward,
                         bn_relu_backward, bn_relu_backward_sums, bn_relu_backward_apply,
                         update_running_stats, bn_eval_relu_forward)

@@ -37,7 +37,8 @@ import numpy
 
 from ..system.backend import array_module
 from . import columns_cpu, columns_gpu, depthwise_cpu, depthwise_gpu
-from .chunks import chunk_size, over_batch, over_columns
+from .chunks import GEMM_WORK, chunk_size, gemm_grain, over_batch, over_columns
+from ..system import threads
 from . import winograd as _winograd
 
 def conv_out_size(h, k, stride, pad):
@@ -161,7 +162,13 @@ def conv2d_forward(out, x, w, stride, pad, ws, columns=None):
     w2 = w.reshape(Cout, -1)
     if _is_pointwise(w, stride, pad) and x.flags.c_contiguous:
         x2, o2 = _flat(x, Cin), _flat(out, Cout)
-        over_columns(x2.shape[1], lambda m0, m1: xp.matmul(w2, x2[:, m0:m1], out=o2[:, m0:m1]), x2, Cout * Cin)
+        M = x2.shape[1]
+        if xp is numpy and M < 2 * gemm_grain(Cout * Cin) and Cout * Cin * M >= 2 * GEMM_WORK:
+            # too few columns to split (DenseNet's 1x1 convs on 2x2 planes): split the output channels
+            threads.parallel_for(lambda r0, r1: xp.matmul(w2[r0:r1], x2, out=o2[r0:r1]), Cout,
+                                 grain=max(1, -(-GEMM_WORK // (Cin * M))))
+            return
+        over_columns(M, lambda m0, m1: xp.matmul(w2, x2[:, m0:m1], out=o2[:, m0:m1]), x2, Cout * Cin)
         return
     K = Cin * kh * kw
 
@@ -203,6 +210,51 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False, column
             xp.matmul(w2t, _flat(dout[:, n0:n1], Cout), out=cols.reshape(K, -1))
             columns.col2im(dx, n0, n1, cols, kh, kw, stride, pad)
     over_batch(N, ws, K * Ho * Wo, samples)
+
+
+def conv2d_backward(dw, dx, x, dout, w, stride, pad, ws, accumulate=False, columns=None):
+    """Both gradients of a conv: dw += the weight gradient, dx (+)= the input gradient. x may be
+    dx itself (where the engine rebuilds a unit's output in the buffer dx then takes): x is read
+    before dx is written. Where neither gradient would split between the threads (a conv on
+    small planes), the two run side by side, one per thread (winograd.conv3x3_backward_both;
+    _pointwise_backward_both for a 1x1 conv on few columns); else one after the other,
+    conv2d_backward_weight then conv2d_backward_input. The results are theirs."""
+    xp = array_module(dw)
+    columns = columns or columns_for(xp)
+    if xp is numpy and threads.threads() > 1:
+        if columns.winograd and _winograd.applies(x, dw, dout, stride, pad, ws, weight=True) and \
+                _winograd.applies(dout, w, dx, stride, pad, ws):
+            if _winograd.conv3x3_backward_both(dw, dx, x, dout, w, ws, accumulate):
+                return
+        elif _pointwise_backward_both(dw, dx, x, dout, w, stride, pad, accumulate):
+            return
+    conv2d_backward_weight(dw, x, dout, stride, pad, ws, columns)
+    conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate, columns)
+
+
+def _pointwise_backward_both(dw, dx, x, dout, w, stride, pad, accumulate):
+    """A 1x1 conv's two gradient GEMMs on too few columns to split (fewer than two threads'
+    gemm_grain: DenseNet's 1x1 convs on 2x2 planes) split by input channels instead, each
+    thread its rows of both: dw[:, rows] += dout @ x[rows]^T, then dx[rows] = w[:, rows]^T @ dout.
+    A thread reads its rows of x before it writes those of dx, so x may be dx itself. Where the
+    columns split (or the work is under chunks.GEMM_WORK a thread, or dx is accumulated, or
+    shares memory with dout, or with x other than as x itself) returns False, doing nothing."""
+    if not (_is_pointwise(w, stride, pad) and not accumulate and x.flags.c_contiguous and dx.flags.c_contiguous):
+        return False
+    Cout, Cin = w.shape[:2]
+    M = x.size // Cin
+    if M >= 2 * gemm_grain(Cout * Cin) or Cout * Cin * M < 2 * GEMM_WORK or numpy.may_share_memory(dx, dout):
+        return False
+    if numpy.may_share_memory(dx, x) and not (dx.ctypes.data == x.ctypes.data and dx.shape == x.shape):
+        return False
+    x2, g2, d2, dw2 = _flat(x, Cin), _flat(dout, Cout), _flat(dx, Cin), dw.reshape(Cout, Cin)
+    w2t = w.reshape(Cout, Cin).T
+
+    def rows(c0, c1):
+        dw2[:, c0:c1] += weight_term(numpy, g2, x2[c0:c1])
+        numpy.matmul(w2t[c0:c1], g2, out=d2[c0:c1])
+    threads.parallel_for(rows, Cin, grain=max(1, -(-GEMM_WORK // (Cout * M))))
+    return True
 
 
 FLIP_COLUMNS = 2048      # GEMM columns from which a weight gradient's GEMM may run flipped (weight_term)

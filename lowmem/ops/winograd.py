@@ -55,7 +55,7 @@ from typing import Callable, NamedTuple
 import numpy
 
 from . import winograd4
-from .chunks import over_batch
+from .chunks import batch_ranges, over_batch
 from ..system import threads
 from ..system.backend import numba_available
 
@@ -303,6 +303,52 @@ def conv3x3_backward_weight(dw, x, dout, ws):
     for start in starts[1:]:
         dU += sums[start]
     filter_gradient_add(dw, dU, s)
+
+
+def conv3x3_backward_both(dw, dx, x, dout, w, ws, accumulate=False):
+    """dw += the weight gradient and dx (+)= the input gradient side by side, one per thread, for
+    a conv too small for either to split between the threads (each would run as one batch
+    range: DenseNet's 3x3 convs on 4x4 and 2x2 planes). The weight gradient's input tiles are
+    made first, so x (which may be dx itself: the engine rebuilds a unit's output where dx then
+    goes) is read before dx is written; then the weight gradient's GEMMs and filter adjoint on
+    one thread and the input gradient on the other, each in its own part of the workspace (the
+    weight gradient's as its single range lays it out, the whole batch in one chunk). Each
+    result is what conv3x3_backward_weight and conv3x3_backward_input give. Returns False, doing
+    nothing, where this does not apply (fewer than two threads, a gradient that would split
+    itself, dx sharing memory with dout, or no room): run the two one after the other then."""
+    if threads.threads() < 2 or numpy.may_share_memory(dx, dout):
+        return False
+    Co, Ci = dw.shape[:2]
+    N, H, W = x.shape[1:]
+    s = scheme(N, H, W)
+    P = s.planes
+    th, tw = s.tiles(H, W)
+    T = N * th * tw
+    per_w, u = s.per_sample(Ci, Co, H, W), P * Co * Ci
+    per_x = s.per_sample(Co, Ci, H, W)
+    size_w = 2 * u + (N * per_w + PLANE_GAP * 2 * P)        # dU, its term, the batch's tiles (spaced)
+    if (ws.size < size_w + per_x or _weight_planes(N, th * tw, Ci * Co, ws, per_w, u)
+            or _split_planes(N, th * tw, Ci * Co, ws, per_x)
+            or len(batch_ranges(N, ws, per_w + 2 * u, _most(u * T))) > 1
+            or len(batch_ranges(N, ws, per_x, _most(P * Ci * Co * T))) > 1
+            or _chunk(ws[2 * u:size_w], per_w, N) < N):
+        return False
+    acc, tiles_ws, rest = ws[:u].reshape(P, Co, Ci), ws[2 * u:size_w], ws[size_w:]
+    V, Mg = _pair(tiles_ws, Ci, Co, T, P)
+    s.input_tiles(V, x, 0)                                 # x is not read after this
+    wb = w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)
+    U = filter_transform(wb, s)
+
+    def gradients(i0, i1):
+        for i in range(i0, i1):
+            if i == 0:
+                s.gradient_tiles(Mg, dout, 0)
+                numpy.matmul(Mg, V.transpose(0, 2, 1), out=acc)
+                filter_gradient_add(dw, acc, s)
+            else:
+                _correlate(dx, dout, U, rest, accumulate, s)
+    threads.parallel_for(gradients, 2)
+    return True
 
 
 def _weight_planes(N, tiles_per_sample, channels, ws, per, u):
