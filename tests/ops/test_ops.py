@@ -18,7 +18,7 @@ from reference import check_grad, conv_ref, maxpool_backward_ref, maxpool_ref, r
 
 from lowmem.ops import batchnorm as bn
 from lowmem.ops import pool
-from lowmem.ops import (conv2d_forward, conv2d_backward_input, conv2d_backward_weight, conv_out_size,
+from lowmem.ops import (conv2d_forward, conv2d_backward, conv2d_backward_input, conv2d_backward_weight, conv_out_size,
                         bn_stats, bn_normalize, bn_relu_apply_forward, bn_eval_relu_forward,
                         bn_relu_backward, update_running_stats,
                         maxpool_forward, maxpool_backward, avgpool_forward, avgpool_backward,
@@ -151,6 +151,53 @@ def test_conv_split_over_two_threads_matches_one(rng, monkeypatch, k, stride, pa
         np.testing.assert_allclose(b, a, rtol=tol, atol=tol * np.abs(a).max())
     np.testing.assert_allclose(got[1][0], conv_ref(x.astype(np.float64), w.astype(np.float64), stride, pad),
                                rtol=1e-4 if dtype == np.float32 else 1e-12, atol=1e-4 if dtype == np.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("k,Cin,Cout,H,N", [(3, 32, 16, 4, 8), (3, 16, 32, 2, 8), (1, 96, 64, 2, 8), (3, 32, 16, 16, 16),
+                                        (1, 96, 64, 8, 16)])
+@pytest.mark.parametrize("x_is_dx", [False, True])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_both_gradients_side_by_side_are_the_two_calls(rng, monkeypatch, k, Cin, Cout, H, N, x_is_dx, accumulate):
+    """conv2d_backward on two threads gives what conv2d_backward_weight then
+    conv2d_backward_input give, bit for bit: where the conv is small the two run side by side
+    (Winograd 3x3 on 4x4 and 2x2 planes, a 1x1 on 32 columns: GEMM_WORK lowered so these count
+    as worth it), x may be dx itself (read before dx is written), dx assigned or accumulated;
+    larger convs (16x16, a 1x1 on 1,024 columns, whose gradients split themselves) and one thread
+    run the two calls."""
+    pytest.importorskip("threadpoolctl")
+    from lowmem.ops import chunks, conv, winograd
+    from lowmem.system import threads
+    if not winograd.AVAILABLE and k == 3:
+        pytest.skip("numba not installed: no Winograd path")
+    monkeypatch.setattr(conv, "GEMM_WORK", 1 << 10)
+    monkeypatch.setattr(chunks, "GEMM_WORK", 1 << 10)
+    F = np.float32
+    x = rng.standard_normal((Cin, N, H, H)).astype(F)
+    w = (rng.standard_normal((Cout, Cin, k, k)) * 0.1).astype(F)
+    G = rng.standard_normal((Cout, N, H, H)).astype(F)
+    prior = rng.standard_normal(x.shape).astype(F)
+    ws = np.empty(1 << 20, F)
+    sides = []
+    for name, mod in (("conv3x3_backward_both", winograd), ("_pointwise_backward_both", conv)):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real, **kw: sides.append(real(*a, **kw)) or sides[-1])
+    before = threads.threads()
+    try:
+        for t in (2, 1):                            # each against the two calls on as many threads
+            threads.configure(t)
+            dw_want = np.ones_like(w)
+            dx_want = prior.copy() if accumulate else np.empty_like(x)
+            conv2d_backward_weight(dw_want, x, G, 1, k // 2, ws)
+            conv2d_backward_input(dx_want, G, w, 1, k // 2, ws, accumulate)
+            dw, xin = np.ones_like(w), x.copy()
+            dx = xin if x_is_dx and not accumulate else (prior.copy() if accumulate else np.empty_like(x))
+            conv2d_backward(dw, dx, xin, G, w, 1, k // 2, ws, accumulate)
+            np.testing.assert_array_equal(dw, dw_want)
+            np.testing.assert_array_equal(dx, dx_want)
+    finally:
+        threads.configure(before)
+    small = H <= 4 and not (k == 1 and accumulate)
+    assert any(sides) == small                      # side by side only on two threads, where small
 
 
 def test_a_1x1_gemm_splits_by_its_work(monkeypatch):
