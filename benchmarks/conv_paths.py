@@ -1,10 +1,13 @@
-"""One 3x3 stride-1 convolution's three products (forward, input gradient, weight gradient)
-through ops/conv.py under several paths, alternated call by call in one process, at the
-engine's default conv workspace (16 MiB): is the rule the engine applies the fastest here?
+"""One stride-1 convolution's three products (forward, input gradient, weight gradient), and its
+two gradients as the engine's backward runs them (conv2d_backward), through ops/conv.py under
+several paths, alternated call by call in one process, at the engine's default conv workspace
+(16 MiB): is the rule the engine applies the fastest here?
 
     python benchmarks/conv_paths.py --shape 256,256,8,16 --shape 128,32,4,16 --threads 2
+    python benchmarks/conv_paths.py --shape 752,128,2,16,1 --paths engine,apart --threads 2
 
-A shape is Cin,Cout,H,N (H = W). Paths (--paths, default: all):
+A shape is Cin,Cout,H,N[,k] (H = W; k the kernel, 3 (the default) or 1, padding k // 2).
+Paths (--paths, default: all):
   engine       what the engine runs (Winograd where it applies, its scheme and thread split)
   batch-split  Winograd with batch ranges only (no plane split; a weight gradient whose dU
                and term do not fit takes im2col, as before blocks of output channels)
@@ -16,8 +19,11 @@ A shape is Cin,Cout,H,N (H = W). Paths (--paths, default: all):
   im2col       the im2col path (Winograd off)
   im2col-unflipped  im2col with every weight-gradient GEMM as dout @ cols^T (ops/conv.weight_term
                never flipped: conv.FLIP_COLUMNS out of reach), against im2col's rule
+  apart        the engine's rule, with a small conv's two gradients one after the other
+               (conv.SIDE_BY_SIDE off), not side by side on two threads
 Printed per shape and path: the median milliseconds of each product over --rounds rounds
-(the first two not counted), their sum, and the sum against the first path's. Wall-clock on
+(the first two not counted), their sum and the sum against the first path's; then both
+gradients as conv2d_backward runs them and that against the first path's. Wall-clock on
 whatever machine runs it: say which, and time nothing else at once.
 """
 import argparse
@@ -43,6 +49,7 @@ PATHS = {
     "f4": {(winograd4, "MIN_OUTPUTS"): 0, (winograd4, "MIN_SIDE"): 4},
     "im2col": {(winograd, "ENABLED"): False},
     "im2col-unflipped": {(winograd, "ENABLED"): False, (conv, "FLIP_COLUMNS"): 1 << 62},
+    "apart": {(conv, "SIDE_BY_SIDE"): False},
 }
 
 
@@ -61,28 +68,35 @@ def path(name):
 
 def shape_arg(text):
     try:
-        ci, co, h, n = (int(v) for v in text.split(","))
+        sizes = [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a shape is Cin,Cout,H,N (four integers), got {text!r}")
-    if min(ci, co, h, n) < 1:
+        sizes = []
+    if len(sizes) not in (4, 5):
+        raise argparse.ArgumentTypeError(f"a shape is Cin,Cout,H,N or Cin,Cout,H,N,k (integers), got {text!r}")
+    if min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"a shape's sizes must be positive, got {text!r}")
-    return ci, co, h, n
+    if len(sizes) == 5 and sizes[4] not in (1, 3):
+        raise argparse.ArgumentTypeError(f"a shape's kernel k is 1 or 3, got {text!r}")
+    return tuple(sizes) + ((3,) if len(sizes) == 4 else ())
 
 
-def products(ci, co, h, n, ws, rng):
-    """The three products of one conv, as closures over fresh arrays."""
+def products(ci, co, h, n, k, ws, rng):
+    """The three products of one conv, and both gradients as conv2d_backward runs them, as
+    closures over fresh arrays."""
     x = rng.standard_normal((ci, n, h, h), dtype=np.float32)
-    w = (rng.standard_normal((co, ci, 3, 3)) * np.sqrt(2 / (9 * ci))).astype(np.float32)
+    w = (rng.standard_normal((co, ci, k, k)) * np.sqrt(2 / (k * k * ci))).astype(np.float32)
     g = rng.standard_normal((co, n, h, h), dtype=np.float32)
     out, dx, dw = np.empty_like(g), np.empty_like(x), np.zeros_like(w)
-    return (lambda: conv.conv2d_forward(out, x, w, 1, 1, ws, conv.NUMBA),
-            lambda: conv.conv2d_backward_input(dx, g, w, 1, 1, ws, columns=conv.NUMBA),
-            lambda: conv.conv2d_backward_weight(dw, x, g, 1, 1, ws, conv.NUMBA))
+    p = k // 2
+    return (lambda: conv.conv2d_forward(out, x, w, 1, p, ws, conv.NUMBA),
+            lambda: conv.conv2d_backward_input(dx, g, w, 1, p, ws, columns=conv.NUMBA),
+            lambda: conv.conv2d_backward_weight(dw, x, g, 1, p, ws, conv.NUMBA),
+            lambda: conv.conv2d_backward(dw, dx, x, g, w, 1, p, ws, columns=conv.NUMBA))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", type=shape_arg, action="append", required=True, help="Cin,Cout,H,N")
+    p.add_argument("--shape", type=shape_arg, action="append", required=True, help="Cin,Cout,H,N[,k]")
     p.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of: " + ", ".join(PATHS))
     p.add_argument("--threads", type=int, default=None, help="lowmem threads (default: all cores)")
     p.add_argument("--rounds", type=int, default=15)
@@ -101,9 +115,9 @@ def main(argv=None):
           f"load average {os.getloadavg()[0]:.2f}")
     ws = np.empty(DEFAULT_WORKSPACE_BYTES // 4, np.float32)
     rng = np.random.default_rng(0)
-    for ci, co, h, n in args.shape:
-        calls = products(ci, co, h, n, ws, rng)
-        times = {name: [[], [], []] for name in names}
+    for ci, co, h, n, k in args.shape:
+        calls = products(ci, co, h, n, k, ws, rng)
+        times = {name: [[], [], [], []] for name in names}
         with threadpool_limits(1):
             for r in range(args.rounds):
                 for name in (names if r % 2 == 0 else names[::-1]):
@@ -113,12 +127,13 @@ def main(argv=None):
                             f()
                             times[name][i].append(time.perf_counter() - t0)
         med = {name: [1e3 * float(np.median(t[2:])) for t in times[name]] for name in names}
-        first = sum(med[names[0]])
-        print(f"Cin {ci}, Cout {co}, {h}x{h}, batch {n} (ms: forward, input gradient, weight gradient = sum; "
-              f"against {names[0]})")
+        first, both = sum(med[names[0]][:3]), med[names[0]][3]
+        print(f"Cin {ci}, Cout {co}, {k}x{k} on {h}x{h}, batch {n} (ms: forward, input gradient, weight "
+              f"gradient = sum, against {names[0]}; both gradients as the backward runs them, against {names[0]})")
         for name in names:
-            f, d, w = med[name]
-            print(f"  {name:12s} {f:8.3f} {d:8.3f} {w:8.3f} = {f + d + w:8.3f}   {(f + d + w) / first:.2f}")
+            f, d, w, b = med[name]
+            print(f"  {name:12s} {f:8.3f} {d:8.3f} {w:8.3f} = {f + d + w:8.3f}   {(f + d + w) / first:.2f}   "
+                  f"both {b:8.3f}   {b / both:.2f}")
 
 
 if __name__ == "__main__":

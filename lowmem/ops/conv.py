@@ -212,6 +212,9 @@ def conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate=False, column
     over_batch(N, ws, K * Ho * Wo, samples)
 
 
+SIDE_BY_SIDE = True     # off: conv2d_backward runs the two gradients one after the other (benchmarks/conv_paths.py)
+
+
 def conv2d_backward(dw, dx, x, dout, w, stride, pad, ws, accumulate=False, columns=None):
     """Both gradients of a conv: dw += the weight gradient, dx (+)= the input gradient. x may be
     dx itself (where the engine rebuilds a unit's output in the buffer dx then takes): x is read
@@ -221,7 +224,7 @@ def conv2d_backward(dw, dx, x, dout, w, stride, pad, ws, accumulate=False, colum
     conv2d_backward_weight then conv2d_backward_input. The results are theirs."""
     xp = array_module(dw)
     columns = columns or columns_for(xp)
-    if xp is numpy and threads.threads() > 1:
+    if SIDE_BY_SIDE and xp is numpy and threads.threads() > 1:
         if columns.winograd and _winograd.applies(x, dw, dout, stride, pad, ws, weight=True) and \
                 _winograd.applies(dout, w, dx, stride, pad, ws):
             if _winograd.conv3x3_backward_both(dw, dx, x, dout, w, ws, accumulate):

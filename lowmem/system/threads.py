@@ -109,8 +109,8 @@ def configure(threads=None):
         if _pool is not None:
             for w in _pool:
                 w.stop()
-        spin = _spinner() if n > 1 else None
-        _pool = [_Worker(i, spin) for i in range(n - 1)] if n > 1 else None
+        spinner = _spinner() if n > 1 else None
+        _pool = [_Worker(i, spinner) for i in range(n - 1)] if n > 1 else None
         _threads = n
     return _threads
 
@@ -126,14 +126,17 @@ def bounds(n, parts):
 
 
 def _spinner():
-    """lowmem/system/spin.py's spin (compiled, or loaded from numba's cache, now), or None
-    without numba (or with one that cannot build it): then the pool uses its locks alone."""
+    """lowmem/system/spin.py's (spin, publish_and_spin) (compiled, or loaded from numba's cache,
+    now), or None without numba (or with one that cannot build them): then the pool uses its
+    locks alone."""
     try:
-        from .spin import spin
-        spin(numpy.ones(1, numpy.int64), 0, 1)
+        from .spin import publish_and_spin, spin
+        flag = numpy.ones(1, numpy.int64)
+        spin(flag, 0, 1)
+        publish_and_spin(numpy.zeros(1, numpy.int64), 0, flag, 0, 1)
     except Exception:                                     # pragma: no cover - no numba: locks only
         return None
-    return spin
+    return spin, publish_and_spin
 
 
 SPIN_READS = 1 << 18    # about 90 us of reads (0.33 ns each on a Zen 4 EPYC): how long a pool thread
@@ -147,20 +150,20 @@ class _Worker:
     range it was given, records an error, releases `done` and then bumps `fin` (which the
     caller spins on: fin == seq means `done` was released). Without numba only the locks."""
 
-    def __init__(self, i, spin):
+    def __init__(self, i, spinner):
         self.go, self.done = threading.Lock(), threading.Lock()
         self.go.acquire()
         self.done.acquire()
         self.seq, self.fin = numpy.zeros(1, numpy.int64), numpy.zeros(1, numpy.int64)
-        self.spin = spin
+        self.spin, self.publish = spinner if spinner is not None else (None, None)
         self.task = self.error = None
         self.thread = threading.Thread(target=self._loop, name=f"lowmem-{i}", daemon=True)
         self.thread.start()
 
     def _loop(self):
-        seen = 0
+        seen, spun = 0, False
         while True:
-            if self.spin is not None:
+            if self.spin is not None and not spun:
                 self.spin(self.seq, seen, SPIN_READS)
             self.go.acquire()                            # at once when the spin saw the task
             seen = int(self.seq[0])
@@ -174,7 +177,11 @@ class _Worker:
             except BaseException as e:                   # re-raised by the caller
                 self.error = e
             self.done.release()                          # then fin: fin == seq means `done` was released
-            self.fin[0] = seen
+            if self.publish is not None:                 # fin from outside the GIL, then the next task's spin
+                self.publish(self.fin, seen, self.seq, seen, SPIN_READS)
+                spun = True
+            else:
+                self.fin[0] = seen
 
     def _settle(self):
         """After a wait() that an exception (Ctrl-C) cut short: let that range end and take its

@@ -88,9 +88,10 @@ def test_lowmem_threads_environment_variable(monkeypatch):
 
 
 def test_spin_returns_the_new_value_or_gives_up_after_its_reads():
-    spin = threads._spinner()
-    if spin is None:
+    spinner = threads._spinner()
+    if spinner is None:
         pytest.skip("numba is not installed: the pool uses its locks alone")
+    spin, publish_and_spin = spinner
     flag = numpy.array([5], numpy.int64)
     assert spin(flag, 4, 1 << 30) == 5            # already differs: at once
     assert spin(flag, 5, 1000) == 5               # never changes: `seen` after 1,000 reads
@@ -98,6 +99,14 @@ def test_spin_returns_the_new_value_or_gives_up_after_its_reads():
     later.start()
     assert spin(flag, 5, 1 << 40) == 6            # another thread's store is seen (not hoisted)
     later.join()
+    out = numpy.zeros(1, numpy.int64)             # the store first, then the spin
+    assert publish_and_spin(out, 9, flag, 6, 1000) == 6 and out[0] == 9
+    seen = []                                     # another thread spinning on `out` sees the store
+    watcher = threading.Thread(target=lambda: seen.append(spin(out, 9, 1 << 40)))
+    watcher.start()
+    assert publish_and_spin(out, 10, flag, 5, 1 << 30) == 6
+    watcher.join()
+    assert seen == [10]
 
 
 @pytest.mark.parametrize("spinning", [True, False])
