@@ -105,6 +105,9 @@ def worker(args):
     from lowmem.system import threads  # the parent gave this process an empty NUMBA_CACHE_DIR:
     from lowmem.units import window_cpu as fast          # first calls time the JIT, and inspect_asm works
     threads.configure(args.threads)
+    if args.split_work is not None:
+        from lowmem.units import cpu_base
+        cpu_base.SPLIT_WORK = args.split_work
     if not fast.AVAILABLE:
         harness.result_line({"status": "numba not installed"})
         return 0
@@ -190,10 +193,15 @@ def main(argv=None):
                     help="lowmem threads (default: os.cpu_count() = %(default)s)")
     ap.add_argument("--shape", action="append", type=unit_shape, metavar="C,M",
                     help="a unit of C channels of M = N*H*W elements (repeatable; default: ResNet-164's at batch 128)")
+    ap.add_argument("--split-work", type=int, metavar="N",
+                    help="split a kernel call between the threads from N plain-copy elements a thread "
+                         "(units/cpu_base.SPLIT_WORK; default: lowmem's; 1: split every call)")
     ap.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     harness.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.split_work is not None and args.split_work < 1:
+        ap.error(f"--split-work must be at least 1, got {args.split_work}")
     for C, M in args.shape or ():
         if M * args.bits % 8:
             ap.error(f"--shape {C},{M}: M*bits must be a multiple of 8 (the kernels' byte-aligned rows)")
@@ -212,6 +220,8 @@ def main(argv=None):
                "--threads", str(args.threads), "--rounding", args.rounding]
         for C, M in args.shape or ():
             cmd += ["--shape", f"{C},{M}"]
+        if args.split_work is not None:
+            cmd += ["--split-work", str(args.split_work)]
         k = harness.run_supervised(cmd, harness.Supervision.from_args(args), log, label="unit kernels",
                                    env=dict(os.environ, NUMBA_CACHE_DIR=cache), done=lambda r: "rows" in r)
     finally:
@@ -219,7 +229,8 @@ def main(argv=None):
     if k["status"] != "ok":
         print(f"kernel table: {k['status']}")
         return 1
-    print(f"fused kernels, {k['threads']} lowmem thread(s), {k['bits']}-bit, rounding {k['rounding']}; "
+    split = f", split from {args.split_work} copies a thread" if args.split_work is not None else ""
+    print(f"fused kernels, {k['threads']} lowmem thread(s){split}, {k['bits']}-bit, rounding {k['rounding']}; "
           f"best of 3 rounds x 6 calls; "
           f"bytes moved per element as counted in kernel_cases; load 1m {k['load_before'][0]:.2f}, "
           f"others {k['other_cpus_during']:.2f} CPUs")

@@ -58,7 +58,8 @@ PRIVATE = {
     "_forward_exact", "_exact_sums", "_exact_dx_block", "_stats")} | {
     ("unit_kernels.py", "lowmem.units.unbiased_cpu", name) for name in (
         "_forward_rows", "_range", "_draw_each", "_draw_dither", "_draw_systematic", "_decode_rows", "_conv_input",
-        "_backward_rows", "_sums", "_dx")}
+        "_backward_rows", "_sums", "_dx")} | {
+    ("unit_kernels.py", "lowmem.units.cpu_base", name) for name in ("_pack", "_unpack")}  # the packer's loops, named in ASM_KERNELS
 
 
 def private(name):

@@ -45,17 +45,29 @@ def test_a_run_prints_every_path_of_every_shape(capsys):
     import conv_paths
     before = threads.threads()
     try:
-        conv_paths.main(["--shape", "16,16,4,2", "--shape", "16,24,5,1", "--rounds", "3", "--threads", "1"])
+        conv_paths.main(["--shape", "16,16,4,2", "--shape", "16,24,5,1", "--shape", "32,16,2,2,1", "--rounds", "3",
+                         "--threads", "1"])
     finally:
         threads.configure(before)
     out = capsys.readouterr().out
-    assert out.count("Cin 16, Cout 16, 4x4, batch 2") == 1 and out.count("Cin 16, Cout 24, 5x5, batch 1") == 1
+    assert out.count("Cin 16, Cout 16, 3x3 on 4x4, batch 2") == 1 and out.count("Cin 16, Cout 24, 3x3 on 5x5, batch 1") == 1
+    assert out.count("Cin 32, Cout 16, 1x1 on 2x2, batch 2") == 1
     for name in conv_paths.PATHS:
-        assert out.count(f"  {name} ") == 2
+        assert out.count(f"  {name} ") == 3
+    assert out.count("   both ") == 3 * len(conv_paths.PATHS)
+
+
+def test_the_apart_path_runs_both_gradients_one_after_the_other():
+    import conv_paths
+    from lowmem.ops import conv
+    with conv_paths.path("apart"):
+        assert conv.SIDE_BY_SIDE is False
+    assert conv.SIDE_BY_SIDE is True
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "16,16,4"], "Cin,Cout,H,N"),
+    (["--shape", "16,16,4,2,5"], "kernel k is 1 or 3"),
     (["--shape", "16,0,4,2"], "positive"),
     (["--shape", "16,16,4,2", "--paths", "engine,f8"], "unknown path"),
     (["--shape", "16,16,4,2", "--rounds", "2"], "at least 3"),
