@@ -23,6 +23,8 @@ with LOWMEM_THREADS=1 for a step's whole work.
 wall clock (all threads' work inside it: run at the thread count you study), and per op kind
 (a fused forward group counts as one, e.g. bn+add+relu) its milliseconds per step for each
 config and the difference to the first config: which ops an approximate mode's extra sits in.
+--by-plane keeps each kind apart by the plane its op writes and a conv by its kernel too
+("bwd conv 3x3 4x4"): run at LOWMEM_THREADS=1 and 2, where two threads lose, op by op.
 """
 import argparse
 import collections
@@ -121,13 +123,22 @@ def own_times(steps, rounds):
     return own
 
 
-def op_times(steps, rounds):
+def op_times(steps, rounds, by_plane=False):
     """{name: Counter(op kind -> wall seconds per step)}: `rounds` rounds as `alternate`'s, with
     each engine's forward handlers (a fused group as one kind, its ops joined by '+') and
-    backward handlers timed; the engines are put back afterwards."""
+    backward handlers timed; the engines are put back afterwards. by_plane: each kind apart by
+    the plane its op writes (its first op's output, H x W), and a conv's by its kernel too."""
     from lowmem.core.optable import OPS
     names = list(steps)
     walls = {n: collections.Counter() for n in names}
+
+    def kind(step):
+        if not by_plane:
+            return step.op
+        k = getattr(step.layer, "k", None) if step.op == "conv" else None
+        shape = step.out_shape if step.phase == "fwd" else step.in_shape
+        plane = f" {shape[-2]}x{shape[-1]}" if len(shape) == 3 else ""
+        return f"{step.op}{f' {k}x{k}' if k else ''}{plane}"
 
     def instrument(eng, wall):
         def timed(kind, fn):
@@ -136,7 +147,7 @@ def op_times(steps, rounds):
                 fn(*a)
                 wall[kind] += (time.perf_counter() - t) / rounds
             return run
-        eng._forward_groups = [(timed("fwd " + "+".join(s.op for s in st), h), st) for h, st in eng._forward_groups]
+        eng._forward_groups = [(timed("fwd " + "+".join(kind(s) for s in st), h), st) for h, st in eng._forward_groups]
         sweep = eng._sweep
 
         def backward_sweep(phase, before=None):
@@ -146,7 +157,7 @@ def op_times(steps, rounds):
                 if step.phase == phase:
                     if before is not None:
                         before(step)
-                    timed("bwd " + step.op, OPS[step.op].backward)(eng.run, step)
+                    timed("bwd " + kind(step), OPS[step.op].backward)(eng.run, step)
         eng._sweep = backward_sweep
 
     saved = {n: steps[n].engine._forward_groups for n in names}
@@ -180,7 +191,11 @@ def main(argv=None):
                    help="then profile as many rounds and print the N functions with the most own time")
     p.add_argument("--ops", action="store_true",
                    help="then time every op's handlers for as many rounds: ms per step by op kind")
+    p.add_argument("--by-plane", action="store_true",
+                   help="with --ops: each op kind apart by the plane it writes (and a conv by its kernel)")
     args = p.parse_args(argv)
+    if args.by_plane and not args.ops:
+        p.error("--by-plane goes with --ops")
     configs = args.configs.split(",")
     x, y = batch_for(p, args)
     steps, plans = {}, {}
@@ -208,7 +223,7 @@ def main(argv=None):
         kept = [f for f in set().union(*own.values()) if max(own[c][f] for c in configs) >= 1e-3]
         out["own_seconds_per_step"] = {c: {f: round(own[c][f], 4) for f in sorted(kept)} for c in configs}
     if args.ops:
-        walls = op_times(steps, args.rounds)
+        walls = op_times(steps, args.rounds, args.by_plane)
         kinds = sorted(set().union(*walls.values()), key=lambda k: -max(walls[c][k] for c in configs))
         print(f"wall ms per step by op kind (handlers timed, {args.rounds} rounds; "
               f"LOWMEM_THREADS={os.environ.get('LOWMEM_THREADS', 'unset')}):")

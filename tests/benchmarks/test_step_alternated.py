@@ -70,3 +70,23 @@ def test_ops_prints_a_table(tmp_path):
     table = res["op_ms_per_step"]
     assert set(table) == {"exact", "approx4"} and "bwd conv" in table["exact"]
     assert "wall ms per step by op kind" in r.stdout and "approx4-exact" in r.stdout
+
+
+def test_ops_by_plane_keeps_the_planes_and_kernels_apart():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("step_alternated", SCRIPT)
+    sa = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sa)
+    import lowmem
+    x, y = sa.random_batch(4, (3, 8, 8))
+    steps = {"exact": sa.make_step(lowmem, 8, *sa.parse("exact"), x, y)[0]}
+    walls = sa.op_times(steps, 1, by_plane=True)["exact"]
+    eng = steps["exact"].engine
+    planes = {s.in_shape[-2:] for s in eng.schedule if s.op == "conv" and s.phase == "bwd"}
+    assert {f"bwd conv 3x3 {h}x{w}" for h, w in planes} <= set(walls)            # pre-act ResNet-8: 8x8, 4x4, 2x2
+    assert len(planes) == 3 and not any(k == "bwd conv" for k in walls)
+
+
+def test_by_plane_goes_with_ops():
+    r = run("--depth", 8, "--batch", 4, "--rounds", 1, "--by-plane")
+    assert r.returncode == 2 and "--by-plane goes with --ops" in r.stderr
