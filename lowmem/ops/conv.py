@@ -219,9 +219,12 @@ def conv2d_backward(dw, dx, x, dout, w, stride, pad, ws, accumulate=False, colum
     """Both gradients of a conv: dw += the weight gradient, dx (+)= the input gradient. x may be
     dx itself (where the engine rebuilds a unit's output in the buffer dx then takes): x is read
     before dx is written. Where neither gradient would split between the threads (a conv on
-    small planes), the two run side by side, one per thread (winograd.conv3x3_backward_both;
-    _pointwise_backward_both for a 1x1 conv on few columns); else one after the other,
-    conv2d_backward_weight then conv2d_backward_input. The results are theirs."""
+    small planes), the two run side by side, one per thread (winograd.conv3x3_backward_both);
+    a 1x1 conv on few columns splits both by input channels (_pointwise_backward_both); else
+    one after the other, conv2d_backward_weight then conv2d_backward_input. The results are
+    theirs, bit for bit; except that where a 1x1 conv's columns would have split, its weight
+    gradient is summed over the columns in one piece, as on one thread, not in per-range parts
+    (the last bits may differ from the two calls' on several threads, as between thread counts)."""
     xp = array_module(dw)
     columns = columns or columns_for(xp)
     if SIDE_BY_SIDE and xp is numpy and threads.threads() > 1:
@@ -235,18 +238,23 @@ def conv2d_backward(dw, dx, x, dout, w, stride, pad, ws, accumulate=False, colum
     conv2d_backward_input(dx, dout, w, stride, pad, ws, accumulate, columns)
 
 
+ROW_COLUMNS = 256       # GEMM columns a thread would get, below which a 1x1 conv's two gradients split by rows
+
+
 def _pointwise_backward_both(dw, dx, x, dout, w, stride, pad, accumulate):
-    """A 1x1 conv's two gradient GEMMs on too few columns to split (fewer than two threads'
-    gemm_grain: DenseNet's 1x1 convs on 2x2 planes) split by input channels instead, each
-    thread its rows of both: dw[:, rows] += dout @ x[rows]^T, then dx[rows] = w[:, rows]^T @ dout.
-    A thread reads its rows of x before it writes those of dx, so x may be dx itself. Where the
-    columns split (or the work is under chunks.GEMM_WORK a thread, or dx is accumulated, or
-    shares memory with dout, or with x other than as x itself) returns False, doing nothing."""
+    """A 1x1 conv's two gradient GEMMs on few columns (under ROW_COLUMNS a thread, or too few
+    to split at all: DenseNet's 1x1 convs on 4x4 and 2x2 planes) split by input channels, each
+    thread its rows of both: dw[:, rows] += dout @ x[rows]^T, then dx[rows] = w[:, rows]^T @ dout,
+    one hand-over for both, every GEMM as wide as the batch. A thread reads its rows of x before
+    it writes those of dx, so x may be dx itself. Where the columns are wide enough to split (or
+    the work is under chunks.GEMM_WORK a thread, or dx is accumulated, or shares memory with dout,
+    or with x other than as x itself) returns False, doing nothing."""
     if not (_is_pointwise(w, stride, pad) and not accumulate and x.flags.c_contiguous and dx.flags.c_contiguous):
         return False
     Cout, Cin = w.shape[:2]
     M = x.size // Cin
-    if M >= 2 * gemm_grain(Cout * Cin) or Cout * Cin * M < 2 * GEMM_WORK or numpy.may_share_memory(dx, dout):
+    narrow = M < threads.threads() * ROW_COLUMNS or M < 2 * gemm_grain(Cout * Cin)
+    if not narrow or Cout * Cin * M < 2 * GEMM_WORK or numpy.may_share_memory(dx, dout):
         return False
     if numpy.may_share_memory(dx, x) and not (dx.ctypes.data == x.ctypes.data and dx.shape == x.shape):
         return False

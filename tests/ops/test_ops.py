@@ -153,17 +153,18 @@ def test_conv_split_over_two_threads_matches_one(rng, monkeypatch, k, stride, pa
                                rtol=1e-4 if dtype == np.float32 else 1e-12, atol=1e-4 if dtype == np.float32 else 1e-12)
 
 
-@pytest.mark.parametrize("k,Cin,Cout,H,N", [(3, 32, 16, 4, 8), (3, 16, 32, 2, 8), (1, 96, 64, 2, 8), (3, 32, 16, 16, 16),
-                                        (1, 96, 64, 8, 16)])
+@pytest.mark.parametrize("k,Cin,Cout,H,N", [(3, 32, 16, 4, 8), (3, 16, 32, 2, 8), (1, 96, 64, 2, 8), (1, 96, 64, 4, 16),
+                                        (3, 32, 16, 16, 16), (1, 96, 64, 8, 16)])
 @pytest.mark.parametrize("x_is_dx", [False, True])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_both_gradients_side_by_side_are_the_two_calls(rng, monkeypatch, k, Cin, Cout, H, N, x_is_dx, accumulate):
     """conv2d_backward on two threads gives what conv2d_backward_weight then
     conv2d_backward_input give, bit for bit: where the conv is small the two run side by side
-    (Winograd 3x3 on 4x4 and 2x2 planes, a 1x1 on 32 columns: GEMM_WORK lowered so these count
-    as worth it), x may be dx itself (read before dx is written), dx assigned or accumulated;
-    larger convs (16x16, a 1x1 on 1,024 columns, whose gradients split themselves) and one thread
-    run the two calls."""
+    (Winograd 3x3 on 4x4 and 2x2 planes) or split by input channels (a 1x1 on 32 columns, and on
+    256, which the two calls split by columns: its weight gradient is then the one-thread
+    sum's; GEMM_WORK lowered so these count as worth it), x may be dx itself (read before dx is
+    written), dx assigned or accumulated; larger convs (16x16, a 1x1 on 1,024 columns, whose
+    gradients split themselves) and one thread run the two calls."""
     pytest.importorskip("threadpoolctl")
     from lowmem.ops import chunks, conv, winograd
     from lowmem.system import threads
@@ -182,13 +183,20 @@ def test_both_gradients_side_by_side_are_the_two_calls(rng, monkeypatch, k, Cin,
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, real=real, **kw: sides.append(real(*a, **kw)) or sides[-1])
     before = threads.threads()
+    split_columns = k == 1 and H * H * N >= 2 * chunks.gemm_grain(Cin * Cout)    # the two calls' own split
+    rows = k == 1 and H <= 4 and not accumulate                                  # and where rows replace it
     try:
-        for t in (2, 1):                            # each against the two calls on as many threads
+        want = {}
+        for t in (1, 2):                            # the two calls on 1 and 2 threads
             threads.configure(t)
             dw_want = np.ones_like(w)
             dx_want = prior.copy() if accumulate else np.empty_like(x)
             conv2d_backward_weight(dw_want, x, G, 1, k // 2, ws)
             conv2d_backward_input(dx_want, G, w, 1, k // 2, ws, accumulate)
+            want[t] = dw_want, dx_want
+        for t in (2, 1):                            # each against the two calls on as many threads
+            threads.configure(t)
+            dw_want, dx_want = want[1 if rows and split_columns else t][0], want[t][1]
             dw, xin = np.ones_like(w), x.copy()
             dx = xin if x_is_dx and not accumulate else (prior.copy() if accumulate else np.empty_like(x))
             conv2d_backward(dw, dx, xin, G, w, 1, k // 2, ws, accumulate)
