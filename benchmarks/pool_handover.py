@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lowmem                                                              # noqa: E402
 from lowmem.system import threads                                          # noqa: E402
-from step_alternated import make_step, parse, random_batch                 # noqa: E402 (beside this script)
+from step_alternated import make_step, median_step, parse, random_batch                 # noqa: E402 (beside this script)
 
 
 def reference_pool(workers):
@@ -95,12 +95,7 @@ def main(argv=None):
     def timed(pf):
         threads.parallel_for = pf
         try:
-            ts = []
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                step()
-                ts.append(time.perf_counter() - t)
-            return statistics.median(ts)
+            return median_step(step, args.steps)
         finally:
             threads.parallel_for = ours
     timed(ref), timed(ours)                                     # warm-up

@@ -107,6 +107,16 @@ def alternate(steps, rounds, warmup):
     return times
 
 
+def median_step(step, n):
+    """The median seconds of n calls of step()."""
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - t)
+    return float(numpy.median(ts))
+
+
 def own_times(steps, rounds):
     """{name: Counter(function -> own seconds per step)}: `rounds` rounds as `alternate`'s, each
     step under its own cProfile (the calling thread only)."""

@@ -21,12 +21,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lowmem                                                              # noqa: E402
-from step_alternated import batch_for, make_step, parse                   # noqa: E402 (beside this script)
+from step_alternated import batch_for, make_step, median_step, parse                   # noqa: E402 (beside this script)
 
 
 def setting(text):
@@ -70,12 +69,7 @@ def main(argv=None):
         for mod, name, value in values:
             setattr(mod, name, value)
         try:
-            ts = []
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                step()
-                ts.append(time.perf_counter() - t)
-            return statistics.median(ts)
+            return median_step(step, args.steps)
         finally:
             for mod, name, value in as_is:
                 setattr(mod, name, value)

@@ -20,7 +20,7 @@ if AVAILABLE:
     OFF_MID, OFF_SCALE = F32(1 << (stream.OFFSET_BITS - 1)), F32(2.0 ** -stream.OFFSET_BITS)
 
 BLOCK = 4096          # elements per block: codes scratch 4 KiB, a multiple of 8 (byte-aligned for any K)
-GRAIN = 1 << 15       # elements per thread below which a call of the other kernels (norm_cpu, rangecode_cpu) is not split
+GRAIN = 1 << 15       # elements per thread below which a block-wise call (norm_cpu's flat passes, rangecode_cpu) is not split
 SPLIT_WORK = 1 << 18  # a thread's share of a unit kernel call, in elements of a plain copy, below which
                       # the call is not split: each kernel states its cost per element in copies
 
