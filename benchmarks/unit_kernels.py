@@ -136,6 +136,9 @@ def worker(args):
         if disp is None:                                     # an older checkout's kernel set
             asm[name] = "n/a (absent)"
             continue
+        if not disp.signatures:                              # inline="always": compiled into its callers only
+            asm[name] = "inlined"
+            continue
         try:
             text = "\n".join(disp.inspect_asm().values())
         except Exception as e:                               # cached code cannot be inspected

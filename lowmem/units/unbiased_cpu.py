@@ -12,7 +12,11 @@ into a float buffer first, so no loop both reads x and writes out (out may alias
 group ranges are int32 max/min over order-preserving keys of the float bits. error_model=
 "numpy": no zero check on a float division (it stops LLVM vectorising; the divisions are the
 reference's own, kept as divisions). One call per block, not per group (the variants tried and
-what they cost: docs/performance.md, "How the kernels are written").
+what they cost: docs/performance.md, "How the kernels are written"); the per-block helpers
+compiled with the row loops' own options are inlined into them (inline="always"): on rows of 64
+and 256 elements, where a row is one block, the calls were a tenth to a fifth of a kernel's time.
+_sums, which may reassociate, stays a call (inlined, it would take its caller's strict float
+options and not vectorise).
 
 Arithmetic: every float operation of unbiased.metadata, Levels and _encode_piece, one rounding
 each, in the same order (float32 only, no fastmath outside the backward's sums), and the
@@ -89,7 +93,7 @@ if AVAILABLE:
         bits_view[0] = numpy.uint32(b) << numpy.uint32(16)
         return box[0]
 
-    @njit(**_opts)
+    @njit(inline="always")
     def _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view):
         """lv[gi] <- (base_o, step_o, base_c, step_c) of every group gi of row c (stored ends)."""
         for gi in range(lv.shape[0]):
@@ -122,7 +126,7 @@ if AVAILABLE:
     # which stops LLVM vectorising), or over the group's slices where the loop writes a float
     # array it also reads from (LLVM's runtime overlap check needs them).
 
-    @njit(**_opts)
+    @njit(inline="always")
     def _normalise(xb, xr, m, r):
         """xb <- x-hat = (x - m)*r (a buffer: out may alias x)."""
         for t in range(xr.size):
@@ -179,7 +183,7 @@ if AVAILABLE:
             b += numpy.uint32(1)
         return numpy.uint16(b)
 
-    @njit(**_opts)
+    @njit(inline="always")
     def _block_ranges(ends, lv, xi, c, gi0, neg, t_o, t_c, kc, L, box, bits_view):
         """Per group of the block (the first one gi0 of row c; xi: x-hat's bits): its range of
         u = x-hat*s, stored as bf16 ends (outward), and its levels (into lv)."""
@@ -282,7 +286,7 @@ if AVAILABLE:
     AHEAD = 4 * LANES           # the sums' reach: R of element t from R of element t − AHEAD
     A1, A2, A3, A4 = U64(LANES), U64(2 * LANES), U64(3 * LANES), U64(AHEAD)
 
-    @njit(**_opts)
+    @njit(inline="always")
     def _draw_systematic(codes, orow, xb, lv, gi0, g, b, s, kf, L, z0, pb, qs, eo, ec):
         """codes <- the block's codes at 2 bits (unbiased._encode_block, from its groups' levels
         lv; each group's draw from counter z0 + (its first element)*GOLDEN, then unbiased's
@@ -336,7 +340,7 @@ if AVAILABLE:
                 on = qs[t] >= I0
                 cq[t - A4] = _code(pb[t - A4], F32((ro if on else rc) & R_MASK), on, n_open, kf)
 
-    @njit(**_opts)
+    @njit(inline="always")
     def _xtilde(orow, codes, lv, gi0, kf, s, dith, z0):
         """orow <- x-tilde = s*(base + j*step) of each code's side (dith: j + d, d of the groups'
         draws from counter z0, _dither)."""
@@ -357,7 +361,7 @@ if AVAILABLE:
                     v = F32(cq[t])
                     oq[t] = s * ((bo + (v - kf) * so) if v >= kf else (bc + v * sc))
 
-    @njit(**_opts)
+    @njit(inline="always")
     def _conv_input(orow, codes, lv, gi0, kf, zero, b, ag, t_o, dith, z0):
         """orow <- the conv input: |γ|*((base_o − t) + j*step_o) (β where γ = 0), at least 0,
         on open codes; 0 on closed ones. dith: j + d (_dither, from counter z0), not clamped at 0."""
@@ -384,7 +388,7 @@ if AVAILABLE:
                     y = max(ag * (d + (v - kf) * so), F0)
                     oq[t] = y if v >= kf else F0
 
-    @njit(**_opts)
+    @njit(inline="always")
     def _mask(drow, codes, kf):
         """drow *= the exact mask (code >= k), as a select (0 where closed)."""
         for t in range(drow.size):
@@ -421,7 +425,7 @@ if AVAILABLE:
                     sdyx += dy * (s * ((bo + (v - kf) * so) if on else (bc + v * sc)))
         return sdy, sdyx
 
-    @njit(**_opts)
+    @njit(inline="always")
     def _dx(dxr, drow, codes, lv, gi0, kf, s, a, mdy, mdyx, accumulate, dith, z0):
         """dx (=, or += with accumulate) a*(dy - mean(dy) - x-tilde*mean(dy*x-tilde)) for a
         block, x-tilde decoded inline (dith: j + d, _dither from counter z0). dxr must not alias
