@@ -19,7 +19,9 @@ bounded ~90 us for the next task, then block on a lock: nothing spins for long.
 The hand-over (`_Worker`): the caller bumps a worker's task counter and releases its
 `go` lock, runs its own range, and waits for the worker's `fin` counter (then its `done`
 lock). Both sides first spin on the counter with atomic loads in a nogil numba loop
-(SPIN_READS reads, ~90 us; the GIL stays free) and block on the lock only after that: a
+(SPIN_READS reads, ~90 us; the GIL stays free) and block on the lock only after that; a worker
+stores `fin` from inside that nogil spin's call (spin.publish_and_spin), so the caller that sees
+it never finds the GIL still held by the worker and waits for it. A
 network's step makes hundreds of split calls (DenseNet-121 at 64x64, batch 16: 539; many
 under 200 us of work), and waking a blocked thread costs tens of microseconds on a VM.
 An empty split call took 65 - 90 us through concurrent.futures' executor (a queue, a
@@ -147,8 +149,9 @@ WAIT_READS = 1 << 18    # and how long the caller waits for a worker's range (0:
 class _Worker:
     """One pool thread. It waits for a task, spinning SPIN_READS reads on `seq` (a counter the
     caller bumps per task) and then blocking on the `go` lock (released once per task); runs the
-    range it was given, records an error, releases `done` and then bumps `fin` (which the
-    caller spins on: fin == seq means `done` was released). Without numba only the locks."""
+    range it was given, records an error, releases `done` and then stores `fin` (which the
+    caller spins on: fin == seq means `done` was released; stored from nogil code, which then
+    spins for the next task). Without numba only the locks."""
 
     def __init__(self, i, spinner):
         self.go, self.done = threading.Lock(), threading.Lock()
