@@ -312,7 +312,8 @@ def conv3x3_backward_both(dw, dx, x, dout, w, ws, accumulate=False):
     made first, so x (which may be dx itself: the engine rebuilds a unit's output where dx then
     goes) is read before dx is written; then the weight gradient's GEMMs and filter adjoint on
     one thread and the input gradient on the other, each in its own part of the workspace (the
-    weight gradient's as its single range lays it out, the whole batch in one chunk). Each
+    weight gradient's: dU, then the whole batch's tiles in one chunk, as its single range would
+    hold them, less the term a second chunk would need). Each
     result is what conv3x3_backward_weight and conv3x3_backward_input give. Returns False, doing
     nothing, where this does not apply (fewer than two threads, a gradient that would split
     itself, dx sharing memory with dout, or no room): run the two one after the other then."""
@@ -326,14 +327,14 @@ def conv3x3_backward_both(dw, dx, x, dout, w, ws, accumulate=False):
     T = N * th * tw
     per_w, u = s.per_sample(Ci, Co, H, W), P * Co * Ci
     per_x = s.per_sample(Co, Ci, H, W)
-    size_w = 2 * u + (N * per_w + PLANE_GAP * 2 * P)        # dU, its term, the batch's tiles (spaced)
+    size_w = u + N * per_w + PLANE_GAP * 2 * P              # dU, the batch's tiles (spaced)
     if (ws.size < size_w + per_x or _weight_planes(N, th * tw, Ci * Co, ws, per_w, u)
             or _split_planes(N, th * tw, Ci * Co, ws, per_x)
             or len(batch_ranges(N, ws, per_w + 2 * u, _most(u * T))) > 1
             or len(batch_ranges(N, ws, per_x, _most(P * Ci * Co * T))) > 1
-            or _chunk(ws[2 * u:size_w], per_w, N) < N):
+            or _chunk(ws[u:size_w], per_w, N) < N):
         return False
-    acc, tiles_ws, rest = ws[:u].reshape(P, Co, Ci), ws[2 * u:size_w], ws[size_w:]
+    acc, tiles_ws, rest = ws[:u].reshape(P, Co, Ci), ws[u:size_w], ws[size_w:]
     V, Mg = _pair(tiles_ws, Ci, Co, T, P)
     s.input_tiles(V, x, 0)                                 # x is not read after this
     wb = w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)

@@ -10,9 +10,8 @@ done with it, so the GIL is already free when the caller, spinning on out, sees 
 store made while holding the GIL had the caller wake into a GIL the worker still held, and
 wait on it).
 """
-from numba import njit
+from numba import njit, types
 from numba.core import cgutils
-from numba import types
 from numba.extending import intrinsic
 
 

@@ -11,7 +11,7 @@ level (lowmem/units/rangecode.py, the engine's `keeper`), decoded into a free bu
 backward, except where a depthwise conv's kernels decode the code themselves (`coded_input`).
 Its input gradient needs only the weights. `keep_input` and `layer_input` say the
 same for the linear layers (optable/dense.py)."""
-from ...ops import (conv2d_forward, conv2d_backward, conv2d_backward_input, conv2d_backward_weight, grouped_conv2d_forward,
+from ...ops import (conv2d_forward, conv2d_backward, conv2d_backward_weight, grouped_conv2d_forward,
                     grouped_conv2d_backward_input, grouped_conv2d_backward_weight, conv_bias_forward,
                     conv_bias_backward)
 from ...ops import conv_groups, winograd
@@ -171,26 +171,24 @@ class Conv(Op):
         if L.bias:
             conv_bias_backward(run.params[step.params[1]].grad, dout)
         both = step.dx and (run.input_grad or not step.optional)
-        if L.groups == 1 and coded is None and both:    # both gradients, side by side where the conv is small
-            conv2d_backward(p.grad, run.act(step.dx, step.in_shape), layer_input(run, step), dout, p.data, L.stride,
-                            L.pad, ws, step.accumulate, run.columns)
+        if L.groups == 1:                           # both gradients at once: side by side where the conv is small
+            x = layer_input(run, step)
+            if both:
+                conv2d_backward(p.grad, run.act(step.dx, step.in_shape), x, dout, p.data, L.stride, L.pad, ws,
+                                step.accumulate, run.columns)
+            else:
+                conv2d_backward_weight(p.grad, x, dout, L.stride, L.pad, ws, run.columns)
             return
-        if coded is not None:                       # the kernel decodes the kept code itself
+        if coded is not None:                       # the kernel decodes the kept code itself (depthwise)
             kernels, code = coded
             kernels.backward_weight_coded(p.grad, code, (L.cin, run.n) + step.in_shape[1:], dout, L.stride, L.pad,
                                           rangecode.GROUP)
-        elif L.groups == 1:
-            conv2d_backward_weight(p.grad, layer_input(run, step), dout, L.stride, L.pad, ws, run.columns)
         else:
             grouped_conv2d_backward_weight(p.grad, layer_input(run, step), dout, L.stride, L.pad, L.groups, ws,
                                            run.columns)
         if both:
-            dx = run.act(step.dx, step.in_shape)
-            if L.groups == 1:
-                conv2d_backward_input(dx, dout, p.data, L.stride, L.pad, ws, step.accumulate, run.columns)
-            else:
-                grouped_conv2d_backward_input(dx, dout, p.data, L.stride, L.pad, L.groups, ws,
-                                              step.accumulate, run.columns)
+            grouped_conv2d_backward_input(run.act(step.dx, step.in_shape), dout, p.data, L.stride, L.pad, L.groups,
+                                          ws, step.accumulate, run.columns)
 
     @staticmethod
     def onnx(L, helper, read, write, opset):
