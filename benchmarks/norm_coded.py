@@ -5,7 +5,9 @@ forward_add_relu; range_decode into a buffer, backward), alternated call by call
 
     python benchmarks/norm_coded.py --shape 512,65536 --shape 256,16384 --threads 2
 
-A shape is C,M (channels, elements per channel: N*H*W), float32, --bits K (default 4). Printed
+A shape is C,M (channels, elements per channel: N*H*W), float32, --bits K (default 4). The coded
+backward decodes a row once, into a row's scratch, where the row is at most norm_cpu.ROW_BYTES
+(--row-bytes sets it: 0 decodes each block in each pass). Printed
 per shape and pass: the median milliseconds of each way over --rounds rounds (the first two
 not counted) and coded / separate. Both ways write the same bytes (tests/units/test_norm_cpu.py).
 Wall-clock on whatever machine runs it: say which, and time nothing else at once.
@@ -80,14 +82,20 @@ def main(argv=None):
     ap.add_argument("--bits", type=int, default=4, choices=(1, 2, 4, 8))
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=threads.threads())
+    ap.add_argument("--row-bytes", type=int, default=norm_cpu.ROW_BYTES,
+                    help="norm_cpu.ROW_BYTES for the coded backward (default: %(default)s)")
     args = ap.parse_args(argv)
     if not norm_cpu.AVAILABLE:
         raise SystemExit("the coded passes are numba's: pip install lowmem[fast]")
     if args.rounds < 3:
         ap.error("--rounds must be at least 3 (the first two are not counted)")
+    if args.row_bytes < 0:
+        ap.error("--row-bytes must be at least 0")
     threads.configure(args.threads)
+    norm_cpu.ROW_BYTES = args.row_bytes
     rng = np.random.default_rng(0)
-    print(f"{args.threads} thread(s), float32, {args.bits} bits; median ms over {args.rounds - 2} rounds")
+    print(f"{args.threads} thread(s), float32, {args.bits} bits, rows decoded once up to {args.row_bytes} bytes; "
+          f"median ms over {args.rounds - 2} rounds")
     for C, M in args.shape:
         for name, (*ways, _) in passes(C, M, args.bits, rng).items():
             times = ([], [])

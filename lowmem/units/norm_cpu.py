@@ -23,7 +23,9 @@ bits: to tolerance), then dx as bn_relu_backward_apply writes it.
 Passes: the forward reads x once and writes x-hat and out in the same loop over a block (L1
 scratch between them, so out may alias x); the backward reads dy and x-hat twice (sums, then dx).
 The coded passes write or read the code instead of x-hat: the same bytes as range_encode of
-normalize's x-hat, the same values as range_decode's, bit for bit (tests/units/test_norm_cpu.py).
+normalize's x-hat, the same values as range_decode's, bit for bit (tests/units/test_norm_cpu.py);
+the coded backward decodes a row once, into one row's scratch that the dx pass reads back from L2,
+where the row is at most ROW_BYTES (the plan states that scratch), else in each pass.
 benchmarks/norm_coded.py times them against the separate passes (figures: docs/performance.md).
 Cores: channels split over lowmem's threads (units/cpu_base.py).
 """
@@ -216,12 +218,14 @@ if AVAILABLE:
 
     @njit(**_opts)
     def _backward_coded(dx, dgamma, dbeta, dy, packed, scale, zero, bits, c0, gamma, rstd, accumulate, inplace,
-                        zero_f):
-        """_backward with x-hat decoded block by block from its range code into L1 scratch (rows c0 ..
-        of the whole tensor's code; ops/bitpack_cpu.decode_span, range_decode's values), in each of
-        the two passes, where it was decoded into a buffer and read back. A twin of _backward's
-        loops: one kernel with a helper returning either x-hat's row or the scratch made the
-        plain backward measurably slower (one thread), so each keeps its own loops."""
+                        zero_f, row, keep):
+        """_backward with x-hat decoded block by block from its range code (rows c0 .. of the whole
+        tensor's code; ops/bitpack_cpu.decode_span, range_decode's values), where it was decoded
+        into a buffer and read back. With keep, the sums' pass decodes each block into its place in
+        row (M,), one row's scratch reused row after row (in L2), and the dx pass reads it back;
+        else each pass decodes the block into L1 scratch. A twin of _backward's loops: one kernel
+        with a helper returning either x-hat's row or the scratch made the plain backward
+        measurably slower (one thread), so each keeps its own loops."""
         C, M = dy.shape
         tmp = numpy.empty(BLOCK, dy.dtype)
         h = numpy.empty(BLOCK, dy.dtype)
@@ -235,7 +239,7 @@ if AVAILABLE:
             base = (c0 + c) * M
             for i0 in range(0, M, BLOCK):
                 i1 = min(M, i0 + BLOCK)
-                hb = h[:i1 - i0]
+                hb = row[i0:i1] if keep else h[:i1 - i0]
                 decode_span(hb, codes, packed, scale, zero, bits, GROUP, base + i0, fd)
                 a1, a2 = _sums(dy[c, i0:i1], hb, zero_f)
                 s1 += a1
@@ -248,8 +252,11 @@ if AVAILABLE:
             mdy, mdyx = sum_dy / f[2], sum_dyx / f[2]
             for i0 in range(0, M, BLOCK):
                 i1 = min(M, i0 + BLOCK)
-                hb = h[:i1 - i0]
-                decode_span(hb, codes, packed, scale, zero, bits, GROUP, base + i0, fd)
+                if keep:
+                    hb = row[i0:i1]
+                else:
+                    hb = h[:i1 - i0]
+                    decode_span(hb, codes, packed, scale, zero, bits, GROUP, base + i0, fd)
                 if accumulate or not inplace:
                     _dx_block(dx[c, i0:i1], dy[c, i0:i1], hb, a, mdy, mdyx, accumulate)
                 else:
@@ -352,12 +359,22 @@ def forward_add_relu_coded(out, mask, code, src, other, mean, rstd, gamma, beta)
             C * M, src.dtype, code.bits)
 
 
+# A row of x-hat up to this many bytes is decoded once, into a row's scratch per thread (in L2),
+# and read back by the dx pass; a longer one is decoded in each pass (benchmarks/norm_coded.py)
+ROW_BYTES = 1 << 19
+
+
 def backward_coded(dx, dgamma, dbeta, dy, code, gamma, rstd, accumulate=False):
     """backward with x-hat read from its range code (a rangecode.RangeCode of the C*M elements),
     decoded block by block in the kernel: the same results as backward on range_decode's x-hat,
-    bit for bit. dy is read only; dx may alias dy."""
+    bit for bit. Where a row is at most ROW_BYTES, each call on a thread's rows allocates one
+    row's scratch (M elements), which the plan states (optable.step_temporaries). dy is read
+    only; dx may alias dy."""
     C, M = dy.shape
     inplace, zero = _overlap(dx, dy), dy.dtype.type(0)
+    keep = M * dy.itemsize <= ROW_BYTES
     _split(lambda c0, c1: _backward_coded(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dy[c0:c1], code.packed,
                                           code.scale, code.zero, code.bits, c0, gamma[c0:c1], rstd[c0:c1],
-                                          bool(accumulate), inplace, zero), C, M, "backward coded")
+                                          bool(accumulate), inplace, zero, numpy.empty(M if keep else 0, dy.dtype),
+                                          keep),
+           C, M, "backward coded")

@@ -181,11 +181,11 @@ def test_forward_add_relu_is_the_three_ops(rng, dtype, C, M, where):
 @pytest.mark.parametrize("bits", [4, 2, 8])
 @pytest.mark.parametrize("C,M", [(3, 5), (5, 4096 + 200), (7, 300)])     # groups crossing rows; blocks
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_coded_passes_are_the_separate_passes(rng, dtype, bits, C, M, n_threads):
+def test_coded_passes_are_the_separate_passes(rng, monkeypatch, dtype, bits, C, M, n_threads):
     """With x-hat kept as its range code, the passes that make the code where x-hat is made
-    (forward_coded, forward_add_relu_coded) and read it where it is used (backward_coded) leave
-    what normalize, rangecode_cpu.range_encode and apply (or forward_add_relu), and backward on
-    range_decode's x-hat leave: the code's bytes, out, the mask and the gradients, bit for bit."""
+    (forward_coded, forward_add_relu_coded) and read it where it is used (backward_coded: a row
+    decoded once into a row's scratch, or, rows too long for that, in each pass) leave what normalize, rangecode_cpu.range_encode and apply (or forward_add_relu), and backward
+    on range_decode's x-hat leave: the code's bytes, out, the mask and the gradients, bit for bit."""
     from lowmem.system import threads
     from lowmem.units import rangecode_cpu
     x, g, b, mean, _, rstd = case(rng, dtype, C, M)
@@ -227,17 +227,19 @@ def test_coded_passes_are_the_separate_passes(rng, dtype, bits, C, M, n_threads)
         dy = rng.standard_normal((C, M)).astype(dtype)
         for accumulate, inplace in ((False, False), (False, True), (True, False)):
             got = []
-            for kernel in ("separate", "coded"):
+            for kernel in ("separate", "coded", "coded, rows too long"):
                 dx = dy.copy() if inplace else rng.standard_normal((C, M)).astype(dtype) * 0 + 1
                 dg, db = np.ones(C, dtype), np.ones(C, dtype)
                 src = dx if inplace else dy
+                monkeypatch.setattr(norm_cpu, "ROW_BYTES", 0 if "too long" in kernel else 1 << 19)
                 if kernel == "separate":
                     norm_cpu.backward(dx, dg, db, src, xhat, g, rstd, accumulate)
                 else:
                     norm_cpu.backward_coded(dx, dg, db, src, want_code, g, rstd, accumulate)
                 got.append((dx, dg, db))
-            for a, w in zip(*got):
-                np.testing.assert_array_equal(a, w)
+            for other_got in got[1:]:
+                for a, w in zip(other_got, got[0]):
+                    np.testing.assert_array_equal(a, w)
     finally:
         threads.configure(before)
 

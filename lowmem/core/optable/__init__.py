@@ -38,7 +38,7 @@ an op that keeps a mask, from outside the package).
 """
 import math
 
-from ...units import packing
+from ...units import norm_cpu, packing
 from ...system import threads
 from ...ops.batchnorm import ROW_BLOCK
 from .base import BN_MOMENTUM, MAX_POOL_WINDOW, BatchStatisticsError, Op
@@ -74,6 +74,10 @@ def step_temporaries(net, out_shape, unit_sizes, N, itemsize, decodes):
     out.append(("a BN row block (x2)", 2 * min(max(units), max(ROW_BLOCK, max(rows))) * itemsize))
     if decodes:
         out.append(("quantizer chunks", (2 * itemsize + 4) * min(packing.CHUNK, max(units))))
+    bn_rows = [N * h * w * itemsize for L in net.layers if L.op == "bn" for (_, h, w) in [out_shape[L.name]]]
+    bn_rows = [r for r in bn_rows if r <= norm_cpu.ROW_BYTES]
+    if bn_rows and norm_cpu.AVAILABLE:  # a batch norm alone's coded backward: a decoded row per thread
+        out.append((f"a batch norm's decoded x-hat row (x{threads.threads()})", threads.threads() * max(bn_rows)))
     per_op = {}                         # the ops' own bounds (each entry's `temporary`)
     for L in net.layers:
         what, nbytes = OPS[L.op].temporary(L, out_shape[L.name], itemsize) or ("", 0)
