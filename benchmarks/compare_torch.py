@@ -173,7 +173,7 @@ def torch_step_fn(args, torch):
         loss = F.cross_entropy(forward(), y)
         loss.backward()
         opt.step()
-        return float(loss)
+        return float(loss.detach())
     return step, extra
 
 
