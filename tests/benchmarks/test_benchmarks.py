@@ -33,9 +33,6 @@ PYTHON = sys.executable
 PRIVATE = {
     ("pool_handover.py", "lowmem.system.threads", "_in_range"),
     ("pool_handover.py", "lowmem.system.threads", "_local"),
-    ("conv_parts.py", "lowmem.ops.winograd", "_gradient_tiles"),
-    ("conv_parts.py", "lowmem.ops.winograd", "_input_tiles"),
-    ("conv_parts.py", "lowmem.ops.winograd", "_output_tiles"),
     ("conv_parts.py", "lowmem.ops.winograd", "_planes"),
     ("gemm_floor.py", "lowmem.ops.conv", "_flat"),
     ("gemm_floor.py", "lowmem.ops.conv", "_is_pointwise"),
