@@ -514,7 +514,7 @@ def output_tiles_reference(out, M, n0, accumulate):
 
 if AVAILABLE:
     from numba import njit
-    from .winograd4 import _gather_filters
+    from .winograd4 import _gather_filters, _gather_planes
     _opts = dict(cache=True, nogil=True)
 
     @njit(**_opts)
@@ -543,9 +543,9 @@ if AVAILABLE:
         planes being (Cout*Cin) runs), FILTER_BLOCK at a time whatever Cin: their 9 values gathered
         into g, then each step of the transform one loop over the block (t = G g: t[3i+l] row i,
         column l; then t G^T written straight into U's planes, one contiguous run of the block per
-        plane), which LLVM vectorises. 10.6 -> 6.2 ns a filter at 32 x 128, 10.9 -> 7.0 at
-        512 x 512 (one thread, Zen 4) against blocks of one output channel's filters and the
-        planes written through an L1 block."""
+        plane), which LLVM vectorises; where blocks were one output channel's filters and the
+        planes were written through an L1 block (benchmarks/conv_parts.py --parts filters;
+        figures: docs/performance.md)."""
         Ci = w.shape[1]
         Uf = U.reshape(U.shape[0], U.shape[1] * U.shape[2])
         g = numpy.empty((9, FILTER_BLOCK), numpy.float32)
@@ -569,9 +569,8 @@ if AVAILABLE:
     def _filter_gradient_add(dw, dU, o0, o1):
         """dw[o, c] += G^T dU G, dU[4i+j, o, c] the gradient of U, for o0 <= o < o1, in float64
         (the adjoint of _filter_tiles), bit for bit filter_gradient_reference; blocked and looped
-        over the block as it is: the block's 16 values a filter first copied into d (float64;
-        reading them inside the first step's loop left it scalar: 12.8 -> 11.0 ns a filter at
-        32 x 128, 14.9 -> 9.3 at 512 x 512, one thread), then t[4p+j] = (G^T dU)[p, j]."""
+        over the block as it is: the block's 16 values a filter first copied into d
+        (winograd4._gather_planes), then t[4p+j] = (G^T dU)[p, j]."""
         Ci = dw.shape[1]
         d = numpy.empty((16, FILTER_BLOCK))
         t = numpy.empty((12, FILTER_BLOCK))
@@ -579,10 +578,7 @@ if AVAILABLE:
         for o in range(o0, o1):
             for c0 in range(0, Ci, FILTER_BLOCK):
                 n = min(FILTER_BLOCK, Ci - c0)
-                for p in range(16):
-                    dp, src = d[p], dU[p, o, c0:c0 + n]
-                    for k in range(n):
-                        dp[k] = src[k]
+                _gather_planes(d, dU, o, c0, n)
                 for j in range(4):                              # column j of G^T dU
                     for k in range(n):
                         r = _gt_cols0(d[j, k], d[4 + j, k], d[8 + j, k], d[12 + j, k])

@@ -198,6 +198,16 @@ if AVAILABLE:
             if c == Ci:
                 o, c = o + 1, 0
 
+    @njit(inline="always")
+    def _gather_planes(d, dU, o, c0, n):
+        """d[p, k] <- dU[p, o, c0 + k], k < n, every plane p (float64): a block of filters' values of
+        dU copied first, so the transform's loops read a contiguous scratch (reading dU inside them
+        left them scalar). F(2x2)'s filter gradient takes it too."""
+        for p in range(d.shape[0]):
+            dp, src = d[p], dU[p, o, c0:c0 + n]
+            for k in range(n):
+                dp[k] = src[k]
+
     @njit(**_opts)
     def _filter_tiles(U, w, o0, o1):
         """U[6i+j, o, c] = (G g G^T)[i, j] for each filter g = w[o, c] of o0 <= o < o1, in float64,
@@ -244,8 +254,8 @@ if AVAILABLE:
     @njit(**_opts)
     def _filter_gradient_add(dw, dU, o0, o1):
         """dw[o, c] += G^T dU G for o0 <= o < o1, in float64, bit for bit filter_gradient_reference;
-        blocked as _filter_tiles, each step one loop over the block with G's entries inline
-        (30 -> 10 ns a filter at 32 x 128, one thread, against loops reading G)."""
+        blocked as _filter_tiles, each step one loop over the block with G's entries inline, where
+        loops read G (benchmarks/conv_parts.py --parts filters; figures: docs/performance.md)."""
         Ci = dw.shape[1]
         d = numpy.empty((PLANES, FILTER_BLOCK))
         g = numpy.empty((9, FILTER_BLOCK))
@@ -253,10 +263,7 @@ if AVAILABLE:
         for o in range(o0, o1):
             for c0 in range(0, Ci, FILTER_BLOCK):
                 n = min(FILTER_BLOCK, Ci - c0)
-                for p in range(PLANES):
-                    dp, src = d[p], dU[p, o, c0:c0 + n]
-                    for k in range(n):
-                        dp[k] = src[k]
+                _gather_planes(d, dU, o, c0, n)
                 for j in range(PATCH):                          # t = G^T dU, from 0: column j
                     for k in range(n):
                         r = _gt6_0(d[j, k], d[PATCH + j, k], d[2 * PATCH + j, k], d[3 * PATCH + j, k],
