@@ -53,11 +53,29 @@ class FusedCodeUnits(CodeUnits):
         super().__init__(bits, naive, rounding)
         self.module, self.partials = module, partials
         self._extra = {} if partials is None else {"partials": partials}
+        self._grids = {}            # (id(γ), id(β)) -> (γ's bytes, β's bytes, grid)
+
+    GRIDS = 4096       # grids remembered per set (one per unit it runs); past it the memo starts afresh
 
     def grid(self, gamma, beta):
         """What the module takes for the grid: QuantParams (numba, from window_cpu.quant_params: the
-        reference's grid in one kernel call) or the bit width (CUDA)."""
-        return self.bits if self.module is window_gpu else self.module.quant_params(gamma, beta, self.bits)
+        reference's grid in one kernel call) or the bit width (CUDA). A unit asks three times a
+        step (forward, conv input, backward) with γ and β unchanged in between, so the grid is
+        remembered per pair of parameter arrays (by id) and given again while their bytes are the ones it
+        was made from (a bytes comparison, a tenth of the kernel call's cost); any change to γ or
+        β (the optimizer's step, a load) makes it anew, so it is always quant_params' grid."""
+        if self.module is window_gpu:
+            return self.bits
+        key = (id(gamma), id(beta))
+        made = self._grids.get(key)
+        g, b = gamma.tobytes(), beta.tobytes()
+        if made is not None and made[0] == g and made[1] == b and made[2].dtype == gamma.dtype:
+            return made[2]
+        qp = self.module.quant_params(gamma, beta, self.bits)
+        if len(self._grids) >= self.GRIDS:
+            self._grids.clear()
+        self._grids[key] = (g, b, qp)
+        return qp
 
     stats = FusedExactUnits.stats
 

@@ -29,6 +29,8 @@ payload of a NaN step (a group holding NaN, whose decode is meaningless) is not 
 Cores: each call splits its groups over lowmem's threads (lowmem/system/threads.py), the kernels
 release the GIL; scratch is one block of codes per thread.
 """
+import functools
+
 import numpy
 
 from ..system import threads
@@ -176,8 +178,13 @@ def _groups(fn, n):
 
 def encode_constants(dtype, bits):
     """What _encode takes besides the arrays, for data of `dtype` at `bits`: (lev, fmax, big, nil_i,
-    sign, inf_i, inf_u) (its docstring)."""
-    dtype = numpy.dtype(dtype)
+    sign, inf_i, inf_u) (its docstring). Made once per (dtype, bits): a dozen NumPy scalars, asked
+    by every encoding call."""
+    return _constants(numpy.dtype(dtype), int(bits))
+
+
+@functools.lru_cache(maxsize=None)
+def _constants(dtype, bits):
     dt, si, ui = dtype.type, INTS[dtype.itemsize], UINTS[dtype.itemsize]
     inf_u, ninf_u = numpy.array([numpy.inf, -numpy.inf], dtype).view(ui)
     return (dt((1 << bits) - 1), dt(F32_MAX), dt(numpy.finfo(dtype).max), si(0), ui(1 << (8 * dtype.itemsize - 1)),

@@ -58,6 +58,28 @@ def test_grid_equals_quant_params(bits):
         assert np.array_equal(fast.quant_params(g, b, bits).k, window.quant_params(g, b, bits).k)
 
 
+def test_a_code_set_remembers_a_units_grid_until_its_parameters_change():
+    """FusedCodeUnits.grid (asked by a unit's forward, conv input and backward in one step): the
+    grid made for a unit's γ, β is given again while their bytes are unchanged, and made anew
+    (window.quant_params' grid) after an in-place change of either, as the optimizer's step makes;
+    units with other parameter arrays get their own."""
+    from lowmem.units import fused
+    rng = np.random.default_rng(5)
+    units = fused.FusedCodeUnits(fast, 4)
+    g, b = rng.standard_normal(64).astype(F), rng.standard_normal(64).astype(F)
+    g2, b2 = rng.standard_normal(64).astype(F), rng.standard_normal(64).astype(F)
+    first = units.grid(g, b)
+    assert units.grid(g, b) is first and units.grid(g2, b2) is not first
+    for change in (lambda: g.__setitem__(3, -g[3]), lambda: b.__setitem__(7, b[7] + 1)):
+        change()
+        got, ref = units.grid(g, b), window.quant_params(g, b, 4)
+        assert got is not first
+        for f in ("s", "lo", "k", "gamma", "beta"):
+            assert getattr(got, f).tobytes() == getattr(ref, f).tobytes(), f
+        first = got
+    assert units.grid(g.astype(np.float64), b.astype(np.float64)).dtype == np.float64
+
+
 def test_forward_exact_matches_numpy_given_same_stats():
     x, g, b = unit()
     mean, var, rstd = stats(x)
