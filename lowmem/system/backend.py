@@ -67,14 +67,18 @@ _numba = None       # numba_available()'s answer, once asked
 def numba_available():
     """Whether the numba kernels run: numba imports (lowmem[fast]) and LOWMEM_FAST allows it.
     The one check every numba module asks (units/cpu_base.py, ops/columns_cpu.py,
-    ops/winograd.py), decided at its first call, so they all agree for the process's life."""
+    ops/winograd.py), decided at its first call, so they all agree for the process's life; that
+    call also keys numba's cache of every kernel on the whole package (system/kernel_cache.py)."""
     global _numba
     if _numba is None:
         try:
             import numba  # noqa: F401
-            _numba = numba_allowed()
         except ImportError:                                    # pragma: no cover - optional
             _numba = False
+        else:
+            from .kernel_cache import install
+            install()                       # before any kernel is decorated: system/kernel_cache.py
+            _numba = numba_allowed()
     return _numba
 
 

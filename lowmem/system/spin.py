@@ -14,6 +14,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .kernel_cache import install
+
+install()                   # this module's kernels too are cached package-wide (kernel_cache.py)
+
 
 @intrinsic
 def _load_acquire(typingctx, arr_t, idx_t):
