@@ -211,6 +211,15 @@ if AVAILABLE:
 
     # ---- whole (C, M) arrays ----
 
+    @njit(inline="always")
+    def _rows_per_pack(M):
+        """Rows whose codes one pack (or unpack) call moves: short rows (M at most BLOCK/2) a
+        block's worth together, their codes side by side in the block's scratch as in the slot
+        (row c's at bytes c*M*K/8: M*K is a multiple of 8); else 1, block by block. A call per
+        row of 64 codes cost 0.17 ns a code, 12x a block's (benchmarks/unit_kernels.py's
+        DenseNet-121 shapes: docs/performance.md)."""
+        return BLOCK // M if M <= BLOCK // 2 else 1
+
     @njit(**_opts)
     def _forward_code(out, packed, x, mean, rstd, gamma, beta, s, lo, k, w, top, bits, naive, inplace,
                       stochastic, base, c_first, m_all, start):
@@ -218,44 +227,60 @@ if AVAILABLE:
         relu(x-tilde*gamma + beta) (naive). inplace: out overlaps x, so relu(y) goes through
         scratch (see _quantize_block); else straight into out. stochastic: round with the
         stream starting at base (uint64); row c here is row c_first + c, and element i of it has
-        the global counter (c_first + c)*m_all + start + i (units/stream.py)."""
+        the global counter (c_first + c)*m_all + start + i (units/stream.py). Short rows are
+        packed _rows_per_pack at a time."""
         C, M = x.shape
         per = 8 // bits
+        R = _rows_per_pack(M)
         codes = numpy.empty(BLOCK, numpy.uint8)
         ys = numpy.empty(BLOCK, numpy.float32)
         ftop = F32(top)
-        for c in range(C):
-            kf, km1 = F32(k[c]), F32(k[c] - 1)
-            for i0 in range(0, M, BLOCK):
-                i1 = min(M, i0 + BLOCK)
-                cb, orow = codes[:i1 - i0], out[c, i0:i1]
-                yb = ys[:i1 - i0] if inplace or naive else orow
-                if stochastic:
-                    z0 = base + U64((c_first + c) * m_all + start + i0 + 1) * GOLDEN
-                    _quantize_block_stochastic(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
-                                               s[c], lo[c], kf, km1, ftop, w, z0)
-                else:
-                    _quantize_block(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
-                                    s[c], lo[c], kf, km1, ftop, w)
-                if naive:                                  # continue from the decoded value
-                    _decode_relu_block(orow, cb, s[c], lo[c], kf, w, gamma[c], beta[c])
-                elif inplace:
-                    _copy(orow, yb)
-                _pack(packed[(c * M + i0) // per:(c * M + i1) // per], cb, bits)
+        for c0 in range(0, C, R):
+            c1 = min(C, c0 + R)
+            for c in range(c0, c1):
+                kf, km1 = F32(k[c]), F32(k[c] - 1)
+                o = (c - c0) * M if R > 1 else 0        # the row's codes in the scratch
+                for i0 in range(0, M, BLOCK):
+                    i1 = min(M, i0 + BLOCK)
+                    cb, orow = codes[o:o + i1 - i0], out[c, i0:i1]
+                    yb = ys[:i1 - i0] if inplace or naive else orow
+                    if stochastic:
+                        z0 = base + U64((c_first + c) * m_all + start + i0 + 1) * GOLDEN
+                        _quantize_block_stochastic(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
+                                                   s[c], lo[c], kf, km1, ftop, w, z0)
+                    else:
+                        _quantize_block(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
+                                        s[c], lo[c], kf, km1, ftop, w)
+                    if naive:                                  # continue from the decoded value
+                        _decode_relu_block(orow, cb, s[c], lo[c], kf, w, gamma[c], beta[c])
+                    elif inplace:
+                        _copy(orow, yb)
+                    if R == 1:
+                        _pack(packed[(c * M + i0) // per:(c * M + i1) // per], cb, bits)
+            if R > 1:
+                _pack(packed[c0 * M // per:c1 * M // per], codes[:(c1 - c0) * M], bits)
 
     @njit(**_opts)
     def _conv_input_code(u, packed, s, lo, k, w, gamma, beta, bits):
-        """u = relu(x-tilde*gamma + beta) where the decoded mask is set, else 0 (window.decode_relu)."""
+        """u = relu(x-tilde*gamma + beta) where the decoded mask is set, else 0 (window.decode_relu).
+        Short rows are unpacked _rows_per_pack at a time."""
         C, M = u.shape
         per = 8 // bits
+        R = _rows_per_pack(M)
         codes = numpy.empty(BLOCK, numpy.uint8)
-        for c in range(C):
-            kf = F32(k[c])
-            for i0 in range(0, M, BLOCK):
-                i1 = min(M, i0 + BLOCK)
-                cb = codes[:i1 - i0]
-                _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
-                _decode_relu_block(u[c, i0:i1], cb, s[c], lo[c], kf, w, gamma[c], beta[c])
+        for c0 in range(0, C, R):
+            c1 = min(C, c0 + R)
+            if R > 1:
+                _unpack(codes[:(c1 - c0) * M], packed[c0 * M // per:c1 * M // per], bits)
+            for c in range(c0, c1):
+                kf = F32(k[c])
+                o = (c - c0) * M if R > 1 else 0
+                for i0 in range(0, M, BLOCK):
+                    i1 = min(M, i0 + BLOCK)
+                    cb = codes[o:o + i1 - i0]
+                    if R == 1:
+                        _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
+                    _decode_relu_block(u[c, i0:i1], cb, s[c], lo[c], kf, w, gamma[c], beta[c])
 
     @njit(**_opts)
     def _conv_input_exact(u, xhat, gamma, beta):
@@ -269,37 +294,46 @@ if AVAILABLE:
     @njit(**_opts)
     def _backward_code(dx, dgamma, dbeta, dr, packed, s, lo, k, w, gamma, rstd, bits, accumulate, inplace):
         """BN-ReLU backward from packed codes: two passes per row (sums, then dx), each
-        unpacking block by block into L1 scratch; no decode buffer. inplace: dx overlaps dr
-        (the engine's usual case), so dx goes through scratch, see _quantize_block."""
+        unpacking block by block into L1 scratch; no decode buffer. Short rows are unpacked
+        _rows_per_pack at a time, once for both passes. inplace: dx overlaps dr (the engine's
+        usual case), so dx goes through scratch, see _quantize_block."""
         C, M = dr.shape
         per = 8 // bits
+        R = _rows_per_pack(M)
         codes = numpy.empty(BLOCK, numpy.uint8)
         tmp = numpy.empty(BLOCK, numpy.float32)
-        for c in range(C):
-            sc, l0, kf = s[c], lo[c], F32(k[c])
-            sdy = 0.0
-            sdyx = 0.0
-            for i0 in range(0, M, BLOCK):
-                i1 = min(M, i0 + BLOCK)
-                cb = codes[:i1 - i0]
-                _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
-                a1, a2 = _decode_sums(cb, dr[c, i0:i1], sc, l0, kf, w)
-                sdy += a1
-                sdyx += a2
-            dgamma[c] += sdyx
-            dbeta[c] += sdy
-            a = F32(gamma[c] * rstd[c])
-            mdy, mdyx = F32(sdy / M), F32(sdyx / M)
-            for i0 in range(0, M, BLOCK):
-                i1 = min(M, i0 + BLOCK)
-                cb = codes[:i1 - i0]
-                _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
-                if accumulate or not inplace:
-                    _decode_dx_block(dx[c, i0:i1], cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, accumulate)
-                else:
-                    tb = tmp[:i1 - i0]
-                    _decode_dx_block(tb, cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, False)
-                    _copy(dx[c, i0:i1], tb)
+        for c0 in range(0, C, R):
+            c1 = min(C, c0 + R)
+            if R > 1:
+                _unpack(codes[:(c1 - c0) * M], packed[c0 * M // per:c1 * M // per], bits)
+            for c in range(c0, c1):
+                sc, l0, kf = s[c], lo[c], F32(k[c])
+                o = (c - c0) * M if R > 1 else 0
+                sdy = 0.0
+                sdyx = 0.0
+                for i0 in range(0, M, BLOCK):
+                    i1 = min(M, i0 + BLOCK)
+                    cb = codes[o:o + i1 - i0]
+                    if R == 1:
+                        _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
+                    a1, a2 = _decode_sums(cb, dr[c, i0:i1], sc, l0, kf, w)
+                    sdy += a1
+                    sdyx += a2
+                dgamma[c] += sdyx
+                dbeta[c] += sdy
+                a = F32(gamma[c] * rstd[c])
+                mdy, mdyx = F32(sdy / M), F32(sdyx / M)
+                for i0 in range(0, M, BLOCK):
+                    i1 = min(M, i0 + BLOCK)
+                    cb = codes[o:o + i1 - i0]
+                    if R == 1:
+                        _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
+                    if accumulate or not inplace:
+                        _decode_dx_block(dx[c, i0:i1], cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, accumulate)
+                    else:
+                        tb = tmp[:i1 - i0]
+                        _decode_dx_block(tb, cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, False)
+                        _copy(dx[c, i0:i1], tb)
 
     @njit(**_opts)
     def _backward_exact(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, accumulate, inplace):

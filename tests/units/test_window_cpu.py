@@ -181,12 +181,28 @@ def long_rows(request, monkeypatch):
     threads.configure(before)
 
 
+@pytest.fixture(params=[(1, "long"), (2, "long"), (1, "short"), (2, "short"), (2, "shortest")],
+                ids=["long rows, 1 thread", "long rows, 2 threads", "short rows, 1 thread", "short rows, 2 threads",
+                     "rows of 8, 2 threads"])
+def rows(request, monkeypatch):
+    """(C, M): rows of 2.5 blocks (partial last block; long_rows), or short rows whose codes the
+    kernels pack and unpack a block's worth of rows at a time (64 rows of 64, 512 rows of 8) in
+    a number of rows that leaves a partial last batch, split over 1 or 2 lowmem threads (a
+    range may start inside a batch)."""
+    before = threads.threads()
+    threads.configure(request.param[0])
+    monkeypatch.setattr(cpu_base, "SPLIT_WORK", 64)
+    yield {"long": (5, 5 * fast.BLOCK // 2 + 8), "short": (150, 64), "shortest": (1100, 8)}[request.param[1]]
+    threads.configure(before)
+
+
 @pytest.mark.parametrize("bits", widths.BITS)
 @pytest.mark.parametrize("inplace", [True, False])
-def test_codes_cross_blocks_and_threads(long_rows, bits, inplace):
-    """Codes, outputs and decodes stay bit-exact across block and thread-range boundaries,
-    with the forward in place (out is x, as the engine runs bn2/bn3) or not (bn1)."""
-    x, g, b = unit(C=5, M=long_rows, seed=30 + bits)
+def test_codes_cross_blocks_and_threads(rows, bits, inplace):
+    """Codes, outputs and decodes stay bit-exact across block, row-batch and thread-range
+    boundaries, with the forward in place (out is x, as the engine runs bn2/bn3) or not (bn1)."""
+    C, M = rows
+    x, g, b = unit(C=C, M=M, seed=30 + bits)
     mean, var, rstd = stats(x)
     xhat = (x - mean[:, None]) * rstd[:, None]
     qp = window.quant_params(g, b, bits)
@@ -209,9 +225,10 @@ def test_codes_cross_blocks_and_threads(long_rows, bits, inplace):
 
 @pytest.mark.parametrize("bits", [None, 4, 2])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_backward_in_place_across_blocks_and_threads(long_rows, bits, accumulate):
+def test_backward_in_place_across_blocks_and_threads(rows, bits, accumulate):
     """dx may be dr itself (the engine's in-place case when not accumulating)."""
-    x, g, b = unit(C=5, M=long_rows, seed=40)
+    C, M = rows
+    x, g, b = unit(C=C, M=M, seed=40)
     rng = np.random.default_rng(2)
     mean, var, rstd = stats(x)
     xhat = (x - mean[:, None]) * rstd[:, None]
