@@ -66,6 +66,15 @@ if AVAILABLE:
         kr = min(max(numpy.rint((t + W) / w), F32(1)), F32(L - 1))
         return s, t, kr
 
+    @njit(inline="always")
+    def _rows_per_pack(M):
+        """Rows whose codes one pack (or unpack) call moves: short rows (M at most BLOCK/2) a
+        block's worth together, their codes side by side in the block's scratch as in the slot
+        (row c's at bytes c*M*K/8: M*K is a multiple of 8); else 1, block by block. A call per
+        short row cost several times a block's per code (DenseNet-121's 4x4 and 2x2 planes:
+        docs/performance.md)."""
+        return BLOCK // M if M <= BLOCK // 2 else 1
+
     @njit(**_opts)
     def _copy(dst, src):
         for t in range(dst.size):

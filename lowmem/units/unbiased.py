@@ -61,6 +61,8 @@ uses the window code with nearest rounding. The measured cheaper variant (`varia
 one end per group, the lower end the channel's) is reachable through `quantize_simulated`
 only, for docs/quantizer.md's comparison.
 """
+import functools
+
 import numpy
 
 from . import packing, widths, window
@@ -107,18 +109,22 @@ def metadata_nbytes(C, M, bits, dither=False):
     return slot_nbytes(C, M, bits, dither) - packing.packed_nbytes(C * M, bits)
 
 
+@functools.lru_cache(maxsize=1024)
+def _slot_layout(C, M, bits, dither):
+    """(codes' bytes, where the ends start, groups a row, the slot's bytes) of a slot: asked by
+    every kernel call of every unit, so made once per shape."""
+    return (packing.packed_nbytes(C * M, bits), _code_bytes(C, M, bits) + (STREAM_NBYTES if dither else 0),
+            groups(M), slot_nbytes(C, M, bits, dither))
+
+
 def split_slot(slot, C, M, bits, dither=False):
     """(codes (packed_nbytes,) uint8, ends (C, G, 2) uint16 bf16 (hi, lo)): views into slot
     (the dithered code's stream sits between them: slot_stream)."""
-    n0 = _code_bytes(C, M, bits) + (STREAM_NBYTES if dither else 0)
-    G = groups(M)
-    need = slot_nbytes(C, M, bits, dither)
+    ncodes, n0, G, need = _slot_layout(int(C), int(M), bits, bool(dither))
     if slot.dtype != numpy.uint8 or slot.ndim != 1 or slot.size < need:
         raise ValueError(f"the {'dithered ' if dither else ''}unbiased code's slot must be uint8 of at least "
                          f"{need} bytes for C={C}, M={M} at {bits} bits, got {slot.dtype} {slot.shape}")
-    codes = slot[:packing.packed_nbytes(C * M, bits)]
-    ends = slot[n0:n0 + 4 * C * G].view(numpy.uint16).reshape(C, G, 2)
-    return codes, ends
+    return slot[:ncodes], slot[n0:n0 + 4 * C * G].view(numpy.uint16).reshape(C, G, 2)
 
 
 def slot_stream(slot, C, M, bits):

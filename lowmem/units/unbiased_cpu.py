@@ -27,6 +27,8 @@ formulas (ops.bn_relu_backward on that x-tilde under the exact mask), its sums i
 a block and float64 across blocks, so dgamma, dbeta and dx agree to float32 rounding
 (tests/units/test_unbiased_cpu.py).
 """
+import functools
+
 import numpy
 
 from . import cpu_base, stream, unbiased, window
@@ -485,25 +487,32 @@ if AVAILABLE:
         pb = numpy.empty(2 * GROUP, numpy.float32)
         qs, eo = numpy.empty(2 * GROUP + AHEAD, numpy.int32), numpy.empty(2 * GROUP + AHEAD, numpy.int32)
         ec = numpy.empty(2 * GROUP + AHEAD, numpy.int32)
-        for c in range(C):
-            g, b = gamma[c], beta[c]
-            s, zero, ag, t_o, t_c, kc, kf = _channel(g, b, L, W, w)
-            i0, i1 = 0, 0
-            while i1 < M:
-                i0, i1 = i1, _block_end(i1, M)
-                xg, cg, orow = xb[:i1 - i0], codes[:i1 - i0], out[c, i0:i1]
-                _normalise(xg, x[c, i0:i1], mean[c], rstd[c])
-                z0 = _block_counter(base, start, row, c_first + c, i0)
-                _block_ranges(ends, lv, xi[:i1 - i0], c, i0 // GROUP, s < 0, t_o, t_c, kc, L, box, bits_view)
-                if dith:
-                    _draw_dither(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
-                elif bits <= SYSTEMATIC_BITS:
-                    _draw_systematic(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0, pb, qs, eo, ec)
-                else:
-                    _draw_each(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
-                if naive:                       # continue from the decoded value
-                    _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, b, ag, t_o, dith, z0)
-                cpu_base._pack(slot_codes[(c * M + i0) // per:(c * M + i1) // per], cg, bits)
+        R = cpu_base._rows_per_pack(M)             # short rows: packed R at a time
+        for c0 in range(0, C, R):
+            c1 = min(C, c0 + R)
+            for c in range(c0, c1):
+                g, b = gamma[c], beta[c]
+                s, zero, ag, t_o, t_c, kc, kf = _channel(g, b, L, W, w)
+                o = (c - c0) * M if R > 1 else 0    # the row's codes in the scratch
+                i0, i1 = 0, 0
+                while i1 < M:
+                    i0, i1 = i1, _block_end(i1, M)
+                    xg, cg, orow = xb[:i1 - i0], codes[o:o + i1 - i0], out[c, i0:i1]
+                    _normalise(xg, x[c, i0:i1], mean[c], rstd[c])
+                    z0 = _block_counter(base, start, row, c_first + c, i0)
+                    _block_ranges(ends, lv, xi[:i1 - i0], c, i0 // GROUP, s < 0, t_o, t_c, kc, L, box, bits_view)
+                    if dith:
+                        _draw_dither(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
+                    elif bits <= SYSTEMATIC_BITS:
+                        _draw_systematic(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0, pb, qs, eo, ec)
+                    else:
+                        _draw_each(cg, orow, xg, lv, i0 // GROUP, g, b, s, kf, L, z0)
+                    if naive:                       # continue from the decoded value
+                        _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, b, ag, t_o, dith, z0)
+                    if R == 1:
+                        cpu_base._pack(slot_codes[(c * M + i0) // per:(c * M + i1) // per], cg, bits)
+            if R > 1:
+                cpu_base._pack(slot_codes[c0 * M // per:c1 * M // per], codes[:(c1 - c0) * M], bits)
 
     @njit(**_opts)
     def _decode_rows(out, dr, slot_codes, ends, gamma, beta, W, w, L, relu, mask_dr, bits, dith, c_first,
@@ -514,21 +523,28 @@ if AVAILABLE:
         per = 8 // bits
         codes = numpy.empty(SPAN, numpy.uint8)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
-        for c in range(C):
-            s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
-            _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
-            i0, i1 = 0, 0
-            while i1 < M:
-                i0, i1 = i1, _block_end(i1, M)
-                cg, orow = codes[:i1 - i0], out[c, i0:i1]
-                cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
-                z0 = _block_counter(base, start, row, c_first + c, i0)
-                if relu:
-                    _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, beta[c], ag, t_o, dith, z0)
-                else:
-                    _xtilde(orow, cg, lv, i0 // GROUP, kf, s, dith, z0)
-                if mask_dr:
-                    _mask(dr[c, i0:i1], cg, kf)
+        R = cpu_base._rows_per_pack(M)             # short rows: unpacked R at a time
+        for c0 in range(0, C, R):
+            c1 = min(C, c0 + R)
+            if R > 1:
+                cpu_base._unpack(codes[:(c1 - c0) * M], slot_codes[c0 * M // per:c1 * M // per], bits)
+            for c in range(c0, c1):
+                s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
+                _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
+                o = (c - c0) * M if R > 1 else 0
+                i0, i1 = 0, 0
+                while i1 < M:
+                    i0, i1 = i1, _block_end(i1, M)
+                    cg, orow = codes[o:o + i1 - i0], out[c, i0:i1]
+                    if R == 1:
+                        cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
+                    z0 = _block_counter(base, start, row, c_first + c, i0)
+                    if relu:
+                        _conv_input(orow, cg, lv, i0 // GROUP, kf, zero, beta[c], ag, t_o, dith, z0)
+                    else:
+                        _xtilde(orow, cg, lv, i0 // GROUP, kf, s, dith, z0)
+                    if mask_dr:
+                        _mask(dr[c, i0:i1], cg, kf)
 
     @njit(**_opts)
     def _backward_rows(dx, dgamma, dbeta, dr, slot_codes, ends, gamma, beta, rstd, W, w, L, bits,
@@ -542,36 +558,45 @@ if AVAILABLE:
         codes = numpy.empty(SPAN, numpy.uint8)
         tmp = numpy.empty(SPAN, numpy.float32)
         lv = numpy.empty((ends.shape[1], 4), numpy.float32)
-        for c in range(C):
-            s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
-            _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
-            sdy = 0.0
-            sdyx = 0.0
-            i0, i1 = 0, 0
-            while i1 < M:
-                i0, i1 = i1, _block_end(i1, M)
-                cg = codes[:i1 - i0]
-                cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
-                z0 = _block_counter(base, start, row, c_first + c, i0)
-                a1, a2 = _sums(dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, dith, z0)
-                sdy += a1
-                sdyx += a2
-            dgamma[c] += sdyx
-            dbeta[c] += sdy
-            a = F32(gamma[c] * rstd[c])
-            mdy, mdyx = F32(sdy / M), F32(sdyx / M)
-            i0, i1 = 0, 0
-            while i1 < M:
-                i0, i1 = i1, _block_end(i1, M)
-                cg = codes[:i1 - i0]
-                cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
-                z0 = _block_counter(base, start, row, c_first + c, i0)
-                if accumulate or not inplace:
-                    _dx(dx[c, i0:i1], dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, accumulate, dith, z0)
-                else:
-                    tb = tmp[:i1 - i0]
-                    _dx(tb, dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, False, dith, z0)
-                    cpu_base._copy(dx[c, i0:i1], tb)
+        R = cpu_base._rows_per_pack(M)             # short rows: unpacked R at a time, once for both passes
+        for c0 in range(0, C, R):
+            c1 = min(C, c0 + R)
+            if R > 1:
+                cpu_base._unpack(codes[:(c1 - c0) * M], slot_codes[c0 * M // per:c1 * M // per], bits)
+            for c in range(c0, c1):
+                s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
+                _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
+                o = (c - c0) * M if R > 1 else 0
+                sdy = 0.0
+                sdyx = 0.0
+                i0, i1 = 0, 0
+                while i1 < M:
+                    i0, i1 = i1, _block_end(i1, M)
+                    cg = codes[o:o + i1 - i0]
+                    if R == 1:
+                        cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
+                    z0 = _block_counter(base, start, row, c_first + c, i0)
+                    a1, a2 = _sums(dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, dith, z0)
+                    sdy += a1
+                    sdyx += a2
+                dgamma[c] += sdyx
+                dbeta[c] += sdy
+                a = F32(gamma[c] * rstd[c])
+                mdy, mdyx = F32(sdy / M), F32(sdyx / M)
+                i0, i1 = 0, 0
+                while i1 < M:
+                    i0, i1 = i1, _block_end(i1, M)
+                    cg = codes[o:o + i1 - i0]
+                    if R == 1:
+                        cpu_base._unpack(cg, slot_codes[(c * M + i0) // per:(c * M + i1) // per], bits)
+                    z0 = _block_counter(base, start, row, c_first + c, i0)
+                    if accumulate or not inplace:
+                        _dx(dx[c, i0:i1], dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, accumulate, dith,
+                            z0)
+                    else:
+                        tb = tmp[:i1 - i0]
+                        _dx(tb, dr[c, i0:i1], cg, lv, i0 // GROUP, kf, s, a, mdy, mdyx, False, dith, z0)
+                        cpu_base._copy(dx[c, i0:i1], tb)
 
 
 # Each kernel's time per element over a plain copy's, one core (benchmarks/unit_kernels.py
@@ -591,6 +616,11 @@ def _window(bits, gamma):
     """quant_params' window W and bin w as float32 (what the kernels derive the split k from)."""
     if gamma.dtype != numpy.float32:
         raise ValueError(f"the numba unbiased kernels need float32 gamma and beta, got {gamma.dtype}")
+    return _window_of(bits)
+
+
+@functools.lru_cache(maxsize=None)
+def _window_of(bits):
     return numpy.float32(window.half_width(bits)), numpy.float32(window.bin_width(bits))
 
 

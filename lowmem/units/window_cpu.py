@@ -52,7 +52,7 @@ from .cpu_base import AVAILABLE, BLOCK, GRAIN, _over_channels, _overlap, support
 if AVAILABLE:
     from numba import njit
     from .cpu_base import (F0, F32, GOLDEN, HALF, OFF_MID, OFF_SCALE, U64, _copy, _counter_bits, _opts, _pack,
-                           _reduce, _unpack, _window_split)
+                           _reduce, _rows_per_pack, _unpack, _window_split)
 
     @njit(**_reduce)
     def _stats(x, mean, var):
@@ -210,15 +210,6 @@ if AVAILABLE:
                 dxr[i] = a * (dy - mdy - xh * mdyx)
 
     # ---- whole (C, M) arrays ----
-
-    @njit(inline="always")
-    def _rows_per_pack(M):
-        """Rows whose codes one pack (or unpack) call moves: short rows (M at most BLOCK/2) a
-        block's worth together, their codes side by side in the block's scratch as in the slot
-        (row c's at bytes c*M*K/8: M*K is a multiple of 8); else 1, block by block. A call per
-        row of 64 codes cost 0.17 ns a code, 12x a block's (benchmarks/unit_kernels.py's
-        DenseNet-121 shapes: docs/performance.md)."""
-        return BLOCK // M if M <= BLOCK // 2 else 1
 
     @njit(**_opts)
     def _forward_code(out, packed, x, mean, rstd, gamma, beta, s, lo, k, w, top, bits, naive, inplace,

@@ -102,6 +102,52 @@ def test_fused_backward_is_the_formula_in_float64(bits, M, dither):
     assert g[1] == 0 and b[1] == 0 and not dx[1].any()
 
 
+@pytest.mark.parametrize("threads_", [1, 2])
+@pytest.mark.parametrize("bits,C,M", [(2, 150, 64), (4, 150, 64), (2, 1100, 8), (8, 70, 200)])
+@pytest.mark.parametrize("dither", [False, True])
+def test_short_rows_packed_together_across_threads(threads_, bits, C, M, dither, monkeypatch):
+    """Rows short enough that the kernels pack and unpack a block's worth of them at a time, in a
+    number that leaves a partial last batch, over one or two threads (a range may start inside a
+    batch): the forward's slot is the reference's byte for byte, the decodes its values bit for
+    bit, the backward the reference backward's to float32 rounding."""
+    from lowmem.system import threads
+    from lowmem.units import cpu_base
+    before = threads.threads()
+    threads.configure(threads_)
+    monkeypatch.setattr(cpu_base, "SPLIT_WORK", 64)        # these small calls split too
+    try:
+        rng = np.random.default_rng(C + M + bits)
+        x = (rng.standard_normal((C, M)) * 2 + 0.3).astype(np.float32)
+        gamma = rng.standard_normal(C).astype(np.float32)
+        gamma[::17] = 0
+        beta = rng.standard_normal(C).astype(np.float32)
+        mean, rstd = x.mean(axis=1).astype(np.float32), (1 / (x.std(axis=1) + 1e-3)).astype(np.float32)
+        xhat = np.empty_like(x)
+        bn_normalize(xhat, x, mean, rstd)
+        key = Stream(11, start=0, row=M)
+        want = np.zeros(unbiased.slot_nbytes(C, M, bits, dither), np.uint8)
+        unbiased.quantize_pack(want, xhat, gamma, beta, bits, key, dither)
+        got, out = np.zeros_like(want), np.empty_like(x)
+        unbiased_cpu.unit_forward(out, got, x, mean, rstd, gamma, beta, bits, False, key, dither)
+        np.testing.assert_array_equal(got, want)
+        for relu in (False, True):
+            ref, dec = np.empty_like(x), np.empty_like(x)
+            unbiased.decode_each_chunk(ref, want, gamma, beta, bits, relu=relu, dither=dither)
+            unbiased_cpu.decode(dec, got, gamma, beta, bits, relu=relu, dither=dither)
+            np.testing.assert_array_equal(dec, ref)
+        dr = rng.standard_normal((C, M)).astype(np.float32)
+        want_b = reference_backward(bits, x, rstd, gamma, beta, want, dr, dr, False, dither)
+        d = dr.copy()
+        g, b = np.full(C, 0.5, np.float32), np.full(C, -0.25, np.float32)
+        unbiased_cpu.unit_backward(d, g, b, d, got, gamma, beta, rstd, bits, False, dither)
+        terms = np.abs(dr).sum(axis=1) * max(1.0, np.abs(x).max())
+        close(g, want_b[1], terms + 0.5)
+        close(b, want_b[2], terms + 0.25)
+        close(d, want_b[0], np.abs(want_b[0]).max())
+    finally:
+        threads.configure(before)
+
+
 class Twins:
     """A communicator of two ranks holding the same shard: allreduce doubles."""
     size = 2
