@@ -218,60 +218,89 @@ if AVAILABLE:
         relu(x-tilde*gamma + beta) (naive). inplace: out overlaps x, so relu(y) goes through
         scratch (see _quantize_block); else straight into out. stochastic: round with the
         stream starting at base (uint64); row c here is row c_first + c, and element i of it has
-        the global counter (c_first + c)*m_all + start + i (units/stream.py). Short rows are
-        packed _rows_per_pack at a time."""
+        the global counter (c_first + c)*m_all + start + i (units/stream.py)."""
+        C, M = x.shape
+        per = 8 // bits
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        ys = numpy.empty(BLOCK, numpy.float32)
+        ftop = F32(top)
+        for c in range(C):
+            kf, km1 = F32(k[c]), F32(k[c] - 1)
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cb, orow = codes[:i1 - i0], out[c, i0:i1]
+                yb = ys[:i1 - i0] if inplace or naive else orow
+                if stochastic:
+                    z0 = base + U64((c_first + c) * m_all + start + i0 + 1) * GOLDEN
+                    _quantize_block_stochastic(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
+                                               s[c], lo[c], kf, km1, ftop, w, z0)
+                else:
+                    _quantize_block(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
+                                    s[c], lo[c], kf, km1, ftop, w)
+                if naive:                                  # continue from the decoded value
+                    _decode_relu_block(orow, cb, s[c], lo[c], kf, w, gamma[c], beta[c])
+                elif inplace:
+                    _copy(orow, yb)
+                _pack(packed[(c * M + i0) // per:(c * M + i1) // per], cb, bits)
+
+    @njit(**_opts)
+    def _forward_code_short(out, packed, x, mean, rstd, gamma, beta, s, lo, k, w, top, bits, naive, inplace,
+                            stochastic, base, c_first, m_all, start):
+        """_forward_code for rows of at most BLOCK/2 elements (cpu_base._rows_per_pack): a row is
+        one block, and the codes of a block's worth of rows wait side by side in the scratch, as
+        in the slot, for one call of the packer."""
         C, M = x.shape
         per = 8 // bits
         R = _rows_per_pack(M)
         codes = numpy.empty(BLOCK, numpy.uint8)
-        ys = numpy.empty(BLOCK, numpy.float32)
+        ys = numpy.empty(M, numpy.float32)
         ftop = F32(top)
         for c0 in range(0, C, R):
             c1 = min(C, c0 + R)
             for c in range(c0, c1):
                 kf, km1 = F32(k[c]), F32(k[c] - 1)
-                o = (c - c0) * M if R > 1 else 0        # the row's codes in the scratch
-                for i0 in range(0, M, BLOCK):
-                    i1 = min(M, i0 + BLOCK)
-                    cb, orow = codes[o:o + i1 - i0], out[c, i0:i1]
-                    yb = ys[:i1 - i0] if inplace or naive else orow
-                    if stochastic:
-                        z0 = base + U64((c_first + c) * m_all + start + i0 + 1) * GOLDEN
-                        _quantize_block_stochastic(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
-                                                   s[c], lo[c], kf, km1, ftop, w, z0)
-                    else:
-                        _quantize_block(cb, yb, x[c, i0:i1], mean[c], rstd[c], gamma[c], beta[c],
-                                        s[c], lo[c], kf, km1, ftop, w)
-                    if naive:                                  # continue from the decoded value
-                        _decode_relu_block(orow, cb, s[c], lo[c], kf, w, gamma[c], beta[c])
-                    elif inplace:
-                        _copy(orow, yb)
-                    if R == 1:
-                        _pack(packed[(c * M + i0) // per:(c * M + i1) // per], cb, bits)
-            if R > 1:
-                _pack(packed[c0 * M // per:c1 * M // per], codes[:(c1 - c0) * M], bits)
+                cb, orow = codes[(c - c0) * M:(c - c0 + 1) * M], out[c]
+                yb = ys if inplace or naive else orow
+                if stochastic:
+                    z0 = base + U64((c_first + c) * m_all + start + 1) * GOLDEN
+                    _quantize_block_stochastic(cb, yb, x[c], mean[c], rstd[c], gamma[c], beta[c],
+                                               s[c], lo[c], kf, km1, ftop, w, z0)
+                else:
+                    _quantize_block(cb, yb, x[c], mean[c], rstd[c], gamma[c], beta[c], s[c], lo[c], kf, km1, ftop, w)
+                if naive:                                  # continue from the decoded value
+                    _decode_relu_block(orow, cb, s[c], lo[c], kf, w, gamma[c], beta[c])
+                elif inplace:
+                    _copy(orow, yb)
+            _pack(packed[c0 * M // per:c1 * M // per], codes[:(c1 - c0) * M], bits)
 
     @njit(**_opts)
     def _conv_input_code(u, packed, s, lo, k, w, gamma, beta, bits):
-        """u = relu(x-tilde*gamma + beta) where the decoded mask is set, else 0 (window.decode_relu).
-        Short rows are unpacked _rows_per_pack at a time."""
+        """u = relu(x-tilde*gamma + beta) where the decoded mask is set, else 0 (window.decode_relu)."""
+        C, M = u.shape
+        per = 8 // bits
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        for c in range(C):
+            kf = F32(k[c])
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cb = codes[:i1 - i0]
+                _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
+                _decode_relu_block(u[c, i0:i1], cb, s[c], lo[c], kf, w, gamma[c], beta[c])
+
+    @njit(**_opts)
+    def _conv_input_code_short(u, packed, s, lo, k, w, gamma, beta, bits):
+        """_conv_input_code for rows of at most BLOCK/2 elements: a block's worth of rows
+        unpacked in one call."""
         C, M = u.shape
         per = 8 // bits
         R = _rows_per_pack(M)
         codes = numpy.empty(BLOCK, numpy.uint8)
         for c0 in range(0, C, R):
             c1 = min(C, c0 + R)
-            if R > 1:
-                _unpack(codes[:(c1 - c0) * M], packed[c0 * M // per:c1 * M // per], bits)
+            _unpack(codes[:(c1 - c0) * M], packed[c0 * M // per:c1 * M // per], bits)
             for c in range(c0, c1):
-                kf = F32(k[c])
-                o = (c - c0) * M if R > 1 else 0
-                for i0 in range(0, M, BLOCK):
-                    i1 = min(M, i0 + BLOCK)
-                    cb = codes[o:o + i1 - i0]
-                    if R == 1:
-                        _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
-                    _decode_relu_block(u[c, i0:i1], cb, s[c], lo[c], kf, w, gamma[c], beta[c])
+                _decode_relu_block(u[c], codes[(c - c0) * M:(c - c0 + 1) * M], s[c], lo[c], F32(k[c]), w, gamma[c],
+                                   beta[c])
 
     @njit(**_opts)
     def _conv_input_exact(u, xhat, gamma, beta):
@@ -285,46 +314,65 @@ if AVAILABLE:
     @njit(**_opts)
     def _backward_code(dx, dgamma, dbeta, dr, packed, s, lo, k, w, gamma, rstd, bits, accumulate, inplace):
         """BN-ReLU backward from packed codes: two passes per row (sums, then dx), each
-        unpacking block by block into L1 scratch; no decode buffer. Short rows are unpacked
-        _rows_per_pack at a time, once for both passes. inplace: dx overlaps dr (the engine's
-        usual case), so dx goes through scratch, see _quantize_block."""
+        unpacking block by block into L1 scratch; no decode buffer. inplace: dx overlaps dr
+        (the engine's usual case), so dx goes through scratch, see _quantize_block."""
+        C, M = dr.shape
+        per = 8 // bits
+        codes = numpy.empty(BLOCK, numpy.uint8)
+        tmp = numpy.empty(BLOCK, numpy.float32)
+        for c in range(C):
+            sc, l0, kf = s[c], lo[c], F32(k[c])
+            sdy = 0.0
+            sdyx = 0.0
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cb = codes[:i1 - i0]
+                _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
+                a1, a2 = _decode_sums(cb, dr[c, i0:i1], sc, l0, kf, w)
+                sdy += a1
+                sdyx += a2
+            dgamma[c] += sdyx
+            dbeta[c] += sdy
+            a = F32(gamma[c] * rstd[c])
+            mdy, mdyx = F32(sdy / M), F32(sdyx / M)
+            for i0 in range(0, M, BLOCK):
+                i1 = min(M, i0 + BLOCK)
+                cb = codes[:i1 - i0]
+                _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
+                if accumulate or not inplace:
+                    _decode_dx_block(dx[c, i0:i1], cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, accumulate)
+                else:
+                    tb = tmp[:i1 - i0]
+                    _decode_dx_block(tb, cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, False)
+                    _copy(dx[c, i0:i1], tb)
+
+    @njit(**_opts)
+    def _backward_code_short(dx, dgamma, dbeta, dr, packed, s, lo, k, w, gamma, rstd, bits, accumulate, inplace):
+        """_backward_code for rows of at most BLOCK/2 elements: a block's worth of rows unpacked
+        in one call, once for both passes of each row."""
         C, M = dr.shape
         per = 8 // bits
         R = _rows_per_pack(M)
         codes = numpy.empty(BLOCK, numpy.uint8)
-        tmp = numpy.empty(BLOCK, numpy.float32)
+        tmp = numpy.empty(M, numpy.float32)
         for c0 in range(0, C, R):
             c1 = min(C, c0 + R)
-            if R > 1:
-                _unpack(codes[:(c1 - c0) * M], packed[c0 * M // per:c1 * M // per], bits)
+            _unpack(codes[:(c1 - c0) * M], packed[c0 * M // per:c1 * M // per], bits)
             for c in range(c0, c1):
                 sc, l0, kf = s[c], lo[c], F32(k[c])
-                o = (c - c0) * M if R > 1 else 0
-                sdy = 0.0
-                sdyx = 0.0
-                for i0 in range(0, M, BLOCK):
-                    i1 = min(M, i0 + BLOCK)
-                    cb = codes[o:o + i1 - i0]
-                    if R == 1:
-                        _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
-                    a1, a2 = _decode_sums(cb, dr[c, i0:i1], sc, l0, kf, w)
-                    sdy += a1
-                    sdyx += a2
+                cb = codes[(c - c0) * M:(c - c0 + 1) * M]
+                a1, a2 = _decode_sums(cb, dr[c], sc, l0, kf, w)
+                sdy = 0.0 + a1                                  # one block: its float32 sums, in float64
+                sdyx = 0.0 + a2
                 dgamma[c] += sdyx
                 dbeta[c] += sdy
                 a = F32(gamma[c] * rstd[c])
                 mdy, mdyx = F32(sdy / M), F32(sdyx / M)
-                for i0 in range(0, M, BLOCK):
-                    i1 = min(M, i0 + BLOCK)
-                    cb = codes[o:o + i1 - i0]
-                    if R == 1:
-                        _unpack(cb, packed[(c * M + i0) // per:(c * M + i1) // per], bits)
-                    if accumulate or not inplace:
-                        _decode_dx_block(dx[c, i0:i1], cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, accumulate)
-                    else:
-                        tb = tmp[:i1 - i0]
-                        _decode_dx_block(tb, cb, dr[c, i0:i1], sc, l0, kf, w, a, mdy, mdyx, False)
-                        _copy(dx[c, i0:i1], tb)
+                if accumulate or not inplace:
+                    _decode_dx_block(dx[c], cb, dr[c], sc, l0, kf, w, a, mdy, mdyx, accumulate)
+                else:
+                    _decode_dx_block(tmp, cb, dr[c], sc, l0, kf, w, a, mdy, mdyx, False)
+                    _copy(dx[c], tmp)
 
     @njit(**_opts)
     def _backward_exact(dx, dgamma, dbeta, dr, xhat, gamma, beta, rstd, accumulate, inplace):
@@ -415,10 +463,12 @@ def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive, roundi
     base, start, row = stream if stochastic else (0, 0, M)
     base = numpy.uint64(base)
 
+    kernel = _forward_code_short if M <= BLOCK // 2 else _forward_code
+
     def rows(c0, c1):
-        _forward_code(out[c0:c1], _code_rows(packed, c0, c1, M, bits), x[c0:c1], mean[c0:c1], rstd[c0:c1],
-                      gamma[c0:c1], beta[c0:c1], qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, top, bits, naive,
-                      inplace, stochastic, base, c0, row, start)
+        kernel(out[c0:c1], _code_rows(packed, c0, c1, M, bits), x[c0:c1], mean[c0:c1], rstd[c0:c1],
+               gamma[c0:c1], beta[c0:c1], qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, top, bits, naive,
+               inplace, stochastic, base, c0, row, start)
     _over_channels(rows, C, M, COST["forward code, stochastic" if stochastic else "forward code"])
 
 
@@ -430,9 +480,10 @@ def conv_input(u, xhat, packed, qp, gamma, beta):
                        C, M, COST["conv input exact"])
         return
     w, bits = _w(qp), qp.bits
-    _over_channels(lambda c0, c1: _conv_input_code(u[c0:c1], _code_rows(packed, c0, c1, M, bits), qp.s[c0:c1],
-                                                   qp.lo[c0:c1], qp.k[c0:c1], w, gamma[c0:c1], beta[c0:c1],
-                                                   bits), C, M, COST["conv input code"])
+    kernel = _conv_input_code_short if M <= BLOCK // 2 else _conv_input_code
+    _over_channels(lambda c0, c1: kernel(u[c0:c1], _code_rows(packed, c0, c1, M, bits), qp.s[c0:c1],
+                                         qp.lo[c0:c1], qp.k[c0:c1], w, gamma[c0:c1], beta[c0:c1], bits),
+                   C, M, COST["conv input code"])
 
 
 def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, accumulate):
@@ -444,9 +495,9 @@ def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, ac
                             beta[c0:c1], rstd[c0:c1], accumulate, inplace)
     else:
         w, bits = _w(qp), qp.bits
+        kernel = _backward_code_short if M <= BLOCK // 2 else _backward_code
 
         def rows(c0, c1):
-            _backward_code(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], _code_rows(packed, c0, c1, M, bits),
-                           qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, gamma[c0:c1], rstd[c0:c1], bits,
-                           accumulate, inplace)
+            kernel(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], _code_rows(packed, c0, c1, M, bits),
+                   qp.s[c0:c1], qp.lo[c0:c1], qp.k[c0:c1], w, gamma[c0:c1], rstd[c0:c1], bits, accumulate, inplace)
     _over_channels(rows, C, M, COST["backward code" if packed is not None else "backward exact"])
