@@ -75,6 +75,19 @@ if AVAILABLE:
         docs/performance.md)."""
         return BLOCK // M if M <= BLOCK // 2 else 1
 
+    @njit(inline="always")
+    def _pack_rows(packed, codes, c0, c1, M, bits):
+        """Rows c0 .. c1-1's codes into packed (the whole slice of a call's rows), from codes
+        (one per byte, the rows side by side from codes[0]): one call of the packer."""
+        per = 8 // bits
+        _pack(packed[c0 * M // per:c1 * M // per], codes[:(c1 - c0) * M], bits)
+
+    @njit(inline="always")
+    def _unpack_rows(codes, packed, c0, c1, M, bits):
+        """The inverse of _pack_rows: rows c0 .. c1-1's codes side by side from codes[0]."""
+        per = 8 // bits
+        _unpack(codes[:(c1 - c0) * M], packed[c0 * M // per:c1 * M // per], bits)
+
     @njit(**_opts)
     def _copy(dst, src):
         for t in range(dst.size):

@@ -512,7 +512,7 @@ if AVAILABLE:
                     if R == 1:
                         cpu_base._pack(slot_codes[(c * M + i0) // per:(c * M + i1) // per], cg, bits)
             if R > 1:
-                cpu_base._pack(slot_codes[c0 * M // per:c1 * M // per], codes[:(c1 - c0) * M], bits)
+                cpu_base._pack_rows(slot_codes, codes, c0, c1, M, bits)
 
     @njit(**_opts)
     def _decode_rows(out, dr, slot_codes, ends, gamma, beta, W, w, L, relu, mask_dr, bits, dith, c_first,
@@ -527,7 +527,7 @@ if AVAILABLE:
         for c0 in range(0, C, R):
             c1 = min(C, c0 + R)
             if R > 1:
-                cpu_base._unpack(codes[:(c1 - c0) * M], slot_codes[c0 * M // per:c1 * M // per], bits)
+                cpu_base._unpack_rows(codes, slot_codes, c0, c1, M, bits)
             for c in range(c0, c1):
                 s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
                 _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
@@ -562,7 +562,7 @@ if AVAILABLE:
         for c0 in range(0, C, R):
             c1 = min(C, c0 + R)
             if R > 1:
-                cpu_base._unpack(codes[:(c1 - c0) * M], slot_codes[c0 * M // per:c1 * M // per], bits)
+                cpu_base._unpack_rows(codes, slot_codes, c0, c1, M, bits)
             for c in range(c0, c1):
                 s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
                 _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)

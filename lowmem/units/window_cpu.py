@@ -52,7 +52,7 @@ from .cpu_base import AVAILABLE, BLOCK, GRAIN, _over_channels, _overlap, support
 if AVAILABLE:
     from numba import njit
     from .cpu_base import (F0, F32, GOLDEN, HALF, OFF_MID, OFF_SCALE, U64, _copy, _counter_bits, _opts, _pack,
-                           _reduce, _rows_per_pack, _unpack, _window_split)
+                           _pack_rows, _reduce, _rows_per_pack, _unpack, _unpack_rows, _window_split)
 
     @njit(**_reduce)
     def _stats(x, mean, var):
@@ -250,7 +250,6 @@ if AVAILABLE:
         one block, and the codes of a block's worth of rows wait side by side in the scratch, as
         in the slot, for one call of the packer."""
         C, M = x.shape
-        per = 8 // bits
         R = _rows_per_pack(M)
         codes = numpy.empty(BLOCK, numpy.uint8)
         ys = numpy.empty(M, numpy.float32)
@@ -271,7 +270,7 @@ if AVAILABLE:
                     _decode_relu_block(orow, cb, s[c], lo[c], kf, w, gamma[c], beta[c])
                 elif inplace:
                     _copy(orow, yb)
-            _pack(packed[c0 * M // per:c1 * M // per], codes[:(c1 - c0) * M], bits)
+            _pack_rows(packed, codes, c0, c1, M, bits)
 
     @njit(**_opts)
     def _conv_input_code(u, packed, s, lo, k, w, gamma, beta, bits):
@@ -292,12 +291,11 @@ if AVAILABLE:
         """_conv_input_code for rows of at most BLOCK/2 elements: a block's worth of rows
         unpacked in one call."""
         C, M = u.shape
-        per = 8 // bits
         R = _rows_per_pack(M)
         codes = numpy.empty(BLOCK, numpy.uint8)
         for c0 in range(0, C, R):
             c1 = min(C, c0 + R)
-            _unpack(codes[:(c1 - c0) * M], packed[c0 * M // per:c1 * M // per], bits)
+            _unpack_rows(codes, packed, c0, c1, M, bits)
             for c in range(c0, c1):
                 _decode_relu_block(u[c], codes[(c - c0) * M:(c - c0 + 1) * M], s[c], lo[c], F32(k[c]), w, gamma[c],
                                    beta[c])
@@ -351,13 +349,12 @@ if AVAILABLE:
         """_backward_code for rows of at most BLOCK/2 elements: a block's worth of rows unpacked
         in one call, once for both passes of each row."""
         C, M = dr.shape
-        per = 8 // bits
         R = _rows_per_pack(M)
         codes = numpy.empty(BLOCK, numpy.uint8)
         tmp = numpy.empty(M, numpy.float32)
         for c0 in range(0, C, R):
             c1 = min(C, c0 + R)
-            _unpack(codes[:(c1 - c0) * M], packed[c0 * M // per:c1 * M // per], bits)
+            _unpack_rows(codes, packed, c0, c1, M, bits)
             for c in range(c0, c1):
                 sc, l0, kf = s[c], lo[c], F32(k[c])
                 cb = codes[(c - c0) * M:(c - c0 + 1) * M]
