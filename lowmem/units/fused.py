@@ -61,9 +61,10 @@ class FusedCodeUnits(CodeUnits):
         """What the module takes for the grid: QuantParams (numba, from window_cpu.quant_params: the
         reference's grid in one kernel call) or the bit width (CUDA). A unit asks three times a
         step (forward, conv input, backward) with γ and β unchanged in between, so the grid is
-        remembered per pair of parameter arrays (by id) and given again while their bytes are the ones it
-        was made from (a bytes comparison, a tenth of the kernel call's cost); any change to γ or
-        β (the optimizer's step, a load) makes it anew, so it is always quant_params' grid."""
+        remembered per pair of parameter arrays (by id) and given again while their bytes and
+        dtype are the ones it was made from (a bytes comparison, a tenth of the kernel call's
+        cost); any change to γ or β (the optimizer's step, a load) makes it anew, so it is always
+        quant_params' grid."""
         if self.module is window_gpu:
             return self.bits
         key = (id(gamma), id(beta))
