@@ -21,6 +21,7 @@ if AVAILABLE:
 
 BLOCK = 4096          # elements per block: codes scratch 4 KiB, a multiple of 8 (byte-aligned for any K)
 GRAIN = 1 << 15       # elements per thread below which a block-wise call (norm_cpu's flat passes, rangecode_cpu) is not split
+SHORT_ROW = BLOCK // 2  # rows up to this many elements: a block's worth packed in one call (_rows_per_pack)
 SPLIT_WORK = 1 << 18  # a thread's share of a unit kernel call, in elements of a plain copy, below which
                       # the call is not split: each kernel states its cost per element in copies
 
@@ -68,12 +69,12 @@ if AVAILABLE:
 
     @njit(inline="always")
     def _rows_per_pack(M):
-        """Rows whose codes one pack (or unpack) call moves: short rows (M at most BLOCK/2) a
+        """Rows whose codes one pack (or unpack) call moves: short rows (M at most SHORT_ROW) a
         block's worth together, their codes side by side in the block's scratch as in the slot
         (row c's at bytes c*M*K/8: M*K is a multiple of 8); else 1, block by block. A call per
         short row cost several times a block's per code (DenseNet-121's 4x4 and 2x2 planes:
         docs/performance.md)."""
-        return BLOCK // M if M <= BLOCK // 2 else 1
+        return BLOCK // M if M <= SHORT_ROW else 1
 
     @njit(inline="always")
     def _pack_rows(packed, codes, c0, c1, M, bits):

@@ -493,7 +493,7 @@ if AVAILABLE:
             for c in range(c0, c1):
                 g, b = gamma[c], beta[c]
                 s, zero, ag, t_o, t_c, kc, kf = _channel(g, b, L, W, w)
-                o = (c - c0) * M if R > 1 else 0    # the row's codes in the scratch
+                o = (c - c0) * M                     # the row's codes in the scratch (0 for a long row: R = 1)
                 i0, i1 = 0, 0
                 while i1 < M:
                     i0, i1 = i1, _block_end(i1, M)
@@ -531,7 +531,7 @@ if AVAILABLE:
             for c in range(c0, c1):
                 s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
                 _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
-                o = (c - c0) * M if R > 1 else 0
+                o = (c - c0) * M
                 i0, i1 = 0, 0
                 while i1 < M:
                     i0, i1 = i1, _block_end(i1, M)
@@ -566,7 +566,7 @@ if AVAILABLE:
             for c in range(c0, c1):
                 s, zero, ag, t_o, t_c, kc, kf = _channel(gamma[c], beta[c], L, W, w)
                 _row_levels(lv, ends, c, t_o, t_c, kc, L, box, bits_view)
-                o = (c - c0) * M if R > 1 else 0
+                o = (c - c0) * M
                 sdy = 0.0
                 sdyx = 0.0
                 i0, i1 = 0, 0

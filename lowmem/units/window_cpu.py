@@ -47,7 +47,7 @@ last bits: tests compare to tolerance there).
 import numpy
 
 from . import window
-from .cpu_base import AVAILABLE, BLOCK, GRAIN, _over_channels, _overlap, supports  # noqa: F401 (the API)
+from .cpu_base import AVAILABLE, BLOCK, GRAIN, SHORT_ROW, _over_channels, _overlap, supports  # noqa: F401 (the API)
 
 if AVAILABLE:
     from numba import njit
@@ -246,7 +246,7 @@ if AVAILABLE:
     @njit(**_opts)
     def _forward_code_short(out, packed, x, mean, rstd, gamma, beta, s, lo, k, w, top, bits, naive, inplace,
                             stochastic, base, c_first, m_all, start):
-        """_forward_code for rows of at most BLOCK/2 elements (cpu_base._rows_per_pack): a row is
+        """_forward_code for rows of at most SHORT_ROW elements (cpu_base._rows_per_pack): a row is
         one block, and the codes of a block's worth of rows wait side by side in the scratch, as
         in the slot, for one call of the packer."""
         C, M = x.shape
@@ -288,7 +288,7 @@ if AVAILABLE:
 
     @njit(**_opts)
     def _conv_input_code_short(u, packed, s, lo, k, w, gamma, beta, bits):
-        """_conv_input_code for rows of at most BLOCK/2 elements: a block's worth of rows
+        """_conv_input_code for rows of at most SHORT_ROW elements: a block's worth of rows
         unpacked in one call."""
         C, M = u.shape
         R = _rows_per_pack(M)
@@ -346,7 +346,7 @@ if AVAILABLE:
 
     @njit(**_opts)
     def _backward_code_short(dx, dgamma, dbeta, dr, packed, s, lo, k, w, gamma, rstd, bits, accumulate, inplace):
-        """_backward_code for rows of at most BLOCK/2 elements: a block's worth of rows unpacked
+        """_backward_code for rows of at most SHORT_ROW elements: a block's worth of rows unpacked
         in one call, once for both passes of each row."""
         C, M = dr.shape
         R = _rows_per_pack(M)
@@ -460,7 +460,7 @@ def unit_forward_code(out, packed, x, mean, rstd, gamma, beta, qp, naive, roundi
     base, start, row = stream if stochastic else (0, 0, M)
     base = numpy.uint64(base)
 
-    kernel = _forward_code_short if M <= BLOCK // 2 else _forward_code
+    kernel = _forward_code_short if M <= SHORT_ROW else _forward_code
 
     def rows(c0, c1):
         kernel(out[c0:c1], _code_rows(packed, c0, c1, M, bits), x[c0:c1], mean[c0:c1], rstd[c0:c1],
@@ -477,7 +477,7 @@ def conv_input(u, xhat, packed, qp, gamma, beta):
                        C, M, COST["conv input exact"])
         return
     w, bits = _w(qp), qp.bits
-    kernel = _conv_input_code_short if M <= BLOCK // 2 else _conv_input_code
+    kernel = _conv_input_code_short if M <= SHORT_ROW else _conv_input_code
     _over_channels(lambda c0, c1: kernel(u[c0:c1], _code_rows(packed, c0, c1, M, bits), qp.s[c0:c1],
                                          qp.lo[c0:c1], qp.k[c0:c1], w, gamma[c0:c1], beta[c0:c1], bits),
                    C, M, COST["conv input code"])
@@ -492,7 +492,7 @@ def unit_backward(dx, dgamma, dbeta, dr, xhat, packed, qp, gamma, beta, rstd, ac
                             beta[c0:c1], rstd[c0:c1], accumulate, inplace)
     else:
         w, bits = _w(qp), qp.bits
-        kernel = _backward_code_short if M <= BLOCK // 2 else _backward_code
+        kernel = _backward_code_short if M <= SHORT_ROW else _backward_code
 
         def rows(c0, c1):
             kernel(dx[c0:c1], dgamma[c0:c1], dbeta[c0:c1], dr[c0:c1], _code_rows(packed, c0, c1, M, bits),
